@@ -1,0 +1,27 @@
+# Two entry points for a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: run test typecheck bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+run: $(VENV)/.installed
+	$(VENV)/bin/sessiond run
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+typecheck: $(VENV)/.installed
+	$(PY) -m mypy
+
+bench: $(VENV)/.installed
+	for b in bench/*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache
