@@ -1,0 +1,160 @@
+"""The handler interface: what runs inside a worker for one session.
+
+A handler is plain Python that turns one input into a streamed reply.  It is
+created once per worker process by a *factory* (`package.module:factory`, or
+the built-in names `echo` and `agent`) and lives as long as the worker.  The
+worker owns the event loop, the socket to the daemon and the heartbeat; the
+handler only sees a `TurnContext`.
+
+Durability contract (the daemon is the only writer of state):
+
+* `handle()` returns a `TurnResult` whose `record` is any msgpack-able value
+  describing what this turn added to the handler's state.  The daemon appends
+  it to the session log before it tells the client the turn is done.
+* `snapshot()` returns the handler's whole state; the worker sends one every
+  `snapshot_every_turns` turns and the daemon replaces the log tail with it.
+* `restore(state, records)` rebuilds the handler in a fresh worker from the
+  last snapshot (or None) and the records committed after it, in order.
+  Whatever `handle()` changed in memory must be reproducible from the record,
+  or a restarted worker will differ from the one that crashed.
+
+Interrupts arrive as cancellation of the `handle()` task.  A handler may catch
+`asyncio.CancelledError`, tidy its state and return a `TurnResult` with
+`interrupted=True` (the partial reply is kept); if it lets the cancellation
+through, the worker commits the text streamed so far with a `None` record.
+
+Failures: raise `TurnFailure(reason, record=...)` to fail the turn while still
+committing what it changed; any other exception fails the turn with no record,
+so the handler must leave its in-memory state as it was before the turn.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from session_worker.settings import SessionSettings
+
+__all__ = [
+    "Handler",
+    "SpawnError",
+    "HandlerFactory",
+    "HandlerInit",
+    "HandlerLoadError",
+    "TurnContext",
+    "TurnFailure",
+    "TurnResult",
+    "load_factory",
+]
+
+
+@dataclass(slots=True)
+class TurnResult:
+    reply: str
+    record: Any = None
+    interrupted: bool = False
+
+
+class SpawnError(Exception):
+    """A sub-agent could not be run; the message is readable by the model."""
+
+
+class TurnFailure(Exception):
+    """Fails the current turn; `record` (if not None) is still committed."""
+
+    def __init__(self, reason: str, record: Any = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.record = record
+
+
+@dataclass(slots=True, frozen=True)
+class HandlerInit:
+    """What a factory gets when the worker starts."""
+
+    session: str
+    settings: SessionSettings
+    workspace: Path
+    # 0 for a top-level session, parent's depth + 1 for a sub-agent.
+    depth: int = 0
+
+
+class TurnContext(abc.ABC):
+    """The handler's view of the running turn; implemented by the worker."""
+
+    session: str
+    turn: int
+    settings: SessionSettings
+    workspace: Path
+    depth: int
+
+    @abc.abstractmethod
+    def emit(self, text: str) -> None:
+        """Stream a piece of the reply to attached clients (a TextDelta)."""
+
+    @abc.abstractmethod
+    def notice(self, kind: str, data: dict[str, Any]) -> None:
+        """Tell attached clients something that is not reply text
+        (a tool call starting or finishing, a compaction)."""
+
+    @abc.abstractmethod
+    def limit_exceeded(self, kind: str, value: float, limit: float) -> None:
+        """Report that a limit of the loop (e.g. kind="turns") was reached."""
+
+    @abc.abstractmethod
+    async def ask_permission(self, tool: str, arguments: dict[str, Any]) -> bool:
+        """Ask attached clients to approve a tool call; False when denied or
+        when no answer arrives before the turn times out."""
+
+    @abc.abstractmethod
+    async def spawn_agent(self, task: str, handler: str | None = None) -> str:
+        """Have the daemon run a child session on `task`; returns its final
+        reply.  Raises `SpawnError` with a readable reason when the daemon
+        refuses (a sub-agent limit) or the child fails."""
+
+
+@runtime_checkable
+class Handler(Protocol):
+    def restore(self, state: Any, records: list[Any]) -> None: ...
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult: ...
+
+    def snapshot(self) -> Any: ...
+
+    async def aclose(self) -> None: ...
+
+
+HandlerFactory = Callable[[HandlerInit], Handler]
+
+
+class HandlerLoadError(Exception):
+    """A handler name that cannot be resolved to a factory."""
+
+
+def load_factory(name: str) -> HandlerFactory:
+    """Resolve `echo`, `agent` or `package.module:factory` to a factory."""
+    if name == "echo":
+        from session_worker.echo import EchoHandler
+
+        return EchoHandler
+    if name == "agent":
+        from session_worker.agent import AgentHandler
+
+        return AgentHandler
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr:
+        raise HandlerLoadError(
+            f"unknown handler {name!r}: use 'echo', 'agent' or 'package.module:factory'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise HandlerLoadError(f"cannot import handler module {module_name!r}: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise HandlerLoadError(f"handler {name!r}: {module_name} has no callable {attr!r}")
+    return factory  # type: ignore[no-any-return]

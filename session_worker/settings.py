@@ -1,0 +1,133 @@
+"""The per-session part of the configuration, as typed msgspec Structs.
+
+Everything a worker needs to run one session lives here: the `[agent]` tree,
+`[provider]`, `[tools]` and `[[permissions]]`.  The daemon's own `[daemon]`
+section extends this in `supervisor.config`.  The daemon sends a session's
+effective settings (operator config plus the session's `--set` overrides) to
+the worker at boot, msgpack-encoded, so both sides share this one schema.
+
+Units are in the names (`_mb`, `_secs`, `_ms`); bounds are `Meta` constraints,
+so a bad value is refused at load time with the key that holds it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+__all__ = [
+    "AgentSettings",
+    "LimitsSettings",
+    "LoopSettings",
+    "PermissionRule",
+    "ProviderSettings",
+    "SessionSettings",
+    "SubagentSettings",
+    "ToolsSettings",
+    "WorkerSettings",
+]
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+PositiveFloat = Annotated[float, Meta(gt=0)]
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Base for every config section: unknown keys are errors, not ignored."""
+
+
+class LimitsSettings(_Section):
+    # Live workers at once; when full the least recently used idle session hibernates.
+    max_concurrent_sessions: PositiveInt = 64
+    # RSS cap of a worker plus all of its descendants.
+    max_memory_mb: Annotated[int, Meta(ge=16)] = 1024
+    # Optional soft threshold: an event and a hint to the worker.
+    memory_high_mb: Annotated[int, Meta(ge=1)] | None = None
+    memory_poll_interval_ms: Annotated[int, Meta(ge=5, le=60_000)] = 100
+
+
+class WorkerSettings(_Section):
+    heartbeat_interval_secs: Annotated[float, Meta(ge=0.05, le=3600)] = 1.0
+    max_restart_attempts: NonNegInt = 5
+    restart_window_secs: PositiveFloat = 60.0
+    restart_backoff_initial_ms: Annotated[int, Meta(ge=1)] = 100
+    restart_backoff_max_ms: Annotated[int, Meta(ge=1)] = 30_000
+    retry_aborted_turn: bool = False
+    # A full snapshot replaces the log tail every this many turns.
+    snapshot_every_turns: PositiveInt = 64
+
+
+class SubagentSettings(_Section):
+    max_concurrent: NonNegInt = 4
+    max_depth: NonNegInt = 2
+    max_total_spawns: NonNegInt = 32
+    child_timeout_secs: PositiveFloat = 600.0
+
+
+class LoopSettings(_Section):
+    compaction_threshold_tokens: Annotated[int, Meta(ge=256)] = 100_000
+    # Turns kept verbatim when the older part is summarized.
+    compaction_keep_recent_turns: PositiveInt = 4
+
+
+class AgentSettings(_Section):
+    # Handler run by new sessions: "agent", "echo" or "package.module:factory".
+    # "agent" falls back to "echo" when no provider is configured.
+    handler: str = "agent"
+    system_prompt: str = "You are a helpful assistant working inside a sandboxed workspace."
+    max_turns: PositiveInt = 25
+    max_tool_calls_per_turn: PositiveInt = 16
+    session_timeout_secs: PositiveFloat = 1800.0
+    turn_timeout_secs: PositiveFloat = 600.0
+    # Frames queued for one slow client before it is told it lagged and is cut off.
+    stream_buffer_size: Annotated[int, Meta(ge=16)] = 1024
+    limits: LimitsSettings = msgspec.field(default_factory=LimitsSettings)
+    worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
+    subagents: SubagentSettings = msgspec.field(default_factory=SubagentSettings)
+    loop: LoopSettings = msgspec.field(default_factory=LoopSettings)
+
+
+class ProviderSettings(_Section):
+    kind: Literal["openai"] = "openai"
+    # e.g. "https://api.openai.com/v1" or "http://127.0.0.1:8000/v1"; unset = no provider.
+    base_url: str | None = None
+    model: str | None = None
+    # Name of the environment variable that holds the API key (never the key itself).
+    api_key_env: str | None = None
+    connect_timeout_secs: PositiveFloat = 10.0
+    read_timeout_secs: PositiveFloat = 120.0
+    max_retries: NonNegInt = 3
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.base_url and self.model)
+
+
+class ToolsSettings(_Section):
+    enabled: list[str] = msgspec.field(
+        default_factory=lambda: ["bash", "read_file", "write_file", "list_dir", "spawn_agent"]
+    )
+    # User tools: "package.module:function" with a type-annotated signature.
+    custom: list[str] = msgspec.field(default_factory=list)
+    # Workspace of each session; empty = "<state_dir>/workspaces/<session id>".
+    workspace_dir: str = ""
+    bash_timeout_secs: PositiveFloat = 120.0
+    output_limit_bytes: Annotated[int, Meta(ge=256)] = 32_768
+
+
+class PermissionRule(_Section):
+    tool: str
+    # Glob on the tool's main argument (command for bash, path for file tools).
+    match: str = "*"
+    action: Literal["allow", "deny", "ask"]
+
+
+class SessionSettings(_Section):
+    """What one session runs with: the operator's config plus its overrides."""
+
+    agent: AgentSettings = msgspec.field(default_factory=AgentSettings)
+    provider: ProviderSettings = msgspec.field(default_factory=ProviderSettings)
+    tools: ToolsSettings = msgspec.field(default_factory=ToolsSettings)
+    permissions: list[PermissionRule] = msgspec.field(default_factory=list)
