@@ -99,6 +99,11 @@ class ProviderSettings(_Section):
     connect_timeout_secs: PositiveFloat = 10.0
     read_timeout_secs: PositiveFloat = 120.0
     max_retries: NonNegInt = 3
+    # First wait before retrying a 429/5xx without Retry-After; doubles each retry.
+    retry_backoff_initial_ms: Annotated[int, Meta(ge=1)] = 500
+    # Longest wait between retries; a Retry-After asking for more fails the turn
+    # at once instead of stalling it.
+    retry_backoff_max_ms: Annotated[int, Meta(ge=1)] = 60_000
 
     @property
     def configured(self) -> bool:
