@@ -1,0 +1,19 @@
+"""The `agent` handler: an LLM agent loop with tools, run inside a worker.
+
+Module map (all private; `AgentHandler` is the whole public surface):
+
+* `_handler`     AgentHandler: owns provider, tools and history; one Turn per input
+* `_loop`        one turn: compaction, streaming, tool dispatch, interrupts
+* `_provider`    OpenAI-compatible streaming client (httpx), retries, redaction
+* `_sse`         incremental server-sent-events parser (pure)
+* `_stream`      chunk → text deltas and assembled tool calls (pure)
+* `_tools`       registry, schema checks; `_builtins`, `_bash`, `_custom`: the tools
+* `_permissions` first-match permission rules (pure)
+* `_compaction`  token estimate and where to cut (pure)
+* `_history`     state, ops, records, restore
+* `_errors`      the exception tree
+"""
+
+from session_worker.agent._handler import AgentHandler
+
+__all__ = ["AgentHandler"]

@@ -1,0 +1,144 @@
+"""The `bash` tool: `/bin/bash -c COMMAND` in the workspace.
+
+Runs in the worker process, as a child of the worker and in the worker's
+process group: the supervisor kills a session with `killpg`, and that must
+reach tool processes too, so no setsid/setpgid here.  Because the command
+shares our group, killing "the command and its children" on a timeout or an
+interrupt means walking its descendants (psutil) rather than `killpg`.
+
+The environment is built from nothing (an allowlist), so no provider key,
+SESSIOND_* variable or systemd socket variable can reach a tool.  Output
+(stdout and stderr merged, in order) is capped while it is read: the head and
+the tail are kept in memory, the middle is only counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from pathlib import Path
+
+# psutil ships no type stubs and types-psutil is not a project dependency.
+import psutil  # type: ignore[import-untyped]
+
+__all__ = ["OutputCap", "run_bash", "tool_environment"]
+
+_PATH = "/usr/local/bin:/usr/bin:/bin"
+# After the shell exits, how long a background child holding the output pipe
+# may keep us reading before we stop and report.
+_DRAIN_GRACE_SECS = 0.5
+
+
+def tool_environment(workspace: Path) -> dict[str, str]:
+    return {
+        "PATH": _PATH,
+        "HOME": str(workspace),
+        "PWD": str(workspace),
+        "LANG": "C.UTF-8",
+        "TERM": "dumb",
+    }
+
+
+class OutputCap:
+    """Keeps the first and last `limit // 2` bytes of a stream."""
+
+    def __init__(self, limit: int) -> None:
+        self._half = max(1, limit // 2)
+        self._head = bytearray()
+        self._tail = bytearray()
+        self.total = 0
+
+    def feed(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self._half - len(self._head)
+        if room > 0:
+            self._head += data[:room]
+            data = data[room:]
+        if data:
+            self._tail += data
+            if len(self._tail) > 2 * self._half:
+                del self._tail[: len(self._tail) - self._half]
+
+    def text(self) -> str:
+        tail = bytes(self._tail[-self._half :]) if self._tail else b""
+        cut = self.total - len(self._head) - len(tail)
+        head = self._head.decode("utf-8", "replace")
+        if cut <= 0:
+            return head + tail.decode("utf-8", "replace")
+        return (
+            head
+            + f"\n[... {cut} bytes of output cut (output_limit_bytes); "
+            + f"showing the first {len(self._head)} and last {len(tail)} of {self.total} ...]\n"
+            + tail.decode("utf-8", "replace")
+        )
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every descendant (twice over, for forks in flight)."""
+    for _ in range(2):
+        try:
+            root = psutil.Process(pid)
+            victims = root.children(recursive=True) + [root]
+        except psutil.Error:
+            return
+        for proc in victims:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGKILL)
+
+
+async def run_bash(command: str, workspace: Path, timeout_secs: float, limit: int) -> str:
+    cap = OutputCap(limit)
+    proc = await asyncio.create_subprocess_exec(
+        "/bin/bash",
+        "-c",
+        command,
+        cwd=workspace,
+        env=tool_environment(workspace),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert proc.stdout is not None
+    stdout = proc.stdout
+
+    async def pump() -> None:
+        while chunk := await stdout.read(65536):
+            cap.feed(chunk)
+
+    reader = asyncio.create_task(pump())
+    timed_out = False
+    try:
+        try:
+            async with asyncio.timeout(timeout_secs):
+                await proc.wait()
+                # The shell is gone; a background child may still hold the pipe.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(reader), _DRAIN_GRACE_SECS)
+        except TimeoutError:
+            timed_out = True
+            _kill_tree(proc.pid)
+            await proc.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(reader), _DRAIN_GRACE_SECS)
+    except BaseException:
+        # Interrupt (cancellation) or a bug: the command must not outlive it.
+        if proc.returncode is None:
+            _kill_tree(proc.pid)
+        raise
+    finally:
+        reader.cancel()
+        with contextlib.suppress(BaseException):
+            await reader
+        if proc.returncode is None:
+            _kill_tree(proc.pid)
+    output = cap.text()
+    if timed_out:
+        status = f"[timed out after {timeout_secs:g} s; the command and its children were killed]"
+    elif proc.returncode is not None and proc.returncode < 0:
+        status = f"[killed by signal {-proc.returncode}]"
+    else:
+        status = f"[exit code: {proc.returncode}]"
+    if output and not output.endswith("\n"):
+        output += "\n"
+    return output + status

@@ -1,0 +1,201 @@
+"""The built-in tools.  Names and arguments are a contract:
+`bash{command, timeout_secs?}`, `read_file{path}`, `write_file{path, content}`,
+`list_dir{path}`, `spawn_agent{task, handler?}`.
+
+File tools resolve a path (relative to the workspace, or absolute) with every
+symlink followed and refuse it unless the result is the workspace or inside
+it.  A symlink swapped in between the check and the use could still escape;
+the workspace belongs to this session alone, so only the session's own tools
+could race us, and `bash` can reach the same files anyway.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from session_worker.agent._bash import run_bash
+from session_worker.agent._errors import ToolError
+from session_worker.agent._tools import Tool, ToolEnv
+from session_worker.handler import SpawnError
+
+__all__ = ["BUILTIN_NAMES", "builtin_tools", "resolve_inside"]
+
+BUILTIN_NAMES = ("bash", "read_file", "write_file", "list_dir", "spawn_agent")
+
+
+def resolve_inside(workspace: Path, raw: str) -> Path:
+    """`raw` resolved against the (already resolved) workspace, or ToolError."""
+    if not raw or "\x00" in raw:
+        raise ToolError("path must be a non-empty string without NUL bytes")
+    candidate = Path(raw)
+    if not candidate.is_absolute():
+        candidate = workspace / candidate
+    real = candidate.resolve()
+    if real != workspace and not real.is_relative_to(workspace):
+        raise ToolError(
+            f"path {raw!r} resolves outside the workspace ({workspace}); "
+            "only paths inside it can be used"
+        )
+    return real
+
+
+def _shown(path: Path, workspace: Path) -> str:
+    rel = path.relative_to(workspace)
+    return "." if rel == Path(".") else str(rel)
+
+
+async def _bash(args: dict[str, Any], env: ToolEnv) -> str:
+    cap = env.settings.tools.bash_timeout_secs
+    requested = args.get("timeout_secs")
+    timeout = cap if requested is None else min(max(float(requested), 0.001), cap)
+    return await run_bash(
+        args["command"], env.workspace, timeout, env.settings.tools.output_limit_bytes
+    )
+
+
+async def _read_file(args: dict[str, Any], env: ToolEnv) -> str:
+    path = resolve_inside(env.workspace, args["path"])
+    limit = env.settings.tools.output_limit_bytes
+    try:
+        with path.open("rb") as f:
+            data = f.read(limit + 1)
+            size = os.fstat(f.fileno()).st_size
+    except IsADirectoryError:
+        raise ToolError(f"{args['path']!r} is a directory; use list_dir") from None
+    except FileNotFoundError:
+        raise ToolError(f"no such file: {args['path']!r}") from None
+    except OSError as exc:
+        raise ToolError(f"cannot read {args['path']!r}: {exc.strerror}") from None
+    text = data[:limit].decode("utf-8", "replace")
+    if len(data) > limit:
+        text += f"\n[... file truncated: showing the first {limit} of {size} bytes]"
+    return text
+
+
+async def _write_file(args: dict[str, Any], env: ToolEnv) -> str:
+    path = resolve_inside(env.workspace, args["path"])
+    data = args["content"].encode("utf-8")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    except IsADirectoryError:
+        raise ToolError(f"{args['path']!r} is a directory") from None
+    except OSError as exc:
+        raise ToolError(f"cannot write {args['path']!r}: {exc.strerror}") from None
+    return f"wrote {len(data)} bytes to {_shown(path, env.workspace)}"
+
+
+async def _list_dir(args: dict[str, Any], env: ToolEnv) -> str:
+    path = resolve_inside(env.workspace, args["path"])
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+    except NotADirectoryError:
+        raise ToolError(f"{args['path']!r} is not a directory") from None
+    except FileNotFoundError:
+        raise ToolError(f"no such directory: {args['path']!r}") from None
+    except OSError as exc:
+        raise ToolError(f"cannot list {args['path']!r}: {exc.strerror}") from None
+    lines = []
+    for entry in entries:
+        if entry.is_symlink():
+            lines.append(f"{entry.name}@")
+        elif entry.is_dir():
+            lines.append(f"{entry.name}/")
+        else:
+            try:
+                size = entry.stat().st_size
+            except OSError:
+                size = 0
+            lines.append(f"{entry.name}\t{size} bytes")
+    if not lines:
+        return f"{_shown(path, env.workspace)} is empty"
+    text = "\n".join(lines)
+    limit = env.settings.tools.output_limit_bytes
+    if len(text) > limit:
+        text = text[:limit] + f"\n[... listing truncated: {len(lines)} entries]"
+    return text
+
+
+async def _spawn_agent(args: dict[str, Any], env: ToolEnv) -> str:
+    try:
+        return await env.ctx.spawn_agent(args["task"], args.get("handler"))
+    except SpawnError as exc:
+        raise ToolError(f"the sub-agent could not run: {exc}") from None
+
+
+def _object(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+
+
+def builtin_tools() -> dict[str, Tool]:
+    path = {"type": "string", "description": "Path relative to the workspace."}
+    return {
+        "bash": Tool(
+            "bash",
+            "Run a shell command with /bin/bash -c in the workspace directory. "
+            "stdin is empty; stdout and stderr are returned together (long output "
+            "is cut in the middle) with the exit code.",
+            _object(
+                {
+                    "command": {"type": "string", "description": "The shell command."},
+                    "timeout_secs": {
+                        "type": "number",
+                        "description": "Kill the command after this many seconds "
+                        "(capped by the operator's limit).",
+                    },
+                },
+                ["command"],
+            ),
+            "command",
+            _bash,
+        ),
+        "read_file": Tool(
+            "read_file",
+            "Read a text file from the workspace.",
+            _object({"path": path}, ["path"]),
+            "path",
+            _read_file,
+        ),
+        "write_file": Tool(
+            "write_file",
+            "Write a text file in the workspace, creating parent directories and "
+            "replacing the file if it exists.",
+            _object(
+                {"path": path, "content": {"type": "string", "description": "Full file content."}},
+                ["path", "content"],
+            ),
+            "path",
+            _write_file,
+        ),
+        "list_dir": Tool(
+            "list_dir",
+            "List a directory of the workspace (use \".\" for the workspace itself). "
+            "Directories end with /, symlinks with @.",
+            _object({"path": path}, ["path"]),
+            "path",
+            _list_dir,
+        ),
+        "spawn_agent": Tool(
+            "spawn_agent",
+            "Hand a self-contained task to a sub-agent and get its final answer.",
+            _object(
+                {
+                    "task": {"type": "string", "description": "What the sub-agent should do."},
+                    "handler": {
+                        "type": "string",
+                        "description": "Optional handler for the sub-agent (default: agent).",
+                    },
+                },
+                ["task"],
+            ),
+            "task",
+            _spawn_agent,
+        ),
+    }

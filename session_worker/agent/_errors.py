@@ -1,0 +1,55 @@
+"""Errors of the agent handler.
+
+Exception tree (everything here stays inside the worker; the handler maps
+`ProviderError` to `TurnFailure` at one place, `AgentHandler.handle`)::
+
+    AgentError
+    ├── ProviderError            the LLM request failed; message is readable
+    │   ├── ProviderHTTPError    a non-2xx answer (status kept)
+    │   └── ProviderStreamError  the stream broke: cut, timed out, garbage
+    └── ToolLoadError            tools.enabled / tools.custom cannot be honoured
+
+Tool failures are not exceptions that leave the tools module: they become tool
+results the model can read (`ToolError` is raised and caught inside it).
+
+No message here may carry the provider's API key: the provider redacts
+server-provided text before building one, and lower-layer exceptions (whose
+request objects hold the Authorization header) are not chained.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgentError",
+    "ProviderError",
+    "ProviderHTTPError",
+    "ProviderStreamError",
+    "ToolError",
+    "ToolLoadError",
+]
+
+
+class AgentError(Exception):
+    """Base of the agent handler's own errors."""
+
+
+class ProviderError(AgentError):
+    """The LLM provider could not produce a completion."""
+
+
+class ProviderHTTPError(ProviderError):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"provider answered HTTP {status}: {message}")
+        self.status = status
+
+
+class ProviderStreamError(ProviderError):
+    """The response stream ended early, stalled, or was not understood."""
+
+
+class ToolLoadError(AgentError):
+    """A configured tool cannot be set up (unknown name, bad signature)."""
+
+
+class ToolError(AgentError):
+    """A tool call failed in a way the model should be told about."""

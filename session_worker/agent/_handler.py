@@ -1,0 +1,87 @@
+"""`AgentHandler`: the LLM agent loop as a `session_worker.handler.Handler`.
+
+Created once per worker (by `load_factory("agent")`), lives as long as the
+worker.  It owns the provider client, the tool registry and the history; each
+`handle()` runs one `Turn`.  This is the one place where the handler's own
+errors become `TurnFailure` (see `_loop.Turn.run` for the mapping).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from session_worker.agent._builtins import BUILTIN_NAMES, builtin_tools
+from session_worker.agent._custom import load_custom_tool
+from session_worker.agent._errors import ToolLoadError
+from session_worker.agent._history import History
+from session_worker.agent._loop import Turn
+from session_worker.agent._provider import Provider
+from session_worker.agent._tools import Tool, ToolRegistry
+from session_worker.handler import HandlerInit, TurnContext, TurnFailure, TurnResult
+from session_worker.settings import SessionSettings
+
+__all__ = ["AgentHandler", "build_registry"]
+
+
+def build_registry(settings: SessionSettings, depth: int) -> ToolRegistry:
+    """The tools offered to the model.  `spawn_agent` is withheld at or
+    beyond the sub-agent depth limit, so the model is never offered a tool
+    the daemon would refuse."""
+    custom = [load_custom_tool(spec) for spec in settings.tools.custom]
+    custom_names = {tool.name for tool in custom}
+    builtins = builtin_tools()
+    tools: list[Tool] = []
+    for name in settings.tools.enabled:
+        if name in custom_names:
+            continue
+        if name not in builtins:
+            raise ToolLoadError(
+                f"tools.enabled: unknown tool {name!r}; built-in tools are "
+                + ", ".join(BUILTIN_NAMES)
+            )
+        if name == "spawn_agent" and depth >= settings.agent.subagents.max_depth:
+            continue
+        tools.append(builtins[name])
+    for tool in custom:
+        if tool.name in builtins:
+            raise ToolLoadError(f"custom tool {tool.name!r} has the name of a built-in tool")
+        tools.append(tool)
+    return ToolRegistry(tools)
+
+
+class AgentHandler:
+    def __init__(self, init: HandlerInit) -> None:
+        self._settings = init.settings
+        init.workspace.mkdir(parents=True, exist_ok=True)
+        self._workspace = init.workspace.resolve()
+        self._tools = build_registry(init.settings, init.depth)
+        self._provider = Provider(init.settings.provider)
+        self._history = History()
+
+    @property
+    def tools(self) -> ToolRegistry:
+        return self._tools
+
+    def restore(self, state: Any, records: list[Any]) -> None:
+        self._history = History.restored(state, records)
+
+    def snapshot(self) -> Any:
+        return self._history.snapshot()
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        if not self._settings.provider.configured:
+            raise TurnFailure(
+                "no LLM provider is configured: set provider.base_url and provider.model"
+            )
+        turn = Turn(
+            settings=self._settings,
+            provider=self._provider,
+            tools=self._tools,
+            history=self._history,
+            workspace=self._workspace,
+            ctx=ctx,
+        )
+        return await turn.run(text)
+
+    async def aclose(self) -> None:
+        await self._provider.aclose()

@@ -1,0 +1,302 @@
+"""One turn of the agent loop: input → (compact?) → LLM → tools → … → reply.
+
+Runs in the worker's event loop, inside the `handle()` task.  The turn keeps
+just enough bookkeeping to be cut at any await: the text of the response
+being streamed and the tool calls not yet answered.  On cancellation
+(interrupt) it journals the partial text and an "interrupted" result for each
+unanswered call, so the history stays a valid provider request: every
+assistant tool call is followed by one tool message per call id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from session_worker.agent._compaction import (
+    cut_index,
+    estimate_tokens,
+    summary_request,
+    system_content,
+)
+from session_worker.agent._errors import ProviderError, ToolError
+from session_worker.agent._history import History, Journal
+from session_worker.agent._permissions import decide
+from session_worker.agent._provider import Provider
+from session_worker.agent._stream import Completion, ToolCall
+from session_worker.agent._tools import ToolEnv, ToolRegistry, check_arguments
+from session_worker.handler import TurnContext, TurnFailure, TurnResult
+from session_worker.settings import SessionSettings
+
+__all__ = ["Turn"]
+
+_INTERRUPTED_TEXT = "\n\n[interrupted by the user]"
+_INTERRUPTED_RESULT = "error: interrupted by the user before this tool call finished; it may have partly run."
+_CUT_TEXT = "\n\n[the response was cut off: {reason}]"
+# How much of a tool's output goes into the `tool_result` notice; the whole
+# output is in the history.
+_NOTICE_OUTPUT_CHARS = 2000
+
+
+class Turn:
+    def __init__(
+        self,
+        *,
+        settings: SessionSettings,
+        provider: Provider,
+        tools: ToolRegistry,
+        history: History,
+        workspace: Path,
+        ctx: TurnContext,
+    ) -> None:
+        self._settings = settings
+        self._provider = provider
+        self._tools = tools
+        self._history = history
+        self._journal = Journal(history)
+        self._ctx = ctx
+        self._env = ToolEnv(workspace, settings, ctx)
+        self._reply: list[str] = []
+        # Text of the response being streamed; None when not streaming.
+        self._partial: list[str] | None = None
+        self._separate = False
+        # Calls of the last journaled assistant message still without a result.
+        self._unanswered: list[ToolCall] = []
+
+    async def run(self, text: str) -> TurnResult:
+        self._journal.append({"role": "user", "content": text})
+        try:
+            return await self._loop()
+        except asyncio.CancelledError:
+            return self._interrupted()
+        except ProviderError as exc:
+            reason = self._provider.redact(str(exc))
+            self._keep_partial(_CUT_TEXT.format(reason="provider error"))
+            raise TurnFailure(
+                f"LLM provider error: {reason}", record=self._journal.record(failed=True)
+            ) from exc
+        except BaseException:
+            # No record will be committed: leave the state as it was.
+            self._journal.rollback()
+            raise
+
+    # -- the loop -------------------------------------------------------------
+
+    async def _loop(self) -> TurnResult:
+        max_turns = self._settings.agent.max_turns
+        for n in range(1, max_turns + 1):
+            await self._maybe_compact()
+            completion = await self._complete()
+            calls = completion.tool_calls
+            self._journal.append(_assistant_message(completion))
+            self._unanswered = list(calls)
+            if not calls:
+                return TurnResult("".join(self._reply), self._journal.record())
+            if n == max_turns:
+                return self._stop_at_turn_limit(n, calls)
+            await self._run_calls(calls)
+        raise AssertionError("unreachable: the loop returns on its last pass")
+
+    def _stop_at_turn_limit(self, n: int, calls: list[ToolCall]) -> TurnResult:
+        limit = self._settings.agent.max_turns
+        for call in calls:
+            self._answer(
+                call,
+                False,
+                f"error: not run: this input reached the limit of {limit} model calls "
+                "(agent.max_turns).",
+            )
+        self._ctx.limit_exceeded("turns", n, limit)
+        note = (
+            f"[Stopped: reached the limit of {limit} model calls for one input "
+            f"(agent.max_turns); {len(calls)} requested tool call(s) were not run. "
+            "Send another message to continue.]"
+        )
+        self._emit(("\n\n" if self._reply else "") + note)
+        self._journal.append({"role": "assistant", "content": note})
+        return TurnResult("".join(self._reply), self._journal.record(limit="turns"))
+
+    async def _complete(self) -> Completion:
+        self._separate = bool(self._reply) and not self._reply[-1].endswith("\n")
+        self._partial = []
+        messages = self._request_messages()
+        completion = await self._provider.stream_chat(
+            messages, self._tools.schemas(), self._on_text, self._on_retry
+        )
+        self._partial = None
+        return completion
+
+    def _request_messages(self) -> list[dict[str, Any]]:
+        system = system_content(self._settings.agent.system_prompt, self._history.summary)
+        return [{"role": "system", "content": system}, *self._history.messages]
+
+    def _on_text(self, text: str) -> None:
+        if self._separate:
+            self._separate = False
+            self._emit("\n\n")
+        if self._partial is not None:
+            self._partial.append(text)
+        self._emit(text)
+
+    def _emit(self, text: str) -> None:
+        self._reply.append(text)
+        self._ctx.emit(text)
+
+    def _on_retry(self, info: dict[str, Any]) -> None:
+        self._ctx.notice("provider_retry", info)
+
+    # -- tools ----------------------------------------------------------------
+
+    async def _run_calls(self, calls: list[ToolCall]) -> None:
+        limit = self._settings.agent.max_tool_calls_per_turn
+        if len(calls) > limit:
+            self._ctx.limit_exceeded("tool_calls", len(calls), limit)
+        for i, call in enumerate(calls):
+            if i >= limit:
+                self._answer(
+                    call,
+                    False,
+                    f"error: not run: at most {limit} tool calls are run per response "
+                    "(agent.max_tool_calls_per_turn); request it again in your next response.",
+                )
+                continue
+            ok, output = await self._run_one(call)
+            self._answer(call, ok, output)
+
+    async def _run_one(self, call: ToolCall) -> tuple[bool, str]:
+        parsed = _parse_arguments(call.arguments)
+        self._ctx.notice(
+            "tool_call",
+            {
+                "id": call.id,
+                "name": call.name,
+                "arguments": parsed if isinstance(parsed, dict) else call.arguments,
+            },
+        )
+        tool = self._tools.get(call.name)
+        if tool is None:
+            available = ", ".join(self._tools.names()) or "none"
+            return False, f"error: unknown tool {call.name!r}; available tools: {available}"
+        if not isinstance(parsed, dict):
+            return False, (
+                f"error: the arguments are not a JSON object ({parsed}); "
+                f"received: {call.arguments[:500]!r}"
+            )
+        # Models often send null for an optional argument they do not use.
+        args = {key: value for key, value in parsed.items() if value is not None}
+        problem = check_arguments(tool.parameters, args)
+        if problem is not None:
+            return False, f"error: {problem}"
+        action = decide(self._settings.permissions, tool.name, tool.main_argument(args))
+        if action == "deny":
+            return False, f"error: permission denied: a rule forbids this {tool.name} call."
+        if action == "ask" and not await self._ctx.ask_permission(tool.name, args):
+            return False, f"error: permission denied: the user did not approve this {tool.name} call."
+        try:
+            return True, await tool.run(args, self._env)
+        except ToolError as exc:
+            return False, f"error: {exc}"
+        except Exception as exc:
+            return False, f"error: tool {tool.name} failed: {type(exc).__name__}: {exc}"
+
+    def _answer(self, call: ToolCall, ok: bool, output: str) -> None:
+        self._journal.append({"role": "tool", "tool_call_id": call.id, "content": output})
+        self._unanswered = [c for c in self._unanswered if c is not call]
+        preview = output[:_NOTICE_OUTPUT_CHARS]
+        self._ctx.notice(
+            "tool_result",
+            {
+                "id": call.id,
+                "name": call.name,
+                "ok": ok,
+                "output": preview,
+                "truncated": len(output) > len(preview),
+            },
+        )
+
+    # -- compaction -----------------------------------------------------------
+
+    async def _maybe_compact(self) -> None:
+        loop = self._settings.agent.loop
+        system_prompt = self._settings.agent.system_prompt
+        schemas = self._tools.schemas()
+        history = self._history
+        before = estimate_tokens(system_prompt, history.summary, history.messages, schemas)
+        if before <= loop.compaction_threshold_tokens:
+            return
+        cut = cut_index(history.messages, loop.compaction_keep_recent_turns)
+        if cut == 0:
+            return
+        notice: dict[str, Any] = {"tokens_before": before, "dropped_messages": cut}
+        summary: str | None = None
+        try:
+            completion = await self._provider.stream_chat(
+                summary_request(history.summary, history.messages[:cut]),
+                None,
+                _ignore_text,
+                self._on_retry,
+            )
+            summary = completion.text.strip() or None
+            if summary is None:
+                notice["error"] = "the provider returned an empty summary"
+        except ProviderError as exc:
+            notice["error"] = self._provider.redact(str(exc))
+        self._journal.compact(cut, summary)
+        notice["method"] = "summarized" if summary is not None else "dropped"
+        notice["tokens_after"] = estimate_tokens(
+            system_prompt, history.summary, history.messages, schemas
+        )
+        self._ctx.notice("compaction", notice)
+
+    # -- endings --------------------------------------------------------------
+
+    def _keep_partial(self, marker: str) -> None:
+        if self._partial:
+            self._journal.append({"role": "assistant", "content": "".join(self._partial) + marker})
+        self._partial = None
+
+    def _interrupted(self) -> TurnResult:
+        self._keep_partial(_INTERRUPTED_TEXT)
+        for call in list(self._unanswered):
+            self._answer(call, False, _INTERRUPTED_RESULT)
+        return TurnResult(
+            "".join(self._reply), self._journal.record(interrupted=True), interrupted=True
+        )
+
+
+def _ignore_text(_: str) -> None:
+    pass
+
+
+def _parse_arguments(raw: str) -> dict[str, Any] | str:
+    """The call's arguments, or why they cannot be used."""
+    try:
+        value = json.loads(raw) if raw.strip() else {}
+    except ValueError as exc:
+        return f"invalid JSON: {exc}"
+    if not isinstance(value, dict):
+        return "a JSON object is required"
+    return value
+
+
+def _assistant_message(completion: Completion) -> dict[str, Any]:
+    if not completion.tool_calls:
+        return {"role": "assistant", "content": completion.text}
+    calls = []
+    for call in completion.tool_calls:
+        # Invalid JSON goes back as "{}": some servers re-parse the history's
+        # arguments and would reject the whole next request.  The tool result
+        # quotes what the model sent.
+        usable = call.arguments.strip() and isinstance(_parse_arguments(call.arguments), dict)
+        arguments = call.arguments if usable else "{}"
+        calls.append(
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": arguments},
+            }
+        )
+    return {"role": "assistant", "content": completion.text or None, "tool_calls": calls}
+

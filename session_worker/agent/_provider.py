@@ -1,0 +1,265 @@
+"""OpenAI-compatible streaming client for `POST {base_url}/chat/completions`.
+
+Runs in the worker's event loop.  One `httpx.AsyncClient` per handler, so
+connections are reused across the LLM calls of a session.
+
+Retries: a 429 or 5xx answer, or a failure to connect (nothing was sent, so
+nothing was streamed to the user yet), is retried up to `max_retries` times,
+waiting `Retry-After` when the server gives one, else an exponential backoff.
+Once a 200 stream has started, no retry: text already went to the clients,
+and replaying would duplicate it; a broken stream is a `ProviderStreamError`.
+
+The API key lives only in the client's default headers.  Error messages are
+built from our own text plus redacted server text, and httpx exceptions are
+never chained to ours, because their request objects carry the
+Authorization header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import httpx
+
+from session_worker.agent._errors import (
+    ProviderError,
+    ProviderHTTPError,
+    ProviderStreamError,
+)
+from session_worker.agent._sse import SSEParser
+from session_worker.agent._stream import Completion, StreamAssembler
+from session_worker.settings import ProviderSettings
+
+__all__ = ["Provider", "redact"]
+
+OnText = Callable[[str], None]
+OnRetry = Callable[[dict[str, Any]], None]
+
+_RETRY_STATUSES = frozenset({429}) | frozenset(range(500, 600))
+_REDACTED = "[redacted]"
+
+
+def redact(text: str, secret: str | None) -> str:
+    if secret and len(secret) >= 4:
+        return text.replace(secret, _REDACTED)
+    return text
+
+
+class Provider:
+    def __init__(
+        self, settings: ProviderSettings, environ: Mapping[str, str] | None = None
+    ) -> None:
+        self._settings = settings
+        env = os.environ if environ is None else environ
+        self._key: str | None = None
+        self._key_problem: str | None = None
+        if settings.api_key_env:
+            self._key = env.get(settings.api_key_env) or None
+            if self._key is None:
+                self._key_problem = (
+                    f"environment variable {settings.api_key_env} "
+                    "(provider.api_key_env) is not set"
+                )
+        headers = {"Accept": "text/event-stream"}
+        if self._key:
+            headers["Authorization"] = f"Bearer {self._key}"
+        timeout = httpx.Timeout(
+            connect=settings.connect_timeout_secs,
+            read=settings.read_timeout_secs,
+            write=settings.read_timeout_secs,
+            pool=settings.connect_timeout_secs,
+        )
+        self._client = httpx.AsyncClient(headers=headers, timeout=timeout, trust_env=False)
+        base = (settings.base_url or "").rstrip("/")
+        self._url = f"{base}/chat/completions"
+
+    def redact(self, text: str) -> str:
+        return redact(text, self._key)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def stream_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        on_text: OnText,
+        on_retry: OnRetry | None = None,
+    ) -> Completion:
+        """One completion; `on_text` gets each text delta as it arrives."""
+        if self._key_problem is not None:
+            raise ProviderError(self._key_problem)
+        body: dict[str, Any] = {
+            "model": self._settings.model,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if tools:
+            body["tools"] = tools
+        attempt = 0
+        while True:
+            failure = await self._attempt(body, on_text)
+            if isinstance(failure, Completion):
+                return failure
+            error, retry_after = failure
+            if retry_after is None or attempt >= self._settings.max_retries:
+                if attempt and retry_after is not None:
+                    raise ProviderError(f"{error} (gave up after {attempt + 1} attempts)")
+                raise error
+            delay = self._delay(attempt, retry_after)
+            if delay is None:
+                raise ProviderError(
+                    f"{error}; the provider asked to retry after {retry_after:g} s, more "
+                    f"than provider.retry_backoff_max_ms"
+                )
+            attempt += 1
+            if on_retry is not None:
+                on_retry({"attempt": attempt, "delay_secs": delay, "error": str(error)})
+            await asyncio.sleep(delay)
+
+    def _delay(self, attempt: int, retry_after: float) -> float | None:
+        cap = self._settings.retry_backoff_max_ms / 1000
+        if retry_after > 0:
+            return retry_after if retry_after <= cap else None
+        backoff: float = self._settings.retry_backoff_initial_ms / 1000 * 2.0**attempt
+        return min(backoff, cap)
+
+    async def _attempt(
+        self, body: dict[str, Any], on_text: OnText
+    ) -> Completion | tuple[ProviderError, float | None]:
+        """One HTTP exchange.  Returns the completion, or the error and,
+        when it may be retried, the wait the server asked for (0 = ours)."""
+        # Built outside the `except` blocks so that no httpx exception ends
+        # up as __context__ of ours (see the module docstring).
+        problem: str | None = None
+        retryable = False
+        try:
+            async with self._client.stream("POST", self._url, json=body) as response:
+                if response.status_code != 200:
+                    raw = await response.aread()
+                    message = self.redact(_error_message(raw))
+                    error = ProviderHTTPError(response.status_code, message)
+                    if response.status_code in _RETRY_STATUSES:
+                        return error, _retry_after(response.headers.get("retry-after"))
+                    return error, None
+                return await self._read(response, on_text)
+        except httpx.ConnectError as exc:
+            problem, retryable = f"cannot connect to provider at {self._url}: {exc}", True
+        except httpx.ConnectTimeout:
+            problem, retryable = f"connecting to provider at {self._url} timed out", True
+        except httpx.ReadTimeout:
+            problem = (
+                f"provider sent nothing for {self._settings.read_timeout_secs:g} s "
+                "(provider.read_timeout_secs)"
+            )
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            problem = f"connection to provider lost mid-response: {exc}"
+        except httpx.HTTPError as exc:
+            problem = f"provider request failed: {type(exc).__name__}: {exc}"
+        assert problem is not None
+        stream_error = ProviderStreamError(self.redact(problem))
+        return stream_error, (0.0 if retryable else None)
+
+    async def _read(self, response: httpx.Response, on_text: OnText) -> Completion:
+        assembler = StreamAssembler()
+        content_type = response.headers.get("content-type", "")
+        if "application/json" in content_type:
+            # A server that ignored `stream: true` answers with one object.
+            raw = await response.aread()
+            text = assembler.feed(_json(raw, self.redact))
+            if text:
+                on_text(text)
+            return assembler.finish()
+        parser = SSEParser()
+        done = False
+        async for data in response.aiter_bytes():
+            for event in parser.feed(data):
+                if self._take(event.data, event.event, assembler, on_text):
+                    done = True
+                    break
+            if done:
+                break
+        if not done:
+            for event in parser.close():
+                if self._take(event.data, event.event, assembler, on_text):
+                    done = True
+        if not done and assembler.finish_reason is None:
+            raise ProviderStreamError(
+                "provider stream ended before the response was complete "
+                "(no finish_reason and no [DONE])"
+            )
+        return assembler.finish()
+
+    def _take(
+        self, data: str, event: str, assembler: StreamAssembler, on_text: OnText
+    ) -> bool:
+        if data.strip() == "[DONE]":
+            return True
+        chunk = _json(data.encode(), self.redact)
+        if event == "error" and isinstance(chunk, dict) and "error" not in chunk:
+            chunk = {"error": chunk}
+        problem: str | None = None
+        try:
+            text = assembler.feed(chunk)
+        except ProviderError as exc:
+            problem = str(exc)
+        if problem is not None:
+            raise ProviderError(self.redact(problem))
+        if text:
+            on_text(text)
+        return False
+
+
+def _json(raw: bytes, redact_fn: Callable[[str], str]) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        pass
+    # Raised outside the `except`: the ValueError's message quotes the body.
+    snippet = redact_fn(raw[:200].decode("utf-8", "replace"))
+    raise ProviderStreamError(f"provider sent invalid JSON: {snippet!r}")
+
+
+def _error_message(raw: bytes) -> str:
+    """The provider's own words: OpenAI/vLLM/llama.cpp `{"error": {"message"}}`,
+    Ollama `{"error": "..."}`, FastAPI `{"detail": ...}`, else the body."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        error = body.get("error", body.get("detail"))
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if isinstance(body.get("message"), str):
+            return str(body["message"])
+    text = raw.decode("utf-8", "replace").strip()
+    return text[:500] if text else "(empty body)"
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds to wait from a Retry-After header (delta-seconds or HTTP date);
+    0 when absent or unreadable, meaning "use our own backoff"."""
+    if not value:
+        return 0.0
+    try:
+        secs = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return 0.0
+        secs = when.timestamp() - time.time()
+    if not math.isfinite(secs) or secs <= 0:
+        return 0.0
+    return secs

@@ -1,0 +1,150 @@
+"""Assembling streamed chat-completion chunks into one completion.
+
+Pure: JSON chunks in, text deltas and a `Completion` out.  The servers we
+target agree on the shape but not on the details, and each detail is handled
+here rather than spread over the provider:
+
+* OpenAI / vLLM: a role-only first chunk, tool-call `id`/`name` only in the
+  first delta of each call, arguments split anywhere, several calls
+  interleaved by `index`, usage in a last chunk with `choices: []`.
+* llama.cpp: `content: null` deltas, usage and `timings` in the final chunk.
+* Ollama: `role` repeated in every chunk, a whole tool call in one chunk,
+  older versions without `index` on tool calls, `finish_reason: "stop"` even
+  when it called tools (so tool calls are run whatever the finish reason).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from session_worker.agent._errors import ProviderError
+
+__all__ = ["Completion", "StreamAssembler", "ToolCall"]
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str
+    name: str
+    # Raw JSON text exactly as the model produced it (may be invalid).
+    arguments: str
+
+
+@dataclass(slots=True)
+class Completion:
+    text: str
+    tool_calls: list[ToolCall]
+    finish_reason: str | None
+    usage: dict[str, Any] | None
+
+
+@dataclass(slots=True)
+class _PartialCall:
+    id: str = ""
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
+
+
+class StreamAssembler:
+    def __init__(self) -> None:
+        self._text: list[str] = []
+        self._calls: dict[int, _PartialCall] = {}
+        self._last_index: int | None = None
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    def feed(self, chunk: Any) -> str:
+        """Take one decoded chunk; return the reply text it adds ("" if none)."""
+        if not isinstance(chunk, dict):
+            raise ProviderError("provider sent a stream chunk that is not a JSON object")
+        if chunk.get("error") is not None:
+            raise ProviderError(f"provider reported an error mid-stream: {_error_text(chunk['error'])}")
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+        added: list[str] = []
+        choices = chunk.get("choices") or []
+        for choice in choices:
+            # We never ask for n > 1; other choices would be alternatives.
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or choice.get("message") or {}
+            if isinstance(delta, dict):
+                content = delta.get("content")
+                if isinstance(content, str) and content:
+                    added.append(content)
+                for raw in delta.get("tool_calls") or []:
+                    if isinstance(raw, dict):
+                        self._feed_tool_call(raw)
+            reason = choice.get("finish_reason")
+            if isinstance(reason, str) and reason:
+                self.finish_reason = reason
+        text = "".join(added)
+        if text:
+            self._text.append(text)
+        return text
+
+    def _feed_tool_call(self, raw: dict[str, Any]) -> None:
+        call_id = raw.get("id") if isinstance(raw.get("id"), str) else ""
+        index = raw.get("index")
+        if not isinstance(index, int):
+            index = self._index_without_position(call_id or "")
+        part = self._calls.setdefault(index, _PartialCall())
+        self._last_index = index
+        if call_id and not part.id:
+            part.id = call_id
+        function = raw.get("function") or {}
+        if not isinstance(function, dict):
+            return
+        name = function.get("name")
+        # Names arrive whole in the first delta; a server repeating the
+        # name in later deltas must not double it.
+        if isinstance(name, str) and name and name != part.name:
+            part.name = name if not part.name else part.name + name
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            part.arguments.append(arguments)
+        elif isinstance(arguments, dict):
+            part.arguments.append(json.dumps(arguments, ensure_ascii=False))
+
+    def _index_without_position(self, call_id: str) -> int:
+        # Old Ollama omits `index`: a new id starts a new call, no id
+        # continues the last one.
+        if call_id:
+            for index, part in self._calls.items():
+                if part.id == call_id:
+                    return index
+            return max(self._calls, default=-1) + 1
+        if self._last_index is not None:
+            return self._last_index
+        return 0
+
+    def finish(self) -> Completion:
+        calls: list[ToolCall] = []
+        for n, index in enumerate(sorted(self._calls)):
+            part = self._calls[index]
+            if not part.name:
+                continue
+            calls.append(
+                ToolCall(
+                    id=part.id or f"call_{n}",
+                    name=part.name,
+                    arguments="".join(part.arguments),
+                )
+            )
+        return Completion(self.text, calls, self.finish_reason, self.usage)
+
+
+def _error_text(error: Any) -> str:
+    if isinstance(error, dict):
+        message = error.get("message")
+        if isinstance(message, str):
+            return message
+        return json.dumps(error)[:500]
+    return str(error)[:500]
