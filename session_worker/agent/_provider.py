@@ -18,6 +18,7 @@ Authorization header.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import json
 import math
@@ -44,6 +45,9 @@ OnRetry = Callable[[dict[str, Any]], None]
 
 _RETRY_STATUSES = frozenset({429}) | frozenset(range(500, 600))
 _REDACTED = "[redacted]"
+# After [DONE], how long to wait for the body to end before giving up on
+# reusing the connection.
+_DRAIN_AFTER_DONE_SECS = 1.0
 
 
 def redact(text: str, secret: str | None) -> str:
@@ -180,14 +184,23 @@ class Provider:
             return assembler.finish()
         parser = SSEParser()
         done = False
-        async for data in response.aiter_bytes():
+        chunks = response.aiter_bytes()
+        async for data in chunks:
             for event in parser.feed(data):
                 if self._take(event.data, event.event, assembler, on_text):
                     done = True
                     break
             if done:
                 break
-        if not done:
+        if done:
+            # Read the end of the body (the chunked terminator) so httpx can
+            # return the connection to the pool; a response left half-read
+            # is closed instead, and the next call pays a new connection.
+            with contextlib.suppress(TimeoutError, httpx.HTTPError):
+                async with asyncio.timeout(_DRAIN_AFTER_DONE_SECS):
+                    async for _ in chunks:
+                        pass
+        else:
             for event in parser.close():
                 if self._take(event.data, event.event, assembler, on_text):
                     done = True
