@@ -19,6 +19,7 @@ from msgspec import Meta
 
 __all__ = [
     "AgentSettings",
+    "ConfigSection",
     "LimitsSettings",
     "LoopSettings",
     "PermissionRule",
@@ -34,11 +35,11 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
 
 
-class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class ConfigSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Base for every config section: unknown keys are errors, not ignored."""
 
 
-class LimitsSettings(_Section):
+class LimitsSettings(ConfigSection):
     # Live workers at once; when full the least recently used idle session hibernates.
     max_concurrent_sessions: PositiveInt = 64
     # RSS cap of a worker plus all of its descendants.
@@ -48,7 +49,7 @@ class LimitsSettings(_Section):
     memory_poll_interval_ms: Annotated[int, Meta(ge=5, le=60_000)] = 100
 
 
-class WorkerSettings(_Section):
+class WorkerSettings(ConfigSection):
     heartbeat_interval_secs: Annotated[float, Meta(ge=0.05, le=3600)] = 1.0
     max_restart_attempts: NonNegInt = 5
     restart_window_secs: PositiveFloat = 60.0
@@ -59,20 +60,20 @@ class WorkerSettings(_Section):
     snapshot_every_turns: PositiveInt = 64
 
 
-class SubagentSettings(_Section):
+class SubagentSettings(ConfigSection):
     max_concurrent: NonNegInt = 4
     max_depth: NonNegInt = 2
     max_total_spawns: NonNegInt = 32
     child_timeout_secs: PositiveFloat = 600.0
 
 
-class LoopSettings(_Section):
+class LoopSettings(ConfigSection):
     compaction_threshold_tokens: Annotated[int, Meta(ge=256)] = 100_000
     # Turns kept verbatim when the older part is summarized.
     compaction_keep_recent_turns: PositiveInt = 4
 
 
-class AgentSettings(_Section):
+class AgentSettings(ConfigSection):
     # Handler run by new sessions: "agent", "echo" or "package.module:factory".
     # "agent" falls back to "echo" when no provider is configured.
     handler: str = "agent"
@@ -89,7 +90,7 @@ class AgentSettings(_Section):
     loop: LoopSettings = msgspec.field(default_factory=LoopSettings)
 
 
-class ProviderSettings(_Section):
+class ProviderSettings(ConfigSection):
     kind: Literal["openai"] = "openai"
     # e.g. "https://api.openai.com/v1" or "http://127.0.0.1:8000/v1"; unset = no provider.
     base_url: str | None = None
@@ -110,7 +111,7 @@ class ProviderSettings(_Section):
         return bool(self.base_url and self.model)
 
 
-class ToolsSettings(_Section):
+class ToolsSettings(ConfigSection):
     enabled: list[str] = msgspec.field(
         default_factory=lambda: ["bash", "read_file", "write_file", "list_dir", "spawn_agent"]
     )
@@ -122,14 +123,14 @@ class ToolsSettings(_Section):
     output_limit_bytes: Annotated[int, Meta(ge=256)] = 32_768
 
 
-class PermissionRule(_Section):
+class PermissionRule(ConfigSection, kw_only=True):
     tool: str
     # Glob on the tool's main argument (command for bash, path for file tools).
     match: str = "*"
     action: Literal["allow", "deny", "ask"]
 
 
-class SessionSettings(_Section):
+class SessionSettings(ConfigSection):
     """What one session runs with: the operator's config plus its overrides."""
 
     agent: AgentSettings = msgspec.field(default_factory=AgentSettings)

@@ -1,0 +1,210 @@
+"""Framed message connections on asyncio, used by the daemon, the worker and
+the client library alike.
+
+`FramedProtocol` is an `asyncio.Protocol` (protocols cost less per message
+than streams: no StreamReader buffer copy, no task wake-up per read).  Two
+ways to consume what arrives:
+
+* callback: pass `on_message`; it is called synchronously for each decoded
+  message, in order, from `data_received`.  The daemon uses this for worker
+  links, where each message is a small state change.
+* pull: leave `on_message` unset and `await recv()`.
+
+Writes never block.  When the peer does not read, the transport buffers up to
+its high-water mark and then pauses us; every frame sent while paused counts
+toward `max_backlog`.  Past it `on_lagged` is called (the daemon tells the
+client it lagged and cuts it off), so one slow reader can never make the
+daemon hold an unbounded queue or wait on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from ipc.errors import BadMessage, ConnectionClosed, FrameTooLarge, ProtocolError
+from ipc.framing import DEFAULT_MAX_FRAME_BYTES, FrameEncoder, FrameParser
+
+__all__ = ["FramedProtocol", "open_unix_connection"]
+
+log = logging.getLogger(__name__)
+
+In = TypeVar("In")
+
+
+class FramedProtocol(asyncio.Protocol, Generic[In]):
+    def __init__(
+        self,
+        decoder: msgspec.msgpack.Decoder[In],
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        on_message: Callable[[In], None] | None = None,
+        on_bad_message: Callable[[ProtocolError], None] | None = None,
+        on_close: Callable[[BaseException | None], None] | None = None,
+        max_backlog: int | None = None,
+        on_lagged: Callable[[int], None] | None = None,
+    ) -> None:
+        self._parser: FrameParser[In] = FrameParser(decoder, max_frame_bytes)
+        self._encoder = FrameEncoder()
+        self._on_message = on_message
+        self._on_bad_message = on_bad_message
+        self._on_close = on_close
+        self._max_backlog = max_backlog
+        self._on_lagged = on_lagged
+        self.transport: asyncio.Transport | None = None
+        self._inbox: collections.deque[In | BadMessage] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._closed_exc: BaseException | None = None
+        self._is_closed = False
+        self._paused = False
+        self._backlog = 0
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    # ---------------------------------------------------------------- asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            messages = self._parser.feed(data)
+        except FrameTooLarge as exc:
+            self._fail(exc)
+            return
+        for msg in messages:
+            if self._is_closed:
+                return
+            if isinstance(msg, BadMessage) and self._on_bad_message is not None:
+                self._on_bad_message(msg)
+            elif self._on_message is not None and not isinstance(msg, BadMessage):
+                self._on_message(msg)
+            else:
+                self._inbox.append(msg)
+                self._wake()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._is_closed = True
+        if self._closed_exc is None:
+            self._closed_exc = exc
+        self._wake()
+        for fut in self._drain_waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._drain_waiters.clear()
+        if not self.closed.done():
+            self.closed.set_result(None)
+        if self._on_close is not None:
+            cb, self._on_close = self._on_close, None
+            cb(self._closed_exc)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._backlog = 0
+        for fut in self._drain_waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._drain_waiters.clear()
+
+    # ---------------------------------------------------------------- API
+
+    @property
+    def is_closed(self) -> bool:
+        return self._is_closed
+
+    @property
+    def close_reason(self) -> BaseException | None:
+        return self._closed_exc
+
+    def send(self, msg: Any) -> bool:
+        """Queue one message; False if the connection is gone or lagging."""
+        return self.send_frame(self._encoder.encode(msg))
+
+    def send_frame(self, frame: bytes | bytearray) -> bool:
+        """Like send() for a frame already encoded (one encoding, many readers)."""
+        transport = self.transport
+        if self._is_closed or transport is None or transport.is_closing():
+            return False
+        if self._paused and self._max_backlog is not None:
+            self._backlog += 1
+            if self._backlog > self._max_backlog:
+                if self._on_lagged is not None:
+                    lagged, self._on_lagged = self._on_lagged, None
+                    lagged(self._backlog)
+                return False
+        transport.write(frame)
+        return True
+
+    def encode(self, msg: Any) -> bytearray:
+        return self._encoder.encode(msg)
+
+    async def drain(self) -> None:
+        """Wait until the transport's buffer is below its high-water mark."""
+        if not self._paused or self._is_closed:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._drain_waiters.append(fut)
+        await fut
+
+    async def recv(self) -> In | BadMessage:
+        """Next message (or BadMessage); raises ConnectionClosed at the end."""
+        while not self._inbox:
+            if self._is_closed:
+                reason = self._closed_exc
+                if isinstance(reason, ProtocolError):
+                    raise ConnectionClosed(str(reason)) from reason
+                raise ConnectionClosed("connection closed")
+            fut = asyncio.get_running_loop().create_future()
+            self._waiter = fut
+            try:
+                await fut
+            finally:
+                self._waiter = None
+        return self._inbox.popleft()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    # ---------------------------------------------------------------- internals
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, exc: ProtocolError) -> None:
+        self._closed_exc = exc
+        if self._on_bad_message is not None:
+            # Let the owner answer with an error frame before the close.
+            self._on_bad_message(exc)
+        self.close()
+
+
+async def open_unix_connection(
+    path: str,
+    decoder: msgspec.msgpack.Decoder[In],
+    *,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> FramedProtocol[In]:
+    loop = asyncio.get_running_loop()
+    _, proto = await loop.create_unix_connection(
+        lambda: FramedProtocol(decoder, max_frame_bytes=max_frame_bytes), path
+    )
+    return proto

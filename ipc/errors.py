@@ -1,0 +1,30 @@
+"""Errors of the wire layer.
+
+    ProtocolError               the peer sent something we cannot accept
+    ├── FrameTooLarge           length prefix over max_frame_bytes (connection is closed)
+    └── BadMessage              a whole frame that is not a valid message (connection survives)
+    ConnectionClosed            the peer went away (EOF or reset); nothing more will arrive
+"""
+
+from __future__ import annotations
+
+__all__ = ["BadMessage", "ConnectionClosed", "FrameTooLarge", "ProtocolError"]
+
+
+class ProtocolError(Exception):
+    pass
+
+
+class FrameTooLarge(ProtocolError):
+    def __init__(self, length: int, limit: int) -> None:
+        super().__init__(f"frame of {length} bytes exceeds the limit of {limit} bytes")
+        self.length = length
+        self.limit = limit
+
+
+class BadMessage(ProtocolError):
+    pass
+
+
+class ConnectionClosed(Exception):
+    pass

@@ -1,0 +1,487 @@
+"""Every message sessiond puts on a socket, as tagged msgspec Structs.
+
+Three links, each with one union per direction:
+
+    client  --Request-->   daemon  --ToWorker-->   worker
+    client  <--Reply---    daemon  <--FromWorker-- worker
+                           daemon  --ToZygote-->   zygote
+                           daemon  <--FromZygote-- zygote
+
+Rules (schema evolution, as msgspec documents it): the `tag=` string is the
+wire name and never changes with a class rename; a new field always gets a
+default; a field's type never changes.  Maps, not arrays, so that any msgpack
+client in any language can read a frame without our source.
+
+Requests carry a client-chosen `id`; the reply to a request echoes it (a
+result struct or `Error`).  Events carry `session` and that session's `seq`,
+which is monotonic for the life of the session, across worker restarts and
+daemon restarts, so a client can re-`Attach` from the last seq it saw.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    # client -> daemon
+    "Hello", "Create", "Send", "Attach", "Detach", "Interrupt", "Stop", "Restart",
+    "Remove", "Status", "List", "Stats", "Ping", "Answer", "Request",
+    # daemon -> client
+    "Welcome", "Error", "ErrorCode", "Ok", "Created", "Accepted", "Attached",
+    "StatusReply", "SessionList", "StatsReply", "Pong", "ExitInfo", "SessionInfo",
+    "TextDelta", "TurnDone", "TurnFailed", "StateChanged", "LimitExceeded", "Notice",
+    "PermissionRequest", "Gap", "Lagged", "Event", "Reply", "EVENT_TYPES",
+    # daemon <-> worker
+    "Boot", "Input", "InterruptTurn", "WorkerPing", "Shutdown", "PermissionAnswer",
+    "SpawnResult", "MemoryHigh", "ToWorker",
+    "Ready", "BootFailed", "Delta", "WorkerNotice", "WorkerLimit", "Done", "Failed",
+    "Heartbeat", "WorkerPong", "AskPermission", "SpawnAgent", "FromWorker",
+    # daemon <-> zygote
+    "SpawnWorker", "Spawned", "Exited", "ToZygote", "FromZygote",
+]
+
+PROTOCOL_VERSION = 1
+
+
+class _Msg(msgspec.Struct, tag_field="type", omit_defaults=True, kw_only=True):
+    pass
+
+
+class ErrorCode(enum.StrEnum):
+    NOT_FOUND = "not_found"
+    BAD_REQUEST = "bad_request"
+    CAPACITY = "capacity"
+    LIMIT_EXCEEDED = "limit_exceeded"
+    PERMISSION_DENIED = "permission_denied"
+    CONFLICT = "conflict"
+    PROTOCOL_MISMATCH = "protocol_mismatch"
+    INTERNAL = "internal"
+
+
+# ---------------------------------------------------------------- client -> daemon
+
+
+class Hello(_Msg, tag="hello"):
+    protocol: int
+    client: str = ""
+
+
+class Create(_Msg, tag="create"):
+    id: int
+    session: str | None = None  # chosen id; None = the daemon picks one
+    handler: str | None = None  # None = [agent] handler from the config
+    # Dotted config keys under agent./provider./tools. with typed values.
+    settings: dict[str, Any] = {}
+
+
+class Send(_Msg, tag="send"):
+    """An input.  Replied to with `Accepted` once the input is durable; the
+    turn's events then follow on this connection (it is attached)."""
+
+    id: int
+    session: str
+    text: str
+
+
+class Attach(_Msg, tag="attach"):
+    id: int
+    session: str
+    # Replay retained events with seq >= from_seq first; None = live only.
+    from_seq: int | None = None
+
+
+class Detach(_Msg, tag="detach"):
+    id: int
+    session: str
+
+
+class Interrupt(_Msg, tag="interrupt"):
+    id: int
+    session: str
+
+
+class Stop(_Msg, tag="stop"):
+    id: int
+    session: str
+
+
+class Restart(_Msg, tag="restart"):
+    id: int
+    session: str
+
+
+class Remove(_Msg, tag="rm"):
+    id: int
+    session: str
+
+
+class Status(_Msg, tag="status"):
+    id: int
+    session: str
+
+
+class List(_Msg, tag="ls"):
+    id: int
+
+
+class Stats(_Msg, tag="stats"):
+    id: int
+
+
+class Ping(_Msg, tag="ping"):
+    """Without a session: the daemon answers.  With one: the round trip goes
+    through that session's worker (which must be live)."""
+
+    id: int
+    session: str | None = None
+
+
+class Answer(_Msg, tag="answer"):
+    """Approve or deny a pending `PermissionRequest`."""
+
+    id: int
+    session: str
+    request_id: str
+    allow: bool
+
+
+Request = (
+    Hello | Create | Send | Attach | Detach | Interrupt | Stop | Restart | Remove
+    | Status | List | Stats | Ping | Answer
+)
+
+
+# ---------------------------------------------------------------- daemon -> client
+
+
+class Welcome(_Msg, tag="welcome"):
+    protocol: int
+    server_version: str
+    pid: int
+
+
+class Error(_Msg, tag="error"):
+    code: ErrorCode
+    message: str
+    id: int = 0  # 0 when the error answers no request (a bad frame)
+
+
+class Ok(_Msg, tag="ok"):
+    id: int
+
+
+class ExitInfo(_Msg, tag="exit"):
+    # exited, boot_failed, crashed, killed_memory, killed_turn_timeout,
+    # killed_heartbeat, stopped
+    reason: str
+    code: int | None = None
+    signal: int | None = None
+    at: float = 0.0  # unix time
+    detail: str = ""
+
+
+class SessionInfo(_Msg, tag="session"):
+    id: str
+    state: str
+    handler: str
+    pid: int | None = None
+    rss_bytes: int | None = None
+    restarts: int = 0
+    turns: int = 0
+    created_at: float = 0.0
+    last_exit: ExitInfo | None = None
+    seq: int = 0
+    parent: str | None = None
+    children: list[str] = []
+    owner_uid: int = 0
+
+
+class Created(_Msg, tag="created"):
+    id: int
+    session: SessionInfo
+
+
+class Accepted(_Msg, tag="accepted"):
+    id: int
+    session: str
+    turn: int
+    seq: int  # the events of this turn have seq > this
+
+
+class Attached(_Msg, tag="attached"):
+    id: int
+    session: str
+    next_seq: int
+
+
+class StatusReply(_Msg, tag="status"):
+    id: int
+    session: SessionInfo
+
+
+class SessionList(_Msg, tag="sessions"):
+    id: int
+    sessions: list[SessionInfo]
+
+
+class StatsReply(_Msg, tag="stats"):
+    id: int
+    pid: int
+    version: str
+    uptime_secs: float
+    sessions: int
+    by_state: dict[str, int]
+    live_workers: int
+    clients: int
+    rss_bytes: int
+
+
+class Pong(_Msg, tag="pong"):
+    id: int
+    session: str | None = None
+    pid: int = 0  # the daemon's, or the worker's for a session ping
+
+
+# Events: every one has session and seq.
+
+
+class TextDelta(_Msg, tag="text"):
+    session: str
+    seq: int
+    turn: int
+    text: str
+
+
+class TurnDone(_Msg, tag="turn_done"):
+    session: str
+    seq: int
+    turn: int
+    reply: str
+    interrupted: bool = False
+
+
+class TurnFailed(_Msg, tag="turn_failed"):
+    session: str
+    seq: int
+    turn: int
+    reason: str
+
+
+class StateChanged(_Msg, tag="state"):
+    session: str
+    seq: int
+    old: str
+    new: str
+    reason: str = ""
+
+
+class LimitExceeded(_Msg, tag="limit"):
+    session: str
+    seq: int
+    kind: str  # memory, memory_high, turn_timeout, heartbeat, turns, restarts
+    value: float
+    limit: float
+
+
+class Notice(_Msg, tag="notice"):
+    session: str
+    seq: int
+    turn: int
+    kind: str
+    data: dict[str, Any] = {}
+
+
+class PermissionRequest(_Msg, tag="permission_request"):
+    session: str
+    seq: int
+    turn: int
+    request_id: str
+    tool: str
+    arguments: dict[str, Any] = {}
+
+
+class Gap(_Msg, tag="gap"):
+    """Attach asked for events no longer retained; `seq` is the first one
+    that will follow."""
+
+    session: str
+    seq: int
+    from_seq: int
+
+
+class Lagged(_Msg, tag="lagged"):
+    """This client fell `dropped` frames behind and is being disconnected;
+    the session is unaffected.  Re-attach with `from_seq` to catch up."""
+
+    session: str = ""
+    seq: int = 0
+    dropped: int = 0
+
+
+Event = (
+    TextDelta | TurnDone | TurnFailed | StateChanged | LimitExceeded | Notice
+    | PermissionRequest | Gap | Lagged
+)
+EVENT_TYPES = (
+    TextDelta, TurnDone, TurnFailed, StateChanged, LimitExceeded, Notice,
+    PermissionRequest, Gap, Lagged,
+)
+
+Reply = (
+    Welcome | Error | Ok | Created | Accepted | Attached | StatusReply | SessionList
+    | StatsReply | Pong | TextDelta | TurnDone | TurnFailed | StateChanged
+    | LimitExceeded | Notice | PermissionRequest | Gap | Lagged
+)
+
+
+# ---------------------------------------------------------------- daemon -> worker
+
+
+class Boot(_Msg, tag="boot"):
+    session: str
+    handler: str
+    settings: bytes  # msgpack of session_worker.settings.SessionSettings
+    workspace: str
+    depth: int = 0
+    turns: int = 0  # committed turns so far
+    snapshot: bytes = b""  # msgpack of the handler's state; empty = none
+    records: list[bytes] = []  # turn records committed after the snapshot
+
+
+class Input(_Msg, tag="input"):
+    turn: int
+    text: str
+
+
+class InterruptTurn(_Msg, tag="interrupt"):
+    turn: int
+
+
+class WorkerPing(_Msg, tag="ping"):
+    nonce: int
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    pass
+
+
+class PermissionAnswer(_Msg, tag="permission_answer"):
+    request_id: str
+    allow: bool
+
+
+class SpawnResult(_Msg, tag="spawn_result"):
+    request_id: str
+    ok: bool
+    reply: str = ""
+    reason: str = ""
+
+
+class MemoryHigh(_Msg, tag="memory_high"):
+    rss_bytes: int
+    limit_bytes: int
+
+
+ToWorker = (
+    Boot | Input | InterruptTurn | WorkerPing | Shutdown | PermissionAnswer | SpawnResult
+    | MemoryHigh
+)
+
+
+# ---------------------------------------------------------------- worker -> daemon
+
+
+class Ready(_Msg, tag="ready"):
+    pid: int
+
+
+class BootFailed(_Msg, tag="boot_failed"):
+    reason: str
+
+
+class Delta(_Msg, tag="delta"):
+    turn: int
+    text: str
+
+
+class WorkerNotice(_Msg, tag="notice"):
+    turn: int
+    kind: str
+    data: dict[str, Any] = {}
+
+
+class WorkerLimit(_Msg, tag="limit"):
+    turn: int
+    kind: str
+    value: float
+    limit: float
+
+
+class Done(_Msg, tag="done"):
+    turn: int
+    reply: str
+    record: bytes = b""  # msgpack of the handler's record for this turn
+    interrupted: bool = False
+    snapshot: bytes = b""  # when non-empty: the handler's whole state after this turn
+
+
+class Failed(_Msg, tag="failed"):
+    turn: int
+    reason: str
+    record: bytes = b""
+
+
+class Heartbeat(_Msg, tag="hb"):
+    pass
+
+
+class WorkerPong(_Msg, tag="pong"):
+    nonce: int
+
+
+class AskPermission(_Msg, tag="ask"):
+    turn: int
+    request_id: str
+    tool: str
+    arguments: dict[str, Any] = {}
+
+
+class SpawnAgent(_Msg, tag="spawn"):
+    turn: int
+    request_id: str
+    task: str
+    handler: str | None = None
+
+
+FromWorker = (
+    Ready | BootFailed | Delta | WorkerNotice | WorkerLimit | Done | Failed | Heartbeat
+    | WorkerPong | AskPermission | SpawnAgent
+)
+
+
+# ---------------------------------------------------------------- daemon <-> zygote
+
+
+class SpawnWorker(_Msg, tag="spawn"):
+    """Sent with the worker's socket end attached (SCM_RIGHTS)."""
+
+    token: int
+
+
+class Spawned(_Msg, tag="spawned"):
+    token: int
+    pid: int
+
+
+class Exited(_Msg, tag="exited"):
+    pid: int
+    code: int | None = None
+    signal: int | None = None
+
+
+ToZygote = SpawnWorker
+FromZygote = Spawned | Exited

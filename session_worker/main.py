@@ -1,0 +1,278 @@
+"""The worker: one process, one session.  Runs in a child forked by the zygote.
+
+The zygote calls `run_worker(sock)` right after fork; nothing here runs in the
+daemon.  The worker makes its own event loop (a loop must never cross a fork),
+reads `Boot`, builds the handler, restores it from what the daemon sent, says
+`Ready`, then serves inputs one at a time.  It never writes state: each turn
+ends with a `Done` carrying the handler's record, which the daemon appends.
+
+Liveness: a heartbeat from this loop every `heartbeat_interval_secs`.  A
+handler stuck in a busy loop or a C call starves the loop, the heartbeats
+stop, and the daemon kills the worker; that is the point of sending them from
+here and not from a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ipc import messages as m
+from ipc.connection import FramedProtocol
+from ipc.errors import ProtocolError
+from session_worker.handler import (
+    Handler,
+    HandlerInit,
+    SpawnError,
+    TurnContext,
+    TurnFailure,
+    TurnResult,
+    load_factory,
+)
+from session_worker.settings import SessionSettings
+
+__all__ = ["EXIT_BOOT_FAILED", "run_worker"]
+
+log = logging.getLogger("sessiond.worker")
+
+# Like gunicorn's WORKER_BOOT_ERROR: a dedicated code the supervisor reads as
+# "do not respawn in a tight loop".
+EXIT_BOOT_FAILED = 3
+
+_decoder = msgspec.msgpack.Decoder(m.ToWorker)  # type: ignore[arg-type]
+_settings_decoder = msgspec.msgpack.Decoder(SessionSettings)
+_encode = msgspec.msgpack.Encoder().encode
+_decode_any = msgspec.msgpack.Decoder().decode
+
+
+class _Context(TurnContext):
+    def __init__(self, worker: Worker, turn: int) -> None:
+        self._worker = worker
+        self.session = worker.session
+        self.turn = turn
+        self.settings = worker.settings
+        self.workspace = worker.workspace
+        self.depth = worker.depth
+        self.streamed: list[str] = []
+
+    def emit(self, text: str) -> None:
+        if text:
+            self.streamed.append(text)
+            self._worker.send(m.Delta(turn=self.turn, text=text))
+
+    def notice(self, kind: str, data: dict[str, Any]) -> None:
+        self._worker.send(m.WorkerNotice(turn=self.turn, kind=kind, data=data))
+
+    def limit_exceeded(self, kind: str, value: float, limit: float) -> None:
+        self._worker.send(m.WorkerLimit(turn=self.turn, kind=kind, value=value, limit=limit))
+
+    async def ask_permission(self, tool: str, arguments: dict[str, Any]) -> bool:
+        request_id, fut = self._worker.new_request()
+        self._worker.send(
+            m.AskPermission(turn=self.turn, request_id=request_id, tool=tool, arguments=arguments)
+        )
+        answer = await fut
+        assert isinstance(answer, m.PermissionAnswer)
+        return answer.allow
+
+    async def spawn_agent(self, task: str, handler: str | None = None) -> str:
+        request_id, fut = self._worker.new_request()
+        self._worker.send(
+            m.SpawnAgent(turn=self.turn, request_id=request_id, task=task, handler=handler)
+        )
+        result = await fut
+        assert isinstance(result, m.SpawnResult)
+        if not result.ok:
+            raise SpawnError(result.reason)
+        return result.reply
+
+
+class Worker:
+    def __init__(self, conn: FramedProtocol[m.ToWorker], boot: m.Boot) -> None:
+        self.conn = conn
+        self.session = boot.session
+        self.settings = _settings_decoder.decode(boot.settings)
+        self.workspace = Path(boot.workspace)
+        self.depth = boot.depth
+        self.handler: Handler | None = None
+        self.turn_task: asyncio.Task[None] | None = None
+        self.turns_since_snapshot = len(boot.records)
+        self._requests: dict[str, asyncio.Future[Any]] = {}
+        self._ids = itertools.count(1)
+        self.stopping = asyncio.get_running_loop().create_future()
+
+    def send(self, msg: Any) -> None:
+        self.conn.send(msg)
+
+    def new_request(self) -> tuple[str, asyncio.Future[Any]]:
+        request_id = f"{os.getpid()}-{next(self._ids)}"
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._requests[request_id] = fut
+        fut.add_done_callback(lambda _: self._requests.pop(request_id, None))
+        return request_id, fut
+
+    def boot(self, boot: m.Boot) -> None:
+        factory = load_factory(boot.handler)
+        init = HandlerInit(
+            session=self.session, settings=self.settings, workspace=self.workspace,
+            depth=self.depth,
+        )
+        handler = factory(init)
+        state = _decode_any(boot.snapshot) if boot.snapshot else None
+        handler.restore(state, [_decode_any(r) for r in boot.records])
+        self.handler = handler
+
+    # Runs from data_received: keep it to dispatch, no awaiting.
+    def on_message(self, msg: m.ToWorker) -> None:
+        match msg:
+            case m.Input(turn=turn, text=text):
+                if self.turn_task is not None and not self.turn_task.done():
+                    self.send(m.Failed(turn=turn, reason="a turn is already running"))
+                    return
+                self.turn_task = asyncio.get_running_loop().create_task(self.run_turn(turn, text))
+            case m.InterruptTurn():
+                if self.turn_task is not None and not self.turn_task.done():
+                    self.turn_task.cancel()
+            case m.WorkerPing(nonce=nonce):
+                self.send(m.WorkerPong(nonce=nonce))
+            case m.PermissionAnswer(request_id=rid) | m.SpawnResult(request_id=rid):
+                fut = self._requests.get(rid)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            case m.Shutdown():
+                if not self.stopping.done():
+                    self.stopping.set_result(None)
+            case m.MemoryHigh():
+                import gc
+
+                gc.collect()
+            case m.Boot():
+                log.warning("ignoring a second Boot")
+
+    async def run_turn(self, turn: int, text: str) -> None:
+        assert self.handler is not None
+        ctx = _Context(self, turn)
+        try:
+            result = await self.handler.handle(text, ctx)
+        except asyncio.CancelledError:
+            # The handler let the interrupt through: keep what streamed.
+            result = TurnResult(reply="".join(ctx.streamed), record=None, interrupted=True)
+        except TurnFailure as exc:
+            record = _encode(exc.record) if exc.record is not None else b""
+            self.send(m.Failed(turn=turn, reason=exc.reason, record=record))
+            return
+        except Exception as exc:
+            log.debug("turn %d failed", turn, exc_info=True)
+            self.send(m.Failed(turn=turn, reason=f"{type(exc).__name__}: {exc}"))
+            return
+        record = _encode(result.record) if result.record is not None else b""
+        snapshot = b""
+        if record:
+            self.turns_since_snapshot += 1
+            if self.turns_since_snapshot >= self.settings.agent.worker.snapshot_every_turns:
+                snapshot = _encode(self.handler.snapshot())
+                self.turns_since_snapshot = 0
+        self.send(
+            m.Done(
+                turn=turn, reply=result.reply, record=record,
+                interrupted=result.interrupted, snapshot=snapshot,
+            )
+        )
+
+    async def heartbeat(self) -> None:
+        interval = self.settings.agent.worker.heartbeat_interval_secs
+        while True:
+            self.send(m.Heartbeat())
+            await asyncio.sleep(interval)
+
+    async def serve(self) -> None:
+        hb = asyncio.get_running_loop().create_task(self.heartbeat())
+        try:
+            await asyncio.wait(
+                [self.stopping, self.conn.closed], return_when=asyncio.FIRST_COMPLETED
+            )
+            task = self.turn_task
+            if task is not None and not task.done():
+                task.cancel()
+                # The handler tidies up and Done goes out before we leave.
+                with contextlib.suppress(BaseException):
+                    await task
+        finally:
+            hb.cancel()
+            if self.handler is not None:
+                with contextlib.suppress(Exception):
+                    await self.handler.aclose()
+
+
+async def _main(sock: socket.socket) -> int:
+    loop = asyncio.get_running_loop()
+    first: asyncio.Future[m.ToWorker] = loop.create_future()
+    worker: Worker | None = None
+
+    def on_message(msg: m.ToWorker) -> None:
+        if worker is not None:
+            worker.on_message(msg)
+        elif not first.done():
+            first.set_result(msg)
+
+    def on_bad(exc: ProtocolError) -> None:
+        log.error("bad frame from the daemon: %s", exc)
+
+    _, conn = await loop.create_unix_connection(
+        lambda: FramedProtocol(
+            _decoder, on_message=on_message, on_bad_message=on_bad,
+            max_frame_bytes=1 << 30,
+        ),
+        sock=sock,
+    )
+    boot_or_eof = await asyncio.wait([first, conn.closed], return_when=asyncio.FIRST_COMPLETED)
+    del boot_or_eof
+    if not first.done():
+        return 0  # the daemon went away before booting us
+    boot = first.result()
+    if not isinstance(boot, m.Boot):
+        conn.send(m.BootFailed(reason=f"expected boot, got {type(boot).__name__}"))
+        return EXIT_BOOT_FAILED
+    try:
+        worker = Worker(conn, boot)
+        worker.boot(boot)
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        log.debug("boot failed:\n%s", traceback.format_exc())
+        conn.send(m.BootFailed(reason=reason))
+        await _flush(conn)
+        return EXIT_BOOT_FAILED
+    conn.send(m.Ready(pid=os.getpid()))
+    await worker.serve()
+    await _flush(conn)
+    return 0
+
+
+async def _flush(conn: FramedProtocol[Any]) -> None:
+    transport = conn.transport
+    if transport is None:
+        return
+    await conn.drain()
+    transport.close()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(asyncio.shield(conn.closed), 1.0)
+
+
+def run_worker(sock: socket.socket) -> int:
+    """Entry point in the forked child; returns the exit code."""
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr,
+        format=f"sessiond-worker[{os.getpid()}]: %(levelname)s: %(message)s",
+    )
+    sock.setblocking(False)
+    return asyncio.run(_main(sock))

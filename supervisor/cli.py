@@ -1,0 +1,76 @@
+"""`sessiond`: run the daemon, or work with its config file.
+
+    sessiond [run] [--config PATH] [--socket PATH] [--state-dir PATH]
+    sessiond config default        print the embedded defaults as TOML
+    sessiond config check PATH     validate a config file (exit 0, or 2 naming the key)
+    sessiond version
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from supervisor import __version__
+from supervisor.config import ConfigError, default_config_path, default_toml, load_config
+
+__all__ = ["main"]
+
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sessiond", description="Process-isolated session supervisor for LLM agents."
+    )
+    sub = parser.add_subparsers(dest="command")
+    run = sub.add_parser("run", help="run the daemon in the foreground (the default)")
+    for p in (parser, run):
+        p.add_argument("--config", type=Path, help="config.toml (default: /etc/sessiond/config.toml "
+                       "as root, else $XDG_CONFIG_HOME/sessiond/config.toml, if present)")
+        p.add_argument("--socket", type=Path, help="control socket path")
+        p.add_argument("--state-dir", type=Path, help="where sessions are kept")
+    cfg = sub.add_parser("config", help="print or check a config file")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
+    cfg_sub.add_parser("default", help="print the default config as TOML")
+    check = cfg_sub.add_parser("check", help="validate a config file")
+    check.add_argument("path", type=Path)
+    sub.add_parser("version", help="print the version")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "version":
+        print(f"sessiond {__version__}")
+        return 0
+    if args.command == "config":
+        if args.config_command == "default":
+            sys.stdout.write(default_toml())
+            return 0
+        try:
+            load_config(args.path)
+        except ConfigError as exc:
+            print(f"sessiond: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        print(f"{args.path}: ok")
+        return 0
+
+    from supervisor.daemon import StartupError, configure_logging, run_daemon
+
+    try:
+        cfg = load_config(args.config or default_config_path())
+    except ConfigError as exc:
+        print(f"sessiond: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    configure_logging(cfg.daemon.log_level)
+    try:
+        return run_daemon(cfg, args.state_dir, args.socket)
+    except StartupError as exc:
+        print(f"sessiond: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""`sessionctl`: the command-line client.
+
+    sessionctl [--socket PATH] [--json] COMMAND ...
+
+Exit codes: 0 done, 1 the operation failed, 2 usage, 3 cannot reach the
+daemon, 4 no such session.  With --json a command prints one JSON object and
+a stream prints JSON lines, one event each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+import msgspec
+
+from ipc import messages as m
+from supervisor.client import AsyncClient, DaemonUnavailable, RequestError
+from supervisor.config import ConfigError, parse_override
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_SESSION = 0, 1, 2, 3, 4
+
+
+def to_plain(obj: Any) -> Any:
+    """A Struct as a dict with every field (the wire omits defaults; JSON
+    output must not: `status --json` always has pid, rss_bytes, last_exit)."""
+    if isinstance(obj, msgspec.Struct):
+        return {f: to_plain(getattr(obj, f)) for f in obj.__struct_fields__}
+    if isinstance(obj, list):
+        return [to_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    return obj
+
+
+def event_json(ev: Any) -> str:
+    data = {"type": type(ev).__struct_config__.tag}
+    data.update(to_plain(ev))
+    return json.dumps(data)
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="machine-readable output")
+    common.add_argument("--socket", default=argparse.SUPPRESS, help="daemon socket path")
+    parser = argparse.ArgumentParser(prog="sessionctl", description="Talk to sessiond.")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--socket", help="daemon socket path (default: $SESSIOND_SOCKET, "
+                        "/run/sessiond/sessiond.sock as root, else $XDG_RUNTIME_DIR/sessiond/sessiond.sock)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, parents=[common])
+
+    p = add("create", "create a session; prints its id")
+    p.add_argument("--id", dest="session_id", help="choose the session id")
+    p.add_argument("--handler", help="agent, echo or package.module:factory")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="per-session config override, e.g. agent.limits.max_memory_mb=64")
+    p = add("send", "send an input; streams the reply")
+    p.add_argument("id")
+    p.add_argument("text")
+    p = add("attach", "stream a session's events")
+    p.add_argument("id")
+    p.add_argument("--from", dest="from_seq", type=int, help="replay retained events from this seq")
+    add("ls", "list sessions")
+    for name, help_text in (
+        ("status", "show one session"), ("interrupt", "interrupt the running turn"),
+        ("stop", "stop a session's worker"), ("restart", "(re)start a session's worker"),
+        ("rm", "delete a session and its state"),
+    ):
+        add(name, help_text).add_argument("id")
+    for name in ("approve", "deny"):
+        p = add(name, f"{name} a pending permission request")
+        p.add_argument("id")
+        p.add_argument("request_id")
+    add("stats", "daemon statistics")
+    p = add("ping", "check the daemon (or a session's worker) answers")
+    p.add_argument("id", nargs="?")
+    return parser
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _print_table(sessions: list[m.SessionInfo]) -> None:
+    by_id = {s.id: s for s in sessions}
+    rows: list[tuple[str, m.SessionInfo]] = []
+
+    def walk(s: m.SessionInfo, depth: int) -> None:
+        rows.append(("  " * depth + ("└ " if depth else "") + s.id, s))
+        for child in s.children:
+            if child in by_id:
+                walk(by_id[child], depth + 1)
+
+    for s in sessions:
+        if s.parent is None or s.parent not in by_id:
+            walk(s, 0)
+    header = ("ID", "STATE", "PID", "RSS", "TURNS", "RESTARTS", "HANDLER")
+    table = [header] + [
+        (name, s.state, str(s.pid or "-"), _fmt_bytes(s.rss_bytes), str(s.turns), str(s.restarts), s.handler)
+        for name, s in rows
+    ]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for r in table:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def _print_status(s: m.SessionInfo) -> None:
+    exit_text = "-"
+    if s.last_exit is not None:
+        e = s.last_exit
+        how = f"signal {e.signal}" if e.signal else f"code {e.code}"
+        exit_text = f"{e.reason} ({how}){': ' + e.detail if e.detail else ''}"
+    fields = [
+        ("id", s.id), ("state", s.state), ("handler", s.handler), ("pid", s.pid or "-"),
+        ("rss", _fmt_bytes(s.rss_bytes)), ("turns", s.turns), ("restarts", s.restarts),
+        ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.created_at))),
+        ("last exit", exit_text), ("seq", s.seq),
+    ]
+    if s.parent:
+        fields.append(("parent", s.parent))
+    if s.children:
+        fields.append(("children", ", ".join(s.children)))
+    for k, v in fields:
+        print(f"{k + ':':<11}{v}")
+
+
+def _print_event(ev: Any) -> None:
+    match ev:
+        case m.TextDelta(text=text):
+            sys.stdout.write(text)
+        case m.TurnDone(turn=turn, interrupted=interrupted):
+            print(f"\n[turn {turn} done{' (interrupted)' if interrupted else ''}]")
+        case m.TurnFailed(turn=turn, reason=reason):
+            print(f"\n[turn {turn} failed: {reason}]")
+        case m.StateChanged(old=old, new=new, reason=reason):
+            print(f"[{old} -> {new}{': ' + reason if reason else ''}]")
+        case m.LimitExceeded(kind=kind, value=value, limit=limit):
+            print(f"[limit {kind}: {value:g} > {limit:g}]")
+        case m.Notice(kind=kind, data=data):
+            print(f"[{kind}: {json.dumps(data)}]")
+        case m.PermissionRequest(request_id=rid, tool=tool, arguments=args):
+            print(f"[permission request {rid}: {tool} {json.dumps(args)}]")
+        case m.Gap(seq=seq, from_seq=from_seq):
+            print(f"[events {from_seq}..{seq - 1} are no longer retained]")
+    sys.stdout.flush()
+
+
+async def _ask_on_terminal(client: AsyncClient, session: str, ev: m.PermissionRequest) -> None:
+    prompt = f"\nallow {ev.tool} {json.dumps(ev.arguments)}? [y/N] "
+    answer = await asyncio.get_running_loop().run_in_executor(None, _read_answer, prompt)
+    await client.answer(session, ev.request_id, answer)
+
+
+def _read_answer(prompt: str) -> bool:
+    try:
+        with open("/dev/tty", "r+") as tty:
+            tty.write(prompt)
+            tty.flush()
+            return tty.readline().strip().lower() in ("y", "yes")
+    except OSError:
+        return False
+
+
+async def _run(args: argparse.Namespace) -> int:
+    as_json: bool = args.json
+    client = await AsyncClient.connect(args.socket, client_name="sessionctl")
+    try:
+        match args.command:
+            case "create":
+                overrides: dict[str, Any] = {}
+                for item in args.overrides:
+                    try:
+                        key, value = parse_override(item)
+                    except ConfigError as exc:
+                        print(f"sessionctl: {exc}", file=sys.stderr)
+                        return EXIT_USAGE
+                    overrides[key] = value
+                info = await client.create(args.session_id, args.handler, overrides)
+                print(json.dumps(to_plain(info)) if as_json else info.id)
+            case "send":
+                return await _send(client, args.id, args.text, as_json)
+            case "attach":
+                async for ev in client.attach(args.id, args.from_seq):
+                    if as_json:
+                        print(event_json(ev), flush=True)
+                    else:
+                        _print_event(ev)
+            case "ls":
+                sessions = await client.list()
+                if as_json:
+                    print(json.dumps({"sessions": to_plain(sessions)}))
+                elif sessions:
+                    _print_table(sessions)
+                else:
+                    print("no sessions")
+            case "status":
+                info = await client.status(args.id)
+                print(json.dumps(to_plain(info))) if as_json else _print_status(info)
+            case "stats":
+                stats = await client.stats()
+                if as_json:
+                    print(json.dumps(to_plain(stats)))
+                else:
+                    print(f"sessiond {stats.version}, pid {stats.pid}, up {stats.uptime_secs:.0f}s, "
+                          f"rss {_fmt_bytes(stats.rss_bytes)}")
+                    states = ", ".join(f"{n} {k}" for k, n in sorted(stats.by_state.items()))
+                    print(f"{stats.sessions} sessions ({states or 'none'}), {stats.live_workers} live "
+                          f"workers, {stats.clients} clients")
+            case "ping":
+                t0 = time.perf_counter()
+                pong = await client.ping(args.id)
+                rtt_ms = (time.perf_counter() - t0) * 1000
+                if as_json:
+                    print(json.dumps({"pid": pong.pid, "session": pong.session, "rtt_ms": round(rtt_ms, 3)}))
+                else:
+                    who = f"worker of {pong.session}" if pong.session else "sessiond"
+                    print(f"pong from {who} (pid {pong.pid}) in {rtt_ms:.2f} ms")
+            case "interrupt" | "stop" | "restart" | "rm":
+                action = {"interrupt": client.interrupt, "stop": client.stop,
+                          "restart": client.restart, "rm": client.remove}[args.command]
+                await action(args.id)
+                if as_json:
+                    print(json.dumps({"ok": True, "id": args.id}))
+            case "approve" | "deny":
+                await client.answer(args.id, args.request_id, args.command == "approve")
+                if as_json:
+                    print(json.dumps({"ok": True, "id": args.id, "request_id": args.request_id}))
+        return EXIT_OK
+    finally:
+        await client.close()
+
+
+async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> int:
+    interactive = sys.stdin.isatty() and not as_json
+    asks: set[asyncio.Task[None]] = set()
+    ended_with_newline = True
+    async for ev in client.send(session, text):
+        if as_json:
+            print(event_json(ev), flush=True)
+        match ev:
+            case m.TextDelta(text=delta) if not as_json:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+                ended_with_newline = delta.endswith("\n")
+            case m.PermissionRequest() if interactive:
+                asks.add(asyncio.create_task(_ask_on_terminal(client, session, ev)))
+            case m.PermissionRequest() if not as_json:
+                print(f"\nsessionctl: permission request {ev.request_id} for {ev.tool}: "
+                      f"answer with `sessionctl approve|deny {session} {ev.request_id}`",
+                      file=sys.stderr)
+            case m.LimitExceeded(kind=kind, value=value, limit=limit) if not as_json:
+                print(f"\nsessionctl: limit {kind} exceeded: {value:g} > {limit:g}", file=sys.stderr)
+            case m.TurnDone(interrupted=interrupted):
+                if not as_json:
+                    if not ended_with_newline:
+                        sys.stdout.write("\n")
+                    if interrupted:
+                        print("sessionctl: the turn was interrupted", file=sys.stderr)
+                return EXIT_OK
+            case m.TurnFailed(reason=reason):
+                if not as_json and not ended_with_newline:
+                    sys.stdout.write("\n")
+                print(f"sessionctl: turn {ev.turn} failed: {reason}", file=sys.stderr)
+                return EXIT_FAILED
+    return EXIT_FAILED
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return asyncio.run(_run(args))
+    except DaemonUnavailable as exc:
+        print(f"sessionctl: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except RequestError as exc:
+        print(f"sessionctl: {exc.message}", file=sys.stderr)
+        return EXIT_NO_SESSION if exc.code == "not_found" else EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

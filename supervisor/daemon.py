@@ -1,0 +1,206 @@
+"""sessiond's process: start-up checks, the zygote, the loop, graceful stop.
+
+Start-up order matters:
+1. config, state directory and socket path are checked first, so a bad
+   setting is a one-line error and exit code, never a traceback later;
+2. the zygote is forked while this process still has no thread and no
+   event loop (forking later would copy a running loop into the child);
+3. only then is the socket bound and the loop started.
+
+Signals only set an event (gunicorn's lesson: nothing runs inside a handler);
+the loop does the stopping: stop accepting, let running turns finish for
+`shutdown_grace_secs`, stop the workers, flush, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+import tempfile
+from pathlib import Path
+
+from supervisor import __version__
+from supervisor.config import Config, daemon_socket_path, default_state_dir
+from supervisor.manager import SessionManager
+from supervisor.server import ControlServer
+from supervisor.zygote import ZygoteSpawner
+
+__all__ = ["StartupError", "run_daemon"]
+
+log = logging.getLogger("sessiond")
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the text tells the operator what to fix."""
+
+
+def check_state_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        (path / "sessions").mkdir(exist_ok=True, mode=0o700)
+        with tempfile.NamedTemporaryFile(dir=path / "sessions", prefix=".probe-") as f:
+            f.write(b"x")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise StartupError(
+            f"state directory {path} is not usable: {exc.strerror or exc}"
+            " (set [daemon] state_dir or --state-dir to a writable directory)"
+        ) from None
+
+
+def _socket_in_use(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def prepare_socket_path(path: Path) -> None:
+    """Refuse to start over a live daemon; clear a stale socket file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    except OSError as exc:
+        raise StartupError(f"cannot create the socket directory {path.parent}: {exc.strerror}") from None
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
+        if _socket_in_use(path):
+            raise StartupError(f"another sessiond is already listening on {path}")
+        path.unlink()
+    if len(os.fsencode(str(path))) >= 108:
+        raise StartupError(f"socket path {path} is too long for a Unix socket (max 107 bytes)")
+
+
+def bind_socket(path: Path, mode: int) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o777 & ~mode)
+    try:
+        sock.bind(str(path))
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot bind {path}: {exc.strerror}") from None
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, mode)
+    sock.listen(512)
+    sock.setblocking(False)
+    return sock
+
+
+def _inherited_socket() -> socket.socket | None:
+    """A listening socket passed by systemd socket activation, if any."""
+    try:
+        from supervisor.sdnotify import listen_fds
+    except ImportError:
+        return None
+    socks = listen_fds()
+    for extra in socks[1:]:
+        extra.close()
+    if socks:
+        socks[0].setblocking(False)
+        return socks[0]
+    return None
+
+
+def run_daemon(cfg: Config, state_dir: Path | None = None, socket_path: Path | None = None) -> int:
+    state_dir = state_dir or default_state_dir(cfg)
+    socket_path = socket_path or daemon_socket_path(cfg)
+    check_state_dir(state_dir)
+    inherited = _inherited_socket()
+    if inherited is None:
+        prepare_socket_path(socket_path)
+
+    spawner = ZygoteSpawner()
+    spawner.start()  # before any loop or thread exists
+    try:
+        if inherited is not None:
+            sock, bound = inherited, False
+        else:
+            sock, bound = bind_socket(socket_path, int(cfg.daemon.socket_mode, 8)), True
+        try:
+            return asyncio.run(_serve(cfg, state_dir, socket_path, sock, spawner))
+        finally:
+            if bound:
+                with contextlib.suppress(FileNotFoundError):
+                    socket_path.unlink()
+    finally:
+        spawner.close()
+
+
+async def _serve(
+    cfg: Config, state_dir: Path, socket_path: Path, sock: socket.socket, spawner: ZygoteSpawner
+) -> int:
+    loop = asyncio.get_running_loop()
+    spawner.attach(loop)
+    manager = SessionManager(cfg, state_dir, spawner)
+    manager.load_all()
+    server = ControlServer(manager)
+    await server.start(sock)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    if not cfg.provider.configured:
+        log.info(
+            "no [provider] configured: sessions run the echo handler; set [provider] base_url and "
+            "model in config.toml to run the LLM agent"
+        )
+    where = sock.getsockname() or str(socket_path)
+    log.info("sessiond %s (pid %d) listening on %s; state in %s", __version__, os.getpid(), where, state_dir)
+    log.info("try: SESSIOND_SOCKET=%s sessionctl create", where)
+    _notify("READY=1", f"STATUS={_status_line(manager)}")
+
+    await stop.wait()
+    log.info("shutting down: no new connections; letting running turns finish (up to %gs)",
+             cfg.daemon.shutdown_grace_secs)
+    _notify("STOPPING=1")
+    server.stop_accepting()
+    await manager.shutdown(cfg.daemon.shutdown_grace_secs)
+    server.close_clients()
+    log.info("stopped")
+    return 0
+
+
+def _status_line(manager: SessionManager) -> str:
+    live = manager.live_workers()
+    counts: dict[str, int] = {}
+    for s in manager.sessions.values():
+        counts[s.state.value] = counts.get(s.state.value, 0) + 1
+    return (
+        f"{len(manager.sessions)} sessions: {live} live, {counts.get('hibernated', 0)} hibernated, "
+        f"{counts.get('failed', 0)} failed"
+    )
+
+
+def _notify(*fields: str) -> None:
+    try:
+        from supervisor.sdnotify import notify
+    except ImportError:
+        return
+    notify(*fields)
+
+
+def configure_logging(level: str) -> None:
+    try:
+        from supervisor.sdnotify import configure_logging as sd_configure
+    except ImportError:
+        logging.basicConfig(
+            level=level.upper(), stream=sys.stderr,
+            format="sessiond[%(process)d]: %(levelname)s: %(message)s",
+        )
+        return
+    sd_configure(level.upper())
+

@@ -1,0 +1,874 @@
+"""Sessions in the daemon: their state, their workers, their events.
+
+Runs in the daemon's event loop, single-threaded.  The manager is the one
+owner of session state; everything that changes a session goes through it:
+requests from clients, messages from workers, exit reports from the zygote.
+Transitions come from `supervisor.states` (pure); this module does the I/O
+around them: spawning through the spawner, appending to the store, fanning
+events out to attached clients.
+
+Ordering rules that make the durability promises true:
+* an input is appended (fsync) before `Accepted` is sent;
+* a turn's output is appended (fsync) before `TurnDone` is sent;
+* a worker that dies mid-turn gets an `Abort` record and a `TurnFailed`
+  event naming the cause, and the turn is not replayed unless
+  `retry_aborted_turn` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import re
+import secrets
+import signal
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+import psutil
+
+from ipc import messages as m
+from ipc.connection import FramedProtocol
+from ipc.errors import ProtocolError
+from ipc.framing import FrameEncoder
+from session_worker.main import EXIT_BOOT_FAILED
+from session_worker.settings import SessionSettings
+from supervisor.config import Config, ConfigError, apply_overrides
+from supervisor.errors import BadRequest, Conflict, Internal, NotFound, SessiondError
+from supervisor.states import LIVE, RestartPolicy, State, Trigger, transition
+from supervisor.store import (
+    Abort,
+    Commit,
+    InputRecord,
+    LoadedSession,
+    Mark,
+    Meta,
+    SessionStore,
+    Snapshot,
+    StoreError,
+)
+from supervisor.zygote import ZygoteDied, ZygoteSpawner
+
+__all__ = ["Session", "SessionManager", "Subscriber", "valid_session_id"]
+
+log = logging.getLogger("sessiond.manager")
+
+_SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_worker_decoder = msgspec.msgpack.Decoder(m.FromWorker)  # type: ignore[arg-type]
+_settings_encoder = msgspec.msgpack.Encoder()
+# Seq numbers are reserved in blocks, so a daemon killed mid-turn never
+# hands out a seq a client has already seen.
+_SEQ_BLOCK = 4096
+_WORKER_FRAME_LIMIT = 1 << 30
+
+
+def valid_session_id(session_id: str) -> bool:
+    return _SESSION_ID.fullmatch(session_id) is not None
+
+
+class Subscriber(Protocol):
+    uid: int
+
+    def deliver(self, frame: bytes | bytearray) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class WorkerProc:
+    pid: int
+    conn: FramedProtocol[m.FromWorker]
+    ready: asyncio.Future[None]
+    exited: asyncio.Future[m.ExitInfo]
+    started_at: float
+    last_heartbeat: float
+    booted: bool = False
+    boot_error: str = ""
+    # Why we asked it to go, so its exit is not mistaken for a crash.
+    expected: str = ""
+    # Set when a limit killed it: killed_memory, killed_turn_timeout, killed_heartbeat.
+    kill_reason: str = ""
+    kill_detail: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    id: str
+    meta: Meta
+    store: SessionStore
+    settings: SessionSettings
+    state: State
+    turns: int = 0
+    seq: int = 0
+    reserved_seq: int = 0
+    restarts: int = 0
+    last_exit: m.ExitInfo | None = None
+    worker: WorkerProc | None = None
+    current_turn: int | None = None
+    current_input: str = ""
+    subscribers: set[Subscriber] = field(default_factory=set)
+    ring: collections.deque[tuple[int, bytes | bytearray]] = field(
+        default_factory=collections.deque
+    )
+    policy: RestartPolicy | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    state_waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    pings: dict[int, asyncio.Future[None]] = field(default_factory=dict)
+    restart_handle: asyncio.TimerHandle | None = None
+    last_active: float = field(default_factory=time.monotonic)
+    children: list[str] = field(default_factory=list)
+
+    @property
+    def persisted_state(self) -> str:
+        return self.state.value if self.state in (State.STOPPED, State.FAILED) else ""
+
+
+class SessionManager:
+    def __init__(
+        self,
+        config: Config,
+        state_dir: Path,
+        spawner: ZygoteSpawner,
+        *,
+        admin_uid: int | None = None,
+    ) -> None:
+        self.config = config
+        self.state_dir = state_dir
+        self.sessions_dir = state_dir / "sessions"
+        self.workspaces_dir = state_dir / "workspaces"
+        self.spawner = spawner
+        self.sessions: dict[str, Session] = {}
+        self._by_pid: dict[int, Session] = {}
+        self._encoder = FrameEncoder()
+        self._ping_nonce = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closing = False
+        self.admin_uid = os.getuid() if admin_uid is None else admin_uid
+        spawner.on_exit = self._on_exit
+        spawner.on_zygote_lost = self._on_zygote_lost
+
+    # ================================================================ load
+
+    def load_all(self) -> None:
+        """Restore every session on disk; live ones come back hibernated."""
+        self.sessions_dir.mkdir(parents=True, exist_ok=True)
+        for path in sorted(self.sessions_dir.iterdir()):
+            if path.name.startswith(".deleted-"):
+                import shutil
+
+                shutil.rmtree(path, ignore_errors=True)
+                continue
+            if not path.is_dir():
+                continue
+            try:
+                store, loaded = SessionStore.load(path)
+                self._restore(store, loaded)
+            except Exception as exc:
+                log.error("cannot restore session %s: %s (left on disk untouched)", path.name, exc)
+        if self.sessions:
+            log.info("restored %d session(s) from %s", len(self.sessions), self.sessions_dir)
+
+    def _restore(self, store: SessionStore, loaded: LoadedSession) -> None:
+        meta = loaded.meta
+        try:
+            settings = apply_overrides(self.config.session_settings(), meta.overrides, privileged=True)
+        except ConfigError as exc:
+            log.warning("session %s: its overrides no longer apply (%s); using the config", meta.id, exc)
+            settings = self.config.session_settings()
+        mark = loaded.mark
+        state = {"stopped": State.STOPPED, "failed": State.FAILED}.get(mark.state, State.HIBERNATED)
+        session = Session(
+            id=meta.id, meta=meta, store=store, settings=settings, state=state,
+            turns=loaded.turns, seq=loaded.seq, reserved_seq=loaded.seq,
+            restarts=mark.restarts,
+            last_exit=msgspec.convert(mark.last_exit, m.ExitInfo) if mark.last_exit else None,
+        )
+        session.ring = collections.deque(maxlen=self.config.daemon.event_retention)
+        if loaded.open_input is not None:
+            # The daemon died during this turn; what it streamed is gone.
+            reason = "the daemon stopped during this turn"
+            session.seq += 1
+            store.append(Abort(turn=loaded.open_input.turn, reason=reason, seq=session.seq), durable=True)
+        self.sessions[meta.id] = session
+        if meta.parent and meta.parent in self.sessions:
+            self.sessions[meta.parent].children.append(meta.id)
+
+    # ================================================================ events
+
+    def _emit(self, session: Session, event: m.Event) -> None:
+        frame = self._encoder.encode(event)
+        session.ring.append((event.seq, frame))
+        for sub in list(session.subscribers):
+            sub.deliver(frame)
+
+    def _next_seq(self, session: Session) -> int:
+        session.seq += 1
+        if session.seq > session.reserved_seq:
+            session.reserved_seq = session.seq + _SEQ_BLOCK
+            self._write_mark(session, durable=False)
+        return session.seq
+
+    def _write_mark(self, session: Session, durable: bool) -> None:
+        last = msgspec.to_builtins(session.last_exit) if session.last_exit else None
+        mark = Mark(
+            state=session.persisted_state, seq=session.reserved_seq,
+            restarts=session.restarts, last_exit=last,
+        )
+        try:
+            session.store.append(mark, durable=durable)
+        except StoreError as exc:
+            log.error("session %s: %s", session.id, exc)
+
+    def _set_state(self, session: Session, trigger: Trigger, reason: str = "") -> None:
+        old = session.state
+        new = transition(old, trigger)
+        session.state = new
+        log.debug("session %s: %s -> %s (%s)", session.id, old, new, reason or trigger)
+        self._emit(
+            session,
+            m.StateChanged(session=session.id, seq=self._next_seq(session), old=old, new=new, reason=reason),
+        )
+        waiters, session.state_waiters = session.state_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _wait_state(self, session: Session, states: Iterable[State], timeout: float) -> None:
+        wanted = set(states)
+        deadline = time.monotonic() + timeout
+        while session.state not in wanted:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Conflict(f"session {session.id} is still {session.state}; try again shortly")
+            fut = asyncio.get_running_loop().create_future()
+            session.state_waiters.append(fut)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(fut, remaining)
+
+    # ================================================================ lookups
+
+    def get(self, session_id: str, uid: int | None = None) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"no session {session_id!r}")
+        return session
+
+    def info(self, session: Session, with_rss: bool = True) -> m.SessionInfo:
+        worker = session.worker
+        pid = worker.pid if worker is not None and not worker.exited.done() else None
+        rss = _tree_rss(pid) if (pid is not None and with_rss) else None
+        return m.SessionInfo(
+            id=session.id, state=session.state.value, handler=session.meta.handler, pid=pid,
+            rss_bytes=rss, restarts=session.restarts, turns=session.turns,
+            created_at=session.meta.created_at, last_exit=session.last_exit, seq=session.seq,
+            parent=session.meta.parent, children=list(session.children),
+            owner_uid=session.meta.owner_uid,
+        )
+
+    def live_workers(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.worker is not None)
+
+    # ================================================================ create
+
+    async def create(
+        self,
+        owner_uid: int,
+        session_id: str | None,
+        handler: str | None,
+        overrides: dict[str, Any],
+        *,
+        parent: Session | None = None,
+    ) -> Session:
+        if self._closing:
+            raise Conflict("the daemon is shutting down")
+        if session_id is None:
+            session_id = secrets.token_hex(6)
+        elif not valid_session_id(session_id):
+            raise BadRequest(
+                f"invalid session id {session_id!r}: 1-64 characters of A-Z a-z 0-9 . _ -, "
+                "starting with a letter or digit"
+            )
+        if session_id in self.sessions:
+            raise Conflict(f"session {session_id!r} already exists")
+        privileged = owner_uid in (0, self.admin_uid)
+        try:
+            settings = apply_overrides(self.config.session_settings(), overrides, privileged=privileged)
+        except ConfigError as exc:
+            raise BadRequest(str(exc)) from None
+        handler = handler or settings.agent.handler
+        if handler == "agent" and not settings.provider.configured:
+            handler = "echo"
+        if not _valid_handler_name(handler):
+            raise BadRequest(
+                f"invalid handler {handler!r}: use 'agent', 'echo' or 'package.module:factory'"
+            )
+        meta = Meta(
+            id=session_id, handler=handler, overrides=overrides, created_at=time.time(),
+            owner_uid=owner_uid, parent=parent.id if parent else None,
+            depth=parent.meta.depth + 1 if parent else 0,
+        )
+        try:
+            store = SessionStore.create(self.sessions_dir, meta)
+        except FileExistsError:
+            raise Conflict(f"session {session_id!r} already exists") from None
+        except StoreError as exc:
+            raise Internal(str(exc)) from None
+        session = Session(
+            id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING,
+            ring=collections.deque(maxlen=self.config.daemon.event_retention),
+        )
+        self.sessions[session_id] = session
+        if parent is not None:
+            parent.children.append(session_id)
+        try:
+            async with session.lock:
+                await self._start_worker(session)
+        except SessiondError as exc:
+            # A create that cannot boot leaves nothing behind.
+            self._discard(session)
+            raise type(exc)(f"session {session_id!r} could not start: {exc.message}") from None
+        except BaseException:
+            self._discard(session)
+            raise
+        log.info("session %s created (handler %s, pid %s)", session_id, handler,
+                 session.worker.pid if session.worker else "-")
+        return session
+
+    def _discard(self, session: Session) -> None:
+        if session.worker is not None:
+            self.spawner.signal(session.worker.pid, signal.SIGKILL)
+        self.sessions.pop(session.id, None)
+        session.store.remove()
+
+    # ================================================================ workers
+
+    def _workspace(self, session: Session) -> Path:
+        base = session.settings.tools.workspace_dir
+        root = Path(base) if base else self.workspaces_dir
+        return root / session.id
+
+    async def _start_worker(self, session: Session) -> None:
+        """Spawn, boot and wait for Ready.  Caller holds session.lock and
+        has put the session in STARTING."""
+        assert session.state is State.STARTING, session.state
+        loop = asyncio.get_running_loop()
+        try:
+            snapshot, records, _ = session.store.read_for_boot()
+        except OSError as exc:
+            raise Internal(f"cannot read its state: {exc}") from None
+        try:
+            pid, sock = await self.spawner.spawn()
+        except ZygoteDied as exc:
+            raise Internal(str(exc)) from None
+        now = time.monotonic()
+        worker: WorkerProc
+        proto: FramedProtocol[m.FromWorker] = FramedProtocol(
+            _worker_decoder,
+            max_frame_bytes=_WORKER_FRAME_LIMIT,
+            on_message=lambda msg: self._on_worker_message(session, worker, msg),
+            on_bad_message=lambda exc: self._on_worker_bad_frame(session, worker, exc),
+        )
+        worker = WorkerProc(
+            pid=pid, conn=proto, ready=loop.create_future(), exited=loop.create_future(),
+            started_at=now, last_heartbeat=now,
+        )
+        session.worker = worker
+        self._by_pid[pid] = session
+        await loop.create_unix_connection(lambda: proto, sock=sock)
+        proto.send(
+            m.Boot(
+                session=session.id, handler=session.meta.handler,
+                settings=_settings_encoder.encode(session.settings),
+                workspace=str(self._workspace(session)), depth=session.meta.depth,
+                turns=session.turns, snapshot=snapshot, records=records,
+            )
+        )
+        try:
+            await asyncio.wait_for(
+                asyncio.shield(worker.ready), self.config.daemon.boot_timeout_secs
+            )
+        except asyncio.TimeoutError:
+            worker.kill_reason = "boot_failed"
+            worker.kill_detail = "no Ready within boot_timeout_secs"
+            self.spawner.signal(pid, signal.SIGKILL)
+            raise Internal(
+                f"worker did not become ready within {self.config.daemon.boot_timeout_secs:g}s"
+            ) from None
+        except SessiondError:
+            raise
+        self._set_state(session, Trigger.READY)
+        session.last_active = time.monotonic()
+
+    def _on_worker_bad_frame(self, session: Session, worker: WorkerProc, exc: ProtocolError) -> None:
+        # A worker that speaks garbage is broken: kill it; it restarts from the log.
+        log.error("session %s: bad frame from worker %d: %s; killing it", session.id, worker.pid, exc)
+        worker.kill_reason = worker.kill_reason or "crashed"
+        worker.kill_detail = f"protocol error: {exc}"
+        self.spawner.signal(worker.pid, signal.SIGKILL)
+
+    def _on_worker_message(self, session: Session, worker: WorkerProc, msg: m.FromWorker) -> None:
+        if session.worker is not worker:
+            return  # a message from a worker we have already replaced
+        match msg:
+            case m.Heartbeat():
+                worker.last_heartbeat = time.monotonic()
+            case m.Delta(turn=turn, text=text):
+                if turn == session.current_turn:
+                    self._emit(
+                        session,
+                        m.TextDelta(session=session.id, seq=self._next_seq(session), turn=turn, text=text),
+                    )
+            case m.Done():
+                self._on_done(session, worker, msg)
+            case m.Failed():
+                self._on_failed(session, msg)
+            case m.Ready():
+                worker.booted = True
+                worker.last_heartbeat = time.monotonic()
+                if not worker.ready.done():
+                    worker.ready.set_result(None)
+            case m.BootFailed(reason=reason):
+                worker.boot_error = reason
+                if not worker.ready.done():
+                    worker.ready.set_exception(Internal(f"boot failed: {reason}"))
+                    worker.ready.exception()  # mark retrieved
+            case m.WorkerPong(nonce=nonce):
+                fut = session.pings.pop(nonce, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+            case m.WorkerNotice(turn=turn, kind=kind, data=data):
+                self._emit(
+                    session,
+                    m.Notice(session=session.id, seq=self._next_seq(session), turn=turn, kind=kind, data=data),
+                )
+            case m.WorkerLimit(kind=kind, value=value, limit=limit):
+                self._emit(
+                    session,
+                    m.LimitExceeded(session=session.id, seq=self._next_seq(session), kind=kind,
+                                    value=value, limit=limit),
+                )
+            case m.AskPermission(turn=turn, request_id=rid, tool=tool, arguments=arguments):
+                self._emit(
+                    session,
+                    m.PermissionRequest(session=session.id, seq=self._next_seq(session), turn=turn,
+                                        request_id=rid, tool=tool, arguments=arguments),
+                )
+            case m.SpawnAgent(request_id=rid):
+                worker.conn.send(
+                    m.SpawnResult(request_id=rid, ok=False, reason="sub-agents are not enabled in this daemon")
+                )
+
+    def _on_done(self, session: Session, worker: WorkerProc, msg: m.Done) -> None:
+        if msg.turn != session.current_turn:
+            log.warning("session %s: Done for turn %d, expected %s", session.id, msg.turn, session.current_turn)
+            return
+        seq = session.seq + 1
+        try:
+            session.store.append(
+                Commit(turn=msg.turn, reply=msg.reply, record=msg.record,
+                       interrupted=msg.interrupted, seq=seq),
+                durable=True,
+            )
+        except StoreError as exc:
+            # The worker is now ahead of the disk: make it restart from the disk.
+            log.error("session %s: turn %d not persisted: %s", session.id, msg.turn, exc)
+            self._end_turn(session, failed=f"the turn could not be saved: {exc}")
+            worker.kill_reason = "crashed"
+            worker.kill_detail = "its turn could not be saved"
+            self.spawner.signal(worker.pid, signal.SIGKILL)
+            return
+        if msg.snapshot:
+            try:
+                session.store.write_snapshot(
+                    Snapshot(
+                        gen=0, meta=session.meta, turns=session.turns, seq=session.reserved_seq,
+                        handler_state=msg.snapshot,
+                        mark=Mark(state=session.persisted_state, seq=session.reserved_seq,
+                                  restarts=session.restarts,
+                                  last_exit=msgspec.to_builtins(session.last_exit) if session.last_exit else None),
+                    )
+                )
+            except StoreError as exc:
+                log.warning("session %s: %s (the log still holds every turn)", session.id, exc)
+        session.current_turn = None
+        session.current_input = ""
+        session.last_active = time.monotonic()
+        self._next_seq(session)  # == seq
+        self._emit(
+            session,
+            m.TurnDone(session=session.id, seq=seq, turn=msg.turn, reply=msg.reply, interrupted=msg.interrupted),
+        )
+        if session.state in (State.RUNNING, State.INTERRUPTING):
+            self._set_state(session, Trigger.TURN_END)
+
+    def _on_failed(self, session: Session, msg: m.Failed) -> None:
+        if msg.turn != session.current_turn:
+            return
+        session.current_input = ""
+        self._abort_turn(session, msg.reason, msg.record)
+        if session.state in (State.RUNNING, State.INTERRUPTING):
+            self._set_state(session, Trigger.TURN_END, reason="turn failed")
+
+    def _abort_turn(self, session: Session, reason: str, record: bytes = b"") -> None:
+        turn = session.current_turn
+        if turn is None:
+            return
+        seq = session.seq + 1
+        try:
+            session.store.append(Abort(turn=turn, reason=reason, record=record, seq=seq), durable=True)
+        except StoreError as exc:
+            log.error("session %s: %s", session.id, exc)
+        session.current_turn = None
+        self._next_seq(session)
+        self._emit(session, m.TurnFailed(session=session.id, seq=seq, turn=turn, reason=reason))
+
+    def _end_turn(self, session: Session, failed: str) -> None:
+        self._abort_turn(session, failed)
+        if session.state in (State.RUNNING, State.INTERRUPTING):
+            self._set_state(session, Trigger.TURN_END, reason="turn failed")
+
+    # ---------------------------------------------------------------- exits
+
+    def _on_zygote_lost(self) -> None:
+        for pid in list(self._by_pid):
+            self._on_exit(pid, None, signal.SIGKILL, detail="the zygote died")
+
+    def _on_exit(self, pid: int, code: int | None, sig: int | None, detail: str = "") -> None:
+        session = self._by_pid.pop(pid, None)
+        if session is None:
+            return
+        # Tools left in the group die with the worker.
+        self.spawner.signal(pid, signal.SIGKILL)
+        worker = session.worker
+        if worker is None or worker.pid != pid:
+            return
+        reason = _classify(worker, code, sig)
+        info = m.ExitInfo(
+            reason=reason, code=code, signal=sig, at=time.time(),
+            detail=detail or worker.kill_detail or worker.boot_error,
+        )
+        worker.exited.set_result(info)
+        if not worker.ready.done():
+            worker.ready.set_exception(Internal(_describe_exit(info)))
+            worker.ready.exception()
+        for fut in session.pings.values():
+            if not fut.done():
+                fut.set_exception(Conflict("the worker exited"))
+                fut.exception()
+        session.pings.clear()
+        session.worker = None
+        session.last_exit = info
+        if worker.expected:
+            log.info("session %s: worker %d exited (%s)", session.id, pid, worker.expected)
+            session.current_input = ""
+            self._abort_turn(session, f"the session was {worker.expected}")
+            return
+        log.warning("session %s: worker %d %s", session.id, pid, _describe_exit(info))
+        self._abort_turn(session, _describe_exit(info))
+        if session.state is State.STARTING and not worker.booted:
+            return  # _start_worker's caller decides (create fails, revive retries)
+        if session.state in LIVE:
+            self._set_state(session, Trigger.EXIT, reason=reason)
+            self._schedule_restart(session)
+
+    def _schedule_restart(self, session: Session) -> None:
+        if self._closing:
+            return
+        ws = session.settings.agent.worker
+        if session.policy is None:
+            session.policy = RestartPolicy(
+                ws.max_restart_attempts, ws.restart_window_secs,
+                ws.restart_backoff_initial_ms, ws.restart_backoff_max_ms,
+            )
+        decision = session.policy.on_failure(time.monotonic())
+        if not decision.restart:
+            self._set_state(
+                session, Trigger.GIVE_UP,
+                reason=f"{decision.attempts_in_window} failures within {ws.restart_window_secs:g}s",
+            )
+            self._emit(
+                session,
+                m.LimitExceeded(session=session.id, seq=self._next_seq(session), kind="restarts",
+                                value=decision.attempts_in_window, limit=ws.max_restart_attempts),
+            )
+            self._write_mark(session, durable=True)
+            return
+        self._set_state(session, Trigger.BACKOFF, reason=f"restart in {decision.delay_secs:.3f}s")
+        loop = asyncio.get_running_loop()
+        session.restart_handle = loop.call_later(
+            decision.delay_secs, lambda: self._spawn_task(self._auto_restart(session))
+        )
+
+    async def _auto_restart(self, session: Session) -> None:
+        session.restart_handle = None
+        async with session.lock:
+            if session.state is not State.RESTARTING or self._closing:
+                return
+            session.restarts += 1
+            self._write_mark(session, durable=False)
+            self._set_state(session, Trigger.SPAWN, reason=f"restart #{session.restarts}")
+            try:
+                await self._start_worker(session)
+            except SessiondError as exc:
+                log.warning("session %s: restart failed: %s", session.id, exc)
+                if session.state is State.STARTING:
+                    self._set_state(session, Trigger.EXIT, reason="boot_failed")
+                    self._schedule_restart(session)
+                return
+            retry = (
+                session.settings.agent.worker.retry_aborted_turn and session.current_input
+            )
+            if retry:
+                text, session.current_input = session.current_input, ""
+                self._begin_turn(session, text)
+
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _terminate(self, session: Session, expected: str, grace: float) -> None:
+        """Ask the worker to go, then kill its process group (trio-style:
+        terminate, wait, then kill)."""
+        worker = session.worker
+        if worker is None:
+            return
+        worker.expected = expected
+        worker.conn.send(m.Shutdown())
+        try:
+            await asyncio.wait_for(asyncio.shield(worker.exited), grace)
+            return
+        except asyncio.TimeoutError:
+            pass
+        log.warning("session %s: worker %d did not stop within %.1fs; killing it", session.id, worker.pid, grace)
+        self.spawner.signal(worker.pid, signal.SIGKILL)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(worker.exited), 10.0)
+
+    # ================================================================ requests
+
+    async def send(self, session: Session, text: str, subscriber: Subscriber | None) -> m.Accepted:
+        async with session.lock:
+            if session.state is State.HIBERNATED:
+                self._set_state(session, Trigger.SPAWN, reason="input")
+                try:
+                    await self._start_worker(session)
+                except SessiondError:
+                    if session.state is State.STARTING:
+                        self._set_state(session, Trigger.EXIT, reason="boot_failed")
+                        self._schedule_restart(session)
+                    raise
+        if session.state in (State.STARTING, State.RESTARTING, State.CRASHED):
+            await self._wait_state(
+                session, (State.IDLE, State.FAILED, State.STOPPED, State.DELETED, State.RUNNING),
+                self.config.daemon.boot_timeout_secs,
+            )
+        match session.state:
+            case State.IDLE:
+                pass
+            case State.RUNNING | State.INTERRUPTING:
+                raise Conflict(f"session {session.id} is busy with turn {session.current_turn}; "
+                               "wait for it to end or interrupt it")
+            case State.STOPPED | State.STOPPING:
+                raise Conflict(f"session {session.id} is stopped; `sessionctl restart {session.id}` starts it")
+            case State.FAILED:
+                raise Conflict(f"session {session.id} has failed ({_describe_exit(session.last_exit)}); "
+                               f"`sessionctl restart {session.id}` starts it again")
+            case _:
+                raise Conflict(f"session {session.id} is {session.state}")
+        if subscriber is not None:
+            session.subscribers.add(subscriber)
+        return self._begin_turn(session, text)
+
+    def _begin_turn(self, session: Session, text: str) -> m.Accepted:
+        turn = session.turns + 1
+        try:
+            session.store.append(
+                InputRecord(turn=turn, text=text, seq=session.seq, at=time.time()), durable=True
+            )
+        except StoreError as exc:
+            raise Internal(f"input not accepted: {exc}") from None
+        session.turns = turn
+        session.current_turn = turn
+        session.current_input = text
+        session.last_active = time.monotonic()
+        accepted = m.Accepted(id=0, session=session.id, turn=turn, seq=session.seq)
+        self._set_state(session, Trigger.INPUT, reason=f"turn {turn}")
+        assert session.worker is not None
+        session.worker.conn.send(m.Input(turn=turn, text=text))
+        return accepted
+
+    def attach(self, session: Session, subscriber: Subscriber, from_seq: int | None) -> int:
+        """Subscribe; replay retained events from `from_seq`.  Returns next seq."""
+        session.subscribers.add(subscriber)
+        if from_seq is not None:
+            oldest = session.ring[0][0] if session.ring else session.seq + 1
+            if from_seq < oldest:
+                subscriber.deliver(
+                    self._encoder.encode(m.Gap(session=session.id, seq=oldest, from_seq=from_seq))
+                )
+            for seq, frame in session.ring:
+                if seq >= from_seq:
+                    subscriber.deliver(frame)
+        return session.seq + 1
+
+    def detach(self, subscriber: Subscriber, session: Session | None = None) -> None:
+        targets = [session] if session is not None else list(self.sessions.values())
+        for s in targets:
+            s.subscribers.discard(subscriber)
+
+    def interrupt(self, session: Session) -> None:
+        if session.state is State.INTERRUPTING:
+            return
+        if session.state is not State.RUNNING or session.worker is None:
+            raise Conflict(f"session {session.id} has no running turn")
+        self._set_state(session, Trigger.INTERRUPT, reason="interrupted by a client")
+        session.worker.conn.send(m.InterruptTurn(turn=session.current_turn or 0))
+
+    async def stop(self, session: Session, reason: str = "stopped") -> None:
+        async with session.lock:
+            await self._stop_locked(session, reason)
+
+    async def _stop_locked(self, session: Session, reason: str) -> None:
+        if session.state in (State.STOPPED, State.DELETED):
+            return
+        if session.restart_handle is not None:
+            session.restart_handle.cancel()
+            session.restart_handle = None
+        self._set_state(session, Trigger.STOP, reason=reason)
+        await self._terminate(session, "stopped", self.config.daemon.stop_grace_secs)
+        self._set_state(session, Trigger.STOPPED, reason=reason)
+        self._write_mark(session, durable=True)
+
+    async def restart(self, session: Session) -> None:
+        async with session.lock:
+            if session.state in LIVE:
+                await self._stop_locked(session, "restart")
+            if session.restart_handle is not None:
+                session.restart_handle.cancel()
+                session.restart_handle = None
+            self._set_state(session, Trigger.RESTART, reason="restart requested")
+            if session.policy is not None:
+                session.policy.reset()
+            self._write_mark(session, durable=True)
+            try:
+                await self._start_worker(session)
+            except SessiondError:
+                if session.state is State.STARTING:
+                    self._set_state(session, Trigger.GIVE_UP, reason="boot_failed")
+                    self._write_mark(session, durable=True)
+                raise
+
+    async def remove(self, session: Session) -> None:
+        for child_id in list(session.children):
+            child = self.sessions.get(child_id)
+            if child is not None:
+                await self.remove(child)
+        async with session.lock:
+            if session.state is State.DELETED:
+                return
+            if session.state in LIVE:
+                await self._stop_locked(session, "deleted")
+            if session.restart_handle is not None:
+                session.restart_handle.cancel()
+            self._set_state(session, Trigger.DELETE, reason="deleted")
+            self.sessions.pop(session.id, None)
+            parent = self.sessions.get(session.meta.parent or "")
+            if parent is not None and session.id in parent.children:
+                parent.children.remove(session.id)
+            session.store.remove()
+            session.subscribers.clear()
+            log.info("session %s deleted", session.id)
+
+    async def ping(self, session: Session, timeout: float = 5.0) -> int:
+        worker = session.worker
+        if worker is None or not worker.booted or worker.exited.done():
+            raise Conflict(f"session {session.id} has no live worker ({session.state})")
+        self._ping_nonce += 1
+        nonce = self._ping_nonce
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        session.pings[nonce] = fut
+        worker.conn.send(m.WorkerPing(nonce=nonce))
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            session.pings.pop(nonce, None)
+            raise Conflict(f"session {session.id}: the worker did not answer within {timeout:g}s") from None
+        return worker.pid
+
+    def answer(self, session: Session, request_id: str, allow: bool) -> None:
+        worker = session.worker
+        if worker is None:
+            raise Conflict(f"session {session.id} has no live worker")
+        worker.conn.send(m.PermissionAnswer(request_id=request_id, allow=allow))
+
+    # ================================================================ shutdown
+
+    def running_turns(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.current_turn is not None)
+
+    async def shutdown(self, grace: float) -> None:
+        """Let running turns finish for up to `grace`, then stop every worker.
+        Sessions stay on disk and come back hibernated."""
+        self._closing = True
+        deadline = time.monotonic() + grace
+        while self.running_turns() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for session in self.sessions.values():
+            if session.restart_handle is not None:
+                session.restart_handle.cancel()
+        live = [s for s in self.sessions.values() if s.worker is not None]
+        await asyncio.gather(
+            *(self._terminate(s, "stopped by the daemon's shutdown", self.config.daemon.stop_grace_secs)
+              for s in live),
+            return_exceptions=True,
+        )
+        for task in list(self._tasks):
+            task.cancel()
+        for session in self.sessions.values():
+            session.store.close()
+
+
+def _valid_handler_name(name: str) -> bool:
+    if name in ("agent", "echo"):
+        return True
+    module, sep, attr = name.partition(":")
+    ident = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+    return bool(sep) and all(ident.fullmatch(p) for p in module.split(".")) and ident.fullmatch(attr) is not None
+
+
+def _classify(worker: WorkerProc, code: int | None, sig: int | None) -> str:
+    if worker.expected:
+        return "stopped"
+    if worker.kill_reason:
+        return worker.kill_reason
+    if not worker.booted or code == EXIT_BOOT_FAILED:
+        return "boot_failed"
+    if code == 0:
+        return "exited"
+    return "crashed"
+
+
+def _describe_exit(info: m.ExitInfo | None) -> str:
+    if info is None:
+        return "no exit recorded"
+    how = f"signal {signal.Signals(info.signal).name}" if info.signal else f"exit code {info.code}"
+    text = f"worker {info.reason.replace('_', ' ')} ({how})"
+    return f"{text}: {info.detail}" if info.detail else text
+
+
+def _tree_rss(pid: int) -> int | None:
+    try:
+        proc = psutil.Process(pid)
+        total = proc.memory_info().rss
+        for child in proc.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                total += child.memory_info().rss
+        return int(total)
+    except psutil.Error:
+        return None

@@ -1,0 +1,251 @@
+"""The control socket: one connection per client, one task per connection.
+
+Each client first says `Hello`; a wrong protocol version is answered with
+`Error{protocol_mismatch}` and the connection closed.  Requests are then read
+in order; quick ones are answered inline, ones that wait on a worker (create,
+send, stop, restart, rm, a session ping) run in their own task so that an
+`interrupt` is never stuck behind a `stop` on the same connection.
+
+A client that stops reading is cut off once it is `stream_buffer_size`
+frames behind (told with `Lagged`); the session it watched is untouched.
+A malformed frame is answered with `Error{bad_request}` and the connection
+survives; an oversized length prefix is answered and the connection closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import struct
+import time
+from typing import Any
+
+import msgspec
+import psutil
+
+from ipc import messages as m
+from ipc.connection import FramedProtocol
+from ipc.errors import BadMessage, ConnectionClosed, FrameTooLarge, ProtocolError
+from supervisor import __version__
+from supervisor.errors import BadRequest, SessiondError
+from supervisor.manager import SessionManager
+
+__all__ = ["ControlServer"]
+
+log = logging.getLogger("sessiond.server")
+
+_request_decoder = msgspec.msgpack.Decoder(m.Request)  # type: ignore[arg-type]
+_HANDSHAKE_TIMEOUT_SECS = 10.0
+_SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove)
+
+
+class ClientConn:
+    def __init__(self, server: ControlServer, proto: FramedProtocol[m.Request]) -> None:
+        self.server = server
+        self.proto = proto
+        self.uid, self.gid, self.pid = _peer_credentials(proto)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.name = f"client pid={self.pid} uid={self.uid}"
+
+    # Subscriber protocol: called by the manager for every event.
+    def deliver(self, frame: bytes | bytearray) -> None:
+        self.proto.send_frame(frame)
+
+    def on_lagged(self, backlog: int) -> None:
+        log.warning("%s fell %d frames behind; disconnecting it", self.name, backlog)
+        transport = self.proto.transport
+        if transport is not None and not transport.is_closing():
+            # Past the backlog check on purpose: this is the last frame it gets.
+            transport.write(self.proto.encode(m.Lagged(dropped=backlog)))
+        self.server.manager.detach(self)
+        self.proto.close()
+
+    def on_bad_frame(self, exc: ProtocolError) -> None:
+        if isinstance(exc, FrameTooLarge):
+            log.warning("%s sent a frame of %d bytes (limit %d); closing", self.name, exc.length, exc.limit)
+        self.proto.send(m.Error(code=m.ErrorCode.BAD_REQUEST, message=f"bad frame: {exc}"))
+
+    async def run(self) -> None:
+        try:
+            if not await self._handshake():
+                return
+            while True:
+                msg = await self.proto.recv()
+                if isinstance(msg, BadMessage):  # pragma: no cover (routed to on_bad_frame)
+                    continue
+                if isinstance(msg, _SLOW) or (isinstance(msg, m.Ping) and msg.session):
+                    task = asyncio.get_running_loop().create_task(self._answer(msg))
+                    self.tasks.add(task)
+                    task.add_done_callback(self.tasks.discard)
+                else:
+                    await self._answer(msg)
+        except ConnectionClosed:
+            pass
+        finally:
+            for task in self.tasks:
+                task.cancel()
+            self.server.manager.detach(self)
+            self.proto.close()
+
+    async def _handshake(self) -> bool:
+        try:
+            msg = await asyncio.wait_for(self.proto.recv(), _HANDSHAKE_TIMEOUT_SECS)
+        except asyncio.TimeoutError:
+            self.proto.send(m.Error(code=m.ErrorCode.BAD_REQUEST, message="no hello within 10s"))
+            return False
+        if not isinstance(msg, m.Hello):
+            self.proto.send(
+                m.Error(code=m.ErrorCode.BAD_REQUEST, message="the first message must be hello")
+            )
+            return False
+        if msg.protocol != m.PROTOCOL_VERSION:
+            self.proto.send(
+                m.Error(
+                    code=m.ErrorCode.PROTOCOL_MISMATCH,
+                    message=f"this daemon speaks protocol {m.PROTOCOL_VERSION}, the client {msg.protocol}",
+                )
+            )
+            return False
+        if msg.client:
+            self.name = f"{msg.client} pid={self.pid} uid={self.uid}"
+        self.proto.send(
+            m.Welcome(protocol=m.PROTOCOL_VERSION, server_version=__version__, pid=os.getpid())
+        )
+        return True
+
+    async def _answer(self, msg: m.Request) -> None:
+        req_id = getattr(msg, "id", 0)
+        try:
+            reply = await self._handle(msg)
+        except SessiondError as exc:
+            reply = m.Error(id=req_id, code=exc.code, message=exc.message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("request %s from %s failed", type(msg).__name__, self.name)
+            reply = m.Error(id=req_id, code=m.ErrorCode.INTERNAL, message=f"internal error: {exc}")
+        if reply is not None:
+            self.proto.send(reply)
+
+    async def _handle(self, msg: m.Request) -> Any:
+        mgr = self.server.manager
+        match msg:
+            case m.Ping(id=rid, session=None):
+                return m.Pong(id=rid, pid=os.getpid())
+            case m.Ping(id=rid, session=sid) if sid is not None:
+                pid = await mgr.ping(mgr.get(sid, self.uid))
+                return m.Pong(id=rid, session=sid, pid=pid)
+            case m.Create(id=rid, session=sid, handler=handler, settings=settings):
+                session = await mgr.create(self.uid, sid, handler, dict(settings))
+                return m.Created(id=rid, session=mgr.info(session, with_rss=False))
+            case m.Send(id=rid, session=sid, text=text):
+                accepted = await mgr.send(mgr.get(sid, self.uid), text, self)
+                accepted.id = rid
+                return accepted
+            case m.Attach(id=rid, session=sid, from_seq=from_seq):
+                session = mgr.get(sid, self.uid)
+                self.proto.send(m.Attached(id=rid, session=sid, next_seq=session.seq + 1))
+                mgr.attach(session, self, from_seq)
+                return None
+            case m.Detach(id=rid, session=sid):
+                mgr.detach(self, mgr.get(sid, self.uid))
+                return m.Ok(id=rid)
+            case m.Interrupt(id=rid, session=sid):
+                mgr.interrupt(mgr.get(sid, self.uid))
+                return m.Ok(id=rid)
+            case m.Stop(id=rid, session=sid):
+                await mgr.stop(mgr.get(sid, self.uid))
+                return m.Ok(id=rid)
+            case m.Restart(id=rid, session=sid):
+                await mgr.restart(mgr.get(sid, self.uid))
+                return m.Ok(id=rid)
+            case m.Remove(id=rid, session=sid):
+                await mgr.remove(mgr.get(sid, self.uid))
+                return m.Ok(id=rid)
+            case m.Status(id=rid, session=sid):
+                return m.StatusReply(id=rid, session=mgr.info(mgr.get(sid, self.uid)))
+            case m.List(id=rid):
+                return m.SessionList(id=rid, sessions=[mgr.info(s) for s in mgr.sessions.values()])
+            case m.Stats(id=rid):
+                return self.server.stats(rid)
+            case m.Answer(id=rid, session=sid, request_id=request_id, allow=allow):
+                mgr.answer(mgr.get(sid, self.uid), request_id, allow)
+                return m.Ok(id=rid)
+            case m.Hello():
+                raise BadRequest("hello was already said")
+        raise BadRequest(f"unsupported request {type(msg).__name__}")
+
+
+class _ClientProtocol(FramedProtocol[m.Request]):
+    def __init__(self, server: ControlServer) -> None:
+        super().__init__(
+            _request_decoder,
+            max_frame_bytes=server.manager.config.daemon.max_frame_bytes,
+            max_backlog=server.manager.config.agent.stream_buffer_size,
+        )
+        self._server = server
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        try:
+            client = ClientConn(self._server, self)
+        except OSError as exc:
+            log.warning("cannot read a client's credentials: %s", exc)
+            self.abort()
+            return
+        self._on_bad_message = client.on_bad_frame
+        self._on_lagged = client.on_lagged
+        self._server.accept(client)
+
+
+class ControlServer:
+    def __init__(self, manager: SessionManager) -> None:
+        self.manager = manager
+        self.clients: set[ClientConn] = set()
+        self.started = time.monotonic()
+        self._server: asyncio.AbstractServer | None = None
+
+    def accept(self, client: ClientConn) -> None:
+        self.clients.add(client)
+        task = asyncio.get_running_loop().create_task(client.run())
+        task.add_done_callback(lambda _: self.clients.discard(client))
+
+    async def start(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: _ClientProtocol(self), sock=sock)
+
+    def stop_accepting(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    def close_clients(self) -> None:
+        for client in list(self.clients):
+            client.proto.close()
+
+    def stats(self, rid: int) -> m.StatsReply:
+        by_state: dict[str, int] = {}
+        rss = 0
+        for s in self.manager.sessions.values():
+            by_state[s.state.value] = by_state.get(s.state.value, 0) + 1
+        with contextlib.suppress(psutil.Error):
+            rss = psutil.Process().memory_info().rss
+        return m.StatsReply(
+            id=rid, pid=os.getpid(), version=__version__,
+            uptime_secs=time.monotonic() - self.started, sessions=len(self.manager.sessions),
+            by_state=by_state, live_workers=self.manager.live_workers(), clients=len(self.clients),
+            rss_bytes=rss,
+        )
+
+
+_UCRED = struct.Struct("3i")
+
+
+def _peer_credentials(proto: FramedProtocol[Any]) -> tuple[int, int, int]:
+    assert proto.transport is not None
+    sock = proto.transport.get_extra_info("socket")
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, uid, gid = _UCRED.unpack(raw)
+    return uid, gid, pid

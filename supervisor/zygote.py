@@ -1,0 +1,334 @@
+"""The zygote: a small preloaded process that forks one worker per session.
+
+Why: forking is cheap only from a small process with no threads and no
+running event loop, and copy-on-write only pays when the parent's heap stays
+still.  The daemon forks the zygote at start-up, before its loop or any
+thread exists; the zygote imports `session_worker`, calls `gc.freeze()` and
+from then on does nothing but fork on order and reap.
+
+    daemon ──SEQPACKET── zygote ──fork──> worker (own process group)
+      │   SpawnWorker + fd  ─►               │
+      │   ◄─ Spawned{pid}, Exited{pid, code|signal}
+      └────────── socketpair (framed msgpack) ┘
+
+The zygote is the one process that calls waitpid for workers; it reports
+every exit status to the daemon, decoded once (code or signal).  It is also
+the child subreaper, so tool processes orphaned by a worker re-parent to it
+and are reaped instead of haunting init.  PDEATHSIG ties the zygote to the
+daemon and each worker to the zygote: when the daemon dies, everything dies.
+
+If the zygote itself dies, the daemon starts a new one with fork+exec
+(`python -m supervisor.zygote`): forking the daemon again is what we avoid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+
+import msgspec
+
+from ipc import messages as m
+from supervisor._linux import set_child_subreaper, set_pdeathsig
+
+__all__ = ["ZygoteDied", "ZygoteSpawner", "zygote_main"]
+
+log = logging.getLogger("sessiond.zygote")
+
+_to_zygote = msgspec.msgpack.Decoder(m.ToZygote)
+_from_zygote = msgspec.msgpack.Decoder(m.FromZygote)  # type: ignore[arg-type]
+_encode = msgspec.msgpack.Encoder().encode
+_MAX_PACKET = 4096
+
+
+# ---------------------------------------------------------------- the zygote process
+
+
+def _preload() -> None:
+    import session_worker.echo  # noqa: F401
+    import session_worker.main  # noqa: F401
+
+    with contextlib.suppress(ImportError):
+        import session_worker.agent  # noqa: F401
+
+
+def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
+    """Runs in the zygote process until the daemon closes its end."""
+    set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != daemon_pid:
+        return 0  # the daemon died before PDEATHSIG was armed
+    # Ctrl-C in a terminal and a stray SIGTERM to the daemon's group are the
+    # daemon's to handle; it stops us by closing the socket.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    set_child_subreaper()
+    _preload()
+
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    sock.setblocking(True)
+    gc.collect()
+    gc.freeze()
+
+    workers: dict[int, int] = {}  # pid -> token
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ, "sock")
+    sel.register(wake_r, selectors.EVENT_READ, "wake")
+    my_pid = os.getpid()
+
+    def reap() -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if workers.pop(pid, None) is None:
+                continue  # an orphaned tool process we adopted as subreaper
+            code = os.waitstatus_to_exitcode(status)
+            exited = m.Exited(pid=pid, code=code) if code >= 0 else m.Exited(pid=pid, signal=-code)
+            with contextlib.suppress(OSError):
+                sock.send(_encode(exited))
+
+    running = True
+    while running:
+        for key, _ in sel.select():
+            if key.data == "wake":
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 512)
+                reap()
+                continue
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_PACKET, 1)
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                running = False
+                break
+            order = _to_zygote.decode(data)
+            if not fds:
+                continue
+            pid = os.fork()
+            if pid == 0:
+                _worker_child(fds[0], sock, wake_r, wake_w, my_pid)
+            with contextlib.suppress(OSError):
+                os.setpgid(pid, pid)  # also done by the child: whoever runs first
+            os.close(fds[0])
+            workers[pid] = order.token
+            sock.send(_encode(m.Spawned(token=order.token, pid=pid)))
+        reap()
+
+    # The daemon is gone or done with us: nothing of ours may outlive it.
+    for pid in list(workers):
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+    signal.set_wakeup_fd(-1)
+    for pid in list(workers):
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    return 0
+
+
+def _worker_child(fd: int, zsock: socket.socket, wake_r: int, wake_w: int, zygote_pid: int) -> None:
+    """In the freshly forked worker: shed the zygote's plumbing, run, _exit."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.close(wake_r)
+        os.close(wake_w)
+        zsock.close()
+        os.setpgid(0, 0)
+        set_pdeathsig(signal.SIGKILL)
+        if os.getppid() != zygote_pid:
+            os._exit(1)
+        from session_worker.main import run_worker
+
+        code = run_worker(socket.socket(fileno=fd))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+# ---------------------------------------------------------------- the daemon's side
+
+
+class ZygoteDied(Exception):
+    pass
+
+
+class ZygoteSpawner:
+    """Daemon-side owner of the zygote and of every worker process.
+
+    The one place in the daemon that signals workers; exit statuses arrive
+    here (from the zygote) and go to `on_exit`.  `start()` forks the first
+    zygote and must be called before the event loop exists.
+    """
+
+    def __init__(self) -> None:
+        self.on_exit: Callable[[int, int | None, int | None], None] = lambda pid, code, sig: None
+        self.on_zygote_lost: Callable[[], None] = lambda: None
+        self._sock: socket.socket | None = None
+        self._pid = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tokens = 0
+        self._pending: dict[int, asyncio.Future[int]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+
+    @property
+    def zygote_pid(self) -> int:
+        return self._pid
+
+    def start(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        daemon_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                parent.close()
+                code = zygote_main(child, daemon_pid)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        child.close()
+        self._sock, self._pid = parent, pid
+
+    def _restart_by_exec(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        fd = child.fileno()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.zygote", "--fd", str(fd),
+             "--daemon-pid", str(os.getpid())],
+            pass_fds=[fd], close_fds=True,
+        )
+        child.close()
+        self._sock, self._pid = parent, self._proc.pid
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        assert self._sock is not None
+        self._loop = loop
+        self._sock.setblocking(False)
+        loop.add_reader(self._sock.fileno(), self._on_readable)
+
+    def _on_readable(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                data = self._sock.recv(_MAX_PACKET)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._lost()
+                return
+            match _from_zygote.decode(data):
+                case m.Spawned(token=token, pid=pid):
+                    fut = self._pending.pop(token, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(pid)
+                case m.Exited(pid=pid, code=code, signal=sig):
+                    self.on_exit(pid, code, sig)
+
+    def _lost(self) -> None:
+        assert self._sock is not None and self._loop is not None
+        self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        self._sock = None
+        self._reap_zygote()
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ZygoteDied("the zygote died"))
+        self._pending.clear()
+        if self._closing:
+            return
+        log.error("the zygote (pid %d) died; starting a new one", self._pid)
+        # Its workers died with it (PDEATHSIG); their exits are reported by
+        # the daemon as crashes of the sessions that owned them.
+        self.on_zygote_lost()
+        self._restart_by_exec()
+        self.attach(self._loop)
+
+    def _reap_zygote(self) -> None:
+        if self._proc is not None:
+            with contextlib.suppress(Exception):
+                self._proc.wait(timeout=5)
+            self._proc = None
+        else:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self._pid, 0)
+
+    async def spawn(self) -> tuple[int, socket.socket]:
+        """Fork a worker; returns its pid and the daemon's end of its socket."""
+        if self._sock is None:
+            raise ZygoteDied("no zygote")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._tokens += 1
+        token = self._tokens
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._pending[token] = fut
+        try:
+            socket.send_fds(self._sock, [_encode(m.SpawnWorker(token=token))], [theirs.fileno()])
+        except OSError as exc:
+            self._pending.pop(token, None)
+            ours.close()
+            raise ZygoteDied(f"cannot reach the zygote: {exc}") from exc
+        finally:
+            theirs.close()
+        try:
+            pid = await fut
+        except BaseException:
+            ours.close()
+            raise
+        return pid, ours
+
+    def signal(self, pid: int, sig: int) -> None:
+        """Signal a worker's whole process group (the worker and its tools)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, sig)
+
+    def close(self) -> None:
+        """Tell the zygote to go (it kills what is left) and reap it."""
+        self._closing = True
+        if self._sock is not None:
+            if self._loop is not None:
+                with contextlib.suppress(Exception):
+                    self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+            self._reap_zygote()
+
+
+def _exec_main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m supervisor.zygote")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--daemon-pid", type=int, required=True)
+    args = parser.parse_args()
+    return zygote_main(socket.socket(fileno=args.fd), args.daemon_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(_exec_main())
