@@ -92,7 +92,7 @@ if command -v systemd-sysusers >/dev/null 2>&1; then
     elif [ -e "$R/etc/passwd" ]; then
         # A staging root that is an OS tree gets the user in its own
         # /etc/passwd; a bare one is left for systemd-sysusers at first boot.
-        systemd-sysusers --root="$R" /etc/sysusers.d/sessiond.conf
+        systemd-sysusers --root="$R" "$R/etc/sysusers.d/sessiond.conf"
     fi
 elif [ "$live" = 1 ] && ! getent passwd sessiond >/dev/null; then
     useradd --system --user-group --home-dir /var/lib/sessiond --no-create-home \
