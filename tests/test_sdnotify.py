@@ -112,7 +112,7 @@ def test_each_helper_sends_its_assignment_with_our_credentials(manager: FakeMana
     key, _, usec = lines[1].partition("=")
     assert key == "MONOTONIC_USEC" and before <= int(usec) <= after
 
-    expected = [
+    expected: list[tuple[Callable[..., bool], tuple[str, ...], str]] = [
         (sdnotify.ready, (), "READY=1"),
         (sdnotify.ready, ("serving",), "READY=1\nSTATUS=serving"),
         (sdnotify.status, ("3 sessions\nidle",), "STATUS=3 sessions idle"),

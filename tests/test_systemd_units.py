@@ -306,8 +306,7 @@ def test_install_script_into_a_temp_root_is_complete_and_idempotent(tmp_path: Pa
     assert (root / "etc/systemd/system/sessiond.service").read_bytes() == SERVICE.read_bytes()
     assert calls.read_text().splitlines() == ["config default", f"config check {config}"]
     if shutil.which("systemd-sysusers"):
-        passwd = (root / "etc/passwd").read_text()
-        assert passwd.count("\nsessiond:") == 1
+        assert (root / "etc/passwd").read_text().count("\nsessiond:") == 1
 
     assert Path("/etc/systemd/system/sessiond.service").exists() == real_units_before
 
