@@ -337,7 +337,8 @@ class Client:
                 except StopAsyncIteration:
                     return
         finally:
-            self._run(agen.aclose())  # type: ignore[attr-defined]
+            if not self._loop.is_closed():
+                self._run(agen.aclose())  # type: ignore[attr-defined]
 
     def create(self, session: str | None = None, handler: str | None = None,
                settings: dict[str, Any] | None = None) -> SessionInfo:

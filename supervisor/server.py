@@ -39,6 +39,7 @@ log = logging.getLogger("sessiond.server")
 
 _request_decoder = msgspec.msgpack.Decoder(m.Request)  # type: ignore[arg-type]
 _HANDSHAKE_TIMEOUT_SECS = 10.0
+_LAGGED_GRACE_SECS = 1.0
 _SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove)
 
 
@@ -62,6 +63,10 @@ class ClientConn:
             transport.write(self.proto.encode(m.Lagged(dropped=backlog)))
         self.server.manager.detach(self)
         self.proto.close()
+        # close() waits for the buffer to drain, which a reader that never
+        # reads never lets happen: give it a moment to take the Lagged
+        # notice, then drop the connection and its buffer.
+        asyncio.get_running_loop().call_later(_LAGGED_GRACE_SECS, self.proto.abort)
 
     def on_bad_frame(self, exc: ProtocolError) -> None:
         if isinstance(exc, FrameTooLarge):

@@ -1,0 +1,186 @@
+"""Run a real sessiond as a child process for tests.
+
+The daemon runs in its own session (process group); teardown kills that
+group and then checks that every process the daemon had made (zygote,
+workers, tools) is gone, so a test that leaks processes fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from supervisor.client import Client
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """Poll `predicate` until it returns something truthy, or fail."""
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def env_for_children() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.pop("NOTIFY_SOCKET", None)
+    env.pop("LISTEN_FDS", None)
+    env.pop("LISTEN_PID", None)
+    return env
+
+
+class Daemon:
+    def __init__(self, root: Path, config: str = "", extra_args: list[str] | None = None) -> None:
+        self.root = root
+        # Unix socket paths are short (108 bytes): keep it out of pytest's long tmp path.
+        self.sockdir = Path(tempfile.mkdtemp(prefix="sd-"))
+        self.socket = self.sockdir / "sessiond.sock"
+        self.state_dir = root / "state"
+        self.config_path = root / "config.toml"
+        root.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(config)
+        self.extra_args = extra_args or []
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = root / "sessiond.log"
+        self.known_pids: set[int] = set()
+        self.preexec: Callable[[], None] | None = None
+
+    @property
+    def cmd(self) -> list[str]:
+        return [
+            sys.executable, "-m", "supervisor.cli", "run", "--config", str(self.config_path),
+            "--socket", str(self.socket), "--state-dir", str(self.state_dir), *self.extra_args,
+        ]
+
+    def start(self, timeout: float = 15.0) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env_for_children(),
+            start_new_session=True, cwd=str(self.root), preexec_fn=self.preexec,
+        )
+        log.close()
+        wait_for(self._answers, timeout, f"sessiond to listen (log: {self.log})")
+        self.known_pids.add(self.proc.pid)
+
+    def _answers(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"sessiond exited with {self.proc.returncode}:\n{self.log}")
+        try:
+            with Client(self.socket) as c:
+                c.ping()
+            return True
+        except OSError:
+            return False
+
+    @property
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def client(self) -> Client:
+        return Client(self.socket)
+
+    def ctl(self, *args: str, input: str | None = None, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "supervisor.ctl", "--socket", str(self.socket), *args],
+            capture_output=True, text=True, env=env_for_children(), timeout=timeout, input=input,
+        )
+
+    def descendants(self) -> list[psutil.Process]:
+        with contextlib.suppress(psutil.Error):
+            return psutil.Process(self.pid).children(recursive=True)
+        return []
+
+    def remember_processes(self) -> None:
+        self.known_pids.update(p.pid for p in self.descendants())
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM and wait: the graceful path."""
+        assert self.proc is not None
+        self.remember_processes()
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the daemon alone (not its group): its children must die by themselves."""
+        assert self.proc is not None
+        self.remember_processes()
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def assert_no_leftovers(self, timeout: float = 5.0) -> None:
+        def gone() -> bool:
+            return not [p for p in self.known_pids if _alive(p)]
+        wait_for(gone, timeout, f"processes {sorted(p for p in self.known_pids if _alive(p))} to exit")
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.remember_processes()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        for pid in self.known_pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            for p in self.sockdir.iterdir():
+                p.unlink()
+            self.sockdir.rmdir()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def raw_connect(path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(str(path))
+    return s
+
+
+@contextlib.contextmanager
+def running_daemon(root: Path, config: str = "") -> Iterator[Daemon]:
+    d = Daemon(root, config)
+    try:
+        d.start()
+        yield d
+    finally:
+        d.cleanup()
