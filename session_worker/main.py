@@ -49,7 +49,7 @@ log = logging.getLogger("sessiond.worker")
 # "do not respawn in a tight loop".
 EXIT_BOOT_FAILED = 3
 
-_decoder = msgspec.msgpack.Decoder(m.ToWorker)  # type: ignore[arg-type]
+_decoder = msgspec.msgpack.Decoder(m.ToWorker)
 _settings_decoder = msgspec.msgpack.Decoder(SessionSettings)
 _encode = msgspec.msgpack.Encoder().encode
 _decode_any = msgspec.msgpack.Decoder().decode
@@ -235,8 +235,8 @@ async def _main(sock: socket.socket) -> int:
         ),
         sock=sock,
     )
-    boot_or_eof = await asyncio.wait([first, conn.closed], return_when=asyncio.FIRST_COMPLETED)
-    del boot_or_eof
+    waiting: list[asyncio.Future[Any]] = [first, conn.closed]
+    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     if not first.done():
         return 0  # the daemon went away before booting us
     boot = first.result()

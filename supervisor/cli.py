@@ -59,14 +59,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from supervisor.daemon import StartupError, configure_logging, run_daemon
 
+    config_path = args.config or default_config_path()
     try:
-        cfg = load_config(args.config or default_config_path())
+        cfg = load_config(config_path)
     except ConfigError as exc:
         print(f"sessiond: {exc}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(cfg.daemon.log_level)
     try:
-        return run_daemon(cfg, args.state_dir, args.socket)
+        return run_daemon(cfg, args.state_dir, args.socket, config_path)
     except StartupError as exc:
         print(f"sessiond: {exc}", file=sys.stderr)
         return 1

@@ -50,7 +50,7 @@ __all__ = [
     "TurnFailedError",
 ]
 
-_reply_decoder = msgspec.msgpack.Decoder(m.Reply)  # type: ignore[arg-type]
+_reply_decoder = msgspec.msgpack.Decoder(m.Reply)
 R = TypeVar("R")
 
 

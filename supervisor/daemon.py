@@ -16,17 +16,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
-import sys
 import tempfile
 from pathlib import Path
 
-from supervisor import __version__
-from supervisor.config import Config, daemon_socket_path, default_state_dir
+from supervisor import __version__, sdnotify
+from supervisor.config import (
+    Config,
+    ConfigError,
+    daemon_socket_path,
+    default_state_dir,
+    load_config,
+)
 from supervisor.manager import SessionManager
 from supervisor.server import ControlServer
 from supervisor.zygote import ZygoteSpawner
@@ -101,11 +108,7 @@ def bind_socket(path: Path, mode: int) -> socket.socket:
 
 def _inherited_socket() -> socket.socket | None:
     """A listening socket passed by systemd socket activation, if any."""
-    try:
-        from supervisor.sdnotify import listen_fds
-    except ImportError:
-        return None
-    socks = listen_fds()
+    socks = sdnotify.listen_fds()
     for extra in socks[1:]:
         extra.close()
     if socks:
@@ -114,7 +117,23 @@ def _inherited_socket() -> socket.socket | None:
     return None
 
 
-def run_daemon(cfg: Config, state_dir: Path | None = None, socket_path: Path | None = None) -> int:
+def _raise_nofile_limit() -> None:
+    # Every session costs the daemon a socket and a log fd; systemd's default
+    # soft limit of 1024 is far below its hard limit.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def run_daemon(
+    cfg: Config,
+    state_dir: Path | None = None,
+    socket_path: Path | None = None,
+    config_path: Path | None = None,
+) -> int:
+    faulthandler.enable()  # a watchdog SIGABRT leaves the stuck stack in the journal
+    _raise_nofile_limit()
     state_dir = state_dir or default_state_dir(cfg)
     socket_path = socket_path or daemon_socket_path(cfg)
     check_state_dir(state_dir)
@@ -130,7 +149,7 @@ def run_daemon(cfg: Config, state_dir: Path | None = None, socket_path: Path | N
         else:
             sock, bound = bind_socket(socket_path, int(cfg.daemon.socket_mode, 8)), True
         try:
-            return asyncio.run(_serve(cfg, state_dir, socket_path, sock, spawner))
+            return asyncio.run(_serve(cfg, config_path, state_dir, socket_path, sock, spawner))
         finally:
             if bound:
                 with contextlib.suppress(FileNotFoundError):
@@ -140,7 +159,12 @@ def run_daemon(cfg: Config, state_dir: Path | None = None, socket_path: Path | N
 
 
 async def _serve(
-    cfg: Config, state_dir: Path, socket_path: Path, sock: socket.socket, spawner: ZygoteSpawner
+    cfg: Config,
+    config_path: Path | None,
+    state_dir: Path,
+    socket_path: Path,
+    sock: socket.socket,
+    spawner: ZygoteSpawner,
 ) -> int:
     loop = asyncio.get_running_loop()
     spawner.attach(loop)
@@ -152,6 +176,7 @@ async def _serve(
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: _reload(manager, config_path))
 
     if not cfg.provider.configured:
         log.info(
@@ -161,15 +186,25 @@ async def _serve(
     where = sock.getsockname() or str(socket_path)
     log.info("sessiond %s (pid %d) listening on %s; state in %s", __version__, os.getpid(), where, state_dir)
     log.info("try: SESSIOND_SOCKET=%s sessionctl create", where)
-    _notify("READY=1", f"STATUS={_status_line(manager)}")
+    sdnotify.ready(_status_line(manager))
+    background: list[asyncio.Task[None]] = []
+    interval = sdnotify.watchdog_interval_secs()
+    if interval:
+        background.append(
+            loop.create_task(sdnotify.watchdog_loop(interval, lambda: _status_line(manager)))
+        )
+    elif os.environ.get("NOTIFY_SOCKET"):
+        background.append(loop.create_task(_status_loop(manager)))
 
     await stop.wait()
     log.info("shutting down: no new connections; letting running turns finish (up to %gs)",
              cfg.daemon.shutdown_grace_secs)
-    _notify("STOPPING=1")
+    sdnotify.stopping()
     server.stop_accepting()
     await manager.shutdown(cfg.daemon.shutdown_grace_secs)
     server.close_clients()
+    for task in background:
+        task.cancel()
     log.info("stopped")
     return 0
 
@@ -185,22 +220,31 @@ def _status_line(manager: SessionManager) -> str:
     )
 
 
-def _notify(*fields: str) -> None:
+async def _status_loop(manager: SessionManager) -> None:
+    """STATUS= updates when systemd listens but no watchdog is configured."""
+    last = ""
+    while True:
+        line = _status_line(manager)
+        if line != last:
+            sdnotify.status(line)
+            last = line
+        await asyncio.sleep(5.0)
+
+
+def _reload(manager: SessionManager, config_path: Path | None) -> None:
+    """SIGHUP: re-read the config; a bad one is refused and the old one kept."""
+    sdnotify.reloading()
     try:
-        from supervisor.sdnotify import notify
-    except ImportError:
-        return
-    notify(*fields)
+        cfg = load_config(config_path)
+    except ConfigError as exc:
+        log.error("reload refused, keeping the running config: %s", exc)
+    else:
+        manager.reload(cfg)
+        sdnotify.configure_logging(cfg.daemon.log_level.upper())
+        log.info("config reloaded from %s", config_path or "the embedded defaults")
+    sdnotify.ready(_status_line(manager))
 
 
 def configure_logging(level: str) -> None:
-    try:
-        from supervisor.sdnotify import configure_logging as sd_configure
-    except ImportError:
-        logging.basicConfig(
-            level=level.upper(), stream=sys.stderr,
-            format="sessiond[%(process)d]: %(levelname)s: %(message)s",
-        )
-        return
-    sd_configure(level.upper())
+    sdnotify.configure_logging(level.upper())
 

@@ -61,7 +61,7 @@ __all__ = ["Session", "SessionManager", "Subscriber", "valid_session_id"]
 log = logging.getLogger("sessiond.manager")
 
 _SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_worker_decoder = msgspec.msgpack.Decoder(m.FromWorker)  # type: ignore[arg-type]
+_worker_decoder = msgspec.msgpack.Decoder(m.FromWorker)
 _settings_encoder = msgspec.msgpack.Encoder()
 # Seq numbers are reserved in blocks, so a daemon killed mid-turn never
 # hands out a seq a client has already seen.
@@ -616,7 +616,7 @@ class SessionManager:
                 await self._start_worker(session)
             except SessiondError as exc:
                 log.warning("session %s: restart failed: %s", session.id, exc)
-                if session.state is State.STARTING:
+                if _is(session, State.STARTING):
                     self._set_state(session, Trigger.EXIT, reason="boot_failed")
                     self._schedule_restart(session)
                 return
@@ -659,7 +659,7 @@ class SessionManager:
                 try:
                     await self._start_worker(session)
                 except SessiondError:
-                    if session.state is State.STARTING:
+                    if _is(session, State.STARTING):
                         self._set_state(session, Trigger.EXIT, reason="boot_failed")
                         self._schedule_restart(session)
                     raise
@@ -807,6 +807,21 @@ class SessionManager:
             raise Conflict(f"session {session.id} has no live worker")
         worker.conn.send(m.PermissionAnswer(request_id=request_id, allow=allow))
 
+    def reload(self, config: Config) -> None:
+        """New config: sessions take its limits from now on (their own
+        overrides still apply, clamped to the new limits where they no
+        longer fit)."""
+        self.config = config
+        base = config.session_settings()
+        for session in self.sessions.values():
+            try:
+                session.settings = apply_overrides(base, session.meta.overrides, privileged=True)
+            except ConfigError as exc:
+                log.warning("session %s: its overrides no longer fit (%s); using the config", session.id, exc)
+                session.settings = base
+            session.policy = None
+            session.ring = collections.deque(session.ring, maxlen=config.daemon.event_retention)
+
     # ================================================================ shutdown
 
     def running_turns(self) -> int:
@@ -832,6 +847,12 @@ class SessionManager:
             task.cancel()
         for session in self.sessions.values():
             session.store.close()
+
+
+def _is(session: Session, state: State) -> bool:
+    # A call, not an inline `is`: the state changes under awaits and
+    # _set_state, which type narrowing cannot see.
+    return session.state is state
 
 
 def _valid_handler_name(name: str) -> bool:

@@ -37,7 +37,7 @@ __all__ = ["ControlServer"]
 
 log = logging.getLogger("sessiond.server")
 
-_request_decoder = msgspec.msgpack.Decoder(m.Request)  # type: ignore[arg-type]
+_request_decoder = msgspec.msgpack.Decoder(m.Request)
 _HANDSHAKE_TIMEOUT_SECS = 10.0
 _LAGGED_GRACE_SECS = 1.0
 _SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove)

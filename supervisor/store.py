@@ -111,7 +111,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
 
 
 _rec_encoder = msgspec.msgpack.Encoder()
-_rec_decoder = msgspec.msgpack.Decoder(Record)  # type: ignore[arg-type]
+_rec_decoder = msgspec.msgpack.Decoder(Record)
 _snap_decoder = msgspec.msgpack.Decoder(Snapshot)
 
 

@@ -46,7 +46,7 @@ __all__ = ["ZygoteDied", "ZygoteSpawner", "zygote_main"]
 log = logging.getLogger("sessiond.zygote")
 
 _to_zygote = msgspec.msgpack.Decoder(m.ToZygote)
-_from_zygote = msgspec.msgpack.Decoder(m.FromZygote)  # type: ignore[arg-type]
+_from_zygote = msgspec.msgpack.Decoder(m.FromZygote)
 _encode = msgspec.msgpack.Encoder().encode
 _MAX_PACKET = 4096
 
