@@ -245,3 +245,14 @@ def test_custom_tools_run_through_the_loop(fake_llm: FakeLLM, tmp_path: Path) ->
     assert results["e"] == "error: tool explode failed: ValueError: exploded: why"
     assert "permission denied" in results["x"]
     assert "'min_length' must be of type integer" in results["b"]
+
+
+def test_background_child_holding_stdout_does_not_hang_the_tool(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    start = time.monotonic()
+    out = call("bash", {"command": "sleep 30 & echo $! > bg; echo hi"}, ws)
+    took = time.monotonic() - start
+    bg = psutil.Process(int((ws / "bg").read_text()))
+    bg.kill()
+    assert took < 3, took
+    assert out.startswith("hi\n[exit code: 0]") and "background process" in out

@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 from pathlib import Path
 
-# psutil ships no type stubs and types-psutil is not a project dependency.
-import psutil  # type: ignore[import-untyped]
+import psutil
 
 __all__ = ["OutputCap", "run_bash", "tool_environment"]
 
 _PATH = "/usr/local/bin:/usr/bin:/bin"
 # After the shell exits, how long a background child holding the output pipe
-# may keep us reading before we stop and report.
+# may keep us reading before we stop and report.  Background children are
+# left running (they are in the session's process group, so stopping the
+# session ends them); only a timeout or an interrupt kills them.
 _DRAIN_GRACE_SECS = 0.5
 
 
@@ -88,50 +90,67 @@ def _kill_tree(pid: int) -> None:
 
 
 async def run_bash(command: str, workspace: Path, timeout_secs: float, limit: int) -> str:
+    # Our own pipe rather than asyncio's PIPE: asyncio's Process.wait() only
+    # returns once every pipe is closed, so a background child (`server &`)
+    # that inherited stdout would keep us waiting after the shell exited,
+    # and after it is orphaned no tree walk can find it.  With our own read
+    # end, the exit is seen at once and we decide when to stop reading.
+    loop = asyncio.get_running_loop()
+    rfd, wfd = os.pipe()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            "/bin/bash",
+            "-c",
+            command,
+            cwd=workspace,
+            env=tool_environment(workspace),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=wfd,
+            stderr=wfd,
+        )
+    except BaseException:
+        os.close(rfd)
+        raise
+    finally:
+        os.close(wfd)
     cap = OutputCap(limit)
-    proc = await asyncio.create_subprocess_exec(
-        "/bin/bash",
-        "-c",
-        command,
-        cwd=workspace,
-        env=tool_environment(workspace),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    assert proc.stdout is not None
-    stdout = proc.stdout
+    eof: asyncio.Future[None] = loop.create_future()
 
-    async def pump() -> None:
-        while chunk := await stdout.read(65536):
-            cap.feed(chunk)
+    def readable() -> None:
+        try:
+            data = os.read(rfd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            cap.feed(data)
+        else:
+            loop.remove_reader(rfd)
+            if not eof.done():
+                eof.set_result(None)
 
-    reader = asyncio.create_task(pump())
+    os.set_blocking(rfd, False)
+    loop.add_reader(rfd, readable)
     timed_out = False
     try:
         try:
             async with asyncio.timeout(timeout_secs):
                 await proc.wait()
-                # The shell is gone; a background child may still hold the pipe.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(reader), _DRAIN_GRACE_SECS)
+                await _drain(eof)
         except TimeoutError:
             timed_out = True
             _kill_tree(proc.pid)
             await proc.wait()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(reader), _DRAIN_GRACE_SECS)
+            await _drain(eof)
     except BaseException:
         # Interrupt (cancellation) or a bug: the command must not outlive it.
         if proc.returncode is None:
             _kill_tree(proc.pid)
         raise
     finally:
-        reader.cancel()
-        with contextlib.suppress(BaseException):
-            await reader
-        if proc.returncode is None:
-            _kill_tree(proc.pid)
+        loop.remove_reader(rfd)
+        os.close(rfd)
     output = cap.text()
     if timed_out:
         status = f"[timed out after {timeout_secs:g} s; the command and its children were killed]"
@@ -139,6 +158,14 @@ async def run_bash(command: str, workspace: Path, timeout_secs: float, limit: in
         status = f"[killed by signal {-proc.returncode}]"
     else:
         status = f"[exit code: {proc.returncode}]"
+    if not eof.done():
+        status += "\n[a background process still holds the output open; it was not waited for]"
     if output and not output.endswith("\n"):
         output += "\n"
     return output + status
+
+
+async def _drain(eof: asyncio.Future[None]) -> None:
+    """Wait briefly for the end of output once the shell has exited."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(eof), _DRAIN_GRACE_SECS)
