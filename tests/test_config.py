@@ -1,0 +1,111 @@
+"""config.toml: defaults, validation errors that name key and file, overrides."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from harness import env_for_children
+from supervisor.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    default_toml,
+    load_config,
+    parse_config,
+    parse_override,
+)
+
+
+def test_default_toml_round_trips() -> None:
+    text = default_toml()
+    assert parse_config(tomllib.loads(text), "default") == Config()
+    for section in ("[agent]", "[agent.limits]", "[agent.worker]", "[agent.subagents]",
+                    "[agent.loop]", "[daemon]", "[provider]", "[tools]"):
+        assert section in text
+
+
+def test_sessiond_config_default_and_check(tmp_path: Path) -> None:
+    env = env_for_children()
+    out = subprocess.run([sys.executable, "-m", "supervisor.cli", "config", "default"],
+                         capture_output=True, text=True, env=env, check=True).stdout
+    path = tmp_path / "c.toml"
+    path.write_text(out)
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "config", "check", str(path)],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("[agent]\nmax_turns = 'many'\n", "agent.max_turns"),
+        ("[agent]\nmax_turns = 0\n", "agent.max_turns"),
+        ("[agent.limits]\nmax_memory_mb = -1\n", "agent.limits.max_memory_mb"),
+        ("[agent.limits]\nbogus = 1\n", "agent.limits.bogus"),
+        ("[daemon]\nsocket_mode = 'rwx'\n", "daemon.socket_mode"),
+        ("[nope]\nx = 1\n", "nope"),
+        ("[[permissions]]\ntool = 'bash'\naction = 'maybe'\n", "permissions"),
+        ("[provider]\nkind = 'smoke-signals'\n", "provider.kind"),
+    ],
+)
+def test_bad_keys_and_values_name_the_key_and_the_file(tmp_path: Path, text: str, key: str) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert key in str(err.value) and str(path) in str(err.value)
+
+
+def test_not_toml_and_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text("[agent\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_overrides_tighten_but_never_raise_limits() -> None:
+    base = Config().session_settings()
+    s = apply_overrides(base, {"agent.limits.max_memory_mb": 64, "agent.max_turns": 3})
+    assert s.agent.limits.max_memory_mb == 64 and s.agent.max_turns == 3
+    with pytest.raises(ConfigError, match="above the operator's limit"):
+        apply_overrides(base, {"agent.limits.max_memory_mb": base.agent.limits.max_memory_mb + 1})
+    with pytest.raises(ConfigError, match="unknown key"):
+        apply_overrides(base, {"agent.limits.nope": 1})
+    with pytest.raises(ConfigError, match="only keys under"):
+        apply_overrides(base, {"daemon.state_dir": "/"})
+    with pytest.raises(ConfigError, match="agent.max_turns"):
+        apply_overrides(base, {"agent.max_turns": "lots"})
+
+
+def test_operator_only_keys() -> None:
+    base = Config().session_settings()
+    with pytest.raises(ConfigError, match="operator"):
+        apply_overrides(base, {"provider.base_url": "http://127.0.0.1:1/v1"})
+    s = apply_overrides(base, {"provider.base_url": "http://127.0.0.1:1/v1"}, privileged=True)
+    assert s.provider.base_url == "http://127.0.0.1:1/v1"
+
+
+def test_optional_limit_can_be_set_but_not_lifted() -> None:
+    base = Config().session_settings()
+    s = apply_overrides(base, {"agent.limits.memory_high_mb": 100})
+    assert s.agent.limits.memory_high_mb == 100
+    capped = apply_overrides(base, {"agent.limits.memory_high_mb": 100})
+    with pytest.raises(ConfigError):
+        apply_overrides(capped, {"agent.limits.memory_high_mb": 200})
+
+
+def test_parse_override_values() -> None:
+    assert parse_override("a.b=64") == ("a.b", 64)
+    assert parse_override("a.b=1.5") == ("a.b", 1.5)
+    assert parse_override("a.b=true") == ("a.b", True)
+    assert parse_override('a.b=["x", "y"]') == ("a.b", ["x", "y"])
+    assert parse_override("a.b=hello world") == ("a.b", "hello world")
+    with pytest.raises(ConfigError):
+        parse_override("novalue")
