@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import logging
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -122,6 +123,7 @@ class Worker:
         return request_id, fut
 
     def boot(self, boot: m.Boot) -> None:
+        self.workspace.mkdir(parents=True, exist_ok=True, mode=0o700)
         factory = load_factory(boot.handler)
         init = HandlerInit(
             session=self.session, settings=self.settings, workspace=self.workspace,
@@ -150,8 +152,7 @@ class Worker:
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
             case m.Shutdown():
-                if not self.stopping.done():
-                    self.stopping.set_result(None)
+                self.request_stop()
             case m.MemoryHigh():
                 import gc
 
@@ -195,8 +196,16 @@ class Worker:
             self.send(m.Heartbeat())
             await asyncio.sleep(interval)
 
+    def request_stop(self) -> None:
+        if not self.stopping.done():
+            self.stopping.set_result(None)
+
     async def serve(self) -> None:
-        hb = asyncio.get_running_loop().create_task(self.heartbeat())
+        loop = asyncio.get_running_loop()
+        # The daemon's stop sends SIGTERM to our whole process group (tools
+        # included); for us it means the same as Shutdown: finish tidily.
+        loop.add_signal_handler(signal.SIGTERM, self.request_stop)
+        hb = loop.create_task(self.heartbeat())
         try:
             await asyncio.wait(
                 [self.stopping, self.conn.closed], return_when=asyncio.FIRST_COMPLETED

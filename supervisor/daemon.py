@@ -187,7 +187,7 @@ async def _serve(
     log.info("sessiond %s (pid %d) listening on %s; state in %s", __version__, os.getpid(), where, state_dir)
     log.info("try: SESSIOND_SOCKET=%s sessionctl create", where)
     sdnotify.ready(_status_line(manager))
-    background: list[asyncio.Task[None]] = []
+    background: list[asyncio.Task[None]] = [loop.create_task(manager.supervise())]
     interval = sdnotify.watchdog_interval_secs()
     if interval:
         background.append(

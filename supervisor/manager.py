@@ -41,7 +41,8 @@ from ipc.framing import FrameEncoder
 from session_worker.main import EXIT_BOOT_FAILED
 from session_worker.settings import SessionSettings
 from supervisor.config import Config, ConfigError, apply_overrides
-from supervisor.errors import BadRequest, Conflict, Internal, NotFound, SessiondError
+from supervisor.errors import BadRequest, Capacity, Conflict, Internal, NotFound, SessiondError
+from supervisor.limits import MIB, ProcTable, SessionMemory, memory_verdict
 from supervisor.states import LIVE, RestartPolicy, State, Trigger, transition
 from supervisor.store import (
     Abort,
@@ -122,6 +123,10 @@ class Session:
     restart_handle: asyncio.TimerHandle | None = None
     last_active: float = field(default_factory=time.monotonic)
     children: list[str] = field(default_factory=list)
+    memory: SessionMemory = field(default_factory=SessionMemory)
+    turn_started: float = 0.0
+    turn_timer: asyncio.TimerHandle | None = None
+    kill_timer: asyncio.TimerHandle | None = None
 
     @property
     def persisted_state(self) -> str:
@@ -148,6 +153,8 @@ class SessionManager:
         self._ping_nonce = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
+        self.proc_table = ProcTable()
+        self._hibernating: set[str] = set()
         self.admin_uid = os.getuid() if admin_uid is None else admin_uid
         spawner.on_exit = self._on_exit
         spawner.on_zygote_lost = self._on_zygote_lost
@@ -261,7 +268,11 @@ class SessionManager:
     def info(self, session: Session, with_rss: bool = True) -> m.SessionInfo:
         worker = session.worker
         pid = worker.pid if worker is not None and not worker.exited.done() else None
-        rss = _tree_rss(pid) if (pid is not None and with_rss) else None
+        rss: int | None = None
+        if pid is not None and with_rss:
+            # The last sweep's figure (at most one poll interval old); a worker
+            # not swept yet is measured now.
+            rss = session.memory.rss_bytes or _tree_rss(pid)
         return m.SessionInfo(
             id=session.id, state=session.state.value, handler=session.meta.handler, pid=pid,
             rss_bytes=rss, restarts=session.restarts, turns=session.turns,
@@ -357,6 +368,7 @@ class SessionManager:
         has put the session in STARTING."""
         assert session.state is State.STARTING, session.state
         loop = asyncio.get_running_loop()
+        await self._make_room(session)
         try:
             snapshot, records, _ = session.store.read_for_boot()
         except OSError as exc:
@@ -378,6 +390,7 @@ class SessionManager:
             started_at=now, last_heartbeat=now,
         )
         session.worker = worker
+        session.memory = SessionMemory()
         self._by_pid[pid] = session
         await loop.create_unix_connection(lambda: proto, sock=sock)
         proto.send(
@@ -495,9 +508,8 @@ class SessionManager:
                 )
             except StoreError as exc:
                 log.warning("session %s: %s (the log still holds every turn)", session.id, exc)
-        session.current_turn = None
+        self._turn_over(session)
         session.current_input = ""
-        session.last_active = time.monotonic()
         self._next_seq(session)  # == seq
         self._emit(
             session,
@@ -523,9 +535,17 @@ class SessionManager:
             session.store.append(Abort(turn=turn, reason=reason, record=record, seq=seq), durable=True)
         except StoreError as exc:
             log.error("session %s: %s", session.id, exc)
-        session.current_turn = None
+        self._turn_over(session)
         self._next_seq(session)
         self._emit(session, m.TurnFailed(session=session.id, seq=seq, turn=turn, reason=reason))
+
+    def _turn_over(self, session: Session) -> None:
+        session.current_turn = None
+        session.last_active = time.monotonic()
+        for timer in (session.turn_timer, session.kill_timer):
+            if timer is not None:
+                timer.cancel()
+        session.turn_timer = session.kill_timer = None
 
     def _end_turn(self, session: Session, failed: str) -> None:
         self._abort_turn(session, failed)
@@ -542,15 +562,20 @@ class SessionManager:
         session = self._by_pid.pop(pid, None)
         if session is None:
             return
-        # Tools left in the group die with the worker.
-        self.spawner.signal(pid, signal.SIGKILL)
         worker = session.worker
         if worker is None or worker.pid != pid:
+            self.spawner.kill_tree(pid)
             return
+        if not worker.expected:
+            # Tools left behind die with the worker: its group, and the ones
+            # that left the group but were seen as its descendants.  (An
+            # expected exit is tidied up by _terminate, after a grace.)
+            self.spawner.kill_tree(pid, session.memory.pids)
+        self.proc_table.forget(pid)
         reason = _classify(worker, code, sig)
         info = m.ExitInfo(
             reason=reason, code=code, signal=sig, at=time.time(),
-            detail=detail or worker.kill_detail or worker.boot_error,
+            detail=detail or worker.expected or worker.kill_detail or worker.boot_error,
         )
         worker.exited.set_result(info)
         if not worker.ready.done():
@@ -609,6 +634,12 @@ class SessionManager:
         async with session.lock:
             if session.state is not State.RESTARTING or self._closing:
                 return
+            try:
+                await self._make_room(session)
+            except Capacity:
+                self._set_state(session, Trigger.HIBERNATE,
+                                reason="no room to restart (max_concurrent_sessions); the next input revives it")
+                return
             session.restarts += 1
             self._write_mark(session, durable=False)
             self._set_state(session, Trigger.SPAWN, reason=f"restart #{session.restarts}")
@@ -633,22 +664,33 @@ class SessionManager:
         task.add_done_callback(self._tasks.discard)
 
     async def _terminate(self, session: Session, expected: str, grace: float) -> None:
-        """Ask the worker to go, then kill its process group (trio-style:
-        terminate, wait, then kill)."""
+        """Stop a worker and everything it started, trio-style: ask, wait,
+        then kill.  Shutdown to the worker and SIGTERM to its process group
+        (the worker takes SIGTERM as Shutdown; tools get their chance to
+        exit cleanly); after `grace`, SIGKILL to whatever is left."""
         worker = session.worker
         if worker is None:
             return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
         worker.expected = expected
+        # Learn its descendants now, while they are still its descendants:
+        # those that left the process group are signalled by pid.
+        session.memory.measure(self.proc_table, worker.pid)
+        escapees = set(session.memory.pids)
         worker.conn.send(m.Shutdown())
-        try:
-            await asyncio.wait_for(asyncio.shield(worker.exited), grace)
-            return
-        except asyncio.TimeoutError:
-            pass
-        log.warning("session %s: worker %d did not stop within %.1fs; killing it", session.id, worker.pid, grace)
-        self.spawner.signal(worker.pid, signal.SIGKILL)
+        self.spawner.kill_tree(worker.pid, escapees, signal.SIGTERM)
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(worker.exited), 10.0)
+            await asyncio.wait_for(asyncio.shield(worker.exited), grace)
+        while loop.time() < deadline and self.spawner.tree_alive(worker.pid, escapees):
+            await asyncio.sleep(0.02)
+        if self.spawner.tree_alive(worker.pid, escapees):
+            log.warning("session %s: processes still running %.1fs after SIGTERM; killing them",
+                        session.id, grace)
+        self.spawner.kill_tree(worker.pid, escapees)
+        if not worker.exited.done():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(worker.exited), 10.0)
 
     # ================================================================ requests
 
@@ -698,6 +740,10 @@ class SessionManager:
         session.current_input = text
         session.last_active = time.monotonic()
         accepted = m.Accepted(id=0, session=session.id, turn=turn, seq=session.seq)
+        session.turn_started = time.monotonic()
+        session.turn_timer = asyncio.get_running_loop().call_later(
+            session.settings.agent.turn_timeout_secs, self._on_turn_timeout, session, turn
+        )
         self._set_state(session, Trigger.INPUT, reason=f"turn {turn}")
         assert session.worker is not None
         session.worker.conn.send(m.Input(turn=turn, text=text))
@@ -807,6 +853,142 @@ class SessionManager:
             raise Conflict(f"session {session.id} has no live worker")
         worker.conn.send(m.PermissionAnswer(request_id=request_id, allow=allow))
 
+    # ================================================================ supervision
+
+    async def supervise(self) -> None:
+        """The periodic sweep: memory caps, heartbeats, idle hibernation.
+        Runs as one task for the daemon's life."""
+        loop = asyncio.get_running_loop()
+        next_tick = loop.time()
+        while not self._closing:
+            interval = self.config.agent.limits.memory_poll_interval_ms / 1000.0
+            next_tick = max(next_tick + interval, loop.time())
+            await asyncio.sleep(next_tick - loop.time())
+            try:
+                self.sweep(time.monotonic())
+            except Exception:
+                log.exception("supervision sweep failed; carrying on")
+
+    def sweep(self, now: float) -> None:
+        seen: set[int] = set()
+        for session in list(self.sessions.values()):
+            worker = session.worker
+            if worker is None or worker.kill_reason or worker.exited.done():
+                continue
+            limits = session.settings.agent.limits
+            rss = session.memory.measure(self.proc_table, worker.pid)
+            seen.add(worker.pid)
+            seen.update(session.memory.pids)
+            verdict = memory_verdict(rss, limits.max_memory_mb, limits.memory_high_mb, session.memory.high)
+            if verdict.kill:
+                self._kill_for_limit(
+                    session, worker, "killed_memory",
+                    f"memory cap {limits.max_memory_mb} MiB exceeded at {rss / MIB:.0f} MiB",
+                    "memory", rss / MIB, limits.max_memory_mb,
+                )
+                continue
+            if verdict.high_crossed:
+                assert limits.memory_high_mb is not None
+                session.memory.high = True
+                self._emit_limit(session, "memory_high", rss / MIB, limits.memory_high_mb)
+                worker.conn.send(m.MemoryHigh(rss_bytes=rss, limit_bytes=limits.memory_high_mb * MIB))
+            elif verdict.high_cleared:
+                session.memory.high = False
+            hb = session.settings.agent.worker.heartbeat_interval_secs
+            silent = now - worker.last_heartbeat
+            if worker.booted and silent > 3 * hb:
+                self._kill_for_limit(
+                    session, worker, "killed_heartbeat",
+                    f"no heartbeat for {silent:.1f}s (interval {hb:g}s): its event loop is stuck",
+                    "heartbeat", silent, 3 * hb,
+                )
+                continue
+            idle_limit = session.settings.agent.session_timeout_secs
+            if (
+                session.state is State.IDLE and now - session.last_active > idle_limit
+                and session.id not in self._hibernating and not session.lock.locked()
+            ):
+                self._hibernating.add(session.id)
+                self._spawn_task(self._hibernate(session, f"idle for more than {idle_limit:g}s"))
+        self.proc_table.keep_only(seen)
+
+    def _emit_limit(self, session: Session, kind: str, value: float, limit: float) -> None:
+        self._emit(
+            session,
+            m.LimitExceeded(session=session.id, seq=self._next_seq(session), kind=kind,
+                            value=round(value, 3), limit=limit),
+        )
+
+    def _kill_for_limit(
+        self, session: Session, worker: WorkerProc, reason: str, detail: str,
+        kind: str, value: float, limit: float,
+    ) -> None:
+        log.warning("session %s: %s; killing worker %d", session.id, detail, worker.pid)
+        worker.kill_reason = reason
+        worker.kill_detail = detail
+        self._emit_limit(session, kind, value, limit)
+        self.spawner.kill_tree(worker.pid, session.memory.pids)
+
+    def _on_turn_timeout(self, session: Session, turn: int) -> None:
+        session.turn_timer = None
+        worker = session.worker
+        if session.current_turn != turn or worker is None:
+            return
+        timeout = session.settings.agent.turn_timeout_secs
+        grace = self.config.daemon.stop_grace_secs
+        self._emit_limit(session, "turn_timeout", time.monotonic() - session.turn_started, timeout)
+        if session.state is State.RUNNING:
+            self._set_state(session, Trigger.INTERRUPT, reason=f"turn_timeout_secs={timeout:g} reached")
+        worker.conn.send(m.InterruptTurn(turn=turn))
+        session.kill_timer = asyncio.get_running_loop().call_later(
+            grace, self._on_turn_kill, session, worker, turn, timeout, grace
+        )
+
+    def _on_turn_kill(self, session: Session, worker: WorkerProc, turn: int, timeout: float, grace: float) -> None:
+        session.kill_timer = None
+        if session.current_turn != turn or session.worker is not worker:
+            return
+        worker.kill_reason = "killed_turn_timeout"
+        worker.kill_detail = f"turn {turn} still running {grace:g}s after its timeout of {timeout:g}s"
+        log.warning("session %s: %s; killing worker %d", session.id, worker.kill_detail, worker.pid)
+        self.spawner.kill_tree(worker.pid, session.memory.pids)
+
+    async def _hibernate(self, session: Session, reason: str) -> None:
+        try:
+            async with session.lock:
+                if session.state is not State.IDLE or session.worker is None:
+                    return
+                self._set_state(session, Trigger.HIBERNATE, reason=reason)
+                await self._terminate(session, "hibernated", self.config.daemon.stop_grace_secs)
+        finally:
+            self._hibernating.discard(session.id)
+
+    def _live_count(self, excluding: Session) -> int:
+        return sum(
+            1 for s in self.sessions.values()
+            if s is not excluding and (s.worker is not None or s.state is State.STARTING)
+        )
+
+    async def _make_room(self, session: Session) -> None:
+        """Keep live workers within max_concurrent_sessions: hibernate the
+        least recently used idle session, or refuse with `capacity`."""
+        limit = self.config.agent.limits.max_concurrent_sessions
+        while self._live_count(session) >= limit:
+            idle = [
+                s for s in self.sessions.values()
+                if s is not session and s.state is State.IDLE and s.worker is not None
+                and not s.lock.locked() and s.id not in self._hibernating
+            ]
+            if not idle:
+                raise Capacity(
+                    f"all {limit} live sessions are busy (max_concurrent_sessions); "
+                    "try again when a turn ends"
+                )
+            victim = min(idle, key=lambda s: s.last_active)
+            log.info("session %s: hibernating to make room for %s", victim.id, session.id)
+            self._hibernating.add(victim.id)
+            await self._hibernate(victim, "hibernated to make room (max_concurrent_sessions)")
+
     def reload(self, config: Config) -> None:
         """New config: sessions take its limits from now on (their own
         overrides still apply, clamped to the new limits where they no
@@ -847,6 +1029,7 @@ class SessionManager:
             task.cancel()
         for session in self.sessions.values():
             session.store.close()
+        self.proc_table.close()
 
 
 def _is(session: Session, state: State) -> bool:
@@ -876,11 +1059,18 @@ def _classify(worker: WorkerProc, code: int | None, sig: int | None) -> str:
 
 
 def _describe_exit(info: m.ExitInfo | None) -> str:
+    """e.g. "killed_memory: memory cap 64 MiB exceeded at 131 MiB (signal SIGKILL)"."""
     if info is None:
         return "no exit recorded"
-    how = f"signal {signal.Signals(info.signal).name}" if info.signal else f"exit code {info.code}"
-    text = f"worker {info.reason.replace('_', ' ')} ({how})"
-    return f"{text}: {info.detail}" if info.detail else text
+    how = f"signal {_signame(info.signal)}" if info.signal else f"exit code {info.code}"
+    return f"{info.reason}: {info.detail} ({how})" if info.detail else f"{info.reason} ({how})"
+
+
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)
 
 
 def _tree_rss(pid: int) -> int | None:

@@ -77,6 +77,8 @@ TRANSITIONS: dict[tuple[State, Trigger], State] = {
     (S.INTERRUPTING, T.TURN_END): S.IDLE,
     (S.IDLE, T.HIBERNATE): S.HIBERNATED,
     (S.CRASHED, T.BACKOFF): S.RESTARTING,
+    # No room to restart (max_concurrent_sessions, all busy): wait for input.
+    (S.RESTARTING, T.HIBERNATE): S.HIBERNATED,
     (S.CRASHED, T.GIVE_UP): S.FAILED,
     (S.STARTING, T.GIVE_UP): S.FAILED,
     (S.FAILED, T.RESTART): S.STARTING,

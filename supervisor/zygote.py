@@ -14,8 +14,10 @@ from then on does nothing but fork on order and reap.
 The zygote is the one process that calls waitpid for workers; it reports
 every exit status to the daemon, decoded once (code or signal).  It is also
 the child subreaper, so tool processes orphaned by a worker re-parent to it
-and are reaped instead of haunting init.  PDEATHSIG ties the zygote to the
-daemon and each worker to the zygote: when the daemon dies, everything dies.
+and are reaped instead of haunting init.  PDEATHSIG ties each worker to the
+zygote (SIGKILL) and the zygote to the daemon (SIGUSR1: when the daemon dies,
+the zygote kills every worker's process group and every process that
+re-parented to it, then exits), so nothing outlives the daemon.
 
 If the zygote itself dies, the daemon starts a new one with fork+exec
 (`python -m supervisor.zygote`): forking the daemon again is what we avoid.
@@ -33,8 +35,9 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -49,6 +52,7 @@ _to_zygote = msgspec.msgpack.Decoder(m.ToZygote)
 _from_zygote = msgspec.msgpack.Decoder(m.FromZygote)
 _encode = msgspec.msgpack.Encoder().encode
 _MAX_PACKET = 4096
+_SIGKILL = signal.SIGKILL  # (the spawner has a method named `signal`)
 
 
 # ---------------------------------------------------------------- the zygote process
@@ -63,10 +67,12 @@ def _preload() -> None:
 
 
 def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
-    """Runs in the zygote process until the daemon closes its end."""
-    set_pdeathsig(signal.SIGKILL)
+    """Runs in the zygote process until the daemon closes its end or dies."""
+    # Not SIGKILL: when the daemon dies we still have work to do (below).
+    set_pdeathsig(signal.SIGUSR1)
     if os.getppid() != daemon_pid:
-        return 0  # the daemon died before PDEATHSIG was armed
+        _kill_everything({})
+        return 0
     # Ctrl-C in a terminal and a stray SIGTERM to the daemon's group are the
     # daemon's to handle; it stops us by closing the socket.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -74,9 +80,16 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
     set_child_subreaper()
     _preload()
 
+    parent_died = False
+
+    def on_parent_death(signum: int, frame: object) -> None:
+        nonlocal parent_died
+        parent_died = True  # the loop sees it; the wakeup fd wakes the loop
+
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGUSR1, on_parent_death)
     sock.setblocking(True)
     gc.collect()
     gc.freeze()
@@ -103,7 +116,7 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
                 sock.send(_encode(exited))
 
     running = True
-    while running:
+    while running and not parent_died:
         for key, _ in sel.select():
             if key.data == "wake":
                 with contextlib.suppress(BlockingIOError):
@@ -130,15 +143,58 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
             sock.send(_encode(m.Spawned(token=order.token, pid=pid)))
         reap()
 
-    # The daemon is gone or done with us: nothing of ours may outlive it.
+    signal.set_wakeup_fd(-1)
+    _kill_everything(workers)
+    return 0
+
+
+def _kill_everything(workers: dict[int, int], settle_secs: float = 1.0) -> None:
+    """The daemon is gone or done with us: nothing of ours may outlive it.
+
+    Kill every worker's process group, then keep killing whatever is left
+    among our children: tools that left their group (setsid) re-parent to us
+    (we are the subreaper) when the worker above them dies.
+    """
     for pid in list(workers):
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
-    signal.set_wakeup_fd(-1)
-    for pid in list(workers):
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
-    return 0
+    me = os.getpid()
+    deadline = time.monotonic() + settle_secs
+    while True:
+        children = _children_of(me)
+        for pid in children:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+        if not children and not _children_of(me):
+            return
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
+
+
+def _children_of(ppid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Field 4 is the ppid; the command (field 2) may hold spaces, so
+        # split after its closing parenthesis.
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 1 and int(fields[1]) == ppid:
+            found.append(int(entry))
+    return found
 
 
 def _worker_child(fd: int, zsock: socket.socket, wake_r: int, wake_w: int, zygote_pid: int) -> None:
@@ -148,6 +204,7 @@ def _worker_child(fd: int, zsock: socket.socket, wake_r: int, wake_w: int, zygot
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
         os.close(wake_r)
         os.close(wake_w)
         zsock.close()
@@ -308,6 +365,26 @@ class ZygoteSpawner:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, sig)
 
+    def kill_tree(self, pid: int, others: Iterable[int] = (), sig: int = _SIGKILL) -> None:
+        """Signal a worker's process group and its descendants that left
+        the group (tools that called setsid, daemons that double-forked)."""
+        self.signal(pid, sig)
+        for other in others:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(other, sig)
+
+    def tree_alive(self, pid: int, others: Iterable[int] = ()) -> bool:
+        """Whether anything of that tree is left (zombies aside)."""
+        try:
+            os.killpg(pid, 0)
+            return True
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            return True
+        return any(_alive(o) for o in others)
+
+
     def close(self) -> None:
         """Tell the zygote to go (it kills what is left) and reap it."""
         self._closing = True
@@ -318,6 +395,15 @@ class ZygoteSpawner:
             self._sock.close()
             self._sock = None
             self._reap_zygote()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
 
 
 def _exec_main() -> int:

@@ -90,3 +90,155 @@ class BigReply(_Base):
 
 def big_reply(init: HandlerInit) -> BigReply:
     return BigReply(init)
+
+
+class Leaky(_Base):
+    """Input N: allocate N MiB in 8 MiB steps (touching every page), then hold it."""
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        hoard = []
+        for _ in range(int(text) // 8):
+            block = bytearray(8 * 1024 * 1024)
+            for i in range(0, len(block), 4096):
+                block[i] = 1
+            hoard.append(block)
+            ctx.emit(".")
+            await asyncio.sleep(0.01)
+        self.turns += 1
+        return TurnResult(f"held {len(hoard) * 8} MiB", record=1)
+
+
+def leaky(init: HandlerInit) -> Leaky:
+    return Leaky(init)
+
+
+class ChildHog(_Base):
+    """Input N: spawn a child process (in our group) that allocates N MiB
+    and sleeps; report its pid, then wait for it."""
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        code = (
+            "import time\n"
+            f"b = bytearray({int(text)} * 1024 * 1024)\n"
+            "for i in range(0, len(b), 4096): b[i] = 1\n"
+            "time.sleep(300)\n"
+        )
+        proc = await asyncio.create_subprocess_exec("python3", "-c", code)
+        ctx.emit(f"child {proc.pid}\n")
+        await proc.wait()
+        self.turns += 1
+        return TurnResult("child ended", record=1)
+
+
+def child_hog(init: HandlerInit) -> ChildHog:
+    return ChildHog(init)
+
+
+class Tools(_Base):
+    """Starts tool processes and reports their pids, then waits forever:
+    one `sleep` in our process group, one that ignores SIGTERM, and one
+    that left the group with setsid (an escapee)."""
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        plain = await asyncio.create_subprocess_exec("sleep", "300")
+        stubborn = await asyncio.create_subprocess_exec(
+            "bash", "-c", "trap '' TERM; while true; do sleep 0.1; done"
+        )
+        escapee = await asyncio.create_subprocess_exec("setsid", "sleep", "300")
+        ctx.emit(f"pids {plain.pid} {stubborn.pid} {escapee.pid}\n")
+        await asyncio.sleep(3600)
+        return TurnResult("never", record=1)
+
+
+def tools(init: HandlerInit) -> Tools:
+    return Tools(init)
+
+
+class BusyLoop(_Base):
+    """Input 'spin': a pure-Python busy loop that never yields to the event loop."""
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        if text == "spin":
+            ctx.emit("spinning")
+            while True:
+                pass
+        self.turns += 1
+        return TurnResult(f"{self.turns}: {text}", record=1)
+
+
+def busy_loop(init: HandlerInit) -> BusyLoop:
+    return BusyLoop(init)
+
+
+class BlockingSleep(_Base):
+    """Input 'block': time.sleep(3600) on the event loop's thread (a C call)."""
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        if text == "block":
+            import time
+
+            ctx.emit("blocking")
+            await asyncio.sleep(0)
+            time.sleep(3600)
+        self.turns += 1
+        return TurnResult(f"{self.turns}: {text}", record=1)
+
+
+def blocking_sleep(init: HandlerInit) -> BlockingSleep:
+    return BlockingSleep(init)
+
+
+class Deaf(_Base):
+    """Ignores interrupts: keeps sleeping when cancelled."""
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        ctx.emit("not listening")
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                continue
+
+
+def deaf(init: HandlerInit) -> Deaf:
+    return Deaf(init)
+
+
+class CrashOnce(_Base):
+    """Crashes (SIGKILL) in the middle of its first turn ever (a marker file
+    in the workspace remembers), then behaves like echo."""
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        marker = self.init.workspace / "crashed-once"
+        if not marker.exists():
+            self.init.workspace.mkdir(parents=True, exist_ok=True)
+            marker.write_text("x")
+            ctx.emit("crashing")
+            await asyncio.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.turns += 1
+        return TurnResult(f"{self.turns}: {text}", record=1)
+
+
+def crash_once(init: HandlerInit) -> CrashOnce:
+    return CrashOnce(init)
+
+
+class BootOnce(_Base):
+    """Boots the first time only; every later boot fails (marker file)."""
+
+    def __init__(self, init: HandlerInit) -> None:
+        super().__init__(init)
+        marker = init.workspace / "booted"
+        if marker.exists():
+            raise RuntimeError("refusing to boot twice")
+        init.workspace.mkdir(parents=True, exist_ok=True)
+        marker.write_text("x")
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        self.turns += 1
+        return TurnResult(f"{self.turns}: {text}", record=1)
+
+
+def boot_once(init: HandlerInit) -> BootOnce:
+    return BootOnce(init)
