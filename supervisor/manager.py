@@ -41,7 +41,15 @@ from ipc.framing import FrameEncoder
 from session_worker.main import EXIT_BOOT_FAILED
 from session_worker.settings import SessionSettings
 from supervisor.config import Config, ConfigError, apply_overrides
-from supervisor.errors import BadRequest, Capacity, Conflict, Internal, NotFound, SessiondError
+from supervisor.errors import (
+    BadRequest,
+    Capacity,
+    Conflict,
+    Internal,
+    LimitError,
+    NotFound,
+    SessiondError,
+)
 from supervisor.limits import MIB, ProcTable, SessionMemory, memory_verdict
 from supervisor.states import LIVE, RestartPolicy, State, Trigger, transition
 from supervisor.store import (
@@ -124,6 +132,12 @@ class Session:
     last_active: float = field(default_factory=time.monotonic)
     children: list[str] = field(default_factory=list)
     memory: SessionMemory = field(default_factory=SessionMemory)
+    # Permission requests of the running turn awaiting a client's answer.
+    pending_asks: set[str] = field(default_factory=set)
+    # Resolved with (ok, reply or reason) when that turn ends; used to run
+    # a sub-agent's task and hand its reply to the parent.
+    turn_results: dict[int, asyncio.Future[tuple[bool, str]]] = field(default_factory=dict)
+    spawned: int = 0  # sub-agents started under this session (its whole tree, for a root)
     turn_started: float = 0.0
     turn_timer: asyncio.TimerHandle | None = None
     kill_timer: asyncio.TimerHandle | None = None
@@ -466,15 +480,14 @@ class SessionManager:
                                     value=value, limit=limit),
                 )
             case m.AskPermission(turn=turn, request_id=rid, tool=tool, arguments=arguments):
+                session.pending_asks.add(rid)
                 self._emit(
                     session,
                     m.PermissionRequest(session=session.id, seq=self._next_seq(session), turn=turn,
                                         request_id=rid, tool=tool, arguments=arguments),
                 )
-            case m.SpawnAgent(request_id=rid):
-                worker.conn.send(
-                    m.SpawnResult(request_id=rid, ok=False, reason="sub-agents are not enabled in this daemon")
-                )
+            case m.SpawnAgent():
+                self._spawn_task(self._run_subagent(session, worker, msg))
 
     def _on_done(self, session: Session, worker: WorkerProc, msg: m.Done) -> None:
         if msg.turn != session.current_turn:
@@ -508,7 +521,7 @@ class SessionManager:
                 )
             except StoreError as exc:
                 log.warning("session %s: %s (the log still holds every turn)", session.id, exc)
-        self._turn_over(session)
+        self._turn_over(session, (True, msg.reply))
         session.current_input = ""
         self._next_seq(session)  # == seq
         self._emit(
@@ -535,12 +548,16 @@ class SessionManager:
             session.store.append(Abort(turn=turn, reason=reason, record=record, seq=seq), durable=True)
         except StoreError as exc:
             log.error("session %s: %s", session.id, exc)
-        self._turn_over(session)
+        self._turn_over(session, (False, reason))
         self._next_seq(session)
         self._emit(session, m.TurnFailed(session=session.id, seq=seq, turn=turn, reason=reason))
 
-    def _turn_over(self, session: Session) -> None:
+    def _turn_over(self, session: Session, outcome: tuple[bool, str]) -> None:
+        fut = session.turn_results.pop(session.current_turn or 0, None)
+        if fut is not None and not fut.done():
+            fut.set_result(outcome)
         session.current_turn = None
+        session.pending_asks.clear()
         session.last_active = time.monotonic()
         for timer in (session.turn_timer, session.kill_timer):
             if timer is not None:
@@ -777,6 +794,10 @@ class SessionManager:
         session.worker.conn.send(m.InterruptTurn(turn=session.current_turn or 0))
 
     async def stop(self, session: Session, reason: str = "stopped") -> None:
+        for child_id in list(session.children):
+            child = self.sessions.get(child_id)
+            if child is not None:
+                await self.stop(child, f"parent {session.id} {reason}")
         async with session.lock:
             await self._stop_locked(session, reason)
 
@@ -849,9 +870,69 @@ class SessionManager:
 
     def answer(self, session: Session, request_id: str, allow: bool) -> None:
         worker = session.worker
-        if worker is None:
-            raise Conflict(f"session {session.id} has no live worker")
+        if worker is None or request_id not in session.pending_asks:
+            raise NotFound(f"session {session.id} has no pending permission request {request_id!r}")
+        session.pending_asks.discard(request_id)
         worker.conn.send(m.PermissionAnswer(request_id=request_id, allow=allow))
+
+    # ================================================================ sub-agents
+
+    def _root(self, session: Session) -> Session:
+        while session.meta.parent and session.meta.parent in self.sessions:
+            session = self.sessions[session.meta.parent]
+        return session
+
+    async def _run_subagent(self, parent: Session, worker: WorkerProc, msg: m.SpawnAgent) -> None:
+        """A worker's spawn_agent: run `task` in a child session, answer with
+        its reply.  The daemon, not the worker, forks and supervises the
+        child, which gets the parent's limits (its overrides) or tighter."""
+        try:
+            reply = await self._subagent_reply(parent, msg)
+            result = m.SpawnResult(request_id=msg.request_id, ok=True, reply=reply)
+        except SessiondError as exc:
+            result = m.SpawnResult(request_id=msg.request_id, ok=False, reason=exc.message)
+        except Exception as exc:  # never let one spawn take the daemon down
+            log.exception("session %s: sub-agent failed", parent.id)
+            result = m.SpawnResult(request_id=msg.request_id, ok=False, reason=f"internal error: {exc}")
+        if parent.worker is worker:
+            worker.conn.send(result)
+
+    async def _subagent_reply(self, parent: Session, msg: m.SpawnAgent) -> str:
+        limits = parent.settings.agent.subagents
+        depth = parent.meta.depth + 1
+        if depth > limits.max_depth:
+            raise LimitError(f"sub-agent refused: max_depth {limits.max_depth} reached")
+        root = self._root(parent)
+        if root.spawned >= limits.max_total_spawns:
+            raise LimitError(f"sub-agent refused: max_total_spawns {limits.max_total_spawns} reached")
+        running = sum(
+            1 for cid in parent.children
+            if (c := self.sessions.get(cid)) is not None and c.current_turn is not None
+        )
+        if running >= limits.max_concurrent:
+            raise LimitError(f"sub-agent refused: max_concurrent {limits.max_concurrent} children already running")
+        root.spawned += 1
+        handler = msg.handler or parent.meta.handler
+        child = await self.create(
+            parent.meta.owner_uid, f"{parent.id}.{secrets.token_hex(3)}"[-64:], handler,
+            dict(parent.meta.overrides), parent=parent,
+        )
+        loop = asyncio.get_running_loop()
+        accepted = await self.send(child, msg.task, None)
+        fut: asyncio.Future[tuple[bool, str]] = loop.create_future()
+        # No await since send() returned: the turn cannot have ended yet.
+        child.turn_results[accepted.turn] = fut
+        try:
+            ok, text = await asyncio.wait_for(asyncio.shield(fut), limits.child_timeout_secs)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(SessiondError):
+                self.interrupt(child)
+            raise LimitError(
+                f"sub-agent {child.id} did not finish within child_timeout_secs={limits.child_timeout_secs:g}"
+            ) from None
+        if not ok:
+            raise Internal(f"sub-agent {child.id} failed: {text}")
+        return text
 
     # ================================================================ supervision
 
