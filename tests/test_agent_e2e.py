@@ -160,8 +160,9 @@ def test_compaction_survives_a_worker_crash(make_daemon, llm: FakeLLM) -> None:
         assert any(isinstance(e, m.Notice) and e.kind == "compaction" for e in events)
         assert events[-1].reply == "after compaction"
         compacted = llm.requests[-1].json["messages"]
-        os.kill(c.status(sid).pid, signal.SIGKILL)
-        wait_for(lambda: c.status(sid).state == "idle", 10, "restart")
+        old = c.status(sid).pid
+        os.kill(old, signal.SIGKILL)
+        wait_for(lambda: c.status(sid).state == "idle" and c.status(sid).pid != old, 10, "restart")
         llm.script(text_stream("restored"))
         assert c.send_text(sid, "question 4") == "restored"
     restored = llm.requests[-1].json["messages"]
