@@ -350,6 +350,9 @@ class Boot(_Msg, tag="boot"):
     turns: int = 0  # committed turns so far
     snapshot: bytes = b""  # msgpack of the handler's state; empty = none
     records: list[bytes] = []  # turn records committed after the snapshot
+    # Drop to these ids before any handler code runs (daemon running as root).
+    run_as_uid: int | None = None
+    run_as_gid: int | None = None
 
 
 class Input(_Msg, tag="input"):

@@ -123,6 +123,7 @@ class Worker:
         return request_id, fut
 
     def boot(self, boot: m.Boot) -> None:
+        _confine(self.settings, boot.run_as_uid, boot.run_as_gid)
         self.workspace.mkdir(parents=True, exist_ok=True, mode=0o700)
         factory = load_factory(boot.handler)
         init = HandlerInit(
@@ -221,6 +222,33 @@ class Worker:
             if self.handler is not None:
                 with contextlib.suppress(Exception):
                     await self.handler.aclose()
+
+
+def _confine(settings: SessionSettings, uid: int | None, gid: int | None) -> None:
+    """Resource limits and the user to run as, before any handler code runs;
+    tools inherit both."""
+    import resource
+
+    from session_worker._linux import set_pdeathsig
+
+    limits = settings.agent.limits
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core dumps of session memory
+    if limits.max_processes is not None:
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
+    if limits.max_file_size_mb is not None:
+        size = limits.max_file_size_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+    if uid is not None and os.geteuid() == 0:
+        run_gid = gid if gid is not None else uid
+        parent = os.getppid()
+        os.setgroups([])
+        os.setresgid(run_gid, run_gid, run_gid)
+        os.setresuid(uid, uid, uid)
+        # A change of credentials clears the parent-death signal: re-arm it,
+        # then make sure the zygote did not die in between.
+        set_pdeathsig(signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)
 
 
 async def _main(sock: socket.socket) -> int:

@@ -47,6 +47,12 @@ class LimitsSettings(ConfigSection):
     # Optional soft threshold: an event and a hint to the worker.
     memory_high_mb: Annotated[int, Meta(ge=1)] | None = None
     memory_poll_interval_ms: Annotated[int, Meta(ge=5, le=60_000)] = 100
+    # RLIMIT_NPROC of the worker and its tools.  The kernel counts every
+    # process of the worker's user, so this bites only with [daemon]
+    # worker_user set (and never for root).  None = inherited.
+    max_processes: Annotated[int, Meta(ge=8)] | None = None
+    # RLIMIT_FSIZE: the largest file a worker or tool may write.  None = inherited.
+    max_file_size_mb: Annotated[int, Meta(ge=1)] | None = None
 
 
 class WorkerSettings(ConfigSection):

@@ -42,6 +42,11 @@ class DaemonSettings(ConfigSection):
     socket: str = ""
     # Permission bits of the control socket, as an octal string ("0660").
     socket_mode: str = "0660"
+    # Group owning the control socket (name or number); empty = the daemon's.
+    socket_group: str = ""
+    # When the daemon runs as root: the user (name or uid) workers and their
+    # tools run as.  Empty = as the daemon (a warning is logged for root).
+    worker_user: str = ""
     # Where sessions live; empty = $STATE_DIRECTORY, /var/lib/sessiond or $XDG_STATE_HOME.
     state_dir: str = ""
     max_frame_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 16 * 1024 * 1024
@@ -152,6 +157,8 @@ _CEILINGS = (
     "agent.limits.max_memory_mb",
     "agent.limits.memory_high_mb",
     "agent.limits.max_concurrent_sessions",
+    "agent.limits.max_processes",
+    "agent.limits.max_file_size_mb",
     "agent.worker.max_restart_attempts",
     "agent.subagents.max_concurrent",
     "agent.subagents.max_depth",

@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import grp
 import logging
 import os
+import pwd
 import resource
 import signal
 import socket
@@ -90,7 +92,34 @@ def prepare_socket_path(path: Path) -> None:
         raise StartupError(f"socket path {path} is too long for a Unix socket (max 107 bytes)")
 
 
-def bind_socket(path: Path, mode: int) -> socket.socket:
+def resolve_worker_user(cfg: Config) -> tuple[int, int] | None:
+    """[daemon] worker_user as (uid, gid), or None to run workers as we run."""
+    name = cfg.daemon.worker_user
+    if not name:
+        if os.geteuid() == 0:
+            log.warning("running as root and [daemon] worker_user is not set: workers and their "
+                        "tools run as root too")
+        return None
+    try:
+        entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+    except (KeyError, ValueError):
+        raise StartupError(f"[daemon] worker_user: no such user {name!r}") from None
+    if os.geteuid() != 0 and entry.pw_uid != os.geteuid():
+        raise StartupError(
+            f"[daemon] worker_user = {name!r} needs the daemon to run as root "
+            f"(it runs as uid {os.geteuid()})"
+        )
+    return entry.pw_uid, entry.pw_gid
+
+
+def _resolve_group(name: str) -> int:
+    try:
+        return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise StartupError(f"[daemon] socket_group: no such group {name!r}") from None
+
+
+def bind_socket(path: Path, mode: int, group: str = "") -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o777 & ~mode)
     try:
@@ -100,6 +129,8 @@ def bind_socket(path: Path, mode: int) -> socket.socket:
         raise StartupError(f"cannot bind {path}: {exc.strerror}") from None
     finally:
         os.umask(old_umask)
+    if group:
+        os.chown(path, -1, _resolve_group(group))
     os.chmod(path, mode)
     sock.listen(512)
     sock.setblocking(False)
@@ -137,6 +168,9 @@ def run_daemon(
     state_dir = state_dir or default_state_dir(cfg)
     socket_path = socket_path or daemon_socket_path(cfg)
     check_state_dir(state_dir)
+    run_as = resolve_worker_user(cfg)
+    if cfg.daemon.socket_group:
+        _resolve_group(cfg.daemon.socket_group)
     inherited = _inherited_socket()
     if inherited is None:
         prepare_socket_path(socket_path)
@@ -147,9 +181,10 @@ def run_daemon(
         if inherited is not None:
             sock, bound = inherited, False
         else:
-            sock, bound = bind_socket(socket_path, int(cfg.daemon.socket_mode, 8)), True
+            sock = bind_socket(socket_path, int(cfg.daemon.socket_mode, 8), cfg.daemon.socket_group)
+            bound = True
         try:
-            return asyncio.run(_serve(cfg, config_path, state_dir, socket_path, sock, spawner))
+            return asyncio.run(_serve(cfg, config_path, state_dir, socket_path, sock, spawner, run_as))
         finally:
             if bound:
                 with contextlib.suppress(FileNotFoundError):
@@ -165,10 +200,11 @@ async def _serve(
     socket_path: Path,
     sock: socket.socket,
     spawner: ZygoteSpawner,
+    run_as: tuple[int, int] | None,
 ) -> int:
     loop = asyncio.get_running_loop()
     spawner.attach(loop)
-    manager = SessionManager(cfg, state_dir, spawner)
+    manager = SessionManager(cfg, state_dir, spawner, run_as=run_as)
     manager.load_all()
     server = ControlServer(manager)
     await server.start(sock)

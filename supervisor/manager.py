@@ -48,6 +48,7 @@ from supervisor.errors import (
     Internal,
     LimitError,
     NotFound,
+    PermissionDenied,
     SessiondError,
 )
 from supervisor.limits import MIB, ProcTable, SessionMemory, memory_verdict
@@ -155,6 +156,7 @@ class SessionManager:
         spawner: ZygoteSpawner,
         *,
         admin_uid: int | None = None,
+        run_as: tuple[int, int] | None = None,
     ) -> None:
         self.config = config
         self.state_dir = state_dir
@@ -170,6 +172,7 @@ class SessionManager:
         self.proc_table = ProcTable()
         self._hibernating: set[str] = set()
         self.admin_uid = os.getuid() if admin_uid is None else admin_uid
+        self.run_as = run_as
         spawner.on_exit = self._on_exit
         spawner.on_zygote_lost = self._on_zygote_lost
 
@@ -177,7 +180,13 @@ class SessionManager:
 
     def load_all(self) -> None:
         """Restore every session on disk; live ones come back hibernated."""
-        self.sessions_dir.mkdir(parents=True, exist_ok=True)
+        self.sessions_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.run_as is not None:
+            # Workers running as another user must reach their workspace:
+            # traverse (not list) the state dir; sessions/ stays private.
+            self.workspaces_dir.mkdir(parents=True, exist_ok=True)
+            for path in (self.state_dir, self.workspaces_dir):
+                os.chmod(path, 0o711)
         for path in sorted(self.sessions_dir.iterdir()):
             if path.name.startswith(".deleted-"):
                 import shutil
@@ -273,11 +282,22 @@ class SessionManager:
 
     # ================================================================ lookups
 
+    def is_admin(self, uid: int) -> bool:
+        return uid == 0 or uid == self.admin_uid
+
     def get(self, session_id: str, uid: int | None = None) -> Session:
+        """The session, if `uid` (None = the daemon itself) may touch it."""
         session = self.sessions.get(session_id)
         if session is None:
             raise NotFound(f"no session {session_id!r}")
+        if uid is not None and not self.is_admin(uid) and session.meta.owner_uid != uid:
+            raise PermissionDenied(f"session {session_id!r} belongs to another user")
         return session
+
+    def visible(self, uid: int) -> list[Session]:
+        if self.is_admin(uid):
+            return list(self.sessions.values())
+        return [s for s in self.sessions.values() if s.meta.owner_uid == uid]
 
     def info(self, session: Session, with_rss: bool = True) -> m.SessionInfo:
         worker = session.worker
@@ -320,7 +340,7 @@ class SessionManager:
             )
         if session_id in self.sessions:
             raise Conflict(f"session {session_id!r} already exists")
-        privileged = owner_uid in (0, self.admin_uid)
+        privileged = self.is_admin(owner_uid)
         try:
             settings = apply_overrides(self.config.session_settings(), overrides, privileged=privileged)
         except ConfigError as exc:
@@ -407,12 +427,21 @@ class SessionManager:
         session.memory = SessionMemory()
         self._by_pid[pid] = session
         await loop.create_unix_connection(lambda: proto, sock=sock)
+        workspace = self._workspace(session)
+        try:
+            workspace.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if self.run_as is not None:
+                os.chown(workspace, *self.run_as)
+        except OSError as exc:
+            log.warning("session %s: cannot prepare workspace %s: %s", session.id, workspace, exc)
         proto.send(
             m.Boot(
                 session=session.id, handler=session.meta.handler,
                 settings=_settings_encoder.encode(session.settings),
-                workspace=str(self._workspace(session)), depth=session.meta.depth,
+                workspace=str(workspace), depth=session.meta.depth,
                 turns=session.turns, snapshot=snapshot, records=records,
+                run_as_uid=self.run_as[0] if self.run_as else None,
+                run_as_gid=self.run_as[1] if self.run_as else None,
             )
         )
         try:

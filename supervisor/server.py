@@ -75,6 +75,13 @@ class ClientConn:
 
     async def run(self) -> None:
         try:
+            if not self.server.admits(self.uid, self.gid, self.pid):
+                log.warning("refused %s: not in allowed_uids/allowed_gids", self.name)
+                self.proto.send(m.Error(
+                    code=m.ErrorCode.PERMISSION_DENIED,
+                    message=f"uid {self.uid} may not use this daemon ([daemon] allowed_uids / allowed_gids)",
+                ))
+                return
             if not await self._handshake():
                 return
             while True:
@@ -173,7 +180,7 @@ class ClientConn:
             case m.Status(id=rid, session=sid):
                 return m.StatusReply(id=rid, session=mgr.info(mgr.get(sid, self.uid)))
             case m.List(id=rid):
-                return m.SessionList(id=rid, sessions=[mgr.info(s) for s in mgr.sessions.values()])
+                return m.SessionList(id=rid, sessions=[mgr.info(s) for s in mgr.visible(self.uid)])
             case m.Stats(id=rid):
                 return self.server.stats(rid)
             case m.Answer(id=rid, session=sid, request_id=request_id, allow=allow):
@@ -213,6 +220,16 @@ class ControlServer:
         self.started = time.monotonic()
         self._server: asyncio.AbstractServer | None = None
 
+    def admits(self, uid: int, gid: int, pid: int) -> bool:
+        """Root, the daemon's own user, and [daemon] allowed_uids/allowed_gids
+        (primary or supplementary groups of the peer)."""
+        cfg = self.manager.config.daemon
+        if self.manager.is_admin(uid) or uid in cfg.allowed_uids:
+            return True
+        if not cfg.allowed_gids:
+            return False
+        return bool(set(cfg.allowed_gids) & ({gid} | _supplementary_groups(pid)))
+
     def accept(self, client: ClientConn) -> None:
         self.clients.add(client)
         task = asyncio.get_running_loop().create_task(client.run())
@@ -246,6 +263,18 @@ class ControlServer:
 
 
 _UCRED = struct.Struct("3i")
+
+
+def _supplementary_groups(pid: int) -> set[int]:
+    # SO_PEERCRED carries only the primary gid.
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except (OSError, ValueError):
+        pass
+    return set()
 
 
 def _peer_credentials(proto: FramedProtocol[Any]) -> tuple[int, int, int]:

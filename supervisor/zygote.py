@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable
 import msgspec
 
 from ipc import messages as m
-from supervisor._linux import set_child_subreaper, set_pdeathsig
+from session_worker._linux import set_child_subreaper, set_pdeathsig
 
 __all__ = ["ZygoteDied", "ZygoteSpawner", "zygote_main"]
 

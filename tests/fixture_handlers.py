@@ -242,3 +242,39 @@ class BootOnce(_Base):
 
 def boot_once(init: HandlerInit) -> BootOnce:
     return BootOnce(init)
+
+
+class WhoAmI(_Base):
+    """Replies with the worker's uid, its workspace owner and its limits."""
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        import resource
+
+        if text == "forkbomb":
+            return TurnResult(self._forkbomb(), record=None)
+        ws = self.init.workspace
+        (ws / "probe").write_text("x")
+        reply = (
+            f"uid={os.getuid()} ws_uid={ws.stat().st_uid} "
+            f"core={resource.getrlimit(resource.RLIMIT_CORE)[0]} "
+            f"nproc={resource.getrlimit(resource.RLIMIT_NPROC)[0]}"
+        )
+        return TurnResult(reply, record=None)
+
+    def _forkbomb(self) -> str:
+        import time
+
+        made = 0
+        try:
+            while made < 10_000:
+                if os.fork() == 0:
+                    time.sleep(60)
+                    os._exit(0)
+                made += 1
+        except OSError as exc:
+            return f"stopped after {made}: {exc.strerror}"
+        return f"never stopped ({made})"
+
+
+def whoami(init: HandlerInit) -> WhoAmI:
+    return WhoAmI(init)

@@ -1,0 +1,173 @@
+"""Access control: peer credentials, per-user sessions, workers dropped to
+an unprivileged user with resource limits.  Needs root to act as another
+user; skipped (with the reason) otherwise."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+import msgspec
+import psutil
+import pytest
+
+from harness import Daemon, wait_for
+from ipc import messages as m
+from ipc.framing import encode_frame
+from supervisor.client import RequestError
+
+NOBODY = 65534
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+_reply = msgspec.msgpack.Decoder(m.Reply)
+
+
+def as_user(uid: int, path: str, requests: list[m.Request]) -> list[m.Reply]:
+    """Fork, become `uid`, speak to the daemon, report the replies."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the other user's client
+        code = 1
+        try:
+            os.close(r)
+            os.setgid(uid)
+            os.setuid(uid)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(10)
+            s.connect(path)
+            out = []
+            for req in [m.Hello(protocol=m.PROTOCOL_VERSION, client="other-user"), *requests]:
+                try:
+                    s.sendall(encode_frame(req))
+                    header = s.recv(4, socket.MSG_WAITALL)
+                except OSError:
+                    header = b""
+                if len(header) < 4:
+                    break
+                (n,) = struct.unpack(">I", header)
+                out.append(s.recv(n, socket.MSG_WAITALL))
+            os.write(w, msgspec.msgpack.encode(out))
+            code = 0
+        except BaseException as exc:
+            os.write(2, f"other-user client failed: {exc!r}\n".encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return [_reply.decode(f) for f in msgspec.msgpack.decode(data)]
+
+
+def open_up(d: Daemon) -> None:
+    os.chmod(d.sockdir, 0o755)
+
+
+def traversable(d: Daemon) -> None:
+    """pytest's temp dirs are private to root; let `nobody` pass through
+    them to the state dir, as it can through /var/lib."""
+    for path in [d.root, *d.root.parents]:
+        if str(path) in ("/", "/tmp"):
+            break
+        os.chmod(path, os.stat(path).st_mode | 0o011)
+
+
+@root_only
+def test_unknown_uid_is_refused(make_daemon) -> None:
+    d = make_daemon('[daemon]\nsocket_mode = "0666"\n')
+    open_up(d)
+    replies = as_user(NOBODY, str(d.socket), [m.List(id=1)])
+    assert len(replies) == 1 and isinstance(replies[0], m.Error)
+    assert replies[0].code == "permission_denied" and str(NOBODY) in replies[0].message
+    with d.client() as c:
+        assert c.ping().pid == d.pid
+
+
+@root_only
+def test_allowed_uid_sees_and_touches_only_its_sessions(make_daemon) -> None:
+    d = make_daemon(f'[daemon]\nsocket_mode = "0666"\nallowed_uids = [{NOBODY}]\n')
+    open_up(d)
+    with d.client() as c:
+        mine = c.create(session="roots").id
+    replies = as_user(NOBODY, str(d.socket), [
+        m.Create(id=1, session="nobodys"), m.List(id=2), m.Status(id=3, session=mine),
+        m.Remove(id=4, session=mine),
+    ])
+    welcome, created, listed, status, removed = replies
+    assert isinstance(welcome, m.Welcome)
+    assert isinstance(created, m.Created) and created.session.owner_uid == NOBODY
+    assert isinstance(listed, m.SessionList) and [s.id for s in listed.sessions] == ["nobodys"]
+    assert isinstance(status, m.Error) and status.code == "permission_denied"
+    assert isinstance(removed, m.Error) and removed.code == "permission_denied"
+    with d.client() as c:  # root sees everything
+        assert {s.id for s in c.list()} == {"roots", "nobodys"}
+
+
+@root_only
+def test_workers_drop_to_worker_user_with_limits(make_daemon) -> None:
+    d = make_daemon('[daemon]\nworker_user = "nobody"\n', start=False)
+    traversable(d)
+    d.start()
+    with d.client() as c:
+        sid = c.create(handler="fixture_handlers:whoami",
+                       settings={"agent.limits.max_processes": 32}).id
+        reply = c.send_text(sid, "who")
+        assert reply == f"uid={NOBODY} ws_uid={NOBODY} core=0 nproc=32"
+        pid = c.status(sid).pid
+        assert psutil.Process(pid).uids().real == NOBODY
+        # The state directory stays the daemon's alone.
+        assert os.stat(d.state_dir / "sessions").st_uid == 0
+
+
+@root_only
+def test_fork_bomb_ends_at_its_limit_and_the_daemon_stays_responsive(make_daemon) -> None:
+    d = make_daemon('[daemon]\nworker_user = "nobody"\nstop_grace_secs = 1.0\n', start=False)
+    traversable(d)
+    d.start()
+    with d.client() as c:
+        sid = c.create(handler="fixture_handlers:whoami",
+                       settings={"agent.limits.max_processes": 40}).id
+        reply = c.send_text(sid, "forkbomb")
+        assert reply.startswith("stopped after ") and "Resource temporarily unavailable" in reply
+        assert int(reply.split()[2].rstrip(":")) < 40
+        assert c.ping().pid == d.pid
+        assert c.ping(sid).pid == c.status(sid).pid
+        worker = c.status(sid).pid
+        kids = [p.pid for p in psutil.Process(worker).children()]
+        assert kids
+        c.stop(sid)
+        wait_for(lambda: not any(psutil.pid_exists(k) and psutil.Process(k).status() != "zombie" for k in kids),
+                 10, "the bomb's processes to be gone")
+
+
+def test_worker_user_needs_root(make_daemon) -> None:
+    if os.geteuid() == 0:
+        d = make_daemon('[daemon]\nworker_user = "no-such-user-here"\n', start=False)
+        d.proc = None
+        import subprocess
+        import sys
+
+        from harness import env_for_children
+
+        r = subprocess.run(d.cmd, capture_output=True, text=True, env=env_for_children(), timeout=30)
+        assert r.returncode == 1 and "worker_user" in r.stderr and "no-such-user-here" in r.stderr
+    else:
+        d = make_daemon('[daemon]\nworker_user = "root"\n', start=False)
+        import subprocess
+
+        from harness import env_for_children
+
+        r = subprocess.run(d.cmd, capture_output=True, text=True, env=env_for_children(), timeout=30)
+        assert r.returncode == 1 and "needs the daemon to run as root" in r.stderr
+
+
+def test_permission_denied_is_an_error_code_for_sessionctl(daemon: Daemon) -> None:
+    # The admin path: the daemon's own uid is always admitted and sees all.
+    with daemon.client() as c:
+        c.create(session="x")
+        with pytest.raises(RequestError) as err:
+            c.status("y")
+        assert err.value.code == "not_found"
