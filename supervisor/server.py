@@ -219,16 +219,21 @@ class ControlServer:
         self.clients: set[ClientConn] = set()
         self.started = time.monotonic()
         self._server: asyncio.AbstractServer | None = None
+        self.socket_gid: int | None = None
 
     def admits(self, uid: int, gid: int, pid: int) -> bool:
-        """Root, the daemon's own user, and [daemon] allowed_uids/allowed_gids
-        (primary or supplementary groups of the peer)."""
+        """Root, the daemon's own user, [daemon] allowed_uids, and members
+        (primary or supplementary) of allowed_gids or of the socket's group:
+        whoever the operator let through the socket's mode may talk."""
         cfg = self.manager.config.daemon
         if self.manager.is_admin(uid) or uid in cfg.allowed_uids:
             return True
-        if not cfg.allowed_gids:
+        groups = set(cfg.allowed_gids)
+        if self.socket_gid is not None and self.socket_gid != 0:
+            groups.add(self.socket_gid)
+        if not groups:
             return False
-        return bool(set(cfg.allowed_gids) & ({gid} | _supplementary_groups(pid)))
+        return bool(groups & ({gid} | _supplementary_groups(pid)))
 
     def accept(self, client: ClientConn) -> None:
         self.clients.add(client)
@@ -237,6 +242,8 @@ class ControlServer:
 
     async def start(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
+        with contextlib.suppress(OSError):
+            self.socket_gid = os.stat(sock.getsockname()).st_gid
         self._server = await loop.create_unix_server(lambda: _ClientProtocol(self), sock=sock)
 
     def stop_accepting(self) -> None:

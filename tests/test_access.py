@@ -171,3 +171,12 @@ def test_permission_denied_is_an_error_code_for_sessionctl(daemon: Daemon) -> No
         with pytest.raises(RequestError) as err:
             c.status("y")
         assert err.value.code == "not_found"
+
+
+@root_only
+def test_members_of_the_socket_group_are_admitted(make_daemon) -> None:
+    d = make_daemon('[daemon]\nsocket_mode = "0660"\nsocket_group = "nogroup"\n')
+    open_up(d)
+    assert os.stat(d.socket).st_gid == NOBODY and oct(os.stat(d.socket).st_mode & 0o777) == "0o660"
+    replies = as_user(NOBODY, str(d.socket), [m.List(id=1)])
+    assert isinstance(replies[0], m.Welcome) and isinstance(replies[1], m.SessionList)
