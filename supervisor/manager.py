@@ -741,8 +741,12 @@ class SessionManager:
     # ================================================================ requests
 
     async def send(self, session: Session, text: str, subscriber: Subscriber | None) -> m.Accepted:
+        if self._closing:
+            raise Conflict("the daemon is shutting down; no new turns")
         async with session.lock:
             if session.state is State.HIBERNATED:
+                # Room first, so that "no room" leaves it hibernated.
+                await self._make_room(session)
                 self._set_state(session, Trigger.SPAWN, reason="input")
                 try:
                     await self._start_worker(session)
@@ -848,6 +852,7 @@ class SessionManager:
             if session.restart_handle is not None:
                 session.restart_handle.cancel()
                 session.restart_handle = None
+            await self._make_room(session)
             self._set_state(session, Trigger.RESTART, reason="restart requested")
             if session.policy is not None:
                 session.policy.reset()

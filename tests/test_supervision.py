@@ -165,6 +165,7 @@ def test_max_concurrent_sessions_hibernates_lru_then_refuses(make_daemon) -> Non
             with pytest.raises(RequestError) as err:
                 c.send_text(a, "1")
             assert err.value.code == "capacity" and time.monotonic() - t0 < 5
+            assert c.status(a).state == "hibernated"  # refused, not crashed
             c.interrupt(b)
             c.interrupt(third)
             list(s1)
