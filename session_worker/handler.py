@@ -48,6 +48,7 @@ __all__ = [
     "TurnContext",
     "TurnFailure",
     "TurnResult",
+    "import_object",
     "load_factory",
 ]
 
@@ -145,16 +146,25 @@ def load_factory(name: str) -> HandlerFactory:
         from session_worker.agent import AgentHandler
 
         return AgentHandler
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
+    if ":" not in name:
         raise HandlerLoadError(
             f"unknown handler {name!r}: use 'echo', 'agent' or 'package.module:factory'"
         )
+    factory: HandlerFactory = import_object(name, "handler", HandlerLoadError)
+    return factory
+
+
+def import_object(spec: str, what: str, error: type[Exception] = ImportError) -> Any:
+    """Resolve `package.module:attr` to a callable; `error(readable reason)`
+    when it cannot be (used for handlers and for custom tools alike)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise error(f"{what} {spec!r}: use 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise HandlerLoadError(f"cannot import handler module {module_name!r}: {exc}") from exc
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise HandlerLoadError(f"handler {name!r}: {module_name} has no callable {attr!r}")
-    return factory  # type: ignore[no-any-return]
+        raise error(f"{what} {spec!r}: cannot import {module_name}: {exc}") from exc
+    obj = getattr(module, attr, None)
+    if not callable(obj):
+        raise error(f"{what} {spec!r}: {module_name} has no function {attr!r}")
+    return obj

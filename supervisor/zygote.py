@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
@@ -101,13 +101,7 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
     my_pid = os.getpid()
 
     def reap() -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, status in _reap_any():
             if workers.pop(pid, None) is None:
                 continue  # an orphaned tool process we adopted as subreaper
             code = os.waitstatus_to_exitcode(status)
@@ -165,18 +159,25 @@ def _kill_everything(workers: dict[int, int], settle_secs: float = 1.0) -> None:
         for pid in children:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        for _ in _reap_any():
+            pass
         if not children and not _children_of(me):
             return
         if time.monotonic() > deadline:
             return
         time.sleep(0.01)
+
+
+def _reap_any() -> Iterator[tuple[int, int]]:
+    """(pid, status) of every child that has exited, without blocking."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        yield pid, status
 
 
 def _children_of(ppid: int) -> list[int]:

@@ -4,6 +4,7 @@ user; skipped (with the reason) otherwise."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -37,8 +38,11 @@ def as_user(uid: int, path: str, requests: list[m.Request]) -> list[m.Reply]:
             s.connect(path)
             out = []
             for req in [m.Hello(protocol=m.PROTOCOL_VERSION, client="other-user"), *requests]:
-                try:
+                # The daemon may refuse and close before reading: a failed
+                # send still leaves its answer to be read.
+                with contextlib.suppress(OSError):
                     s.sendall(encode_frame(req))
+                try:
                     header = s.recv(4, socket.MSG_WAITALL)
                 except OSError:
                     header = b""

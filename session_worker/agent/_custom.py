@@ -16,7 +16,6 @@ worker process, so unlike `bash` they see its whole environment.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import types
@@ -26,6 +25,7 @@ from typing import Any
 
 from session_worker.agent._errors import ToolLoadError
 from session_worker.agent._tools import Tool, ToolEnv
+from session_worker.handler import import_object
 
 __all__ = ["load_custom_tool", "schema_for"]
 
@@ -77,17 +77,8 @@ def schema_for(fn: Callable[..., Any], where: str) -> tuple[dict[str, Any], str 
 
 
 def load_custom_tool(spec: str) -> Tool:
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ToolLoadError(f"tools.custom entry {spec!r}: use 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ToolLoadError(f"tools.custom entry {spec!r}: cannot import {module_name}: {exc}") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ToolLoadError(f"tools.custom entry {spec!r}: {module_name} has no function {attr!r}")
-    name = getattr(fn, "__name__", attr)
+    fn = import_object(spec, "tools.custom entry", ToolLoadError)
+    name = getattr(fn, "__name__", spec.partition(":")[2])
     schema, main_arg = schema_for(fn, f"custom tool {spec!r}")
     description = inspect.getdoc(fn) or f"User tool {name}."
     is_async = inspect.iscoroutinefunction(fn)
