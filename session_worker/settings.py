@@ -71,6 +71,9 @@ class SubagentSettings(ConfigSection):
     max_depth: NonNegInt = 2
     max_total_spawns: NonNegInt = 32
     child_timeout_secs: PositiveFloat = 600.0
+    # Handlers a model may ask spawn_agent for, besides "agent", "echo" and
+    # the parent's own: the model must not pick arbitrary importable code.
+    allowed_handlers: list[str] = msgspec.field(default_factory=list)
 
 
 class LoopSettings(ConfigSection):

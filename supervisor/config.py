@@ -169,7 +169,10 @@ _CEILINGS = (
 )
 # Keys a session may not set at all: they decide where the API key is sent
 # and which environment variable is read.
-_OPERATOR_ONLY = ("provider.base_url", "provider.api_key_env", "tools.workspace_dir", "tools.custom")
+_OPERATOR_ONLY = (
+    "provider.base_url", "provider.api_key_env", "tools.workspace_dir", "tools.custom",
+    "agent.subagents.allowed_handlers",
+)
 _OVERRIDABLE_ROOTS = ("agent", "provider", "tools", "permissions")
 
 

@@ -945,8 +945,14 @@ class SessionManager:
         )
         if running >= limits.max_concurrent:
             raise LimitError(f"sub-agent refused: max_concurrent {limits.max_concurrent} children already running")
-        root.spawned += 1
         handler = msg.handler or parent.meta.handler
+        allowed = {"agent", "echo", parent.meta.handler, *limits.allowed_handlers}
+        if handler not in allowed:
+            raise BadRequest(
+                f"sub-agent refused: handler {handler!r} is not allowed "
+                "([agent.subagents] allowed_handlers)"
+            )
+        root.spawned += 1
         child = await self.create(
             parent.meta.owner_uid, f"{parent.id}.{secrets.token_hex(3)}"[-64:], handler,
             dict(parent.meta.overrides), parent=parent,

@@ -215,3 +215,24 @@ def test_no_provider_means_echo_and_a_log_line(make_daemon) -> None:
         assert info.handler == "echo"
         assert c.send_text(info.id, "hi") == "1: hi"
     assert "no [provider] configured" in d.log
+
+
+def test_a_crashing_subagent_is_a_clear_failure_for_its_parent(make_daemon, llm: FakeLLM) -> None:
+    extra = '[agent.subagents]\nallowed_handlers = ["fixture_handlers:crash_mid_turn"]\n'
+    d = make_daemon(agent_config(llm, extra))
+    llm.script(
+        tool_call_stream(("r0", "spawn_agent", {"task": "x", "handler": "os:system"})),
+        tool_call_stream(("r1", "spawn_agent", {"task": "crash", "handler": "fixture_handlers:crash_mid_turn"})),
+        text_stream("the helper died"),
+    )
+    with d.client() as c:
+        root = c.create().id
+        assert c.send_text(root, "delegate") == "the helper died"
+        child = next(s for s in c.list() if s.parent == root)
+        # The child was restarted by the usual rules and is usable.
+        wait_for(lambda: c.status(child.id).state == "idle" and c.status(child.id).restarts == 1, 10)
+        assert c.send_text(child.id, "ok") == "1: ok"
+    refused = tool_results(llm.requests[1].json)[-1]
+    assert "not allowed" in refused and "os:system" in refused
+    result = tool_results(llm.requests[2].json)[-1]
+    assert "failed" in result and "crashed" in result and "SIGKILL" in result
