@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -168,13 +169,25 @@ async def _ask_on_terminal(client: AsyncClient, session: str, ev: m.PermissionRe
 
 
 def _read_answer(prompt: str) -> bool:
+    """Ask on the controlling terminal (stdout may be a pipe); no terminal,
+    or anything but y/yes, is a no."""
     try:
-        with open("/dev/tty", "r+") as tty:
-            tty.write(prompt)
-            tty.flush()
-            return tty.readline().strip().lower() in ("y", "yes")
+        fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
     except OSError:
         return False
+    try:
+        os.write(fd, prompt.encode())
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = os.read(fd, 256)
+            if not chunk:
+                break
+            line += chunk
+        return line.strip().lower() in (b"y", b"yes")
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 async def _run(args: argparse.Namespace) -> int:

@@ -236,3 +236,46 @@ def test_a_crashing_subagent_is_a_clear_failure_for_its_parent(make_daemon, llm:
     assert "not allowed" in refused and "os:system" in refused
     result = tool_results(llm.requests[2].json)[-1]
     assert "failed" in result and "crashed" in result and "SIGKILL" in result
+
+
+def test_sessionctl_send_asks_on_the_terminal(make_daemon, llm: FakeLLM) -> None:
+    import pty
+    import select
+    import sys
+    import time
+
+    from harness import env_for_children
+
+    extra = '[[permissions]]\ntool = "bash"\nmatch = "*"\naction = "ask"\n'
+    d = make_daemon(agent_config(llm, extra))
+    llm.script(tool_call_stream(("c1", "bash", {"command": "echo from-the-tool"})), text_stream("all done"))
+    with d.client() as c:
+        sid = c.create().id
+    pid, fd = pty.fork()
+    if pid == 0:  # sessionctl on a terminal
+        env = env_for_children()
+        os.execve(sys.executable, [sys.executable, "-m", "supervisor.ctl", "--socket", str(d.socket),
+                                   "send", sid, "run it"], env)
+    out = b""
+    answered = False
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if not ready:
+            continue
+        try:
+            data = os.read(fd, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        out += data
+        if not answered and b"[y/N]" in out:
+            os.write(fd, b"y\n")
+            answered = True
+    _, status = os.waitpid(pid, 0)
+    text = out.decode(errors="replace")
+    assert answered, (text, d.log[-2000:], [r.json for r in llm.requests])
+    assert "allow bash" in text and "echo from-the-tool" in text
+    assert "all done" in text and os.waitstatus_to_exitcode(status) == 0
+    assert "from-the-tool" in tool_results(llm.requests[1].json)[-1]
