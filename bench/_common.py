@@ -1,0 +1,369 @@
+"""Shared helpers for the benchmarks in bench/: a throw-away daemon, statistics,
+tables and goal lines.
+
+Every bench script starts with the same few lines (see `setup_path` below) so
+that it runs as `.venv/bin/python bench/X.py` from the repo root: Python puts
+the script's directory, bench/, first on sys.path, where `bench/ipc.py` would
+shadow the project's `ipc` package.  The scripts swap that entry for the repo
+root and import this module as `bench._common`.
+
+The daemon runs in its own session (process group) with its state and socket
+in one short temporary directory under /tmp.  It is stopped on normal exit,
+on an exception, on Ctrl-C and on SIGTERM: SIGTERM to the daemon first (it
+stops its workers), then SIGKILL to its process group and to every process it
+was ever seen to have, then the directory is removed.
+
+Nothing here is imported by the daemon or its workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "bench"
+
+
+def setup_path() -> None:
+    """Make the repo root importable and bench/ not (see the module docstring)."""
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
+    for key in ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "WATCHDOG_USEC",
+                "SESSIOND_SOCKET"):
+        env.pop(key, None)
+    env.update(extra or {})
+    return env
+
+
+# ---------------------------------------------------------------- cleanup on any exit
+
+_cleanups: list[Any] = []
+
+
+def _run_cleanups() -> None:
+    while _cleanups:
+        fn = _cleanups.pop()
+        with contextlib.suppress(Exception):
+            fn()
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # Becomes an exception in the main thread, so `finally` blocks run.
+    raise SystemExit(128 + signum)
+
+
+atexit.register(_run_cleanups)
+if __name__ != "__main__":
+    with contextlib.suppress(ValueError):  # not in the main thread
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGHUP, _on_sigterm)
+
+
+def on_exit(fn: Any) -> None:
+    """Run `fn` at exit (LIFO), whatever the reason."""
+    _cleanups.append(fn)
+
+
+def kill_process_tree(pids: Sequence[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- a throw-away daemon
+
+
+class BenchDaemon:
+    """A sessiond in a temp dir, in its own process group.
+
+    `launcher`: None runs `python -m supervisor.cli run ...`; otherwise a
+    script path run as `python LAUNCHER [launcher_args] run ...` (bench's
+    loop launcher).
+    """
+
+    def __init__(self, config: str = "", *, launcher: Path | None = None,
+                 launcher_args: Sequence[str] = (), python_flags: Sequence[str] = (),
+                 tag: str = "sd") -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir="/tmp"))
+        self.socket = self.dir / "s.sock"
+        self.state_dir = self.dir / "state"
+        self.config_path = self.dir / "config.toml"
+        self.config_path.write_text(config)
+        self.log_path = self.dir / "daemon.log"
+        self.launcher = launcher
+        self.launcher_args = list(launcher_args)
+        self.python_flags = list(python_flags)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.seen: set[int] = set()
+        on_exit(self.cleanup)
+
+    @property
+    def cmd(self) -> list[str]:
+        tail = ["run", "--config", str(self.config_path), "--socket", str(self.socket),
+                "--state-dir", str(self.state_dir)]
+        if self.launcher is None:
+            return [sys.executable, *self.python_flags, "-m", "supervisor.cli", *tail]
+        return [sys.executable, *self.python_flags, str(self.launcher), *self.launcher_args, *tail]
+
+    def start(self, timeout: float = 20.0) -> BenchDaemon:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=child_env(), cwd=str(self.dir), start_new_session=True,
+            )
+        self.seen.add(self.proc.pid)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sessiond exited with {self.proc.returncode}:\n{self.log()}")
+            if self._listening():
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sessiond did not listen within {timeout}s:\n{self.log()}")
+            time.sleep(0.01)
+        self.remember()
+        return self
+
+    def _listening(self) -> bool:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(str(self.socket))
+            return True
+        except OSError:
+            return False
+        finally:
+            s.close()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def remember(self) -> None:
+        """Note every descendant now alive, so cleanup can kill it even if
+        it left the daemon's process group (workers have their own)."""
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            self.seen.update(p.pid for p in psutil.Process(self.pid).children(recursive=True))
+
+    def zygote_pid(self) -> int:
+        import psutil
+
+        kids = psutil.Process(self.pid).children()
+        if len(kids) != 1:
+            raise RuntimeError(f"expected one child of the daemon (the zygote), found {kids}")
+        return kids[0].pid
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.remember()
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                self.proc.wait(5)
+        # Workers are in their own groups and die by PDEATHSIG; make sure.
+        for pid in self.seen:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        kill_process_tree(sorted(self.seen))
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> BenchDaemon:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+# ---------------------------------------------------------------- CPU accounting
+
+
+def sched_ns(pid: int) -> tuple[int, int]:
+    """(ns on a CPU, ns waiting for one) of every thread of `pid`, from
+    /proc/PID/task/*/schedstat (nanosecond resolution, unlike cpu_times).
+    The wait is time runnable but not running: contention from the rest
+    of the machine and from the other processes in the chain."""
+    run = wait = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return 0, 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                fields = f.read().split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        run += int(fields[0])
+        wait += int(fields[1])
+    return run, wait
+
+
+class CpuMeter:
+    """Accumulates CPU and run-queue wait per operation for named processes."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.run: dict[str, dict[str, int]] = {}
+        self.wait: dict[str, dict[str, int]] = {}
+        self.ops: dict[str, int] = {}
+
+    def snap(self) -> dict[str, tuple[int, int]]:
+        return {role: sched_ns(pid) for role, pid in self.pids.items()}
+
+    def add(self, kind: str, before: dict[str, tuple[int, int]], ops: int,
+            roles: Sequence[str] | None = None) -> None:
+        after = self.snap()
+        self.ops[kind] = self.ops.get(kind, 0) + ops
+        run = self.run.setdefault(kind, {})
+        wait = self.wait.setdefault(kind, {})
+        for role in roles or self.pids:
+            run[role] = run.get(role, 0) + after[role][0] - before[role][0]
+            wait[role] = wait.get(role, 0) + after[role][1] - before[role][1]
+
+    def per_op_us(self, kind: str) -> dict[str, dict[str, float]]:
+        n = max(1, self.ops.get(kind, 0))
+        return {
+            "cpu_us": {r: v / n / 1000 for r, v in self.run.get(kind, {}).items()},
+            "runq_wait_us": {r: v / n / 1000 for r, v in self.wait.get(kind, {}).items()},
+        }
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not sorted_values:
+        return math.nan
+    pos = (len(sorted_values) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize(samples_ns: Sequence[int | float]) -> dict[str, float]:
+    """Figures in microseconds."""
+    s = sorted(x / 1000.0 for x in samples_ns)
+    return {
+        "n": len(s),
+        "median_us": percentile(s, 50),
+        "p99_us": percentile(s, 99),
+        "min_us": s[0] if s else math.nan,
+        "mean_us": sum(s) / len(s) if s else math.nan,
+    }
+
+
+def fmt_us(us: float) -> str:
+    if math.isnan(us):
+        return "-"
+    if us >= 10_000:
+        return f"{us / 1000:.1f} ms"
+    if us >= 1000:
+        return f"{us / 1000:.2f} ms"
+    if us >= 100:
+        return f"{us:.0f} µs"
+    return f"{us:.1f} µs"
+
+
+def fmt_bytes(n: float) -> str:
+    if math.isnan(n):
+        return "-"
+    return f"{n / 1048576:.2f} MiB"
+
+
+# ---------------------------------------------------------------- output
+
+
+class Report:
+    """Collects rows and goals; prints a table (stdout, or stderr with
+    --json) and, with --json, one JSON object on stdout."""
+
+    def __init__(self, name: str, as_json: bool) -> None:
+        self.name = name
+        self.as_json = as_json
+        self.figures: dict[str, Any] = {}
+        self.goals: list[dict[str, Any]] = []
+        self.out = sys.stderr if as_json else sys.stdout
+
+    def say(self, text: str = "") -> None:
+        print(text, file=self.out, flush=True)
+
+    def table(self, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+        widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+        def line(cells: Sequence[str]) -> str:
+            first = f"{cells[0]:<{widths[0]}}"
+            rest = "  ".join(f"{c:>{w}}" for c, w in zip(cells[1:], widths[1:]))
+            return f"{first}  {rest}".rstrip()
+        self.say(line(headers))
+        self.say(line(["-" * w for w in widths]))
+        for r in rows:
+            self.say(line([str(c) for c in r]))
+
+    def goal(self, label: str, value: float, limit: float, text: str, *, higher_is_better: bool = False) -> bool:
+        ok = value >= limit if higher_is_better else value <= limit
+        self.goals.append({"goal": label, "value": value, "limit": limit, "pass": ok})
+        self.say(f"GOAL {label}: {text} {'PASS' if ok else 'FAIL'}")
+        return ok
+
+    def finish(self) -> int:
+        if self.as_json:
+            obj = {"bench": self.name, "time": time.time(), "python": sys.version.split()[0],
+                   "cpus": os.cpu_count(), "figures": self.figures, "goals": self.goals}
+            print(json.dumps(obj, sort_keys=True, default=float))
+        return 0
+
+
+def arg_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object on stdout "
+                   "(the table goes to stderr)")
+    return p
+
+
+def quiet_gc() -> None:
+    """Freeze what is allocated so far: the collector then has little to scan
+    during measurement, in the bench client as in the zygote."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+if __name__ == "__main__":
+    print("bench/_common.py: helpers for the bench scripts; run bench/spawn.py, bench/ipc.py, bench/memory.py")
