@@ -12,6 +12,11 @@ What is measured (psutil `memory_full_info()`, median over the processes):
   session_worker.agent; <block on a pipe>'`, --popen-n of them alive at
   once, measured the same way: what a worker would cost without the zygote.
 * for context: the zygote's and the daemon's RSS and USS.
+* floors: children of a zygote-like helper, idle right after fork, or
+  idle inside asyncio.run with one connection.
+
+`--loop uvloop` runs the daemon (hence its workers) on uvloop through
+bench/_loop_launcher.py, to see what the loop choice does to a worker.
 """
 
 from __future__ import annotations
@@ -111,10 +116,17 @@ def main() -> int:
     p.add_argument("--n", type=int, default=50, help="live sessions (default 50)")
     p.add_argument("--popen-n", type=int, default=5, help="Popen workers (default 5)")
     p.add_argument("--settle", type=float, default=0.5, help="seconds idle before measuring")
+    p.add_argument("--loop", choices=("stock", "asyncio", "uvloop"), default="stock",
+                   help="stock: `python -m supervisor.cli`; asyncio/uvloop: through "
+                        "bench/_loop_launcher.py under python -O (an experiment)")
     args = p.parse_args()
     rep = c.Report("memory", args.json)
 
-    daemon = c.BenchDaemon(CONFIG, tag="sdb-mem").start()
+    if args.loop == "stock":
+        daemon = c.BenchDaemon(CONFIG, tag="sdb-mem").start()
+    else:
+        daemon = c.BenchDaemon(CONFIG, launcher=_BENCH / "_loop_launcher.py", launcher_args=["--loop", args.loop],
+                               python_flags=["-O"], tag="sdb-mem").start()
     popen: list[subprocess.Popen[str]] = []
     results: dict[str, Any] = {}
     try:
@@ -194,7 +206,7 @@ def main() -> int:
         fig[key] = {"uss": i.uss, "pss": i.pss, "rss": i.rss}
         rows.append([name, c.fmt_bytes(i.uss), c.fmt_bytes(i.pss), c.fmt_bytes(i.rss)])
     rep.figures = fig
-    rep.say("memory: median over the processes; psutil memory_full_info()")
+    rep.say(f"memory: median over the processes; psutil memory_full_info(); daemon: {args.loop}")
     rep.table(["what", "USS", "PSS", "RSS"], rows)
     rep.say("(floors: children of a zygote-like helper (same imports, gc.freeze()), idle right after\n"
             " fork, or after starting an asyncio loop with one connection; PSS of these is shared\n"
