@@ -55,7 +55,8 @@ class FrameParser(Generic[T]):
 
     A frame that decodes badly yields a `BadMessage` in the output list (the
     stream is still in sync, so the caller may answer and carry on); a length
-    over the limit raises `FrameTooLarge` (the caller must close).
+    over the limit raises `FrameTooLarge` (the caller must close) and drops
+    whatever was decoded in the same call: the connection is going anyway.
     """
 
     __slots__ = ("_buf", "_decode", "_max")
@@ -77,21 +78,30 @@ class FrameParser(Generic[T]):
         pos = 0
         decode = self._decode
         limit = self._max
+        too_large = 0
         with memoryview(src) as view:
             while end - pos >= _HEADER_SIZE:
                 (length,) = HEADER.unpack_from(view, pos)
                 if length > limit:
-                    buf.clear()
-                    raise FrameTooLarge(length, limit)
+                    too_large = length
+                    break
                 stop = pos + _HEADER_SIZE + length
                 if stop > end:
                     break
                 try:
                     out.append(decode(view[pos + _HEADER_SIZE : stop]))
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    out.append(BadMessage(str(exc)))
+                except Exception as exc:
+                    # Whatever the decoder makes of hostile bytes (a
+                    # DecodeError, but also UnicodeDecodeError for a bad
+                    # str, RecursionError for deep nesting) is a bad message,
+                    # and the stream is still in sync.
+                    out.append(BadMessage(f"{type(exc).__name__}: {exc}"))
                 pos = stop
             rest = bytes(view[pos:]) if pos < end and src is not buf else None
+        if too_large:
+            # Outside the memoryview: a buffer cannot be resized while exported.
+            buf.clear()
+            raise FrameTooLarge(too_large, limit)
         if src is buf:
             del buf[:pos]
         elif rest is not None:

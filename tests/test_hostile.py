@@ -295,12 +295,6 @@ def test_handler_names_that_pass_the_syntax_check_fail_cleanly_at_boot(daemon: D
 # ---------------------------------------------------------------- nesting
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ipc/framing.py FrameParser.feed catches only msgspec.DecodeError/ValidationError; msgspec "
-    "raises RecursionError for a value nested ~1000 deep (in an Any field such as Create.settings, "
-    "or in any unknown field it skips), so it escapes data_received: asyncio logs 'Fatal error: "
-    "protocol.data_received() call failed' and aborts the connection without the Error{bad_request} "
-    "every other malformed frame gets, instead of keeping the connection (server.py docstring)"))
 def test_deeply_nested_frame_gets_bad_request_and_the_connection_survives(daemon: Daemon) -> None:
     nested = b"\x91" * 5000 + b"\x01"  # [[[[...1...]]]]
     body = b"\x83\xa4type\xa4ping\xa2id\x01\xa4junk" + nested
@@ -318,11 +312,6 @@ def test_deeply_nested_frame_gets_bad_request_and_the_connection_survives(daemon
         assert isinstance(read_frame(s), m.Pong)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ipc/framing.py FrameParser.feed catches msgspec.DecodeError/ValidationError only; invalid "
-    "UTF-8 in a str makes msgspec raise UnicodeDecodeError, which escapes data_received: asyncio "
-    "logs 'Fatal error: protocol.data_received() call failed' and aborts the connection, so one "
-    "bad byte in a text field costs the client its connection and gets no Error{bad_request}"))
 def test_invalid_utf8_gets_bad_request_and_the_connection_survives(daemon: Daemon) -> None:
     frame = encode_frame(m.Send(id=1, session="ghost", text="x")).replace(b"\xa1x", b"\xa1\xff")
     with raw_connect(daemon.socket) as s:
@@ -338,12 +327,6 @@ def test_invalid_utf8_gets_bad_request_and_the_connection_survives(daemon: Daemo
         assert isinstance(read_frame(s), m.Pong)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ipc/framing.py FrameParser.feed: with bytes already buffered it parses a memoryview of "
-    "self._buf, and on an oversized length calls buf.clear() inside `with memoryview(src)`, "
-    "raising BufferError instead of FrameTooLarge; data_received lets it escape, asyncio aborts "
-    "the connection, and the client never gets the 'exceeds the limit' error it gets when the "
-    "same 4 bytes arrive in one read"))
 def test_4gib_prefix_split_across_reads_is_answered_before_the_close(daemon: Daemon) -> None:
     with raw_connect(daemon.socket) as s:
         hello(s)
