@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -49,6 +50,60 @@ def test_every_single_split_point() -> None:
 @given(st.lists(st.integers(min_value=0, max_value=len(STREAM)), max_size=12))
 def test_any_split_points(cuts: list[int]) -> None:
     assert parse_in_pieces(STREAM, cuts) == EXPECTED
+
+
+# Byte pieces that make up arbitrary streams: field names with and without the
+# space, comments, every line break (also split: "\r" then "\n"), UTF-8 of
+# two and three bytes (U+2028 is not a line break in SSE), an invalid byte.
+_PIECES = [
+    b"data:", b"data: ", b"event: ", b"event:error", b": c", b":", b"id: 1", b"retry: 5",
+    b"x", b" ", b"[DONE]", b"{\"a\": 1}", b"\xc3\xa9", b"\xe2\x80\xa8", b"\xff",
+    b"\r", b"\n", b"\r\n",
+]
+
+
+def reference_parse(stream: bytes) -> list[SSEEvent]:
+    """The format as the spec states it, on the whole stream at once."""
+    lines = re.split("\r\n|\r|\n", stream.decode("utf-8", "replace"))
+    lines.pop()  # no line break after it: cut off in transit
+    events: list[SSEEvent] = []
+    data: list[str] = []
+    event = ""
+    for line in lines + [""]:  # close(): a last event without its blank line
+        if not line:
+            if data:
+                events.append(SSEEvent("\n".join(data), event or "message"))
+            data, event = [], ""
+        elif not line.startswith(":"):
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "data":
+                data.append(value)
+            elif name == "event":
+                event = value
+    return events
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.lists(st.sampled_from(_PIECES), max_size=40).map(b"".join).flatmap(
+        lambda stream: st.tuples(
+            st.just(stream),
+            st.lists(st.integers(min_value=0, max_value=len(stream)), max_size=10),
+        )
+    )
+)
+def test_any_stream_split_anywhere_parses_as_a_whole(case: tuple[bytes, list[int]]) -> None:
+    stream, cuts = case
+    whole = parse_in_pieces(stream, [])
+    assert whole == reference_parse(stream)
+    assert parse_in_pieces(stream, cuts) == whole
+
+
+def test_empty_read_between_cr_and_lf_keeps_one_line_break() -> None:
+    parser = SSEParser()
+    events = parser.feed(b"data: a\r") + parser.feed(b"") + parser.feed(b"\ndata: b\n\n")
+    assert events == [SSEEvent("a\nb")]
 
 
 def test_close_flushes_an_event_without_blank_line_but_drops_half_lines() -> None:
