@@ -38,6 +38,7 @@ class ProcTable:
         self._children: dict[int, int] = {}
 
     def _read(self, table: dict[int, int], pid: int, path: str) -> bytes | None:
+        """The file's content; None once the process is gone (ESRCH)."""
         fd = table.get(pid)
         if fd is None:
             try:
@@ -46,17 +47,14 @@ class ProcTable:
                 return None
             table[pid] = fd
         try:
-            data = os.pread(fd, 4096, 0)
+            return os.pread(fd, 4096, 0)
         except OSError:
-            data = b""
-        if not data:
             self.forget(pid)
             return None
-        return data
 
     def rss(self, pid: int) -> int | None:
         data = self._read(self._statm, pid, f"/proc/{pid}/statm")
-        if data is None:
+        if not data:  # gone, or a zombie's empty statm
             return None
         try:
             return int(data.split(None, 2)[1]) * PAGE_SIZE
@@ -64,10 +62,10 @@ class ProcTable:
             return None
 
     def children(self, pid: int) -> list[int]:
+        # Empty is the common case (no children), not a sign of exit: the
+        # file stays open for the next sweep.
         data = self._read(self._children, pid, f"/proc/{pid}/task/{pid}/children")
-        if data is None:
-            return []
-        return [int(x) for x in data.split()]
+        return [int(x) for x in data.split()] if data else []
 
     def forget(self, pid: int) -> None:
         for table in (self._statm, self._children):
@@ -96,6 +94,13 @@ class SessionMemory:
 
     def measure(self, table: ProcTable, worker_pid: int) -> int:
         """Sum the RSS of the worker, its descendants and known escapees."""
+        if not self.pids:
+            # The common case, an idle worker with no tools: two preads.
+            rss = table.rss(worker_pid)
+            kids = table.children(worker_pid) if rss is not None else []
+            if not kids:
+                self.rss_bytes = rss or 0
+                return self.rss_bytes
         total = 0
         seen: set[int] = set()
         stack = [worker_pid, *self.pids]
@@ -122,10 +127,20 @@ class MemoryVerdict:
     high_cleared: bool = False
 
 
+_OK = MemoryVerdict()
+_KILL = MemoryVerdict(kill=True)
+_CROSSED = MemoryVerdict(high_crossed=True)
+_CLEARED = MemoryVerdict(high_cleared=True)
+
+
 def memory_verdict(rss_bytes: int, max_mb: int, high_mb: int | None, was_high: bool) -> MemoryVerdict:
+    """What one sweep's figure means for one session (runs per session per
+    sweep: shared constant verdicts, no allocation)."""
     if rss_bytes > max_mb * MIB:
-        return MemoryVerdict(kill=True)
-    if high_mb is None:
-        return MemoryVerdict(high_cleared=was_high)
-    above = rss_bytes > high_mb * MIB
-    return MemoryVerdict(high_crossed=above and not was_high, high_cleared=was_high and not above)
+        return _KILL
+    above = high_mb is not None and rss_bytes > high_mb * MIB
+    if above and not was_high:
+        return _CROSSED
+    if was_high and not above:
+        return _CLEARED
+    return _OK
