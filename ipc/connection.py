@@ -64,7 +64,9 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
         self._paused = False
         self._backlog = 0
         self._drain_waiters: list[asyncio.Future[None]] = []
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self._wbuf: list[bytes | bytearray] | None = None
+        self.closed: asyncio.Future[None] = self._loop.create_future()
 
     # ---------------------------------------------------------------- asyncio callbacks
 
@@ -144,8 +146,31 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
                     lagged, self._on_lagged = self._on_lagged, None
                     lagged(self._backlog)
                 return False
-        transport.write(frame)
+        # Frames sent during one pass of the loop go out in one write: a
+        # streamed reply is many small frames, and a syscall per frame was
+        # the daemon's and the worker's largest cost per token.
+        pending = self._wbuf
+        if pending is None:
+            self._wbuf = [frame]
+            self._loop.call_soon(self._flush)
+        else:
+            pending.append(frame)
         return True
+
+    def _flush(self) -> None:
+        pending, self._wbuf = self._wbuf, None
+        transport = self.transport
+        if not pending or transport is None or transport.is_closing():
+            return
+        transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def flush(self) -> None:
+        """Write what is queued now (before a close, or a blocking step)."""
+        self._flush()
+
+    def drop_queued(self) -> None:
+        """Forget frames not yet written (a lagging reader being cut off)."""
+        self._wbuf = None
 
     def encode(self, msg: Any) -> bytearray:
         return self._encoder.encode(msg)
@@ -176,6 +201,7 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
+            self._flush()
             self.transport.close()
 
     def abort(self) -> None:

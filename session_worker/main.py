@@ -299,6 +299,7 @@ async def _flush(conn: FramedProtocol[Any]) -> None:
     transport = conn.transport
     if transport is None:
         return
+    conn.flush()
     await conn.drain()
     transport.close()
     with contextlib.suppress(Exception):

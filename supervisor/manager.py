@@ -128,7 +128,8 @@ class Session:
     policy: RestartPolicy | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     state_waiters: list[asyncio.Future[None]] = field(default_factory=list)
-    pings: dict[int, asyncio.Future[None]] = field(default_factory=dict)
+    # Session pings in flight: nonce -> callback(error or None).
+    pings: dict[int, Callable[[SessiondError | None], None]] = field(default_factory=dict)
     restart_handle: asyncio.TimerHandle | None = None
     last_active: float = field(default_factory=time.monotonic)
     children: list[str] = field(default_factory=list)
@@ -494,9 +495,9 @@ class SessionManager:
                     worker.ready.set_exception(Internal(f"boot failed: {reason}"))
                     worker.ready.exception()  # mark retrieved
             case m.WorkerPong(nonce=nonce):
-                fut = session.pings.pop(nonce, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(None)
+                answer = session.pings.pop(nonce, None)
+                if answer is not None:
+                    answer(None)
             case m.WorkerNotice(turn=turn, kind=kind, data=data):
                 self._emit(
                     session,
@@ -627,11 +628,9 @@ class SessionManager:
         if not worker.ready.done():
             worker.ready.set_exception(Internal(_describe_exit(info)))
             worker.ready.exception()
-        for fut in session.pings.values():
-            if not fut.done():
-                fut.set_exception(Conflict("the worker exited"))
-                fut.exception()
-        session.pings.clear()
+        pings, session.pings = session.pings, {}
+        for answer in pings.values():
+            answer(Conflict(f"session {session.id}: the worker exited before answering"))
         session.worker = None
         session.last_exit = info
         if worker.expected:
@@ -886,20 +885,17 @@ class SessionManager:
             session.subscribers.clear()
             log.info("session %s deleted", session.id)
 
-    async def ping(self, session: Session, timeout: float = 5.0) -> int:
+    def ping(self, session: Session, answer: Callable[[SessiondError | None], None]) -> int:
+        """Round trip through the worker; `answer` is called with None when
+        it replies, or with the error if it dies first.  No timer: a worker
+        that stops answering stops its heartbeats too, and the sweep kills
+        it, which answers every ping in flight.  Returns the worker's pid."""
         worker = session.worker
         if worker is None or not worker.booted or worker.exited.done():
             raise Conflict(f"session {session.id} has no live worker ({session.state})")
         self._ping_nonce += 1
-        nonce = self._ping_nonce
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        session.pings[nonce] = fut
-        worker.conn.send(m.WorkerPing(nonce=nonce))
-        try:
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            session.pings.pop(nonce, None)
-            raise Conflict(f"session {session.id}: the worker did not answer within {timeout:g}s") from None
+        session.pings[self._ping_nonce] = answer
+        worker.conn.send(m.WorkerPing(nonce=self._ping_nonce))
         return worker.pid
 
     def answer(self, session: Session, request_id: str, allow: bool) -> None:

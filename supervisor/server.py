@@ -60,6 +60,7 @@ class ClientConn:
         transport = self.proto.transport
         if transport is not None and not transport.is_closing():
             # Past the backlog check on purpose: this is the last frame it gets.
+            self.proto.drop_queued()
             transport.write(self.proto.encode(m.Lagged(dropped=backlog)))
         self.server.manager.detach(self)
         self.proto.close()
@@ -88,7 +89,7 @@ class ClientConn:
                 msg = await self.proto.recv()
                 if isinstance(msg, BadMessage):  # pragma: no cover (routed to on_bad_frame)
                     continue
-                if isinstance(msg, _SLOW) or (isinstance(msg, m.Ping) and msg.session):
+                if isinstance(msg, _SLOW):
                     task = asyncio.get_running_loop().create_task(self._answer(msg))
                     self.tasks.add(task)
                     task.add_done_callback(self.tasks.discard)
@@ -148,8 +149,16 @@ class ClientConn:
             case m.Ping(id=rid, session=None):
                 return m.Pong(id=rid, pid=os.getpid())
             case m.Ping(id=rid, session=sid) if sid is not None:
-                pid = await mgr.ping(mgr.get(sid, self.uid))
-                return m.Pong(id=rid, session=sid, pid=pid)
+                # Answered from the worker's pong callback: no task, no timer.
+                pid = 0
+
+                def answer(err: SessiondError | None) -> None:
+                    reply = (m.Pong(id=rid, session=sid, pid=pid) if err is None
+                             else m.Error(id=rid, code=err.code, message=err.message))
+                    self.proto.send(reply)
+
+                pid = mgr.ping(mgr.get(sid, self.uid), answer)
+                return None
             case m.Create(id=rid, session=sid, handler=handler, settings=settings):
                 session = await mgr.create(self.uid, sid, handler, dict(settings))
                 return m.Created(id=rid, session=mgr.info(session, with_rss=False))

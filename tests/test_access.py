@@ -13,7 +13,7 @@ import msgspec
 import psutil
 import pytest
 
-from harness import Daemon, wait_for
+from harness import Daemon, _alive, wait_for
 from ipc import messages as m
 from ipc.framing import encode_frame
 from supervisor.client import RequestError
@@ -143,8 +143,7 @@ def test_fork_bomb_ends_at_its_limit_and_the_daemon_stays_responsive(make_daemon
         kids = [p.pid for p in psutil.Process(worker).children()]
         assert kids
         c.stop(sid)
-        wait_for(lambda: not any(psutil.pid_exists(k) and psutil.Process(k).status() != "zombie" for k in kids),
-                 10, "the bomb's processes to be gone")
+        wait_for(lambda: not any(_alive(k) for k in kids), 10, "the bomb's processes to be gone")
 
 
 def test_worker_user_needs_root(make_daemon) -> None:
