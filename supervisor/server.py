@@ -1,10 +1,14 @@
-"""The control socket: one connection per client, one task per connection.
+"""The control socket: one connection per client, served from its callbacks.
 
 Each client first says `Hello`; a wrong protocol version is answered with
-`Error{protocol_mismatch}` and the connection closed.  Requests are then read
-in order; quick ones are answered inline, ones that wait on a worker (create,
-send, stop, restart, rm, a session ping) run in their own task so that an
-`interrupt` is never stuck behind a `stop` on the same connection.
+`Error{protocol_mismatch}` and the connection closed, and so is silence
+past the handshake timeout.  Then requests are answered as they are
+decoded, in `data_received`: the quick ones (ls, status, stats, ping,
+attach, interrupt, answers) there and then; the ones that wait on a worker
+or the disk (create, send, stop, restart, rm) in a task of their own, so
+an `interrupt` is never stuck behind a `stop` on the same connection.  (A
+task per connection awaiting each request cost a future and a task wake-up
+per request: a third of a daemon ping's CPU in bench/ipc.py.)
 
 A client that stops reading is cut off once it is `stream_buffer_size`
 frames behind (told with `Lagged`); the session it watched is untouched.
@@ -28,7 +32,7 @@ import psutil
 
 from ipc import messages as m
 from ipc.connection import FramedProtocol
-from ipc.errors import BadMessage, ConnectionClosed, FrameTooLarge, ProtocolError
+from ipc.errors import FrameTooLarge, ProtocolError
 from supervisor import __version__
 from supervisor.errors import BadRequest, SessiondError
 from supervisor.manager import SessionManager
@@ -50,6 +54,8 @@ class ClientConn:
         self.uid, self.gid, self.pid = _peer_credentials(proto)
         self.tasks: set[asyncio.Task[None]] = set()
         self.name = f"client pid={self.pid} uid={self.uid}"
+        self.said_hello = False
+        self._hello_timer: asyncio.TimerHandle | None = None
 
     # Subscriber protocol: called by the manager for every event.
     def deliver(self, frame: bytes | bytearray) -> None:
@@ -74,46 +80,61 @@ class ClientConn:
             log.warning("%s sent a frame of %d bytes (limit %d); closing", self.name, exc.length, exc.limit)
         self.proto.send(m.Error(code=m.ErrorCode.BAD_REQUEST, message=f"bad frame: {exc}"))
 
-    async def run(self) -> None:
-        try:
-            if not self.server.admits(self.uid, self.gid, self.pid):
-                log.warning("refused %s: not in allowed_uids/allowed_gids", self.name)
-                self.proto.send(m.Error(
-                    code=m.ErrorCode.PERMISSION_DENIED,
-                    message=f"uid {self.uid} may not use this daemon ([daemon] allowed_uids / allowed_gids)",
-                ))
-                return
-            if not await self._handshake():
-                return
-            while True:
-                msg = await self.proto.recv()
-                if isinstance(msg, BadMessage):  # pragma: no cover (routed to on_bad_frame)
-                    continue
-                if isinstance(msg, _SLOW):
-                    task = asyncio.get_running_loop().create_task(self._answer(msg))
-                    self.tasks.add(task)
-                    task.add_done_callback(self.tasks.discard)
-                else:
-                    await self._answer(msg)
-        except ConnectionClosed:
-            pass
-        finally:
-            for task in self.tasks:
-                task.cancel()
-            self.server.manager.detach(self)
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Called once the connection is made."""
+        if not self.server.admits(self.uid, self.gid, self.pid):
+            log.warning("refused %s: not in allowed_uids/allowed_gids", self.name)
+            self.proto.send(m.Error(
+                code=m.ErrorCode.PERMISSION_DENIED,
+                message=f"uid {self.uid} may not use this daemon ([daemon] allowed_uids / allowed_gids)",
+            ))
+            self.proto.close()
+            return
+        self._hello_timer = asyncio.get_running_loop().call_later(
+            _HANDSHAKE_TIMEOUT_SECS, self._hello_timeout
+        )
+
+    def _hello_timeout(self) -> None:
+        if not self.said_hello:
+            self.proto.send(m.Error(code=m.ErrorCode.BAD_REQUEST, message="no hello within 10s"))
             self.proto.close()
 
-    async def _handshake(self) -> bool:
-        try:
-            msg = await asyncio.wait_for(self.proto.recv(), _HANDSHAKE_TIMEOUT_SECS)
-        except asyncio.TimeoutError:
-            self.proto.send(m.Error(code=m.ErrorCode.BAD_REQUEST, message="no hello within 10s"))
-            return False
+    def closed(self, exc: BaseException | None) -> None:
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        for task in self.tasks:
+            task.cancel()
+        self.server.manager.detach(self)
+        self.server.clients.discard(self)
+
+    # ---------------------------------------------------------------- requests
+
+    def on_message(self, msg: m.Request) -> None:
+        if not self.said_hello:
+            self._hello(msg)
+        elif isinstance(msg, _SLOW):
+            task = asyncio.get_running_loop().create_task(self._answer_later(msg))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        else:
+            try:
+                reply = self._handle_now(msg)
+            except SessiondError as exc:
+                reply = m.Error(id=getattr(msg, "id", 0), code=exc.code, message=exc.message)
+            except Exception as exc:
+                reply = self._internal(msg, exc)
+            if reply is not None:
+                self.proto.send(reply)
+
+    def _hello(self, msg: m.Request) -> None:
         if not isinstance(msg, m.Hello):
             self.proto.send(
                 m.Error(code=m.ErrorCode.BAD_REQUEST, message="the first message must be hello")
             )
-            return False
+            self.proto.close()
+            return
         if msg.protocol != m.PROTOCOL_VERSION:
             self.proto.send(
                 m.Error(
@@ -121,29 +142,31 @@ class ClientConn:
                     message=f"this daemon speaks protocol {m.PROTOCOL_VERSION}, the client {msg.protocol}",
                 )
             )
-            return False
+            self.proto.close()
+            return
+        self.said_hello = True
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
         if msg.client:
             self.name = f"{msg.client} pid={self.pid} uid={self.uid}"
         self.proto.send(
             m.Welcome(protocol=m.PROTOCOL_VERSION, server_version=__version__, pid=os.getpid())
         )
-        return True
 
-    async def _answer(self, msg: m.Request) -> None:
-        req_id = getattr(msg, "id", 0)
+    def _internal(self, msg: m.Request, exc: Exception) -> m.Error:
+        log.error("request %s from %s failed", type(msg).__name__, self.name, exc_info=exc)
+        return m.Error(id=getattr(msg, "id", 0), code=m.ErrorCode.INTERNAL, message=f"internal error: {exc}")
+
+    async def _answer_later(self, msg: m.Request) -> None:
         try:
-            reply = await self._handle(msg)
+            reply = await self._handle_later(msg)
         except SessiondError as exc:
-            reply = m.Error(id=req_id, code=exc.code, message=exc.message)
-        except asyncio.CancelledError:
-            raise
+            reply = m.Error(id=getattr(msg, "id", 0), code=exc.code, message=exc.message)
         except Exception as exc:
-            log.exception("request %s from %s failed", type(msg).__name__, self.name)
-            reply = m.Error(id=req_id, code=m.ErrorCode.INTERNAL, message=f"internal error: {exc}")
-        if reply is not None:
-            self.proto.send(reply)
+            reply = self._internal(msg, exc)
+        self.proto.send(reply)
 
-    async def _handle(self, msg: m.Request) -> Any:
+    def _handle_now(self, msg: m.Request) -> Any:
         mgr = self.server.manager
         match msg:
             case m.Ping(id=rid, session=None):
@@ -159,13 +182,6 @@ class ClientConn:
 
                 pid = mgr.ping(mgr.get(sid, self.uid), answer)
                 return None
-            case m.Create(id=rid, session=sid, handler=handler, settings=settings):
-                session = await mgr.create(self.uid, sid, handler, dict(settings))
-                return m.Created(id=rid, session=mgr.info(session, with_rss=False))
-            case m.Send(id=rid, session=sid, text=text):
-                accepted = await mgr.send(mgr.get(sid, self.uid), text, self)
-                accepted.id = rid
-                return accepted
             case m.Attach(id=rid, session=sid, from_seq=from_seq):
                 session = mgr.get(sid, self.uid)
                 self.proto.send(m.Attached(id=rid, session=sid, next_seq=session.seq + 1))
@@ -176,15 +192,6 @@ class ClientConn:
                 return m.Ok(id=rid)
             case m.Interrupt(id=rid, session=sid):
                 mgr.interrupt(mgr.get(sid, self.uid))
-                return m.Ok(id=rid)
-            case m.Stop(id=rid, session=sid):
-                await mgr.stop(mgr.get(sid, self.uid))
-                return m.Ok(id=rid)
-            case m.Restart(id=rid, session=sid):
-                await mgr.restart(mgr.get(sid, self.uid))
-                return m.Ok(id=rid)
-            case m.Remove(id=rid, session=sid):
-                await mgr.remove(mgr.get(sid, self.uid))
                 return m.Ok(id=rid)
             case m.Status(id=rid, session=sid):
                 return m.StatusReply(id=rid, session=mgr.info(mgr.get(sid, self.uid)))
@@ -197,6 +204,27 @@ class ClientConn:
                 return m.Ok(id=rid)
             case m.Hello():
                 raise BadRequest("hello was already said")
+        raise BadRequest(f"unsupported request {type(msg).__name__}")
+
+    async def _handle_later(self, msg: m.Request) -> Any:
+        mgr = self.server.manager
+        match msg:
+            case m.Create(id=rid, session=sid, handler=handler, settings=settings):
+                session = await mgr.create(self.uid, sid, handler, dict(settings))
+                return m.Created(id=rid, session=mgr.info(session, with_rss=False))
+            case m.Send(id=rid, session=sid, text=text):
+                accepted = await mgr.send(mgr.get(sid, self.uid), text, self)
+                accepted.id = rid
+                return accepted
+            case m.Stop(id=rid, session=sid):
+                await mgr.stop(mgr.get(sid, self.uid))
+                return m.Ok(id=rid)
+            case m.Restart(id=rid, session=sid):
+                await mgr.restart(mgr.get(sid, self.uid))
+                return m.Ok(id=rid)
+            case m.Remove(id=rid, session=sid):
+                await mgr.remove(mgr.get(sid, self.uid))
+                return m.Ok(id=rid)
         raise BadRequest(f"unsupported request {type(msg).__name__}")
 
 
@@ -217,9 +245,12 @@ class _ClientProtocol(FramedProtocol[m.Request]):
             log.warning("cannot read a client's credentials: %s", exc)
             self.abort()
             return
+        self._on_message = client.on_message
         self._on_bad_message = client.on_bad_frame
         self._on_lagged = client.on_lagged
-        self._server.accept(client)
+        self._on_close = client.closed
+        self._server.clients.add(client)
+        client.start()
 
 
 class ControlServer:
@@ -243,11 +274,6 @@ class ControlServer:
         if not groups:
             return False
         return bool(groups & ({gid} | _supplementary_groups(pid)))
-
-    def accept(self, client: ClientConn) -> None:
-        self.clients.add(client)
-        task = asyncio.get_running_loop().create_task(client.run())
-        task.add_done_callback(lambda _: self.clients.discard(client))
 
     async def start(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()

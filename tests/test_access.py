@@ -70,13 +70,19 @@ def open_up(d: Daemon) -> None:
     os.chmod(d.sockdir, 0o755)
 
 
-def traversable(d: Daemon) -> None:
-    """pytest's temp dirs are private to root; let `nobody` pass through
-    them to the state dir, as it can through /var/lib."""
-    for path in [d.root, *d.root.parents]:
-        if str(path) in ("/", "/tmp"):
-            break
-        os.chmod(path, os.stat(path).st_mode | 0o011)
+@pytest.fixture
+def open_root(tmp_path_factory):
+    """A daemon root that `nobody` can pass through, as it can through
+    /var/lib (pytest's own temp dirs are private to root, and a concurrent
+    pytest may reset their mode)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    root = Path(tempfile.mkdtemp(prefix="sd-access-"))
+    os.chmod(root, 0o711)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @root_only
@@ -111,10 +117,8 @@ def test_allowed_uid_sees_and_touches_only_its_sessions(make_daemon) -> None:
 
 
 @root_only
-def test_workers_drop_to_worker_user_with_limits(make_daemon) -> None:
-    d = make_daemon('[daemon]\nworker_user = "nobody"\n', start=False)
-    traversable(d)
-    d.start()
+def test_workers_drop_to_worker_user_with_limits(make_daemon, open_root) -> None:
+    d = make_daemon('[daemon]\nworker_user = "nobody"\n', root=open_root)
     with d.client() as c:
         sid = c.create(handler="fixture_handlers:whoami",
                        settings={"agent.limits.max_processes": 32}).id
@@ -127,10 +131,8 @@ def test_workers_drop_to_worker_user_with_limits(make_daemon) -> None:
 
 
 @root_only
-def test_fork_bomb_ends_at_its_limit_and_the_daemon_stays_responsive(make_daemon) -> None:
-    d = make_daemon('[daemon]\nworker_user = "nobody"\nstop_grace_secs = 1.0\n', start=False)
-    traversable(d)
-    d.start()
+def test_fork_bomb_ends_at_its_limit_and_the_daemon_stays_responsive(make_daemon, open_root) -> None:
+    d = make_daemon('[daemon]\nworker_user = "nobody"\nstop_grace_secs = 1.0\n', root=open_root)
     with d.client() as c:
         sid = c.create(handler="fixture_handlers:whoami",
                        settings={"agent.limits.max_processes": 40}).id
