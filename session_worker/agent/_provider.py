@@ -9,6 +9,10 @@ waiting `Retry-After` when the server gives one, else an exponential backoff.
 Once a 200 stream has started, no retry: text already went to the clients,
 and replaying would duplicate it; a broken stream is a `ProviderStreamError`.
 
+Process costs: the worker is forked from a zygote that imported this module,
+so everything the first request needs is imported here, not on first use,
+and no CA bundle is loaded for an `http://` base URL.
+
 The API key lives only in the client's default headers.  Error messages are
 built from our own text plus redacted server text, and httpx exceptions are
 never chained to ours, because their request objects carry the
@@ -20,13 +24,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import importlib
 import json
 import math
 import os
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import httpcore  # noqa: F401  (httpx imports it on the first client)
 import httpx
 
 from session_worker.agent._errors import (
@@ -48,6 +55,19 @@ _REDACTED = "[redacted]"
 # After [DONE], how long to wait for the body to end before giving up on
 # reusing the connection.
 _DRAIN_AFTER_DONE_SECS = 1.0
+
+# anyio loads its asyncio backend on the first socket it opens (~15 ms of
+# imports in each worker); importing it here puts it in the zygote.  A
+# private module name, so a future anyio that moves it only costs the time.
+with contextlib.suppress(ImportError):
+    importlib.import_module("anyio._backends._asyncio")
+
+# For an `http://` base URL no TLS is ever done (no redirects are followed,
+# no proxy from the environment), but httpx builds an SSL context for every
+# client, loading the CA bundle (~25 ms per worker) unless given one.  This
+# one trusts no CA and checks host names: were it ever used, it would refuse
+# the server rather than skip verification.
+_NO_CA_TLS = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
 
 
 def redact(text: str, secret: str | None) -> str:
@@ -80,8 +100,12 @@ class Provider:
             write=settings.read_timeout_secs,
             pool=settings.connect_timeout_secs,
         )
-        self._client = httpx.AsyncClient(headers=headers, timeout=timeout, trust_env=False)
         base = (settings.base_url or "").rstrip("/")
+        # https: httpx's own full verification (certifi's CAs).
+        verify: ssl.SSLContext | bool = True if base[:6].lower() == "https:" else _NO_CA_TLS
+        self._client = httpx.AsyncClient(
+            headers=headers, timeout=timeout, trust_env=False, verify=verify
+        )
         self._url = f"{base}/chat/completions"
 
     def redact(self, text: str) -> str:
