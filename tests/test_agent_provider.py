@@ -3,7 +3,11 @@ and the API key never leaking."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import ssl
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -13,7 +17,9 @@ import msgspec
 import pytest
 
 from fakellm import Delay, FakeLLM, Hang, Reply, Stream, chunk, fake_llm, text_stream, tool_call_stream
+from session_worker.agent._provider import Provider, _anext_flushing_first
 from session_worker.handler import TurnFailure, TurnResult
+from session_worker.settings import ProviderSettings
 from test_agent_support import FakeCtx, make_handler, make_settings, run
 
 __all__ = ["fake_llm"]
@@ -57,7 +63,8 @@ def failing_turn(llm: FakeLLM, tmp_path: Path, **kw: Any) -> tuple[TurnFailure, 
 def test_text_streams_as_deltas_and_request_is_openai_shaped(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(text_stream("Hel", "lo", " wor", "ld"))
     result, ctx = one_turn(fake_llm, tmp_path)
-    assert ctx.emits == ["Hel", "lo", " wor", "ld"]
+    # Pieces that arrive in one network read are passed on together.
+    assert "".join(ctx.emits) == "Hello world" and all(ctx.emits)
     assert result.reply == "Hello world" and not result.interrupted
     (req,) = fake_llm.requests
     body = req.json
@@ -87,6 +94,71 @@ def test_deltas_reach_the_client_before_the_stream_ends(fake_llm: FakeLLM, tmp_p
 
     run(go())
     assert len(stamps) == 2 and stamps[1] - stamps[0] >= 0.25
+
+
+def test_events_of_one_read_are_emitted_once_in_order(fake_llm: FakeLLM, tmp_path: Path) -> None:
+    # One HTTP chunk with five events (text, a tool call, more text), then
+    # after a pause the rest.  The first text goes at once, the rest of the
+    # read together, and the call is assembled whole.
+    first = "".join(
+        f"data: {json.dumps(c)}\n\n"
+        for c in [
+            chunk({"role": "assistant", "content": ""}),
+            chunk({"content": "a"}),
+            chunk({"content": "b", "tool_calls": [{"index": 0, "id": "c1", "function": {"name": "list_dir", "arguments": "{\"pa"}}]}),
+            chunk({"tool_calls": [{"index": 0, "function": {"arguments": "th\": \".\"}"}}]}),
+            chunk({"content": "c"}),
+        ]
+    )
+    fake_llm.script(
+        Stream([first, Delay(0.2), chunk({"content": "d"}, "tool_calls")]), text_stream("e")
+    )
+    result, ctx = one_turn(fake_llm, tmp_path)
+    assert ctx.emits[:3] == ["a", "bc", "d"]
+    assert ctx.notices_of("tool_call") == [{"id": "c1", "name": "list_dir", "arguments": {"path": "."}}]
+    assert result.reply.startswith("abcd")
+
+
+def test_anext_flushes_only_before_a_real_wait() -> None:
+    log: list[str] = []
+    gate: asyncio.Future[None] | None = None
+    closed = False
+
+    async def items() -> Any:
+        nonlocal gate, closed
+        try:
+            yield b"1"  # in hand: no suspension
+            yield b"2"
+            gate = asyncio.get_running_loop().create_future()
+            await gate
+            yield b"3"
+            gate = asyncio.get_running_loop().create_future()
+            await gate
+            yield b"never"
+        finally:
+            closed = True
+
+    async def go() -> None:
+        it = items()
+        flush = lambda: log.append("flush")  # noqa: E731
+        for _ in range(2):
+            log.append((await _anext_flushing_first(it, flush)).decode())
+        reader = asyncio.ensure_future(_anext_flushing_first(it, flush))
+        await asyncio.sleep(0)
+        assert log == ["1", "2", "flush"] and gate is not None
+        gate.set_result(None)
+        log.append((await reader).decode())
+        # Cancelled while waiting: the cancellation reaches the iterator.
+        reader = asyncio.ensure_future(_anext_flushing_first(it, flush))
+        await asyncio.sleep(0)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert closed and log == ["1", "2", "flush", "3", "flush"]
+        with pytest.raises(StopAsyncIteration):
+            await _anext_flushing_first(it, flush)
+
+    run(go())
 
 
 def test_connection_is_reused_across_calls(fake_llm: FakeLLM, tmp_path: Path) -> None:
@@ -424,3 +496,32 @@ def test_api_key_is_sent_but_never_leaks(
     assert KEY not in blob
     assert KEY not in tool_output
     assert "[redacted]" in blob  # the 401 message was redacted, not dropped
+
+
+def test_tls_context_only_for_https() -> None:
+    def context(base_url: str) -> ssl.SSLContext:
+        provider = Provider(ProviderSettings(base_url=base_url, model="m"))
+        ctx = provider._client._transport._pool._ssl_context  # type: ignore[attr-defined]
+        assert isinstance(ctx, ssl.SSLContext)
+        return ctx
+
+    plain = context("http://127.0.0.1:9/v1")
+    assert plain.cert_store_stats()["x509_ca"] == 0  # no CA bundle loaded
+    # Were it ever used for TLS, it would refuse the server, not trust it.
+    assert plain.verify_mode == ssl.CERT_REQUIRED and plain.check_hostname
+    verified = context("HTTPS://api.example.com/v1")
+    assert verified.cert_store_stats()["x509_ca"] > 0
+    assert verified.verify_mode == ssl.CERT_REQUIRED and verified.check_hostname
+
+
+def test_first_request_needs_no_import() -> None:
+    # The zygote imports session_worker.agent before forking workers: what
+    # the first request imports would be paid again by every worker.
+    code = (
+        "import sys, session_worker.agent\n"
+        "for name in ('httpcore', 'h11', 'anyio._backends._asyncio'):\n"
+        "    assert name in sys.modules, name\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, timeout=60, cwd=Path(__file__).resolve().parent.parent
+    )

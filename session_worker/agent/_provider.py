@@ -9,6 +9,12 @@ waiting `Retry-After` when the server gives one, else an exponential backoff.
 Once a 200 stream has started, no retry: text already went to the clients,
 and replaying would duplicate it; a broken stream is a `ProviderStreamError`.
 
+Text reaches `on_text` once per network read, not once per SSE event: the
+events of one read are decoded, their text joined, and handed on just before
+the reader waits for the network again (`_anext_flushing_first`).  Nothing
+waits for more data; only what is already in hand is joined.  The first text
+of a completion is handed on at once.
+
 Process costs: the worker is forked from a zygote that imported this module,
 so everything the first request needs is imported here, not on first use,
 and no CA bundle is loaded for an `http://` base URL.
@@ -30,11 +36,13 @@ import math
 import os
 import ssl
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+import types
+from collections.abc import AsyncIterator, Callable, Generator, Mapping
+from typing import Any, cast
 
 import httpcore  # noqa: F401  (httpx imports it on the first client)
 import httpx
+import msgspec
 
 from session_worker.agent._errors import (
     ProviderError,
@@ -68,6 +76,8 @@ with contextlib.suppress(ImportError):
 # one trusts no CA and checks host names: were it ever used, it would refuse
 # the server rather than skip verification.
 _NO_CA_TLS = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+_decode_json = msgspec.json.Decoder().decode
 
 
 def redact(text: str, secret: str | None) -> str:
@@ -207,15 +217,42 @@ class Provider:
                 on_text(text)
             return assembler.finish()
         parser = SSEParser()
-        done = False
+        feed = parser.feed
+        take = self._take
+        # Text of the events in hand, not yet passed on.
+        pending: list[str] = []
+
+        def flush() -> None:
+            if pending:
+                text = "".join(pending)
+                pending.clear()
+                on_text(text)
+
+        done = started = False
         chunks = response.aiter_bytes()
-        async for data in chunks:
-            for event in parser.feed(data):
-                if self._take(event.data, event.event, assembler, on_text):
-                    done = True
+        try:
+            while not done:
+                try:
+                    data = await _anext_flushing_first(chunks, flush)
+                except StopAsyncIteration:
                     break
-            if done:
-                break
+                for event in feed(data):
+                    added = take(event.data, event.event, assembler)
+                    if added is None:
+                        done = True
+                        break
+                    if added:
+                        pending.append(added)
+                        if not started:
+                            # The first text goes at once, not after the
+                            # rest of its read: time to first token is what
+                            # a user feels, and it costs one more frame.
+                            started = True
+                            flush()
+        finally:
+            # Also on an error: the text before it was the model's, as
+            # when each event was passed on by itself.
+            flush()
         if done:
             # Read the end of the body (the chunked terminator) so httpx can
             # return the connection to the pool; a response left half-read
@@ -226,8 +263,11 @@ class Provider:
                         pass
         else:
             for event in parser.close():
-                if self._take(event.data, event.event, assembler, on_text):
+                added = take(event.data, event.event, assembler)
+                if added is None:
                     done = True
+                elif added:
+                    on_text(added)
         if not done and assembler.finish_reason is None:
             raise ProviderStreamError(
                 "provider stream ended before the response was complete "
@@ -235,33 +275,78 @@ class Provider:
             )
         return assembler.finish()
 
-    def _take(
-        self, data: str, event: str, assembler: StreamAssembler, on_text: OnText
-    ) -> bool:
+    def _take(self, data: str, event: str, assembler: StreamAssembler) -> str | None:
+        """Feed one event's data to `assembler`: the text it adds, or None
+        for the `[DONE]` sentinel."""
         if data.strip() == "[DONE]":
-            return True
-        chunk = _json(data.encode(), self.redact)
+            return None
+        chunk = _json(data, self.redact)
         if event == "error" and isinstance(chunk, dict) and "error" not in chunk:
             chunk = {"error": chunk}
         problem: str | None = None
         try:
-            text = assembler.feed(chunk)
+            return assembler.feed(chunk)
         except ProviderError as exc:
             problem = str(exc)
-        if problem is not None:
-            raise ProviderError(self.redact(problem))
-        if text:
-            on_text(text)
-        return False
+        raise ProviderError(self.redact(problem))
 
 
-def _json(raw: bytes, redact_fn: Callable[[str], str]) -> Any:
+@types.coroutine
+def _anext_flushing_first(
+    chunks: AsyncIterator[bytes], flush: Callable[[], None]
+) -> Generator[Any, Any, bytes]:
+    """`await anext(chunks)`, calling `flush()` first if that await is going
+    to wait (suspend the task) rather than complete at once.
+
+    httpx hands out one HTTP chunk per item, and one network read usually
+    holds many (one SSE event each): those items come without suspending.
+    Flushing just before the first suspension passes on everything the
+    last read brought, once; nothing waits for data that has not arrived.
+    The await is driven by hand, doing what `yield from` does (PEP 380),
+    only to see where it first suspends.
+    """
+    step = chunks.__anext__().__await__()
     try:
+        signal = step.send(None)
+    except StopIteration as stop:
+        return cast(bytes, stop.value)
+    try:
+        flush()
+    except BaseException:
+        step.close()
+        raise
+    while True:
+        try:
+            sent = yield signal
+        except GeneratorExit:
+            step.close()
+            raise
+        except BaseException as exc:
+            try:
+                signal = step.throw(exc)
+            except StopIteration as stop:
+                return cast(bytes, stop.value)
+        else:
+            try:
+                signal = step.send(sent)
+            except StopIteration as stop:
+                return cast(bytes, stop.value)
+
+
+def _json(raw: str | bytes, redact_fn: Callable[[str], str]) -> Any:
+    try:
+        return _decode_json(raw)
+    except msgspec.DecodeError:
+        pass
+    try:
+        # What msgspec refuses and Python's json takes: NaN, 1e400, a lone
+        # surrogate escape (half an emoji from some servers).
         return json.loads(raw)
     except ValueError:
         pass
     # Raised outside the `except`: the ValueError's message quotes the body.
-    snippet = redact_fn(raw[:200].decode("utf-8", "replace"))
+    text = raw if isinstance(raw, str) else raw.decode("utf-8", "replace")
+    snippet = redact_fn(text[:200])
     raise ProviderStreamError(f"provider sent invalid JSON: {snippet!r}")
 
 
