@@ -41,7 +41,7 @@ __all__ = [
     "Ready", "BootFailed", "Delta", "WorkerNotice", "WorkerLimit", "Done", "Failed",
     "Heartbeat", "WorkerPong", "AskPermission", "SpawnAgent", "FromWorker",
     # daemon <-> zygote
-    "SpawnWorker", "Spawned", "Exited", "ToZygote", "FromZygote",
+    "SpawnWorker", "KeepSpares", "Spawned", "Exited", "ToZygote", "FromZygote",
 ]
 
 PROTOCOL_VERSION = 1
@@ -470,12 +470,20 @@ FromWorker = (
 
 
 class SpawnWorker(_Msg, tag="spawn"):
-    """Sent with the worker's socket end attached (SCM_RIGHTS)."""
+    """Hand over a worker: a spare one if there is one, else a new fork."""
 
     token: int
 
 
+class KeepSpares(_Msg, tag="spares"):
+    """How many booted-but-unassigned workers to keep ready."""
+
+    count: int
+
+
 class Spawned(_Msg, tag="spawned"):
+    """Sent with the daemon's end of the worker's socket attached (SCM_RIGHTS)."""
+
     token: int
     pid: int
 
@@ -486,5 +494,5 @@ class Exited(_Msg, tag="exited"):
     signal: int | None = None
 
 
-ToZygote = SpawnWorker
+ToZygote = SpawnWorker | KeepSpares
 FromZygote = Spawned | Exited

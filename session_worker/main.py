@@ -224,6 +224,23 @@ class Worker:
                     await self.handler.aclose()
 
 
+def _warm_up(conn: FramedProtocol[Any]) -> None:
+    """Walk the boot path once while waiting for Boot.
+
+    Right after fork every page is shared with the zygote, and the first
+    write to each (a reference count, an allocator's free list) costs a
+    copy-on-write fault.  A spare worker waits for its Boot; taking those
+    faults now, on the path Boot will take, moves them out of the time a
+    client waits for its session."""
+    settings = _settings_decoder.decode(_encode(SessionSettings()))
+    init = HandlerInit(session="warm-up", settings=settings, workspace=Path("."))
+    handler = load_factory("echo")(init)
+    handler.restore(None, [_decode_any(_encode(1))])
+    conn.encode(m.Ready(pid=0))
+    conn.encode(m.Done(turn=1, reply="", record=_encode(1)))
+    _decoder.decode(_encode(m.Boot(session="", handler="", settings=b"", workspace="")))
+
+
 def _confine(settings: SessionSettings, uid: int | None, gid: int | None) -> None:
     """Resource limits and the user to run as, before any handler code runs;
     tools inherit both."""
@@ -272,6 +289,7 @@ async def _main(sock: socket.socket) -> int:
         ),
         sock=sock,
     )
+    _warm_up(conn)
     waiting: list[asyncio.Future[Any]] = [first, conn.closed]
     await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     if not first.done():

@@ -204,6 +204,7 @@ async def _serve(
 ) -> int:
     loop = asyncio.get_running_loop()
     spawner.attach(loop)
+    spawner.keep_spares(cfg.daemon.spare_workers)
     manager = SessionManager(cfg, state_dir, spawner, run_as=run_as)
     manager.load_all()
     server = ControlServer(manager)
@@ -276,6 +277,7 @@ def _reload(manager: SessionManager, config_path: Path | None) -> None:
         log.error("reload refused, keeping the running config: %s", exc)
     else:
         manager.reload(cfg)
+        manager.spawner.keep_spares(cfg.daemon.spare_workers)
         sdnotify.configure_logging(cfg.daemon.log_level.upper())
         log.info("config reloaded from %s", config_path or "the embedded defaults")
     sdnotify.ready(_status_line(manager))

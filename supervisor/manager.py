@@ -25,6 +25,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -353,16 +354,23 @@ class SessionManager:
             raise BadRequest(
                 f"invalid handler {handler!r}: use 'agent', 'echo' or 'package.module:factory'"
             )
+        # Order the worker first: the zygote forks (or hands over a spare)
+        # while this process fsyncs the new session to disk.
+        pending = self.spawner.request() if self._has_room() else None
         meta = Meta(
             id=session_id, handler=handler, overrides=overrides, created_at=time.time(),
             owner_uid=owner_uid, parent=parent.id if parent else None,
             depth=parent.meta.depth + 1 if parent else 0,
         )
         try:
-            store = SessionStore.create(self.sessions_dir, meta)
+            # Durable below, while the worker boots: the create is answered
+            # only once both are done.
+            store = SessionStore.create(self.sessions_dir, meta, durable=False)
         except FileExistsError:
+            self._drop_pending(pending)
             raise Conflict(f"session {session_id!r} already exists") from None
         except StoreError as exc:
+            self._drop_pending(pending)
             raise Internal(str(exc)) from None
         session = Session(
             id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING,
@@ -373,7 +381,10 @@ class SessionManager:
             parent.children.append(session_id)
         try:
             async with session.lock:
-                await self._start_worker(session)
+                await self._start_worker(session, pending, during_boot=store.make_durable)
+        except StoreError as exc:
+            self._discard(session)
+            raise Internal(f"session {session_id!r} could not be saved: {exc}") from None
         except SessiondError as exc:
             # A create that cannot boot leaves nothing behind.
             self._discard(session)
@@ -384,6 +395,23 @@ class SessionManager:
         log.info("session %s created (handler %s, pid %s)", session_id, handler,
                  session.worker.pid if session.worker else "-")
         return session
+
+    def _has_room(self) -> bool:
+        limit = self.config.agent.limits.max_concurrent_sessions
+        return sum(1 for s in self.sessions.values() if s.worker is not None) < limit
+
+    def _drop_pending(self, pending: asyncio.Future[tuple[int, socket.socket]] | None) -> None:
+        """A worker was ordered but will not be used: kill it when it comes."""
+        if pending is None:
+            return
+
+        def discard(fut: asyncio.Future[tuple[int, socket.socket]]) -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                pid, sock = fut.result()
+                sock.close()
+                self.spawner.signal(pid, signal.SIGKILL)
+
+        pending.add_done_callback(discard)
 
     def _discard(self, session: Session) -> None:
         if session.worker is not None:
@@ -398,18 +426,27 @@ class SessionManager:
         root = Path(base) if base else self.workspaces_dir
         return root / session.id
 
-    async def _start_worker(self, session: Session) -> None:
-        """Spawn, boot and wait for Ready.  Caller holds session.lock and
-        has put the session in STARTING."""
+    async def _start_worker(
+        self,
+        session: Session,
+        pending: asyncio.Future[tuple[int, socket.socket]] | None = None,
+        during_boot: Callable[[], None] | None = None,
+    ) -> None:
+        """Spawn (or take the worker already ordered), boot and wait for
+        Ready; `during_boot` runs while the worker boots.  Caller holds
+        session.lock and has put the session in STARTING."""
         assert session.state is State.STARTING, session.state
         loop = asyncio.get_running_loop()
-        await self._make_room(session)
         try:
+            await self._make_room(session)
             snapshot, records, _ = session.store.read_for_boot()
-        except OSError as exc:
-            raise Internal(f"cannot read its state: {exc}") from None
+        except BaseException as exc:
+            self._drop_pending(pending)
+            if isinstance(exc, OSError):
+                raise Internal(f"cannot read its state: {exc}") from None
+            raise
         try:
-            pid, sock = await self.spawner.spawn()
+            pid, sock = await (pending if pending is not None else self.spawner.request())
         except ZygoteDied as exc:
             raise Internal(str(exc)) from None
         now = time.monotonic()
@@ -445,6 +482,14 @@ class SessionManager:
                 run_as_gid=self.run_as[1] if self.run_as else None,
             )
         )
+        if during_boot is not None:
+            proto.flush()  # Boot goes out first, then our own work
+            try:
+                during_boot()
+            except BaseException:
+                worker.expected = "discarded"
+                self.spawner.kill_tree(pid)
+                raise
         try:
             await asyncio.wait_for(
                 asyncio.shield(worker.ready), self.config.daemon.boot_timeout_secs

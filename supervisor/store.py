@@ -150,7 +150,10 @@ class SessionStore:
     # ---------------------------------------------------------------- create / load
 
     @classmethod
-    def create(cls, root: Path, meta: Meta) -> SessionStore:
+    def create(cls, root: Path, meta: Meta, durable: bool = True) -> SessionStore:
+        """A new session directory with its metadata record.  With
+        durable=False the caller must call `make_durable()` before telling
+        anyone the session exists (so the fsyncs can overlap other work)."""
         path = root / meta.id
         try:
             path.mkdir(mode=0o700)
@@ -160,12 +163,22 @@ class SessionStore:
             raise StoreError(f"cannot create {path}: {exc.strerror}") from exc
         try:
             store = cls(path, 0)
-            store.append(meta, durable=True)
-            _fsync_dir(root)
+            store.append(meta, durable=False)
+            if durable:
+                store.make_durable()
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise
         return store
+
+    def make_durable(self) -> None:
+        """fsync the log and the directory entries that lead to it."""
+        try:
+            os.fdatasync(self._fd)
+            _fsync_dir(self.path)
+            _fsync_dir(self.path.parent)
+        except OSError as exc:
+            raise StoreError(f"cannot write {self.path}: {exc.strerror}") from exc
 
     @classmethod
     def load(cls, path: Path) -> tuple[SessionStore, LoadedSession]:

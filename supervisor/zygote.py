@@ -95,13 +95,35 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
     gc.freeze()
 
     workers: dict[int, int] = {}  # pid -> token
+    # Forked ahead of demand and waiting for Boot: the daemon's end of each.
+    spares: dict[int, socket.socket] = {}
+    keep_spares = 0
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ, "sock")
     sel.register(wake_r, selectors.EVENT_READ, "wake")
     my_pid = os.getpid()
 
+    def fork_worker() -> tuple[int, socket.socket]:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            # fork ignores CLOEXEC: drop the other spares' daemon ends, or
+            # this worker would keep their sockets open.
+            for other in spares.values():
+                other.close()
+            _worker_child(theirs.detach(), sock, wake_r, wake_w, my_pid)
+        with contextlib.suppress(OSError):
+            os.setpgid(pid, pid)  # also done by the child: whoever runs first
+        theirs.close()
+        return pid, ours
+
     def reap() -> None:
         for pid, status in _reap_any():
+            spare = spares.pop(pid, None)
+            if spare is not None:
+                spare.close()  # a spare that died unused: nobody to tell
+                continue
             if workers.pop(pid, None) is None:
                 continue  # an orphaned tool process we adopted as subreaper
             code = os.waitstatus_to_exitcode(status)
@@ -111,34 +133,46 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
 
     running = True
     while running and not parent_died:
-        for key, _ in sel.select():
+        # With spares to make, poll instead of blocking: an order always
+        # comes first, a spare is forked only when nothing is waiting.
+        events = sel.select(0 if len(spares) < keep_spares else None)
+        if not events and len(spares) < keep_spares:
+            pid, ours = fork_worker()
+            spares[pid] = ours
+            continue
+        for key, _ in events:
             if key.data == "wake":
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 512)
                 reap()
                 continue
             try:
-                data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_PACKET, 1)
+                data = sock.recv(_MAX_PACKET)
             except OSError:
-                data, fds = b"", []
+                data = b""
             if not data:
                 running = False
                 break
-            order = _to_zygote.decode(data)
-            if not fds:
-                continue
-            pid = os.fork()
-            if pid == 0:
-                _worker_child(fds[0], sock, wake_r, wake_w, my_pid)
-            with contextlib.suppress(OSError):
-                os.setpgid(pid, pid)  # also done by the child: whoever runs first
-            os.close(fds[0])
-            workers[pid] = order.token
-            sock.send(_encode(m.Spawned(token=order.token, pid=pid)))
+            match _to_zygote.decode(data):
+                case m.KeepSpares(count=count):
+                    keep_spares = max(0, count)
+                    while len(spares) > keep_spares:
+                        _, extra = spares.popitem()
+                        extra.close()  # EOF: the spare exits by itself
+                case m.SpawnWorker(token=token):
+                    if spares:
+                        pid, ours = spares.popitem()
+                    else:
+                        pid, ours = fork_worker()
+                    workers[pid] = token
+                    socket.send_fds(sock, [_encode(m.Spawned(token=token, pid=pid))], [ours.fileno()])
+                    ours.close()
         reap()
 
     signal.set_wakeup_fd(-1)
-    _kill_everything(workers)
+    for spare in spares.values():
+        spare.close()
+    _kill_everything({**workers, **dict.fromkeys(spares, 0)})
     return 0
 
 
@@ -248,7 +282,8 @@ class ZygoteSpawner:
         self._pid = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._tokens = 0
-        self._pending: dict[int, asyncio.Future[int]] = {}
+        self._pending: dict[int, asyncio.Future[tuple[int, socket.socket]]] = {}
+        self._spares = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
 
@@ -293,19 +328,26 @@ class ZygoteSpawner:
         assert self._sock is not None
         while True:
             try:
-                data = self._sock.recv(_MAX_PACKET)
+                data, fds, _flags, _addr = socket.recv_fds(self._sock, _MAX_PACKET, 1)
             except BlockingIOError:
                 return
             except OSError:
-                data = b""
+                data, fds = b"", []
             if not data:
                 self._lost()
                 return
             match _from_zygote.decode(data):
                 case m.Spawned(token=token, pid=pid):
                     fut = self._pending.pop(token, None)
+                    if not fds:
+                        log.error("the zygote sent no socket for worker %d", pid)
+                        continue
+                    conn = socket.socket(fileno=fds[0])
                     if fut is not None and not fut.done():
-                        fut.set_result(pid)
+                        fut.set_result((pid, conn))
+                    else:  # nobody waits for it any more
+                        conn.close()
+                        self.signal(pid, signal.SIGKILL)
                 case m.Exited(pid=pid, code=code, signal=sig):
                     self.on_exit(pid, code, sig)
 
@@ -327,6 +369,7 @@ class ZygoteSpawner:
         self.on_zygote_lost()
         self._restart_by_exec()
         self.attach(self._loop)
+        self.keep_spares(self._spares)
 
     def _reap_zygote(self) -> None:
         if self._proc is not None:
@@ -337,29 +380,32 @@ class ZygoteSpawner:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(self._pid, 0)
 
-    async def spawn(self) -> tuple[int, socket.socket]:
-        """Fork a worker; returns its pid and the daemon's end of its socket."""
+    def request(self) -> asyncio.Future[tuple[int, socket.socket]]:
+        """Order a worker now, collect it later (so the daemon can do its
+        own work, e.g. an fsync, while the zygote forks or hands over a
+        spare).  Resolves to its pid and the daemon's end of its socket."""
+        fut: asyncio.Future[tuple[int, socket.socket]] = asyncio.get_running_loop().create_future()
         if self._sock is None:
-            raise ZygoteDied("no zygote")
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            fut.set_exception(ZygoteDied("no zygote"))
+            return fut
         self._tokens += 1
-        token = self._tokens
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._pending[token] = fut
         try:
-            socket.send_fds(self._sock, [_encode(m.SpawnWorker(token=token))], [theirs.fileno()])
+            self._sock.send(_encode(m.SpawnWorker(token=self._tokens)))
         except OSError as exc:
-            self._pending.pop(token, None)
-            ours.close()
-            raise ZygoteDied(f"cannot reach the zygote: {exc}") from exc
-        finally:
-            theirs.close()
-        try:
-            pid = await fut
-        except BaseException:
-            ours.close()
-            raise
-        return pid, ours
+            fut.set_exception(ZygoteDied(f"cannot reach the zygote: {exc}"))
+            return fut
+        self._pending[self._tokens] = fut
+        return fut
+
+    async def spawn(self) -> tuple[int, socket.socket]:
+        """Fork a worker (or take a spare); its pid and the daemon's end of its socket."""
+        return await self.request()
+
+    def keep_spares(self, count: int) -> None:
+        self._spares = count
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.send(_encode(m.KeepSpares(count=count)))
 
     def signal(self, pid: int, sig: int) -> None:
         """Signal a worker's whole process group (the worker and its tools)."""

@@ -243,3 +243,23 @@ def test_seq_stays_monotonic_across_daemon_restart(make_daemon) -> None:
     with d.client() as c:
         after = min(ev.seq for ev in c.send(sid, "b"))
     assert after > before
+
+
+def test_spare_workers_are_kept_ready_and_handed_out(make_daemon) -> None:
+    d = make_daemon("[daemon]\nspare_workers = 2\n")
+    zygote = psutil.Process(d.pid).children()[0]
+
+    def spares() -> set[int]:
+        with d.client() as c:
+            live = {s.pid for s in c.list() if s.pid}
+        return {p.pid for p in zygote.children()} - live
+
+    wait_for(lambda: len(spares()) == 2, 10, "two spares")
+    before = spares()
+    with d.client() as c:
+        info = c.create()
+        assert info.pid in before  # a spare became the session's worker
+        assert c.send_text(info.id, "hi") == "1: hi"
+    wait_for(lambda: len(spares()) == 2, 10, "the pool to be refilled")
+    d.stop()
+    d.assert_no_leftovers()
