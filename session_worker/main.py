@@ -31,6 +31,7 @@ import msgspec
 from ipc import messages as m
 from ipc.connection import FramedProtocol
 from ipc.errors import ProtocolError
+from ipc.loop import run as run_loop
 from session_worker.handler import (
     Handler,
     HandlerInit,
@@ -331,4 +332,4 @@ def run_worker(sock: socket.socket) -> int:
         format=f"sessiond-worker[{os.getpid()}]: %(levelname)s: %(message)s",
     )
     sock.setblocking(False)
-    return asyncio.run(_main(sock))
+    return run_loop(_main(sock))

@@ -31,6 +31,7 @@ import msgspec
 from ipc import messages as m
 from ipc.connection import FramedProtocol
 from ipc.errors import ProtocolError
+from ipc.loop import new_event_loop
 from ipc.messages import (
     Event,
     Lagged,
@@ -306,7 +307,7 @@ class Client:
     def __init__(
         self, socket_path: str | os.PathLike[str] | None = None, *, client_name: str = "sessiond-python"
     ) -> None:
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_event_loop()
         try:
             self._client = self._loop.run_until_complete(
                 AsyncClient.connect(socket_path, client_name=client_name)

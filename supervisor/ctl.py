@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from ipc import messages as m
+from ipc.loop import run as run_loop
 from supervisor.client import AsyncClient, DaemonUnavailable, RequestError
 from supervisor.config import ConfigError, parse_override
 
@@ -297,7 +298,7 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return asyncio.run(_run(args))
+        return run_loop(_run(args))
     except DaemonUnavailable as exc:
         print(f"sessionctl: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE

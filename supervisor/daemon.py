@@ -28,6 +28,7 @@ import stat
 import tempfile
 from pathlib import Path
 
+from ipc.loop import run as run_loop
 from supervisor import __version__, sdnotify
 from supervisor.config import (
     Config,
@@ -132,7 +133,7 @@ def bind_socket(path: Path, mode: int, group: str = "") -> socket.socket:
     if group:
         os.chown(path, -1, _resolve_group(group))
     os.chmod(path, mode)
-    sock.listen(512)
+    sock.listen(4096)
     sock.setblocking(False)
     return sock
 
@@ -184,7 +185,7 @@ def run_daemon(
             sock = bind_socket(socket_path, int(cfg.daemon.socket_mode, 8), cfg.daemon.socket_group)
             bound = True
         try:
-            return asyncio.run(_serve(cfg, config_path, state_dir, socket_path, sock, spawner, run_as))
+            return run_loop(_serve(cfg, config_path, state_dir, socket_path, sock, spawner, run_as))
         finally:
             if bound:
                 with contextlib.suppress(FileNotFoundError):

@@ -44,6 +44,7 @@ log = logging.getLogger("sessiond.server")
 _request_decoder = msgspec.msgpack.Decoder(m.Request)
 _HANDSHAKE_TIMEOUT_SECS = 10.0
 _LAGGED_GRACE_SECS = 1.0
+_LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 _SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove)
 
 
@@ -279,7 +280,11 @@ class ControlServer:
         loop = asyncio.get_running_loop()
         with contextlib.suppress(OSError):
             self.socket_gid = os.stat(sock.getsockname()).st_gid
-        self._server = await loop.create_unix_server(lambda: _ClientProtocol(self), sock=sock)
+        # The backlog is set again here: the loop's default (100) would
+        # replace ours, and a burst of connections would then be refused.
+        self._server = await loop.create_unix_server(
+            lambda: _ClientProtocol(self), sock=sock, backlog=_LISTEN_BACKLOG
+        )
 
     def stop_accepting(self) -> None:
         if self._server is not None:

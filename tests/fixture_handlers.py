@@ -83,7 +83,7 @@ class BigReply(_Base):
         while sent < total:
             ctx.emit(chunk)
             sent += len(chunk)
-            await asyncio.sleep(0.0005)
+            await asyncio.sleep(0.001)  # (uvloop's timers have 1 ms resolution)
         self.turns += 1
         return TurnResult("big", record=1)
 
