@@ -15,8 +15,8 @@ within each round:
   (so its worker has imported everything and holds a kept-alive connection,
   like the direct client), and deletes it afterwards; its history is one
   short exchange.  Path: input fsync'd, worker streams over httpx, parses
-  SSE + JSON, one `Delta` frame per token to the daemon, one `TextDelta`
-  frame per token to the client.
+  SSE + JSON, one `Delta` frame per network read (the text already in
+  hand) to the daemon, one `TextDelta` frame per `Delta` to the client.
 * direct: an `httpx.AsyncClient` in this process (kept-alive connection)
   that POSTs the same kind of request, parses the SSE lines and the JSON of
   each chunk and takes `delta.content`: what a program talking to the LLM
@@ -200,7 +200,9 @@ async def run_daemon(client: AsyncClient, sid: str) -> dict[str, int]:
             if not first:
                 first = now
             last = now
-            n += 1
+            # A delta carries whatever text the worker had in hand: count
+            # the tokens in it, not the frames.
+            n += ev.text.count(" t")
         elif isinstance(ev, m.TurnFailed):
             raise RuntimeError(f"the agent turn failed: {ev.reason}")
     return {"ttft": first - t0, "span": last - first, "tokens": n}

@@ -823,11 +823,27 @@ class SessionManager:
 
     def _begin_turn(self, session: Session, text: str) -> m.Accepted:
         turn = session.turns + 1
+        worker = session.worker
+        assert worker is not None
         try:
             session.store.append(
-                InputRecord(turn=turn, text=text, seq=session.seq, at=time.time()), durable=True
+                InputRecord(turn=turn, text=text, seq=session.seq, at=time.time()), durable=False
             )
         except StoreError as exc:
+            raise Internal(f"input not accepted: {exc}") from None
+        # The worker starts on the input while we make it durable (an LLM
+        # request is on its way before the fsync ends); nothing is
+        # acknowledged before that, since this callback holds the loop
+        # until the fsync is done.
+        worker.conn.send(m.Input(turn=turn, text=text))
+        worker.conn.flush()
+        try:
+            session.store.sync()
+        except StoreError as exc:
+            # The worker has an input the log does not: it must restart from the log.
+            worker.kill_reason = "crashed"
+            worker.kill_detail = "its input could not be saved"
+            self.spawner.kill_tree(worker.pid, session.memory.pids)
             raise Internal(f"input not accepted: {exc}") from None
         session.turns = turn
         session.current_turn = turn
@@ -839,8 +855,6 @@ class SessionManager:
             session.settings.agent.turn_timeout_secs, self._on_turn_timeout, session, turn
         )
         self._set_state(session, Trigger.INPUT, reason=f"turn {turn}")
-        assert session.worker is not None
-        session.worker.conn.send(m.Input(turn=turn, text=text))
         return accepted
 
     def attach(self, session: Session, subscriber: Subscriber, from_seq: int | None) -> int:

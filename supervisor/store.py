@@ -224,7 +224,7 @@ class SessionStore:
     def _open_log(self) -> None:
         log_path = self.path / f"log.{self.gen}"
         self._fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        self._size = os.fstat(self._fd).st_size
+        self._size = self._synced = os.fstat(self._fd).st_size
 
     def append(self, record: Record, durable: bool) -> None:
         body = _rec_encoder.encode(record)
@@ -241,6 +241,21 @@ class SessionStore:
                 os.ftruncate(self._fd, self._size)
             raise StoreError(f"cannot write {self.path.name}/log.{self.gen}: {exc.strerror}") from exc
         self._size += len(frame)
+        if durable:
+            self._synced = self._size
+
+    def sync(self) -> None:
+        """Make every append so far durable; on failure the unsynced tail
+        is cut off again, so the log never holds a record nobody was told
+        was saved."""
+        try:
+            os.fdatasync(self._fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._synced)
+            self._size = self._synced
+            raise StoreError(f"cannot write {self.path.name}/log.{self.gen}: {exc.strerror}") from exc
+        self._synced = self._size
 
     def write_snapshot(self, snap: Snapshot) -> None:
         """Replace the log with a snapshot and an empty next-generation log."""
