@@ -10,10 +10,9 @@ a loop says so on stderr (the daemon's log), and `LoopProbe` (a handler:
 `bench._loop_launcher:LoopProbe`) replies with the class of its worker's
 running loop, so the bench can check instead of assuming.
 
-Why `-O`: `ipc/connection.py` asserts `isinstance(transport,
-asyncio.Transport)` in `connection_made`; uvloop's transports do not derive
-from `asyncio.Transport` (0.23), so without -O every connection fails.  The
-bench runs both sides of the comparison (asyncio and uvloop) with -O.
+The daemon runs on uvloop by default (ipc/loop.py); the launcher sets
+SESSIOND_EVENT_LOOP to the loop it was asked for, which ipc/loop.py honours,
+so the asyncio side really runs the stdlib loop.  Both sides run under -O.
 
 Run with no arguments (as `make bench` does with every bench/*.py) it only
 prints this usage.
@@ -38,6 +37,8 @@ def _install(kind: str) -> None:
     import asyncio
 
     base: Any
+    # ipc/loop.py picks uvloop itself unless told otherwise.
+    os.environ["SESSIOND_EVENT_LOOP"] = kind
     if kind == "uvloop":
         import uvloop
 

@@ -10,6 +10,7 @@ where uvloop cannot be installed.  Every process creates its own loop
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -17,15 +18,20 @@ __all__ = ["new_event_loop", "run"]
 
 T = TypeVar("T")
 
-_factory: Callable[[], asyncio.AbstractEventLoop]
+_uvloop_factory: Callable[[], asyncio.AbstractEventLoop] | None
 try:
-    from uvloop import new_event_loop as _factory
+    from uvloop import new_event_loop as _uvloop_factory
 except ImportError:  # pragma: no cover (uvloop is a dependency)
-    _factory = asyncio.new_event_loop
+    _uvloop_factory = None
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
-    return _factory()
+    """uvloop, unless SESSIOND_EVENT_LOOP=asyncio asks for the stdlib loop
+    (for debugging, and for benchmarking one against the other)."""
+    if _uvloop_factory is not None and os.environ.get("SESSIOND_EVENT_LOOP") != "asyncio":
+        return _uvloop_factory()
+    # The policy's loop: the stdlib one, or whatever an embedder installed.
+    return asyncio.get_event_loop_policy().new_event_loop()
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
