@@ -97,8 +97,8 @@ async def run_bash(command: str, workspace: Path, timeout_secs: float, limit: in
     # end, the exit is seen at once and we decide when to stop reading.
     loop = asyncio.get_running_loop()
     rfd, wfd = os.pipe()
-    try:
-        proc = await asyncio.create_subprocess_exec(
+    starting = asyncio.ensure_future(
+        asyncio.create_subprocess_exec(
             "/bin/bash",
             "-c",
             command,
@@ -108,6 +108,16 @@ async def run_bash(command: str, workspace: Path, timeout_secs: float, limit: in
             stdout=wfd,
             stderr=wfd,
         )
+    )
+    try:
+        # The command runs before create_subprocess_exec returns: an
+        # interrupt in that window must still find it and kill it.
+        proc = await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        with contextlib.suppress(BaseException):
+            _kill_tree((await starting).pid)
+        os.close(rfd)
+        raise
     except BaseException:
         os.close(rfd)
         raise
