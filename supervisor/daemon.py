@@ -22,9 +22,11 @@ import logging
 import os
 import pwd
 import resource
+import shutil
 import signal
 import socket
 import stat
+import sys
 import tempfile
 from pathlib import Path
 
@@ -223,7 +225,7 @@ async def _serve(
         )
     where = sock.getsockname() or str(socket_path)
     log.info("sessiond %s (pid %d) listening on %s; state in %s", __version__, os.getpid(), where, state_dir)
-    log.info("try: SESSIOND_SOCKET=%s sessionctl create", where)
+    log.info("try: SESSIOND_SOCKET=%s %s create", where, _sessionctl_command())
     sdnotify.ready(_status_line(manager))
     background: list[asyncio.Task[None]] = [loop.create_task(manager.supervise())]
     interval = sdnotify.watchdog_interval_secs()
@@ -245,6 +247,15 @@ async def _serve(
         task.cancel()
     log.info("stopped")
     return 0
+
+
+def _sessionctl_command() -> str:
+    """How to run sessionctl from here: plain when it is on PATH, else the
+    one installed beside this interpreter (e.g. .venv/bin/sessionctl)."""
+    if shutil.which("sessionctl"):
+        return "sessionctl"
+    beside = Path(sys.executable).parent / "sessionctl"
+    return str(beside) if beside.exists() else "sessionctl"
 
 
 def _status_line(manager: SessionManager) -> str:
