@@ -1047,7 +1047,10 @@ class SessionManager:
 
     def sweep(self, now: float) -> None:
         seen: set[int] = set()
-        for session in list(self.sessions.values()):
+        # Sessions in a turn first: they are the ones whose memory grows,
+        # so their figures are the freshest when a cap is crossed.
+        ordered = sorted(self.sessions.values(), key=lambda s: s.current_turn is None)
+        for session in ordered:
             worker = session.worker
             if worker is None or worker.kill_reason or worker.exited.done():
                 continue
