@@ -279,3 +279,35 @@ def test_sessionctl_send_asks_on_the_terminal(make_daemon, llm: FakeLLM) -> None
     assert "allow bash" in text and "echo from-the-tool" in text
     assert "all done" in text and os.waitstatus_to_exitcode(status) == 0
     assert "from-the-tool" in tool_results(llm.requests[1].json)[-1]
+
+
+def test_subagent_timeout_and_concurrency_limits(make_daemon, llm: FakeLLM) -> None:
+    extra = """
+[agent.subagents]
+allowed_handlers = ["fixture_handlers:deaf"]
+child_timeout_secs = 0.5
+max_concurrent = 1
+"""
+    d = make_daemon(agent_config(llm, extra))
+    llm.script(
+        # Two spawns in one response.  The first child ignores interrupts:
+        # it times out for its parent but is still running when the second
+        # spawn comes, which max_concurrent = 1 refuses.
+        tool_call_stream(
+            ("s1", "spawn_agent", {"task": "x", "handler": "fixture_handlers:deaf"}),
+            ("s2", "spawn_agent", {"task": "y", "handler": "fixture_handlers:deaf"}),
+        ),
+        text_stream("gave up"),
+    )
+    with d.client() as c:
+        # Children inherit the parent's overrides, this turn timeout included.
+        root = c.create(settings={"agent.turn_timeout_secs": 3}).id
+        assert c.send_text(root, "delegate") == "gave up"
+        children = [s for s in c.list() if s.parent == root]
+        assert len(children) == 1
+        # Its own turn timeout then kills it, and it restarts as usual.
+        wait_for(lambda: c.status(children[0].id).last_exit is not None, 15, "the deaf child's kill")
+        assert c.status(children[0].id).last_exit.reason == "killed_turn_timeout"
+    results = tool_results(llm.requests[1].json)
+    assert "child_timeout_secs=0.5" in results[0]
+    assert "max_concurrent 1" in results[1]
