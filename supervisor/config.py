@@ -61,8 +61,11 @@ class DaemonSettings(ConfigSection):
     spare_workers: Annotated[int, Meta(ge=0, le=64)] = 2
     # How long create/revive waits for a new worker to say Ready.
     boot_timeout_secs: Annotated[float, Meta(gt=0, le=600)] = 30.0
-    # Events kept per session for Attach{from_seq}.
+    # Events kept per session for Attach{from_seq}: at most this many, and
+    # at most this many bytes (a long streamed reply must not make the
+    # daemon hold megabytes per session).
     event_retention: Annotated[int, Meta(ge=16, le=1_000_000)] = 4096
+    event_retention_bytes: Annotated[int, Meta(ge=4096, le=1 << 30)] = 1024 * 1024
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 

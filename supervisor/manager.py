@@ -126,6 +126,7 @@ class Session:
     ring: collections.deque[tuple[int, bytes | bytearray]] = field(
         default_factory=collections.deque
     )
+    ring_bytes: int = 0
     policy: RestartPolicy | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     state_waiters: list[asyncio.Future[None]] = field(default_factory=list)
@@ -234,7 +235,14 @@ class SessionManager:
 
     def _emit(self, session: Session, event: m.Event) -> None:
         frame = self._encoder.encode(event)
-        session.ring.append((event.seq, frame))
+        ring = session.ring
+        if len(ring) == ring.maxlen:
+            session.ring_bytes -= len(ring[0][1])
+        ring.append((event.seq, frame))
+        session.ring_bytes += len(frame)
+        limit = self.config.daemon.event_retention_bytes
+        while session.ring_bytes > limit and len(ring) > 1:
+            session.ring_bytes -= len(ring.popleft()[1])
         for sub in list(session.subscribers):
             sub.deliver(frame)
 
@@ -1182,6 +1190,7 @@ class SessionManager:
                 session.settings = base
             session.policy = None
             session.ring = collections.deque(session.ring, maxlen=config.daemon.event_retention)
+            session.ring_bytes = sum(len(frame) for _, frame in session.ring)
 
     # ================================================================ shutdown
 

@@ -263,3 +263,19 @@ def test_spare_workers_are_kept_ready_and_handed_out(make_daemon) -> None:
     wait_for(lambda: len(spares()) == 2, 10, "the pool to be refilled")
     d.stop()
     d.assert_no_leftovers()
+
+
+def test_retained_events_are_bounded_in_bytes(make_daemon) -> None:
+    d = make_daemon("[daemon]\nevent_retention_bytes = 65536\n")
+    with d.client() as c:
+        sid = c.create(handler="fixture_handlers:big_reply").id
+        assert c.send_text(sid, str(1024 * 1024)) == "big"  # 256 frames of 4 KiB
+    with d.client() as c:
+        got = []
+        for ev in c.attach(sid, from_seq=1):
+            got.append(ev)
+            if isinstance(ev, m.TurnDone):
+                break
+        assert isinstance(got[0], m.Gap)  # the start is no longer retained
+        replayed = sum(len(ev.text) for ev in got if isinstance(ev, m.TextDelta))
+        assert 0 < replayed <= 65536
