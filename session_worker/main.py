@@ -226,7 +226,7 @@ class Worker:
 
 
 def _warm_up(conn: FramedProtocol[Any]) -> None:
-    """Walk the boot path once while waiting for Boot.
+    """Walk the boot path once while a spare waits for its Boot.
 
     Right after fork every page is shared with the zygote, and the first
     write to each (a reference count, an allocator's free list) costs a
@@ -269,7 +269,7 @@ def _confine(settings: SessionSettings, uid: int | None, gid: int | None) -> Non
             os._exit(1)
 
 
-async def _main(sock: socket.socket) -> int:
+async def _main(sock: socket.socket, warm_up: bool) -> int:
     loop = asyncio.get_running_loop()
     first: asyncio.Future[m.ToWorker] = loop.create_future()
     worker: Worker | None = None
@@ -290,7 +290,8 @@ async def _main(sock: socket.socket) -> int:
         ),
         sock=sock,
     )
-    _warm_up(conn)
+    if warm_up:
+        _warm_up(conn)
     waiting: list[asyncio.Future[Any]] = [first, conn.closed]
     await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     if not first.done():
@@ -325,11 +326,11 @@ async def _flush(conn: FramedProtocol[Any]) -> None:
         await asyncio.wait_for(asyncio.shield(conn.closed), 1.0)
 
 
-def run_worker(sock: socket.socket) -> int:
+def run_worker(sock: socket.socket, warm_up: bool = False) -> int:
     """Entry point in the forked child; returns the exit code."""
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr,
         format=f"sessiond-worker[{os.getpid()}]: %(levelname)s: %(message)s",
     )
     sock.setblocking(False)
-    return run_loop(_main(sock))
+    return run_loop(_main(sock, warm_up))

@@ -103,7 +103,7 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
     sel.register(wake_r, selectors.EVENT_READ, "wake")
     my_pid = os.getpid()
 
-    def fork_worker() -> tuple[int, socket.socket]:
+    def fork_worker(spare: bool) -> tuple[int, socket.socket]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         pid = os.fork()
         if pid == 0:
@@ -112,7 +112,7 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
             # this worker would keep their sockets open.
             for other in spares.values():
                 other.close()
-            _worker_child(theirs.detach(), sock, wake_r, wake_w, my_pid)
+            _worker_child(theirs.detach(), sock, wake_r, wake_w, my_pid, spare)
         with contextlib.suppress(OSError):
             os.setpgid(pid, pid)  # also done by the child: whoever runs first
         theirs.close()
@@ -137,7 +137,7 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
         # comes first, a spare is forked only when nothing is waiting.
         events = sel.select(0 if len(spares) < keep_spares else None)
         if not events and len(spares) < keep_spares:
-            pid, ours = fork_worker()
+            pid, ours = fork_worker(spare=True)
             spares[pid] = ours
             continue
         for key, _ in events:
@@ -163,7 +163,7 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
                     if spares:
                         pid, ours = spares.popitem()
                     else:
-                        pid, ours = fork_worker()
+                        pid, ours = fork_worker(spare=False)
                     workers[pid] = token
                     socket.send_fds(sock, [_encode(m.Spawned(token=token, pid=pid))], [ours.fileno()])
                     ours.close()
@@ -232,7 +232,9 @@ def _children_of(ppid: int) -> list[int]:
     return found
 
 
-def _worker_child(fd: int, zsock: socket.socket, wake_r: int, wake_w: int, zygote_pid: int) -> None:
+def _worker_child(
+    fd: int, zsock: socket.socket, wake_r: int, wake_w: int, zygote_pid: int, spare: bool
+) -> None:
     """In the freshly forked worker: shed the zygote's plumbing, run, _exit."""
     code = 1
     try:
@@ -249,7 +251,7 @@ def _worker_child(fd: int, zsock: socket.socket, wake_r: int, wake_w: int, zygot
             os._exit(1)
         from session_worker.main import run_worker
 
-        code = run_worker(socket.socket(fileno=fd))
+        code = run_worker(socket.socket(fileno=fd), warm_up=spare)
     except BaseException:
         with contextlib.suppress(Exception):
             traceback.print_exc()
