@@ -78,6 +78,8 @@ _settings_encoder = msgspec.msgpack.Encoder()
 # hands out a seq a client has already seen.
 _SEQ_BLOCK = 4096
 _WORKER_FRAME_LIMIT = 1 << 30
+# A turn that ends this soon after its input commits both with one fsync.
+_GROUP_COMMIT_SECS = 0.002
 
 
 def valid_session_id(session_id: str) -> bool:
@@ -88,6 +90,14 @@ class Subscriber(Protocol):
     uid: int
 
     def deliver(self, frame: bytes | bytearray) -> None: ...
+
+
+@dataclass(slots=True)
+class _PendingInput:
+    accepted: m.Accepted
+    durable: asyncio.Future[m.Accepted]
+    on_accepted: Callable[[m.Accepted], None] | None
+    timer: asyncio.TimerHandle
 
 
 @dataclass(slots=True, eq=False)
@@ -136,6 +146,8 @@ class Session:
     last_active: float = field(default_factory=time.monotonic)
     children: list[str] = field(default_factory=list)
     memory: SessionMemory = field(default_factory=SessionMemory)
+    # The running turn's input, written but not yet fsync'd.
+    pending_input: _PendingInput | None = None
     # Permission requests of the running turn awaiting a client's answer.
     pending_asks: set[str] = field(default_factory=set)
     # Resolved with (ok, reply or reason) when that turn ends; used to run
@@ -591,6 +603,7 @@ class SessionManager:
             worker.kill_detail = "its turn could not be saved"
             self.spawner.signal(worker.pid, signal.SIGKILL)
             return
+        self._input_durable(session)  # the commit's fsync covered the input
         if msg.snapshot:
             try:
                 session.store.write_snapshot(
@@ -631,6 +644,8 @@ class SessionManager:
             session.store.append(Abort(turn=turn, reason=reason, record=record, seq=seq), durable=True)
         except StoreError as exc:
             log.error("session %s: %s", session.id, exc)
+            self._sync_input(session)
+        self._input_durable(session)
         self._turn_over(session, (False, reason))
         self._next_seq(session)
         self._emit(session, m.TurnFailed(session=session.id, seq=seq, turn=turn, reason=reason))
@@ -792,7 +807,15 @@ class SessionManager:
 
     # ================================================================ requests
 
-    async def send(self, session: Session, text: str, subscriber: Subscriber | None) -> m.Accepted:
+    async def send(
+        self,
+        session: Session,
+        text: str,
+        subscriber: Subscriber | None,
+        on_accepted: Callable[[m.Accepted], None] | None = None,
+    ) -> m.Accepted:
+        """Start a turn; returns once its input is durable.  `on_accepted`
+        is called at that moment, before any later event of the turn."""
         if self._closing:
             raise Conflict("the daemon is shutting down; no new turns")
         async with session.lock:
@@ -827,9 +850,11 @@ class SessionManager:
                 raise Conflict(f"session {session.id} is {session.state}")
         if subscriber is not None:
             session.subscribers.add(subscriber)
-        return self._begin_turn(session, text)
+        return await self._begin_turn(session, text, on_accepted)
 
-    def _begin_turn(self, session: Session, text: str) -> m.Accepted:
+    def _begin_turn(
+        self, session: Session, text: str, on_accepted: Callable[[m.Accepted], None] | None = None
+    ) -> asyncio.Future[m.Accepted]:
         turn = session.turns + 1
         worker = session.worker
         assert worker is not None
@@ -839,31 +864,61 @@ class SessionManager:
             )
         except StoreError as exc:
             raise Internal(f"input not accepted: {exc}") from None
-        # The worker starts on the input while we make it durable (an LLM
-        # request is on its way before the fsync ends); nothing is
-        # acknowledged before that, since this callback holds the loop
-        # until the fsync is done.
+        # The worker starts on the input before it is durable; it is made
+        # durable by the turn's own commit if the turn ends within
+        # _GROUP_COMMIT_SECS (one fsync for both records), else by a timer.
+        # Either way `Accepted` goes out only after that fsync.
         worker.conn.send(m.Input(turn=turn, text=text))
         worker.conn.flush()
-        try:
-            session.store.sync()
-        except StoreError as exc:
-            # The worker has an input the log does not: it must restart from the log.
-            worker.kill_reason = "crashed"
-            worker.kill_detail = "its input could not be saved"
-            self.spawner.kill_tree(worker.pid, session.memory.pids)
-            raise Internal(f"input not accepted: {exc}") from None
+        loop = asyncio.get_running_loop()
+        accepted = m.Accepted(id=0, session=session.id, turn=turn, seq=session.seq)
+        durable: asyncio.Future[m.Accepted] = loop.create_future()
+        session.pending_input = _PendingInput(
+            accepted, durable, on_accepted, loop.call_later(_GROUP_COMMIT_SECS, self._sync_input, session)
+        )
         session.turns = turn
         session.current_turn = turn
         session.current_input = text
         session.last_active = time.monotonic()
-        accepted = m.Accepted(id=0, session=session.id, turn=turn, seq=session.seq)
         session.turn_started = time.monotonic()
         session.turn_timer = asyncio.get_running_loop().call_later(
             session.settings.agent.turn_timeout_secs, self._on_turn_timeout, session, turn
         )
         self._set_state(session, Trigger.INPUT, reason=f"turn {turn}")
-        return accepted
+        return durable
+
+    def _sync_input(self, session: Session) -> None:
+        """The turn is still running: make its input durable on its own."""
+        pending = session.pending_input
+        if pending is None:
+            return
+        try:
+            session.store.sync()
+        except StoreError as exc:
+            worker = session.worker
+            if worker is not None:
+                # It has an input the log does not: it must restart from the log.
+                worker.kill_reason = "crashed"
+                worker.kill_detail = "its input could not be saved"
+                self.spawner.kill_tree(worker.pid, session.memory.pids)
+            self._input_durable(session, Internal(f"input not accepted: {exc}"))
+            return
+        self._input_durable(session)
+
+    def _input_durable(self, session: Session, error: SessiondError | None = None) -> None:
+        """After the fsync that covers the pending input: acknowledge it
+        (synchronously, so `Accepted` precedes the turn's last events)."""
+        pending, session.pending_input = session.pending_input, None
+        if pending is None:
+            return
+        pending.timer.cancel()
+        if error is not None:
+            pending.durable.set_exception(error)
+            pending.durable.exception()  # retrieved by whoever awaits, if anyone
+            return
+        if pending.on_accepted is not None:
+            pending.on_accepted(pending.accepted)
+        pending.durable.set_result(pending.accepted)
 
     def attach(self, session: Session, subscriber: Subscriber, from_seq: int | None) -> int:
         """Subscribe; replay retained events from `from_seq`.  Returns next seq."""

@@ -165,7 +165,8 @@ class ClientConn:
             reply = m.Error(id=getattr(msg, "id", 0), code=exc.code, message=exc.message)
         except Exception as exc:
             reply = self._internal(msg, exc)
-        self.proto.send(reply)
+        if reply is not None:
+            self.proto.send(reply)
 
     def _handle_now(self, msg: m.Request) -> Any:
         mgr = self.server.manager
@@ -214,9 +215,14 @@ class ClientConn:
                 session = await mgr.create(self.uid, sid, handler, dict(settings))
                 return m.Created(id=rid, session=mgr.info(session, with_rss=False))
             case m.Send(id=rid, session=sid, text=text):
-                accepted = await mgr.send(mgr.get(sid, self.uid), text, self)
-                accepted.id = rid
-                return accepted
+                # Written the moment the input is durable, before the turn's
+                # later events (which may already be on their way).
+                def on_accepted(accepted: m.Accepted) -> None:
+                    accepted.id = rid
+                    self.proto.send(accepted)
+
+                await mgr.send(mgr.get(sid, self.uid), text, self, on_accepted)
+                return None
             case m.Stop(id=rid, session=sid):
                 await mgr.stop(mgr.get(sid, self.uid))
                 return m.Ok(id=rid)

@@ -220,3 +220,21 @@ def test_full_disk_refuses_input_and_loses_nothing(make_daemon) -> None:
     with d.client() as c:
         assert c.status(sid).turns == 2
         assert c.send_text(sid, "restored") == "3: restored"
+
+
+def test_accepted_precedes_the_end_of_its_turn_on_the_wire(daemon: Daemon) -> None:
+    # A fast turn commits its input and its output with one fsync; the
+    # acknowledgement must still reach the client before the turn's end.
+    with daemon.client() as c:
+        sid = c.create().id
+    with raw_connect(daemon.socket) as s:
+        hello(s)
+        for i in range(20):
+            s.sendall(encode_frame(m.Send(id=i + 1, session=sid, text=f"t{i}")))
+            kinds = []
+            while not kinds or not isinstance(kinds[-1], (m.TurnDone, m.TurnFailed)):
+                kinds.append(read_frame(s))
+            accepted = [k for k in kinds if isinstance(k, m.Accepted)]
+            assert len(accepted) == 1 and accepted[0].id == i + 1
+            assert kinds.index(accepted[0]) < len(kinds) - 1
+            assert kinds[-1].reply == f"{i + 1}: t{i}"
