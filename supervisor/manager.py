@@ -79,7 +79,7 @@ _settings_encoder = msgspec.msgpack.Encoder()
 _SEQ_BLOCK = 4096
 _WORKER_FRAME_LIMIT = 1 << 30
 # A turn that ends this soon after its input commits both with one fsync.
-_GROUP_COMMIT_SECS = 0.002
+_GROUP_COMMIT_SECS = 0.001
 
 
 def valid_session_id(session_id: str) -> bool:
@@ -97,7 +97,8 @@ class _PendingInput:
     accepted: m.Accepted
     durable: asyncio.Future[m.Accepted]
     on_accepted: Callable[[m.Accepted], None] | None
-    timer: asyncio.TimerHandle
+    timer: asyncio.Handle
+    streaming: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -155,6 +156,7 @@ class Session:
     turn_results: dict[int, asyncio.Future[tuple[bool, str]]] = field(default_factory=dict)
     spawned: int = 0  # sub-agents started under this session (its whole tree, for a root)
     turn_started: float = 0.0
+    last_turn_secs: float = float("inf")  # how long the last turn took
     turn_timer: asyncio.TimerHandle | None = None
     kill_timer: asyncio.TimerHandle | None = None
 
@@ -540,6 +542,8 @@ class SessionManager:
             case m.Heartbeat():
                 worker.last_heartbeat = time.monotonic()
             case m.Delta(turn=turn, text=text):
+                if session.pending_input is not None:
+                    self._streaming(session)
                 if turn == session.current_turn:
                     self._emit(
                         session,
@@ -655,6 +659,7 @@ class SessionManager:
         if fut is not None and not fut.done():
             fut.set_result(outcome)
         session.current_turn = None
+        session.last_turn_secs = time.monotonic() - session.turn_started
         session.pending_asks.clear()
         session.last_active = time.monotonic()
         for timer in (session.turn_timer, session.kill_timer):
@@ -864,18 +869,23 @@ class SessionManager:
             )
         except StoreError as exc:
             raise Internal(f"input not accepted: {exc}") from None
-        # The worker starts on the input before it is durable; it is made
-        # durable by the turn's own commit if the turn ends within
-        # _GROUP_COMMIT_SECS (one fsync for both records), else by a timer.
-        # Either way `Accepted` goes out only after that fsync.
+        # The worker starts on the input before it is durable.  A session
+        # whose last turn was quick (echo, a calculator) will likely end this
+        # one within _GROUP_COMMIT_SECS too, and the turn's commit then makes
+        # the input durable with the same fsync; otherwise (an LLM call) the
+        # input is fsync'd at once, so that Accepted, and the client's first
+        # token behind it, are not held back.  Accepted always waits for the
+        # fsync that covers the input.
         worker.conn.send(m.Input(turn=turn, text=text))
         worker.conn.flush()
         loop = asyncio.get_running_loop()
         accepted = m.Accepted(id=0, session=session.id, turn=turn, seq=session.seq)
         durable: asyncio.Future[m.Accepted] = loop.create_future()
-        session.pending_input = _PendingInput(
-            accepted, durable, on_accepted, loop.call_later(_GROUP_COMMIT_SECS, self._sync_input, session)
-        )
+        if session.last_turn_secs < _GROUP_COMMIT_SECS:
+            sync: asyncio.Handle = loop.call_later(_GROUP_COMMIT_SECS, self._sync_input, session)
+        else:
+            sync = loop.call_soon(self._sync_input, session)
+        session.pending_input = _PendingInput(accepted, durable, on_accepted, sync)
         session.turns = turn
         session.current_turn = turn
         session.current_input = text
@@ -886,6 +896,17 @@ class SessionManager:
         )
         self._set_state(session, Trigger.INPUT, reason=f"turn {turn}")
         return durable
+
+    def _streaming(self, session: Session) -> None:
+        """The turn is streaming: its client wants Accepted (and the text)
+        now, not after the group-commit window.  Sync once this batch of
+        worker messages is handled: a Done in the same batch still covers
+        the input with its own fsync."""
+        pending = session.pending_input
+        if pending is not None and not pending.streaming:
+            pending.streaming = True
+            pending.timer.cancel()
+            pending.timer = asyncio.get_running_loop().call_soon(self._sync_input, session)
 
     def _sync_input(self, session: Session) -> None:
         """The turn is still running: make its input durable on its own."""
