@@ -79,7 +79,7 @@ _settings_encoder = msgspec.msgpack.Encoder()
 _SEQ_BLOCK = 4096
 _WORKER_FRAME_LIMIT = 1 << 30
 # A turn that ends this soon after its input commits both with one fsync.
-_GROUP_COMMIT_SECS = 0.001
+_GROUP_COMMIT_SECS = 0.002
 
 
 def valid_session_id(session_id: str) -> bool:
