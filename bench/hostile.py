@@ -17,18 +17,14 @@ daemon in its own process group; everything is killed at exit.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import json
-import math
 import os
-import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -44,95 +40,12 @@ if str(REPO) not in sys.path:
 import msgspec  # noqa: E402
 import psutil  # noqa: E402
 
+from bench import _common as c  # noqa: E402
 from ipc import messages as m  # noqa: E402
 from ipc.framing import encode_frame  # noqa: E402
 
 _reply = msgspec.msgpack.Decoder(m.Reply)
 HELLO = encode_frame(m.Hello(protocol=m.PROTOCOL_VERSION, client="bench-hostile"))
-
-
-# ---------------------------------------------------------------- cleanup on any exit
-
-_cleanups: list[Any] = []
-
-
-def _run_cleanups() -> None:
-    while _cleanups:
-        with contextlib.suppress(Exception):
-            _cleanups.pop()()
-
-
-def _on_signal(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # so that `finally` blocks and atexit run
-
-
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
-    for key in ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "WATCHDOG_USEC",
-                "SESSIOND_SOCKET"):
-        env.pop(key, None)
-    return env
-
-
-class BenchDaemon:
-    """A sessiond in a short temp dir under /tmp, in its own process group."""
-
-    def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="sdh-", dir="/tmp"))
-        self.socket = self.dir / "s.sock"
-        self.config = self.dir / "config.toml"
-        self.config.write_text("[agent]\nstream_buffer_size = 1024\n")
-        self.log_path = self.dir / "daemon.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.seen: set[int] = set()
-        _cleanups.append(self.cleanup)
-
-    def start(self) -> BenchDaemon:
-        cmd = [sys.executable, "-m", "supervisor.cli", "run", "--config", str(self.config),
-               "--socket", str(self.socket), "--state-dir", str(self.dir / "state")]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env=child_env(), cwd=str(self.dir), start_new_session=True)
-        self.seen.add(self.proc.pid)
-        deadline = time.monotonic() + 20
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sessiond exited with {self.proc.returncode}:\n{self.log()}")
-            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
-                s.connect(str(self.socket))
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"sessiond did not listen:\n{self.log()}")
-            time.sleep(0.01)
-        self.remember()
-        return self
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def remember(self) -> None:
-        assert self.proc is not None
-        with contextlib.suppress(psutil.Error):
-            self.seen.update(p.pid for p in psutil.Process(self.proc.pid).children(recursive=True))
-
-    def cleanup(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.remember()
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(5)
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            with contextlib.suppress(Exception):
-                self.proc.wait(5)
-        for pid in self.seen:  # workers have their own process groups
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- a raw client
@@ -253,7 +166,7 @@ def start_load(kind: str, path: Path, arg: int) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), "--load", kind, "--socket", str(path),
          "--arg", str(arg)],
-        stdin=subprocess.DEVNULL, start_new_session=True, env=child_env(),
+        stdin=subprocess.DEVNULL, start_new_session=True, env=c.child_env(),
     )
 
     def stop() -> None:
@@ -262,20 +175,11 @@ def start_load(kind: str, path: Path, arg: int) -> subprocess.Popen[bytes]:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
 
-    _cleanups.append(stop)
+    c.on_exit(stop)
     return proc
 
 
 # ---------------------------------------------------------------- measurement
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return math.nan
-    pos = (len(sorted_values) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 def measure(path: Path, session: str, n: int, budget_secs: float) -> dict[str, Any]:
@@ -319,19 +223,11 @@ def measure(path: Path, session: str, n: int, budget_secs: float) -> dict[str, A
 
     def summary(ns: list[float]) -> dict[str, float]:
         us = sorted(x / 1000 for x in ns)
-        return {"n": len(us), "median_us": percentile(us, 50), "p99_us": percentile(us, 99)}
+        return {"n": len(us), "median_us": c.percentile(us, 50), "p99_us": c.percentile(us, 99)}
 
     return {"ping": summary(pings), "turn": summary(turns), "fresh": summary(fresh),
             "eagain": _refused["count"] - refused_before, "clients": stats.clients,
             "rss_mib": stats.rss_bytes / 1048576}
-
-
-def fmt_us(us: float) -> str:
-    if math.isnan(us):
-        return "-"
-    if us >= 1000:
-        return f"{us / 1000:.2f} ms"
-    return f"{us:.0f} µs"
 
 
 def wait_clients(path: Path, at_least: int, timeout: float) -> int:
@@ -360,11 +256,9 @@ def main() -> int:
             LOADS[args.load](args.socket, args.arg)
         return 0
 
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGHUP, _on_signal)
-    atexit.register(_run_cleanups)
+    # bench._common stops the daemon on any exit (atexit, SIGTERM, SIGHUP).
     started = time.monotonic()
-    d = BenchDaemon().start()
+    d = c.BenchDaemon("[agent]\nstream_buffer_size = 1024\n", tag="sdh").start()
     with connect(d.socket) as s:
         s.sendall(encode_frame(m.Create(id=1, session="bench", handler="echo")))
         until_id(s, 1)
@@ -407,9 +301,9 @@ def main() -> int:
     for name, fig in results.items():
         rows.append([
             name,
-            fmt_us(fig["ping"]["median_us"]), fmt_us(fig["ping"]["p99_us"]),
-            fmt_us(fig["turn"]["median_us"]), fmt_us(fig["turn"]["p99_us"]),
-            fmt_us(fig["fresh"]["median_us"]), fmt_us(fig["fresh"]["p99_us"]), str(fig["eagain"]),
+            c.fmt_us(fig["ping"]["median_us"]), c.fmt_us(fig["ping"]["p99_us"]),
+            c.fmt_us(fig["turn"]["median_us"]), c.fmt_us(fig["turn"]["p99_us"]),
+            c.fmt_us(fig["fresh"]["median_us"]), c.fmt_us(fig["fresh"]["p99_us"]), str(fig["eagain"]),
             *(f"{fig[k][q] / base[k][q]:.2f}" for k in ("ping", "turn") for q in ("median_us", "p99_us")),
             f"{fig['fresh']['p99_us'] / base['fresh']['p99_us']:.2f}",
         ])
@@ -427,7 +321,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    finally:
-        _run_cleanups()
+    sys.exit(main())
