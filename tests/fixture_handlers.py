@@ -10,6 +10,10 @@ from typing import Any
 from session_worker.handler import HandlerInit, TurnContext, TurnFailure, TurnResult
 
 
+# How long a deliberately hung handler blocks: far past any test's deadline.
+HANG_SECS = 3600
+
+
 class _Base:
     def __init__(self, init: HandlerInit) -> None:
         self.turns = 0
@@ -121,7 +125,7 @@ class ChildHog(_Base):
             "import time\n"
             f"b = bytearray({int(text)} * 1024 * 1024)\n"
             "for i in range(0, len(b), 4096): b[i] = 1\n"
-            "time.sleep(300)\n"
+            "import signal; signal.pause()\n"
         )
         proc = await asyncio.create_subprocess_exec("python3", "-c", code)
         ctx.emit(f"child {proc.pid}\n")
@@ -171,7 +175,8 @@ def busy_loop(init: HandlerInit) -> BusyLoop:
 
 
 class BlockingSleep(_Base):
-    """Input 'block': time.sleep(3600) on the event loop's thread (a C call)."""
+    """Input 'block': a blocking sleep on the event loop's thread (a C call
+    that never returns to the loop)."""
 
     async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
         if text == "block":
@@ -179,7 +184,7 @@ class BlockingSleep(_Base):
 
             ctx.emit("blocking")
             await asyncio.sleep(0)
-            time.sleep(3600)
+            time.sleep(HANG_SECS)
         self.turns += 1
         return TurnResult(f"{self.turns}: {text}", record=1)
 
@@ -268,7 +273,7 @@ class WhoAmI(_Base):
         try:
             while made < 10_000:
                 if os.fork() == 0:
-                    time.sleep(60)
+                    signal.pause()
                     os._exit(0)
                 made += 1
         except OSError as exc:

@@ -16,7 +16,7 @@ def test_rss_of_a_tree_counts_children() -> None:
     hog = subprocess.Popen([sys.executable, "-c",
                             "b = bytearray(64 << 20)\n"
                             "for i in range(0, len(b), 4096): b[i] = 1\n"
-                            "print('ready', flush=True)\nimport time; time.sleep(60)"],
+                            "print('ready', flush=True)\nimport signal; signal.pause()"],
                            stdout=subprocess.PIPE)
     try:
         assert hog.stdout is not None and hog.stdout.readline() == b"ready\n"
