@@ -122,10 +122,8 @@ class ClientConn:
         else:
             try:
                 reply = self._handle_now(msg)
-            except SessiondError as exc:
-                reply = m.Error(id=getattr(msg, "id", 0), code=exc.code, message=exc.message)
             except Exception as exc:
-                reply = self._internal(msg, exc)
+                reply = self._error_reply(msg, exc)
             if reply is not None:
                 self.proto.send(reply)
 
@@ -154,17 +152,20 @@ class ClientConn:
             m.Welcome(protocol=m.PROTOCOL_VERSION, server_version=__version__, pid=os.getpid())
         )
 
-    def _internal(self, msg: m.Request, exc: Exception) -> m.Error:
+    def _error_reply(self, msg: m.Request, exc: Exception) -> m.Error:
+        """The answer to a request that raised: its code for our errors,
+        `internal` (and the traceback in the log) for anything else."""
+        rid = getattr(msg, "id", 0)
+        if isinstance(exc, SessiondError):
+            return m.Error(id=rid, code=exc.code, message=exc.message)
         log.error("request %s from %s failed", type(msg).__name__, self.name, exc_info=exc)
-        return m.Error(id=getattr(msg, "id", 0), code=m.ErrorCode.INTERNAL, message=f"internal error: {exc}")
+        return m.Error(id=rid, code=m.ErrorCode.INTERNAL, message=f"internal error: {exc}")
 
     async def _answer_later(self, msg: m.Request) -> None:
         try:
             reply = await self._handle_later(msg)
-        except SessiondError as exc:
-            reply = m.Error(id=getattr(msg, "id", 0), code=exc.code, message=exc.message)
         except Exception as exc:
-            reply = self._internal(msg, exc)
+            reply = self._error_reply(msg, exc)
         if reply is not None:
             self.proto.send(reply)
 
