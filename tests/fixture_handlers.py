@@ -257,6 +257,13 @@ class WhoAmI(_Base):
 
         if text == "forkbomb":
             return TurnResult(self._forkbomb(), record=None)
+        if text.startswith("write "):
+            mib = int(text.split()[1])
+            try:
+                (self.init.workspace / "big").write_bytes(b"x" * (mib << 20))
+            except OSError as exc:
+                return TurnResult(f"write failed: {exc.strerror}", record=None)
+            return TurnResult(f"wrote {mib} MiB", record=None)
         ws = self.init.workspace
         (ws / "probe").write_text("x")
         reply = (
@@ -283,3 +290,11 @@ class WhoAmI(_Base):
 
 def whoami(init: HandlerInit) -> WhoAmI:
     return WhoAmI(init)
+
+
+def hang_at_boot(init: HandlerInit) -> Any:
+    """A factory that never returns (a handler stuck loading a model, say)."""
+    import time
+
+    time.sleep(HANG_SECS)
+    raise AssertionError("unreachable")

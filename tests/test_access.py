@@ -192,3 +192,12 @@ def test_members_of_the_socket_group_are_admitted(make_daemon) -> None:
     assert os.stat(d.socket).st_gid == NOBODY and oct(os.stat(d.socket).st_mode & 0o777) == "0o660"
     replies = as_user(NOBODY, str(d.socket), [m.List(id=1)])
     assert isinstance(replies[0], m.Welcome) and isinstance(replies[1], m.SessionList)
+
+
+def test_max_file_size_mb_stops_a_large_write(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        sid = c.create(handler="fixture_handlers:whoami",
+                       settings={"agent.limits.max_file_size_mb": 1}).id
+        assert c.send_text(sid, "write 2") == "write failed: File too large"
+        assert c.send_text(sid, "write 1") == "wrote 1 MiB"  # at the limit is allowed
+        assert c.status(sid).restarts == 0  # the worker carried on

@@ -312,3 +312,15 @@ def test_chaos_no_acknowledged_turn_is_lost(make_daemon) -> None:
             assert c.send_text(sid, "final") == f"{turns_each + 1}: final"
     d.kill()
     d.assert_no_leftovers()
+
+
+def test_boot_timeout_fails_the_create_and_kills_the_worker(make_daemon) -> None:
+    d = make_daemon(FAST + "boot_timeout_secs = 0.5\n")  # FAST ends in [daemon]
+    t0 = time.monotonic()
+    r = d.ctl("create", "--id", "slowboot", "--handler", "fixture_handlers:hang_at_boot")
+    assert r.returncode == 1 and "did not become ready within 0.5s" in r.stderr
+    assert time.monotonic() - t0 < 10
+    with d.client() as c:
+        assert c.list() == []
+        wait_for(lambda: c.stats().live_workers == 0, 5, "the stuck worker to be killed")
+        assert c.send_text(c.create().id, "fine") == "1: fine"
