@@ -83,8 +83,15 @@ def prepare_socket_path(path: Path) -> None:
     """Refuse to start over a live daemon; clear a stale socket file."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        owner = path.parent.lstat().st_uid
     except OSError as exc:
         raise StartupError(f"cannot create the socket directory {path.parent}: {exc.strerror}") from None
+    if owner not in (os.geteuid(), 0):
+        # e.g. someone else made /tmp/sessiond-UID first: they could swap our socket.
+        raise StartupError(
+            f"the socket directory {path.parent} belongs to uid {owner}, not to this user; "
+            "remove it or choose another --socket"
+        )
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise StartupError(f"{path} exists and is not a socket; refusing to replace it")

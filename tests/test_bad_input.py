@@ -238,3 +238,14 @@ def test_accepted_precedes_the_end_of_its_turn_on_the_wire(daemon: Daemon) -> No
             assert len(accepted) == 1 and accepted[0].id == i + 1
             assert kinds.index(accepted[0]) < len(kinds) - 1
             assert kinds[-1].reply == f"{i + 1}: t{i}"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory another user owns needs root")
+def test_socket_directory_owned_by_someone_else_is_refused(tmp_path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "run", "--state-dir", str(tmp_path / "st"),
+                        "--socket", str(theirs / "s.sock")],
+                       capture_output=True, text=True, env=env_for_children(), timeout=30)
+    assert r.returncode == 1 and "belongs to uid 65534" in r.stderr and "Traceback" not in r.stderr
