@@ -20,8 +20,10 @@ test: $(VENV)/.installed
 typecheck: $(VENV)/.installed
 	$(PY) -m mypy
 
+BENCHES := spawn ipc memory limits restart persist agent hostile
+
 bench: $(VENV)/.installed
-	for b in bench/*.py; do $(PY) $$b || exit 1; done
+	for b in $(BENCHES); do $(PY) bench/$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache
