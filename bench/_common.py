@@ -356,6 +356,24 @@ def arg_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def add_history_args(p: argparse.ArgumentParser) -> None:
+    """--history / --short / --msg-bytes: sessions with a long and a short past."""
+    p.add_argument("--history", type=int, default=10_000, help="long history, turns (default 10000)")
+    p.add_argument("--short", type=int, default=10, help="short history, turns (default 10)")
+    p.add_argument("--msg-bytes", type=int, default=100, help="size of each input (default 100)")
+
+
+def message(i: int, size: int) -> str:
+    head = f"message {i:06d} "
+    return head + "x" * max(0, size - len(head))
+
+
+async def build_history(client: Any, sid: str, turns: int, size: int) -> None:
+    """Give session `sid` a past of `turns` real turns (client: an AsyncClient)."""
+    for i in range(turns):
+        await client.send_text(sid, message(i, size))
+
+
 def quiet_gc() -> None:
     """Freeze what is allocated so far: the collector then has little to scan
     during measurement, in the bench client as in the zygote."""

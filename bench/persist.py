@@ -53,16 +53,6 @@ HANDLERS = {"echo": "echo", "grow": "bench.bench_handlers:grow"}
 SNAPSHOT_EVERY = 64  # [agent.worker] snapshot_every_turns, the default
 
 
-def message(i: int, size: int) -> str:
-    head = f"message {i:06d} "
-    return head + "x" * max(0, size - len(head))
-
-
-async def build(client: AsyncClient, sid: str, turns: int, size: int) -> None:
-    for i in range(turns):
-        await client.send_text(sid, message(i, size))
-
-
 def fsync_sample(fd: int, record: bytes) -> int:
     t0 = time.perf_counter_ns()
     os.write(fd, record)
@@ -74,9 +64,7 @@ def main() -> int:
     p = c.arg_parser(__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=500, help="timed turns per session (default 500)")
     p.add_argument("--warmup", type=int, default=20, help="untimed rounds first (default 20)")
-    p.add_argument("--history", type=int, default=10_000, help="long history, turns (default 10000)")
-    p.add_argument("--short", type=int, default=10, help="short history, turns (default 10)")
-    p.add_argument("--msg-bytes", type=int, default=100, help="size of each input (default 100)")
+    c.add_history_args(p)
     args = p.parse_args()
     rep = c.Report("persist", args.json)
 
@@ -95,12 +83,12 @@ def main() -> int:
         try:
             sids = {k: (await client.create(handler=HANDLERS[k[0]])).id for k in cases}
             t = time.monotonic()
-            await asyncio.gather(*(build(client, sids[k], k[1], args.msg_bytes) for k in cases))
+            await asyncio.gather(*(c.build_history(client, sids[k], k[1], args.msg_bytes) for k in cases))
             build_s = time.monotonic() - t
             c.quiet_gc()
             for r in range(args.warmup + args.n):
                 for k in cases:
-                    text = message(k[1] + r, args.msg_bytes)
+                    text = c.message(k[1] + r, args.msg_bytes)
                     t0 = time.perf_counter_ns()
                     await client.send_text(sids[k], text)
                     dt = time.perf_counter_ns() - t0

@@ -67,16 +67,6 @@ restart_backoff_max_ms = {BACKOFF_MS}
 HANDLERS = {"echo": "echo", "grow": "bench.bench_handlers:grow"}
 
 
-def message(i: int, size: int) -> str:
-    head = f"message {i:06d} "
-    return head + "x" * max(0, size - len(head))
-
-
-async def build(client: AsyncClient, sid: str, turns: int, size: int) -> None:
-    for i in range(turns):
-        await client.send_text(sid, message(i, size))
-
-
 async def watch(client: AsyncClient, sid: str, q: asyncio.Queue[tuple[int, m.Event]]) -> None:
     async for ev in client.attach(sid):
         q.put_nowait((time.perf_counter_ns(), ev))
@@ -111,9 +101,7 @@ def main() -> int:
     p = c.arg_parser(__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=50, help="timed restarts per case (default 50)")
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
-    p.add_argument("--history", type=int, default=10_000, help="long history, turns (default 10000)")
-    p.add_argument("--short", type=int, default=10, help="short history, turns (default 10)")
-    p.add_argument("--msg-bytes", type=int, default=100, help="size of each input (default 100)")
+    c.add_history_args(p)
     args = p.parse_args()
     rep = c.Report("restart", args.json)
 
@@ -133,7 +121,7 @@ def main() -> int:
             for case in cases:
                 sids[case] = (await client.create(handler=HANDLERS[case[0]])).id
             t = time.monotonic()
-            await asyncio.gather(*(build(client, sids[k], k[1], args.msg_bytes) for k in cases))
+            await asyncio.gather(*(c.build_history(client, sids[k], k[1], args.msg_bytes) for k in cases))
             build_s = time.monotonic() - t
             for k in cases:
                 sizes[k] = disk_size(daemon.state_dir, sids[k])

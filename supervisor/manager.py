@@ -33,8 +33,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
-import psutil
-
 from ipc import messages as m
 from ipc.connection import FramedProtocol
 from ipc.errors import ProtocolError
@@ -330,7 +328,7 @@ class SessionManager:
         if pid is not None and with_rss:
             # The last sweep's figure (at most one poll interval old); a worker
             # not swept yet is measured now.
-            rss = session.memory.rss_bytes or _tree_rss(pid)
+            rss = session.memory.rss_bytes or session.memory.measure(self.proc_table, pid)
         return m.SessionInfo(
             id=session.id, state=session.state.value, handler=session.meta.handler, pid=pid,
             rss_bytes=rss, restarts=session.restarts, turns=session.turns,
@@ -419,8 +417,7 @@ class SessionManager:
         return session
 
     def _has_room(self) -> bool:
-        limit = self.config.agent.limits.max_concurrent_sessions
-        return sum(1 for s in self.sessions.values() if s.worker is not None) < limit
+        return self._live_count() < self.config.agent.limits.max_concurrent_sessions
 
     def _drop_pending(self, pending: asyncio.Future[tuple[int, socket.socket]] | None) -> None:
         """A worker was ordered but will not be used: kill it when it comes."""
@@ -1226,7 +1223,7 @@ class SessionManager:
         finally:
             self._hibernating.discard(session.id)
 
-    def _live_count(self, excluding: Session) -> int:
+    def _live_count(self, excluding: Session | None = None) -> int:
         return sum(
             1 for s in self.sessions.values()
             if s is not excluding and (s.worker is not None or s.state is State.STARTING)
@@ -1335,15 +1332,3 @@ def _signame(sig: int) -> str:
         return signal.Signals(sig).name
     except ValueError:
         return str(sig)
-
-
-def _tree_rss(pid: int) -> int | None:
-    try:
-        proc = psutil.Process(pid)
-        total = proc.memory_info().rss
-        for child in proc.children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                total += child.memory_info().rss
-        return int(total)
-    except psutil.Error:
-        return None

@@ -186,16 +186,15 @@ def _kill_everything(workers: dict[int, int], settle_secs: float = 1.0) -> None:
     for pid in list(workers):
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
-    me = os.getpid()
     deadline = time.monotonic() + settle_secs
     while True:
-        children = _children_of(me)
+        children = _my_children()
         for pid in children:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         for _ in _reap_any():
             pass
-        if not children and not _children_of(me):
+        if not children and not _my_children():
             return
         if time.monotonic() > deadline:
             return
@@ -214,22 +213,14 @@ def _reap_any() -> Iterator[tuple[int, int]]:
         yield pid, status
 
 
-def _children_of(ppid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Field 4 is the ppid; the command (field 2) may hold spaces, so
-        # split after its closing parenthesis.
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 1 and int(fields[1]) == ppid:
-            found.append(int(entry))
-    return found
+def _my_children() -> list[int]:
+    # The zygote is single-threaded: its main task lists all its children.
+    pid = os.getpid()
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
 
 
 def _worker_child(

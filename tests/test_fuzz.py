@@ -116,8 +116,8 @@ scalars = st.one_of(
     st.integers(min_value=-(2**63), max_value=2**64 - 1),
     st.floats(allow_nan=True), st.text(max_size=20), st.binary(max_size=20),
 )
-# Nested junk, kept well below msgspec's recursion limit (see the xfail tests
-# for what happens past it).
+# Nested junk, kept well below msgspec's recursion limit (the targeted tests
+# below cover what happens past it).
 junk_values = st.recursive(
     scalars,
     lambda inner: st.one_of(st.lists(inner, max_size=4),
@@ -195,7 +195,7 @@ KNOWN_ESCAPES = (UnicodeDecodeError, RecursionError)
 
 @dataclass
 class Frame:
-    kind: str  # "msg", "bad", "abort", "too_large"
+    kind: str  # "msg", "bad", "too_large"
     msg: Any = None
 
 
@@ -242,7 +242,6 @@ class Expect:
     bad_total: int = 0  # malformed frames in the whole stream
     too_large_first: bool = False  # the very first frame announced too much
     too_large: bool = False
-    aborts: bool = False
     creates: int = 0  # frames that decode as a Create: may legitimately make a session
     stream: bytes = b""
 
@@ -267,8 +266,6 @@ def model_control(chunks: list[bytes], said_hello: bool) -> Expect:
         if f.kind == "too_large":
             exp.closes = exp.too_large = True
             exp.too_large_first = i == 0
-        elif f.kind == "abort":
-            exp.closes = exp.aborts = True
         elif f.kind == "bad":
             exp.bad_frames += 1
         elif not handshake_done:
@@ -338,7 +335,7 @@ def test_control_socket_survives_fuzzed_frames(fuzz_daemon: Daemon) -> None:
         assert c.send_text(keep, "before") == "1: before"
         start_fds = psutil.Process(d.pid).num_fds()
     expected = {keep}
-    seen = {"examples": 0, "bad": 0, "closed": 0, "too_large": 0, "aborts": 0}
+    seen = {"examples": 0, "bad": 0, "closed": 0, "too_large": 0}
 
     @fuzz_settings(600)
     @given(data=st.data())
@@ -396,7 +393,6 @@ def test_control_socket_survives_fuzzed_frames(fuzz_daemon: Daemon) -> None:
         seen["bad"] += exp.bad_frames
         seen["closed"] += exp.closes
         seen["too_large"] += exp.too_large
-        seen["aborts"] += exp.aborts
 
     run()
     print("control-socket fuzz outcomes:", seen)
@@ -439,16 +435,14 @@ def _as_kinds(items: list[Any]) -> list[Any]:
 @fuzz_settings(300)
 @given(data=st.data())
 def test_worker_decoder_matches_the_reference_however_the_bytes_are_chunked(data: st.DataObject) -> None:
-    """Inputs that steer clear of the three known escapes (xfail tests
-    below): the parser's messages, malformed-frame markers and leftover
-    bytes match the reference framing for any chunking."""
+    """The parser's messages, malformed-frame markers and leftover bytes
+    match the reference framing for any chunking."""
     stream = _stream(data, WORKER_POOL, WORKER_TAGS, WORKER_MAX_FRAME, 8)
     frames, pending = reference_frames(stream, _to_worker_decoder, WORKER_MAX_FRAME)
     if frames and frames[-1].kind == "too_large":
-        # Stop before an oversized prefix: the next test covers it with
-        # nothing buffered, the BufferError xfail with something buffered.
+        # Stop before an oversized prefix: the next tests cover it, with
+        # nothing buffered and with something buffered.
         frames.pop()
-    assume(all(f.kind != "abort" for f in frames))
     expected = [f.msg if f.kind == "msg" else "bad" for f in frames]
     whole_bytes = _whole_frames(stream, len(frames))
     out, buffered = _parse(_cuts(data, whole_bytes + pending))
@@ -601,10 +595,9 @@ def test_real_worker_survives_or_exits_on_garbage_never_hangs(tmp_path: Any) -> 
         if tail:
             stream += tail
             frames, _ = reference_frames(stream, _to_worker_decoder, WORKER_MAX_FRAME)
-        # Shutdown, an oversized prefix, a frame the parser cannot survive
-        # (the xfail tests) or our hang-up: the worker may exit.
+        # Shutdown, an oversized prefix or our hang-up: the worker may exit.
         may_exit = hang_up or any(
-            f.kind in ("too_large", "abort") or isinstance(f.msg, m.Shutdown) for f in frames
+            f.kind == "too_large" or isinstance(f.msg, m.Shutdown) for f in frames
         )
         nonce = data.draw(st.integers(1000, 2**31))
         with worker_child(workspace) as w:
