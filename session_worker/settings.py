@@ -86,6 +86,10 @@ class AgentSettings(ConfigSection):
     # Handler run by new sessions: "agent", "echo" or "package.module:factory".
     # "agent" falls back to "echo" when no provider is configured.
     handler: str = "agent"
+    # Handlers a client may name at create (besides `handler` above):
+    # "agent", "echo", "package.module:factory", or "package.module:*" for
+    # every factory of one module.  Nothing else is imported for a client.
+    allowed_handlers: list[str] = msgspec.field(default_factory=lambda: ["agent", "echo"])
     system_prompt: str = "You are a helpful assistant working inside a sandboxed workspace."
     max_turns: PositiveInt = 25
     max_tool_calls_per_turn: PositiveInt = 16
@@ -106,6 +110,8 @@ class ProviderSettings(ConfigSection):
     model: str | None = None
     # Name of the environment variable that holds the API key (never the key itself).
     api_key_env: str | None = None
+    # Models a session may pick with --set provider.model (besides `model`).
+    allowed_models: list[str] = msgspec.field(default_factory=list)
     connect_timeout_secs: PositiveFloat = 10.0
     read_timeout_secs: PositiveFloat = 120.0
     max_retries: NonNegInt = 3

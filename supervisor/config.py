@@ -52,6 +52,21 @@ class DaemonSettings(ConfigSection):
     max_frame_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 16 * 1024 * 1024
     allowed_uids: list[int] = msgspec.field(default_factory=list)
     allowed_gids: list[int] = msgspec.field(default_factory=list)
+    # Users who may see and act on every session (root always may).  Being
+    # the daemon's own uid does not make a client admin: under the unit,
+    # that is also the uid a session's tools run as.
+    admin_uids: list[int] = msgspec.field(default_factory=list)
+    # As root without worker_user, tools would run as root: the daemon
+    # refuses to start unless this says that is really meant.
+    allow_root_tools: bool = False
+    # Sessions (sub-agents included) and connections one non-admin uid may hold.
+    max_sessions_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 128
+    max_connections_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 64
+    # Bytes queued for one client that is not reading; past it the client is
+    # told it lagged and is cut off.  One frame always fits.
+    client_buffer_bytes: Annotated[int, Meta(ge=65536, le=1 << 32)] = 8 * 1024 * 1024
+    # A frame that has begun to arrive must be whole within this.
+    frame_timeout_secs: Annotated[float, Meta(gt=0, le=3600)] = 30.0
     # On SIGTERM: how long running turns may go on before workers are stopped.
     shutdown_grace_secs: Annotated[float, Meta(ge=0, le=3600)] = 10.0
     # A worker asked to stop gets this long before its process group is killed.
@@ -66,6 +81,9 @@ class DaemonSettings(ConfigSection):
     # daemon hold megabytes per session).
     event_retention: Annotated[int, Meta(ge=16, le=1_000_000)] = 4096
     event_retention_bytes: Annotated[int, Meta(ge=4096, le=1 << 30)] = 1024 * 1024
+    # All sessions' retained events together; past it each session keeps
+    # its share (at least its newest event).
+    event_retention_total_bytes: Annotated[int, Meta(ge=65536, le=1 << 40)] = 256 * 1024 * 1024
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
