@@ -31,9 +31,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import tomli_w
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
@@ -94,6 +97,16 @@ def kill_process_tree(pids: Sequence[int]) -> None:
 # ---------------------------------------------------------------- a throw-away daemon
 
 
+def _trusting(config: str) -> str:
+    """The benches' handlers allowed; as root, tools run as root (as in the
+    baselines the figures are compared with)."""
+    data = tomllib.loads(config)
+    data.setdefault("agent", {}).setdefault("allowed_handlers", ["agent", "echo", "bench.bench_handlers:*"])
+    if os.geteuid() == 0:
+        data.setdefault("daemon", {}).setdefault("allow_root_tools", True)
+    return tomli_w.dumps(data)
+
+
 class BenchDaemon:
     """A sessiond in a temp dir, in its own process group.
 
@@ -109,7 +122,7 @@ class BenchDaemon:
         self.socket = self.dir / "s.sock"
         self.state_dir = self.dir / "state"
         self.config_path = self.dir / "config.toml"
-        self.config_path.write_text(config)
+        self.config_path.write_text(_trusting(config))
         self.log_path = self.dir / "daemon.log"
         self.launcher = launcher
         self.launcher_args = list(launcher_args)

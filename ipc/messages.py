@@ -37,7 +37,7 @@ __all__ = [
     "PermissionRequest", "Gap", "Lagged", "Event", "Reply", "EVENT_TYPES",
     # daemon <-> worker
     "Boot", "Input", "InterruptTurn", "WorkerPing", "Shutdown", "PermissionAnswer",
-    "SpawnResult", "MemoryHigh", "ToWorker",
+    "SpawnResult", "MemoryHigh", "Reconfigure", "ToWorker",
     "Ready", "BootFailed", "Delta", "WorkerNotice", "WorkerLimit", "Done", "Failed",
     "Heartbeat", "WorkerPong", "AskPermission", "SpawnAgent", "FromWorker",
     # daemon <-> zygote
@@ -389,9 +389,15 @@ class MemoryHigh(_Msg, tag="memory_high"):
     limit_bytes: int
 
 
+class Reconfigure(_Msg, tag="reconfigure"):
+    """The config was reloaded: the session's new effective settings."""
+
+    settings: bytes  # msgpack of session_worker.settings.SessionSettings
+
+
 ToWorker = (
     Boot | Input | InterruptTurn | WorkerPing | Shutdown | PermissionAnswer | SpawnResult
-    | MemoryHigh
+    | MemoryHigh | Reconfigure
 )
 
 

@@ -159,8 +159,23 @@ class Worker:
                 import gc
 
                 gc.collect()
+            case m.Reconfigure(settings=raw):
+                self.reconfigure(_settings_decoder.decode(raw))
             case m.Boot():
                 log.warning("ignoring a second Boot")
+
+    def reconfigure(self, settings: SessionSettings) -> None:
+        """The operator reloaded the config: new rules and limits from the
+        next tool call (handlers that implement `reconfigure`) and the next
+        heartbeat on."""
+        self.settings = settings
+        if self.handler is not None:
+            hook = getattr(self.handler, "reconfigure", None)
+            if callable(hook):
+                try:
+                    hook(settings)
+                except Exception:
+                    log.exception("session %s: the handler could not take the new settings", self.session)
 
     async def run_turn(self, turn: int, text: str) -> None:
         assert self.handler is not None
@@ -193,10 +208,9 @@ class Worker:
         )
 
     async def heartbeat(self) -> None:
-        interval = self.settings.agent.worker.heartbeat_interval_secs
         while True:
             self.send(m.Heartbeat())
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.settings.agent.worker.heartbeat_interval_secs)
 
     def request_stop(self) -> None:
         if not self.stopping.done():

@@ -6,8 +6,8 @@ key.  Every error names the dotted key and the file.  `sessiond config
 default` prints the embedded defaults with tomli-w.
 
 Per-session overrides (`sessionctl create --set agent.limits.max_memory_mb=64`)
-go through the same validation, plus one rule: a limit can only be tightened,
-never raised above the operator's value.
+are not configuration but a client's request: `supervisor.overrides` says
+which leaf keys a session may set and within which bounds.
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ __all__ = [
     "Config",
     "ConfigError",
     "DaemonSettings",
-    "apply_overrides",
     "default_config_path",
     "default_socket_path",
     "default_state_dir",
     "default_toml",
     "load_config",
+    "parse_override",
+    "uid_range",
+    "workspace_root",
 ]
 
 
@@ -56,8 +58,14 @@ class DaemonSettings(ConfigSection):
     # the daemon's own uid does not make a client admin: under the unit,
     # that is also the uid a session's tools run as.
     admin_uids: list[int] = msgspec.field(default_factory=list)
-    # As root without worker_user, tools would run as root: the daemon
-    # refuses to start unless this says that is really meant.
+    # As root without worker_user, each session runs as its own uid from
+    # this range ("FIRST-LAST"; no passwd entry needed), so sessions are kept
+    # apart by file modes and per-user kernel limits.  The default block
+    # lies past systemd's container ranges, where nothing else allocates.
+    session_uid_range: str = "1879048192-1879113727"
+    # Run workers and tools as root (as root without worker_user): only if
+    # this says so.  Without it and with session_uid_range = "", the daemon
+    # refuses to start.
     allow_root_tools: bool = False
     # Sessions (sub-agents included) and connections one non-admin uid may hold.
     max_sessions_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 128
@@ -135,12 +143,44 @@ def _validate_mode(cfg: Config, source: str) -> None:
         )
 
 
+def uid_range(text: str) -> range | None:
+    """`[daemon] session_uid_range` ("FIRST-LAST") as a range; None when empty."""
+    if not text.strip():
+        return None
+    first, sep, last = text.partition("-")
+    try:
+        lo, hi = int(first), int(last)
+    except ValueError:
+        raise ValueError(f'expected "FIRST-LAST" uids, got {text!r}') from None
+    if not sep or not 1000 <= lo <= hi < 2**31 - 1 or 65534 in range(lo, hi + 1):
+        raise ValueError(
+            f"expected FIRST-LAST with 1000 <= FIRST <= LAST < 2^31-1, not containing 65534 (nobody); got {text!r}"
+        )
+    return range(lo, hi + 1)
+
+
+def _validate_handlers(cfg: Config, source: str) -> None:
+    for name in cfg.agent.allowed_handlers:
+        module, sep, attr = name.partition(":")
+        if name in ("agent", "echo") or (sep and module and (attr == "*" or attr.isidentifier())):
+            continue
+        raise ConfigError(
+            f"{source}: invalid value for 'agent.allowed_handlers': {name!r} "
+            "(use \"agent\", \"echo\", \"package.module:factory\" or \"package.module:*\")"
+        )
+
+
 def parse_config(data: dict[str, Any], source: str) -> Config:
     try:
         cfg = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(_describe(exc, source)) from None
     _validate_mode(cfg, source)
+    _validate_handlers(cfg, source)
+    try:
+        uid_range(cfg.daemon.session_uid_range)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: invalid value for 'daemon.session_uid_range': {exc}") from None
     return cfg
 
 
@@ -170,95 +210,6 @@ def _drop_none(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _drop_none(v) for k, v in obj.items() if v is not None}
     return obj
-
-
-# Keys that are limits: an override may lower them, never raise them.
-_CEILINGS = (
-    "agent.max_turns",
-    "agent.max_tool_calls_per_turn",
-    "agent.session_timeout_secs",
-    "agent.turn_timeout_secs",
-    "agent.limits.max_memory_mb",
-    "agent.limits.memory_high_mb",
-    "agent.limits.max_concurrent_sessions",
-    "agent.limits.max_processes",
-    "agent.limits.max_file_size_mb",
-    "agent.worker.max_restart_attempts",
-    "agent.subagents.max_concurrent",
-    "agent.subagents.max_depth",
-    "agent.subagents.max_total_spawns",
-    "agent.subagents.child_timeout_secs",
-    "tools.bash_timeout_secs",
-    "tools.output_limit_bytes",
-)
-# Keys a session may not set at all: they decide where the API key is sent
-# and which environment variable is read.
-_OPERATOR_ONLY = (
-    "provider.base_url", "provider.api_key_env", "tools.workspace_dir", "tools.custom",
-    "agent.subagents.allowed_handlers",
-)
-_OVERRIDABLE_ROOTS = ("agent", "provider", "tools", "permissions")
-
-
-def _get(tree: dict[str, Any], key: str) -> Any:
-    node: Any = tree
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
-def apply_overrides(
-    base: SessionSettings, overrides: dict[str, Any], *, privileged: bool = False
-) -> SessionSettings:
-    """Return `base` with dotted-key overrides applied and validated."""
-    if not overrides:
-        return base
-    tree = msgspec.to_builtins(base)
-    base_tree = msgspec.to_builtins(base)
-    for key, value in overrides.items():
-        parts = key.split(".")
-        if parts[0] not in _OVERRIDABLE_ROOTS or not all(parts):
-            raise ConfigError(
-                f"--set {key}: only keys under agent., provider., tools. or permissions can be set per session"
-            )
-        if key in _OPERATOR_ONLY and not privileged:
-            raise ConfigError(f"--set {key}: only the operator's config.toml may set this key")
-        node = tree
-        for part in parts[:-1]:
-            child = node.get(part)
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {key}: unknown key '{key}'")
-            node = child
-        if parts[-1] not in node and not (
-            parts[-1] in _optional_fields(parts[:-1])
-        ):
-            raise ConfigError(f"--set {key}: unknown key '{key}'")
-        node[parts[-1]] = value
-    try:
-        settings = msgspec.convert(tree, SessionSettings)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(_describe(exc, "--set")) from None
-    new_tree = msgspec.to_builtins(settings)
-    for key in _CEILINGS:
-        old, new = _get(base_tree, key), _get(new_tree, key)
-        if isinstance(old, (int, float)) and isinstance(new, (int, float)) and new > old:
-            raise ConfigError(f"--set {key}={new}: above the operator's limit of {old}")
-        if old is not None and new is None:
-            raise ConfigError(f"--set {key}: cannot lift the operator's limit of {old}")
-    return settings
-
-
-def _optional_fields(path: list[str]) -> set[str]:
-    """Field names of the section at `path` (to_builtins drops unset optionals)."""
-    typ: Any = SessionSettings
-    for part in path:
-        fields = {f.name: f.type for f in msgspec.structs.fields(typ)}
-        typ = fields.get(part)
-        if typ is None or not isinstance(typ, type) or not issubclass(typ, msgspec.Struct):
-            return set()
-    return {f.name for f in msgspec.structs.fields(typ)}
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -309,6 +260,13 @@ def daemon_socket_path(cfg: Config) -> Path:
     if runtime:
         return Path(runtime.split(":")[0]) / "sessiond.sock"
     return default_socket_path()
+
+
+def workspace_root(cfg: Config, state_dir: Path) -> Path:
+    """Where sessions' workspaces live: [tools] workspace_dir, else
+    <state_dir>/workspaces."""
+    base = cfg.tools.workspace_dir
+    return Path(base) if base else state_dir / "workspaces"
 
 
 def default_state_dir(cfg: Config) -> Path:

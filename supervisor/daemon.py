@@ -29,6 +29,7 @@ import stat
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 from ipc.loop import run as run_loop
 from supervisor import __version__, sdnotify
@@ -38,6 +39,8 @@ from supervisor.config import (
     daemon_socket_path,
     default_state_dir,
     load_config,
+    uid_range,
+    workspace_root,
 )
 from supervisor.manager import SessionManager
 from supervisor.server import ControlServer
@@ -102,13 +105,65 @@ def prepare_socket_path(path: Path) -> None:
         raise StartupError(f"socket path {path} is too long for a Unix socket (max 107 bytes)")
 
 
+class Identities(NamedTuple):
+    """Who workers run as: `run_as` for all of them ([daemon] worker_user),
+    else a uid per session from `session_uids`, else as the daemon."""
+
+    run_as: tuple[int, int] | None
+    session_uids: range | None
+
+
+def resolve_identities(cfg: Config) -> Identities:
+    """As root, tools never run as root unless the operator says so
+    (allow_root_tools), as sshd's and postfix's privilege separation refuse."""
+    if cfg.daemon.worker_user:
+        return Identities(resolve_worker_user(cfg), None)
+    if os.geteuid() != 0:
+        return Identities(None, None)
+    if cfg.daemon.allow_root_tools:
+        log.warning("workers and their tools run as root ([daemon] allow_root_tools = true)")
+        return Identities(None, None)
+    uids = uid_range(cfg.daemon.session_uid_range)
+    if uids is None:
+        raise StartupError(
+            "running as root with no [daemon] worker_user and an empty [daemon] session_uid_range: "
+            "every session's tools would run as root; set worker_user, or a session_uid_range "
+            "(a uid per session), or allow_root_tools = true if tools running as root is really meant"
+        )
+    log.info("each session runs as its own uid from %d-%d ([daemon] session_uid_range)",
+             uids.start, uids.stop - 1)
+    return Identities(None, uids)
+
+
+def check_workspaces_reachable(root: Path, identities: Identities) -> None:
+    """Workers that run as another uid must be able to reach their
+    workspace: every directory above it must let that uid search it."""
+    if identities.run_as is not None:
+        uid, gid = identities.run_as
+    elif identities.session_uids is not None:
+        uid = gid = identities.session_uids.start  # a stranger to every directory
+    else:
+        return
+    path = root.resolve()
+    for directory in [*reversed(path.parents)]:
+        try:
+            st = directory.stat()
+        except OSError:
+            continue
+        bit = stat.S_IXUSR if st.st_uid == uid else stat.S_IXGRP if st.st_gid == gid else stat.S_IXOTH
+        if not st.st_mode & bit:
+            who = f"uid {uid}" if identities.run_as else "the sessions' uids ([daemon] session_uid_range)"
+            raise StartupError(
+                f"workspaces under {root} cannot be reached by {who}: {directory} is mode "
+                f"{stat.S_IMODE(st.st_mode):04o} owned by uid {st.st_uid}; let others search it "
+                f"(chmod o+x {directory}), or put the state dir or [tools] workspace_dir elsewhere"
+            )
+
+
 def resolve_worker_user(cfg: Config) -> tuple[int, int] | None:
     """[daemon] worker_user as (uid, gid), or None to run workers as we run."""
     name = cfg.daemon.worker_user
     if not name:
-        if os.geteuid() == 0:
-            log.warning("running as root and [daemon] worker_user is not set: workers and their "
-                        "tools run as root too")
         return None
     try:
         entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
@@ -178,7 +233,10 @@ def run_daemon(
     state_dir = state_dir or default_state_dir(cfg)
     socket_path = socket_path or daemon_socket_path(cfg)
     check_state_dir(state_dir)
-    run_as = resolve_worker_user(cfg)
+    identities = resolve_identities(cfg)
+    if identities.run_as is not None or identities.session_uids is not None:
+        os.chmod(state_dir, 0o711)  # workers pass through to their workspace; never list it
+    check_workspaces_reachable(workspace_root(cfg, state_dir), identities)
     if cfg.daemon.socket_group:
         _resolve_group(cfg.daemon.socket_group)
     inherited = _inherited_socket()
@@ -194,7 +252,7 @@ def run_daemon(
             sock = bind_socket(socket_path, int(cfg.daemon.socket_mode, 8), cfg.daemon.socket_group)
             bound = True
         try:
-            return run_loop(_serve(cfg, config_path, state_dir, socket_path, sock, spawner, run_as))
+            return run_loop(_serve(cfg, config_path, state_dir, socket_path, sock, spawner, identities))
         finally:
             if bound:
                 with contextlib.suppress(FileNotFoundError):
@@ -210,12 +268,14 @@ async def _serve(
     socket_path: Path,
     sock: socket.socket,
     spawner: ZygoteSpawner,
-    run_as: tuple[int, int] | None,
+    identities: Identities,
 ) -> int:
     loop = asyncio.get_running_loop()
     spawner.attach(loop)
     spawner.keep_spares(cfg.daemon.spare_workers)
-    manager = SessionManager(cfg, state_dir, spawner, run_as=run_as)
+    manager = SessionManager(
+        cfg, state_dir, spawner, run_as=identities.run_as, session_uids=identities.session_uids
+    )
     manager.load_all()
     server = ControlServer(manager)
     await server.start(sock)

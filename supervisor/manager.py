@@ -22,10 +22,13 @@ import collections
 import contextlib
 import logging
 import os
+import pwd
 import re
 import secrets
+import shutil
 import signal
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -39,7 +42,7 @@ from ipc.errors import ProtocolError
 from ipc.framing import FrameEncoder
 from session_worker.main import EXIT_BOOT_FAILED
 from session_worker.settings import SessionSettings
-from supervisor.config import Config, ConfigError, apply_overrides
+from supervisor.config import Config, workspace_root
 from supervisor.errors import (
     BadRequest,
     Capacity,
@@ -51,6 +54,7 @@ from supervisor.errors import (
     SessiondError,
 )
 from supervisor.limits import MIB, ProcTable, SessionMemory, memory_verdict
+from supervisor.overrides import OverrideError, resolve_overrides
 from supervisor.states import LIVE, RestartPolicy, State, Trigger, transition
 from supervisor.store import (
     Abort,
@@ -170,8 +174,8 @@ class SessionManager:
         state_dir: Path,
         spawner: ZygoteSpawner,
         *,
-        admin_uid: int | None = None,
         run_as: tuple[int, int] | None = None,
+        session_uids: range | None = None,
     ) -> None:
         self.config = config
         self.state_dir = state_dir
@@ -186,8 +190,11 @@ class SessionManager:
         self._closing = False
         self.proc_table = ProcTable()
         self._hibernating: set[str] = set()
-        self.admin_uid = os.getuid() if admin_uid is None else admin_uid
+        # Who workers run as: one user for all ([daemon] worker_user), or a
+        # uid per session from this range (root, no worker_user), or as we do.
         self.run_as = run_as
+        self.session_uids = session_uids if run_as is None else None
+        self._retained_bytes = 0  # all sessions' rings together
         spawner.on_exit = self._on_exit
         spawner.on_zygote_lost = self._on_zygote_lost
 
@@ -196,7 +203,7 @@ class SessionManager:
     def load_all(self) -> None:
         """Restore every session on disk; live ones come back hibernated."""
         self.sessions_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if self.run_as is not None:
+        if self.run_as is not None or self.session_uids is not None:
             # Workers running as another user must reach their workspace:
             # traverse (not list) the state dir; sessions/ stays private.
             self.workspaces_dir.mkdir(parents=True, exist_ok=True)
@@ -217,14 +224,11 @@ class SessionManager:
                 log.error("cannot restore session %s: %s (left on disk untouched)", path.name, exc)
         if self.sessions:
             log.info("restored %d session(s) from %s", len(self.sessions), self.sessions_dir)
+        self._remove_orphaned_workspaces()
 
     def _restore(self, store: SessionStore, loaded: LoadedSession) -> None:
         meta = loaded.meta
-        try:
-            settings = apply_overrides(self.config.session_settings(), meta.overrides, privileged=True)
-        except ConfigError as exc:
-            log.warning("session %s: its overrides no longer apply (%s); using the config", meta.id, exc)
-            settings = self.config.session_settings()
+        settings = self._settings_for(meta.id, meta.overrides)
         mark = loaded.mark
         state = {"stopped": State.STOPPED, "failed": State.FAILED}.get(mark.state, State.HIBERNATED)
         session = Session(
@@ -249,14 +253,38 @@ class SessionManager:
         frame = self._encoder.encode(event)
         ring = session.ring
         if len(ring) == ring.maxlen:
-            session.ring_bytes -= len(ring[0][1])
+            self._drop_oldest(session)
         ring.append((event.seq, frame))
         session.ring_bytes += len(frame)
+        self._retained_bytes += len(frame)
         limit = self.config.daemon.event_retention_bytes
+        if self._retained_bytes > self.config.daemon.event_retention_total_bytes:
+            limit = min(limit, self._fair_share())
         while session.ring_bytes > limit and len(ring) > 1:
-            session.ring_bytes -= len(ring.popleft()[1])
+            self._drop_oldest(session)
         for sub in list(session.subscribers):
             sub.deliver(frame)
+
+    def _drop_oldest(self, session: Session) -> None:
+        size = len(session.ring.popleft()[1])
+        session.ring_bytes -= size
+        self._retained_bytes -= size
+
+    def _fair_share(self) -> int:
+        return self.config.daemon.event_retention_total_bytes // max(len(self.sessions), 1)
+
+    def _trim_rings(self) -> None:
+        """Over event_retention_total_bytes (sessions that emitted before
+        others grew): every ring down to its share, newest event kept."""
+        share = self._fair_share()
+        for session in self.sessions.values():
+            while session.ring_bytes > share and len(session.ring) > 1:
+                self._drop_oldest(session)
+
+    def _forget_ring(self, session: Session) -> None:
+        self._retained_bytes -= session.ring_bytes
+        session.ring.clear()
+        session.ring_bytes = 0
 
     def _next_seq(self, session: Session) -> int:
         session.seq += 1
@@ -302,18 +330,64 @@ class SessionManager:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(fut, remaining)
 
+    def _settings_for(self, session_id: str, overrides: dict[str, Any]) -> SessionSettings:
+        """A stored session's settings under the current config: overrides
+        that no longer fit are pulled back inside the operator's bounds."""
+        resolved = resolve_overrides(self.config.session_settings(), overrides, strict=False)
+        for line in resolved.adjusted:
+            log.warning("session %s: %s", session_id, line)
+        return resolved.settings
+
+    def _check_quota(self, uid: int) -> None:
+        if self.is_admin(uid):
+            return
+        limit = self.config.daemon.max_sessions_per_uid
+        held = sum(1 for s in self.sessions.values() if s.meta.owner_uid == uid)
+        if held >= limit:
+            raise Capacity(
+                f"uid {uid} already has {held} sessions (max_sessions_per_uid = {limit}); "
+                "remove some with `sessionctl rm`"
+            )
+
+    def _allocate_uid(self) -> int | None:
+        """A uid of session_uid_range that no session holds and no user owns.
+        Picked at random, so that a uid just freed is unlikely to be handed
+        out again soon (what its last session left in /tmp stays its own)."""
+        if self.session_uids is None:
+            return None
+        taken = {s.meta.run_uid for s in self.sessions.values()}
+        span = self.session_uids
+        for _ in range(64):
+            uid = span[secrets.randbelow(len(span))]
+            if uid not in taken and _no_such_user(uid):
+                return uid
+        free = [u for u in span if u not in taken and _no_such_user(u)]
+        if not free:
+            raise Capacity(f"every uid of [daemon] session_uid_range ({span.start}-{span.stop - 1}) is in use")
+        return free[secrets.randbelow(len(free))]
+
+    def _run_as(self, session: Session) -> tuple[int, int] | None:
+        if self.run_as is not None:
+            return self.run_as
+        uid = session.meta.run_uid
+        return (uid, uid) if uid is not None else None
+
     # ================================================================ lookups
 
     def is_admin(self, uid: int) -> bool:
-        return uid == 0 or uid == self.admin_uid
+        """Root and [daemon] admin_uids.  Not the daemon's own uid: under the
+        unit that is also the uid a session's tools run as."""
+        return uid == 0 or uid in self.config.daemon.admin_uids
 
     def get(self, session_id: str, uid: int | None = None) -> Session:
-        """The session, if `uid` (None = the daemon itself) may touch it."""
+        """The session, if `uid` (None = the daemon itself) may touch it.
+        Another user's session is answered exactly as a missing one, so
+        that ids cannot be probed."""
         session = self.sessions.get(session_id)
-        if session is None:
+        if session is None or (
+            uid is not None and session.meta.owner_uid != uid and not self.is_admin(uid)
+        ):
             raise NotFound(f"no session {session_id!r}")
-        if uid is not None and not self.is_admin(uid) and session.meta.owner_uid != uid:
-            raise PermissionDenied(f"session {session_id!r} belongs to another user")
         return session
 
     def visible(self, uid: int) -> list[Session]:
@@ -362,18 +436,22 @@ class SessionManager:
             )
         if session_id in self.sessions:
             raise Conflict(f"session {session_id!r} already exists")
-        privileged = self.is_admin(owner_uid)
-        try:
-            settings = apply_overrides(self.config.session_settings(), overrides, privileged=privileged)
-        except ConfigError as exc:
-            raise BadRequest(str(exc)) from None
-        handler = handler or settings.agent.handler
+        self._check_quota(owner_uid)
+        if parent is not None:
+            # The parent's own overrides, accepted when it was created, held
+            # to today's ceilings.
+            settings = self._settings_for(session_id, overrides)
+        else:
+            try:
+                settings = resolve_overrides(self.config.session_settings(), overrides).settings
+            except OverrideError as exc:
+                raise BadRequest(str(exc)) from None
+        if handler is None:
+            handler = settings.agent.handler
+        elif parent is None:
+            _check_handler(handler, settings)
         if handler == "agent" and not settings.provider.configured:
             handler = "echo"
-        if not _valid_handler_name(handler):
-            raise BadRequest(
-                f"invalid handler {handler!r}: use 'agent', 'echo' or 'package.module:factory'"
-            )
         # Order the worker first: the zygote forks (or hands over a spare)
         # while this process fsyncs the new session to disk.
         pending = self.spawner.request() if self._has_room() else None
@@ -381,6 +459,10 @@ class SessionManager:
             id=session_id, handler=handler, overrides=overrides, created_at=time.time(),
             owner_uid=owner_uid, parent=parent.id if parent else None,
             depth=parent.meta.depth + 1 if parent else 0,
+            # Never the same directory twice: a later session that reuses
+            # this id, whoever creates it, starts with an empty workspace.
+            workspace=f"{session_id}@{secrets.token_hex(8)}",
+            run_uid=self._allocate_uid(),
         )
         try:
             # Durable below, while the worker boots: the create is answered
@@ -436,14 +518,64 @@ class SessionManager:
         if session.worker is not None:
             self.spawner.signal(session.worker.pid, signal.SIGKILL)
         self.sessions.pop(session.id, None)
+        parent = self.sessions.get(session.meta.parent or "")
+        if parent is not None and session.id in parent.children:
+            parent.children.remove(session.id)
         session.store.remove()
+        self._forget_ring(session)
+        with contextlib.suppress(OSError):
+            self._remove_workspace(session)
 
     # ================================================================ workers
 
+    def _workspace_root(self) -> Path:
+        return workspace_root(self.config, self.state_dir)
+
     def _workspace(self, session: Session) -> Path:
-        base = session.settings.tools.workspace_dir
-        root = Path(base) if base else self.workspaces_dir
-        return root / session.id
+        return self._workspace_root() / (session.meta.workspace or session.id)
+
+    def _prepare_workspace(self, session: Session) -> Path:
+        """Create the session's workspace (0700, owned by whoever its worker
+        runs as).  Only a directory the daemon itself named and created is
+        chowned: never one that was already there, never through a link."""
+        workspace = self._workspace(session)
+        run_as = self._run_as(session)
+        try:
+            workspace.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.mkdir(workspace, 0o700)
+            except FileExistsError:
+                st = os.lstat(workspace)
+                if not stat.S_ISDIR(st.st_mode):
+                    raise OSError(f"{workspace} exists and is not a directory") from None
+                if run_as is not None and st.st_uid != run_as[0]:
+                    raise OSError(
+                        f"{workspace} belongs to uid {st.st_uid}, not to the session's uid {run_as[0]}"
+                    ) from None
+            else:
+                if run_as is not None:
+                    os.lchown(workspace, *run_as)
+        except OSError as exc:
+            log.warning("session %s: cannot prepare workspace %s: %s", session.id, workspace, exc)
+        return workspace
+
+    def _remove_workspace(self, session: Session) -> None:
+        """Runs in a thread: a workspace can be large."""
+        _rmtree(self._workspace(session))
+
+    def _remove_orphaned_workspaces(self) -> None:
+        """Workspaces ("ID@TOKEN") whose session is gone: the daemon died
+        between removing a session and removing its workspace."""
+        root = self._workspace_root()
+        wanted = {s.meta.workspace for s in self.sessions.values()}
+        try:
+            entries = list(os.scandir(root))
+        except OSError:
+            return
+        for entry in entries:
+            if "@" in entry.name and entry.name not in wanted and entry.is_dir(follow_symlinks=False):
+                log.info("removing the workspace of a deleted session: %s", entry.path)
+                _rmtree(Path(entry.path))
 
     async def _start_worker(
         self,
@@ -484,21 +616,16 @@ class SessionManager:
         session.memory = SessionMemory()
         self._by_pid[pid] = session
         await loop.create_unix_connection(lambda: proto, sock=sock)
-        workspace = self._workspace(session)
-        try:
-            workspace.mkdir(parents=True, exist_ok=True, mode=0o700)
-            if self.run_as is not None:
-                os.chown(workspace, *self.run_as)
-        except OSError as exc:
-            log.warning("session %s: cannot prepare workspace %s: %s", session.id, workspace, exc)
+        workspace = self._prepare_workspace(session)
+        run_as = self._run_as(session)
         proto.send(
             m.Boot(
                 session=session.id, handler=session.meta.handler,
                 settings=_settings_encoder.encode(session.settings),
                 workspace=str(workspace), depth=session.meta.depth,
                 turns=session.turns, snapshot=snapshot, records=records,
-                run_as_uid=self.run_as[0] if self.run_as else None,
-                run_as_gid=self.run_as[1] if self.run_as else None,
+                run_as_uid=run_as[0] if run_as else None,
+                run_as_gid=run_as[1] if run_as else None,
             )
         )
         if during_boot is not None:
@@ -1023,6 +1150,12 @@ class SessionManager:
                 parent.children.remove(session.id)
             session.store.remove()
             session.subscribers.clear()
+            self._forget_ring(session)
+            try:
+                await asyncio.to_thread(self._remove_workspace, session)
+            except OSError as exc:
+                log.error("session %s: its workspace %s could not be removed: %s",
+                          session.id, self._workspace(session), exc)
             log.info("session %s deleted", session.id)
 
     def ping(self, session: Session, answer: Callable[[SessiondError | None], None]) -> int:
@@ -1067,6 +1200,15 @@ class SessionManager:
         if parent.worker is worker:
             worker.conn.send(result)
 
+    def _child_id(self, parent: Session) -> str:
+        """PARENT.XXXXXX, the parent's id cut from the right so that the
+        child's id stays a valid one (starts like its parent's, <= 64)."""
+        for _ in range(16):
+            child_id = f"{parent.id[:57]}.{secrets.token_hex(3)}"
+            if child_id not in self.sessions:
+                return child_id
+        raise Conflict(f"no free id for a sub-agent of {parent.id}")
+
     async def _subagent_reply(self, parent: Session, msg: m.SpawnAgent) -> str:
         limits = parent.settings.agent.subagents
         depth = parent.meta.depth + 1
@@ -1090,14 +1232,17 @@ class SessionManager:
             )
         root.spawned += 1
         child = await self.create(
-            parent.meta.owner_uid, f"{parent.id}.{secrets.token_hex(3)}"[-64:], handler,
+            parent.meta.owner_uid, self._child_id(parent), handler,
             dict(parent.meta.overrides), parent=parent,
         )
-        loop = asyncio.get_running_loop()
-        accepted = await self.send(child, msg.task, None)
-        fut: asyncio.Future[tuple[bool, str]] = loop.create_future()
-        # No await since send() returned: the turn cannot have ended yet.
-        child.turn_results[accepted.turn] = fut
+        fut: asyncio.Future[tuple[bool, str]] = asyncio.get_running_loop().create_future()
+
+        def register(accepted: m.Accepted) -> None:
+            # Called as the input becomes durable, which always precedes the
+            # turn's end (a quick child may be done before send() returns).
+            child.turn_results[accepted.turn] = fut
+
+        await self.send(child, msg.task, None, register)
         try:
             ok, text = await asyncio.wait_for(asyncio.shield(fut), limits.child_timeout_secs)
         except asyncio.TimeoutError:
@@ -1171,6 +1316,8 @@ class SessionManager:
                 self._hibernating.add(session.id)
                 self._spawn_task(self._hibernate(session, f"idle for more than {idle_limit:g}s"))
         self.proc_table.keep_only(seen)
+        if self._retained_bytes > self.config.daemon.event_retention_total_bytes:
+            self._trim_rings()
 
     def _emit_limit(self, session: Session, kind: str, value: float, limit: float) -> None:
         self._emit(
@@ -1250,20 +1397,43 @@ class SessionManager:
             await self._hibernate(victim, "hibernated to make room (max_concurrent_sessions)")
 
     def reload(self, config: Config) -> None:
-        """New config: sessions take its limits from now on (their own
-        overrides still apply, clamped to the new limits where they no
-        longer fit)."""
+        """New config (SIGHUP): every session, live ones included, runs
+        under it from now on, its own overrides pulled back inside the new
+        bounds.  What the daemon enforces (memory caps, heartbeats, turn
+        timeouts) applies at once; live workers get their new settings, so
+        permission rules and the loop's limits apply at the next tool call."""
         self.config = config
-        base = config.session_settings()
+        now = time.monotonic()
         for session in self.sessions.values():
-            try:
-                session.settings = apply_overrides(base, session.meta.overrides, privileged=True)
-            except ConfigError as exc:
-                log.warning("session %s: its overrides no longer fit (%s); using the config", session.id, exc)
-                session.settings = base
+            old = session.settings
+            session.settings = self._settings_for(session.id, session.meta.overrides)
             session.policy = None
+            for _, frame in session.ring:
+                self._retained_bytes -= len(frame)
             session.ring = collections.deque(session.ring, maxlen=config.daemon.event_retention)
             session.ring_bytes = sum(len(frame) for _, frame in session.ring)
+            self._retained_bytes += session.ring_bytes
+            worker = session.worker
+            if worker is None or worker.exited.done():
+                continue
+            # The worker may be asleep for one old interval before it beats
+            # at the new pace: do not count that against it.
+            worker.last_heartbeat = max(
+                worker.last_heartbeat, now + old.agent.worker.heartbeat_interval_secs
+            )
+            worker.conn.send(m.Reconfigure(settings=_settings_encoder.encode(session.settings)))
+            self._retime_turn(session)
+
+    def _retime_turn(self, session: Session) -> None:
+        """A running turn under a changed turn_timeout_secs: its deadline is
+        counted from its start, and one already past fires now."""
+        if session.turn_timer is None or session.current_turn is None:
+            return
+        session.turn_timer.cancel()
+        left = session.settings.agent.turn_timeout_secs - (time.monotonic() - session.turn_started)
+        session.turn_timer = asyncio.get_running_loop().call_later(
+            max(left, 0.0), self._on_turn_timeout, session, session.current_turn
+        )
 
     # ================================================================ shutdown
 
@@ -1305,6 +1475,56 @@ def _valid_handler_name(name: str) -> bool:
     module, sep, attr = name.partition(":")
     ident = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
     return bool(sep) and all(ident.fullmatch(p) for p in module.split(".")) and ident.fullmatch(attr) is not None
+
+
+def _check_handler(name: str, settings: SessionSettings) -> None:
+    """A client's --handler: the operator's default, or one the operator
+    listed in [agent] allowed_handlers ("module:*" admits a module's
+    factories).  Anything else is refused before anything is imported."""
+    if not _valid_handler_name(name):
+        raise BadRequest(f"invalid handler {name!r}: use 'agent', 'echo' or 'package.module:factory'")
+    allowed = settings.agent.allowed_handlers
+    module = name.partition(":")[0]
+    if name == settings.agent.handler or name in allowed or f"{module}:*" in allowed:
+        return
+    raise BadRequest(
+        f"handler {name!r} is not allowed here; the operator allows "
+        f"{', '.join(allowed) or 'none'} ([agent] allowed_handlers in config.toml)"
+    )
+
+
+def _no_such_user(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return True
+    return False
+
+
+def _rmtree(path: Path) -> None:
+    """Remove a tree that a session's tools may have made hard to remove
+    (directories without write or search permission); never follows links."""
+
+    def onerror(func: Any, target: str, exc_info: Any) -> None:
+        exc = exc_info[1]
+        if isinstance(exc, FileNotFoundError):
+            return
+        if not isinstance(exc, PermissionError):
+            raise exc
+        for directory in (os.path.dirname(target), target):
+            if os.path.isdir(directory) and not os.path.islink(directory):
+                with contextlib.suppress(OSError):
+                    os.chmod(directory, 0o700)
+        if func in (os.rmdir, os.unlink, os.remove):
+            func(target)
+        else:  # it could not be opened or listed: now it can
+            shutil.rmtree(target, onerror=onerror)
+
+    if path.is_symlink() or not path.is_dir():
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return
+    shutil.rmtree(path, onerror=onerror)
 
 
 def _classify(worker: WorkerProc, code: int | None, sig: int | None) -> str:

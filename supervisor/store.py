@@ -62,6 +62,12 @@ class Meta(_Rec, tag="meta"):
     owner_uid: int = 0
     parent: str | None = None
     depth: int = 0
+    # Name of the session's directory under the workspace root ("ID@TOKEN");
+    # empty for sessions made before workspaces were named so (they use ID).
+    workspace: str = ""
+    # The uid its worker and tools run as, when the daemon gives each
+    # session its own; kept so that its files stay its own across restarts.
+    run_uid: int | None = None
 
 
 class InputRecord(_Rec, tag="input"):

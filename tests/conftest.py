@@ -21,8 +21,10 @@ shutdown_grace_secs = 5.0
 def make_daemon(tmp_path: Path) -> Iterator[callable]:
     made: list[Daemon] = []
 
-    def make(config: str = FAST_CONFIG, start: bool = True, root: Path | None = None) -> Daemon:
-        d = Daemon(root or tmp_path / f"d{len(made)}", config)
+    def make(
+        config: str = FAST_CONFIG, start: bool = True, root: Path | None = None, trust: bool = True
+    ) -> Daemon:
+        d = Daemon(root or tmp_path / f"d{len(made)}", config, trust=trust)
         made.append(d)
         if start:
             d.start()

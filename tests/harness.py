@@ -15,11 +15,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
+import tomli_w
 
 from supervisor.client import Client
 
@@ -50,8 +52,26 @@ def env_for_children() -> dict[str, str]:
     return env
 
 
+TEST_HANDLERS = ["agent", "echo", "fixture_handlers:*"]
+
+
+def trusting(config: str) -> str:
+    """`config` as the tests' operator would write it: the fixture handlers
+    allowed, and as root (unless the test says who workers run as) tools
+    run as root, since they import fixture code from a checkout that the
+    per-session uids cannot read.  Tests of those defaults pass trust=False."""
+    data = tomllib.loads(config)
+    data.setdefault("agent", {}).setdefault("allowed_handlers", TEST_HANDLERS)
+    daemon = data.setdefault("daemon", {})
+    if os.geteuid() == 0 and not {"worker_user", "session_uid_range"} & set(daemon):
+        daemon.setdefault("allow_root_tools", True)
+    return tomli_w.dumps(data)
+
+
 class Daemon:
-    def __init__(self, root: Path, config: str = "", extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self, root: Path, config: str = "", extra_args: list[str] | None = None, trust: bool = True
+    ) -> None:
         self.root = root
         # Unix socket paths are short (108 bytes): keep it out of pytest's long tmp path.
         self.sockdir = Path(tempfile.mkdtemp(prefix="sd-"))
@@ -59,7 +79,7 @@ class Daemon:
         self.state_dir = root / "state"
         self.config_path = root / "config.toml"
         root.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(config)
+        self.config_path.write_text(trusting(config) if trust else config)
         self.extra_args = extra_args or []
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = root / "sessiond.log"
@@ -105,6 +125,13 @@ class Daemon:
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
+
+    def workspace(self, session_id: str) -> Path:
+        """The session's workspace: workspaces/ID@TOKEN (a new TOKEN for
+        every session that reuses an id)."""
+        found = list((self.state_dir / "workspaces").glob(f"{session_id}@*"))
+        assert len(found) == 1, f"workspaces of {session_id}: {found}"
+        return found[0]
 
     def client(self) -> Client:
         return Client(self.socket)

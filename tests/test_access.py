@@ -111,14 +111,18 @@ def test_allowed_uid_sees_and_touches_only_its_sessions(make_daemon) -> None:
         mine = c.create(session="roots").id
     replies = as_user(NOBODY, str(d.socket), [
         m.Create(id=1, session="nobodys"), m.List(id=2), m.Status(id=3, session=mine),
-        m.Remove(id=4, session=mine),
+        m.Remove(id=4, session=mine), m.Status(id=5, session="never-made"),
     ])
-    welcome, created, listed, status, removed = replies
+    welcome, created, listed, status, removed, missing = replies
     assert isinstance(welcome, m.Welcome)
     assert isinstance(created, m.Created) and created.session.owner_uid == NOBODY
     assert isinstance(listed, m.SessionList) and [s.id for s in listed.sessions] == ["nobodys"]
-    assert isinstance(status, m.Error) and status.code == "permission_denied"
-    assert isinstance(removed, m.Error) and removed.code == "permission_denied"
+    # Another user's session is answered exactly as one that does not exist:
+    # no oracle for which ids are taken.
+    assert isinstance(status, m.Error) and status.code == "not_found"
+    assert isinstance(removed, m.Error) and removed.code == "not_found"
+    assert isinstance(missing, m.Error) and missing.code == "not_found"
+    assert status.message.replace(mine, "X") == missing.message.replace("never-made", "X")
     with d.client() as c:  # root sees everything
         assert {s.id for s in c.list()} == {"roots", "nobodys"}
 

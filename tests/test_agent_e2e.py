@@ -69,7 +69,7 @@ def test_write_then_read_then_answer(make_daemon, llm: FakeLLM) -> None:
     assert "forty-two" in tool_results(reqs[2].json)[-1]
     headers = {k.lower(): v for k, v in reqs[0].headers.items()}
     assert headers["authorization"] == "Bearer sk-test-secret-123"
-    assert (d.state_dir / "workspaces" / info.id / "notes" / "a.txt").read_text() == "forty-two"
+    assert (d.workspace(info.id) / "notes" / "a.txt").read_text() == "forty-two"
     # The key is nowhere in the session's state on disk.
     for path in (d.state_dir / "sessions" / info.id).iterdir():
         assert b"sk-test-secret-123" not in path.read_bytes()

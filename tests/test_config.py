@@ -13,7 +13,6 @@ from harness import env_for_children
 from supervisor.config import (
     Config,
     ConfigError,
-    apply_overrides,
     default_toml,
     load_config,
     parse_config,
@@ -68,37 +67,6 @@ def test_not_toml_and_missing_file(tmp_path: Path) -> None:
         load_config(path)
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path / "missing.toml")
-
-
-def test_overrides_tighten_but_never_raise_limits() -> None:
-    base = Config().session_settings()
-    s = apply_overrides(base, {"agent.limits.max_memory_mb": 64, "agent.max_turns": 3})
-    assert s.agent.limits.max_memory_mb == 64 and s.agent.max_turns == 3
-    with pytest.raises(ConfigError, match="above the operator's limit"):
-        apply_overrides(base, {"agent.limits.max_memory_mb": base.agent.limits.max_memory_mb + 1})
-    with pytest.raises(ConfigError, match="unknown key"):
-        apply_overrides(base, {"agent.limits.nope": 1})
-    with pytest.raises(ConfigError, match="only keys under"):
-        apply_overrides(base, {"daemon.state_dir": "/"})
-    with pytest.raises(ConfigError, match="agent.max_turns"):
-        apply_overrides(base, {"agent.max_turns": "lots"})
-
-
-def test_operator_only_keys() -> None:
-    base = Config().session_settings()
-    with pytest.raises(ConfigError, match="operator"):
-        apply_overrides(base, {"provider.base_url": "http://127.0.0.1:1/v1"})
-    s = apply_overrides(base, {"provider.base_url": "http://127.0.0.1:1/v1"}, privileged=True)
-    assert s.provider.base_url == "http://127.0.0.1:1/v1"
-
-
-def test_optional_limit_can_be_set_but_not_lifted() -> None:
-    base = Config().session_settings()
-    s = apply_overrides(base, {"agent.limits.memory_high_mb": 100})
-    assert s.agent.limits.memory_high_mb == 100
-    capped = apply_overrides(base, {"agent.limits.memory_high_mb": 100})
-    with pytest.raises(ConfigError):
-        apply_overrides(capped, {"agent.limits.memory_high_mb": 200})
 
 
 def test_parse_override_values() -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
+from conftest import FAST_CONFIG
 from harness import Daemon, raw_connect, wait_for
 from ipc import messages as m
 from ipc.framing import encode_frame
@@ -272,21 +273,48 @@ def test_junk_handler_names_are_refused(daemon: Daemon, handler: str) -> None:
         assert c.list() == []
 
 
-@pytest.mark.parametrize("handler", ["os:system", "builtins:exit", "nonexistent_mod:factory", "os:sep"])
-def test_handler_names_that_pass_the_syntax_check_fail_cleanly_at_boot(daemon: Daemon, handler: str) -> None:
-    # Well-formed module:attr names reach the worker, which imports them:
-    # what matters is that the create fails, leaves no session and no
-    # process behind, and the daemon carries on.
-    r = daemon.ctl("create", "--id", "victim", "--handler", handler)
+@pytest.mark.parametrize("handler", ["os:system", "builtins:exit", "json:loads", "antigravity:x",
+                                     "import_marker:factory"])
+def test_handlers_the_operator_did_not_allow_are_never_imported(
+    make_daemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, handler: str
+) -> None:
+    # Audit (issue 9): `--handler json:loads` was called and `antigravity`
+    # imported for any user.  Now only [agent] allowed_handlers are.
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("SESSIOND_IMPORT_MARKER", str(marker))  # the daemon's, and so its workers'
+    d = make_daemon()
+    r = d.ctl("create", "--id", "victim", "--handler", handler)
+    assert r.returncode == 1, r
+    assert f"handler {handler!r} is not allowed" in r.stderr and "allowed_handlers" in r.stderr, r.stderr
+    assert not marker.exists()
+    with d.client() as c:
+        assert c.list() == []
+        assert c.stats().live_workers == 0
+
+
+@pytest.mark.parametrize("handler", ["nonexistent_mod:factory", "os:sep", "builtins:exit",
+                                     "import_marker:factory"])
+def test_allowed_handlers_that_cannot_load_fail_cleanly_at_boot(
+    make_daemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, handler: str
+) -> None:
+    # What the operator allowed reaches the worker, which imports it: what
+    # matters is that the create fails, leaves no session and no process
+    # behind, and the daemon carries on.
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("SESSIOND_IMPORT_MARKER", str(marker))
+    module = handler.partition(":")[0]
+    d = make_daemon(FAST_CONFIG + f'[agent]\nallowed_handlers = ["echo", "{module}:*"]\n')
+    r = d.ctl("create", "--id", "victim", "--handler", handler)
     assert r.returncode == 1, r
     assert "could not start" in r.stderr, r.stderr
-    with daemon.client() as c:
+    assert marker.exists() == (module == "import_marker")  # the marker works
+    with d.client() as c:
         assert c.list() == []
-        assert not (daemon.state_dir / "sessions" / "victim").exists()
+        assert not (d.state_dir / "sessions" / "victim").exists()
         wait_for(lambda: c.stats().live_workers == 0, 5, "the failed worker to be gone")
         sid = c.create("after", handler="echo").id
         assert c.send_text(sid, "ok") == "1: ok"
-    zygotes = psutil.Process(daemon.pid).children()
+    zygotes = psutil.Process(d.pid).children()
     assert len(zygotes) == 1
     # Only the echo worker and the spare workers ([daemon] spare_workers,
     # 2 by default) are left under the zygote.

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from conftest import FAST_CONFIG
-from harness import REPO, TESTS, Daemon, _alive, env_for_children, wait_for
+from harness import REPO, TESTS, Daemon, _alive, env_for_children, trusting, wait_for
 
 _UCRED = struct.Struct("3i")
 
@@ -106,7 +106,7 @@ def test_socket_activation_starts_the_daemon_on_the_first_connection(tmp_path: P
 
     path = sockdir / "ctl.sock"
     config = tmp_path / "config.toml"
-    config.write_text(FAST_CONFIG)
+    config.write_text(trusting(FAST_CONFIG))
     state = tmp_path / "state"
     pythonpath = os.pathsep.join([str(REPO), str(TESTS)])
     # systemd-socket-activate passes only a few variables on (PATH, HOME, ...)

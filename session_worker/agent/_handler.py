@@ -52,11 +52,34 @@ def build_registry(settings: SessionSettings, depth: int) -> ToolRegistry:
 class AgentHandler:
     def __init__(self, init: HandlerInit) -> None:
         self._settings = init.settings
+        self._depth = init.depth
         init.workspace.mkdir(parents=True, exist_ok=True)
         self._workspace = init.workspace.resolve()
         self._tools = build_registry(init.settings, init.depth)
         self._provider = Provider(init.settings.provider)
+        self._stale_providers: list[Provider] = []
         self._history = History()
+        self._turn: Turn | None = None
+
+    def reconfigure(self, settings: SessionSettings) -> None:
+        """A reloaded config: permission rules, enabled tools and the loop's
+        limits apply from the running turn's next tool call; a changed
+        provider from the next turn (a request in flight keeps its client)."""
+        try:
+            tools = build_registry(settings, self._depth)
+        except ToolLoadError:
+            # Tools the new config names cannot load: keep only the old ones
+            # it still enables, never more than before.
+            tools = ToolRegistry(
+                [t for n in self._tools.names() if n in settings.tools.enabled and (t := self._tools.get(n))]
+            )
+        if settings.provider != self._settings.provider:
+            self._stale_providers.append(self._provider)
+            self._provider = Provider(settings.provider)
+        self._settings = settings
+        self._tools = tools
+        if self._turn is not None:
+            self._turn.reconfigure(settings, tools)
 
     @property
     def tools(self) -> ToolRegistry:
@@ -73,6 +96,8 @@ class AgentHandler:
             raise TurnFailure(
                 "no LLM provider is configured: set provider.base_url and provider.model"
             )
+        while self._stale_providers:
+            await self._stale_providers.pop().aclose()
         turn = Turn(
             settings=self._settings,
             provider=self._provider,
@@ -81,7 +106,12 @@ class AgentHandler:
             workspace=self._workspace,
             ctx=ctx,
         )
-        return await turn.run(text)
+        self._turn = turn
+        try:
+            return await turn.run(text)
+        finally:
+            self._turn = None
 
     async def aclose(self) -> None:
-        await self._provider.aclose()
+        for provider in (*self._stale_providers, self._provider):
+            await provider.aclose()

@@ -65,6 +65,13 @@ class Turn:
         # Calls of the last journaled assistant message still without a result.
         self._unanswered: list[ToolCall] = []
 
+    def reconfigure(self, settings: SessionSettings, tools: ToolRegistry) -> None:
+        """New rules and limits for the rest of this turn (the provider in
+        use is kept until the turn ends)."""
+        self._settings = settings
+        self._tools = tools
+        self._env = ToolEnv(self._env.workspace, settings, self._ctx)
+
     async def run(self, text: str) -> TurnResult:
         self._journal.append({"role": "user", "content": text})
         try:
@@ -85,8 +92,9 @@ class Turn:
     # -- the loop -------------------------------------------------------------
 
     async def _loop(self) -> TurnResult:
-        max_turns = self._settings.agent.max_turns
-        for n in range(1, max_turns + 1):
+        n = 0
+        while True:
+            n += 1
             await self._maybe_compact()
             completion = await self._complete()
             calls = completion.tool_calls
@@ -94,10 +102,10 @@ class Turn:
             self._unanswered = list(calls)
             if not calls:
                 return TurnResult("".join(self._reply), self._journal.record())
-            if n == max_turns:
+            # Read each pass: a reload may lower it during the turn.
+            if n >= self._settings.agent.max_turns:
                 return self._stop_at_turn_limit(n, calls)
             await self._run_calls(calls)
-        raise AssertionError("unreachable: the loop returns on its last pass")
 
     def _stop_at_turn_limit(self, n: int, calls: list[ToolCall]) -> TurnResult:
         limit = self._settings.agent.max_turns
