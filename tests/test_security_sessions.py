@@ -277,3 +277,32 @@ def test_sub_agents_that_finish_at_once_are_not_reported_as_timed_out(make_daemo
         assert c.send_text(sid, "fan out") == "all back"
     results = tool_results(llm.requests[1].json)
     assert results == [f"1: task {i}" for i in range(8)], results
+
+
+# ---------------------------------------------------------------- 8: retained events, all sessions together
+
+
+def _retained_text(c, sid: str) -> int:
+    replayed = 0
+    for ev in c.attach(sid, from_seq=1):
+        if isinstance(ev, m.TextDelta):
+            replayed += len(ev.text)
+        if isinstance(ev, m.TurnDone):
+            return replayed
+    raise AssertionError("no TurnDone replayed")
+
+
+def test_retained_events_of_all_sessions_together_are_bounded(make_daemon) -> None:
+    # Audit: ~1.4 MiB of retained events per session with no overall bound.
+    d = make_daemon("[daemon]\nevent_retention_total_bytes = 65536\n")
+    with d.client() as c:
+        sids = [c.create(handler="fixture_handlers:big_reply").id for _ in range(4)]
+        for sid in sids:
+            assert c.send_text(sid, str(256 * 1024)) == "big"
+
+        def within_budget() -> bool:
+            with d.client() as reader:
+                held = [_retained_text(reader, sid) for sid in sids]
+            return sum(held) <= 65536 and all(0 < h <= 65536 // 4 for h in held)
+
+        wait_for(within_budget, 5, "every session's ring to be cut to its share")
