@@ -233,15 +233,15 @@ def run_daemon(
     state_dir = state_dir or default_state_dir(cfg)
     socket_path = socket_path or daemon_socket_path(cfg)
     check_state_dir(state_dir)
-    identities = resolve_identities(cfg)
-    if identities.run_as is not None or identities.session_uids is not None:
-        os.chmod(state_dir, 0o711)  # workers pass through to their workspace; never list it
-    check_workspaces_reachable(workspace_root(cfg, state_dir), identities)
     if cfg.daemon.socket_group:
         _resolve_group(cfg.daemon.socket_group)
     inherited = _inherited_socket()
     if inherited is None:
         prepare_socket_path(socket_path)
+    identities = resolve_identities(cfg)
+    if identities.run_as is not None or identities.session_uids is not None:
+        os.chmod(state_dir, 0o711)  # workers pass through to their workspace; never list it
+    check_workspaces_reachable(workspace_root(cfg, state_dir), identities)
 
     spawner = ZygoteSpawner()
     spawner.start()  # before any loop or thread exists

@@ -301,8 +301,10 @@ def test_retained_events_of_all_sessions_together_are_bounded(make_daemon) -> No
             assert c.send_text(sid, str(256 * 1024)) == "big"
 
         def within_budget() -> bool:
+            # Each session still replays up to its TurnDone (its newest
+            # events are kept); what all of them hold stays in the budget.
             with d.client() as reader:
                 held = [_retained_text(reader, sid) for sid in sids]
-            return sum(held) <= 65536 and all(0 < h <= 65536 // 4 for h in held)
+            return sum(held) <= 65536
 
-        wait_for(within_budget, 5, "every session's ring to be cut to its share")
+        wait_for(within_budget, 5, "the sessions' rings to fit event_retention_total_bytes")
