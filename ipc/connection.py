@@ -12,9 +12,18 @@ ways to consume what arrives:
 
 Writes never block.  When the peer does not read, the transport buffers up to
 its high-water mark and then pauses us; every frame sent while paused counts
-toward `max_backlog`.  Past it `on_lagged` is called (the daemon tells the
-client it lagged and cuts it off), so one slow reader can never make the
-daemon hold an unbounded queue or wait on it.
+toward `max_backlog`.  Bytes count too, toward `max_backlog_bytes`: those
+queued for the next write (a burst in one pass of the loop, e.g. a replay of
+retained events, is never paused) plus those the paused transport holds.
+Past either `on_lagged` is called (the daemon tells the client it lagged and
+cuts it off), so one slow reader can never make the daemon hold an unbounded
+queue or wait on it.  One frame always fits: an empty queue takes any frame.
+
+With `frame_timeout`, a frame that has begun to arrive must be whole within
+that many seconds, or the connection fails with `FrameTimeout` (a peer that
+sends half of a 16 MiB frame must not hold 8 MiB forever).  There is no
+timer per frame: the time is noted when a read leaves a new partial frame
+behind, and one timer per connection, armed then, looks again when it fires.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from ipc.errors import BadMessage, ConnectionClosed, FrameTooLarge, ProtocolError
+from ipc.errors import BadMessage, ConnectionClosed, FrameTimeout, FrameTooLarge, ProtocolError
 from ipc.framing import DEFAULT_MAX_FRAME_BYTES, FrameEncoder, FrameParser
 
 __all__ = ["FramedProtocol", "open_unix_connection"]
@@ -48,6 +57,8 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
         on_close: Callable[[BaseException | None], None] | None = None,
         max_backlog: int | None = None,
         on_lagged: Callable[[int], None] | None = None,
+        max_backlog_bytes: int | None = None,
+        frame_timeout: float | None = None,
     ) -> None:
         self._parser: FrameParser[In] = FrameParser(decoder, max_frame_bytes)
         self._encoder = FrameEncoder()
@@ -63,6 +74,15 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
         self._is_closed = False
         self._paused = False
         self._backlog = 0
+        self._max_backlog_bytes = max_backlog_bytes
+        self._wbuf_bytes = 0  # in _wbuf
+        self._paused_bytes = 0  # in the paused transport's buffer, as of the last write
+        self._frame_timeout = frame_timeout
+        self._partial_since: float | None = None
+        self._frame_timer: asyncio.TimerHandle | None = None
+        # Set by close()/abort(): whatever else already arrived is not handed
+        # out (a refused or cut-off client's next requests are not served).
+        self._stopping = False
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._loop = asyncio.get_running_loop()
         self._wbuf: list[bytes | bytearray] | None = None
@@ -75,13 +95,21 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        parser = self._parser
         try:
-            messages = self._parser.feed(data)
+            messages = parser.feed(data)
         except FrameTooLarge as exc:
             self._fail(exc)
             return
+        if self._frame_timeout is not None:
+            if not parser.buffered:
+                self._partial_since = None
+            elif messages or self._partial_since is None:
+                # Frames arrive in order: if this read completed any, what
+                # is left is a frame that began just now.
+                self._partial_began()
         for msg in messages:
-            if self._is_closed:
+            if self._stopping:
                 return
             if isinstance(msg, BadMessage) and self._on_bad_message is not None:
                 self._on_bad_message(msg)
@@ -96,6 +124,10 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._is_closed = True
+        self._stopping = True
+        if self._frame_timer is not None:
+            self._frame_timer.cancel()
+            self._frame_timer = None
         if self._closed_exc is None:
             self._closed_exc = exc
         self._wake()
@@ -115,6 +147,7 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
     def resume_writing(self) -> None:
         self._paused = False
         self._backlog = 0
+        self._paused_bytes = 0
         for fut in self._drain_waiters:
             if not fut.done():
                 fut.set_result(None)
@@ -125,6 +158,11 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
     @property
     def is_closed(self) -> bool:
         return self._is_closed
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes waiting to reach the peer that count toward max_backlog_bytes."""
+        return self._wbuf_bytes + self._paused_bytes
 
     @property
     def close_reason(self) -> BaseException | None:
@@ -142,10 +180,14 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
         if self._paused and self._max_backlog is not None:
             self._backlog += 1
             if self._backlog > self._max_backlog:
-                if self._on_lagged is not None:
-                    lagged, self._on_lagged = self._on_lagged, None
-                    lagged(self._backlog)
+                self._lagged()
                 return False
+        if self._max_backlog_bytes is not None:
+            queued = self._wbuf_bytes + self._paused_bytes
+            if queued and queued + len(frame) > self._max_backlog_bytes:
+                self._lagged()
+                return False
+            self._wbuf_bytes += len(frame)
         # Frames sent during one pass of the loop go out in one write: a
         # streamed reply is many small frames, and a syscall per frame was
         # the daemon's and the worker's largest cost per token.
@@ -157,12 +199,22 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
             pending.append(frame)
         return True
 
+    def _lagged(self) -> None:
+        if self._on_lagged is not None:
+            lagged, self._on_lagged = self._on_lagged, None
+            lagged(self._backlog)
+
     def _flush(self) -> None:
         pending, self._wbuf = self._wbuf, None
+        self._wbuf_bytes = 0
         transport = self.transport
         if not pending or transport is None or transport.is_closing():
             return
         transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+        if self._paused and self._max_backlog_bytes is not None:
+            # Asked only when paused: otherwise the buffer is under the
+            # transport's high-water mark, small next to the bound.
+            self._paused_bytes = transport.get_write_buffer_size()
 
     def flush(self) -> None:
         """Write what is queued now (before a close, or a blocking step)."""
@@ -171,6 +223,7 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
     def drop_queued(self) -> None:
         """Forget frames not yet written (a lagging reader being cut off)."""
         self._wbuf = None
+        self._wbuf_bytes = 0
 
     def encode(self, msg: Any) -> bytearray:
         return self._encoder.encode(msg)
@@ -200,11 +253,13 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
         return self._inbox.popleft()
 
     def close(self) -> None:
+        self._stopping = True
         if self.transport is not None and not self.transport.is_closing():
             self._flush()
             self.transport.close()
 
     def abort(self) -> None:
+        self._stopping = True
         if self.transport is not None:
             self.transport.abort()
 
@@ -214,6 +269,27 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def _partial_began(self) -> None:
+        assert self._frame_timeout is not None
+        self._partial_since = self._loop.time()
+        if self._frame_timer is None:
+            self._frame_timer = self._loop.call_later(self._frame_timeout, self._frame_deadline)
+
+    def _frame_deadline(self) -> None:
+        assert self._frame_timeout is not None
+        self._frame_timer = None
+        since = self._partial_since
+        if since is None or self._stopping:
+            return
+        left = since + self._frame_timeout - self._loop.time()
+        if left > 0:  # the frame pending now began after the timer was armed
+            self._frame_timer = self._loop.call_later(left, self._frame_deadline)
+            return
+        self._partial_since = None
+        exc = FrameTimeout(self._parser.buffered, self._frame_timeout)
+        self._parser.clear()
+        self._fail(exc)
 
     def _fail(self, exc: ProtocolError) -> None:
         self._closed_exc = exc

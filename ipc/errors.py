@@ -2,13 +2,14 @@
 
     ProtocolError               the peer sent something we cannot accept
     ├── FrameTooLarge           length prefix over max_frame_bytes (connection is closed)
+    ├── FrameTimeout            a frame begun but not finished in time (connection is closed)
     └── BadMessage              a whole frame that is not a valid message (connection survives)
     ConnectionClosed            the peer went away (EOF or reset); nothing more will arrive
 """
 
 from __future__ import annotations
 
-__all__ = ["BadMessage", "ConnectionClosed", "FrameTooLarge", "ProtocolError"]
+__all__ = ["BadMessage", "ConnectionClosed", "FrameTimeout", "FrameTooLarge", "ProtocolError"]
 
 
 class ProtocolError(Exception):
@@ -20,6 +21,15 @@ class FrameTooLarge(ProtocolError):
         super().__init__(f"frame of {length} bytes exceeds the limit of {limit} bytes")
         self.length = length
         self.limit = limit
+
+
+class FrameTimeout(ProtocolError):
+    def __init__(self, buffered: int, timeout: float) -> None:
+        super().__init__(
+            f"a frame was still incomplete {timeout:g}s after it began ({buffered} bytes received)"
+        )
+        self.buffered = buffered
+        self.timeout = timeout
 
 
 class BadMessage(ProtocolError):

@@ -111,3 +111,8 @@ class FrameParser(Generic[T]):
     @property
     def buffered(self) -> int:
         return len(self._buf)
+
+    def clear(self) -> None:
+        """Drop a partial frame (the connection is being failed): its memory
+        goes now, not when the transport is finally gone."""
+        self._buf = bytearray()

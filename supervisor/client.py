@@ -99,18 +99,25 @@ class AsyncClient:
         path = str(socket_path or default_socket_path())
         loop = asyncio.get_running_loop()
         client: AsyncClient | None = None
+        # The daemon may answer (a refusal) and close before our Hello, even
+        # before create_unix_connection returns: keep that for the client.
+        early: list[m.Reply] = []
+        early_close: list[BaseException | None] = []
 
         def on_message(msg: m.Reply) -> None:
-            assert client is not None
-            client._dispatch(msg)
+            if client is None:
+                early.append(msg)
+            else:
+                client._dispatch(msg)
 
         def on_close(exc: BaseException | None) -> None:
-            if client is not None:
+            if client is None:
+                early_close.append(exc)
+            else:
                 client._closed(exc)
 
         def on_bad(exc: ProtocolError) -> None:
-            if client is not None:
-                client._closed(exc)
+            on_close(exc)
 
         try:
             _, proto = await asyncio.wait_for(
@@ -130,6 +137,10 @@ class AsyncClient:
         fut = loop.create_future()
         client._pending[0] = fut
         proto.send(m.Hello(protocol=m.PROTOCOL_VERSION, client=client_name))
+        for msg in early:
+            client._dispatch(msg)
+        if early_close:
+            client._closed(early_close[0])
         try:
             welcome = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:

@@ -10,10 +10,21 @@ an `interrupt` is never stuck behind a `stop` on the same connection.  (A
 task per connection awaiting each request cost a future and a task wake-up
 per request: a third of a daemon ping's CPU in bench/ipc.py.)
 
-A client that stops reading is cut off once it is `stream_buffer_size`
-frames behind (told with `Lagged`); the session it watched is untouched.
-A malformed frame is answered with `Error{bad_request}` and the connection
-survives; an oversized length prefix is answered and the connection closed.
+Who may connect is decided once, when the connection is made (see
+`ClientConn.start`): root, the daemon's own user, `admin_uids`,
+`allowed_uids` and members of `allowed_gids` or of the socket's group;
+never a process inside a session (its worker or tools, which descend from
+the zygote: see supervisor/peer.py), whatever its uid; and at most
+`max_connections_per_uid` connections per non-admin uid.
+
+One client can only hold a bounded amount of the daemon's memory: a client
+that stops reading is cut off once it is `stream_buffer_size` frames or
+`client_buffer_bytes` bytes behind (told with `Lagged`; the session it
+watched is untouched), and a frame that has begun to arrive must be whole
+within `frame_timeout_secs`.  A malformed frame is answered with
+`Error{bad_request}` and the connection survives; an oversized length
+prefix or a frame that never completes is answered and the connection
+closed.
 """
 
 from __future__ import annotations
@@ -23,7 +34,6 @@ import contextlib
 import logging
 import os
 import socket
-import struct
 import time
 from typing import Any
 
@@ -32,8 +42,8 @@ import psutil
 
 from ipc import messages as m
 from ipc.connection import FramedProtocol
-from ipc.errors import FrameTooLarge, ProtocolError
-from supervisor import __version__
+from ipc.errors import FrameTimeout, FrameTooLarge, ProtocolError
+from supervisor import __version__, peer
 from supervisor.errors import BadRequest, SessiondError
 from supervisor.manager import SessionManager
 
@@ -45,17 +55,21 @@ _request_decoder = msgspec.msgpack.Decoder(m.Request)
 _HANDSHAKE_TIMEOUT_SECS = 10.0
 _LAGGED_GRACE_SECS = 1.0
 _LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
+_CLIENT_NAME_CHARS = 64
 _SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove)
 
 
 class ClientConn:
-    def __init__(self, server: ControlServer, proto: FramedProtocol[m.Request]) -> None:
+    def __init__(self, server: ControlServer, proto: FramedProtocol[m.Request],
+                 cred: peer.PeerCredentials) -> None:
         self.server = server
         self.proto = proto
-        self.uid, self.gid, self.pid = _peer_credentials(proto)
+        self.cred = cred
+        self.uid, self.gid, self.pid = cred.uid, cred.gid, cred.pid
         self.tasks: set[asyncio.Task[None]] = set()
         self.name = f"client pid={self.pid} uid={self.uid}"
         self.said_hello = False
+        self.counted = False  # toward max_connections_per_uid
         self._hello_timer: asyncio.TimerHandle | None = None
 
     # Subscriber protocol: called by the manager for every event.
@@ -63,7 +77,13 @@ class ClientConn:
         self.proto.send_frame(frame)
 
     def on_lagged(self, backlog: int) -> None:
-        log.warning("%s fell %d frames behind; disconnecting it", self.name, backlog)
+        log.warning(
+            "%s fell %d frames / %d bytes behind ([agent] stream_buffer_size = %d, "
+            "[daemon] client_buffer_bytes = %d); disconnecting it",
+            self.name, backlog, self.proto.queued_bytes,
+            self.server.manager.config.agent.stream_buffer_size,
+            self.server.manager.config.daemon.client_buffer_bytes,
+        )
         transport = self.proto.transport
         if transport is not None and not transport.is_closing():
             # Past the backlog check on purpose: this is the last frame it gets.
@@ -79,18 +99,26 @@ class ClientConn:
     def on_bad_frame(self, exc: ProtocolError) -> None:
         if isinstance(exc, FrameTooLarge):
             log.warning("%s sent a frame of %d bytes (limit %d); closing", self.name, exc.length, exc.limit)
-        self.proto.send(m.Error(code=m.ErrorCode.BAD_REQUEST, message=f"bad frame: {exc}"))
+            message = f"bad frame: {exc} ([daemon] max_frame_bytes)"
+        elif isinstance(exc, FrameTimeout):
+            log.warning("%s left a frame unfinished for %.0fs; closing", self.name, exc.timeout)
+            message = f"bad frame: {exc} ([daemon] frame_timeout_secs)"
+        else:
+            message = f"bad frame: {exc}"
+        self.proto.send(m.Error(code=m.ErrorCode.BAD_REQUEST, message=message))
+        if isinstance(exc, (FrameTooLarge, FrameTimeout)):
+            # The connection is being closed; one that does not read would
+            # keep it (and its buffers) open forever, so it gets a moment.
+            asyncio.get_running_loop().call_later(_LAGGED_GRACE_SECS, self.proto.abort)
 
     # ---------------------------------------------------------------- lifecycle
 
-    def start(self) -> None:
-        """Called once the connection is made."""
-        if not self.server.admits(self.uid, self.gid, self.pid):
-            log.warning("refused %s: not in allowed_uids/allowed_gids", self.name)
-            self.proto.send(m.Error(
-                code=m.ErrorCode.PERMISSION_DENIED,
-                message=f"uid {self.uid} may not use this daemon ([daemon] allowed_uids / allowed_gids)",
-            ))
+    def start(self, sock: Any) -> None:
+        """Called once the connection is made: admit it, or answer why not
+        and close."""
+        refusal = self.server.refusal(self, sock)
+        if refusal is not None:
+            self.proto.send(refusal)
             self.proto.close()
             return
         self._hello_timer = asyncio.get_running_loop().call_later(
@@ -109,6 +137,9 @@ class ClientConn:
             task.cancel()
         self.server.manager.detach(self)
         self.server.clients.discard(self)
+        if self.counted:
+            self.counted = False
+            self.server.uncount(self.uid)
 
     # ---------------------------------------------------------------- requests
 
@@ -147,7 +178,8 @@ class ClientConn:
         if self._hello_timer is not None:
             self._hello_timer.cancel()
         if msg.client:
-            self.name = f"{msg.client} pid={self.pid} uid={self.uid}"
+            # The name goes into log lines: a newline in it would forge one.
+            self.name = f"{_printable(msg.client)} pid={self.pid} uid={self.uid}"
         self.proto.send(
             m.Welcome(protocol=m.PROTOCOL_VERSION, server_version=__version__, pid=os.getpid())
         )
@@ -242,23 +274,27 @@ class _ClientProtocol(FramedProtocol[m.Request]):
             _request_decoder,
             max_frame_bytes=server.manager.config.daemon.max_frame_bytes,
             max_backlog=server.manager.config.agent.stream_buffer_size,
+            max_backlog_bytes=server.manager.config.daemon.client_buffer_bytes,
+            frame_timeout=server.manager.config.daemon.frame_timeout_secs,
         )
         self._server = server
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
         try:
-            client = ClientConn(self._server, self)
+            cred = peer.credentials(sock)
         except OSError as exc:
             log.warning("cannot read a client's credentials: %s", exc)
             self.abort()
             return
+        client = ClientConn(self._server, self, cred)
         self._on_message = client.on_message
         self._on_bad_message = client.on_bad_frame
         self._on_lagged = client.on_lagged
         self._on_close = client.closed
         self._server.clients.add(client)
-        client.start()
+        client.start(sock)
 
 
 class ControlServer:
@@ -268,20 +304,86 @@ class ControlServer:
         self.started = time.monotonic()
         self._server: asyncio.AbstractServer | None = None
         self.socket_gid: int | None = None
+        self.own_uid = os.geteuid()
+        self._connections: dict[int, int] = {}  # admitted, by non-exempt uid
 
-    def admits(self, uid: int, gid: int, pid: int) -> bool:
-        """Root, the daemon's own user, [daemon] allowed_uids, and members
+    def admits(self, cred: peer.PeerCredentials) -> bool:
+        """Root, the daemon's own user (someone running the daemon as
+        themselves; an ordinary user who owns its own sessions unless listed
+        in admin_uids), [daemon] admin_uids and allowed_uids, and members
         (primary or supplementary) of allowed_gids or of the socket's group:
         whoever the operator let through the socket's mode may talk."""
         cfg = self.manager.config.daemon
-        if self.manager.is_admin(uid) or uid in cfg.allowed_uids:
+        uid = cred.uid
+        if (uid == 0 or uid == self.own_uid or self.manager.is_admin(uid)
+                or uid in cfg.admin_uids or uid in cfg.allowed_uids):
             return True
         groups = set(cfg.allowed_gids)
         if self.socket_gid is not None and self.socket_gid != 0:
             groups.add(self.socket_gid)
-        if not groups:
-            return False
-        return bool(groups & ({gid} | _supplementary_groups(pid)))
+        return not groups.isdisjoint(cred.groups | {cred.gid})
+
+    def exempt_from_quota(self, uid: int) -> bool:
+        return uid == 0 or self.manager.is_admin(uid) or uid in self.manager.config.daemon.admin_uids
+
+    def refusal(self, client: ClientConn, sock: Any) -> m.Error | None:
+        """Why `client` may not use this daemon, as the error it is told
+        (and logged); None to admit it, counted toward its uid's quota."""
+        cred = client.cred
+        cfg = self.manager.config.daemon
+        if not self.admits(cred):
+            log.warning("refused %s: not in allowed_uids/allowed_gids", client.name)
+            return m.Error(
+                code=m.ErrorCode.PERMISSION_DENIED,
+                message=f"uid {cred.uid} may not use this daemon ([daemon] allowed_uids / allowed_gids)",
+            )
+        # Read at each check: the zygote may have been re-executed with a
+        # new pid.  The daemon's own pid too: nothing it forked is a client,
+        # and a replaced zygote's orphans, not yet re-parented away from us,
+        # are still session processes.
+        roots = frozenset(p for p in (self.manager.spawner.zygote_pid, os.getpid()) if p > 0)
+        try:
+            inside = peer.in_session(sock, cred.pid, roots)
+        except OSError as exc:
+            # Typically EMFILE: we cannot tell, and must not guess either way.
+            log.warning("cannot check where %s comes from: %s", client.name, exc)
+            return m.Error(
+                code=m.ErrorCode.CAPACITY,
+                message=f"the daemon cannot check this connection now ({exc.strerror or exc}); "
+                        "it is probably out of file descriptors (RLIMIT_NOFILE, LimitNOFILE= "
+                        "in the unit): try again",
+            )
+        except peer.AncestryChanged as exc:
+            log.warning("refused %s: %s", client.name, exc)
+            return m.Error(code=m.ErrorCode.PERMISSION_DENIED,
+                           message=f"refused: {exc}; try again")
+        if inside:
+            log.warning("refused %s: it runs inside a session", client.name)
+            return m.Error(
+                code=m.ErrorCode.PERMISSION_DENIED,
+                message="connections from inside a session (its worker or tools) are refused: "
+                        "a session may not control the daemon",
+            )
+        if not self.exempt_from_quota(cred.uid):
+            held = self._connections.get(cred.uid, 0)
+            if held >= cfg.max_connections_per_uid:
+                log.warning("refused %s: uid %d already holds %d connections",
+                            client.name, cred.uid, held)
+                return m.Error(
+                    code=m.ErrorCode.CAPACITY,
+                    message=f"uid {cred.uid} already holds {held} connections to this daemon "
+                            f"([daemon] max_connections_per_uid = {cfg.max_connections_per_uid})",
+                )
+            self._connections[cred.uid] = held + 1
+            client.counted = True
+        return None
+
+    def uncount(self, uid: int) -> None:
+        left = self._connections.get(uid, 0) - 1
+        if left > 0:
+            self._connections[uid] = left
+        else:
+            self._connections.pop(uid, None)
 
     async def start(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -316,24 +418,9 @@ class ControlServer:
         )
 
 
-_UCRED = struct.Struct("3i")
-
-
-def _supplementary_groups(pid: int) -> set[int]:
-    # SO_PEERCRED carries only the primary gid.
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    return {int(g) for g in line.split()[1:]}
-    except (OSError, ValueError):
-        pass
-    return set()
-
-
-def _peer_credentials(proto: FramedProtocol[Any]) -> tuple[int, int, int]:
-    assert proto.transport is not None
-    sock = proto.transport.get_extra_info("socket")
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    pid, uid, gid = _UCRED.unpack(raw)
-    return uid, gid, pid
+def _printable(name: str) -> str:
+    """A client-chosen name made safe for one log line: bounded, and with
+    control characters (newlines above all) escaped."""
+    cut = name[:_CLIENT_NAME_CHARS]
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
+    return text + ("..." if len(name) > _CLIENT_NAME_CHARS else "")
