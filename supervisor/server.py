@@ -315,16 +315,13 @@ class ControlServer:
         whoever the operator let through the socket's mode may talk."""
         cfg = self.manager.config.daemon
         uid = cred.uid
-        if (uid == 0 or uid == self.own_uid or self.manager.is_admin(uid)
-                or uid in cfg.admin_uids or uid in cfg.allowed_uids):
+        if uid == self.own_uid or self.manager.is_admin(uid) or uid in cfg.allowed_uids:
             return True
         groups = set(cfg.allowed_gids)
         if self.socket_gid is not None and self.socket_gid != 0:
             groups.add(self.socket_gid)
         return not groups.isdisjoint(cred.groups | {cred.gid})
 
-    def exempt_from_quota(self, uid: int) -> bool:
-        return uid == 0 or self.manager.is_admin(uid) or uid in self.manager.config.daemon.admin_uids
 
     def refusal(self, client: ClientConn, sock: Any) -> m.Error | None:
         """Why `client` may not use this daemon, as the error it is told
@@ -364,7 +361,7 @@ class ControlServer:
                 message="connections from inside a session (its worker or tools) are refused: "
                         "a session may not control the daemon",
             )
-        if not self.exempt_from_quota(cred.uid):
+        if not self.manager.is_admin(cred.uid):
             held = self._connections.get(cred.uid, 0)
             if held >= cfg.max_connections_per_uid:
                 log.warning("refused %s: uid %d already holds %d connections",

@@ -44,6 +44,7 @@ from ipc.errors import FrameTimeout, ProtocolError
 from ipc.framing import encode_frame
 from supervisor import peer
 from supervisor.config import Config, DaemonSettings
+from supervisor.manager import SessionManager
 from supervisor.server import ControlServer
 from test_bad_input import assert_closed, hello, read_frame
 
@@ -163,7 +164,7 @@ def test_a_sessions_tools_cannot_drive_the_daemon_even_after_escaping(make_daemo
         victim = c.create(session="victim", handler="echo").id
         assert c.send_text(victim, "hello") == "1: hello"
         agent = c.create(session="agent").id
-    workspace = d.state_dir / "workspaces" / agent
+    workspace = d.workspace(agent)
     ctl = f"timeout 10 {sys.executable} -m supervisor.ctl --socket {d.socket}"
     # What a prompt-injected agent would run: list everyone's sessions,
     # read another user's, delete it; and the same from a process that
@@ -271,10 +272,11 @@ def test_supplementary_groups_come_from_the_socket() -> None:
 
 
 def _server(own_uid: int, **daemon: Any) -> ControlServer:
-    """A ControlServer over a stand-in manager whose is_admin is the one
-    issue 9 specifies (root or admin_uids; not the daemon's own uid)."""
+    """A ControlServer over a stand-in manager that has the real
+    SessionManager.is_admin (root or admin_uids; not the daemon's own uid)."""
     cfg = Config(daemon=DaemonSettings(**daemon))
-    mgr = SimpleNamespace(config=cfg, is_admin=lambda uid: uid == 0 or uid in cfg.daemon.admin_uids)
+    mgr = SimpleNamespace(config=cfg)
+    mgr.is_admin = lambda uid: SessionManager.is_admin(mgr, uid)  # type: ignore[arg-type]
     server = ControlServer(mgr)  # type: ignore[arg-type]
     server.own_uid = own_uid
     return server
@@ -292,8 +294,9 @@ def test_who_is_admitted() -> None:
     assert all(server.admits(c) for c in admitted)
     assert not any(server.admits(c) for c in refused)
     # The daemon's own user counts toward the quota like anyone else; admins do not.
-    assert server.exempt_from_quota(0) and server.exempt_from_quota(2000)
-    assert not server.exempt_from_quota(1000) and not server.exempt_from_quota(3000)
+    is_admin = server.manager.is_admin
+    assert is_admin(0) and is_admin(2000)
+    assert not is_admin(1000) and not is_admin(3000)
     # The socket's group does not open the door when it is root's.
     root_group = _server(1000)
     root_group.socket_gid = 0
