@@ -35,6 +35,7 @@ __all__ = [
     "load_config",
     "parse_override",
     "uid_range",
+    "valid_handler_name",
     "workspace_root",
 ]
 
@@ -159,10 +160,24 @@ def uid_range(text: str) -> range | None:
     return range(lo, hi + 1)
 
 
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def valid_handler_name(name: str, pattern: bool = False) -> bool:
+    """"agent", "echo" or "package.module:factory" (with pattern=True also
+    "package.module:*")."""
+    if name in ("agent", "echo"):
+        return True
+    module, sep, attr = name.partition(":")
+    return (
+        bool(sep) and all(_IDENT.fullmatch(p) for p in module.split("."))
+        and (_IDENT.fullmatch(attr) is not None or (pattern and attr == "*"))
+    )
+
+
 def _validate_handlers(cfg: Config, source: str) -> None:
     for name in cfg.agent.allowed_handlers:
-        module, sep, attr = name.partition(":")
-        if name in ("agent", "echo") or (sep and module and (attr == "*" or attr.isidentifier())):
+        if valid_handler_name(name, pattern=True):
             continue
         raise ConfigError(
             f"{source}: invalid value for 'agent.allowed_handlers': {name!r} "
@@ -177,6 +192,13 @@ def parse_config(data: dict[str, Any], source: str) -> Config:
         raise ConfigError(_describe(exc, source)) from None
     _validate_mode(cfg, source)
     _validate_handlers(cfg, source)
+    if cfg.daemon.event_retention_bytes > cfg.daemon.client_buffer_bytes:
+        # A client attaching --from the oldest event is sent the whole ring
+        # at once: it must fit in what one client may have queued.
+        raise ConfigError(
+            f"{source}: 'daemon.event_retention_bytes' ({cfg.daemon.event_retention_bytes}) must not "
+            f"exceed 'daemon.client_buffer_bytes' ({cfg.daemon.client_buffer_bytes})"
+        )
     try:
         uid_range(cfg.daemon.session_uid_range)
     except ValueError as exc:

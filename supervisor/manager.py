@@ -42,7 +42,7 @@ from ipc.errors import ProtocolError
 from ipc.framing import FrameEncoder
 from session_worker.main import EXIT_BOOT_FAILED
 from session_worker.settings import SessionSettings
-from supervisor.config import Config, workspace_root
+from supervisor.config import Config, valid_handler_name, workspace_root
 from supervisor.errors import (
     BadRequest,
     Capacity,
@@ -1469,19 +1469,11 @@ def _is(session: Session, state: State) -> bool:
     return session.state is state
 
 
-def _valid_handler_name(name: str) -> bool:
-    if name in ("agent", "echo"):
-        return True
-    module, sep, attr = name.partition(":")
-    ident = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-    return bool(sep) and all(ident.fullmatch(p) for p in module.split(".")) and ident.fullmatch(attr) is not None
-
-
 def _check_handler(name: str, settings: SessionSettings) -> None:
     """A client's --handler: the operator's default, or one the operator
     listed in [agent] allowed_handlers ("module:*" admits a module's
     factories).  Anything else is refused before anything is imported."""
-    if not _valid_handler_name(name):
+    if not valid_handler_name(name):
         raise BadRequest(f"invalid handler {name!r}: use 'agent', 'echo' or 'package.module:factory'")
     allowed = settings.agent.allowed_handlers
     module = name.partition(":")[0]

@@ -77,3 +77,17 @@ def test_parse_override_values() -> None:
     assert parse_override("a.b=hello world") == ("a.b", "hello world")
     with pytest.raises(ConfigError):
         parse_override("novalue")
+
+
+def test_retention_must_fit_a_clients_buffer() -> None:
+    with pytest.raises(ConfigError, match="event_retention_bytes.*client_buffer_bytes"):
+        parse_config({"daemon": {"event_retention_bytes": 4 << 20, "client_buffer_bytes": 1 << 20}}, "c.toml")
+
+
+def test_bad_session_uid_range_and_handler_patterns_name_the_key() -> None:
+    for bad in ("1-2", "x-y", "70000-60000", "60000-70000"):
+        with pytest.raises(ConfigError, match="daemon.session_uid_range"):
+            parse_config({"daemon": {"session_uid_range": bad}}, "c.toml")
+    with pytest.raises(ConfigError, match="agent.allowed_handlers"):
+        parse_config({"agent": {"allowed_handlers": ["../x:y"]}}, "c.toml")
+    assert parse_config({"daemon": {"session_uid_range": ""}}, "c.toml").daemon.session_uid_range == ""
