@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 from ipc.loop import run as run_loop
+from session_worker._linux import set_dumpable
 from supervisor import __version__, sdnotify
 from supervisor.config import (
     Config,
@@ -173,6 +174,11 @@ def run_daemon(
     socket_path: Path | None = None,
     config_path: Path | None = None,
 ) -> int:
+    # Our environment holds the provider's key and our memory everyone's
+    # sessions: a process of our uid (a tool, when workers run as we do)
+    # must not read /proc/<us>/environ or mem, nor ptrace us.  The zygote
+    # and the workers inherit the flag through fork.
+    set_dumpable(False)
     faulthandler.enable()  # a watchdog SIGABRT leaves the stuck stack in the journal
     _raise_nofile_limit()
     state_dir = state_dir or default_state_dir(cfg)

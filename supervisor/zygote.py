@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Iterator
 import msgspec
 
 from ipc import messages as m
-from session_worker._linux import set_child_subreaper, set_pdeathsig
+from session_worker._linux import set_child_subreaper, set_dumpable, set_pdeathsig
 
 __all__ = ["ZygoteDied", "ZygoteSpawner", "zygote_main"]
 
@@ -70,6 +70,9 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
     """Runs in the zygote process until the daemon closes its end or dies."""
     # Not SIGKILL: when the daemon dies we still have work to do (below).
     set_pdeathsig(signal.SIGUSR1)
+    # A forked zygote inherits the daemon's non-dumpable flag, but one
+    # started by exec has it reset; the workers inherit ours.
+    set_dumpable(False)
     if os.getppid() != daemon_pid:
         _kill_everything({})
         return 0
