@@ -20,7 +20,12 @@ the zygote kills every worker's process group and every process that
 re-parented to it, then exits), so nothing outlives the daemon.
 
 If the zygote itself dies, the daemon starts a new one with fork+exec
-(`python -m supervisor.zygote`): forking the daemon again is what we avoid.
+(`python -P -m supervisor.zygote`): forking the daemon again is what we
+avoid.  `-P` because `-m` would otherwise put the daemon's working
+directory first on sys.path, and a `supervisor/` planted there would run
+with the daemon's rights.  A zygote that keeps dying is restarted after an
+exponential backoff (`ZygoteBackoff`), not in a tight loop; meanwhile spawn
+requests fail with `ZygoteDied` and the daemon serves everything else.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import msgspec
 from ipc import messages as m
 from session_worker._linux import set_child_subreaper, set_dumpable, set_pdeathsig
 
-__all__ = ["ZygoteDied", "ZygoteSpawner", "zygote_main"]
+__all__ = ["ZygoteBackoff", "ZygoteDied", "ZygoteSpawner", "zygote_main"]
 
 log = logging.getLogger("sessiond.zygote")
 
@@ -53,6 +58,8 @@ _from_zygote = msgspec.msgpack.Decoder(m.FromZygote)
 _encode = msgspec.msgpack.Encoder().encode
 _MAX_PACKET = 4096
 _SIGKILL = signal.SIGKILL  # (the spawner has a method named `signal`)
+# The directory holding our `supervisor` package, for the re-exec'd zygote.
+_CODE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---------------------------------------------------------------- the zygote process
@@ -263,6 +270,31 @@ class ZygoteDied(Exception):
     pass
 
 
+class ZygoteBackoff:
+    """When to start the next zygote after one died (pure: no I/O).
+
+    A zygote that lived `stable_secs` died of something passing: the next
+    one starts at once.  One that died sooner is failing to run at all
+    (a broken install, a crash at import, something killing it): wait
+    `initial_secs`, doubling with each quick death, up to `max_secs`."""
+
+    __slots__ = ("failures", "initial_secs", "max_secs", "stable_secs")
+
+    def __init__(self, initial_secs: float = 0.1, max_secs: float = 30.0, stable_secs: float = 10.0) -> None:
+        self.initial_secs = initial_secs
+        self.max_secs = max_secs
+        self.stable_secs = stable_secs
+        self.failures = 0
+
+    def delay_after_death(self, lived_secs: float) -> float:
+        if lived_secs >= self.stable_secs:
+            self.failures = 0
+        delay = 0.0 if self.failures == 0 else min(
+            self.initial_secs * 2 ** (self.failures - 1), self.max_secs)
+        self.failures += 1
+        return delay
+
+
 class ZygoteSpawner:
     """Daemon-side owner of the zygote and of every worker process.
 
@@ -282,6 +314,10 @@ class ZygoteSpawner:
         self._spares = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self._started_at = 0.0  # time.monotonic() when the current zygote started
+        self._backoff = ZygoteBackoff()
+        self._restart_timer: asyncio.TimerHandle | None = None
+        self._restart_at = 0.0
 
     @property
     def zygote_pid(self) -> int:
@@ -302,17 +338,26 @@ class ZygoteSpawner:
                 os._exit(code)
         child.close()
         self._sock, self._pid = parent, pid
+        self._started_at = time.monotonic()
 
     def _restart_by_exec(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fd = child.fileno()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.zygote", "--fd", str(fd),
-             "--daemon-pid", str(os.getpid())],
-            pass_fds=[fd], close_fds=True,
-        )
-        child.close()
+        # -P: no working directory (nor script directory) on sys.path; the
+        # operator's PYTHONPATH is kept, after the directory our own code
+        # came from, so the new zygote runs the code the daemon runs.
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_CODE_ROOT, env.get("PYTHONPATH")) if p)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-P", "-m", "supervisor.zygote", "--fd", str(fd),
+                 "--daemon-pid", str(os.getpid())],
+                pass_fds=[fd], close_fds=True, env=env,
+            )
+        finally:
+            child.close()
         self._sock, self._pid = parent, self._proc.pid
+        self._started_at = time.monotonic()
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         assert self._sock is not None
@@ -359,11 +404,29 @@ class ZygoteSpawner:
         self._pending.clear()
         if self._closing:
             return
-        log.error("the zygote (pid %d) died; starting a new one", self._pid)
         # Its workers died with it (PDEATHSIG); their exits are reported by
         # the daemon as crashes of the sessions that owned them.
         self.on_zygote_lost()
-        self._restart_by_exec()
+        self._schedule_restart(time.monotonic() - self._started_at)
+
+    def _schedule_restart(self, lived_secs: float) -> None:
+        assert self._loop is not None
+        delay = self._backoff.delay_after_death(lived_secs)
+        log.error("the zygote (pid %d) died after %.1fs; starting a new one%s", self._pid,
+                  lived_secs, f" in {delay:.1f}s" if delay else "")
+        self._restart_at = time.monotonic() + delay
+        self._restart_timer = self._loop.call_later(delay, self._restart)
+
+    def _restart(self) -> None:
+        self._restart_timer = None
+        if self._closing or self._loop is None:
+            return
+        try:
+            self._restart_by_exec()
+        except OSError as exc:  # e.g. out of fds or processes: try again later
+            log.error("cannot start a new zygote: %s", exc)
+            self._schedule_restart(0.0)
+            return
         self.attach(self._loop)
         self.keep_spares(self._spares)
 
@@ -382,7 +445,10 @@ class ZygoteSpawner:
         spare).  Resolves to its pid and the daemon's end of its socket."""
         fut: asyncio.Future[tuple[int, socket.socket]] = asyncio.get_running_loop().create_future()
         if self._sock is None:
-            fut.set_exception(ZygoteDied("no zygote"))
+            wait = max(0.0, self._restart_at - time.monotonic())
+            fut.set_exception(ZygoteDied(
+                f"the zygote died and is being restarted (next attempt in {wait:.1f}s); "
+                "no worker can be started until then"))
             return fut
         self._tokens += 1
         try:
@@ -431,6 +497,9 @@ class ZygoteSpawner:
     def close(self) -> None:
         """Tell the zygote to go (it kills what is left) and reap it."""
         self._closing = True
+        if self._restart_timer is not None:
+            self._restart_timer.cancel()
+            self._restart_timer = None
         if self._sock is not None:
             if self._loop is not None:
                 with contextlib.suppress(Exception):

@@ -8,12 +8,15 @@ that it now does no harm.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import psutil
@@ -176,3 +179,88 @@ stop_grace_secs = 1.0
         events = list(c.send(hog, "300"))
         assert isinstance(events[-1], m.TurnFailed) and "killed_memory" in events[-1].reason
         wait_for(lambda: c.status(sid).state == "idle", 10, "the restart")
+
+
+# --- the zygote's re-exec ------------------------------------------------------
+
+
+def _zygote(d: Daemon) -> psutil.Process | None:
+    """The daemon's one child process, if it has one right now."""
+    try:
+        kids = psutil.Process(d.pid).children()
+        return kids[0] if len(kids) == 1 and kids[0].status() != psutil.STATUS_ZOMBIE else None
+    except psutil.Error:
+        return None
+
+
+def test_a_new_zygote_does_not_import_from_the_daemons_cwd(daemon: Daemon) -> None:
+    """`python -m supervisor.zygote` used to put the daemon's working
+    directory first on sys.path: a `supervisor/` planted there ran as the
+    daemon's user (root) at the next zygote restart."""
+    marker = daemon.root / "planted-code-ran"
+    assert Path(psutil.Process(daemon.pid).cwd()) == daemon.root
+    planted = daemon.root / "supervisor"
+    planted.mkdir()
+    payload = f"open({str(marker)!r}, 'w').write('pwned')\n"
+    (planted / "__init__.py").write_text(payload)
+    (planted / "zygote.py").write_text(payload)
+    first = _zygote(daemon)
+    assert first is not None
+    first.kill()
+    new = wait_for(lambda: (z := _zygote(daemon)) is not None and z.pid != first.pid and z,
+                   10, "a new zygote")
+    with daemon.client() as c:
+        sid = wait_for(lambda: marker.exists() or _try_create(c), 10, "a session on the new zygote")
+        assert not marker.exists()
+        assert c.send_text(str(sid), "hi") == "1: hi"
+    assert "-P" in new.cmdline()
+
+
+def _try_create(c: Any) -> str | None:
+    from supervisor.client import RequestError
+
+    try:
+        return str(c.create().id)
+    except RequestError:
+        return None
+
+
+def test_a_zygote_that_keeps_dying_is_restarted_with_backoff(daemon: Daemon) -> None:
+    """Before: 84 zygotes in 2.5 s.  Now the delay doubles after each quick
+    death; meanwhile creating a session fails with a clear error and the
+    daemon answers everything else."""
+    from supervisor.client import RequestError
+
+    seen: set[int] = set()
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        z = _zygote(daemon)
+        if z is not None:
+            seen.add(z.pid)
+            with contextlib.suppress(psutil.Error):
+                z.kill()
+        time.sleep(0.002)
+    # Kill the current one, if any, so the next restart is surely far off.
+    z = _zygote(daemon)
+    if z is not None:
+        seen.add(z.pid)
+        z.kill()
+    assert 3 <= len(seen) <= 10, len(seen)
+    with daemon.client() as c:
+        with pytest.raises(RequestError) as err:
+            c.create()
+        assert err.value.code == "internal" and "zygote" in err.value.message
+        assert c.ping().pid == daemon.pid
+        # Once the backoff has run out, a new zygote serves again.
+        sid = wait_for(lambda: _try_create(c), 30, "a zygote to be back")
+        assert c.send_text(sid, "hi") == "1: hi"
+    assert "starting a new one in" in daemon.log
+
+
+def test_zygote_backoff_policy() -> None:
+    from supervisor.zygote import ZygoteBackoff
+
+    b = ZygoteBackoff(initial_secs=0.1, max_secs=1.0, stable_secs=10.0)
+    assert [b.delay_after_death(0.5) for _ in range(7)] == [0.0, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    assert b.delay_after_death(10.0) == 0.0  # it had been running fine: at once
+    assert b.delay_after_death(0.1) == 0.1
