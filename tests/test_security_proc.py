@@ -12,6 +12,9 @@ import contextlib
 import errno
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -23,7 +26,7 @@ import psutil
 import pytest
 
 from fakellm import FakeLLM, text_stream, tool_call_stream
-from harness import Daemon, wait_for
+from harness import Daemon, env_for_children, wait_for
 from ipc import messages as m
 
 NOBODY = 65534
@@ -264,3 +267,75 @@ def test_zygote_backoff_policy() -> None:
     assert [b.delay_after_death(0.5) for _ in range(7)] == [0.0, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
     assert b.delay_after_death(10.0) == 0.0  # it had been running fine: at once
     assert b.delay_after_death(0.1) == 0.1
+
+
+# --- every ancestor of the socket and of the state dir -------------------------
+
+
+def _run_daemon_briefly(state: Path, sock: Path) -> subprocess.CompletedProcess[str]:
+    """Start a daemon that should refuse to start; if it starts anyway (the
+    attack worked), stop it so the test fails instead of hanging."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor.cli", "run", "--state-dir", str(state), "--socket", str(sock)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_for_children(),
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@root_only
+@pytest.mark.parametrize("which", ["state", "socket"])
+def test_a_squatted_ancestor_is_refused(tmp_path: Path, which: str) -> None:
+    """Someone else's directory between / and ours: they can rename our
+    directory away and put their own (a fake socket, forged state) in its
+    place, even though our directory itself is ours."""
+    squat = tmp_path / "squat"
+    squat.mkdir(mode=0o755)
+    os.chown(squat, NOBODY, NOBODY)
+    mine = squat / "mine"
+    mine.mkdir(mode=0o700)  # ours (root's), and its parent is not
+    safe = tmp_path / "safe"
+    safe.mkdir()
+    state, sock = (mine / "state", safe / "s.sock") if which == "state" else (safe / "state", mine / "s.sock")
+    r = _run_daemon_briefly(state, sock)
+    assert r.returncode == 1, r.stderr
+    assert f"{squat} belongs to uid {NOBODY} (nobody)" in r.stderr and "Traceback" not in r.stderr
+    assert ("state directory" if which == "state" else "socket directory") in r.stderr
+    assert not sock.exists()
+
+
+@root_only
+@pytest.mark.parametrize("which", ["state", "socket"])
+def test_a_group_writable_ancestor_is_refused(tmp_path: Path, which: str) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o775)
+    (shared / "deeper").mkdir(mode=0o755)
+    safe = tmp_path / "safe"
+    safe.mkdir()
+    inside = shared / "deeper" / "sessiond"
+    state, sock = (inside, safe / "s.sock") if which == "state" else (safe / "state", inside / "s.sock")
+    r = _run_daemon_briefly(state, sock)
+    assert r.returncode == 1, r.stderr
+    assert f"{shared} is writable by its group (mode 0775, owner uid 0) without the sticky bit" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_sticky_world_writable_parent_is_fine(make_daemon, tmp_path: Path) -> None:
+    """Like /tmp: others may write, but not rename what is ours."""
+    sticky = Path(tempfile.mkdtemp(prefix="sd-sticky-"))
+    try:
+        os.chmod(sticky, 0o1777)
+        d = make_daemon(start=False)
+        d.state_dir = sticky / "state"
+        d.start()
+        with d.client() as c:
+            assert c.send_text(c.create().id, "hi") == "1: hi"
+        assert (sticky / "state" / "sessions").is_dir()
+    finally:
+        shutil.rmtree(sticky, ignore_errors=True)
