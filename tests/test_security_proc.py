@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +49,15 @@ def shared_root() -> Iterator[Path]:
     os.chmod(base, 0o711)
     yield base / "d"
     shutil.rmtree(base, ignore_errors=True)
+
+
+FAST_STOP = """
+[agent.worker]
+heartbeat_interval_secs = 0.2
+restart_backoff_initial_ms = 20
+[daemon]
+stop_grace_secs = 3.0
+"""
 
 
 def agent_config(llm: FakeLLM) -> str:
@@ -339,3 +349,116 @@ def test_a_sticky_world_writable_parent_is_fine(make_daemon, tmp_path: Path) -> 
         assert (sticky / "state" / "sessions").is_dir()
     finally:
         shutil.rmtree(sticky, ignore_errors=True)
+
+
+# --- kills by pidfd ----------------------------------------------------------
+
+
+def _process_with_pid(target: int) -> subprocess.Popen[bytes] | None:
+    """An unrelated process that has the number `target`, made by steering
+    the kernel's next pid (root only); None if others keep taking it."""
+    for _ in range(50):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(target - 1))
+        proc = subprocess.Popen(["sleep", "60"])
+        if proc.pid == target:
+            return proc
+        proc.kill()
+        proc.wait()
+    return None
+
+
+@root_only
+def test_a_reused_pid_is_not_killed_at_the_end_of_a_stop(make_daemon) -> None:
+    """Stop remembered the session's escaped tools by number and killed
+    them `stop_grace_secs` later; one that exited in between could have its
+    number reused by an unrelated process, which then got the SIGKILL."""
+    d = make_daemon(FAST_STOP)
+    stranger = None
+    with d.client() as c, d.client() as c2:
+        sid = c.create(handler="fixture_handlers:tools").id
+        worker = c.status(sid).pid
+        stream = c.send(sid, "go")
+        pids = next([int(x) for x in ev.text.split()[1:]] for ev in stream
+                    if isinstance(ev, m.TextDelta) and ev.text.startswith("pids"))
+        escapee = pids[2]
+        wait_for(lambda: os.getpgid(escapee) != worker, 5, "the escapee to leave the group")
+        stopper = threading.Thread(target=c2.stop, args=(sid,))
+        stopper.start()
+        try:
+            # SIGTERM ends the escapee (a plain sleep) at once; the stubborn
+            # tool keeps the stop waiting for its grace period.
+            wait_for(lambda: not os.path.exists(f"/proc/{escapee}"), 5, "the escapee to be reaped")
+            stranger = _process_with_pid(escapee)
+            if stranger is None:
+                pytest.skip("could not get the escapee's pid number back")
+            assert stopper.is_alive(), "the stop ended before the stranger existed"
+        finally:
+            stopper.join(20)
+        try:
+            assert stranger.poll() is None, "an unrelated process with a reused pid was killed"
+        finally:
+            stranger.kill()
+            stranger.wait()
+        wait_for(lambda: not any(psutil.pid_exists(p) and _alive(p) for p in [worker, *pids[:2]]),
+                 5, "the session's processes to be gone")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@root_only
+def test_proc_table_pidfd_refuses_a_reused_number() -> None:
+    from supervisor.limits import ProcTable
+
+    table = ProcTable()
+    first = subprocess.Popen(["sleep", "60"])
+    try:
+        assert table.rss(first.pid)  # statm opened: bound to this process
+        first.kill()
+        first.wait()
+        second = _process_with_pid(first.pid)
+        if second is None:
+            pytest.skip("could not get the pid number back")
+        try:
+            assert table.pidfd(first.pid) is None
+        finally:
+            second.kill()
+            second.wait()
+        third = subprocess.Popen(["sleep", "60"])
+        assert table.rss(third.pid)
+        handle = table.pidfd(third.pid)
+        assert handle is not None and handle.send(0)
+        third.kill()
+        third.wait()
+        assert not handle.send(0) and handle.exited()
+        handle.close()
+    finally:
+        table.close()
+
+
+def test_daemon_fds_stay_flat_across_create_and_remove(make_daemon) -> None:
+    # No spare workers: then the zygote is the daemon's only descendant at rest.
+    daemon = make_daemon(FAST_STOP.replace("[daemon]", "[daemon]\nspare_workers = 0"))
+    fds = lambda: len(os.listdir(f"/proc/{daemon.pid}/fd"))  # noqa: E731
+    with daemon.client() as c:
+        for _ in range(2):  # warm up: lazily opened files, the first worker
+            sid = c.create().id
+            c.send_text(sid, "hi")
+            c.remove(sid)
+        wait_for(lambda: len(daemon.descendants()) <= 1, 10, "workers to go")
+        baseline = fds()
+        for i in range(50):
+            sid = c.create(handler="fixture_handlers:tools" if i % 10 == 0 else "echo").id
+            if i % 10 == 0:
+                stream = c.send(sid, "go")
+                next(ev for ev in stream if isinstance(ev, m.TextDelta))
+            else:
+                assert c.send_text(sid, "hi") == "1: hi"
+            c.remove(sid)
+        wait_for(lambda: fds() <= baseline, 10, f"the daemon's fds to come back to {baseline} (now {fds()})")
+        wait_for(lambda: len(daemon.descendants()) <= 1, 10, "every worker and tool to be gone")
