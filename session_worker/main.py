@@ -261,7 +261,7 @@ def _confine(settings: SessionSettings, uid: int | None, gid: int | None) -> Non
     tools inherit both."""
     import resource
 
-    from session_worker._linux import set_pdeathsig
+    from session_worker._linux import set_dumpable, set_pdeathsig
 
     limits = settings.agent.limits
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core dumps of session memory
@@ -281,6 +281,11 @@ def _confine(settings: SessionSettings, uid: int | None, gid: int | None) -> Non
         set_pdeathsig(signal.SIGKILL)
         if os.getppid() != parent:
             os._exit(1)
+    # The zygote's non-dumpable flag came with fork, but a change of
+    # credentials resets it: set it again so that our tools (same uid, their
+    # own execve makes them dumpable) cannot read our environ or memory,
+    # which hold the provider's key.
+    set_dumpable(False)
 
 
 async def _main(sock: socket.socket, warm_up: bool) -> int:

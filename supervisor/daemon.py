@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ipc.loop import run as run_loop
+from session_worker._linux import set_dumpable
 from supervisor import __version__, sdnotify
 from supervisor.config import (
     Config,
@@ -55,7 +56,52 @@ class StartupError(Exception):
     """The daemon cannot start; the text tells the operator what to fix."""
 
 
+def check_ancestors(path: Path, what: str) -> None:
+    """Refuse `path` unless no one but root and us can replace it.
+
+    As OpenSSH's StrictModes: every directory from / down to `path` itself
+    (after symlinks) must belong to root or to our euid, and must not be
+    writable by group or others unless it has the sticky bit (/tmp), since
+    whoever can write a directory can rename what is in it and put their
+    own in its place: a socket clients trust, or state we load.  Components
+    that do not exist yet are ours to create (0700/0755) and are checked by
+    calling this again once they exist."""
+    euid = os.geteuid()
+    real = Path(os.path.realpath(path))
+    for directory in [*reversed(real.parents), real]:
+        try:
+            st = os.stat(directory)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StartupError(f"{what} {path}: cannot check {directory}: {exc.strerror}") from None
+        if not stat.S_ISDIR(st.st_mode):
+            return  # not a directory: the caller's own checks say so
+        if st.st_uid not in (0, euid):
+            raise StartupError(
+                f"{what} {path}: {directory} belongs to uid {st.st_uid} ({_user_name(st.st_uid)}), "
+                f"not to root or to this user (uid {euid}); its owner could replace anything "
+                "below it. Fix its ownership or choose another path"
+            )
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            who = " and ".join(w for bit, w in ((0o020, "its group"), (0o002, "others")) if st.st_mode & bit)
+            raise StartupError(
+                f"{what} {path}: {directory} is writable by {who} "
+                f"(mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}) without the sticky "
+                "bit, so they could replace anything below it. Remove that write permission "
+                "(chmod go-w) or choose another path"
+            )
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return "no such user"
+
+
 def check_state_dir(path: Path) -> None:
+    check_ancestors(path, "state directory")
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
         (path / "sessions").mkdir(exist_ok=True, mode=0o700)
@@ -68,6 +114,7 @@ def check_state_dir(path: Path) -> None:
             f"state directory {path} is not usable: {exc.strerror or exc}"
             " (set [daemon] state_dir or --state-dir to a writable directory)"
         ) from None
+    check_ancestors(path, "state directory")  # now with what we created
 
 
 def _socket_in_use(path: Path) -> bool:
@@ -83,18 +130,15 @@ def _socket_in_use(path: Path) -> bool:
 
 
 def prepare_socket_path(path: Path) -> None:
-    """Refuse to start over a live daemon; clear a stale socket file."""
+    """Refuse to start over a live daemon, or where someone else could swap
+    our socket (e.g. they made /tmp/sessiond-UID first); clear a stale
+    socket file."""
+    check_ancestors(path.parent, "socket directory")
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-        owner = path.parent.lstat().st_uid
     except OSError as exc:
         raise StartupError(f"cannot create the socket directory {path.parent}: {exc.strerror}") from None
-    if owner not in (os.geteuid(), 0):
-        # e.g. someone else made /tmp/sessiond-UID first: they could swap our socket.
-        raise StartupError(
-            f"the socket directory {path.parent} belongs to uid {owner}, not to this user; "
-            "remove it or choose another --socket"
-        )
+    check_ancestors(path.parent, "socket directory")
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise StartupError(f"{path} exists and is not a socket; refusing to replace it")
@@ -228,6 +272,11 @@ def run_daemon(
     socket_path: Path | None = None,
     config_path: Path | None = None,
 ) -> int:
+    # Our environment holds the provider's key and our memory everyone's
+    # sessions: a process of our uid (a tool, when workers run as we do)
+    # must not read /proc/<us>/environ or mem, nor ptrace us.  The zygote
+    # and the workers inherit the flag through fork.
+    set_dumpable(False)
     faulthandler.enable()  # a watchdog SIGABRT leaves the stuck stack in the journal
     _raise_nofile_limit()
     state_dir = state_dir or default_state_dir(cfg)

@@ -13,7 +13,9 @@ lands on the zygote, our subreaper): once seen as a session's, a pid is
 tracked until it exits, and it is killed with the session.
 
 Kept-open /proc files are safe against pid reuse: they stay bound to the
-process they were opened for and fail with ESRCH once it is gone.
+process they were opened for and fail with ESRCH once it is gone.  Kills
+must be too: a descendant gets a pidfd when first seen (`ProcTable.pidfd`),
+checked against its statm fd, and the session is killed through those.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field
+
+from supervisor.pidfd import PidFd
 
 __all__ = ["MemoryVerdict", "ProcTable", "SessionMemory", "memory_verdict"]
 
@@ -67,6 +71,27 @@ class ProcTable:
         data = self._read(self._children, pid, f"/proc/{pid}/task/{pid}/children")
         return [int(x) for x in data.split()] if data else []
 
+    def pidfd(self, pid: int) -> PidFd | None:
+        """A pidfd for the process whose statm this table holds open, or
+        None.  pidfd_open(pid) names whichever process has the number now;
+        the statm fd, opened earlier, still reads afterwards only if the
+        process it was opened for was not reaped meanwhile, and then that
+        process held the number all along: the pidfd is its."""
+        statm = self._statm.get(pid)
+        if statm is None:
+            return None
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return None
+        try:
+            os.pread(statm, 1, 0)
+        except OSError:
+            os.close(fd)
+            self.forget(pid)
+            return None
+        return PidFd(fd, pid)
+
     def forget(self, pid: int) -> None:
         for table in (self._statm, self._children):
             fd = table.pop(pid, None)
@@ -91,6 +116,18 @@ class SessionMemory:
     rss_bytes: int = 0
     pids: set[int] = field(default_factory=set)  # worker excluded
     high: bool = False  # above memory_high_mb at the last sweep
+    # Owned handles of the tracked descendants, to kill them by (not by pid).
+    pidfds: dict[int, PidFd] = field(default_factory=dict)
+
+    def escapees(self) -> list[PidFd]:
+        """Handles of every tracked descendant: the ones that left the
+        worker's process group are reached only through these."""
+        return list(self.pidfds.values())
+
+    def close(self) -> None:
+        for fd in self.pidfds.values():
+            fd.close()
+        self.pidfds.clear()
 
     def measure(self, table: ProcTable, worker_pid: int) -> int:
         """Sum the RSS of the worker, its descendants and known escapees."""
@@ -116,6 +153,13 @@ class SessionMemory:
             stack.extend(table.children(pid))
         seen.discard(worker_pid)
         self.pids = seen
+        for pid in [p for p in self.pidfds if p not in seen]:
+            self.pidfds.pop(pid).close()  # gone (or a zombie): nothing to kill
+        for pid in seen:
+            if pid not in self.pidfds:
+                handle = table.pidfd(pid)
+                if handle is not None:
+                    self.pidfds[pid] = handle
         self.rss_bytes = total
         return total
 

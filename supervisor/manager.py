@@ -814,7 +814,7 @@ class SessionManager:
             # Tools left behind die with the worker: its group, and the ones
             # that left the group but were seen as its descendants.  (An
             # expected exit is tidied up by _terminate, after a grace.)
-            self.spawner.kill_tree(pid, session.memory.pids)
+            self.spawner.kill_tree(pid, session.memory.escapees())
         self.proc_table.forget(pid)
         reason = _classify(worker, code, sig)
         info = m.ExitInfo(
@@ -917,9 +917,9 @@ class SessionManager:
         deadline = loop.time() + grace
         worker.expected = expected
         # Learn its descendants now, while they are still its descendants:
-        # those that left the process group are signalled by pid.
+        # those that left the process group are signalled by their pidfds.
         session.memory.measure(self.proc_table, worker.pid)
-        escapees = set(session.memory.pids)
+        escapees = session.memory.escapees()
         worker.conn.send(m.Shutdown())
         self.spawner.kill_tree(worker.pid, escapees, signal.SIGTERM)
         with contextlib.suppress(asyncio.TimeoutError):
@@ -929,6 +929,9 @@ class SessionManager:
         if self.spawner.tree_alive(worker.pid, escapees):
             log.warning("session %s: processes still running %.1fs after SIGTERM; killing them",
                         session.id, grace)
+            # Children they started since are found from them, not by number.
+            session.memory.measure(self.proc_table, worker.pid)
+            escapees = session.memory.escapees()
         self.spawner.kill_tree(worker.pid, escapees)
         if not worker.exited.done():
             with contextlib.suppress(asyncio.TimeoutError):
@@ -1045,7 +1048,7 @@ class SessionManager:
                 # It has an input the log does not: it must restart from the log.
                 worker.kill_reason = "crashed"
                 worker.kill_detail = "its input could not be saved"
-                self.spawner.kill_tree(worker.pid, session.memory.pids)
+                self.spawner.kill_tree(worker.pid, session.memory.escapees())
             self._input_durable(session, Internal(f"input not accepted: {exc}"))
             return
         self._input_durable(session)
@@ -1334,7 +1337,7 @@ class SessionManager:
         worker.kill_reason = reason
         worker.kill_detail = detail
         self._emit_limit(session, kind, value, limit)
-        self.spawner.kill_tree(worker.pid, session.memory.pids)
+        self.spawner.kill_tree(worker.pid, session.memory.escapees())
 
     def _on_turn_timeout(self, session: Session, turn: int) -> None:
         session.turn_timer = None
@@ -1358,7 +1361,7 @@ class SessionManager:
         worker.kill_reason = "killed_turn_timeout"
         worker.kill_detail = f"turn {turn} still running {grace:g}s after its timeout of {timeout:g}s"
         log.warning("session %s: %s; killing worker %d", session.id, worker.kill_detail, worker.pid)
-        self.spawner.kill_tree(worker.pid, session.memory.pids)
+        self.spawner.kill_tree(worker.pid, session.memory.escapees())
 
     async def _hibernate(self, session: Session, reason: str) -> None:
         try:

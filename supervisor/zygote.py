@@ -20,7 +20,12 @@ the zygote kills every worker's process group and every process that
 re-parented to it, then exits), so nothing outlives the daemon.
 
 If the zygote itself dies, the daemon starts a new one with fork+exec
-(`python -m supervisor.zygote`): forking the daemon again is what we avoid.
+(`python -P -m supervisor.zygote`): forking the daemon again is what we
+avoid.  `-P` because `-m` would otherwise put the daemon's working
+directory first on sys.path, and a `supervisor/` planted there would run
+with the daemon's rights.  A zygote that keeps dying is restarted after an
+exponential backoff (`ZygoteBackoff`), not in a tight loop; meanwhile spawn
+requests fail with `ZygoteDied` and the daemon serves everything else.
 """
 
 from __future__ import annotations
@@ -42,9 +47,10 @@ from collections.abc import Callable, Iterable, Iterator
 import msgspec
 
 from ipc import messages as m
-from session_worker._linux import set_child_subreaper, set_pdeathsig
+from supervisor.pidfd import PidFd
+from session_worker._linux import set_child_subreaper, set_dumpable, set_pdeathsig
 
-__all__ = ["ZygoteDied", "ZygoteSpawner", "zygote_main"]
+__all__ = ["ZygoteBackoff", "ZygoteDied", "ZygoteSpawner", "zygote_main"]
 
 log = logging.getLogger("sessiond.zygote")
 
@@ -53,6 +59,10 @@ _from_zygote = msgspec.msgpack.Decoder(m.FromZygote)
 _encode = msgspec.msgpack.Encoder().encode
 _MAX_PACKET = 4096
 _SIGKILL = signal.SIGKILL  # (the spawner has a method named `signal`)
+# How often to look whether a reaped worker's process group is empty yet.
+_RETIRE_CHECK_SECS = 0.25
+# The directory holding our `supervisor` package, for the re-exec'd zygote.
+_CODE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---------------------------------------------------------------- the zygote process
@@ -70,6 +80,9 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
     """Runs in the zygote process until the daemon closes its end or dies."""
     # Not SIGKILL: when the daemon dies we still have work to do (below).
     set_pdeathsig(signal.SIGUSR1)
+    # A forked zygote inherits the daemon's non-dumpable flag, but one
+    # started by exec has it reset; the workers inherit ours.
+    set_dumpable(False)
     if os.getppid() != daemon_pid:
         _kill_everything({})
         return 0
@@ -95,34 +108,41 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
     gc.freeze()
 
     workers: dict[int, int] = {}  # pid -> token
-    # Forked ahead of demand and waiting for Boot: the daemon's end of each.
-    spares: dict[int, socket.socket] = {}
+    # Forked ahead of demand and waiting for Boot: the daemon's end of each,
+    # and its pidfd.
+    spares: dict[int, tuple[socket.socket, int]] = {}
     keep_spares = 0
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ, "sock")
     sel.register(wake_r, selectors.EVENT_READ, "wake")
     my_pid = os.getpid()
 
-    def fork_worker(spare: bool) -> tuple[int, socket.socket]:
+    def fork_worker(spare: bool) -> tuple[int, socket.socket, int]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         pid = os.fork()
         if pid == 0:
             ours.close()
-            # fork ignores CLOEXEC: drop the other spares' daemon ends, or
-            # this worker would keep their sockets open.
-            for other in spares.values():
+            # fork ignores CLOEXEC: drop the other spares' daemon ends and
+            # pidfds, or this worker would keep them open.
+            for other, other_pidfd in spares.values():
                 other.close()
+                os.close(other_pidfd)
             _worker_child(theirs.detach(), sock, wake_r, wake_w, my_pid, spare)
+        # The daemon kills by pidfd, never by pid number.  Opened here, right
+        # after fork: only we reap this child, and not before this line, so
+        # the number cannot have passed to another process yet.
+        pidfd = os.pidfd_open(pid)
         with contextlib.suppress(OSError):
             os.setpgid(pid, pid)  # also done by the child: whoever runs first
         theirs.close()
-        return pid, ours
+        return pid, ours, pidfd
 
     def reap() -> None:
         for pid, status in _reap_any():
             spare = spares.pop(pid, None)
             if spare is not None:
-                spare.close()  # a spare that died unused: nobody to tell
+                spare[0].close()  # a spare that died unused: nobody to tell
+                os.close(spare[1])
                 continue
             if workers.pop(pid, None) is None:
                 continue  # an orphaned tool process we adopted as subreaper
@@ -137,8 +157,8 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
         # comes first, a spare is forked only when nothing is waiting.
         events = sel.select(0 if len(spares) < keep_spares else None)
         if not events and len(spares) < keep_spares:
-            pid, ours = fork_worker(spare=True)
-            spares[pid] = ours
+            pid, ours, pidfd = fork_worker(spare=True)
+            spares[pid] = (ours, pidfd)
             continue
         for key, _ in events:
             if key.data == "wake":
@@ -157,21 +177,27 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
                 case m.KeepSpares(count=count):
                     keep_spares = max(0, count)
                     while len(spares) > keep_spares:
-                        _, extra = spares.popitem()
+                        _, (extra, extra_pidfd) = spares.popitem()
                         extra.close()  # EOF: the spare exits by itself
+                        os.close(extra_pidfd)
                 case m.SpawnWorker(token=token):
                     if spares:
-                        pid, ours = spares.popitem()
+                        pid, (ours, pidfd) = spares.popitem()
                     else:
-                        pid, ours = fork_worker(spare=False)
+                        pid, ours, pidfd = fork_worker(spare=False)
                     workers[pid] = token
-                    socket.send_fds(sock, [_encode(m.Spawned(token=token, pid=pid))], [ours.fileno()])
-                    ours.close()
+                    try:
+                        socket.send_fds(sock, [_encode(m.Spawned(token=token, pid=pid))],
+                                        [ours.fileno(), pidfd])
+                    finally:
+                        ours.close()
+                        os.close(pidfd)
         reap()
 
     signal.set_wakeup_fd(-1)
-    for spare in spares.values():
+    for spare, spare_pidfd in spares.values():
         spare.close()
+        os.close(spare_pidfd)
     _kill_everything({**workers, **dict.fromkeys(spares, 0)})
     return 0
 
@@ -183,6 +209,8 @@ def _kill_everything(workers: dict[int, int], settle_secs: float = 1.0) -> None:
     among our children: tools that left their group (setsid) re-parent to us
     (we are the subreaper) when the worker above them dies.
     """
+    # By number, safely: we are the only reaper of these pids and have not
+    # reaped them, so each still names our worker's group.
     for pid in list(workers):
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
@@ -260,6 +288,31 @@ class ZygoteDied(Exception):
     pass
 
 
+class ZygoteBackoff:
+    """When to start the next zygote after one died (pure: no I/O).
+
+    A zygote that lived `stable_secs` died of something passing: the next
+    one starts at once.  One that died sooner is failing to run at all
+    (a broken install, a crash at import, something killing it): wait
+    `initial_secs`, doubling with each quick death, up to `max_secs`."""
+
+    __slots__ = ("failures", "initial_secs", "max_secs", "stable_secs")
+
+    def __init__(self, initial_secs: float = 0.1, max_secs: float = 30.0, stable_secs: float = 10.0) -> None:
+        self.initial_secs = initial_secs
+        self.max_secs = max_secs
+        self.stable_secs = stable_secs
+        self.failures = 0
+
+    def delay_after_death(self, lived_secs: float) -> float:
+        if lived_secs >= self.stable_secs:
+            self.failures = 0
+        delay = 0.0 if self.failures == 0 else min(
+            self.initial_secs * 2 ** (self.failures - 1), self.max_secs)
+        self.failures += 1
+        return delay
+
+
 class ZygoteSpawner:
     """Daemon-side owner of the zygote and of every worker process.
 
@@ -279,6 +332,13 @@ class ZygoteSpawner:
         self._spares = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self._started_at = 0.0  # time.monotonic() when the current zygote started
+        self._backoff = ZygoteBackoff()
+        self._restart_timer: asyncio.TimerHandle | None = None
+        self._restart_at = 0.0
+        # Every worker we were given, by pid, until its process group is
+        # empty (see `_retire`): what `signal` and `kill_tree` act through.
+        self._workers: dict[int, PidFd] = {}
 
     @property
     def zygote_pid(self) -> int:
@@ -299,17 +359,26 @@ class ZygoteSpawner:
                 os._exit(code)
         child.close()
         self._sock, self._pid = parent, pid
+        self._started_at = time.monotonic()
 
     def _restart_by_exec(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fd = child.fileno()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.zygote", "--fd", str(fd),
-             "--daemon-pid", str(os.getpid())],
-            pass_fds=[fd], close_fds=True,
-        )
-        child.close()
+        # -P: no working directory (nor script directory) on sys.path; the
+        # operator's PYTHONPATH is kept, after the directory our own code
+        # came from, so the new zygote runs the code the daemon runs.
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_CODE_ROOT, env.get("PYTHONPATH")) if p)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-P", "-m", "supervisor.zygote", "--fd", str(fd),
+                 "--daemon-pid", str(os.getpid())],
+                pass_fds=[fd], close_fds=True, env=env,
+            )
+        finally:
+            child.close()
         self._sock, self._pid = parent, self._proc.pid
+        self._started_at = time.monotonic()
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         assert self._sock is not None
@@ -321,7 +390,7 @@ class ZygoteSpawner:
         assert self._sock is not None
         while True:
             try:
-                data, fds, _flags, _addr = socket.recv_fds(self._sock, _MAX_PACKET, 1)
+                data, fds, _flags, _addr = socket.recv_fds(self._sock, _MAX_PACKET, 2)
             except BlockingIOError:
                 return
             except OSError:
@@ -332,10 +401,16 @@ class ZygoteSpawner:
             match _from_zygote.decode(data):
                 case m.Spawned(token=token, pid=pid):
                     fut = self._pending.pop(token, None)
-                    if not fds:
-                        log.error("the zygote sent no socket for worker %d", pid)
+                    if len(fds) != 2:
+                        log.error("the zygote sent %d fds for worker %d, not its socket and pidfd",
+                                  len(fds), pid)
+                        for fd in fds:
+                            os.close(fd)
+                        if fut is not None and not fut.done():
+                            fut.set_exception(ZygoteDied("the zygote sent no socket or pidfd"))
                         continue
                     conn = socket.socket(fileno=fds[0])
+                    self._workers[pid] = PidFd(fds[1], pid)
                     if fut is not None and not fut.done():
                         fut.set_result((pid, conn))
                     else:  # nobody waits for it any more
@@ -343,6 +418,7 @@ class ZygoteSpawner:
                         self.signal(pid, signal.SIGKILL)
                 case m.Exited(pid=pid, code=code, signal=sig):
                     self.on_exit(pid, code, sig)
+                    self._retire(pid)
 
     def _lost(self) -> None:
         assert self._sock is not None and self._loop is not None
@@ -356,11 +432,31 @@ class ZygoteSpawner:
         self._pending.clear()
         if self._closing:
             return
-        log.error("the zygote (pid %d) died; starting a new one", self._pid)
         # Its workers died with it (PDEATHSIG); their exits are reported by
         # the daemon as crashes of the sessions that owned them.
         self.on_zygote_lost()
-        self._restart_by_exec()
+        for pid in list(self._workers):
+            self._retire(pid)
+        self._schedule_restart(time.monotonic() - self._started_at)
+
+    def _schedule_restart(self, lived_secs: float) -> None:
+        assert self._loop is not None
+        delay = self._backoff.delay_after_death(lived_secs)
+        log.error("the zygote (pid %d) died after %.1fs; starting a new one%s", self._pid,
+                  lived_secs, f" in {delay:.1f}s" if delay else "")
+        self._restart_at = time.monotonic() + delay
+        self._restart_timer = self._loop.call_later(delay, self._restart)
+
+    def _restart(self) -> None:
+        self._restart_timer = None
+        if self._closing or self._loop is None:
+            return
+        try:
+            self._restart_by_exec()
+        except OSError as exc:  # e.g. out of fds or processes: try again later
+            log.error("cannot start a new zygote: %s", exc)
+            self._schedule_restart(0.0)
+            return
         self.attach(self._loop)
         self.keep_spares(self._spares)
 
@@ -379,7 +475,10 @@ class ZygoteSpawner:
         spare).  Resolves to its pid and the daemon's end of its socket."""
         fut: asyncio.Future[tuple[int, socket.socket]] = asyncio.get_running_loop().create_future()
         if self._sock is None:
-            fut.set_exception(ZygoteDied("no zygote"))
+            wait = max(0.0, self._restart_at - time.monotonic())
+            fut.set_exception(ZygoteDied(
+                f"the zygote died and is being restarted (next attempt in {wait:.1f}s); "
+                "no worker can be started until then"))
             return fut
         self._tokens += 1
         try:
@@ -401,33 +500,53 @@ class ZygoteSpawner:
                 self._sock.send(_encode(m.KeepSpares(count=count)))
 
     def signal(self, pid: int, sig: int) -> None:
-        """Signal a worker's whole process group (the worker and its tools)."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, sig)
+        """Signal a worker's whole process group (the worker and its tools),
+        through its pidfd: safe even after the worker was reaped (see
+        supervisor/pidfd.py).  A pid we hold no pidfd for is not ours (any
+        more): nothing is signalled by number."""
+        worker = self._workers.get(pid)
+        if worker is not None:
+            worker.send_group(sig)
 
-    def kill_tree(self, pid: int, others: Iterable[int] = (), sig: int = _SIGKILL) -> None:
+    def kill_tree(self, pid: int, others: Iterable[PidFd] = (), sig: int = _SIGKILL) -> None:
         """Signal a worker's process group and its descendants that left
-        the group (tools that called setsid, daemons that double-forked)."""
+        the group (tools that called setsid, daemons that double-forked),
+        each through its own pidfd.  SIGKILL is final, so it spends their
+        handles: they are closed here, as nothing else would close them
+        once the session is gone (a closed handle counts as exited)."""
         self.signal(pid, sig)
         for other in others:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(other, sig)
+            other.send(sig)
+            if sig == _SIGKILL:
+                other.close()
 
-    def tree_alive(self, pid: int, others: Iterable[int] = ()) -> bool:
-        """Whether anything of that tree is left (zombies aside)."""
-        try:
-            os.killpg(pid, 0)
+    def tree_alive(self, pid: int, others: Iterable[PidFd] = ()) -> bool:
+        """Whether anything of that tree is left (zombies count in the
+        group, not among `others`)."""
+        worker = self._workers.get(pid)
+        if worker is not None and worker.send_group(0):
             return True
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            return True
-        return any(_alive(o) for o in others)
+        return any(not o.exited() for o in others)
+
+    def _retire(self, pid: int) -> None:
+        """The worker was reaped.  Its pidfd still names its process group,
+        so a stop's grace period can still reach tools left in it; close the
+        pidfd once that group is empty, checking again until it is."""
+        worker = self._workers.get(pid)
+        if worker is None:
+            return
+        if self._closing or self._loop is None or not worker.send_group(0):
+            self._workers.pop(pid).close()
+            return
+        self._loop.call_later(_RETIRE_CHECK_SECS, self._retire, pid)
 
 
     def close(self) -> None:
         """Tell the zygote to go (it kills what is left) and reap it."""
         self._closing = True
+        if self._restart_timer is not None:
+            self._restart_timer.cancel()
+            self._restart_timer = None
         if self._sock is not None:
             if self._loop is not None:
                 with contextlib.suppress(Exception):
@@ -435,15 +554,9 @@ class ZygoteSpawner:
             self._sock.close()
             self._sock = None
             self._reap_zygote()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
+        for worker in self._workers.values():
+            worker.close()
+        self._workers.clear()
 
 
 def _exec_main() -> int:

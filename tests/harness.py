@@ -85,6 +85,9 @@ class Daemon:
         self.log_path = root / "sessiond.log"
         self.known_pids: set[int] = set()
         self.preexec: Callable[[], None] | None = None
+        # Put before `cmd` when starting (e.g. `run_as_user`'s wrapper).
+        self.cmd_prefix: list[str] = []
+        self._exposed: Path | None = None
 
     @property
     def cmd(self) -> list[str]:
@@ -96,12 +99,38 @@ class Daemon:
     def start(self, timeout: float = 15.0) -> None:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env_for_children(),
+            [*self.cmd_prefix, *self.cmd], stdout=log, stderr=subprocess.STDOUT, env=env_for_children(),
             start_new_session=True, cwd=str(self.root), preexec_fn=self.preexec,
         )
         log.close()
         wait_for(self._answers, timeout, f"sessiond to listen (log: {self.log})")
         self.known_pids.add(self.proc.pid)
+
+    def run_as_user(self, uid: int, gid: int) -> None:
+        """Start the daemon as `uid`:`gid` (from root) instead of as root.
+
+        The daemon's directories are handed to that user.  This interpreter
+        may live where the user cannot reach it (pyenv under a 0700 /root):
+        the daemon then runs in its own mount namespace where the closed
+        ancestor is replaced by a 0711 directory holding a bind mount of
+        the one child on the interpreter's path; nothing changes for the
+        rest of the machine."""
+        for path in (self.root, self.sockdir):
+            os.chown(path, uid, gid)
+        mounts = ""
+        prefix = Path(sys.base_prefix).resolve()
+        closed = next((a for a in reversed(prefix.parents) if not os.stat(a).st_mode & 0o001), None)
+        if closed is not None:
+            child = prefix.relative_to(closed).parts[0]
+            self._exposed = Path(tempfile.mkdtemp(prefix="sd-expose-"))
+            os.chmod(self._exposed, 0o711)
+            (self._exposed / child).mkdir()
+            mounts = (f"mount --bind {closed / child} {self._exposed / child} && "
+                      f"mount --rbind {self._exposed} {closed} && ")
+        self.cmd_prefix = [
+            "unshare", "--mount", "--propagation", "private", "sh", "-c",
+            f'{mounts}exec setpriv --reuid={uid} --regid={gid} --clear-groups -- "$@"', "sh",
+        ]
 
     def _answers(self) -> bool:
         assert self.proc is not None
@@ -186,6 +215,11 @@ class Daemon:
             for p in self.sockdir.iterdir():
                 p.unlink()
             self.sockdir.rmdir()
+        if self._exposed is not None:
+            with contextlib.suppress(OSError):
+                for p in self._exposed.iterdir():
+                    p.rmdir()
+                self._exposed.rmdir()
 
 
 def _alive(pid: int) -> bool:

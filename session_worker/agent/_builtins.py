@@ -2,19 +2,24 @@
 `bash{command, timeout_secs?}`, `read_file{path}`, `write_file{path, content}`,
 `list_dir{path}`, `spawn_agent{task, handler?}`.
 
-File tools resolve a path (relative to the workspace, or absolute) with every
-symlink followed and refuse it unless the result is the workspace or inside
-it.  A symlink swapped in between the check and the use could still escape;
-the workspace belongs to this session alone, so only the session's own tools
-could race us, and `bash` can reach the same files anyway.
+File tools check a path in two layers.  First a friendly one: the path
+(relative to the workspace, or absolute) is resolved with every symlink
+followed and refused unless the result is the workspace or inside it; that
+gives the readable error.  Then the one that holds: the resolved path is
+opened relative to a directory fd of the workspace by `_beneath`, where
+the kernel refuses any step out of it during the open itself, so a symlink
+swapped in after the check (the session's own tools can race us) cannot
+lead the open outside.  The blocking file I/O runs on a thread so that a
+slow disk does not stop the worker's loop (and its heartbeats).
 """
 
 from __future__ import annotations
 
-import os
+import asyncio
 from pathlib import Path
 from typing import Any
 
+from session_worker.agent import _beneath
 from session_worker.agent._bash import run_bash
 from session_worker.agent._errors import ToolError
 from session_worker.agent._tools import Tool, ToolEnv
@@ -32,13 +37,28 @@ def resolve_inside(workspace: Path, raw: str) -> Path:
     candidate = Path(raw)
     if not candidate.is_absolute():
         candidate = workspace / candidate
-    real = candidate.resolve()
+    try:
+        real = candidate.resolve()
+    except RuntimeError:
+        raise ToolError(f"cannot resolve {raw!r}: a symlink loop") from None
+    except OSError as exc:  # e.g. a symlink being renamed away meanwhile
+        raise ToolError(f"cannot resolve {raw!r}: {exc.strerror}") from None
     if real != workspace and not real.is_relative_to(workspace):
-        raise ToolError(
-            f"path {raw!r} resolves outside the workspace ({workspace}); "
-            "only paths inside it can be used"
-        )
+        raise _outside(raw, workspace)
     return real
+
+
+def _outside(raw: str, workspace: Path) -> ToolError:
+    return ToolError(
+        f"path {raw!r} resolves outside the workspace ({workspace}); "
+        "only paths inside it can be used"
+    )
+
+
+def _escaped(exc: OSError, raw: str, workspace: Path) -> ToolError | None:
+    """The readable error for an open that the kernel stopped at the
+    workspace's edge (EXDEV, ELOOP), else None."""
+    return _outside(raw, workspace) if exc.errno in _beneath.ESCAPE_ERRNOS else None
 
 
 def _shown(path: Path, workspace: Path) -> str:
@@ -56,18 +76,23 @@ async def _bash(args: dict[str, Any], env: ToolEnv) -> str:
 
 
 async def _read_file(args: dict[str, Any], env: ToolEnv) -> str:
-    path = resolve_inside(env.workspace, args["path"])
+    raw = args["path"]
+    path = resolve_inside(env.workspace, raw)
     limit = env.settings.tools.output_limit_bytes
+
+    def read() -> tuple[bytes, int]:
+        with _beneath.root_fd(env.workspace) as root:
+            return _beneath.read_beneath(root, _shown(path, env.workspace), limit + 1)
+
     try:
-        with path.open("rb") as f:
-            data = f.read(limit + 1)
-            size = os.fstat(f.fileno()).st_size
+        data, size = await asyncio.to_thread(read)
     except IsADirectoryError:
-        raise ToolError(f"{args['path']!r} is a directory; use list_dir") from None
+        raise ToolError(f"{raw!r} is a directory; use list_dir") from None
     except FileNotFoundError:
-        raise ToolError(f"no such file: {args['path']!r}") from None
+        raise ToolError(f"no such file: {raw!r}") from None
     except OSError as exc:
-        raise ToolError(f"cannot read {args['path']!r}: {exc.strerror}") from None
+        raise _escaped(exc, raw, env.workspace) or ToolError(
+            f"cannot read {raw!r}: {exc.strerror}") from None
     text = data[:limit].decode("utf-8", "replace")
     if len(data) > limit:
         text += f"\n[... file truncated: showing the first {limit} of {size} bytes]"
@@ -75,40 +100,49 @@ async def _read_file(args: dict[str, Any], env: ToolEnv) -> str:
 
 
 async def _write_file(args: dict[str, Any], env: ToolEnv) -> str:
-    path = resolve_inside(env.workspace, args["path"])
+    raw = args["path"]
+    path = resolve_inside(env.workspace, raw)
     data = args["content"].encode("utf-8")
+
+    def write() -> None:
+        with _beneath.root_fd(env.workspace) as root:
+            _beneath.write_beneath(root, _shown(path, env.workspace), data)
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+        await asyncio.to_thread(write)
     except IsADirectoryError:
-        raise ToolError(f"{args['path']!r} is a directory") from None
+        raise ToolError(f"{raw!r} is a directory") from None
     except OSError as exc:
-        raise ToolError(f"cannot write {args['path']!r}: {exc.strerror}") from None
+        raise _escaped(exc, raw, env.workspace) or ToolError(
+            f"cannot write {raw!r}: {exc.strerror}") from None
     return f"wrote {len(data)} bytes to {_shown(path, env.workspace)}"
 
 
 async def _list_dir(args: dict[str, Any], env: ToolEnv) -> str:
-    path = resolve_inside(env.workspace, args["path"])
+    raw = args["path"]
+    path = resolve_inside(env.workspace, raw)
+
+    def scan() -> list[_beneath.Entry]:
+        with _beneath.root_fd(env.workspace) as root:
+            return _beneath.list_beneath(root, _shown(path, env.workspace))
+
     try:
-        entries = sorted(os.scandir(path), key=lambda e: e.name)
+        entries = await asyncio.to_thread(scan)
     except NotADirectoryError:
-        raise ToolError(f"{args['path']!r} is not a directory") from None
+        raise ToolError(f"{raw!r} is not a directory") from None
     except FileNotFoundError:
-        raise ToolError(f"no such directory: {args['path']!r}") from None
+        raise ToolError(f"no such directory: {raw!r}") from None
     except OSError as exc:
-        raise ToolError(f"cannot list {args['path']!r}: {exc.strerror}") from None
+        raise _escaped(exc, raw, env.workspace) or ToolError(
+            f"cannot list {raw!r}: {exc.strerror}") from None
     lines = []
     for entry in entries:
-        if entry.is_symlink():
+        if entry.kind == "link":
             lines.append(f"{entry.name}@")
-        elif entry.is_dir():
+        elif entry.kind == "dir":
             lines.append(f"{entry.name}/")
         else:
-            try:
-                size = entry.stat().st_size
-            except OSError:
-                size = 0
-            lines.append(f"{entry.name}\t{size} bytes")
+            lines.append(f"{entry.name}\t{entry.size} bytes")
     if not lines:
         return f"{_shown(path, env.workspace)} is empty"
     text = "\n".join(lines)
