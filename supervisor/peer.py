@@ -109,6 +109,8 @@ def in_session(sock: Any, pid: int, roots: frozenset[int]) -> bool:
             signal.pidfd_send_signal(pidfd, 0)
         except ProcessLookupError:
             return True
+        except PermissionError:
+            pass  # alive, and not ours to signal (an unprivileged daemon, a root client)
         return inside
     finally:
         os.close(pidfd)
