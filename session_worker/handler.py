@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from session_worker.settings import SessionSettings
+from ipc.settings import SessionSettings
 
 __all__ = [
     "Handler",

@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 
 from ipc import messages as m
+from ipc.contract import EXIT_BOOT_FAILED
 from ipc.connection import FramedProtocol
 from ipc.errors import ProtocolError
 from ipc.loop import run as run_loop
@@ -41,15 +42,12 @@ from session_worker.handler import (
     TurnResult,
     load_factory,
 )
-from session_worker.settings import SessionSettings
+from ipc.settings import SessionSettings
 
-__all__ = ["EXIT_BOOT_FAILED", "run_worker"]
+__all__ = ["run_worker"]
 
 log = logging.getLogger("sessiond.worker")
 
-# Like gunicorn's WORKER_BOOT_ERROR: a dedicated code the supervisor reads as
-# "do not respawn in a tight loop".
-EXIT_BOOT_FAILED = 3
 
 _decoder = msgspec.msgpack.Decoder(m.ToWorker)
 _settings_decoder = msgspec.msgpack.Decoder(SessionSettings)
@@ -261,7 +259,7 @@ def _confine(settings: SessionSettings, uid: int | None, gid: int | None) -> Non
     tools inherit both."""
     import resource
 
-    from session_worker._linux import set_dumpable, set_pdeathsig
+    from ipc.linux import set_dumpable, set_pdeathsig
 
     limits = settings.agent.limits
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core dumps of session memory

@@ -22,7 +22,7 @@ import msgspec
 import tomli_w
 from msgspec import Meta
 
-from session_worker.settings import ConfigSection, SessionSettings
+from ipc.settings import ConfigSection, SessionSettings
 
 __all__ = [
     "Config",

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ipc.loop import run as run_loop
-from session_worker._linux import set_dumpable
+from ipc.linux import set_dumpable
 from supervisor import __version__, sdnotify
 from supervisor.config import (
     Config,

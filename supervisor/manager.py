@@ -37,11 +37,11 @@ from typing import Any, Protocol
 
 import msgspec
 from ipc import messages as m
+from ipc.contract import EXIT_BOOT_FAILED, ExitReason, LimitKind
 from ipc.connection import FramedProtocol
 from ipc.errors import ProtocolError
 from ipc.framing import FrameEncoder
-from session_worker.main import EXIT_BOOT_FAILED
-from session_worker.settings import SessionSettings
+from ipc.settings import SessionSettings
 from supervisor.config import Config, valid_handler_name, workspace_root
 from supervisor.errors import (
     BadRequest,
@@ -115,8 +115,9 @@ class WorkerProc:
     boot_error: str = ""
     # Why we asked it to go, so its exit is not mistaken for a crash.
     expected: str = ""
-    # Set when a limit killed it: killed_memory, killed_turn_timeout, killed_heartbeat.
-    kill_reason: str = ""
+    # Set when we killed it for a reason of its own (a limit, a broken link,
+    # a failed boot): how its exit is classified.
+    kill_reason: ExitReason | None = None
     kill_detail: str = ""
 
 
@@ -641,9 +642,7 @@ class SessionManager:
                 asyncio.shield(worker.ready), self.config.daemon.boot_timeout_secs
             )
         except asyncio.TimeoutError:
-            worker.kill_reason = "boot_failed"
-            worker.kill_detail = "no Ready within boot_timeout_secs"
-            self.spawner.signal(pid, signal.SIGKILL)
+            self._kill(session, worker, ExitReason.BOOT_FAILED, "no Ready within boot_timeout_secs")
             raise Internal(
                 f"worker did not become ready within {self.config.daemon.boot_timeout_secs:g}s"
             ) from None
@@ -654,10 +653,7 @@ class SessionManager:
 
     def _on_worker_bad_frame(self, session: Session, worker: WorkerProc, exc: ProtocolError) -> None:
         # A worker that speaks garbage is broken: kill it; it restarts from the log.
-        log.error("session %s: bad frame from worker %d: %s; killing it", session.id, worker.pid, exc)
-        worker.kill_reason = worker.kill_reason or "crashed"
-        worker.kill_detail = f"protocol error: {exc}"
-        self.spawner.signal(worker.pid, signal.SIGKILL)
+        self._kill(session, worker, ExitReason.CRASHED, f"protocol error: {exc}")
 
     def _on_worker_message(self, session: Session, worker: WorkerProc, msg: m.FromWorker) -> None:
         if session.worker is not worker:
@@ -727,9 +723,7 @@ class SessionManager:
             # The worker is now ahead of the disk: make it restart from the disk.
             log.error("session %s: turn %d not persisted: %s", session.id, msg.turn, exc)
             self._end_turn(session, failed=f"the turn could not be saved: {exc}")
-            worker.kill_reason = "crashed"
-            worker.kill_detail = "its turn could not be saved"
-            self.spawner.signal(worker.pid, signal.SIGKILL)
+            self._kill(session, worker, ExitReason.CRASHED, "its turn could not be saved")
             return
         self._input_durable(session)  # the commit's fsync covered the input
         if msg.snapshot:
@@ -860,7 +854,7 @@ class SessionManager:
             )
             self._emit(
                 session,
-                m.LimitExceeded(session=session.id, seq=self._next_seq(session), kind="restarts",
+                m.LimitExceeded(session=session.id, seq=self._next_seq(session), kind=LimitKind.RESTARTS,
                                 value=decision.attempts_in_window, limit=ws.max_restart_attempts),
             )
             self._write_mark(session, durable=True)
@@ -1046,9 +1040,7 @@ class SessionManager:
             worker = session.worker
             if worker is not None:
                 # It has an input the log does not: it must restart from the log.
-                worker.kill_reason = "crashed"
-                worker.kill_detail = "its input could not be saved"
-                self.spawner.kill_tree(worker.pid, session.memory.escapees())
+                self._kill(session, worker, ExitReason.CRASHED, "its input could not be saved")
             self._input_durable(session, Internal(f"input not accepted: {exc}"))
             return
         self._input_durable(session)
@@ -1281,7 +1273,7 @@ class SessionManager:
         ordered = sorted(self.sessions.values(), key=lambda s: s.current_turn is None)
         for session in ordered:
             worker = session.worker
-            if worker is None or worker.kill_reason or worker.exited.done():
+            if worker is None or worker.kill_reason is not None or worker.exited.done():
                 continue
             limits = session.settings.agent.limits
             rss = session.memory.measure(self.proc_table, worker.pid)
@@ -1290,15 +1282,15 @@ class SessionManager:
             verdict = memory_verdict(rss, limits.max_memory_mb, limits.memory_high_mb, session.memory.high)
             if verdict.kill:
                 self._kill_for_limit(
-                    session, worker, "killed_memory",
+                    session, worker, ExitReason.KILLED_MEMORY,
                     f"memory cap {limits.max_memory_mb} MiB exceeded at {rss / MIB:.0f} MiB",
-                    "memory", rss / MIB, limits.max_memory_mb,
+                    LimitKind.MEMORY, rss / MIB, limits.max_memory_mb,
                 )
                 continue
             if verdict.high_crossed:
                 assert limits.memory_high_mb is not None
                 session.memory.high = True
-                self._emit_limit(session, "memory_high", rss / MIB, limits.memory_high_mb)
+                self._emit_limit(session, LimitKind.MEMORY_HIGH, rss / MIB, limits.memory_high_mb)
                 worker.conn.send(m.MemoryHigh(rss_bytes=rss, limit_bytes=limits.memory_high_mb * MIB))
             elif verdict.high_cleared:
                 session.memory.high = False
@@ -1306,9 +1298,9 @@ class SessionManager:
             silent = now - worker.last_heartbeat
             if worker.booted and silent > 3 * hb:
                 self._kill_for_limit(
-                    session, worker, "killed_heartbeat",
+                    session, worker, ExitReason.KILLED_HEARTBEAT,
                     f"no heartbeat for {silent:.1f}s (interval {hb:g}s): its event loop is stuck",
-                    "heartbeat", silent, 3 * hb,
+                    LimitKind.HEARTBEAT, silent, 3 * hb,
                 )
                 continue
             idle_limit = session.settings.agent.session_timeout_secs
@@ -1322,7 +1314,18 @@ class SessionManager:
         if self._retained_bytes > self.config.daemon.event_retention_total_bytes:
             self._trim_rings()
 
-    def _emit_limit(self, session: Session, kind: str, value: float, limit: float) -> None:
+    def _kill(self, session: Session, worker: WorkerProc, reason: ExitReason, detail: str) -> None:
+        """The one way a live session's worker is killed for a reason of its
+        own: recorded (so its exit is classified once, as `reason`), logged,
+        and its whole tree killed.  The first reason stands."""
+        if worker.kill_reason is None:
+            worker.kill_reason = reason
+            worker.kill_detail = detail
+        log.warning("session %s: %s: %s; killing worker %d and its processes",
+                    session.id, reason, detail, worker.pid)
+        self.spawner.kill_tree(worker.pid, session.memory.escapees())
+
+    def _emit_limit(self, session: Session, kind: LimitKind, value: float, limit: float) -> None:
         self._emit(
             session,
             m.LimitExceeded(session=session.id, seq=self._next_seq(session), kind=kind,
@@ -1330,14 +1333,11 @@ class SessionManager:
         )
 
     def _kill_for_limit(
-        self, session: Session, worker: WorkerProc, reason: str, detail: str,
-        kind: str, value: float, limit: float,
+        self, session: Session, worker: WorkerProc, reason: ExitReason, detail: str,
+        kind: LimitKind, value: float, limit: float,
     ) -> None:
-        log.warning("session %s: %s; killing worker %d", session.id, detail, worker.pid)
-        worker.kill_reason = reason
-        worker.kill_detail = detail
         self._emit_limit(session, kind, value, limit)
-        self.spawner.kill_tree(worker.pid, session.memory.escapees())
+        self._kill(session, worker, reason, detail)
 
     def _on_turn_timeout(self, session: Session, turn: int) -> None:
         session.turn_timer = None
@@ -1346,7 +1346,7 @@ class SessionManager:
             return
         timeout = session.settings.agent.turn_timeout_secs
         grace = self.config.daemon.stop_grace_secs
-        self._emit_limit(session, "turn_timeout", time.monotonic() - session.turn_started, timeout)
+        self._emit_limit(session, LimitKind.TURN_TIMEOUT, time.monotonic() - session.turn_started, timeout)
         if session.state is State.RUNNING:
             self._set_state(session, Trigger.INTERRUPT, reason=f"turn_timeout_secs={timeout:g} reached")
         worker.conn.send(m.InterruptTurn(turn=turn))
@@ -1358,10 +1358,8 @@ class SessionManager:
         session.kill_timer = None
         if session.current_turn != turn or session.worker is not worker:
             return
-        worker.kill_reason = "killed_turn_timeout"
-        worker.kill_detail = f"turn {turn} still running {grace:g}s after its timeout of {timeout:g}s"
-        log.warning("session %s: %s; killing worker %d", session.id, worker.kill_detail, worker.pid)
-        self.spawner.kill_tree(worker.pid, session.memory.escapees())
+        self._kill(session, worker, ExitReason.KILLED_TURN_TIMEOUT,
+                   f"turn {turn} still running {grace:g}s after its timeout of {timeout:g}s")
 
     async def _hibernate(self, session: Session, reason: str) -> None:
         try:
@@ -1522,16 +1520,16 @@ def _rmtree(path: Path) -> None:
     shutil.rmtree(path, onerror=onerror)
 
 
-def _classify(worker: WorkerProc, code: int | None, sig: int | None) -> str:
+def _classify(worker: WorkerProc, code: int | None, sig: int | None) -> ExitReason:
     if worker.expected:
-        return "stopped"
-    if worker.kill_reason:
+        return ExitReason.STOPPED
+    if worker.kill_reason is not None:
         return worker.kill_reason
     if not worker.booted or code == EXIT_BOOT_FAILED:
-        return "boot_failed"
+        return ExitReason.BOOT_FAILED
     if code == 0:
-        return "exited"
-    return "crashed"
+        return ExitReason.EXITED
+    return ExitReason.CRASHED
 
 
 def _describe_exit(info: m.ExitInfo | None) -> str:

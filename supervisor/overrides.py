@@ -37,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from session_worker.settings import PermissionRule, SessionSettings
+from ipc.settings import PermissionRule, SessionSettings
 
 __all__ = ["OverrideError", "Resolved", "resolve_overrides"]
 

@@ -48,7 +48,7 @@ import msgspec
 
 from ipc import messages as m
 from supervisor.pidfd import PidFd
-from session_worker._linux import set_child_subreaper, set_dumpable, set_pdeathsig
+from ipc.linux import set_child_subreaper, set_dumpable, set_pdeathsig
 
 __all__ = ["ZygoteBackoff", "ZygoteDied", "ZygoteSpawner", "zygote_main"]
 

@@ -16,7 +16,7 @@ import pytest
 from fakellm import FakeLLM, Hang, Reply, Stream, chunk, fake_llm, text_stream, tool_call_stream
 from session_worker.agent import AgentHandler
 from session_worker.handler import SpawnError, TurnFailure, TurnResult, load_factory
-from session_worker.settings import SessionSettings
+from ipc.settings import SessionSettings
 from test_agent_support import (
     AgentSettings,
     FakeCtx,

@@ -19,7 +19,7 @@ import pytest
 from fakellm import Delay, FakeLLM, Hang, Reply, Stream, chunk, fake_llm, text_stream, tool_call_stream
 from session_worker.agent._provider import Provider, _anext_flushing_first
 from session_worker.handler import TurnFailure, TurnResult
-from session_worker.settings import ProviderSettings
+from ipc.settings import ProviderSettings
 from test_agent_support import FakeCtx, make_handler, make_settings, run
 
 __all__ = ["fake_llm"]

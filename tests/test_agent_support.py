@@ -18,7 +18,7 @@ import msgspec
 from fakellm import FakeLLM
 from session_worker.agent import AgentHandler
 from session_worker.handler import HandlerInit, SpawnError, TurnContext
-from session_worker.settings import (
+from ipc.settings import (
     AgentSettings,
     LoopSettings,
     PermissionRule,

@@ -18,7 +18,7 @@ from session_worker.agent._builtins import builtin_tools, resolve_inside
 from session_worker.agent._errors import ToolError, ToolLoadError
 from session_worker.agent._bash import OutputCap
 from session_worker.agent._tools import ToolEnv
-from session_worker.settings import SessionSettings
+from ipc.settings import SessionSettings
 from test_agent_support import FakeCtx, ToolsSettings, make_handler, make_settings, run
 
 __all__ = ["fake_llm"]
@@ -214,7 +214,7 @@ def test_unknown_enabled_tool_fails_at_construction(fake_llm: FakeLLM, tmp_path:
 
 
 def test_custom_tools_run_through_the_loop(fake_llm: FakeLLM, tmp_path: Path) -> None:
-    from session_worker.settings import PermissionRule
+    from ipc.settings import PermissionRule
 
     settings = make_settings(
         fake_llm,

@@ -25,7 +25,7 @@ from session_worker.agent import _beneath
 from session_worker.agent._builtins import builtin_tools
 from session_worker.agent._errors import ToolError
 from session_worker.agent._tools import ToolEnv
-from session_worker.settings import SessionSettings
+from ipc.settings import SessionSettings
 from test_agent_support import FakeCtx, run
 
 SECRET = "top-secret-outside-the-workspace"

@@ -44,7 +44,7 @@ from harness import Daemon, raw_connect, wait_for
 from ipc import messages as m
 from ipc.errors import BadMessage, FrameTooLarge
 from ipc.framing import FrameParser, encode_frame
-from session_worker.settings import SessionSettings
+from ipc.settings import SessionSettings
 from supervisor.client import RequestError
 from test_bad_input import hello
 
@@ -527,7 +527,7 @@ class WorkerChild:
             code = 1
             try:
                 ours.close()
-                from session_worker._linux import set_pdeathsig
+                from ipc.linux import set_pdeathsig
 
                 set_pdeathsig(signal.SIGKILL)
                 from session_worker.main import run_worker

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from session_worker.settings import PermissionRule, SessionSettings
+from ipc.settings import PermissionRule, SessionSettings
 from supervisor.overrides import ALLOWED, OverrideError, Rule, resolve_overrides
 
 BASE = SessionSettings(

@@ -28,7 +28,8 @@ from session_worker.agent._provider import Provider
 from session_worker.agent._stream import Completion, ToolCall
 from session_worker.agent._tools import ToolEnv, ToolRegistry, check_arguments
 from session_worker.handler import TurnContext, TurnFailure, TurnResult
-from session_worker.settings import SessionSettings
+from ipc.contract import LimitKind
+from ipc.settings import SessionSettings
 
 __all__ = ["Turn"]
 
@@ -116,7 +117,7 @@ class Turn:
                 f"error: not run: this input reached the limit of {limit} model calls "
                 "(agent.max_turns).",
             )
-        self._ctx.limit_exceeded("turns", n, limit)
+        self._ctx.limit_exceeded(LimitKind.TURNS, n, limit)
         note = (
             f"[Stopped: reached the limit of {limit} model calls for one input "
             f"(agent.max_turns); {len(calls)} requested tool call(s) were not run. "
@@ -160,7 +161,7 @@ class Turn:
     async def _run_calls(self, calls: list[ToolCall]) -> None:
         limit = self._settings.agent.max_tool_calls_per_turn
         if len(calls) > limit:
-            self._ctx.limit_exceeded("tool_calls", len(calls), limit)
+            self._ctx.limit_exceeded(LimitKind.TOOL_CALLS, len(calls), limit)
         for i, call in enumerate(calls):
             if i >= limit:
                 self._answer(

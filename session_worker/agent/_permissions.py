@@ -17,7 +17,7 @@ import fnmatch
 from collections.abc import Sequence
 from typing import Literal
 
-from session_worker.settings import PermissionRule
+from ipc.settings import PermissionRule
 
 __all__ = ["Action", "decide"]
 

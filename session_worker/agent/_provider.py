@@ -51,7 +51,7 @@ from session_worker.agent._errors import (
 )
 from session_worker.agent._sse import SSEParser
 from session_worker.agent._stream import Completion, StreamAssembler
-from session_worker.settings import ProviderSettings
+from ipc.settings import ProviderSettings
 
 __all__ = ["Provider", "redact"]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from session_worker.handler import TurnContext
-from session_worker.settings import SessionSettings
+from ipc.settings import SessionSettings
 
 __all__ = ["Tool", "ToolEnv", "ToolRegistry", "check_arguments"]
 
