@@ -87,7 +87,7 @@ class Daemon:
         self.preexec: Callable[[], None] | None = None
         # Put before `cmd` when starting (e.g. `run_as_user`'s wrapper).
         self.cmd_prefix: list[str] = []
-        self._exposed: Path | None = None
+        self._exposed: list[Path] = []
 
     @property
     def cmd(self) -> list[str]:
@@ -109,24 +109,35 @@ class Daemon:
     def run_as_user(self, uid: int, gid: int) -> None:
         """Start the daemon as `uid`:`gid` (from root) instead of as root.
 
-        The daemon's directories are handed to that user.  This interpreter
-        may live where the user cannot reach it (pyenv under a 0700 /root):
-        the daemon then runs in its own mount namespace where the closed
-        ancestor is replaced by a 0711 directory holding a bind mount of
-        the one child on the interpreter's path; nothing changes for the
-        rest of the machine."""
+        The daemon's directories are handed to that user.  The interpreter,
+        the venv and this checkout may live where the user cannot reach them
+        (pyenv under a 0700 /root, a clone in a 0700 mktemp dir): the daemon
+        then runs in its own mount namespace where each closed directory on
+        those paths is covered by a 0711 directory holding bind mounts of
+        just the children it needs; nothing changes for the rest of the
+        machine."""
         for path in (self.root, self.sockdir):
             os.chown(path, uid, gid)
+        needs: dict[Path, set[str]] = {}
+        code = {"supervisor", "session_worker", "ipc", "tests"}
+        for target, children in ((Path(sys.base_prefix).resolve(), set()),
+                                 (Path(sys.prefix).resolve(), set()), (REPO, code)):
+            chain = [*reversed(target.parents), target]
+            for here, below in zip(chain, [*chain[1:], None]):
+                if os.stat(here).st_mode & 0o001:
+                    continue
+                needs.setdefault(here, set()).update({below.name} if below is not None else children)
         mounts = ""
-        prefix = Path(sys.base_prefix).resolve()
-        closed = next((a for a in reversed(prefix.parents) if not os.stat(a).st_mode & 0o001), None)
-        if closed is not None:
-            child = prefix.relative_to(closed).parts[0]
-            self._exposed = Path(tempfile.mkdtemp(prefix="sd-expose-"))
-            os.chmod(self._exposed, 0o711)
-            (self._exposed / child).mkdir()
-            mounts = (f"mount --bind {closed / child} {self._exposed / child} && "
-                      f"mount --rbind {self._exposed} {closed} && ")
+        # Deepest first, children bound recursively: a cover made below is
+        # carried along when its parent is covered in turn.
+        for closed in sorted(needs, key=lambda p: len(p.parts), reverse=True):
+            cover = Path(tempfile.mkdtemp(prefix="sd-expose-"))
+            os.chmod(cover, 0o711)
+            self._exposed.append(cover)
+            for child in sorted(needs[closed]):
+                (cover / child).mkdir()
+                mounts += f"mount --rbind {closed / child} {cover / child} && "
+            mounts += f"mount --rbind {cover} {closed} && "
         self.cmd_prefix = [
             "unshare", "--mount", "--propagation", "private", "sh", "-c",
             f'{mounts}exec setpriv --reuid={uid} --regid={gid} --clear-groups -- "$@"', "sh",
@@ -215,11 +226,11 @@ class Daemon:
             for p in self.sockdir.iterdir():
                 p.unlink()
             self.sockdir.rmdir()
-        if self._exposed is not None:
+        for cover in self._exposed:
             with contextlib.suppress(OSError):
-                for p in self._exposed.iterdir():
+                for p in cover.iterdir():
                     p.rmdir()
-                self._exposed.rmdir()
+                cover.rmdir()
 
 
 def _alive(pid: int) -> bool:
