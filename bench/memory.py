@@ -62,11 +62,8 @@ MIB = 1024 * 1024
 # then waits for stdin to close.
 _FORK_HELPER = r"""
 import asyncio, gc, os, socket, sys
-import supervisor.cli, supervisor.daemon, supervisor.zygote
-try:
-    supervisor.zygote._preload()
-except AttributeError:
-    import session_worker.main, session_worker.echo, session_worker.agent
+import supervisor.cli, supervisor.daemon, session_worker.zygote
+session_worker.zygote._preload()
 n = int(sys.argv[1])
 gc.collect(); gc.freeze()
 pids = {"bare": [], "loop": []}

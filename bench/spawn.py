@@ -65,11 +65,8 @@ n, kind = int(sys.argv[1]), sys.argv[2]
 if kind in ("zygote", "boot"):
     # What the real zygote holds: the daemon's modules (it is a fork of the
     # daemon) plus its own preloads.
-    import gc, supervisor.cli, supervisor.daemon, supervisor.zygote
-    try:
-        supervisor.zygote._preload()
-    except AttributeError:
-        import session_worker.main, session_worker.echo, session_worker.agent
+    import gc, supervisor.cli, supervisor.daemon, session_worker.zygote
+    session_worker.zygote._preload()
     from ipc import messages as m
     from ipc.framing import encode_frame
     def payload():

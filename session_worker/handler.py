@@ -44,12 +44,10 @@ __all__ = [
     "SpawnError",
     "HandlerFactory",
     "HandlerInit",
-    "HandlerLoadError",
     "TurnContext",
     "TurnFailure",
     "TurnResult",
     "import_object",
-    "load_factory",
 ]
 
 
@@ -130,28 +128,6 @@ class Handler(Protocol):
 
 
 HandlerFactory = Callable[[HandlerInit], Handler]
-
-
-class HandlerLoadError(Exception):
-    """A handler name that cannot be resolved to a factory."""
-
-
-def load_factory(name: str) -> HandlerFactory:
-    """Resolve `echo`, `agent` or `package.module:factory` to a factory."""
-    if name == "echo":
-        from session_worker.echo import EchoHandler
-
-        return EchoHandler
-    if name == "agent":
-        from session_worker.agent import AgentHandler
-
-        return AgentHandler
-    if ":" not in name:
-        raise HandlerLoadError(
-            f"unknown handler {name!r}: use 'echo', 'agent' or 'package.module:factory'"
-        )
-    factory: HandlerFactory = import_object(name, "handler", HandlerLoadError)
-    return factory
 
 
 def import_object(spec: str, what: str, error: type[Exception] = ImportError) -> Any:

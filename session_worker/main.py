@@ -33,6 +33,8 @@ from ipc.contract import EXIT_BOOT_FAILED
 from ipc.connection import FramedProtocol
 from ipc.errors import ProtocolError
 from ipc.loop import run as run_loop
+from ipc.settings import SessionSettings
+from session_worker.factories import load_factory
 from session_worker.handler import (
     Handler,
     HandlerInit,
@@ -40,9 +42,7 @@ from session_worker.handler import (
     TurnContext,
     TurnFailure,
     TurnResult,
-    load_factory,
 )
-from ipc.settings import SessionSettings
 
 __all__ = ["run_worker"]
 

@@ -41,7 +41,7 @@ from ipc.messages import (
     TurnDone,
     TurnFailed,
 )
-from supervisor.config import default_socket_path
+from ipc.paths import default_socket_path
 
 __all__ = [
     "AsyncClient",

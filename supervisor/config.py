@@ -22,6 +22,7 @@ import msgspec
 import tomli_w
 from msgspec import Meta
 
+from ipc.paths import default_socket_path
 from ipc.settings import ConfigSection, SessionSettings
 
 __all__ = [
@@ -263,16 +264,6 @@ def default_config_path() -> Path | None:
         base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
         path = Path(base) / "sessiond" / "config.toml"
     return path if path.exists() else None
-
-
-def default_socket_path() -> Path:
-    env = os.environ.get("SESSIOND_SOCKET")
-    if env:
-        return Path(env)
-    if _is_root():
-        return Path("/run/sessiond/sessiond.sock")
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/sessiond-{os.getuid()}"
-    return Path(runtime) / "sessiond" / "sessiond.sock"
 
 
 def daemon_socket_path(cfg: Config) -> Path:

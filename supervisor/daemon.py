@@ -45,7 +45,7 @@ from supervisor.config import (
 )
 from supervisor.manager import SessionManager
 from supervisor.server import ControlServer
-from supervisor.zygote import ZygoteSpawner
+from supervisor.spawner import ZygoteSpawner
 
 __all__ = ["StartupError", "run_daemon"]
 

@@ -67,7 +67,7 @@ from supervisor.store import (
     Snapshot,
     StoreError,
 )
-from supervisor.zygote import ZygoteDied, ZygoteSpawner
+from supervisor.spawner import ZygoteDied, ZygoteSpawner
 
 __all__ = ["Session", "SessionManager", "Subscriber", "valid_session_id"]
 

@@ -15,7 +15,8 @@ import pytest
 
 from fakellm import FakeLLM, Hang, Reply, Stream, chunk, fake_llm, text_stream, tool_call_stream
 from session_worker.agent import AgentHandler
-from session_worker.handler import SpawnError, TurnFailure, TurnResult, load_factory
+from session_worker.factories import load_factory
+from session_worker.handler import SpawnError, TurnFailure, TurnResult
 from ipc.settings import SessionSettings
 from test_agent_support import (
     AgentSettings,

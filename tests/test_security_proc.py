@@ -207,16 +207,17 @@ def _zygote(d: Daemon) -> psutil.Process | None:
 
 
 def test_a_new_zygote_does_not_import_from_the_daemons_cwd(daemon: Daemon) -> None:
-    """`python -m supervisor.zygote` used to put the daemon's working
-    directory first on sys.path: a `supervisor/` planted there ran as the
+    """`python -m <package>.zygote` used to put the daemon's working
+    directory first on sys.path: a package planted there ran as the
     daemon's user (root) at the next zygote restart."""
     marker = daemon.root / "planted-code-ran"
     assert Path(psutil.Process(daemon.pid).cwd()) == daemon.root
-    planted = daemon.root / "supervisor"
-    planted.mkdir()
     payload = f"open({str(marker)!r}, 'w').write('pwned')\n"
-    (planted / "__init__.py").write_text(payload)
-    (planted / "zygote.py").write_text(payload)
+    for package in ("supervisor", "session_worker", "ipc"):
+        planted = daemon.root / package
+        planted.mkdir()
+        (planted / "__init__.py").write_text(payload)
+        (planted / "zygote.py").write_text(payload)
     first = _zygote(daemon)
     assert first is not None
     first.kill()
@@ -271,7 +272,7 @@ def test_a_zygote_that_keeps_dying_is_restarted_with_backoff(daemon: Daemon) -> 
 
 
 def test_zygote_backoff_policy() -> None:
-    from supervisor.zygote import ZygoteBackoff
+    from supervisor.spawner import ZygoteBackoff
 
     b = ZygoteBackoff(initial_secs=0.1, max_secs=1.0, stable_secs=10.0)
     assert [b.delay_after_death(0.5) for _ in range(7)] == [0.0, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]

@@ -19,7 +19,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from session_worker.agent import _beneath
+import session_worker.agent._beneath as _beneath
 from session_worker.agent._bash import run_bash
 from session_worker.agent._errors import ToolError
 from session_worker.agent._tools import Tool, ToolEnv

@@ -1,287 +1,55 @@
-"""The zygote: a small preloaded process that forks one worker per session.
+"""The daemon's side of the zygote: spawning, signalling and killing workers.
 
-Why: forking is cheap only from a small process with no threads and no
-running event loop, and copy-on-write only pays when the parent's heap stays
-still.  The daemon forks the zygote at start-up, before its loop or any
-thread exists; the zygote imports `session_worker`, calls `gc.freeze()` and
-from then on does nothing but fork on order and reap.
-
-    daemon ──SEQPACKET── zygote ──fork──> worker (own process group)
-      │   SpawnWorker + fd  ─►               │
-      │   ◄─ Spawned{pid}, Exited{pid, code|signal}
-      └────────── socketpair (framed msgpack) ┘
-
-The zygote is the one process that calls waitpid for workers; it reports
-every exit status to the daemon, decoded once (code or signal).  It is also
-the child subreaper, so tool processes orphaned by a worker re-parent to it
-and are reaped instead of haunting init.  PDEATHSIG ties each worker to the
-zygote (SIGKILL) and the zygote to the daemon (SIGUSR1: when the daemon dies,
-the zygote kills every worker's process group and every process that
-re-parented to it, then exits), so nothing outlives the daemon.
+`ZygoteSpawner` is the first implementation of the `Spawner` seam
+(`supervisor.seams`): it owns the zygote process (`session_worker.zygote`,
+which this module never imports: the zygote is started by name, in a forked
+child before the daemon has a loop or a thread, or by exec) and every
+worker's pidfd.  Exit statuses arrive from the zygote and go to `on_exit`.
 
 If the zygote itself dies, the daemon starts a new one with fork+exec
-(`python -P -m supervisor.zygote`): forking the daemon again is what we
+(`python -P -m session_worker.zygote`): forking the daemon again is what we
 avoid.  `-P` because `-m` would otherwise put the daemon's working
-directory first on sys.path, and a `supervisor/` planted there would run
-with the daemon's rights.  A zygote that keeps dying is restarted after an
+directory first on sys.path, and a package planted there would run with the
+daemon's rights.  A zygote that keeps dying is restarted after an
 exponential backoff (`ZygoteBackoff`), not in a tight loop; meanwhile spawn
 requests fail with `ZygoteDied` and the daemon serves everything else.
+
+Runs in the daemon.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
+import importlib
 import logging
 import os
-import selectors
 import signal
 import socket
 import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import msgspec
 
 from ipc import messages as m
 from supervisor.pidfd import PidFd
-from ipc.linux import set_child_subreaper, set_dumpable, set_pdeathsig
 
-__all__ = ["ZygoteBackoff", "ZygoteDied", "ZygoteSpawner", "zygote_main"]
+__all__ = ["ZygoteBackoff", "ZygoteDied", "ZygoteSpawner"]
 
 log = logging.getLogger("sessiond.zygote")
 
-_to_zygote = msgspec.msgpack.Decoder(m.ToZygote)
 _from_zygote = msgspec.msgpack.Decoder(m.FromZygote)
 _encode = msgspec.msgpack.Encoder().encode
 _MAX_PACKET = 4096
 _SIGKILL = signal.SIGKILL  # (the spawner has a method named `signal`)
 # How often to look whether a reaped worker's process group is empty yet.
 _RETIRE_CHECK_SECS = 0.25
-# The directory holding our `supervisor` package, for the re-exec'd zygote.
+# The directory holding our packages, for the re-exec'd zygote.
 _CODE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-# ---------------------------------------------------------------- the zygote process
-
-
-def _preload() -> None:
-    import session_worker.echo  # noqa: F401
-    import session_worker.main  # noqa: F401
-
-    with contextlib.suppress(ImportError):
-        import session_worker.agent  # noqa: F401
-
-
-def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
-    """Runs in the zygote process until the daemon closes its end or dies."""
-    # Not SIGKILL: when the daemon dies we still have work to do (below).
-    set_pdeathsig(signal.SIGUSR1)
-    # A forked zygote inherits the daemon's non-dumpable flag, but one
-    # started by exec has it reset; the workers inherit ours.
-    set_dumpable(False)
-    if os.getppid() != daemon_pid:
-        _kill_everything({})
-        return 0
-    # Ctrl-C in a terminal and a stray SIGTERM to the daemon's group are the
-    # daemon's to handle; it stops us by closing the socket.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    set_child_subreaper()
-    _preload()
-
-    parent_died = False
-
-    def on_parent_death(signum: int, frame: object) -> None:
-        nonlocal parent_died
-        parent_died = True  # the loop sees it; the wakeup fd wakes the loop
-
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.signal(signal.SIGUSR1, on_parent_death)
-    sock.setblocking(True)
-    gc.collect()
-    gc.freeze()
-
-    workers: dict[int, int] = {}  # pid -> token
-    # Forked ahead of demand and waiting for Boot: the daemon's end of each,
-    # and its pidfd.
-    spares: dict[int, tuple[socket.socket, int]] = {}
-    keep_spares = 0
-    sel = selectors.DefaultSelector()
-    sel.register(sock, selectors.EVENT_READ, "sock")
-    sel.register(wake_r, selectors.EVENT_READ, "wake")
-    my_pid = os.getpid()
-
-    def fork_worker(spare: bool) -> tuple[int, socket.socket, int]:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        pid = os.fork()
-        if pid == 0:
-            ours.close()
-            # fork ignores CLOEXEC: drop the other spares' daemon ends and
-            # pidfds, or this worker would keep them open.
-            for other, other_pidfd in spares.values():
-                other.close()
-                os.close(other_pidfd)
-            _worker_child(theirs.detach(), sock, wake_r, wake_w, my_pid, spare)
-        # The daemon kills by pidfd, never by pid number.  Opened here, right
-        # after fork: only we reap this child, and not before this line, so
-        # the number cannot have passed to another process yet.
-        pidfd = os.pidfd_open(pid)
-        with contextlib.suppress(OSError):
-            os.setpgid(pid, pid)  # also done by the child: whoever runs first
-        theirs.close()
-        return pid, ours, pidfd
-
-    def reap() -> None:
-        for pid, status in _reap_any():
-            spare = spares.pop(pid, None)
-            if spare is not None:
-                spare[0].close()  # a spare that died unused: nobody to tell
-                os.close(spare[1])
-                continue
-            if workers.pop(pid, None) is None:
-                continue  # an orphaned tool process we adopted as subreaper
-            code = os.waitstatus_to_exitcode(status)
-            exited = m.Exited(pid=pid, code=code) if code >= 0 else m.Exited(pid=pid, signal=-code)
-            with contextlib.suppress(OSError):
-                sock.send(_encode(exited))
-
-    running = True
-    while running and not parent_died:
-        # With spares to make, poll instead of blocking: an order always
-        # comes first, a spare is forked only when nothing is waiting.
-        events = sel.select(0 if len(spares) < keep_spares else None)
-        if not events and len(spares) < keep_spares:
-            pid, ours, pidfd = fork_worker(spare=True)
-            spares[pid] = (ours, pidfd)
-            continue
-        for key, _ in events:
-            if key.data == "wake":
-                with contextlib.suppress(BlockingIOError):
-                    os.read(wake_r, 512)
-                reap()
-                continue
-            try:
-                data = sock.recv(_MAX_PACKET)
-            except OSError:
-                data = b""
-            if not data:
-                running = False
-                break
-            match _to_zygote.decode(data):
-                case m.KeepSpares(count=count):
-                    keep_spares = max(0, count)
-                    while len(spares) > keep_spares:
-                        _, (extra, extra_pidfd) = spares.popitem()
-                        extra.close()  # EOF: the spare exits by itself
-                        os.close(extra_pidfd)
-                case m.SpawnWorker(token=token):
-                    if spares:
-                        pid, (ours, pidfd) = spares.popitem()
-                    else:
-                        pid, ours, pidfd = fork_worker(spare=False)
-                    workers[pid] = token
-                    try:
-                        socket.send_fds(sock, [_encode(m.Spawned(token=token, pid=pid))],
-                                        [ours.fileno(), pidfd])
-                    finally:
-                        ours.close()
-                        os.close(pidfd)
-        reap()
-
-    signal.set_wakeup_fd(-1)
-    for spare, spare_pidfd in spares.values():
-        spare.close()
-        os.close(spare_pidfd)
-    _kill_everything({**workers, **dict.fromkeys(spares, 0)})
-    return 0
-
-
-def _kill_everything(workers: dict[int, int], settle_secs: float = 1.0) -> None:
-    """The daemon is gone or done with us: nothing of ours may outlive it.
-
-    Kill every worker's process group, then keep killing whatever is left
-    among our children: tools that left their group (setsid) re-parent to us
-    (we are the subreaper) when the worker above them dies.
-    """
-    # By number, safely: we are the only reaper of these pids and have not
-    # reaped them, so each still names our worker's group.
-    for pid in list(workers):
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)
-    deadline = time.monotonic() + settle_secs
-    while True:
-        children = _my_children()
-        for pid in children:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        for _ in _reap_any():
-            pass
-        if not children and not _my_children():
-            return
-        if time.monotonic() > deadline:
-            return
-        time.sleep(0.01)
-
-
-def _reap_any() -> Iterator[tuple[int, int]]:
-    """(pid, status) of every child that has exited, without blocking."""
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        yield pid, status
-
-
-def _my_children() -> list[int]:
-    # The zygote is single-threaded: its main task lists all its children.
-    pid = os.getpid()
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-
-
-def _worker_child(
-    fd: int, zsock: socket.socket, wake_r: int, wake_w: int, zygote_pid: int, spare: bool
-) -> None:
-    """In the freshly forked worker: shed the zygote's plumbing, run, _exit."""
-    code = 1
-    try:
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-        os.close(wake_r)
-        os.close(wake_w)
-        zsock.close()
-        os.setpgid(0, 0)
-        set_pdeathsig(signal.SIGKILL)
-        if os.getppid() != zygote_pid:
-            os._exit(1)
-        from session_worker.main import run_worker
-
-        code = run_worker(socket.socket(fileno=fd), warm_up=spare)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
-
-
-# ---------------------------------------------------------------- the daemon's side
+_ZYGOTE_MODULE = "session_worker.zygote"
 
 
 class ZygoteDied(Exception):
@@ -352,7 +120,10 @@ class ZygoteSpawner:
             code = 1
             try:
                 parent.close()
-                code = zygote_main(child, daemon_pid)
+                # The worker side is loaded here, in the child only: the
+                # daemon itself never imports it.
+                zygote = importlib.import_module(_ZYGOTE_MODULE)
+                code = zygote.zygote_main(child, daemon_pid)
             except BaseException:
                 traceback.print_exc()
             finally:
@@ -371,7 +142,7 @@ class ZygoteSpawner:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_CODE_ROOT, env.get("PYTHONPATH")) if p)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-P", "-m", "supervisor.zygote", "--fd", str(fd),
+                [sys.executable, "-P", "-m", _ZYGOTE_MODULE, "--fd", str(fd),
                  "--daemon-pid", str(os.getpid())],
                 pass_fds=[fd], close_fds=True, env=env,
             )
@@ -557,17 +328,3 @@ class ZygoteSpawner:
         for worker in self._workers.values():
             worker.close()
         self._workers.clear()
-
-
-def _exec_main() -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m supervisor.zygote")
-    parser.add_argument("--fd", type=int, required=True)
-    parser.add_argument("--daemon-pid", type=int, required=True)
-    args = parser.parse_args()
-    return zygote_main(socket.socket(fileno=args.fd), args.daemon_pid)
-
-
-if __name__ == "__main__":
-    sys.exit(_exec_main())
