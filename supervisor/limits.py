@@ -26,7 +26,16 @@ from dataclasses import dataclass, field
 
 from supervisor.pidfd import PidFd
 
-__all__ = ["MemoryVerdict", "ProcTable", "SessionMemory", "memory_verdict"]
+__all__ = [
+    "HEARTBEATS_MISSED",
+    "MemoryVerdict",
+    "ProcTable",
+    "SessionMemory",
+    "heartbeat_overdue",
+    "idle_expired",
+    "memory_verdict",
+    "turn_deadline_left",
+]
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 MIB = 1024 * 1024
@@ -188,3 +197,24 @@ def memory_verdict(rss_bytes: int, max_mb: int, high_mb: int | None, was_high: b
     if was_high and not above:
         return _CLEARED
     return _OK
+
+
+# Missed heartbeats before a worker's loop counts as stuck.
+HEARTBEATS_MISSED = 3
+
+
+def heartbeat_overdue(now: float, last_heartbeat: float, interval_secs: float, booted: bool) -> bool:
+    """A booted worker silent for more than HEARTBEATS_MISSED intervals: its
+    event loop is stuck (a busy loop, a blocking call)."""
+    return booted and now - last_heartbeat > HEARTBEATS_MISSED * interval_secs
+
+
+def idle_expired(now: float, last_active: float, idle_secs: float, idle: bool, busy: bool) -> bool:
+    """An idle session untouched for longer than session_timeout_secs, and
+    not busy with anything else: time to hibernate it."""
+    return idle and not busy and now - last_active > idle_secs
+
+
+def turn_deadline_left(now: float, turn_started: float, timeout_secs: float) -> float:
+    """Seconds left of a turn's timeout, counted from its start (0 when past)."""
+    return max(timeout_secs - (now - turn_started), 0.0)

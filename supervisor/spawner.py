@@ -36,6 +36,7 @@ import msgspec
 
 from ipc import messages as m
 from supervisor.pidfd import PidFd
+from supervisor.seams import SpawnerDied
 
 __all__ = ["ZygoteBackoff", "ZygoteDied", "ZygoteSpawner"]
 
@@ -52,7 +53,7 @@ _CODE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ZYGOTE_MODULE = "session_worker.zygote"
 
 
-class ZygoteDied(Exception):
+class ZygoteDied(SpawnerDied):
     pass
 
 

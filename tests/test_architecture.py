@@ -111,17 +111,7 @@ def test_no_import_cycles() -> None:
     assert cycles == []
 
 
-# Not yet: SessionManager still does a dozen jobs in one module; carving
-# it is the open part of issue 10.  strict: this fails once it is done, to
-# be removed then.
-_TOO_BIG_FOR_NOW = {"supervisor.manager"}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="issue 10: carve SessionManager"))
-    if n in _TOO_BIG_FOR_NOW else n
-    for n in sorted(MODULES)
-])
+@pytest.mark.parametrize("name", sorted(MODULES))
 def test_modules_stay_readable(name: str) -> None:
     lines = MODULES[name].read_text().count("\n")
     assert lines <= MAX_LINES, f"{MODULES[name]} has {lines} lines (max {MAX_LINES}): split it by job"

@@ -224,7 +224,8 @@ def builtin_tools() -> dict[str, Tool]:
                     "task": {"type": "string", "description": "What the sub-agent should do."},
                     "handler": {
                         "type": "string",
-                        "description": "Optional handler for the sub-agent (default: agent).",
+                        "description": "Optional handler for the sub-agent "
+                        "(default: the same handler as this session).",
                     },
                 },
                 ["task"],

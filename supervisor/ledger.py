@@ -1,0 +1,211 @@
+"""Turns and their durability: an input is acknowledged only once it is on
+disk, a turn is done only once its output is.
+
+Runs in the daemon's loop.  The ordering rules that make the durability
+promises true live here and only here:
+* an input is appended, and fsync'd, before `Accepted` is sent;
+* a turn's output is appended, and fsync'd, before `TurnDone` is sent;
+* a turn that ends without a commit (its worker died, it failed) gets an
+  `Abort` record and a `TurnFailed` event naming the cause.
+
+Group commit: the worker starts on an input before it is durable.  A session
+whose last turn was quick (echo, a calculator) will likely end this one
+within `_GROUP_COMMIT_SECS` too, and the turn's commit then makes the input
+durable with the same fsync; otherwise (an LLM call) the input is fsync'd
+at once, so that `Accepted`, and the client's first token behind it, are not
+held back.  `Accepted` always waits for the fsync that covers the input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from ipc import messages as m
+from supervisor.errors import Internal, SessiondError
+from supervisor.events import EventLog
+from supervisor.session import PendingInput, Session, WorkerProc
+from supervisor.states import State, Trigger
+from supervisor.store import Abort, Commit, InputRecord, Mark, Snapshot, StoreError
+
+__all__ = ["TurnLedger"]
+
+log = logging.getLogger("sessiond.manager")
+
+# A turn that ends this soon after its input commits both with one fsync.
+_GROUP_COMMIT_SECS = 0.002
+
+
+class TurnLedger:
+    def __init__(self, events: EventLog) -> None:
+        self._events = events
+        # Set by the daemon's core: what to do with a worker that is ahead of
+        # the disk (kill it; it restarts from the log), and with a turn that
+        # has begun (arm its timeout).
+        self.on_unsaved: Callable[[Session, WorkerProc, str], None] = lambda s, w, why: None
+        self.on_turn_started: Callable[[Session, int], None] = lambda s, turn: None
+
+    def begin(
+        self, session: Session, text: str, on_accepted: Callable[[m.Accepted], None] | None = None
+    ) -> asyncio.Future[m.Accepted]:
+        """Start a turn on the session's worker; the future resolves (and
+        `on_accepted` is called, synchronously, before any later event of
+        the turn) once the input is durable."""
+        turn = session.turns + 1
+        worker = session.worker
+        assert worker is not None
+        try:
+            session.store.append(
+                InputRecord(turn=turn, text=text, seq=session.seq, at=time.time()), durable=False
+            )
+        except StoreError as exc:
+            raise Internal(f"input not accepted: {exc}") from None
+        worker.conn.send(m.Input(turn=turn, text=text))
+        worker.conn.flush()
+        loop = asyncio.get_running_loop()
+        accepted = m.Accepted(id=0, session=session.id, turn=turn, seq=session.seq)
+        durable: asyncio.Future[m.Accepted] = loop.create_future()
+        if session.last_turn_secs < _GROUP_COMMIT_SECS:
+            sync: asyncio.Handle = loop.call_later(_GROUP_COMMIT_SECS, self.sync_input, session)
+        else:
+            sync = loop.call_soon(self.sync_input, session)
+        session.pending_input = PendingInput(accepted, durable, on_accepted, sync)
+        session.turns = turn
+        session.current_turn = turn
+        session.current_input = text
+        session.last_active = time.monotonic()
+        session.turn_started = time.monotonic()
+        self.on_turn_started(session, turn)
+        self._events.set_state(session, Trigger.INPUT, reason=f"turn {turn}")
+        return durable
+
+    def streaming(self, session: Session) -> None:
+        """The turn is streaming: its client wants Accepted (and the text)
+        now, not after the group-commit window.  Sync once this batch of
+        worker messages is handled: a Done in the same batch still covers
+        the input with its own fsync."""
+        pending = session.pending_input
+        if pending is not None and not pending.streaming:
+            pending.streaming = True
+            pending.timer.cancel()
+            pending.timer = asyncio.get_running_loop().call_soon(self.sync_input, session)
+
+    def sync_input(self, session: Session) -> None:
+        """The turn is still running: make its input durable on its own."""
+        pending = session.pending_input
+        if pending is None:
+            return
+        try:
+            session.store.sync()
+        except StoreError as exc:
+            if session.worker is not None:
+                # It has an input the log does not: it must restart from the log.
+                self.on_unsaved(session, session.worker, "its input could not be saved")
+            self._input_durable(session, Internal(f"input not accepted: {exc}"))
+            return
+        self._input_durable(session)
+
+    def _input_durable(self, session: Session, error: SessiondError | None = None) -> None:
+        """After the fsync that covers the pending input: acknowledge it
+        (synchronously, so `Accepted` precedes the turn's last events)."""
+        pending, session.pending_input = session.pending_input, None
+        if pending is None:
+            return
+        pending.timer.cancel()
+        if error is not None:
+            pending.durable.set_exception(error)
+            pending.durable.exception()  # retrieved by whoever awaits, if anyone
+            return
+        if pending.on_accepted is not None:
+            pending.on_accepted(pending.accepted)
+        pending.durable.set_result(pending.accepted)
+
+    def commit(self, session: Session, worker: WorkerProc, msg: m.Done) -> None:
+        if msg.turn != session.current_turn:
+            log.warning("session %s: Done for turn %d, expected %s", session.id, msg.turn, session.current_turn)
+            return
+        seq = session.seq + 1
+        try:
+            session.store.append(
+                Commit(turn=msg.turn, reply=msg.reply, record=msg.record,
+                       interrupted=msg.interrupted, seq=seq),
+                durable=True,
+            )
+        except StoreError as exc:
+            # The worker is now ahead of the disk: make it restart from the disk.
+            log.error("session %s: turn %d not persisted: %s", session.id, msg.turn, exc)
+            self.end(session, failed=f"the turn could not be saved: {exc}")
+            self.on_unsaved(session, worker, "its turn could not be saved")
+            return
+        self._input_durable(session)  # the commit's fsync covered the input
+        if msg.snapshot:
+            self._snapshot(session, msg.snapshot)
+        self._turn_over(session, (True, msg.reply))
+        session.current_input = ""
+        self._events.next_seq(session)  # == seq
+        self._events.emit(
+            session,
+            m.TurnDone(session=session.id, seq=seq, turn=msg.turn, reply=msg.reply, interrupted=msg.interrupted),
+        )
+        if session.state in (State.RUNNING, State.INTERRUPTING):
+            self._events.set_state(session, Trigger.TURN_END)
+
+    def _snapshot(self, session: Session, handler_state: bytes) -> None:
+        last = msgspec.to_builtins(session.last_exit) if session.last_exit else None
+        try:
+            session.store.write_snapshot(
+                Snapshot(
+                    gen=0, meta=session.meta, turns=session.turns, seq=session.reserved_seq,
+                    handler_state=handler_state,
+                    mark=Mark(state=session.persisted_state, seq=session.reserved_seq,
+                              restarts=session.restarts, last_exit=last),
+                )
+            )
+        except StoreError as exc:
+            log.warning("session %s: %s (the log still holds every turn)", session.id, exc)
+
+    def fail(self, session: Session, msg: m.Failed) -> None:
+        if msg.turn != session.current_turn:
+            return
+        session.current_input = ""
+        self.abort(session, msg.reason, msg.record)
+        if session.state in (State.RUNNING, State.INTERRUPTING):
+            self._events.set_state(session, Trigger.TURN_END, reason="turn failed")
+
+    def abort(self, session: Session, reason: str, record: bytes = b"") -> None:
+        """The running turn ends without a commit (if one runs)."""
+        turn = session.current_turn
+        if turn is None:
+            return
+        seq = session.seq + 1
+        try:
+            session.store.append(Abort(turn=turn, reason=reason, record=record, seq=seq), durable=True)
+        except StoreError as exc:
+            log.error("session %s: %s", session.id, exc)
+            self.sync_input(session)
+        self._input_durable(session)
+        self._turn_over(session, (False, reason))
+        self._events.next_seq(session)
+        self._events.emit(session, m.TurnFailed(session=session.id, seq=seq, turn=turn, reason=reason))
+
+    def end(self, session: Session, failed: str) -> None:
+        self.abort(session, failed)
+        if session.state in (State.RUNNING, State.INTERRUPTING):
+            self._events.set_state(session, Trigger.TURN_END, reason="turn failed")
+
+    def _turn_over(self, session: Session, outcome: tuple[bool, str]) -> None:
+        fut = session.turn_results.pop(session.current_turn or 0, None)
+        if fut is not None and not fut.done():
+            fut.set_result(outcome)
+        session.current_turn = None
+        session.last_turn_secs = time.monotonic() - session.turn_started
+        session.pending_asks.clear()
+        session.last_active = time.monotonic()
+        for timer in (session.turn_timer, session.kill_timer):
+            if timer is not None:
+                timer.cancel()
+        session.turn_timer = session.kill_timer = None
