@@ -197,7 +197,7 @@ class ZygoteSpawner:
         self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
         self._sock = None
-        self._reap_zygote()
+        self._reap_zygote_when_gone()
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(ZygoteDied("the zygote died"))
@@ -232,7 +232,31 @@ class ZygoteSpawner:
         self.attach(self._loop)
         self.keep_spares(self._spares)
 
+    def _reap_zygote_when_gone(self) -> None:
+        """The zygote closed its end: it is dying (it kills its workers
+        first).  Reap it once it has exited, from the loop, without ever
+        blocking the loop in waitpid: its pidfd becomes readable then."""
+        assert self._loop is not None
+        loop, pid, proc = self._loop, self._pid, self._proc
+        self._proc = None
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return  # already reaped
+
+        def reap() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+            if proc is not None:
+                proc.poll()  # waitpid(WNOHANG), and Popen knows it is done
+            else:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+
+        loop.add_reader(fd, reap)
+
     def _reap_zygote(self) -> None:
+        """At close, when the loop is done: wait for the zygote to finish."""
         if self._proc is not None:
             with contextlib.suppress(Exception):
                 self._proc.wait(timeout=5)

@@ -324,3 +324,26 @@ def test_boot_timeout_fails_the_create_and_kills_the_worker(make_daemon) -> None
         assert c.list() == []
         wait_for(lambda: c.stats().live_workers == 0, 5, "the stuck worker to be killed")
         assert c.send_text(c.create().id, "fine") == "1: fine"
+
+
+def test_a_dead_zygote_is_reaped_and_its_sessions_come_back(daemon: Daemon) -> None:
+    # The zygote is reaped from the loop when its pidfd says it exited (the
+    # daemon never blocks in waitpid): no zombie stays behind, and the
+    # sessions whose workers died with it are restarted on the new one.
+    with daemon.client() as c:
+        sid = c.create(handler="echo").id
+        assert c.send_text(sid, "a") == "1: a"
+        old = psutil.Process(daemon.pid).children()
+        assert len(old) == 1
+        old[0].kill()
+
+        def replaced() -> bool:
+            kids = psutil.Process(daemon.pid).children()
+            return (len(kids) == 1 and kids[0].pid != old[0].pid
+                    and kids[0].status() != psutil.STATUS_ZOMBIE)
+
+        wait_for(replaced, 10, "a new zygote, and the old one reaped")
+        wait_for(lambda: c.status(sid).state == "idle" and c.status(sid).restarts == 1, 10,
+                 "the session to restart on the new zygote")
+        assert c.send_text(sid, "b") == "2: b"
+        assert c.status(sid).last_exit is not None and "zygote" in c.status(sid).last_exit.detail
