@@ -49,6 +49,7 @@ from supervisor.errors import (
     Conflict,
     Internal,
     LimitError,
+    NoSpace,
     NotFound,
     PermissionDenied,
     SessiondError,
@@ -56,17 +57,24 @@ from supervisor.errors import (
 from supervisor.limits import MIB, ProcTable, SessionMemory, memory_verdict
 from supervisor.overrides import OverrideError, resolve_overrides
 from supervisor.states import LIVE, RestartPolicy, State, Trigger, transition
-from supervisor.store import (
+from supervisor.state_store import (
     Abort,
     Commit,
+    DamagedLog,
     InputRecord,
     LoadedSession,
     Mark,
     Meta,
-    SessionStore,
+    RepairMode,
+    RepairResult,
+    SessionLog,
     Snapshot,
+    StateStore,
+    StoreDamaged,
     StoreError,
+    StoreFull,
 )
+from supervisor.store import FileStateStore
 from supervisor.zygote import ZygoteDied, ZygoteSpawner
 
 __all__ = ["Session", "SessionManager", "Subscriber", "valid_session_id"]
@@ -124,7 +132,7 @@ class WorkerProc:
 class Session:
     id: str
     meta: Meta
-    store: SessionStore
+    store: SessionLog
     settings: SessionSettings
     state: State
     turns: int = 0
@@ -161,6 +169,10 @@ class Session:
     last_turn_secs: float = float("inf")  # how long the last turn took
     turn_timer: asyncio.TimerHandle | None = None
     kill_timer: asyncio.TimerHandle | None = None
+    # Why its stored state failed to load (state DAMAGED); None otherwise.
+    error: str | None = None
+    # DAMAGED with no readable metadata: meta is a stand-in.
+    meta_lost: bool = False
 
     @property
     def persisted_state(self) -> str:
@@ -176,10 +188,12 @@ class SessionManager:
         *,
         run_as: tuple[int, int] | None = None,
         session_uids: range | None = None,
+        store: StateStore | None = None,
     ) -> None:
         self.config = config
         self.state_dir = state_dir
         self.sessions_dir = state_dir / "sessions"
+        self.store: StateStore = store if store is not None else FileStateStore(self.sessions_dir)
         self.workspaces_dir = state_dir / "workspaces"
         self.spawner = spawner
         self.sessions: dict[str, Session] = {}
@@ -209,24 +223,25 @@ class SessionManager:
             self.workspaces_dir.mkdir(parents=True, exist_ok=True)
             for path in (self.state_dir, self.workspaces_dir):
                 os.chmod(path, 0o711)
-        for path in sorted(self.sessions_dir.iterdir()):
-            if path.name.startswith(".deleted-"):
-                import shutil
-
-                shutil.rmtree(path, ignore_errors=True)
+        for session_id in self.store.ids():
+            try:
+                store, loaded = self.store.load(session_id)
+            except StoreDamaged as exc:
+                self._add_damaged(session_id, exc.reason, exc.meta)
                 continue
-            if not path.is_dir():
+            except Exception as exc:
+                self._add_damaged(session_id, f"cannot be loaded: {exc}", None)
                 continue
             try:
-                store, loaded = SessionStore.load(path)
                 self._restore(store, loaded)
             except Exception as exc:
-                log.error("cannot restore session %s: %s (left on disk untouched)", path.name, exc)
+                store.close()
+                self._add_damaged(session_id, f"cannot be restored: {exc}", loaded.meta)
         if self.sessions:
             log.info("restored %d session(s) from %s", len(self.sessions), self.sessions_dir)
         self._remove_orphaned_workspaces()
 
-    def _restore(self, store: SessionStore, loaded: LoadedSession) -> None:
+    def _restore(self, store: SessionLog, loaded: LoadedSession) -> None:
         meta = loaded.meta
         settings = self._settings_for(meta.id, meta.overrides)
         mark = loaded.mark
@@ -246,6 +261,23 @@ class SessionManager:
         self.sessions[meta.id] = session
         if meta.parent and meta.parent in self.sessions:
             self.sessions[meta.parent].children.append(meta.id)
+
+    def _add_damaged(self, session_id: str, reason: str, meta: Meta | None) -> None:
+        """A session whose stored state does not load stays visible (ls,
+        status: state "damaged" with the reason) and removable, and keeps
+        its id taken, its files untouched, until repaired or removed.
+        Without readable metadata only admins see it (owner uid 0)."""
+        log.error("session %s is damaged and was not restored: %s", session_id, reason)
+        session = Session(
+            id=session_id, meta=meta or Meta(id=session_id, handler="?"),
+            store=DamagedLog(self.store, session_id, reason),
+            settings=self.config.session_settings(), state=State.DAMAGED,
+            error=reason, meta_lost=meta is None,
+        )
+        session.ring = collections.deque(maxlen=self.config.daemon.event_retention)
+        self.sessions[session_id] = session
+        if session.meta.parent and session.meta.parent in self.sessions:
+            self.sessions[session.meta.parent].children.append(session_id)
 
     # ================================================================ events
 
@@ -308,7 +340,9 @@ class SessionManager:
         old = session.state
         new = transition(old, trigger)
         session.state = new
-        log.debug("session %s: %s -> %s (%s)", session.id, old, new, reason or trigger)
+        # A failed session needs an operator: say so where they look.
+        level = logging.WARNING if new is State.FAILED else logging.DEBUG
+        log.log(level, "session %s: %s -> %s (%s)", session.id, old, new, reason or trigger)
         self._emit(
             session,
             m.StateChanged(session=session.id, seq=self._next_seq(session), old=old, new=new, reason=reason),
@@ -408,7 +442,7 @@ class SessionManager:
             rss_bytes=rss, restarts=session.restarts, turns=session.turns,
             created_at=session.meta.created_at, last_exit=session.last_exit, seq=session.seq,
             parent=session.meta.parent, children=list(session.children),
-            owner_uid=session.meta.owner_uid,
+            owner_uid=session.meta.owner_uid, error=session.error,
         )
 
     def live_workers(self) -> int:
@@ -435,6 +469,10 @@ class SessionManager:
                 "starting with a letter or digit"
             )
         if session_id in self.sessions:
+            existing = self.sessions[session_id]
+            if existing.state is State.DAMAGED:
+                raise Conflict(f"session {session_id!r} already exists and is damaged "
+                               f"({existing.error}); `sessionctl rm {session_id}` frees the id")
             raise Conflict(f"session {session_id!r} already exists")
         self._check_quota(owner_uid)
         if parent is not None:
@@ -467,13 +505,13 @@ class SessionManager:
         try:
             # Durable below, while the worker boots: the create is answered
             # only once both are done.
-            store = SessionStore.create(self.sessions_dir, meta, durable=False)
+            store = self.store.create(meta, durable=False)
         except FileExistsError:
             self._drop_pending(pending)
             raise Conflict(f"session {session_id!r} already exists") from None
         except StoreError as exc:
             self._drop_pending(pending)
-            raise Internal(str(exc)) from None
+            raise _store_failure("", exc) from None
         session = Session(
             id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING,
             ring=collections.deque(maxlen=self.config.daemon.event_retention),
@@ -486,7 +524,7 @@ class SessionManager:
                 await self._start_worker(session, pending, during_boot=store.make_durable)
         except StoreError as exc:
             self._discard(session)
-            raise Internal(f"session {session_id!r} could not be saved: {exc}") from None
+            raise _store_failure(f"session {session_id!r} could not be saved: ", exc) from None
         except SessiondError as exc:
             # A create that cannot boot leaves nothing behind.
             self._discard(session)
@@ -516,6 +554,7 @@ class SessionManager:
 
     def _discard(self, session: Session) -> None:
         if session.worker is not None:
+            log.warning("session %s: its create failed; killing worker %d", session.id, session.worker.pid)
             self.spawner.signal(session.worker.pid, signal.SIGKILL)
         self.sessions.pop(session.id, None)
         parent = self.sessions.get(session.meta.parent or "")
@@ -568,12 +607,17 @@ class SessionManager:
         between removing a session and removing its workspace."""
         root = self._workspace_root()
         wanted = {s.meta.workspace for s in self.sessions.values()}
+        # A damaged session whose metadata is unreadable keeps whatever may be its own.
+        lost = tuple(f"{s.id}@" for s in self.sessions.values() if s.meta_lost)
         try:
             entries = list(os.scandir(root))
         except OSError:
             return
         for entry in entries:
-            if "@" in entry.name and entry.name not in wanted and entry.is_dir(follow_symlinks=False):
+            if (
+                "@" in entry.name and entry.name not in wanted and not entry.name.startswith(lost)
+                and entry.is_dir(follow_symlinks=False)
+            ):
                 log.info("removing the workspace of a deleted session: %s", entry.path)
                 _rmtree(Path(entry.path))
 
@@ -854,6 +898,12 @@ class SessionManager:
             )
         decision = session.policy.on_failure(time.monotonic())
         if not decision.restart:
+            log.error(
+                "session %s: giving up restarting it after %d failures within %gs (last: %s); "
+                "`sessionctl restart %s` tries again",
+                session.id, decision.attempts_in_window, ws.restart_window_secs,
+                _describe_exit(session.last_exit), session.id,
+            )
             self._set_state(
                 session, Trigger.GIVE_UP,
                 reason=f"{decision.attempts_in_window} failures within {ws.restart_window_secs:g}s",
@@ -975,6 +1025,8 @@ class SessionManager:
                                "wait for it to end or interrupt it")
             case State.STOPPED | State.STOPPING:
                 raise Conflict(f"session {session.id} is stopped; `sessionctl restart {session.id}` starts it")
+            case State.DAMAGED:
+                raise Conflict(_damaged_hint(session))
             case State.FAILED:
                 raise Conflict(f"session {session.id} has failed ({_describe_exit(session.last_exit)}); "
                                f"`sessionctl restart {session.id}` starts it again")
@@ -995,7 +1047,7 @@ class SessionManager:
                 InputRecord(turn=turn, text=text, seq=session.seq, at=time.time()), durable=False
             )
         except StoreError as exc:
-            raise Internal(f"input not accepted: {exc}") from None
+            raise _store_failure("input not accepted: ", exc) from None
         # The worker starts on the input before it is durable.  A session
         # whose last turn was quick (echo, a calculator) will likely end this
         # one within _GROUP_COMMIT_SECS too, and the turn's commit then makes
@@ -1046,10 +1098,11 @@ class SessionManager:
             worker = session.worker
             if worker is not None:
                 # It has an input the log does not: it must restart from the log.
+                log.error("session %s: input not saved (%s); killing worker %d", session.id, exc, worker.pid)
                 worker.kill_reason = "crashed"
                 worker.kill_detail = "its input could not be saved"
                 self.spawner.kill_tree(worker.pid, session.memory.escapees())
-            self._input_durable(session, Internal(f"input not accepted: {exc}"))
+            self._input_durable(session, _store_failure("input not accepted: ", exc))
             return
         self._input_durable(session)
 
@@ -1096,6 +1149,8 @@ class SessionManager:
         session.worker.conn.send(m.InterruptTurn(turn=session.current_turn or 0))
 
     async def stop(self, session: Session, reason: str = "stopped") -> None:
+        if session.state is State.DAMAGED:
+            raise Conflict(_damaged_hint(session))
         for child_id in list(session.children):
             child = self.sessions.get(child_id)
             if child is not None:
@@ -1104,8 +1159,8 @@ class SessionManager:
             await self._stop_locked(session, reason)
 
     async def _stop_locked(self, session: Session, reason: str) -> None:
-        if session.state in (State.STOPPED, State.DELETED):
-            return
+        if session.state in (State.STOPPED, State.DELETED, State.DAMAGED):
+            return  # (a damaged child of a stopped parent: nothing runs)
         if session.restart_handle is not None:
             session.restart_handle.cancel()
             session.restart_handle = None
@@ -1115,6 +1170,8 @@ class SessionManager:
         self._write_mark(session, durable=True)
 
     async def restart(self, session: Session) -> None:
+        if session.state is State.DAMAGED:
+            raise Conflict(_damaged_hint(session))
         async with session.lock:
             if session.state in LIVE:
                 await self._stop_locked(session, "restart")
@@ -1154,12 +1211,58 @@ class SessionManager:
             session.store.remove()
             session.subscribers.clear()
             self._forget_ring(session)
+            if session.meta_lost:
+                # Which workspace is its own is unknown; the next start's
+                # sweep of orphaned workspaces removes it.
+                log.info("session %s deleted", session.id)
+                return
             try:
                 await asyncio.to_thread(self._remove_workspace, session)
             except OSError as exc:
                 log.error("session %s: its workspace %s could not be removed: %s",
                           session.id, self._workspace(session), exc)
             log.info("session %s deleted", session.id)
+
+    async def repair(self, session: Session, mode: str) -> tuple[Session, RepairResult]:
+        """Rewrite a damaged session's stored state per `mode`, then restore
+        it as at start-up (hibernated, or stopped/failed as it was)."""
+        try:
+            how = RepairMode(mode)
+        except ValueError:
+            raise BadRequest(f"unknown repair mode {mode!r}: use skip_bad or truncate") from None
+        async with session.lock:
+            if session.state is not State.DAMAGED:
+                raise Conflict(f"session {session.id} is {session.state}, not damaged; nothing to repair")
+            try:
+                result = self.store.repair(session.id, how)
+                store, loaded = self.store.load(session.id)
+            except StoreDamaged as exc:
+                session.error = exc.reason
+                raise Conflict(f"session {session.id} cannot be repaired: {exc.reason}") from None
+            except StoreError as exc:
+                raise _store_failure(f"session {session.id} could not be repaired: ", exc) from None
+            except OSError as exc:
+                raise Internal(f"session {session.id} could not be repaired: {exc}") from None
+            log.warning("session %s repaired (%s): %d record(s) kept, %d intact record(s) and "
+                        "%d damaged byte(s) dropped", session.id, how.value, result.kept_records,
+                        result.dropped_records, result.dropped_bytes)
+            self._set_state(session, Trigger.REPAIR, reason=f"repaired ({how.value})")
+            subscribers, children = session.subscribers, session.children
+            del self.sessions[session.id]
+            parent = self.sessions.get(session.meta.parent or "")
+            if parent is not None and session.id in parent.children:
+                parent.children.remove(session.id)
+            self._forget_ring(session)
+            try:
+                self._restore(store, loaded)
+            except BaseException:
+                store.close()
+                self._add_damaged(session.id, "cannot be restored after repair", loaded.meta)
+                raise
+            restored = self.sessions[session.id]
+            restored.subscribers = subscribers
+            restored.children = [c for c in children if c in self.sessions]
+            return restored, result
 
     def ping(self, session: Session, answer: Callable[[SessiondError | None], None]) -> int:
         """Round trip through the worker; `answer` is called with None when
@@ -1485,6 +1588,20 @@ def _check_handler(name: str, settings: SessionSettings) -> None:
     raise BadRequest(
         f"handler {name!r} is not allowed here; the operator allows "
         f"{', '.join(allowed) or 'none'} ([agent] allowed_handlers in config.toml)"
+    )
+
+
+def _store_failure(prefix: str, exc: StoreError) -> SessiondError:
+    """A store error as a client hears it: `no_space` for a full disk."""
+    if isinstance(exc, StoreFull):
+        return NoSpace(f"{prefix}{exc}")
+    return Internal(f"{prefix}{exc}")
+
+
+def _damaged_hint(session: Session) -> str:
+    return (
+        f"session {session.id} is damaged ({session.error}); `sessionctl repair {session.id} "
+        f"--skip-bad` or `--truncate` recovers it, `sessionctl rm {session.id}` deletes it"
     )
 
 
