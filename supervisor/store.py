@@ -69,6 +69,7 @@ __all__ = [
     "Commit",
     "FileStateStore",
     "Fenced",
+    "LogScan",
     "InputRecord",
     "LoadedSession",
     "Meta",
@@ -78,6 +79,9 @@ __all__ = [
     "StoreDamaged",
     "StoreError",
     "StoreFull",
+    "describe_damage",
+    "frame_record",
+    "scan_log",
 ]
 
 log = logging.getLogger("sessiond.store")
@@ -194,6 +198,12 @@ def _scan(data: bytes) -> _Scan:
     return scan
 
 
+# Pure framing and scanning, shared with the in-memory store.
+LogScan = _Scan
+frame_record = _frame
+scan_log = _scan
+
+
 def _read_scan(path: Path) -> _Scan:
     try:
         return _scan(path.read_bytes())
@@ -201,7 +211,7 @@ def _read_scan(path: Path) -> _Scan:
         return _Scan(size=0)
 
 
-def _describe_damage(name: str, scan: _Scan) -> str:
+def describe_damage(name: str, scan: _Scan) -> str:
     ranges = scan.damaged
     first = ranges[0][0]
     after = sum(1 for start, _, _ in scan.records if start > first)
@@ -291,7 +301,7 @@ def _plan(path: Path) -> _Plan:
     for g in gens:
         if scans[g].damaged:
             meta = snap.meta if snap is not None else _meta_in(scans.get(0))
-            raise StoreDamaged(sid, _describe_damage(f"log.{g}", scans[g]), meta=meta)
+            raise StoreDamaged(sid, describe_damage(f"log.{g}", scans[g]), meta=meta)
     if snap is None and not any(isinstance(r, Meta) for s in scans.values() for _, _, r in s.records):
         raise StoreDamaged(sid, f"{path}: no metadata record (not a session directory?)",
                            repairable=False)
@@ -399,6 +409,9 @@ class SessionStore:
             _fsync_dir(self.path.parent)
         except OSError as exc:
             raise _write_error(str(self.path), exc) from exc
+        # Else a later failed sync() would cut the log back past the
+        # metadata record that this fsync made durable.
+        self._synced = self._size
 
     @classmethod
     def load(cls, path: Path) -> tuple[SessionStore, LoadedSession]:
@@ -563,6 +576,16 @@ class SessionStore:
         _remove_dir(self.path)
 
 
+def _never_created(path: Path) -> bool:
+    """No snapshot and no byte of log: not even the metadata record landed."""
+    if (path / "snapshot").exists() or (path / "snapshot.prev").exists():
+        return False
+    for g in _log_gens(path):
+        if (path / f"log.{g}").stat().st_size:
+            return False
+    return True
+
+
 def _remove_dir(path: Path) -> None:
     trash = path.with_name(f".deleted-{path.name}-{time.monotonic_ns()}")
     with contextlib.suppress(FileNotFoundError):
@@ -584,7 +607,7 @@ class FileStateStore:
 
     def load(self, session_id: str) -> tuple[SessionStore, LoadedSession]:
         path = self.root / session_id
-        if not path.is_dir():
+        if not path.is_dir() or _never_created(path):
             raise KeyError(session_id)
         return SessionStore.load(path)
 
@@ -595,6 +618,12 @@ class FileStateStore:
                 # The daemon died while removing it.
                 shutil.rmtree(path, ignore_errors=True)
             elif path.is_dir() and not path.name.startswith("."):
+                if _never_created(path):
+                    # A create cut short by a crash before its fsync: it was
+                    # never acknowledged, so it never existed.
+                    log.info("removing %s: a session whose creation never completed", path)
+                    _remove_dir(path)
+                    continue
                 out.append(path.name)
         return out
 

@@ -267,3 +267,75 @@ def test_second_daemon_on_the_same_state_dir_is_refused(make_daemon) -> None:
     d.start()
     with d.client() as c:
         assert c.status(sid).turns == 1
+
+
+def test_failed_sync_after_a_deferred_create_keeps_the_metadata(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # create(durable=False) + make_durable(), then an input whose fsync
+    # fails: the cut-back must stop at the metadata record, not at 0.
+    st = SessionStore.create(tmp_path, Meta(id="s1", handler="echo"), durable=False)
+    st.make_durable()
+    st.append(InputRecord(turn=1, text="x", seq=1), durable=False)
+
+    def eio(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", eio)
+    with pytest.raises(Exception, match="Input/output error"):
+        st.sync()
+    monkeypatch.undo()
+    st.close()
+    _, loaded = SessionStore.load(tmp_path / "s1")
+    assert loaded.meta.id == "s1" and loaded.turns == 0
+
+
+# ---------------------------------------------------------------- the manager, no processes
+
+
+class _NoSpawner:
+    on_exit = None
+    on_zygote_lost = None
+    zygote_pid = 0
+
+
+def test_manager_lists_removes_and_repairs_a_damaged_session_in_memory(tmp_path: Path) -> None:
+    import asyncio
+
+    from supervisor.config import parse_config
+    from supervisor.manager import SessionManager
+    from supervisor.memory_store import InMemoryStateStore
+
+    mem = InMemoryStateStore()
+    for sid in ("good", "bad", "gone"):
+        h = mem.create(Meta(id=sid, handler="echo", owner_uid=1000))
+        for t in (1, 2, 3):
+            h.append(Commit(turn=t, reply="r", record=bytes([t]), seq=t), durable=True)
+    for sid in ("bad", "gone"):
+        log = mem.sessions[sid].log
+        log[_record_offsets(bytes(log))[-2] + 10] ^= 0x40  # turn 2's record; turn 3 follows intact
+    mgr = SessionManager(parse_config({}, "test"), tmp_path, _NoSpawner(),  # type: ignore[arg-type]
+                         store=mem)
+    mgr.load_all()
+    infos = {s.id: mgr.info(s) for s in mgr.visible(1000)}
+    assert infos["good"].state == "hibernated" and infos["good"].error is None
+    assert infos["bad"].state == "damaged" and "corrupt" in (infos["bad"].error or "")
+
+    async def run() -> None:
+        from supervisor.errors import Conflict
+
+        try:
+            await mgr.send(mgr.get("bad", 1000), "hi", None)
+        except Conflict as exc:
+            assert "sessionctl repair bad" in exc.message
+        else:
+            raise AssertionError("a damaged session took input")
+        session, result = await mgr.repair(mgr.get("bad", 1000), "truncate")
+        # Truncate: turn 2 damaged, turn 3 dropped with it; turn 1 kept.
+        assert result.dropped_records == 1 and session.state.value == "hibernated"
+        assert session.seq == 1
+        await mgr.remove(mgr.get("gone", 1000))
+
+    asyncio.run(run())
+    assert mem.ids() == ["bad", "good"]
+    assert mgr.info(mgr.get("bad")).error is None
