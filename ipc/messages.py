@@ -29,10 +29,11 @@ __all__ = [
     "PROTOCOL_VERSION",
     # client -> daemon
     "Hello", "Create", "Send", "Attach", "Detach", "Interrupt", "Stop", "Restart",
-    "Remove", "Status", "List", "Stats", "Ping", "Answer", "Request",
+    "Remove", "Status", "List", "Stats", "Ping", "Answer", "Repair", "Request",
+    "NEW_ERROR_CODES",
     # daemon -> client
     "Welcome", "Error", "ErrorCode", "Ok", "Created", "Accepted", "Attached",
-    "StatusReply", "SessionList", "StatsReply", "Pong", "ExitInfo", "SessionInfo",
+    "StatusReply", "SessionList", "StatsReply", "Pong", "Repaired", "ExitInfo", "SessionInfo",
     "TextDelta", "TurnDone", "TurnFailed", "StateChanged", "LimitExceeded", "Notice",
     "PermissionRequest", "Gap", "Lagged", "Event", "Reply", "EVENT_TYPES",
     # daemon <-> worker
@@ -60,6 +61,16 @@ class ErrorCode(enum.StrEnum):
     CONFLICT = "conflict"
     PROTOCOL_MISMATCH = "protocol_mismatch"
     INTERNAL = "internal"
+    # The state directory's disk (or quota, or file size limit) is full:
+    # nothing was saved; free space and retry.
+    NO_SPACE = "no_space"
+
+
+# Codes added after protocol 1 shipped.  A client decodes `Error.code` as
+# this enum, and msgspec rejects a value it does not know (the whole frame
+# fails to decode), so these are sent only to clients that list them in
+# `Hello.error_codes`; older clients get `internal` with the same message.
+NEW_ERROR_CODES = frozenset({ErrorCode.NO_SPACE})
 
 
 # ---------------------------------------------------------------- client -> daemon
@@ -68,6 +79,8 @@ class ErrorCode(enum.StrEnum):
 class Hello(_Msg, tag="hello"):
     protocol: int
     client: str = ""
+    # Error codes of NEW_ERROR_CODES this client can decode.
+    error_codes: list[str] = []
 
 
 class Create(_Msg, tag="create"):
@@ -149,9 +162,19 @@ class Answer(_Msg, tag="answer"):
     allow: bool
 
 
+class Repair(_Msg, tag="repair"):
+    """Rewrite a damaged session's log so that it loads again.  `mode`:
+    "skip_bad" keeps every intact record, "truncate" what precedes the
+    first damaged one.  Replied to with `Repaired`."""
+
+    id: int
+    session: str
+    mode: str
+
+
 Request = (
     Hello | Create | Send | Attach | Detach | Interrupt | Stop | Restart | Remove
-    | Status | List | Stats | Ping | Answer
+    | Status | List | Stats | Ping | Answer | Repair
 )
 
 
@@ -198,6 +221,8 @@ class SessionInfo(_Msg, tag="session"):
     parent: str | None = None
     children: list[str] = []
     owner_uid: int = 0
+    # Why the session is "damaged" (its stored state failed to load); None otherwise.
+    error: str | None = None
 
 
 class Created(_Msg, tag="created"):
@@ -244,6 +269,14 @@ class Pong(_Msg, tag="pong"):
     id: int
     session: str | None = None
     pid: int = 0  # the daemon's, or the worker's for a session ping
+
+
+class Repaired(_Msg, tag="repaired"):
+    id: int
+    session: SessionInfo
+    kept_records: int = 0
+    dropped_records: int = 0  # intact records dropped (truncate)
+    dropped_bytes: int = 0  # damaged bytes dropped
 
 
 # Events: every one has session and seq.
@@ -333,7 +366,7 @@ EVENT_TYPES = (
 
 Reply = (
     Welcome | Error | Ok | Created | Accepted | Attached | StatusReply | SessionList
-    | StatsReply | Pong | TextDelta | TurnDone | TurnFailed | StateChanged
+    | StatsReply | Pong | Repaired | TextDelta | TurnDone | TurnFailed | StateChanged
     | LimitExceeded | Notice | PermissionRequest | Gap | Lagged
 )
 

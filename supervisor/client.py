@@ -136,7 +136,8 @@ class AsyncClient:
         client = cls(proto)
         fut = loop.create_future()
         client._pending[0] = fut
-        proto.send(m.Hello(protocol=m.PROTOCOL_VERSION, client=client_name))
+        proto.send(m.Hello(protocol=m.PROTOCOL_VERSION, client=client_name,
+                           error_codes=sorted(m.NEW_ERROR_CODES)))
         for msg in early:
             client._dispatch(msg)
         if early_close:
@@ -306,6 +307,10 @@ class AsyncClient:
     async def remove(self, session: str) -> None:
         await self._request(m.Remove(id=self._next_id(), session=session), m.Ok)
 
+    async def repair(self, session: str, mode: str) -> m.Repaired:
+        """mode: "skip_bad" or "truncate" (see `sessionctl repair`)."""
+        return await self._request(m.Repair(id=self._next_id(), session=session, mode=mode), m.Repaired)
+
     async def answer(self, session: str, request_id: str, allow: bool) -> None:
         await self._request(
             m.Answer(id=self._next_id(), session=session, request_id=request_id, allow=allow), m.Ok
@@ -394,6 +399,10 @@ class Client:
 
     def remove(self, session: str) -> None:
         self._run(self._client.remove(session))
+
+    def repair(self, session: str, mode: str) -> m.Repaired:
+        result: m.Repaired = self._run(self._client.repair(session, mode))
+        return result
 
     def answer(self, session: str, request_id: str, allow: bool) -> None:
         self._run(self._client.answer(session, request_id, allow))

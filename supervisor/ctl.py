@@ -83,6 +83,13 @@ def _parser() -> argparse.ArgumentParser:
         p = add(name, f"{name} a pending permission request")
         p.add_argument("id")
         p.add_argument("request_id")
+    p = add("repair", "rewrite a damaged session's log so that it loads again")
+    p.add_argument("id")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--skip-bad", dest="mode", action="store_const", const="skip_bad",
+                     help="keep every intact record; drop only the damaged bytes")
+    how.add_argument("--truncate", dest="mode", action="store_const", const="truncate",
+                     help="keep only what precedes the first damaged record")
     add("stats", "daemon statistics")
     p = add("ping", "check the daemon (or a session's worker) answers")
     p.add_argument("id", nargs="?")
@@ -120,6 +127,9 @@ def _print_table(sessions: list[m.SessionInfo]) -> None:
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for r in table:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    for s in sessions:
+        if s.error:
+            print(f"{s.id}: {s.state}: {s.error}")
 
 
 def _print_status(s: m.SessionInfo) -> None:
@@ -134,6 +144,8 @@ def _print_status(s: m.SessionInfo) -> None:
         ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.created_at))),
         ("last exit", exit_text), ("seq", s.seq),
     ]
+    if s.error:
+        fields.append(("error", s.error))
     if s.parent:
         fields.append(("parent", s.parent))
     if s.children:
@@ -251,6 +263,14 @@ async def _run(args: argparse.Namespace) -> int:
                 await action(args.id)
                 if as_json:
                     print(json.dumps({"ok": True, "id": args.id}))
+            case "repair":
+                repaired = await client.repair(args.id, args.mode)
+                if as_json:
+                    print(json.dumps(to_plain(repaired)))
+                else:
+                    print(f"repaired {args.id}: {repaired.kept_records} record(s) kept, "
+                          f"{repaired.dropped_records} intact record(s) and "
+                          f"{repaired.dropped_bytes} damaged byte(s) dropped; now {repaired.session.state}")
             case "approve" | "deny":
                 await client.answer(args.id, args.request_id, args.command == "approve")
                 if as_json:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import fcntl
 import grp
 import logging
 import os
@@ -100,10 +101,64 @@ def _user_name(uid: int) -> str:
         return "no such user"
 
 
-def check_state_dir(path: Path) -> None:
+LOCK_FILE = "sessiond.lock"
+
+
+def lock_state_dir(path: Path) -> int:
+    """Take the state directory for this daemon alone: an exclusive flock
+    on `sessiond.lock`, held (by the returned fd) for the process's life,
+    with our pid written in it for whoever is refused.  The kernel drops the
+    lock when we die, however we die, so a stale one cannot block a restart.
+    Two daemons on one state dir would both append to the same logs."""
+    lock_path = path / LOCK_FILE
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise StartupError(f"cannot open the lock file {lock_path}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StartupError(
+            f"state directory {path} is in use by another sessiond (pid {holder}, which holds "
+            f"{lock_path}); stop that daemon first, or give this one its own --state-dir"
+        ) from None
+    except OSError as exc:
+        os.close(fd)
+        raise StartupError(f"cannot lock {lock_path}: {exc.strerror}") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:
+        os.close(fd)
+        raise StartupError(f"state directory {path} is not usable: cannot write {lock_path}: "
+                           f"{exc.strerror}") from None
+    return fd
+
+
+def check_state_dir(path: Path) -> int:
+    """Check, create and lock the state directory; returns the lock's fd
+    (keep it open).  Nothing below it is written before the lock is held."""
     check_ancestors(path, "state directory")
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise StartupError(
+            f"state directory {path} is not usable: {exc.strerror or exc}"
+            " (set [daemon] state_dir or --state-dir to a writable directory)"
+        ) from None
+    lock_fd = lock_state_dir(path)
+    try:
+        _prepare_state_dir(path)
+    except BaseException:
+        os.close(lock_fd)
+        raise
+    return lock_fd
+
+
+def _prepare_state_dir(path: Path) -> None:
+    try:
         (path / "sessions").mkdir(exist_ok=True, mode=0o700)
         with tempfile.NamedTemporaryFile(dir=path / "sessions", prefix=".probe-") as f:
             f.write(b"x")
@@ -281,7 +336,8 @@ def run_daemon(
     _raise_nofile_limit()
     state_dir = state_dir or default_state_dir(cfg)
     socket_path = socket_path or daemon_socket_path(cfg)
-    check_state_dir(state_dir)
+    # Held until this process exits; the zygote (close_fds) does not inherit it.
+    lock_fd = check_state_dir(state_dir)  # noqa: F841 (kept open on purpose)
     if cfg.daemon.socket_group:
         _resolve_group(cfg.daemon.socket_group)
     inherited = _inherited_socket()

@@ -7,7 +7,8 @@
     ├── Capacity                        capacity: no room for another live worker
     ├── LimitError                      limit_exceeded
     ├── PermissionDenied                permission_denied
-    └── Internal                        internal: our fault (disk full, zygote gone)
+    ├── NoSpace                         no_space: the state directory's disk is full
+    └── Internal                        internal: our fault (zygote gone, I/O error)
 
 Anything else escaping a request handler is logged with its traceback and
 answered as `internal`; the daemon never dies of one request.
@@ -23,6 +24,7 @@ __all__ = [
     "Conflict",
     "Internal",
     "LimitError",
+    "NoSpace",
     "NotFound",
     "PermissionDenied",
     "SessiondError",
@@ -63,3 +65,10 @@ class PermissionDenied(SessiondError):
 
 class Internal(SessiondError):
     code = ErrorCode.INTERNAL
+
+
+class NoSpace(SessiondError):
+    """Nothing was saved for want of space.  Sent as `internal` to clients
+    that did not say they know `no_space` (see ipc.messages.NEW_ERROR_CODES)."""
+
+    code = ErrorCode.NO_SPACE

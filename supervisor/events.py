@@ -28,7 +28,7 @@ from supervisor.config import DaemonSettings
 from supervisor.errors import Conflict
 from supervisor.session import Session, Subscriber
 from supervisor.states import State, Trigger, transition
-from supervisor.store import Mark, StoreError
+from supervisor.state_store import Mark, StoreError
 
 __all__ = ["EventLog"]
 
@@ -98,11 +98,9 @@ class EventLog:
         old = session.state
         new = transition(old, trigger)
         session.state = new
-        if new is State.FAILED:
-            log.error("session %s: failed (%s); `sessionctl restart %s` starts it again",
-                      session.id, reason or trigger, session.id)
-        else:
-            log.debug("session %s: %s -> %s (%s)", session.id, old, new, reason or trigger)
+        # A failed session needs an operator: say so where they look.
+        level = logging.WARNING if new is State.FAILED else logging.DEBUG
+        log.log(level, "session %s: %s -> %s (%s)", session.id, old, new, reason or trigger)
         self.emit(
             session,
             m.StateChanged(session=session.id, seq=self.next_seq(session), old=old, new=new, reason=reason),

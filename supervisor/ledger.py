@@ -26,13 +26,13 @@ from collections.abc import Callable
 import msgspec
 
 from ipc import messages as m
-from supervisor.errors import Internal, SessiondError
+from supervisor.errors import Internal, NoSpace, SessiondError
 from supervisor.events import EventLog
 from supervisor.session import PendingInput, Session, WorkerProc
 from supervisor.states import State, Trigger
-from supervisor.store import Abort, Commit, InputRecord, Mark, Snapshot, StoreError
+from supervisor.state_store import Abort, Commit, InputRecord, Mark, Snapshot, StoreError, StoreFull
 
-__all__ = ["TurnLedger"]
+__all__ = ["TurnLedger", "store_failure"]
 
 log = logging.getLogger("sessiond.manager")
 
@@ -63,7 +63,7 @@ class TurnLedger:
                 InputRecord(turn=turn, text=text, seq=session.seq, at=time.time()), durable=False
             )
         except StoreError as exc:
-            raise Internal(f"input not accepted: {exc}") from None
+            raise store_failure("input not accepted: ", exc) from None
         worker.conn.send(m.Input(turn=turn, text=text))
         worker.conn.flush()
         loop = asyncio.get_running_loop()
@@ -104,8 +104,9 @@ class TurnLedger:
         except StoreError as exc:
             if session.worker is not None:
                 # It has an input the log does not: it must restart from the log.
+                log.error("session %s: input not saved (%s)", session.id, exc)
                 self.on_unsaved(session, session.worker, "its input could not be saved")
-            self._input_durable(session, Internal(f"input not accepted: {exc}"))
+            self._input_durable(session, store_failure("input not accepted: ", exc))
             return
         self._input_durable(session)
 
@@ -209,3 +210,10 @@ class TurnLedger:
             if timer is not None:
                 timer.cancel()
         session.turn_timer = session.kill_timer = None
+
+
+def store_failure(prefix: str, exc: StoreError) -> SessiondError:
+    """A store error as a client hears it: `no_space` for a full disk."""
+    if isinstance(exc, StoreFull):
+        return NoSpace(f"{prefix}{exc}")
+    return Internal(f"{prefix}{exc}")

@@ -33,13 +33,25 @@ from ipc.settings import SessionSettings
 from supervisor.config import Config, valid_handler_name
 from supervisor.errors import BadRequest, Capacity, Conflict, Internal, NotFound, SessiondError
 from supervisor.events import EventLog
-from supervisor.ledger import TurnLedger
+from supervisor.ledger import TurnLedger, store_failure
 from supervisor.limits import ProcTable
 from supervisor.overrides import OverrideError, resolve_overrides
 from supervisor.seams import Spawner
 from supervisor.session import Session, Subscriber, valid_session_id
 from supervisor.states import LIVE, State, Trigger
-from supervisor.store import Abort, LoadedSession, Meta, SessionStore, StoreError
+from supervisor.state_store import (
+    Abort,
+    DamagedLog,
+    LoadedSession,
+    Meta,
+    RepairMode,
+    RepairResult,
+    SessionLog,
+    StateStore,
+    StoreDamaged,
+    StoreError,
+)
+from supervisor.store import FileStateStore
 from supervisor.subagents import Subagents
 from supervisor.sweep import Sweeper
 from supervisor.workers import WorkerOwner, describe_exit
@@ -61,10 +73,12 @@ class SessionManager:
         *,
         run_as: tuple[int, int] | None = None,
         session_uids: range | None = None,
+        store: StateStore | None = None,
     ) -> None:
         self.config = config
         self.state_dir = state_dir
         self.sessions_dir = state_dir / "sessions"
+        self.store: StateStore = store if store is not None else FileStateStore(self.sessions_dir)
         self.spawner = spawner
         self.sessions: dict[str, Session] = {}
         self.proc_table = ProcTable()
@@ -101,24 +115,25 @@ class SessionManager:
             workspaces.mkdir(parents=True, exist_ok=True)
             workspaces.chmod(0o711)
             self.state_dir.chmod(0o711)
-        for path in sorted(self.sessions_dir.iterdir()):
-            if path.name.startswith(".deleted-"):
-                import shutil
-
-                shutil.rmtree(path, ignore_errors=True)
+        for session_id in self.store.ids():
+            try:
+                store, loaded = self.store.load(session_id)
+            except StoreDamaged as exc:
+                self._add_damaged(session_id, exc.reason, exc.meta)
                 continue
-            if not path.is_dir():
+            except Exception as exc:
+                self._add_damaged(session_id, f"cannot be loaded: {exc}", None)
                 continue
             try:
-                store, loaded = SessionStore.load(path)
                 self._restore(store, loaded)
             except Exception as exc:
-                log.error("cannot restore session %s: %s (left on disk untouched)", path.name, exc)
+                store.close()
+                self._add_damaged(session_id, f"cannot be restored: {exc}", loaded.meta)
         if self.sessions:
             log.info("restored %d session(s) from %s", len(self.sessions), self.sessions_dir)
         self.workspaces.remove_orphans(self.sessions.values())
 
-    def _restore(self, store: SessionStore, loaded: LoadedSession) -> None:
+    def _restore(self, store: SessionLog, loaded: LoadedSession) -> None:
         meta = loaded.meta
         mark = loaded.mark
         state = {"stopped": State.STOPPED, "failed": State.FAILED}.get(mark.state, State.HIBERNATED)
@@ -136,6 +151,22 @@ class SessionManager:
         self.sessions[meta.id] = session
         if meta.parent and meta.parent in self.sessions:
             self.sessions[meta.parent].children.append(meta.id)
+
+    def _add_damaged(self, session_id: str, reason: str, meta: Meta | None) -> None:
+        """A session whose stored state does not load stays visible (ls,
+        status: state "damaged" with the reason) and removable, and keeps
+        its id taken, its files untouched, until repaired or removed.
+        Without readable metadata only admins see it (owner uid 0)."""
+        log.error("session %s is damaged and was not restored: %s", session_id, reason)
+        session = Session(
+            id=session_id, meta=meta or Meta(id=session_id, handler="?"),
+            store=DamagedLog(self.store, session_id, reason),
+            settings=self.config.session_settings(), state=State.DAMAGED,
+            error=reason, meta_lost=meta is None, ring=self.events.new_ring(),
+        )
+        self.sessions[session_id] = session
+        if session.meta.parent and session.meta.parent in self.sessions:
+            self.sessions[session.meta.parent].children.append(session_id)
 
     def _settings_for(self, session_id: str, overrides: dict[str, Any]) -> SessionSettings:
         """A stored session's settings under the current config: overrides
@@ -181,7 +212,7 @@ class SessionManager:
             rss_bytes=rss, restarts=session.restarts, turns=session.turns,
             created_at=session.meta.created_at, last_exit=session.last_exit, seq=session.seq,
             parent=session.meta.parent, children=list(session.children),
-            owner_uid=session.meta.owner_uid,
+            owner_uid=session.meta.owner_uid, error=session.error,
         )
 
     def live_workers(self) -> int:
@@ -222,6 +253,10 @@ class SessionManager:
                 "starting with a letter or digit"
             )
         if session_id in self.sessions:
+            existing = self.sessions[session_id]
+            if existing.state is State.DAMAGED:
+                raise Conflict(f"session {session_id!r} already exists and is damaged "
+                               f"({existing.error}); `sessionctl rm {session_id}` frees the id")
             raise Conflict(f"session {session_id!r} already exists")
         self._check_quota(owner_uid)
         if parent is not None:
@@ -254,13 +289,13 @@ class SessionManager:
         try:
             # Durable below, while the worker boots: the create is answered
             # only once both are done.
-            store = SessionStore.create(self.sessions_dir, meta, durable=False)
+            store = self.store.create(meta, durable=False)
         except FileExistsError:
             self.workers.drop_pending(pending)
             raise Conflict(f"session {session_id!r} already exists") from None
         except StoreError as exc:
             self.workers.drop_pending(pending)
-            raise Internal(str(exc)) from None
+            raise store_failure("", exc) from None
         session = Session(
             id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING,
             ring=self.events.new_ring(),
@@ -273,7 +308,7 @@ class SessionManager:
                 await self.workers.start(session, pending, during_boot=store.make_durable)
         except StoreError as exc:
             self._discard(session)
-            raise Internal(f"session {session_id!r} could not be saved: {exc}") from None
+            raise store_failure(f"session {session_id!r} could not be saved: ", exc) from None
         except SessiondError as exc:
             # A create that cannot boot leaves nothing behind.
             self._discard(session)
@@ -340,6 +375,8 @@ class SessionManager:
                                "wait for it to end or interrupt it")
             case State.STOPPED | State.STOPPING:
                 raise Conflict(f"session {session.id} is stopped; `sessionctl restart {session.id}` starts it")
+            case State.DAMAGED:
+                raise Conflict(_damaged_hint(session))
             case State.FAILED:
                 raise Conflict(f"session {session.id} has failed ({describe_exit(session.last_exit)}); "
                                f"`sessionctl restart {session.id}` starts it again")
@@ -364,6 +401,8 @@ class SessionManager:
         session.worker.conn.send(m.InterruptTurn(turn=session.current_turn or 0))
 
     async def stop(self, session: Session, reason: str = "stopped") -> None:
+        if session.state is State.DAMAGED:
+            raise Conflict(_damaged_hint(session))
         for child_id in list(session.children):
             child = self.sessions.get(child_id)
             if child is not None:
@@ -372,8 +411,8 @@ class SessionManager:
             await self._stop_locked(session, reason)
 
     async def _stop_locked(self, session: Session, reason: str) -> None:
-        if session.state in (State.STOPPED, State.DELETED):
-            return
+        if session.state in (State.STOPPED, State.DELETED, State.DAMAGED):
+            return  # (a damaged child of a stopped parent: nothing runs)
         self.workers.cancel_restart(session)
         self.events.set_state(session, Trigger.STOP, reason=reason)
         await self.workers.terminate(session, "stopped", self.config.daemon.stop_grace_secs)
@@ -381,6 +420,8 @@ class SessionManager:
         self.events.write_mark(session, durable=True)
 
     async def restart(self, session: Session) -> None:
+        if session.state is State.DAMAGED:
+            raise Conflict(_damaged_hint(session))
         async with session.lock:
             if session.state in LIVE:
                 await self._stop_locked(session, "restart")
@@ -411,12 +452,58 @@ class SessionManager:
             self.workers.cancel_restart(session)
             self.events.set_state(session, Trigger.DELETE, reason="deleted")
             self._unlink(session)
+            if session.meta_lost:
+                # Which workspace is its own is unknown; the next start's
+                # sweep of orphaned workspaces removes it.
+                log.info("session %s deleted", session.id)
+                return
             try:
                 await asyncio.to_thread(self.workspaces.remove, session)
             except OSError as exc:
                 log.error("session %s: its workspace %s could not be removed: %s",
                           session.id, self.workspaces.path(session), exc)
             log.info("session %s deleted", session.id)
+
+    async def repair(self, session: Session, mode: str) -> tuple[Session, RepairResult]:
+        """Rewrite a damaged session's stored state per `mode`, then restore
+        it as at start-up (hibernated, or stopped/failed as it was)."""
+        try:
+            how = RepairMode(mode)
+        except ValueError:
+            raise BadRequest(f"unknown repair mode {mode!r}: use skip_bad or truncate") from None
+        async with session.lock:
+            if session.state is not State.DAMAGED:
+                raise Conflict(f"session {session.id} is {session.state}, not damaged; nothing to repair")
+            try:
+                result = self.store.repair(session.id, how)
+                store, loaded = self.store.load(session.id)
+            except StoreDamaged as exc:
+                session.error = exc.reason
+                raise Conflict(f"session {session.id} cannot be repaired: {exc.reason}") from None
+            except StoreError as exc:
+                raise store_failure(f"session {session.id} could not be repaired: ", exc) from None
+            except OSError as exc:
+                raise Internal(f"session {session.id} could not be repaired: {exc}") from None
+            log.warning("session %s repaired (%s): %d record(s) kept, %d intact record(s) and "
+                        "%d damaged byte(s) dropped", session.id, how.value, result.kept_records,
+                        result.dropped_records, result.dropped_bytes)
+            self.events.set_state(session, Trigger.REPAIR, reason=f"repaired ({how.value})")
+            subscribers, children = set(session.subscribers), list(session.children)
+            self.sessions.pop(session.id)
+            parent = self.sessions.get(session.meta.parent or "")
+            if parent is not None and session.id in parent.children:
+                parent.children.remove(session.id)
+            self.events.forget(session)
+            try:
+                self._restore(store, loaded)
+            except BaseException:
+                store.close()
+                self._add_damaged(session.id, "cannot be restored after repair", loaded.meta)
+                raise
+            restored = self.sessions[session.id]
+            restored.subscribers = subscribers
+            restored.children = [c for c in children if c in self.sessions]
+            return restored, result
 
     def ping(self, session: Session, answer: Callable[[SessiondError | None], None]) -> int:
         """Round trip through the worker; `answer` is called with None when
@@ -553,4 +640,11 @@ def _check_handler(name: str, settings: SessionSettings) -> None:
     raise BadRequest(
         f"handler {name!r} is not allowed here; the operator allows "
         f"{', '.join(allowed) or 'none'} ([agent] allowed_handlers in config.toml)"
+    )
+
+
+def _damaged_hint(session: Session) -> str:
+    return (
+        f"session {session.id} is damaged ({session.error}); `sessionctl repair {session.id} "
+        f"--skip-bad` or `--truncate` recovers it, `sessionctl rm {session.id}` deletes it"
     )

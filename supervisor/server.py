@@ -56,7 +56,7 @@ _HANDSHAKE_TIMEOUT_SECS = 10.0
 _LAGGED_GRACE_SECS = 1.0
 _LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 _CLIENT_NAME_CHARS = 64
-_SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove)
+_SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove, m.Repair)
 
 
 class ClientConn:
@@ -69,6 +69,8 @@ class ClientConn:
         self.tasks: set[asyncio.Task[None]] = set()
         self.name = f"client pid={self.pid} uid={self.uid}"
         self.said_hello = False
+        # Error codes newer than protocol 1 that this client said it decodes.
+        self.error_codes: frozenset[str] = frozenset()
         self.counted = False  # toward max_connections_per_uid
         self._hello_timer: asyncio.TimerHandle | None = None
 
@@ -175,6 +177,7 @@ class ClientConn:
             self.proto.close()
             return
         self.said_hello = True
+        self.error_codes = frozenset(msg.error_codes) & m.NEW_ERROR_CODES
         if self._hello_timer is not None:
             self._hello_timer.cancel()
         if msg.client:
@@ -189,7 +192,10 @@ class ClientConn:
         `internal` (and the traceback in the log) for anything else."""
         rid = getattr(msg, "id", 0)
         if isinstance(exc, SessiondError):
-            return m.Error(id=rid, code=exc.code, message=exc.message)
+            code = exc.code
+            if code in m.NEW_ERROR_CODES and code not in self.error_codes:
+                code = m.ErrorCode.INTERNAL  # an older client would fail to decode it
+            return m.Error(id=rid, code=code, message=exc.message)
         log.error("request %s from %s failed", type(msg).__name__, self.name, exc_info=exc)
         return m.Error(id=rid, code=m.ErrorCode.INTERNAL, message=f"internal error: {exc}")
 
@@ -265,6 +271,13 @@ class ClientConn:
             case m.Remove(id=rid, session=sid):
                 await mgr.remove(mgr.get(sid, self.uid))
                 return m.Ok(id=rid)
+            case m.Repair(id=rid, session=sid, mode=mode):
+                session, result = await mgr.repair(mgr.get(sid, self.uid), mode)
+                return m.Repaired(
+                    id=rid, session=mgr.info(session, with_rss=False),
+                    kept_records=result.kept_records, dropped_records=result.dropped_records,
+                    dropped_bytes=result.dropped_bytes,
+                )
         raise BadRequest(f"unsupported request {type(msg).__name__}")
 
 

@@ -3,7 +3,8 @@
 Runs in the daemon.  `Session` is plain data; the parts of the daemon's core
 each own some of its fields, and only they write them:
 
-    SessionManager (manager.py)   the registry, meta, settings, children, lock
+    SessionManager (manager.py)   the registry, meta, settings, children, lock,
+                                  store, error, meta_lost
     EventLog       (events.py)    state, seq, reserved_seq, ring, subscribers,
                                   state_waiters
     TurnLedger     (ledger.py)    turns, current_turn, current_input,
@@ -32,7 +33,7 @@ from ipc.settings import SessionSettings
 from supervisor.errors import SessiondError
 from supervisor.limits import SessionMemory
 from supervisor.states import RestartPolicy, State
-from supervisor.store import Meta, SessionStore
+from supervisor.state_store import Meta, SessionLog
 
 __all__ = ["PendingInput", "Session", "Subscriber", "WorkerProc", "valid_session_id"]
 
@@ -84,7 +85,7 @@ class WorkerProc:
 class Session:
     id: str
     meta: Meta
-    store: SessionStore
+    store: SessionLog
     settings: SessionSettings
     state: State
     turns: int = 0
@@ -120,6 +121,10 @@ class Session:
     last_turn_secs: float = float("inf")  # how long the last turn took
     turn_timer: asyncio.TimerHandle | None = None
     kill_timer: asyncio.TimerHandle | None = None
+    # Why its stored state failed to load (state DAMAGED); None otherwise.
+    error: str | None = None
+    # DAMAGED with no readable metadata: meta is a stand-in.
+    meta_lost: bool = False
 
     @property
     def persisted_state(self) -> str:

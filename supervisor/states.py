@@ -9,6 +9,8 @@
                           └─give_up─> failed ─restart─> starting
     (any) ─stop─> stopping ─stopped─> stopped ─restart─> starting
     (any) ─delete─> deleted
+    damaged ─repair─> hibernated      (its stored state failed to load; only
+                                       repair or delete leave it: nothing runs)
 
 The session manager asks `transition()` for every change and emits the
 result as a `StateChanged` event; an illegal move raises instead of leaving
@@ -44,6 +46,7 @@ class State(enum.StrEnum):
     FAILED = "failed"
     HIBERNATED = "hibernated"
     DELETED = "deleted"
+    DAMAGED = "damaged"  # stored state unreadable; kept untouched for the operator
 
 
 class Trigger(enum.StrEnum):
@@ -60,6 +63,7 @@ class Trigger(enum.StrEnum):
     STOPPED = "stopped"
     RESTART = "restart"  # the operator asked
     DELETE = "delete"
+    REPAIR = "repair"  # the operator repaired its stored state
 
 
 S, T = State, Trigger
@@ -87,11 +91,12 @@ TRANSITIONS: dict[tuple[State, Trigger], State] = {
     (S.CRASHED, T.RESTART): S.STARTING,
     (S.RESTARTING, T.RESTART): S.STARTING,
     (S.STOPPING, T.STOPPED): S.STOPPED,
+    (S.DAMAGED, T.REPAIR): S.HIBERNATED,
 }
 for _s in LIVE:
     TRANSITIONS[(_s, T.EXIT)] = S.CRASHED
 for _s in State:
-    if _s not in (S.STOPPED, S.DELETED, S.STOPPING):
+    if _s not in (S.STOPPED, S.DELETED, S.STOPPING, S.DAMAGED):
         TRANSITIONS[(_s, T.STOP)] = S.STOPPING
     if _s is not S.DELETED:
         TRANSITIONS[(_s, T.DELETE)] = S.DELETED

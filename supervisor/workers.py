@@ -245,6 +245,7 @@ class WorkerOwner:
     def kill_discarded(self, session: Session) -> None:
         """A session that is being thrown away (its create failed)."""
         if session.worker is not None:
+            log.warning("session %s: its create failed; killing worker %d", session.id, session.worker.pid)
             session.worker.expected = "discarded"
             self.spawner.kill_tree(session.worker.pid, session.memory.escapees())
 
@@ -338,6 +339,12 @@ class WorkerOwner:
             )
         decision = session.policy.on_failure(time.monotonic())
         if not decision.restart:
+            log.error(
+                "session %s: giving up restarting it after %d failures within %gs (last: %s); "
+                "`sessionctl restart %s` tries again",
+                session.id, decision.attempts_in_window, ws.restart_window_secs,
+                describe_exit(session.last_exit), session.id,
+            )
             self._events.set_state(
                 session, Trigger.GIVE_UP,
                 reason=f"{decision.attempts_in_window} failures within {ws.restart_window_secs:g}s",

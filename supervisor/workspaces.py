@@ -111,13 +111,19 @@ class Workspaces:
         """Workspaces ("ID@TOKEN") whose session is gone: the daemon died
         between removing a session and removing its workspace."""
         root = self.root()
+        sessions = list(sessions)
         wanted = {s.meta.workspace for s in sessions}
+        # A damaged session whose metadata is unreadable keeps whatever may be its own.
+        lost = tuple(f"{s.id}@" for s in sessions if s.meta_lost)
         try:
             entries = list(os.scandir(root))
         except OSError:
             return
         for entry in entries:
-            if "@" in entry.name and entry.name not in wanted and entry.is_dir(follow_symlinks=False):
+            if (
+                "@" in entry.name and entry.name not in wanted and not entry.name.startswith(lost)
+                and entry.is_dir(follow_symlinks=False)
+            ):
                 log.info("removing the workspace of a deleted session: %s", entry.path)
                 _rmtree(Path(entry.path))
 

@@ -211,7 +211,17 @@ def test_full_disk_refuses_input_and_loses_nothing(make_daemon) -> None:
         big = "y" * (300 * 1024)
         with pytest.raises(RequestError) as err:
             c.send_text(sid, big)
-        assert err.value.code == "internal" and "not accepted" in err.value.message
+        # A code a script can act on, and the cause in words, not "short write".
+        assert err.value.code == "no_space", err.value.message
+        assert "not accepted" in err.value.message and "No space left on device" in err.value.message
+        # A client that did not say it knows `no_space` (protocol 1 as it
+        # shipped) would fail to decode it: it gets `internal`, same words.
+        with raw_connect(d.socket) as s:
+            hello(s)
+            s.sendall(encode_frame(m.Send(id=9, session=sid, text=big)))
+            reply = read_frame(s)
+            assert isinstance(reply, m.Error) and reply.code == "internal"
+            assert "No space left on device" in reply.message
         # Nothing half-written: the session carries on from its last good turn.
         assert c.status(sid).turns == 1
         assert c.send_text(sid, "after") == "2: after"

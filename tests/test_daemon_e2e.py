@@ -119,7 +119,10 @@ def test_snapshots_keep_restore_short(make_daemon) -> None:
     sdir = d.state_dir / "sessions" / sid
     assert (sdir / "snapshot").exists()
     logs = sorted(p.name for p in sdir.glob("log.*"))
-    assert logs == ["log.2"], logs  # two snapshots taken; older logs deleted
+    # Two snapshots taken: log.0 deleted; log.1 kept with snapshot.prev as
+    # the fallback should the newest snapshot fail its checksum.
+    assert logs == ["log.1", "log.2"], logs
+    assert (sdir / "snapshot.prev").exists()
     d.kill()
     d.start()
     with d.client() as c:

@@ -103,3 +103,15 @@ def test_restart_policy_forgets_failures_outside_the_window() -> None:
 
 def test_zero_attempts_means_never_restart() -> None:
     assert not RestartPolicy(0, 60, 100, 1000).on_failure(0.0).restart
+
+
+def test_damaged_leaves_only_by_repair_or_delete() -> None:
+    for trigger in Trigger:
+        expected = {Trigger.REPAIR: State.HIBERNATED, Trigger.DELETE: State.DELETED}.get(trigger)
+        if expected is None:
+            with pytest.raises(InvalidTransition):
+                transition(State.DAMAGED, trigger)
+        else:
+            assert transition(State.DAMAGED, trigger) is expected
+    # Nothing else becomes damaged by a transition: only a failed load makes it.
+    assert all(new is not State.DAMAGED for new in TRANSITIONS.values())

@@ -76,7 +76,8 @@ def test_snapshot_rotates_the_log(tmp_path: Path) -> None:
     st.append(Commit(turn=4, reply="y", record=b"\x01", seq=4), durable=True)
     st.close()
     names = sorted(p.name for p in (tmp_path / "s1").iterdir())
-    assert names == ["log.1", "snapshot"]
+    # The log the snapshot folds in stays as the fallback until the next snapshot.
+    assert names == ["fence", "log.0", "log.1", "snapshot"]
     st2, loaded = SessionStore.load(tmp_path / "s1")
     assert loaded.seq == 4
     assert st2.read_for_boot() == (b"\x03", [b"\x01"], 4)
@@ -88,10 +89,9 @@ def test_crash_between_snapshot_and_new_log_keeps_everything(tmp_path: Path) -> 
     st.write_snapshot(Snapshot(gen=0, meta=Meta(id="s1", handler="echo"), turns=1, seq=1,
                                handler_state=b"\x01"))
     st.close()
-    # Simulate the old log still being there (crash before its unlink).
+    # The log the snapshot folded in is not read again while the snapshot is good.
     (tmp_path / "s1" / "log.0").write_bytes(b"stale")
     st2, loaded = SessionStore.load(tmp_path / "s1")
-    assert not (tmp_path / "s1" / "log.0").exists()
     assert st2.read_for_boot() == (b"\x01", [], 1)
 
 

@@ -1,0 +1,168 @@
+"""`StateStore` in memory: the second implementation of the seam, for the
+manager's component tests and for the contract suite.
+
+Each session keeps its log as the same framed bytes the file store writes
+(`u32 length | u32 crc32 | msgpack`, scanned by the same pure functions),
+plus the offset up to which it is "durable".  `crash()` does what a power
+loss may do: every session loses what was not synced, and sessions created
+with durable=False and never made durable vanish.  Nothing here touches
+the disk; everything is lost with the process.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from supervisor.state_store import (
+    Fenced,
+    LoadedSession,
+    Meta,
+    Record,
+    RepairMode,
+    RepairResult,
+    Snapshot,
+    StoreDamaged,
+    StoreError,
+    boot_state,
+)
+from supervisor.store import describe_damage, frame_record, scan_log
+
+__all__ = ["InMemoryStateStore", "MemoryLog"]
+
+log = logging.getLogger("sessiond.store")
+
+
+@dataclass(slots=True)
+class _Stored:
+    log: bytearray = field(default_factory=bytearray)
+    synced: int = 0  # bytes of `log` that survive a crash
+    snapshot: Snapshot | None = None
+    fence: int = 0
+    durable: bool = False  # the session itself survives a crash
+
+
+class MemoryLog:
+    def __init__(self, session_id: str, stored: _Stored, generation: int,
+                 sessions: dict[str, _Stored]) -> None:
+        self._sessions = sessions
+        self._id = session_id
+        self._stored = stored
+        self._generation = generation
+        self._closed = False
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def _check(self) -> None:
+        if self._closed:
+            raise StoreError(f"session {self._id}: this writer was closed")
+        if self._stored.fence != self._generation:
+            raise Fenced(self._id, self._generation, self._stored.fence)
+
+    def append(self, record: Record, durable: bool) -> None:
+        self._check()
+        self._stored.log += frame_record(record)
+        if durable:
+            self._stored.synced = len(self._stored.log)
+
+    def sync(self) -> None:
+        self._check()
+        self._stored.synced = len(self._stored.log)
+
+    def make_durable(self) -> None:
+        self._check()
+        self._stored.synced = len(self._stored.log)
+        self._stored.durable = True
+
+    def write_snapshot(self, snap: Snapshot) -> None:
+        self._check()
+        gen = self._stored.snapshot.gen if self._stored.snapshot is not None else 0
+        snap.gen = gen + 1
+        self._stored.snapshot = snap
+        self._stored.log = bytearray()
+        self._stored.synced = 0
+
+    def read_for_boot(self) -> tuple[bytes, list[bytes], int]:
+        scan = scan_log(bytes(self._stored.log))
+        return boot_state(self._stored.snapshot, [rec for _, _, rec in scan.records])
+
+    def close(self) -> None:
+        self._closed = True
+
+    def remove(self) -> None:
+        self.close()
+        if self._sessions.get(self._id) is self._stored:
+            del self._sessions[self._id]
+
+
+class InMemoryStateStore:
+    def __init__(self) -> None:
+        self.sessions: dict[str, _Stored] = {}
+
+    def create(self, meta: Meta, durable: bool = True) -> MemoryLog:
+        if meta.id in self.sessions:
+            raise FileExistsError(meta.id)
+        stored = _Stored(fence=1)
+        self.sessions[meta.id] = stored
+        handle = MemoryLog(meta.id, stored, 1, self.sessions)
+        handle.append(meta, durable=False)
+        if durable:
+            handle.make_durable()
+        return handle
+
+    def load(self, session_id: str) -> tuple[MemoryLog, LoadedSession]:
+        stored = self.sessions[session_id]
+        scan = scan_log(bytes(stored.log))
+        snap = stored.snapshot
+        if scan.damaged:
+            meta = snap.meta if snap is not None else next(
+                (r for _, _, r in scan.records if isinstance(r, Meta)), None)
+            raise StoreDamaged(session_id, describe_damage("log", scan), meta=meta)
+        stored.fence += 1
+        torn = scan.torn_at
+        if torn is not None:
+            log.warning("session %s: dropping %d bytes of a torn last record at offset %d",
+                        session_id, scan.size - torn, torn)
+            del stored.log[torn:]
+            stored.synced = min(stored.synced, torn)
+        loaded = (LoadedSession(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark)
+                  if snap is not None else None)
+        for _, _, rec in scan.records:
+            if loaded is None and isinstance(rec, Meta):
+                loaded = LoadedSession(meta=rec)
+            elif loaded is not None:
+                loaded.apply(rec)
+        if loaded is None:
+            raise StoreDamaged(session_id, "no metadata record", repairable=False)
+        return MemoryLog(session_id, stored, stored.fence, self.sessions), loaded
+
+    def ids(self) -> list[str]:
+        return sorted(self.sessions)
+
+    def remove(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+
+    def repair(self, session_id: str, mode: RepairMode) -> RepairResult:
+        stored = self.sessions[session_id]
+        data = bytes(stored.log)
+        scan = scan_log(data)
+        if not scan.bad:
+            return RepairResult(len(scan.records), 0, 0)
+        spans = [(a, b) for a, b, _ in scan.records]
+        if mode is RepairMode.TRUNCATE:
+            spans = [(a, b) for a, b in spans if a < scan.bad[0][0]]
+        stored.log = bytearray(b"".join(data[a:b] for a, b in spans))
+        stored.synced = len(stored.log)
+        return RepairResult(len(spans), len(scan.records) - len(spans),
+                            sum(b - a for a, b in scan.bad))
+
+    # ---------------------------------------------------------------- for tests
+
+    def crash(self) -> None:
+        """What survives a power loss: synced bytes of durable sessions."""
+        for sid in [s for s, st in self.sessions.items() if not st.durable]:
+            del self.sessions[sid]
+        for stored in self.sessions.values():
+            del stored.log[stored.synced :]

@@ -1,0 +1,325 @@
+"""The state store seam: what the session manager needs from durable storage.
+
+    StateStore                 one per daemon: the set of sessions
+    ├── create(meta)           -> SessionLog   (a new session, fenced)
+    ├── load(id)               -> (SessionLog, LoadedSession)   (fenced)
+    ├── ids() / remove(id) / repair(id, mode)
+    SessionLog                 one per session, held by its one writer
+    ├── append(record, durable) / sync() / make_durable()
+    ├── write_snapshot(snap) / read_for_boot()
+    └── close() / remove()
+
+The promises every implementation keeps (tests/test_store_contract.py runs
+the same suite over each; a PostgreSQL store must pass it unchanged):
+
+* `append(durable=True)` returns only once the record survives a crash;
+  `append(durable=False)` followed by `sync()` likewise.  A record appended
+  but not synced may be lost by a crash, never half-kept.
+* A torn tail (the last record incomplete or failing its checksum, nothing
+  valid after it) is dropped on load with a warning.  Damage followed by
+  intact records is never dropped silently: load raises `StoreDamaged` and
+  keeps everything as it is, until `repair(id, mode)`.
+* Fencing: every `create`/`load` of a session takes a new, persisted
+  *generation*.  A `SessionLog` holding an older one (a writer that was cut
+  off, a second daemon) is refused with `Fenced` on its next append, sync or
+  snapshot, so two writers can never interleave records.
+* A failure to write raises `StoreError` and leaves nothing half-written;
+  `StoreFull` (a subclass) when the medium is out of space, so that clients
+  can be told `no_space` rather than `internal`.
+
+Errors:
+
+    StoreError              a write that did not become durable; nothing acknowledged
+    ├── StoreFull           ... because the disk (or quota, or file size limit) is full
+    ├── Fenced              a newer writer opened the session; this handle may not write
+    └── StoreDamaged        the stored session is corrupt beyond a torn tail
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+__all__ = [
+    "Abort",
+    "Commit",
+    "DamagedLog",
+    "Fenced",
+    "InputRecord",
+    "LoadedSession",
+    "Mark",
+    "Meta",
+    "Record",
+    "RepairMode",
+    "RepairResult",
+    "SessionLog",
+    "Snapshot",
+    "StateStore",
+    "boot_state",
+    "StoreDamaged",
+    "StoreError",
+    "StoreFull",
+]
+
+
+# ---------------------------------------------------------------- records
+
+
+class _Rec(msgspec.Struct, tag_field="r", omit_defaults=True, kw_only=True):
+    pass
+
+
+class Meta(_Rec, tag="meta"):
+    id: str
+    handler: str
+    overrides: dict[str, Any] = {}
+    created_at: float = 0.0
+    owner_uid: int = 0
+    parent: str | None = None
+    depth: int = 0
+    # Name of the session's directory under the workspace root ("ID@TOKEN");
+    # empty for sessions made before workspaces were named so (they use ID).
+    workspace: str = ""
+    # The uid its worker and tools run as, when the daemon gives each
+    # session its own; kept so that its files stay its own across restarts.
+    run_uid: int | None = None
+
+
+class InputRecord(_Rec, tag="input"):
+    turn: int
+    text: str
+    seq: int
+    at: float = 0.0
+
+
+class Commit(_Rec, tag="commit"):
+    turn: int
+    reply: str
+    record: bytes = b""
+    interrupted: bool = False
+    seq: int = 0
+
+
+class Abort(_Rec, tag="abort"):
+    """A turn that failed or whose worker died; its input stays in the log."""
+
+    turn: int
+    reason: str
+    record: bytes = b""
+    seq: int = 0
+
+
+class Mark(_Rec, tag="mark"):
+    """State worth keeping across a daemon restart, and seq reservations."""
+
+    state: str = ""  # "stopped", "failed" or "" (live/hibernated)
+    reason: str = ""
+    seq: int = 0  # seq numbers up to this one may have been used
+    restarts: int = 0
+    last_exit: dict[str, Any] | None = None
+
+
+Record = Meta | InputRecord | Commit | Abort | Mark
+
+
+class Snapshot(msgspec.Struct, kw_only=True):
+    gen: int  # the log generation that continues this snapshot
+    meta: Meta
+    turns: int
+    seq: int
+    handler_state: bytes = b""
+    mark: Mark = msgspec.field(default_factory=Mark)
+
+
+@dataclass(slots=True)
+class LoadedSession:
+    meta: Meta
+    turns: int = 0
+    seq: int = 0
+    mark: Mark = field(default_factory=Mark)
+    # The last input had no commit/abort: its worker (or the daemon) died.
+    open_input: InputRecord | None = None
+
+    def apply(self, rec: Record) -> None:
+        """Fold one record in (the same for every store)."""
+        match rec:
+            case Meta():
+                pass
+            case InputRecord():
+                self.turns = rec.turn
+                self.seq = max(self.seq, rec.seq)
+                self.open_input = rec
+            case Commit() | Abort():
+                self.seq = max(self.seq, rec.seq)
+                if self.open_input is not None and self.open_input.turn == rec.turn:
+                    self.open_input = None
+            case Mark():
+                self.seq = max(self.seq, rec.seq)
+                self.mark = rec
+
+
+def boot_state(snapshot: Snapshot | None, records: list[Record]) -> tuple[bytes, list[bytes], int]:
+    """What a new worker needs, from a snapshot and the records after it:
+    the handler state, the turn records (non-empty, in order), committed turns."""
+    state, turns = (snapshot.handler_state, snapshot.turns) if snapshot is not None else (b"", 0)
+    tail: list[bytes] = []
+    for rec in records:
+        if isinstance(rec, (Commit, Abort)):
+            turns = max(turns, rec.turn)
+            if rec.record:
+                tail.append(rec.record)
+    return state, tail, turns
+
+
+# ---------------------------------------------------------------- errors
+
+
+class StoreError(Exception):
+    """A write that did not become durable; nothing was acknowledged."""
+
+
+class StoreFull(StoreError):
+    """The write failed for want of space (ENOSPC, EDQUOT, EFBIG)."""
+
+
+class Fenced(StoreError):
+    """This writer's generation is older than the session's: someone else
+    opened the session for writing since."""
+
+    def __init__(self, session: str, mine: int, current: int) -> None:
+        super().__init__(
+            f"session {session}: this writer holds generation {mine} but generation {current} "
+            "has opened the session since; refusing to write (is another daemon using the "
+            "same state directory?)"
+        )
+        self.session = session
+        self.mine = mine
+        self.current = current
+
+
+class StoreDamaged(StoreError):
+    """The stored session is corrupt in a way that loading must not paper
+    over.  `meta` is what could still be read (None: nothing); `repairable`
+    says whether `repair()` can do anything about it."""
+
+    def __init__(self, session: str, reason: str, meta: Meta | None = None,
+                 repairable: bool = True) -> None:
+        super().__init__(f"session {session}: {reason}")
+        self.session = session
+        self.reason = reason
+        self.meta = meta
+        self.repairable = repairable
+
+
+class RepairMode(enum.StrEnum):
+    SKIP_BAD = "skip_bad"  # keep every intact record, drop only the damaged bytes
+    TRUNCATE = "truncate"  # keep what precedes the first damaged record
+
+
+@dataclass(slots=True, frozen=True)
+class RepairResult:
+    kept_records: int
+    dropped_records: int  # intact records dropped (truncate only)
+    dropped_bytes: int  # damaged bytes dropped
+
+
+# ---------------------------------------------------------------- the seam
+
+
+class SessionLog(Protocol):
+    """One session's durable state, as held by its single writer."""
+
+    @property
+    def generation(self) -> int:
+        """The fencing generation this handle writes under."""
+        ...
+
+    def append(self, record: Record, durable: bool) -> None: ...
+
+    def sync(self) -> None:
+        """Make every append so far durable; on failure the unsynced tail
+        is discarded (never kept without anyone being told it was saved)."""
+        ...
+
+    def make_durable(self) -> None:
+        """After `StateStore.create(durable=False)`: the session exists for sure."""
+        ...
+
+    def write_snapshot(self, snap: Snapshot) -> None:
+        """Replace what precedes with `snap` (its `gen` is set by the store)."""
+        ...
+
+    def read_for_boot(self) -> tuple[bytes, list[bytes], int]: ...
+
+    def close(self) -> None: ...
+
+    def remove(self) -> None: ...
+
+
+class StateStore(Protocol):
+    """Every session's durable state.  Runs in the daemon only."""
+
+    def create(self, meta: Meta, durable: bool = True) -> SessionLog:
+        """A new session with its metadata; `FileExistsError` if the id is taken."""
+        ...
+
+    def load(self, session_id: str) -> tuple[SessionLog, LoadedSession]:
+        """Open a session for writing (a new generation) and read it back.
+        Raises `StoreDamaged` (nothing changed) or `KeyError` (no such id)."""
+        ...
+
+    def ids(self) -> list[str]:
+        """Every stored session, sorted."""
+        ...
+
+    def remove(self, session_id: str) -> None:
+        """Delete a session that may not be loadable (a damaged one)."""
+        ...
+
+    def repair(self, session_id: str, mode: RepairMode) -> RepairResult:
+        """Rewrite a damaged session atomically so that it loads again."""
+        ...
+
+
+class DamagedLog:
+    """Stands in for the log of a session that could not be loaded, so the
+    session can still be listed and removed: every write is refused."""
+
+    def __init__(self, store: StateStore, session_id: str, reason: str) -> None:
+        self._store = store
+        self._id = session_id
+        self._reason = reason
+
+    @property
+    def generation(self) -> int:
+        return 0
+
+    def _refuse(self) -> StoreError:
+        return StoreError(
+            f"session {self._id} is damaged ({self._reason}); nothing is written until "
+            f"`sessionctl repair {self._id}` or `sessionctl rm {self._id}`"
+        )
+
+    def append(self, record: Record, durable: bool) -> None:
+        raise self._refuse()
+
+    def sync(self) -> None:
+        raise self._refuse()
+
+    def make_durable(self) -> None:
+        raise self._refuse()
+
+    def write_snapshot(self, snap: Snapshot) -> None:
+        raise self._refuse()
+
+    def read_for_boot(self) -> tuple[bytes, list[bytes], int]:
+        raise self._refuse()
+
+    def close(self) -> None:
+        pass
+
+    def remove(self) -> None:
+        self._store.remove(self._id)
