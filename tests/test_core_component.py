@@ -1,0 +1,200 @@
+"""The daemon's core in-process (component tier): SessionManager and its
+parts over the in-process spawner and the in-memory store.  No daemon, no
+fork: turns, crashes, restarts, the restart intensity, the worker-message
+boundary, sub-agents and reload, each in milliseconds."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from fakespawner import FakeSpawner, FakeWorker
+from ipc import messages as m
+from ipc.settings import SessionSettings
+from supervisor.config import parse_config
+from supervisor.manager import SessionManager
+from supervisor.memory_store import InMemoryStateStore
+from supervisor.session import Session, valid_session_id
+
+_event = msgspec.msgpack.Decoder(m.Event)
+
+FAST = {
+    "agent": {"worker": {"restart_backoff_initial_ms": 1, "restart_backoff_max_ms": 2,
+                         "max_restart_attempts": 2, "restart_window_secs": 60.0}},
+    "daemon": {"stop_grace_secs": 0.2},
+}
+
+
+class Recorder:
+    """A Subscriber that keeps every event it is sent."""
+
+    uid = 0
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def deliver(self, frame: bytes | bytearray) -> None:
+        self.events.append(_event.decode(bytes(frame)[4:]))
+
+    def of(self, kind: type[Any]) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+def _core(tmp_path: Path, config: dict[str, Any] | None = None) -> tuple[SessionManager, FakeSpawner, InMemoryStateStore]:
+    spawner, store = FakeSpawner(), InMemoryStateStore()
+    mgr = SessionManager(parse_config(config or FAST, "test"), tmp_path, spawner, store=store)
+    mgr.load_all()
+    return mgr, spawner, store
+
+
+def _run(body: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(body(), 20))
+
+
+async def _until(predicate: Callable[[], Any], what: str) -> None:
+    for _ in range(2000):
+        if predicate():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _worker(spawner: FakeSpawner, session: Session) -> FakeWorker:
+    assert session.worker is not None
+    return spawner.workers[session.worker.pid]
+
+
+def test_a_turn_is_committed_before_it_is_done(tmp_path: Path) -> None:
+    mgr, spawner, store = _core(tmp_path)
+
+    async def body() -> None:
+        session = await mgr.create(1000, "s", "echo", {})
+        watcher = Recorder()
+        mgr.attach(session, watcher, None)
+        accepted = await mgr.send(session, "hello", None)
+        assert accepted.turn == 1
+        await _until(lambda: watcher.of(m.TurnDone), "TurnDone")
+        assert watcher.of(m.TurnDone)[0].reply == "1: hello"
+        # The commit is in the store, synced, before TurnDone was sent.
+        handle, loaded = store.load("s")
+        assert loaded.turns == 1
+        assert session.state.value == "idle"
+
+    _run(body)
+
+
+def test_a_crash_mid_turn_fails_the_turn_restarts_and_gives_up_past_the_intensity(tmp_path: Path) -> None:
+    mgr, spawner, _ = _core(tmp_path)
+
+    async def body() -> None:
+        session = await mgr.create(1000, "s", "echo", {})
+        watcher = Recorder()
+        mgr.attach(session, watcher, None)
+        for round_ in range(1, 4):
+            worker = _worker(spawner, session)
+            worker.behaviour = lambda w, msg: isinstance(msg, m.Input) and (w.exit(sig=9) or True)
+            await mgr.send(session, f"crash {round_}", None)
+            await _until(lambda: len(watcher.of(m.TurnFailed)) == round_, "the failed turn")
+            if round_ < 3:
+                await _until(lambda: session.state.value == "idle", "the restart")
+        await _until(lambda: session.state.value == "failed", "the give-up")
+        assert "SIGKILL" in watcher.of(m.TurnFailed)[0].reason
+        assert [e.kind for e in watcher.of(m.LimitExceeded)] == ["restarts"]
+        assert session.restarts == 2 and session.last_exit is not None
+        assert session.last_exit.reason == "crashed"
+
+    _run(body)
+
+
+def test_a_bug_handling_a_worker_message_fails_the_turn_and_keeps_the_session(tmp_path: Path) -> None:
+    mgr, spawner, _ = _core(tmp_path)
+
+    async def body() -> None:
+        session = await mgr.create(1000, "s", "echo", {})
+        watcher = Recorder()
+        mgr.attach(session, watcher, None)
+        pid = session.worker.pid if session.worker else 0
+        real_commit = mgr.ledger.commit
+
+        def broken(*args: Any) -> None:
+            raise KeyError("a bug in the daemon")
+
+        mgr.ledger.commit = broken  # type: ignore[method-assign]
+        await mgr.send(session, "one", None)
+        await _until(lambda: watcher.of(m.TurnFailed), "the failed turn")
+        assert "internal error" in watcher.of(m.TurnFailed)[0].reason
+        mgr.ledger.commit = real_commit  # type: ignore[method-assign]
+        await _until(lambda: session.state.value == "idle", "idle again")
+        assert session.worker is not None and session.worker.pid == pid  # no restart needed
+        await mgr.send(session, "two", None)
+        await _until(lambda: watcher.of(m.TurnDone), "the next turn")
+
+    _run(body)
+
+
+def test_sub_agent_ids_are_always_valid(tmp_path: Path) -> None:
+    mgr, _, _ = _core(tmp_path)
+
+    async def body() -> None:
+        for parent_id in ("a" * 64, "a" + "-" * 63, "a" + "." * 63, "x"):
+            parent = await mgr.create(1000, parent_id, "echo", {})
+            for _ in range(20):
+                child = mgr.subagents._child_id(parent)
+                assert valid_session_id(child) and child.startswith(parent_id[:8]), child
+
+    _run(body)
+
+
+def test_a_sub_agent_whose_create_fails_leaves_no_trace_in_its_parent(tmp_path: Path) -> None:
+    mgr, spawner, store = _core(tmp_path)
+
+    async def body() -> None:
+        parent = await mgr.create(1000, "p", "echo", {})
+        spawner.next_behaviour = (
+            lambda w, msg: isinstance(msg, m.Boot) and (w.send(m.BootFailed(reason="no")) or w.exit(code=3) or True)
+        )
+        pw = _worker(spawner, parent)
+        assert parent.worker is not None
+        await mgr.subagents.run(parent, parent.worker, m.SpawnAgent(turn=1, request_id="r1", task="t"))
+        await _until(lambda: [msg for msg in pw.got if isinstance(msg, m.SpawnResult)], "the answer")
+        result = [msg for msg in pw.got if isinstance(msg, m.SpawnResult)]
+        assert not result[0].ok and "could not start" in result[0].reason
+        assert parent.children == [] and set(mgr.sessions) == {"p"} and store.ids() == ["p"]
+
+    _run(body)
+
+
+def test_a_reload_reaches_live_workers(tmp_path: Path) -> None:
+    mgr, spawner, _ = _core(tmp_path)
+
+    async def body() -> None:
+        session = await mgr.create(1000, "s", "echo", {"agent.max_turns": 5})
+        lowered = dict(FAST)
+        lowered["agent"] = {**FAST["agent"], "max_turns": 3}
+        mgr.reload(parse_config(lowered, "test"))
+        worker = _worker(spawner, session)
+        await _until(lambda: any(isinstance(x, m.Reconfigure) for x in worker.got), "Reconfigure")
+        sent = next(x for x in worker.got if isinstance(x, m.Reconfigure))
+        settings = msgspec.msgpack.decode(sent.settings, type=SessionSettings)
+        assert settings.agent.max_turns == 3 == session.settings.agent.max_turns  # the override pulled back
+
+    _run(body)
+
+
+def test_the_store_holds_what_the_ledger_acknowledged(tmp_path: Path) -> None:
+    mgr, spawner, store = _core(tmp_path)
+
+    async def body() -> None:
+        session = await mgr.create(1000, "s", "echo", {})
+        for i in range(5):
+            await mgr.send(session, f"t{i}", None)
+            await _until(lambda: session.state.value == "idle", "the turn's end")
+        store.crash()  # only what was synced survives
+        _, loaded = store.load("s")
+        assert loaded.turns == 5
+
+    _run(body)
