@@ -46,10 +46,13 @@ from ipc.errors import FrameTimeout, FrameTooLarge, ProtocolError
 from supervisor import __version__, peer
 from supervisor.errors import BadRequest, SessiondError
 from supervisor.manager import SessionManager
+from supervisor.ratelog import RateLimitedLog
 
 __all__ = ["ControlServer"]
 
 log = logging.getLogger("sessiond.server")
+# What a peer can make us say again and again: at most a burst per uid a minute.
+peer_log = RateLimitedLog(log)
 
 _request_decoder = msgspec.msgpack.Decoder(m.Request)
 _HANDSHAKE_TIMEOUT_SECS = 10.0
@@ -100,10 +103,11 @@ class ClientConn:
 
     def on_bad_frame(self, exc: ProtocolError) -> None:
         if isinstance(exc, FrameTooLarge):
-            log.warning("%s sent a frame of %d bytes (limit %d); closing", self.name, exc.length, exc.limit)
+            peer_log.warning(self.uid, "%s sent a frame of %d bytes (limit %d); closing",
+                             self.name, exc.length, exc.limit)
             message = f"bad frame: {exc} ([daemon] max_frame_bytes)"
         elif isinstance(exc, FrameTimeout):
-            log.warning("%s left a frame unfinished for %.0fs; closing", self.name, exc.timeout)
+            peer_log.warning(self.uid, "%s left a frame unfinished for %.0fs; closing", self.name, exc.timeout)
             message = f"bad frame: {exc} ([daemon] frame_timeout_secs)"
         else:
             message = f"bad frame: {exc}"
@@ -342,7 +346,7 @@ class ControlServer:
         cred = client.cred
         cfg = self.manager.config.daemon
         if not self.admits(cred):
-            log.warning("refused %s: not in allowed_uids/allowed_gids", client.name)
+            peer_log.warning(cred.uid, "refused %s: not in allowed_uids/allowed_gids", client.name)
             return m.Error(
                 code=m.ErrorCode.PERMISSION_DENIED,
                 message=f"uid {cred.uid} may not use this daemon ([daemon] allowed_uids / allowed_gids)",
@@ -368,7 +372,7 @@ class ControlServer:
             return m.Error(code=m.ErrorCode.PERMISSION_DENIED,
                            message=f"refused: {exc}; try again")
         if inside:
-            log.warning("refused %s: it runs inside a session", client.name)
+            peer_log.warning(cred.uid, "refused %s: it runs inside a session", client.name)
             return m.Error(
                 code=m.ErrorCode.PERMISSION_DENIED,
                 message="connections from inside a session (its worker or tools) are refused: "
