@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psutil
 import tomli_w
 
@@ -239,6 +240,34 @@ def _alive(pid: int) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def run_as(uid: int, fn: Callable[[], Any], groups: tuple[int, ...] = ()) -> Any:
+    """Fork, become `uid` (primary gid = uid, plus `groups`), run `fn`,
+    return what it returned (msgpack-able)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the other user
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups(list(groups))
+            os.setgid(uid)
+            os.setuid(uid)
+            os.write(w, msgspec.msgpack.encode(fn()))
+            code = 0
+        except BaseException as exc:
+            os.write(2, f"run_as({uid}) failed: {exc!r}\n".encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the other user's client failed (see stderr)"
+    return msgspec.msgpack.decode(data)
 
 
 def raw_connect(path: Path) -> socket.socket:

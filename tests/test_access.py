@@ -13,7 +13,7 @@ import msgspec
 import psutil
 import pytest
 
-from harness import Daemon, _alive, wait_for
+from harness import Daemon, _alive, run_as, wait_for
 from ipc import messages as m
 from ipc.framing import encode_frame
 from supervisor.client import RequestError
@@ -25,45 +25,28 @@ _reply = msgspec.msgpack.Decoder(m.Reply)
 
 def as_user(uid: int, path: str, requests: list[m.Request]) -> list[m.Reply]:
     """Fork, become `uid`, speak to the daemon, report the replies."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the other user's client
-        code = 1
-        try:
-            os.close(r)
-            os.setgid(uid)
-            os.setuid(uid)
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.settimeout(10)
-            s.connect(path)
-            out = []
-            for req in [m.Hello(protocol=m.PROTOCOL_VERSION, client="other-user"), *requests]:
-                # The daemon may refuse and close before reading: a failed
-                # send still leaves its answer to be read.
-                with contextlib.suppress(OSError):
-                    s.sendall(encode_frame(req))
-                try:
-                    header = s.recv(4, socket.MSG_WAITALL)
-                except OSError:
-                    header = b""
-                if len(header) < 4:
-                    break
-                (n,) = struct.unpack(">I", header)
-                out.append(s.recv(n, socket.MSG_WAITALL))
-            os.write(w, msgspec.msgpack.encode(out))
-            code = 0
-        except BaseException as exc:
-            os.write(2, f"other-user client failed: {exc!r}\n".encode())
-        finally:
-            os._exit(code)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 65536):
-        data += chunk
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    return [_reply.decode(f) for f in msgspec.msgpack.decode(data)]
+
+    def talk() -> list[bytes]:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect(path)
+        out = []
+        for req in [m.Hello(protocol=m.PROTOCOL_VERSION, client="other-user"), *requests]:
+            # The daemon may refuse and close before reading: a failed
+            # send still leaves its answer to be read.
+            with contextlib.suppress(OSError):
+                s.sendall(encode_frame(req))
+            try:
+                header = s.recv(4, socket.MSG_WAITALL)
+            except OSError:
+                header = b""
+            if len(header) < 4:
+                break
+            (n,) = struct.unpack(">I", header)
+            out.append(s.recv(n, socket.MSG_WAITALL))
+        return out
+
+    return [_reply.decode(f) for f in run_as(uid, talk)]
 
 
 def open_up(d: Daemon) -> None:

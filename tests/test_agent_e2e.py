@@ -16,7 +16,10 @@ from harness import wait_for
 from ipc import messages as m
 
 
-def agent_config(llm: FakeLLM, extra: str = "") -> str:
+def agent_config(llm: FakeLLM, extra: str = "", key_env: str | None = "SESSIOND_TEST_KEY") -> str:
+    """A daemon whose sessions run the agent against `llm`; `extra` is TOML
+    appended at the end (tables of its own)."""
+    key = f'api_key_env = "{key_env}"' if key_env else ""
     return f"""
 [agent]
 handler = "agent"
@@ -26,7 +29,7 @@ restart_backoff_initial_ms = 20
 [provider]
 base_url = "{llm.base_url}"
 model = "test-model"
-api_key_env = "SESSIOND_TEST_KEY"
+{key}
 retry_backoff_initial_ms = 1
 [daemon]
 stop_grace_secs = 1.0

@@ -27,7 +27,8 @@ import psutil
 import pytest
 
 from fakellm import FakeLLM, text_stream, tool_call_stream
-from harness import Daemon, env_for_children, wait_for
+from harness import Daemon, env_for_children, run_as, wait_for
+from test_agent_e2e import agent_config as e2e_agent_config
 from ipc import messages as m
 
 NOBODY = 65534
@@ -61,54 +62,23 @@ stop_grace_secs = 3.0
 
 
 def agent_config(llm: FakeLLM) -> str:
-    return f"""
-[agent]
-handler = "agent"
-[agent.worker]
-heartbeat_interval_secs = 0.2
-restart_backoff_initial_ms = 20
-[agent.limits]
-memory_poll_interval_ms = 50
-[provider]
-base_url = "{llm.base_url}"
-model = "test-model"
-api_key_env = "SESSIOND_API_KEY"
-retry_backoff_initial_ms = 1
-[daemon]
-stop_grace_secs = 1.0
-"""
+    return e2e_agent_config(llm, "[agent.limits]\nmemory_poll_interval_ms = 50\n", key_env="SESSIOND_API_KEY")
 
 
 def _open_as(uid: int, paths: list[str]) -> dict[str, int]:
     """Fork, become `uid`, try to open each path; errno per path (0: opened)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            out: dict[str, int] = {}
-            for path in paths:
-                try:
-                    os.close(os.open(path, os.O_RDONLY))
-                    out[path] = 0
-                except OSError as exc:
-                    out[path] = exc.errno or -1
-            os.write(w, msgspec.msgpack.encode(out))
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 65536):
-        data += chunk
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    result: dict[str, int] = msgspec.msgpack.decode(data)
+
+    def try_all() -> dict[str, int]:
+        out: dict[str, int] = {}
+        for path in paths:
+            try:
+                os.close(os.open(path, os.O_RDONLY))
+                out[path] = 0
+            except OSError as exc:
+                out[path] = exc.errno or -1
+        return out
+
+    result: dict[str, int] = run_as(uid, try_all)
     return result
 
 

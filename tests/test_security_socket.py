@@ -37,7 +37,8 @@ import psutil
 import pytest
 
 from fakellm import FakeLLM, text_stream, tool_call_stream
-from harness import Daemon, raw_connect, wait_for
+from harness import Daemon, raw_connect, run_as, wait_for
+from test_agent_e2e import agent_config as e2e_agent_config
 from ipc import messages as m
 from ipc.connection import FramedProtocol
 from ipc.errors import FrameTimeout, ProtocolError
@@ -58,33 +59,6 @@ _request = msgspec.msgpack.Decoder(m.Request)
 
 # ---------------------------------------------------------------- helpers
 
-
-def run_as(uid: int, fn: Callable[[], Any], groups: tuple[int, ...] = ()) -> Any:
-    """Fork, become `uid` (primary gid = uid, plus `groups`), run `fn`,
-    return what it returned (msgpack-able)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the other user
-        code = 1
-        try:
-            os.close(r)
-            os.setgroups(list(groups))
-            os.setgid(uid)
-            os.setuid(uid)
-            os.write(w, msgspec.msgpack.encode(fn()))
-            code = 0
-        except BaseException as exc:
-            os.write(2, f"run_as({uid}) failed: {exc!r}\n".encode())
-        finally:
-            os._exit(code)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 65536):
-        data += chunk
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the other user's client failed (see stderr)"
-    return msgspec.msgpack.decode(data)
 
 
 def outcome(s: socket.socket) -> str:
@@ -136,20 +110,7 @@ def rss(pid: int) -> int:
 
 
 def agent_config(llm: FakeLLM, extra: str = "") -> str:
-    return f"""
-[agent]
-handler = "agent"
-[agent.worker]
-heartbeat_interval_secs = 0.2
-restart_backoff_initial_ms = 20
-[provider]
-base_url = "{llm.base_url}"
-model = "test-model"
-retry_backoff_initial_ms = 1
-[daemon]
-stop_grace_secs = 1.0
-{extra}
-"""
+    return e2e_agent_config(llm, extra, key_env=None)
 
 
 @pytest.fixture
