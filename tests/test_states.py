@@ -16,6 +16,8 @@ from supervisor.states import (
     transition,
 )
 
+pytestmark = pytest.mark.pure
+
 S, T = State, Trigger
 
 

@@ -16,6 +16,8 @@ from harness import Daemon, wait_for
 from ipc import messages as m
 from supervisor.client import Client, RequestError
 
+pytestmark = pytest.mark.process
+
 FAST = """
 [agent.worker]
 heartbeat_interval_secs = 0.2
