@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: run test typecheck bench clean
+.PHONY: run test test-fast typecheck bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# The pure, protocol and component tiers: no daemon, no child processes.
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not process"
 
 typecheck: $(VENV)/.installed
 	$(PY) -m mypy

@@ -40,3 +40,24 @@ def make_daemon(tmp_path: Path) -> Iterator[callable]:
 @pytest.fixture
 def daemon(make_daemon) -> Daemon:
     return make_daemon()
+
+
+# The test tiers (STYLE.md, "Tests"), registered in pyproject.toml.  Every
+# test names exactly one, so `make test-fast` (-m "not process") is a
+# promise about what it runs, not a guess.
+TIERS = ("pure", "protocol", "component", "process")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m/-k deselect anything: check every collected test
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    problems = []
+    for item in items:
+        tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
+        if len(tiers) != 1:
+            problems.append(f"  {item.nodeid}: {', '.join(tiers) if tiers else 'no tier'}")
+    if problems:
+        raise pytest.UsageError(
+            f"every test needs exactly one tier marker ({', '.join(TIERS)}): "
+            "`pytestmark = pytest.mark.<tier>` for a file of one tier, "
+            "`@pytest.mark.<tier>` on each test otherwise (see STYLE.md)\n" + "\n".join(problems)
+        )

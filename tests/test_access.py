@@ -18,6 +18,8 @@ from ipc import messages as m
 from ipc.framing import encode_frame
 from supervisor.client import RequestError
 
+pytestmark = pytest.mark.process
+
 NOBODY = 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
 _reply = msgspec.msgpack.Decoder(m.Reply)

@@ -15,6 +15,8 @@ from fakellm import Delay, FakeLLM, Hang, Stream, chunk, text_stream, tool_call_
 from harness import wait_for
 from ipc import messages as m
 
+pytestmark = pytest.mark.process
+
 
 def agent_config(llm: FakeLLM, extra: str = "", key_env: str | None = "SESSIOND_TEST_KEY") -> str:
     """A daemon whose sessions run the agent against `llm`; `extra` is TOML

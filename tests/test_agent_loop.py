@@ -63,6 +63,7 @@ async def turn(handler: AgentHandler, settings: SessionSettings, ws: Path, text:
     return await handler.handle(text, ctx), ctx
 
 
+@pytest.mark.component
 def test_load_factory_builds_the_agent(fake_llm: FakeLLM, tmp_path: Path) -> None:
     from session_worker.handler import Handler, HandlerInit
 
@@ -73,6 +74,7 @@ def test_load_factory_builds_the_agent(fake_llm: FakeLLM, tmp_path: Path) -> Non
     run(handler.aclose())
 
 
+@pytest.mark.component
 def test_write_then_read_file_through_the_model(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(
         tool_call_stream(("w1", "write_file", {"path": "dir/note.md", "content": "línea 1\n"}), text="Writing."),
@@ -99,6 +101,7 @@ def test_write_then_read_file_through_the_model(fake_llm: FakeLLM, tmp_path: Pat
     assert all(n["ok"] for n in ctx.notices_of("tool_result"))
 
 
+@pytest.mark.component
 def test_parallel_interleaved_tool_calls(fake_llm: FakeLLM, tmp_path: Path) -> None:
     a = json.dumps({"path": "a.txt", "content": "AAA"})
     b = json.dumps({"path": "b.txt", "content": "BBB"})
@@ -126,6 +129,7 @@ def test_parallel_interleaved_tool_calls(fake_llm: FakeLLM, tmp_path: Path) -> N
     assert_valid_history(msgs)
 
 
+@pytest.mark.process
 def test_bad_calls_get_readable_error_results(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(
         tool_call_stream(
@@ -159,6 +163,7 @@ def test_bad_calls_get_readable_error_results(fake_llm: FakeLLM, tmp_path: Path)
     assert calls["j1"]["function"]["arguments"] == "{}"
 
 
+@pytest.mark.process
 def test_max_turns_stops_with_a_clear_reply(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(
         tool_call_stream(("c1", "bash", {"command": "echo one > one.txt"})),
@@ -188,6 +193,7 @@ def test_max_turns_stops_with_a_clear_reply(fake_llm: FakeLLM, tmp_path: Path) -
     assert_valid_history(fake_llm.requests[2].json["messages"])
 
 
+@pytest.mark.component
 def test_max_tool_calls_per_response(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(
         tool_call_stream(*[(f"c{i}", "write_file", {"path": f"f{i}", "content": "x"}) for i in range(3)]),
@@ -210,6 +216,7 @@ def test_max_tool_calls_per_response(fake_llm: FakeLLM, tmp_path: Path) -> None:
     assert ctx.limits == [("tool_calls", 3, 2)]
 
 
+@pytest.mark.component
 def test_interrupt_mid_stream_keeps_partial_text_and_valid_history(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(
         Stream([chunk({"role": "assistant", "content": "partial "}), chunk({"content": "answer"}), Hang()]),
@@ -243,6 +250,7 @@ def test_interrupt_mid_stream_keeps_partial_text_and_valid_history(fake_llm: Fak
     ]
 
 
+@pytest.mark.process
 def test_interrupt_during_a_tool_answers_the_call_and_kills_it(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(
         tool_call_stream(
@@ -286,6 +294,7 @@ def test_interrupt_during_a_tool_answers_the_call_and_kills_it(fake_llm: FakeLLM
     assert len(results) == 2 and all("interrupted" in r for r in results)
 
 
+@pytest.mark.process
 def test_permissions_allow_deny_ask(fake_llm: FakeLLM, tmp_path: Path) -> None:
     rules = [
         PermissionRule(tool="bash", match="rm *", action="deny"),
@@ -325,6 +334,7 @@ def test_permissions_allow_deny_ask(fake_llm: FakeLLM, tmp_path: Path) -> None:
     assert results["ok"].startswith("allowed")
 
 
+@pytest.mark.component
 def test_spawn_agent_and_its_failure(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(
         tool_call_stream(("s1", "spawn_agent", {"task": "count files", "handler": "echo"})),
@@ -348,6 +358,7 @@ def test_spawn_agent_and_its_failure(fake_llm: FakeLLM, tmp_path: Path) -> None:
     assert "max_total_spawns reached" in fake_llm.requests[3].json["messages"][-1]["content"]
 
 
+@pytest.mark.component
 def test_spawn_agent_withheld_at_max_depth_and_enabled_list_honoured(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(tool_call_stream(("s1", "spawn_agent", {"task": "x"})), text_stream("ok"))
     settings = make_settings(
@@ -374,6 +385,7 @@ def test_spawn_agent_withheld_at_max_depth_and_enabled_list_honoured(fake_llm: F
     run(handler.aclose())
 
 
+@pytest.mark.component
 def test_restore_reproduces_the_next_request(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(
         tool_call_stream(("c1", "write_file", {"path": "a", "content": "1"}), text="Sure."),
@@ -414,6 +426,7 @@ def test_restore_reproduces_the_next_request(fake_llm: FakeLLM, tmp_path: Path) 
     assert len(reqs[3].json["messages"]) == 8
 
 
+@pytest.mark.component
 def test_failed_turn_record_restores_too(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(Reply(400, {"error": {"message": "nope"}}), text_stream("a"), text_stream("a"))
     settings = make_settings(fake_llm)
@@ -434,6 +447,7 @@ def test_failed_turn_record_restores_too(fake_llm: FakeLLM, tmp_path: Path) -> N
     assert fake_llm.requests[1].json == fake_llm.requests[2].json
 
 
+@pytest.mark.component
 def test_unexpected_error_leaves_state_unchanged(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(text_stream("a"), tool_call_stream(("c", "list_dir", {"path": "."})))
     settings = make_settings(fake_llm)
@@ -458,6 +472,7 @@ def test_unexpected_error_leaves_state_unchanged(fake_llm: FakeLLM, tmp_path: Pa
 # --- compaction -----------------------------------------------------------------
 
 
+@pytest.mark.component
 def test_compaction_summarizes_then_falls_back_to_dropping_and_restores(fake_llm: FakeLLM, tmp_path: Path) -> None:
     settings = make_settings(
         fake_llm,
@@ -523,6 +538,7 @@ def test_compaction_summarizes_then_falls_back_to_dropping_and_restores(fake_llm
     assert_valid_history(reqs[7]["messages"])
 
 
+@pytest.mark.process
 def test_compaction_keeps_a_tool_call_with_its_results(fake_llm: FakeLLM, tmp_path: Path) -> None:
     settings = make_settings(
         fake_llm,

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from session_worker.agent._permissions import decide
 from ipc.settings import PermissionRule
+
+pytestmark = pytest.mark.pure
 
 TOOLS = ["bash", "read_file", "write_file", "list_dir", "spawn_agent", "my_tool"]
 ARGS = ["", "ls", "rm -rf /", "src/a.py", "/etc/passwd", "x\nrm y", "README.MD"]

@@ -60,6 +60,7 @@ def failing_turn(llm: FakeLLM, tmp_path: Path, **kw: Any) -> tuple[TurnFailure, 
     return run(go()), ctx
 
 
+@pytest.mark.component
 def test_text_streams_as_deltas_and_request_is_openai_shaped(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(text_stream("Hel", "lo", " wor", "ld"))
     result, ctx = one_turn(fake_llm, tmp_path)
@@ -76,6 +77,7 @@ def test_text_streams_as_deltas_and_request_is_openai_shaped(fake_llm: FakeLLM, 
     assert "authorization" not in req.headers
 
 
+@pytest.mark.component
 def test_deltas_reach_the_client_before_the_stream_ends(fake_llm: FakeLLM, tmp_path: Path) -> None:
     # The second piece comes 0.3 s after the first: emits must be incremental.
     fake_llm.script(Stream([chunk({"content": "first"}), Delay(0.3), chunk({"content": "second"}, "stop")]))
@@ -96,6 +98,7 @@ def test_deltas_reach_the_client_before_the_stream_ends(fake_llm: FakeLLM, tmp_p
     assert len(stamps) == 2 and stamps[1] - stamps[0] >= 0.25
 
 
+@pytest.mark.component
 def test_events_of_one_read_are_emitted_once_in_order(fake_llm: FakeLLM, tmp_path: Path) -> None:
     # One HTTP chunk with five events (text, a tool call, more text), then
     # after a pause the rest.  The first text goes at once, the rest of the
@@ -119,6 +122,7 @@ def test_events_of_one_read_are_emitted_once_in_order(fake_llm: FakeLLM, tmp_pat
     assert result.reply.startswith("abcd")
 
 
+@pytest.mark.pure
 def test_anext_flushes_only_before_a_real_wait() -> None:
     log: list[str] = []
     gate: asyncio.Future[None] | None = None
@@ -161,6 +165,7 @@ def test_anext_flushes_only_before_a_real_wait() -> None:
     run(go())
 
 
+@pytest.mark.component
 def test_connection_is_reused_across_calls(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(
         tool_call_stream(("c1", "list_dir", {"path": "."})), text_stream("a"), text_stream("b")
@@ -314,6 +319,7 @@ DIALECTS = {
 }
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("dialect", sorted(DIALECTS))
 def test_dialect(dialect: str, fake_llm: FakeLLM, tmp_path: Path) -> None:
     tool, text, call_id = DIALECTS[dialect]()
@@ -334,6 +340,7 @@ def test_dialect(dialect: str, fake_llm: FakeLLM, tmp_path: Path) -> None:
     assert second[-1] == {"role": "tool", "tool_call_id": call_id, "content": "hello notes"}
 
 
+@pytest.mark.component
 def test_non_streamed_json_answer_is_accepted(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(Reply(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": "whole"}, "finish_reason": "stop"}]}))
     result, ctx = one_turn(fake_llm, tmp_path)
@@ -343,6 +350,7 @@ def test_non_streamed_json_answer_is_accepted(fake_llm: FakeLLM, tmp_path: Path)
 # --- errors and retries -------------------------------------------------------
 
 
+@pytest.mark.component
 def test_429_then_success_honours_retry_after(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(
         Reply(429, {"error": {"message": "rate limited"}}, {"Retry-After": "0.3"}),
@@ -357,6 +365,7 @@ def test_429_then_success_honours_retry_after(fake_llm: FakeLLM, tmp_path: Path)
     assert "rate limited" in retry["error"]
 
 
+@pytest.mark.component
 def test_503_without_retry_after_uses_exponential_backoff(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(Reply(503, "busy"), Reply(502, "busy"), text_stream("ok"))
     result, ctx = one_turn(fake_llm, tmp_path, retry_backoff_initial_ms=50)
@@ -367,6 +376,7 @@ def test_503_without_retry_after_uses_exponential_backoff(fake_llm: FakeLLM, tmp
     assert t[1] - t[0] >= 0.05 and t[2] - t[1] >= 0.1
 
 
+@pytest.mark.component
 def test_500_retries_exhausted_fails_the_turn(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(*[Reply(500, {"error": {"message": "boom inside"}})] * 3, text_stream("never"))
     failure, _ = failing_turn(fake_llm, tmp_path, max_retries=2)
@@ -377,6 +387,7 @@ def test_500_retries_exhausted_fails_the_turn(fake_llm: FakeLLM, tmp_path: Path)
     assert failure.record["ops"][0]["message"] == {"role": "user", "content": "hi"}
 
 
+@pytest.mark.component
 def test_retry_after_beyond_the_cap_fails_at_once(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(Reply(429, "slow down", {"Retry-After": "3600"}))
     start = time.monotonic()
@@ -385,6 +396,7 @@ def test_retry_after_beyond_the_cap_fails_at_once(fake_llm: FakeLLM, tmp_path: P
     assert "3600" in failure.reason and len(fake_llm.requests) == 1
 
 
+@pytest.mark.component
 @pytest.mark.parametrize(
     "body, message",
     [
@@ -401,6 +413,7 @@ def test_400_fails_with_the_providers_message(fake_llm: FakeLLM, tmp_path: Path,
     assert len(fake_llm.requests) == 1
 
 
+@pytest.mark.component
 def test_stream_cut_midway_is_a_clear_failure(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(Stream([chunk({"content": "partial "}), chunk({"content": "answer"})], cut=True))
     failure, ctx = failing_turn(fake_llm, tmp_path)
@@ -412,12 +425,14 @@ def test_stream_cut_midway_is_a_clear_failure(fake_llm: FakeLLM, tmp_path: Path)
     assert len(fake_llm.requests) == 1  # a started stream is never replayed
 
 
+@pytest.mark.component
 def test_stream_ending_without_finish_or_done_is_a_failure(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(Stream([chunk({"content": "x"})], done=False))
     failure, _ = failing_turn(fake_llm, tmp_path)
     assert "ended before the response was complete" in failure.reason
 
 
+@pytest.mark.component
 def test_stalled_stream_hits_the_read_timeout(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(Stream([chunk({"content": "x"}), Hang()]))
     start = time.monotonic()
@@ -426,12 +441,14 @@ def test_stalled_stream_hits_the_read_timeout(fake_llm: FakeLLM, tmp_path: Path)
     assert "sent nothing for 0.3 s" in failure.reason
 
 
+@pytest.mark.component
 def test_error_event_mid_stream(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(Stream([chunk({"content": "x"}), {"error": {"message": "engine overloaded"}}]))
     failure, _ = failing_turn(fake_llm, tmp_path)
     assert "engine overloaded" in failure.reason
 
 
+@pytest.mark.component
 def test_unreachable_provider_fails_after_retries(tmp_path: Path) -> None:
     # A port that was just free: nothing listens there any more.
     with FakeLLM() as llm:
@@ -444,6 +461,7 @@ def test_unreachable_provider_fails_after_retries(tmp_path: Path) -> None:
     assert "cannot connect" in failure.reason and "3 attempts" in failure.reason
 
 
+@pytest.mark.component
 def test_no_provider_configured(tmp_path: Path, fake_llm: FakeLLM) -> None:
     failure, _ = failing_turn(fake_llm, tmp_path, base_url=None)
     assert "no LLM provider is configured" in failure.reason
@@ -452,6 +470,7 @@ def test_no_provider_configured(tmp_path: Path, fake_llm: FakeLLM) -> None:
 # --- the key ---------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_api_key_is_sent_but_never_leaks(
     fake_llm: FakeLLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -498,6 +517,7 @@ def test_api_key_is_sent_but_never_leaks(
     assert "[redacted]" in blob  # the 401 message was redacted, not dropped
 
 
+@pytest.mark.pure
 def test_tls_context_only_for_https() -> None:
     def context(base_url: str) -> ssl.SSLContext:
         provider = Provider(ProviderSettings(base_url=base_url, model="m"))
@@ -514,6 +534,7 @@ def test_tls_context_only_for_https() -> None:
     assert verified.verify_mode == ssl.CERT_REQUIRED and verified.check_hostname
 
 
+@pytest.mark.process
 def test_first_request_needs_no_import() -> None:
     # The zygote imports session_worker.agent before forking workers: what
     # the first request imports would be paid again by every worker.

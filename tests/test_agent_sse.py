@@ -13,6 +13,8 @@ from session_worker.agent._errors import ProviderError
 from session_worker.agent._sse import SSEEvent, SSEParser
 from session_worker.agent._stream import StreamAssembler
 
+pytestmark = pytest.mark.pure
+
 STREAM = (
     b": ping\r\n\r\n"
     b"data: {\"a\": \"h\xc3\xa9\"}\r\n\r\n"

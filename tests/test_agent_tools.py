@@ -34,6 +34,7 @@ def call(tool: str, args: dict[str, Any], ws: Path, **tools_kw: Any) -> str:
 # --- workspace confinement ------------------------------------------------------
 
 
+@pytest.mark.component
 def test_paths_outside_the_workspace_are_refused(tmp_path: Path) -> None:
     ws = tmp_path / "ws"
     (ws / "sub").mkdir(parents=True)
@@ -52,6 +53,7 @@ def test_paths_outside_the_workspace_are_refused(tmp_path: Path) -> None:
     assert resolve_inside(real, ".") == real
 
 
+@pytest.mark.component
 def test_file_tools_give_readable_errors_and_do_not_escape(tmp_path: Path) -> None:
     ws = tmp_path / "ws"
     ws.mkdir()
@@ -74,6 +76,7 @@ def test_file_tools_give_readable_errors_and_do_not_escape(tmp_path: Path) -> No
         call("read_file", {"path": "."}, ws)
 
 
+@pytest.mark.component
 def test_write_read_list_and_read_cap(tmp_path: Path) -> None:
     ws = tmp_path / "ws"
     assert call("write_file", {"path": "d/e/f.txt", "content": "héllo"}, ws) == "wrote 6 bytes to d/e/f.txt"
@@ -88,12 +91,14 @@ def test_write_read_list_and_read_cap(tmp_path: Path) -> None:
 # --- bash -----------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_bash_exit_code_stdin_and_workspace(tmp_path: Path) -> None:
     ws = tmp_path / "ws"
     out = call("bash", {"command": "pwd; cat; echo err >&2; exit 3"}, ws)
     assert out == f"{ws.resolve()}\nerr\n[exit code: 3]"
 
 
+@pytest.mark.process
 def test_bash_output_cap_keeps_head_and_tail(tmp_path: Path) -> None:
     ws = tmp_path / "ws"
     out = call("bash", {"command": "echo START; seq 1 100000; echo END"}, ws, output_limit_bytes=1000)
@@ -103,6 +108,7 @@ def test_bash_output_cap_keeps_head_and_tail(tmp_path: Path) -> None:
     assert len(out) < 1300
 
 
+@pytest.mark.pure
 def test_output_cap_unit() -> None:
     cap = OutputCap(10)
     for piece in [b"abc", b"defgh", b"ijklmnop", b"qrstuvwxyz"]:
@@ -114,6 +120,7 @@ def test_output_cap_unit() -> None:
     assert small.text() == "0123456789"
 
 
+@pytest.mark.process
 def test_bash_timeout_kills_the_command_and_its_children(tmp_path: Path) -> None:
     ws = tmp_path / "ws"
     start = time.monotonic()
@@ -131,12 +138,14 @@ def test_bash_timeout_kills_the_command_and_its_children(tmp_path: Path) -> None
         pass
 
 
+@pytest.mark.process
 def test_bash_timeout_is_capped_by_settings(tmp_path: Path) -> None:
     start = time.monotonic()
     out = call("bash", {"command": "sleep 30", "timeout_secs": 999}, tmp_path / "ws", bash_timeout_secs=0.3)
     assert time.monotonic() - start < 5 and "timed out after 0.3 s" in out
 
 
+@pytest.mark.process
 def test_bash_environment_is_scrubbed_and_shares_our_process_group(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -156,6 +165,7 @@ def test_bash_environment_is_scrubbed_and_shares_our_process_group(
 # --- custom tools ---------------------------------------------------------------
 
 
+@pytest.mark.component
 def test_custom_tool_schemas(fake_llm: FakeLLM, tmp_path: Path) -> None:
     settings = make_settings(
         fake_llm,
@@ -187,6 +197,7 @@ def test_custom_tool_schemas(fake_llm: FakeLLM, tmp_path: Path) -> None:
     assert schemas["scale"]["parameters"]["required"] == ["values", "factor"]
 
 
+@pytest.mark.component
 @pytest.mark.parametrize(
     "spec, message",
     [
@@ -208,11 +219,13 @@ def test_bad_custom_tools_fail_at_construction(fake_llm: FakeLLM, tmp_path: Path
         make_handler(settings, tmp_path / "ws")
 
 
+@pytest.mark.component
 def test_unknown_enabled_tool_fails_at_construction(fake_llm: FakeLLM, tmp_path: Path) -> None:
     with pytest.raises(ToolLoadError, match="unknown tool 'bsh'"):
         make_handler(make_settings(fake_llm, tools=ToolsSettings(enabled=["bsh"])), tmp_path / "ws")
 
 
+@pytest.mark.component
 def test_custom_tools_run_through_the_loop(fake_llm: FakeLLM, tmp_path: Path) -> None:
     from ipc.settings import PermissionRule
 
@@ -247,6 +260,7 @@ def test_custom_tools_run_through_the_loop(fake_llm: FakeLLM, tmp_path: Path) ->
     assert "'min_length' must be of type integer" in results["b"]
 
 
+@pytest.mark.process
 def test_background_child_holding_stdout_does_not_hang_the_tool(tmp_path: Path) -> None:
     ws = tmp_path / "ws"
     start = time.monotonic()

@@ -16,6 +16,8 @@ from harness import Daemon, env_for_children, raw_connect, wait_for
 from ipc import messages as m
 from ipc.framing import encode_frame
 
+pytestmark = pytest.mark.process
+
 _reply = msgspec.msgpack.Decoder(m.Reply)
 
 

@@ -20,6 +20,7 @@ from supervisor.config import (
 )
 
 
+@pytest.mark.pure
 def test_default_toml_round_trips() -> None:
     text = default_toml()
     assert parse_config(tomllib.loads(text), "default") == Config()
@@ -28,6 +29,7 @@ def test_default_toml_round_trips() -> None:
         assert section in text
 
 
+@pytest.mark.process
 def test_sessiond_config_default_and_check(tmp_path: Path) -> None:
     env = env_for_children()
     out = subprocess.run([sys.executable, "-m", "supervisor.cli", "config", "default"],
@@ -39,6 +41,7 @@ def test_sessiond_config_default_and_check(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("text", "key"),
     [
@@ -60,6 +63,7 @@ def test_bad_keys_and_values_name_the_key_and_the_file(tmp_path: Path, text: str
     assert key in str(err.value) and str(path) in str(err.value)
 
 
+@pytest.mark.pure
 def test_not_toml_and_missing_file(tmp_path: Path) -> None:
     path = tmp_path / "config.toml"
     path.write_text("[agent\n")
@@ -69,6 +73,7 @@ def test_not_toml_and_missing_file(tmp_path: Path) -> None:
         load_config(tmp_path / "missing.toml")
 
 
+@pytest.mark.pure
 def test_parse_override_values() -> None:
     assert parse_override("a.b=64") == ("a.b", 64)
     assert parse_override("a.b=1.5") == ("a.b", 1.5)
@@ -79,11 +84,13 @@ def test_parse_override_values() -> None:
         parse_override("novalue")
 
 
+@pytest.mark.pure
 def test_retention_must_fit_a_clients_buffer() -> None:
     with pytest.raises(ConfigError, match="event_retention_bytes.*client_buffer_bytes"):
         parse_config({"daemon": {"event_retention_bytes": 4 << 20, "client_buffer_bytes": 1 << 20}}, "c.toml")
 
 
+@pytest.mark.pure
 def test_bad_session_uid_range_and_handler_patterns_name_the_key() -> None:
     for bad in ("1-2", "x-y", "70000-60000", "60000-70000"):
         with pytest.raises(ConfigError, match="daemon.session_uid_range"):

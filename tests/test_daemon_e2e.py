@@ -13,6 +13,8 @@ from harness import Daemon, wait_for
 from ipc import messages as m
 from supervisor.client import Client, RequestError
 
+pytestmark = pytest.mark.process
+
 
 def test_create_send_ls_status_stop_rm_through_sessionctl(daemon: Daemon) -> None:
     created = daemon.ctl("create", "--json")

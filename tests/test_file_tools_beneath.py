@@ -117,6 +117,7 @@ def _naive_read(ws: Path, raw: str) -> str | None:
         return None
 
 
+@pytest.mark.process
 def test_a_swapped_symlink_never_leads_read_or_write_outside(ws: Path, mode: str, swapper) -> None:
     # `a` (a file inside) and `b` (a symlink to a secret outside) swap places
     # all the time; between the friendly check and the open, `a` is often
@@ -137,6 +138,7 @@ def test_a_swapped_symlink_never_leads_read_or_write_outside(ws: Path, mode: str
     assert any(r.startswith("wrote") for r in results)
 
 
+@pytest.mark.process
 def test_a_swapped_directory_never_leads_read_or_list_outside(ws: Path, mode: str, swapper) -> None:
     (ws / "dlink").symlink_to(ws.parent / "outside")
     swapper(ws / "sub", ws / "dlink")
@@ -150,6 +152,7 @@ def test_a_swapped_directory_never_leads_read_or_list_outside(ws: Path, mode: st
     assert not (ws.parent / "outside" / "new").exists(), results[:5]
 
 
+@pytest.mark.component
 def test_planted_symlinks_dotdot_and_proc_root_are_refused(ws: Path, mode: str) -> None:
     outside = ws.parent / "secret.txt"
     (ws / "abs_link").symlink_to(outside)
@@ -179,6 +182,7 @@ def test_planted_symlinks_dotdot_and_proc_root_are_refused(ws: Path, mode: str) 
     assert "abs_link@" in result and "sub/" in result and "a\t8 bytes" in result
 
 
+@pytest.mark.component
 def test_the_kernel_layer_alone_refuses_escapes(ws: Path, mode: str) -> None:
     """Without the friendly check (as when a symlink appears after it)."""
     outside = ws.parent / "secret.txt"
@@ -198,6 +202,7 @@ def test_the_kernel_layer_alone_refuses_escapes(ws: Path, mode: str) -> None:
     assert outside.read_text() == SECRET
 
 
+@pytest.mark.component
 def test_proc_magic_links_are_refused_by_openat2() -> None:
     """RESOLVE_NO_MAGICLINKS: even from a directory where they lie beneath."""
     fd = os.open("/proc/self", os.O_PATH | os.O_DIRECTORY)
@@ -210,6 +215,7 @@ def test_proc_magic_links_are_refused_by_openat2() -> None:
         os.close(fd)
 
 
+@pytest.mark.component
 def test_the_walk_refuses_every_symlink_and_follows_plain_paths(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_beneath, "use_openat2", False)
     (ws / "inner").symlink_to("sub")
@@ -222,12 +228,14 @@ def test_the_walk_refuses_every_symlink_and_follows_plain_paths(ws: Path, monkey
         assert [e.name for e in _beneath.list_beneath(root, "p")] == ["q"]
 
 
+@pytest.mark.component
 def test_a_fifo_does_not_hang_read_file(ws: Path) -> None:
     os.mkfifo(ws / "pipe")
     (result,) = calls("read_file", {"path": "pipe"}, ws, 1)
     assert "not a regular file" in result
 
 
+@pytest.mark.component
 def test_file_io_runs_off_the_event_loop(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A slow read must not stop the worker's loop (its heartbeats)."""
     import threading
@@ -262,6 +270,7 @@ def test_file_io_runs_off_the_event_loop(ws: Path, monkeypatch: pytest.MonkeyPat
 # --- through the daemon: the session's own bash tool runs the swapper ---------
 
 
+@pytest.mark.process
 def test_a_sessions_swapper_cannot_make_read_file_leak(make_daemon, tmp_path: Path) -> None:
     with FakeLLM() as llm:
         d = make_daemon(f"""

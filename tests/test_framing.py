@@ -13,6 +13,8 @@ from ipc import messages as m
 from ipc.errors import BadMessage, FrameTooLarge
 from ipc.framing import FrameEncoder, FrameParser, encode_frame
 
+pytestmark = pytest.mark.pure
+
 _dec = msgspec.msgpack.Decoder(m.Request)
 
 

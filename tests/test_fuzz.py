@@ -328,6 +328,7 @@ def _session_ids(d: Daemon) -> set[str]:
             assert reply is not None
 
 
+@pytest.mark.process
 def test_control_socket_survives_fuzzed_frames(fuzz_daemon: Daemon) -> None:
     d = fuzz_daemon
     with d.client() as c:
@@ -432,6 +433,7 @@ def _as_kinds(items: list[Any]) -> list[Any]:
     return ["bad" if isinstance(x, BadMessage) else x for x in items]
 
 
+@pytest.mark.pure
 @fuzz_settings(300)
 @given(data=st.data())
 def test_worker_decoder_matches_the_reference_however_the_bytes_are_chunked(data: st.DataObject) -> None:
@@ -458,6 +460,7 @@ def _whole_frames(stream: bytes, count: int) -> bytes:
     return stream[:pos]
 
 
+@pytest.mark.pure
 @fuzz_settings(100)
 @given(prefix=st.integers(WORKER_MAX_FRAME + 1, 2**32 - 1), before=st.binary(max_size=0))
 def test_an_oversized_prefix_raises_frame_too_large_at_once(prefix: int, before: bytes) -> None:
@@ -482,6 +485,7 @@ def worker_streams(draw: st.DrawFn) -> bytes:
     return _stream(_Data(), WORKER_POOL, WORKER_TAGS, WORKER_MAX_FRAME, 8)  # type: ignore[arg-type]
 
 
+@pytest.mark.pure
 @fuzz_settings(300)
 @given(stream=worker_streams(), cut_points=st.lists(st.integers(0, 1 << 16), max_size=6))
 @example(stream=_INVALID_UTF8, cut_points=[])
@@ -496,18 +500,21 @@ def test_worker_decoder_never_raises_but_frame_too_large(stream: bytes, cut_poin
             parser.feed(part)
 
 
+@pytest.mark.pure
 def test_invalid_utf8_becomes_a_bad_message() -> None:
     parser: FrameParser[m.ToWorker] = FrameParser(_to_worker_decoder, WORKER_MAX_FRAME)
     out = parser.feed(encode_frame(m.WorkerPing(nonce=1)) + _INVALID_UTF8 + encode_frame(m.WorkerPing(nonce=2)))
     assert _as_kinds(out) == [m.WorkerPing(nonce=1), "bad", m.WorkerPing(nonce=2)]
 
 
+@pytest.mark.pure
 def test_deep_nesting_becomes_a_bad_message() -> None:
     parser: FrameParser[m.ToWorker] = FrameParser(_to_worker_decoder, WORKER_MAX_FRAME)
     out = parser.feed(encode_frame(m.WorkerPing(nonce=1)) + _DEEP_FRAME + encode_frame(m.WorkerPing(nonce=2)))
     assert _as_kinds(out) == [m.WorkerPing(nonce=1), "bad", m.WorkerPing(nonce=2)]
 
 
+@pytest.mark.pure
 def test_oversized_prefix_split_across_feeds_raises_frame_too_large() -> None:
     parser: FrameParser[m.ToWorker] = FrameParser(_to_worker_decoder, WORKER_MAX_FRAME)
     assert parser.feed(b"\xff\xff") == []
@@ -581,6 +588,7 @@ def worker_child(workspace: str) -> Iterator[WorkerChild]:
         w.close()
 
 
+@pytest.mark.process
 def test_real_worker_survives_or_exits_on_garbage_never_hangs(tmp_path: Any) -> None:
     workspace = tempfile.mkdtemp(prefix="fz-", dir=str(tmp_path))
     outcomes = {"carried_on": 0, "exited": 0}

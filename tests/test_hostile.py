@@ -26,6 +26,8 @@ from ipc import messages as m
 from ipc.framing import encode_frame
 from test_bad_input import assert_closed, hello, read_frame
 
+pytestmark = pytest.mark.process
+
 HANDSHAKE_TIMEOUT_SECS = 10.0  # supervisor/server.py _HANDSHAKE_TIMEOUT_SECS
 
 

@@ -7,11 +7,13 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 
 from harness import wait_for
 from supervisor.limits import MIB, ProcTable, SessionMemory, memory_verdict
 
 
+@pytest.mark.process
 def test_rss_of_a_tree_counts_children() -> None:
     hog = subprocess.Popen([sys.executable, "-c",
                             "b = bytearray(64 << 20)\n"
@@ -35,6 +37,7 @@ def test_rss_of_a_tree_counts_children() -> None:
         hog.wait()
 
 
+@pytest.mark.process
 def test_childless_process_keeps_its_files_open_between_sweeps(monkeypatch) -> None:
     import supervisor.limits as limits
 
@@ -63,6 +66,7 @@ def test_childless_process_keeps_its_files_open_between_sweeps(monkeypatch) -> N
     table.close()
 
 
+@pytest.mark.pure
 def test_verdicts() -> None:
     assert memory_verdict(100 * MIB, 64, None, False).kill
     assert not memory_verdict(64 * MIB, 64, None, False).kill  # at the cap is allowed

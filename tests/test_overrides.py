@@ -15,6 +15,8 @@ import pytest
 from ipc.settings import PermissionRule, SessionSettings
 from supervisor.overrides import ALLOWED, OverrideError, Rule, resolve_overrides
 
+pytestmark = pytest.mark.pure
+
 BASE = SessionSettings(
     permissions=[PermissionRule(tool="bash", match="rm *", action="deny")],
 )

@@ -94,6 +94,7 @@ def manager(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 # notify()
 
 
+@pytest.mark.pure
 def test_notify_without_socket_is_a_noop(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     assert sdnotify.notify("READY=1") is False
@@ -101,6 +102,7 @@ def test_notify_without_socket_is_a_noop(monkeypatch: pytest.MonkeyPatch) -> Non
     assert sdnotify.watchdog_ping() is False
 
 
+@pytest.mark.protocol
 def test_each_helper_sends_its_assignment_with_our_credentials(manager: FakeManager) -> None:
     before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
     assert sdnotify.reloading() is True
@@ -127,6 +129,7 @@ def test_each_helper_sends_its_assignment_with_our_credentials(manager: FakeMana
     assert manager.drain() == []
 
 
+@pytest.mark.protocol
 def test_send_failures_return_false_and_never_raise(monkeypatch: pytest.MonkeyPatch) -> None:
     tmpdir = _short_tmpdir()
     try:
@@ -140,6 +143,7 @@ def test_send_failures_return_false_and_never_raise(monkeypatch: pytest.MonkeyPa
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+@pytest.mark.protocol
 @pytest.mark.timeout(15)
 def test_full_manager_queue_drops_pings_instead_of_blocking(
     monkeypatch: pytest.MonkeyPatch,
@@ -163,6 +167,7 @@ def test_full_manager_queue_drops_pings_instead_of_blocking(
 # Watchdog
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("usec", "pid", "expected"),
     [
@@ -208,6 +213,7 @@ def _pings(got: list[tuple[float, str]]) -> list[float]:
     return [t for t, m in got if m == "WATCHDOG=1"]
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("manager", ["abstract"], indirect=True)
 def test_watchdog_loop_pings_at_the_interval_and_reports_status_changes(manager: FakeManager) -> None:
     interval = 0.05
@@ -233,6 +239,7 @@ def test_watchdog_loop_pings_at_the_interval_and_reports_status_changes(manager:
     assert statuses == ["STATUS=starting", "STATUS=serving 2 sessions"]
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("manager", ["path"], indirect=True)
 def test_watchdog_loop_goes_silent_while_the_event_loop_is_blocked(manager: FakeManager) -> None:
     interval = 0.02
@@ -256,6 +263,7 @@ def test_watchdog_loop_goes_silent_while_the_event_loop_is_blocked(manager: Fake
     assert _pings(after), "pings resume once the loop runs again"
 
 
+@pytest.mark.component
 @pytest.mark.parametrize("manager", ["abstract"], indirect=True)
 def test_watchdog_loop_keeps_pinging_when_the_status_callback_fails(
     manager: FakeManager, caplog: pytest.LogCaptureFixture
@@ -282,6 +290,7 @@ def test_watchdog_loop_keeps_pinging_when_the_status_callback_fails(
     assert "status bug" in caplog.text
 
 
+@pytest.mark.pure
 def test_watchdog_loop_rejects_a_nonpositive_interval() -> None:
     with pytest.raises(ValueError):
         asyncio.run(sdnotify.watchdog_loop(0, None))
@@ -318,6 +327,7 @@ _ACTIVATED_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.process
 @pytest.mark.skipif(shutil.which("systemd-socket-activate") is None, reason="systemd-socket-activate not installed")
 def test_listen_fds_takes_the_socket_systemd_socket_activate_passes(tmp_path: Path) -> None:
     script = tmp_path / "child.py"
@@ -403,6 +413,7 @@ _PID_CHECK_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.process
 def test_listen_fds_ignores_sockets_meant_for_another_pid(tmp_path: Path) -> None:
     script = tmp_path / "child.py"
     script.write_text(_PID_CHECK_CHILD)
@@ -417,6 +428,7 @@ def test_listen_fds_ignores_sockets_meant_for_another_pid(tmp_path: Path) -> Non
     assert out["second_call"] == 0
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "env",
     [
@@ -444,6 +456,7 @@ def test_listen_fds_without_a_valid_handover_returns_nothing(
 # Journal logging
 
 
+@pytest.mark.pure
 def test_journal_stderr_matches_device_and_inode(monkeypatch: pytest.MonkeyPatch) -> None:
     st = os.fstat(2)
     monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
@@ -456,6 +469,7 @@ def test_journal_stderr_matches_device_and_inode(monkeypatch: pytest.MonkeyPatch
     assert sdnotify.journal_stderr() is False
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("level", "prefix"),
     [
@@ -493,6 +507,7 @@ def clean_root_logger() -> Iterator[logging.Logger]:
         root.setLevel(level)
 
 
+@pytest.mark.pure
 def test_configure_logging_uses_priorities_only_on_the_journal_stream(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, clean_root_logger: logging.Logger
 ) -> None:
@@ -517,6 +532,7 @@ def test_configure_logging_uses_priorities_only_on_the_journal_stream(
     assert lines[1].endswith(" DEBUG sessiond.test: to a terminal")
 
 
+@pytest.mark.process
 def test_sdnotify_module_has_no_third_party_imports() -> None:
     # The glue must work before the venv's packages load (and in a minimal
     # unit test of the daemon); check that importing it alone pulls nothing in.

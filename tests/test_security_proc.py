@@ -82,6 +82,7 @@ def _open_as(uid: int, paths: list[str]) -> dict[str, int]:
     return result
 
 
+@pytest.mark.process
 @root_only
 def test_same_uid_tools_cannot_read_the_daemons_or_a_workers_secrets(
     make_daemon, llm: FakeLLM, shared_root: Path, monkeypatch: pytest.MonkeyPatch
@@ -130,6 +131,7 @@ def test_same_uid_tools_cannot_read_the_daemons_or_a_workers_secrets(
     assert opened == dict.fromkeys(targets, errno.EACCES), opened
 
 
+@pytest.mark.process
 @root_only
 def test_an_unprivileged_daemon_still_measures_non_dumpable_workers(
     make_daemon, shared_root: Path
@@ -176,6 +178,7 @@ def _zygote(d: Daemon) -> psutil.Process | None:
         return None
 
 
+@pytest.mark.process
 def test_a_new_zygote_does_not_import_from_the_daemons_cwd(daemon: Daemon) -> None:
     """`python -m <package>.zygote` used to put the daemon's working
     directory first on sys.path: a package planted there ran as the
@@ -209,6 +212,7 @@ def _try_create(c: Any) -> str | None:
         return None
 
 
+@pytest.mark.process
 def test_a_zygote_that_keeps_dying_is_restarted_with_backoff(daemon: Daemon) -> None:
     """Before: 84 zygotes in 2.5 s.  Now the delay doubles after each quick
     death; meanwhile creating a session fails with a clear error and the
@@ -241,6 +245,7 @@ def test_a_zygote_that_keeps_dying_is_restarted_with_backoff(daemon: Daemon) -> 
     assert "starting a new one in" in daemon.log
 
 
+@pytest.mark.pure
 def test_zygote_backoff_policy() -> None:
     from supervisor.spawner import ZygoteBackoff
 
@@ -269,6 +274,7 @@ def _run_daemon_briefly(state: Path, sock: Path) -> subprocess.CompletedProcess[
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+@pytest.mark.process
 @root_only
 @pytest.mark.parametrize("which", ["state", "socket"])
 def test_a_squatted_ancestor_is_refused(tmp_path: Path, which: str) -> None:
@@ -290,6 +296,7 @@ def test_a_squatted_ancestor_is_refused(tmp_path: Path, which: str) -> None:
     assert not sock.exists()
 
 
+@pytest.mark.process
 @root_only
 @pytest.mark.parametrize("which", ["state", "socket"])
 def test_a_group_writable_ancestor_is_refused(tmp_path: Path, which: str) -> None:
@@ -307,6 +314,7 @@ def test_a_group_writable_ancestor_is_refused(tmp_path: Path, which: str) -> Non
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.process
 def test_a_sticky_world_writable_parent_is_fine(make_daemon, tmp_path: Path) -> None:
     """Like /tmp: others may write, but not rename what is ours."""
     sticky = Path(tempfile.mkdtemp(prefix="sd-sticky-"))
@@ -339,6 +347,7 @@ def _process_with_pid(target: int) -> subprocess.Popen[bytes] | None:
     return None
 
 
+@pytest.mark.process
 @root_only
 def test_a_reused_pid_is_not_killed_at_the_end_of_a_stop(make_daemon) -> None:
     """Stop remembered the session's escaped tools by number and killed
@@ -382,6 +391,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.process
 @root_only
 def test_proc_table_pidfd_refuses_a_reused_number() -> None:
     from supervisor.limits import ProcTable
@@ -412,6 +422,7 @@ def test_proc_table_pidfd_refuses_a_reused_number() -> None:
         table.close()
 
 
+@pytest.mark.process
 def test_daemon_fds_stay_flat_across_create_and_remove(make_daemon) -> None:
     # No spare workers: then the zygote is the daemon's only descendant at rest.
     daemon = make_daemon(FAST_STOP.replace("[daemon]", "[daemon]\nspare_workers = 0"))

@@ -19,6 +19,8 @@ from ipc import messages as m
 from test_access import NOBODY, as_user, open_root, open_up, root_only  # noqa: F401 (fixture)
 from test_agent_e2e import agent_config, tool_results
 
+pytestmark = pytest.mark.process
+
 SECRET = "U1-secret-4711"
 
 

@@ -119,6 +119,7 @@ def llm() -> Iterator[FakeLLM]:
         yield server
 
 
+@pytest.mark.process
 def test_a_sessions_tools_cannot_drive_the_daemon_even_after_escaping(make_daemon, llm: FakeLLM) -> None:
     d = make_daemon(agent_config(llm))
     with d.client() as c:
@@ -170,6 +171,7 @@ def _peer_child(path: str, linger: bool) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
 
 
+@pytest.mark.process
 def test_peer_ancestry_and_a_dead_peers_reused_pid(tmp_path: Path) -> None:
     """supervisor.peer without a daemon: our child descends from us and not
     from pid 1's other children; a peer that has exited is refused even
@@ -192,6 +194,7 @@ def test_peer_ancestry_and_a_dead_peers_reused_pid(tmp_path: Path) -> None:
         srv.close()
 
 
+@pytest.mark.process
 @root_only
 def test_supplementary_groups_come_from_the_socket() -> None:
     # Not under pytest's tmp_path: its parents are private to root.
@@ -243,6 +246,7 @@ def _server(own_uid: int, **daemon: Any) -> ControlServer:
     return server
 
 
+@pytest.mark.pure
 def test_who_is_admitted() -> None:
     def cred(uid: int, gid: int = 100, groups: tuple[int, ...] = ()) -> peer.PeerCredentials:
         return peer.PeerCredentials(pid=1, uid=uid, gid=gid, groups=frozenset(groups))
@@ -276,6 +280,7 @@ def hello_and_list(path: str) -> Callable[[], list[str]]:
     return run
 
 
+@pytest.mark.process
 @root_only
 def test_admin_uids_are_admitted(make_daemon) -> None:
     d = make_daemon(f'[daemon]\nsocket_mode = "0666"\nadmin_uids = [{NOBODY}]\n')
@@ -283,6 +288,7 @@ def test_admin_uids_are_admitted(make_daemon) -> None:
     assert run_as(NOBODY, hello_and_list(str(d.socket))) == ["welcome", "SessionList"]
 
 
+@pytest.mark.process
 @root_only
 def test_a_supplementary_group_in_allowed_gids_is_admitted(make_daemon) -> None:
     d = make_daemon(f'[daemon]\nsocket_mode = "0666"\nallowed_gids = [{EXTRA_GID}]\n')
@@ -300,6 +306,7 @@ def _limit_fds(n: int) -> Callable[[], None]:
     return preexec
 
 
+@pytest.mark.process
 @root_only
 def test_out_of_file_descriptors_nobody_is_wrongly_denied_and_service_resumes(make_daemon) -> None:
     d = make_daemon(
@@ -352,6 +359,7 @@ def test_out_of_file_descriptors_nobody_is_wrongly_denied_and_service_resumes(ma
 # ---------------------------------------------------------------- 4. quota
 
 
+@pytest.mark.process
 @root_only
 def test_connections_per_uid_are_capped_and_root_is_exempt(make_daemon) -> None:
     d = make_daemon(f'[daemon]\nsocket_mode = "0666"\nallowed_uids = [{NOBODY}]\nmax_connections_per_uid = 3\n')
@@ -400,6 +408,7 @@ def test_connections_per_uid_are_capped_and_root_is_exempt(make_daemon) -> None:
 # ---------------------------------------------------------------- 5. memory
 
 
+@pytest.mark.process
 def test_an_attach_flood_on_a_connection_that_never_reads_is_cut_off_with_bounded_memory(make_daemon) -> None:
     d = make_daemon()
     with d.client() as c:
@@ -427,6 +436,7 @@ def test_an_attach_flood_on_a_connection_that_never_reads_is_cut_off_with_bounde
         lazy.close()
 
 
+@pytest.mark.process
 def test_half_sent_frames_are_cut_off_after_frame_timeout_secs(make_daemon) -> None:
     d = make_daemon("[daemon]\nframe_timeout_secs = 2.0\n")
     with d.client() as c:
@@ -460,6 +470,7 @@ def test_half_sent_frames_are_cut_off_after_frame_timeout_secs(make_daemon) -> N
             s.close()
 
 
+@pytest.mark.process
 def test_a_frame_completed_in_slow_pieces_within_the_timeout_is_served(make_daemon) -> None:
     # The deadline is per frame, not per connection: frames that each take
     # most of it, one after another, all go through.
@@ -475,6 +486,7 @@ def test_a_frame_completed_in_slow_pieces_within_the_timeout_is_served(make_daem
             assert isinstance(reply, m.Pong) and reply.id == i + 1
 
 
+@pytest.mark.component
 def test_protocol_backlog_in_bytes_always_takes_one_frame() -> None:
     """FramedProtocol over a socketpair: an empty queue takes a frame of any
     size; past the byte bound the next frame is refused and on_lagged told."""
@@ -493,6 +505,7 @@ def test_protocol_backlog_in_bytes_always_takes_one_frame() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.component
 def test_protocol_frame_timeout_fires_once_per_unfinished_frame() -> None:
     async def main() -> None:
         ours, theirs = socket.socketpair()
@@ -521,6 +534,7 @@ def test_protocol_frame_timeout_fires_once_per_unfinished_frame() -> None:
 # ---------------------------------------------------------------- 6. logs
 
 
+@pytest.mark.process
 def test_a_client_name_cannot_forge_log_lines(daemon: Daemon) -> None:
     forged = "2026-01-01 00:00:00,000 ERROR sessiond: FORGED admin access granted"
     name = "x\n" + forged + "\r\x1b[2J" + "A" * 200

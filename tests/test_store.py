@@ -18,6 +18,8 @@ from supervisor.store import (
     StoreError,
 )
 
+pytestmark = pytest.mark.component
+
 
 def make(tmp_path: Path) -> SessionStore:
     return SessionStore.create(tmp_path, Meta(id="s1", handler="echo", created_at=1.0))

@@ -3,6 +3,7 @@ real signals, real process trees."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -14,7 +15,9 @@ import pytest
 
 from harness import Daemon, wait_for
 from ipc import messages as m
-from supervisor.client import Client, RequestError
+from supervisor.client import AsyncClient, Client, RequestError
+
+pytestmark = pytest.mark.process
 
 FAST = """
 [agent.worker]
@@ -73,20 +76,45 @@ def test_memory_of_child_processes_counts(make_daemon) -> None:
 
 
 def test_memory_high_warns_without_killing(make_daemon) -> None:
+    # Deterministic on both counts that made the old version racy: the events
+    # come on the sender's own stream (registered before the input is sent, so
+    # nothing of the turn can be missed, unlike an attach made from a thread
+    # that may register after the turn began), and the memory stays above
+    # memory_high_mb until the warning has arrived (a child holds it until we
+    # end it; `leaky` frees its blocks when its turn returns, so a sweep could
+    # miss the whole window).  No warning within the deadline fails the test.
     d = make_daemon(FAST)
     with d.client() as c:
-        sid = c.create(handler="fixture_handlers:leaky",
+        sid = c.create(handler="fixture_handlers:child_hog",
                        settings={"agent.limits.memory_high_mb": 64}).id
-        with d.client() as watcher:
-            seen: list[m.Event] = []
-            t = threading.Thread(target=lambda: seen.extend(
-                ev for ev in _take(watcher.attach(sid), lambda e: isinstance(e, m.LimitExceeded))))
-            t.start()
-            wait_for(lambda: t.is_alive(), 5)
-            assert c.send_text(sid, "96") == "held 96 MiB"
-            t.join(10)
-        assert [e.kind for e in seen if isinstance(e, m.LimitExceeded)] == ["memory_high"]
-        assert c.status(sid).restarts == 0
+        before = c.status(sid)
+        assert before.pid is not None
+
+    async def turn() -> list[m.Event]:
+        events: list[m.Event] = []
+        async with await AsyncClient.connect(d.socket) as ac:
+            try:
+                async with asyncio.timeout(15):
+                    async for ev in ac.send(sid, "96"):
+                        events.append(ev)
+                        if isinstance(ev, m.TextDelta) and ev.text.startswith("child "):
+                            child = int(ev.text.split()[1])
+                        if isinstance(ev, m.LimitExceeded) and ev.kind == "memory_high":
+                            os.kill(child, signal.SIGTERM)  # the hog's turn then ends
+            except TimeoutError:
+                raise AssertionError(f"the turn did not end within 15 s; events: {events}") from None
+        return events
+
+    events = asyncio.run(turn())
+    limits = [e for e in events if isinstance(e, m.LimitExceeded)]
+    assert [e.kind for e in limits] == ["memory_high"], events
+    assert limits[0].limit == 64 and limits[0].value > 64
+    done = events[-1]
+    assert isinstance(done, m.TurnDone) and done.reply == "child ended" and not done.interrupted
+    with d.client() as c:
+        after = c.status(sid)
+    assert after.restarts == 0 and after.last_exit is None
+    assert after.pid == before.pid and after.state == "idle"
 
 
 def _take(it, stop):

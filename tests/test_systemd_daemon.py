@@ -26,6 +26,8 @@ import pytest
 from conftest import FAST_CONFIG
 from harness import REPO, TESTS, Daemon, _alive, env_for_children, trusting, wait_for
 
+pytestmark = pytest.mark.process
+
 _UCRED = struct.Struct("3i")
 
 

@@ -104,6 +104,7 @@ def run_verify(*units: Path) -> tuple[int, list[str]]:
     return done.returncode, problems
 
 
+@pytest.mark.process
 @needs_analyze
 def test_units_pass_systemd_analyze_verify_without_warnings(verifiable_units: tuple[Path, Path]) -> None:
     returncode, problems = run_verify(*verifiable_units)
@@ -111,6 +112,7 @@ def test_units_pass_systemd_analyze_verify_without_warnings(verifiable_units: tu
     assert returncode == 0
 
 
+@pytest.mark.process
 @needs_analyze
 def test_verify_check_catches_what_verify_only_warns_about(tmp_path: Path, verifiable_units: tuple[Path, Path]) -> None:
     # systemd-analyze exits 0 on a misspelt key; the check above must not.
@@ -134,12 +136,14 @@ def exposure(service: Path) -> tuple[float, str]:
     return float(match.group(1)), output
 
 
+@pytest.mark.process
 @needs_analyze
 def test_exposure_score_is_at_most_two(verifiable_units: tuple[Path, Path]) -> None:
     score, output = exposure(verifiable_units[0])
     assert score <= MAX_EXPOSURE, output
 
 
+@pytest.mark.process
 @needs_analyze
 def test_exposure_parser_sees_a_weaker_sandbox(tmp_path: Path, verifiable_units: tuple[Path, Path]) -> None:
     # Guards the parse above: dropping the sandbox must raise the score.
@@ -156,6 +160,7 @@ def test_exposure_parser_sees_a_weaker_sandbox(tmp_path: Path, verifiable_units:
     assert score > MAX_EXPOSURE
 
 
+@pytest.mark.pure
 def test_service_contract() -> None:
     unit = parse_unit(SERVICE)
     svc = "Service"
@@ -201,6 +206,7 @@ def test_service_contract() -> None:
     assert one(unit, "Install", "Also") == "sessiond.socket"
 
 
+@pytest.mark.pure
 def test_socket_contract() -> None:
     unit = parse_unit(SOCKET)
     service_user = one(parse_unit(SERVICE), "Service", "Group")
@@ -214,6 +220,7 @@ def test_socket_contract() -> None:
     assert one(unit, "Install", "WantedBy") == "sockets.target"
 
 
+@pytest.mark.pure
 def test_sysusers_entry_creates_the_service_user() -> None:
     service = parse_unit(SERVICE)
     user = one(service, "Service", "User")
@@ -259,6 +266,7 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("how", ["--root", "DESTDIR"])
 def test_install_script_into_a_temp_root_is_complete_and_idempotent(tmp_path: Path, how: str) -> None:
     root = tmp_path / "root"
@@ -311,6 +319,7 @@ def test_install_script_into_a_temp_root_is_complete_and_idempotent(tmp_path: Pa
     assert Path("/etc/systemd/system/sessiond.service").exists() == real_units_before
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("binary", ["missing", "failing"])
 def test_install_script_leaves_no_config_when_it_cannot_make_one(tmp_path: Path, binary: str) -> None:
     root = tmp_path / "root"
@@ -325,6 +334,7 @@ def test_install_script_leaves_no_config_when_it_cannot_make_one(tmp_path: Path,
     assert leftovers == []
 
 
+@pytest.mark.process
 def test_install_script_rejects_unknown_arguments() -> None:
     done = run_install("--prefx", "/tmp/x")
     assert done.returncode == 2
