@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.pure
+
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("supervisor", "session_worker", "ipc")
 MAX_LINES = 700

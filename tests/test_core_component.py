@@ -5,6 +5,8 @@ boundary, sub-agents and reload, each in milliseconds."""
 
 from __future__ import annotations
 
+import pytest
+
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -19,6 +21,9 @@ from supervisor.config import parse_config
 from supervisor.manager import SessionManager
 from supervisor.memory_store import InMemoryStateStore
 from supervisor.session import Session, valid_session_id
+
+
+pytestmark = pytest.mark.component
 
 _event = msgspec.msgpack.Decoder(m.Event)
 

@@ -22,6 +22,7 @@ class _Clock:
         return self.now
 
 
+@pytest.mark.pure
 def test_a_burst_per_key_then_a_count_of_what_was_held_back(monkeypatch: pytest.MonkeyPatch,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     clock = _Clock()
@@ -40,6 +41,7 @@ def test_a_burst_per_key_then_a_count_of_what_was_held_back(monkeypatch: pytest.
             "bad frame 10 (7 similar line(s) held back in the last 60s)"]
 
 
+@pytest.mark.pure
 def test_the_key_table_stays_bounded() -> None:
     limited = RateLimitedLog(logging.getLogger("t.ratelog2"), burst=1, max_keys=8)
     for key in range(100):
@@ -47,6 +49,7 @@ def test_the_key_table_stays_bounded() -> None:
     assert len(limited._seen) <= 8
 
 
+@pytest.mark.process
 def test_a_peer_flooding_oversized_frames_makes_a_few_lines(daemon: Daemon) -> None:
     for _ in range(40):
         with raw_connect(daemon.socket) as s:

@@ -152,7 +152,10 @@ CHECKS: list[Check] = [
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.strip("_"))
-@pytest.mark.parametrize("kind", ["zygote", "fake"])
+@pytest.mark.parametrize("kind", [
+    pytest.param("zygote", marks=pytest.mark.process),  # real forks
+    pytest.param("fake", marks=pytest.mark.component),
+])
 def test_spawner_contract(kind: str, check: Check) -> None:
     async def run() -> None:
         async with _spawner(kind) as (spawner, exits):

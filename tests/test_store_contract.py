@@ -30,6 +30,8 @@ from supervisor.state_store import (
 )
 from supervisor.store import FileStateStore, SessionStore
 
+pytestmark = pytest.mark.component
+
 
 class Adapter:
     store: StateStore

@@ -27,6 +27,7 @@ from supervisor.store import (
 )
 
 
+
 def _log_with(tmp_path: Path, n: int) -> Path:
     st = SessionStore.create(tmp_path, Meta(id="s1", handler="echo"))
     for t in range(1, n + 1):
@@ -53,6 +54,7 @@ def _flip(path: Path, offset: int) -> None:
 # ---------------------------------------------------------------- the log
 
 
+@pytest.mark.component
 def test_flipped_byte_in_a_middle_record_keeps_the_file_and_says_so(tmp_path: Path) -> None:
     log = _log_with(tmp_path, 3)
     offsets = _record_offsets(log.read_bytes())
@@ -71,6 +73,7 @@ def test_flipped_byte_in_a_middle_record_keeps_the_file_and_says_so(tmp_path: Pa
     (RepairMode.SKIP_BAD, 3, [b"\x01", b"\x02", b"\x03"]),  # only the bad input record goes
     (RepairMode.TRUNCATE, 1, [b"\x01"]),  # what precedes the damage
 ])
+@pytest.mark.component
 def test_repair_rewrites_the_log_and_it_loads_again(
     tmp_path: Path, mode: RepairMode, turns: int, records: list[bytes]
 ) -> None:
@@ -89,6 +92,7 @@ def test_repair_rewrites_the_log_and_it_loads_again(
     assert SessionStore.load(tmp_path / "s1")[0].read_for_boot()[1] == [*records, b"\x09"]
 
 
+@pytest.mark.component
 def test_torn_tail_after_mid_damage_is_not_mistaken_for_it(tmp_path: Path) -> None:
     # Damage whose only sequel is a torn record: nothing intact follows, so
     # it is a tail, cut as before.
@@ -109,6 +113,7 @@ def _rotate(st: SessionStore, turns: int, state: bytes) -> None:
                                handler_state=state))
 
 
+@pytest.mark.component
 def test_flipped_byte_in_the_snapshot_falls_back_to_the_previous_generation(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -133,6 +138,7 @@ def test_flipped_byte_in_the_snapshot_falls_back_to_the_previous_generation(
     assert loaded.seq == 71
 
 
+@pytest.mark.component
 def test_damaged_snapshot_without_a_fallback_is_damage_not_a_guess(tmp_path: Path) -> None:
     st = SessionStore.create(tmp_path, Meta(id="s1", handler="echo"))
     st.append(Commit(turn=1, reply="x", record=b"r", seq=1), durable=True)
@@ -145,6 +151,7 @@ def test_damaged_snapshot_without_a_fallback_is_damage_not_a_guess(tmp_path: Pat
     assert not exc.value.repairable and "fails its checksum" in exc.value.reason
 
 
+@pytest.mark.component
 def test_snapshot_written_before_checksums_still_loads(tmp_path: Path) -> None:
     st = SessionStore.create(tmp_path, Meta(id="s1", handler="echo"))
     st.close()
@@ -157,6 +164,7 @@ def test_snapshot_written_before_checksums_still_loads(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- full disk
 
 
+@pytest.mark.component
 def test_full_disk_is_store_full_with_the_real_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     st = SessionStore.create(tmp_path, Meta(id="s1", handler="echo"))
     real_write = os.write
@@ -185,6 +193,7 @@ def _ctl_json(d: Daemon, *args: str) -> dict:
     return json.loads(r.stdout)
 
 
+@pytest.mark.process
 def test_damaged_session_is_visible_refused_repairable(make_daemon) -> None:
     d = make_daemon()
     with d.client() as c:
@@ -224,6 +233,7 @@ def test_damaged_session_is_visible_refused_repairable(make_daemon) -> None:
     assert r.returncode == 1 and "not damaged" in r.stderr
 
 
+@pytest.mark.process
 def test_session_that_fails_to_load_is_no_ghost(make_daemon) -> None:
     d = make_daemon()
     with d.client() as c:
@@ -247,6 +257,7 @@ def test_session_that_fails_to_load_is_no_ghost(make_daemon) -> None:
         assert c.send_text(sid, "fresh") == "1: fresh"
 
 
+@pytest.mark.process
 def test_second_daemon_on_the_same_state_dir_is_refused(make_daemon) -> None:
     d = make_daemon()
     with d.client() as c:
@@ -269,6 +280,7 @@ def test_second_daemon_on_the_same_state_dir_is_refused(make_daemon) -> None:
         assert c.status(sid).turns == 1
 
 
+@pytest.mark.component
 def test_failed_sync_after_a_deferred_create_keeps_the_metadata(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -299,6 +311,7 @@ class _NoSpawner:
     zygote_pid = 0
 
 
+@pytest.mark.component
 def test_manager_lists_removes_and_repairs_a_damaged_session_in_memory(tmp_path: Path) -> None:
     import asyncio
 

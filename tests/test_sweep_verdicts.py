@@ -8,6 +8,8 @@ import pytest
 
 from supervisor.limits import HEARTBEATS_MISSED, heartbeat_overdue, idle_expired, turn_deadline_left
 
+pytestmark = pytest.mark.pure
+
 
 @pytest.mark.parametrize("silent, interval, booted, overdue", [
     (0.0, 1.0, True, False),
