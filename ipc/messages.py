@@ -295,6 +295,11 @@ class TurnDone(_Msg, tag="turn_done"):
     turn: int
     reply: str
     interrupted: bool = False
+    # ipc.contract.StopReason as a plain string ("" = complete), so a value
+    # added later never makes an old client fail to decode the frame.
+    stop_reason: str = ""
+    # The provider's own word for it (e.g. "length", "max_tokens").
+    stop_detail: str = ""
 
 
 class TurnFailed(_Msg, tag="turn_failed"):
@@ -469,6 +474,8 @@ class Done(_Msg, tag="done"):
     record: bytes = b""  # msgpack of the handler's record for this turn
     interrupted: bool = False
     snapshot: bytes = b""  # when non-empty: the handler's whole state after this turn
+    stop_reason: str = ""  # as TurnDone.stop_reason
+    stop_detail: str = ""
 
 
 class Failed(_Msg, tag="failed"):

@@ -56,6 +56,10 @@ class TurnResult:
     reply: str
     record: Any = None
     interrupted: bool = False
+    # ipc.contract.StopReason: why the last model reply ended early ("" = it did not).
+    stop_reason: str = ""
+    # The provider's own word for it ("length", "content_filter", "max_tokens"...).
+    stop_detail: str = ""
 
 
 class SpawnError(Exception):

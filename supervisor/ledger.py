@@ -150,7 +150,9 @@ class TurnLedger:
         self._events.next_seq(session)  # == seq
         self._events.emit(
             session,
-            m.TurnDone(session=session.id, seq=seq, turn=msg.turn, reply=msg.reply, interrupted=msg.interrupted),
+            m.TurnDone(session=session.id, seq=seq, turn=msg.turn, reply=msg.reply,
+                       interrupted=msg.interrupted, stop_reason=msg.stop_reason,
+                       stop_detail=msg.stop_detail),
         )
         if session.state in (State.RUNNING, State.INTERRUPTING):
             self._events.set_state(session, Trigger.TURN_END)

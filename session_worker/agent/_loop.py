@@ -25,10 +25,10 @@ from session_worker.agent._errors import ProviderError, ToolError
 from session_worker.agent._history import History, Journal
 from session_worker.agent._permissions import decide
 from session_worker.agent._provider import Provider
-from session_worker.agent._stream import Completion, ToolCall
+from session_worker.agent._stream import Completion, ToolCall, stop_reason_of
 from session_worker.agent._tools import ToolEnv, ToolRegistry, check_arguments
 from session_worker.handler import TurnContext, TurnFailure, TurnResult
-from ipc.contract import LimitKind
+from ipc.contract import LimitKind, StopReason
 from ipc.settings import SessionSettings
 
 __all__ = ["Turn"]
@@ -98,6 +98,9 @@ class Turn:
             n += 1
             await self._maybe_compact()
             completion = await self._complete()
+            stop = stop_reason_of(completion.finish_reason)
+            if stop is not StopReason.COMPLETE:
+                return self._stop_early(completion, stop)
             calls = completion.tool_calls
             self._journal.append(_assistant_message(completion))
             self._unanswered = list(calls)
@@ -107,6 +110,37 @@ class Turn:
             if n >= self._settings.agent.max_turns:
                 return self._stop_at_turn_limit(n, calls)
             await self._run_calls(calls)
+
+    def _stop_early(self, completion: Completion, stop: StopReason) -> TurnResult:
+        """The reply was truncated, filtered or refused: the turn ends here,
+        and no tool call of it runs (a truncated call's arguments may be cut
+        mid-JSON, and a filtered reply is not the model's whole intent)."""
+        detail = completion.finish_reason or ""
+        message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+        if completion.tool_calls:
+            names = ", ".join(c.name or "?" for c in completion.tool_calls)
+            self._ctx.notice(
+                "tool_calls_not_run",
+                {
+                    "reason": str(stop),
+                    "finish_reason": detail,
+                    "calls": [{"id": c.id, "name": c.name} for c in completion.tool_calls],
+                },
+            )
+            # Told to the model too, so that the next input does not find
+            # it believing those calls ran.
+            message["content"] = (
+                completion.text
+                + f"\n\n[tool call(s) {names} not run: the reply ended with "
+                f"finish_reason {detail!r} before they were complete]"
+            ).lstrip()
+        self._journal.append(message)
+        return TurnResult(
+            "".join(self._reply),
+            self._journal.record(stop=str(stop)),
+            stop_reason=str(stop),
+            stop_detail=detail,
+        )
 
     def _stop_at_turn_limit(self, n: int, calls: list[ToolCall]) -> TurnResult:
         limit = self._settings.agent.max_turns

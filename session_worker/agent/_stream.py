@@ -20,8 +20,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from session_worker.agent._errors import ProviderError
+from ipc.contract import StopReason
 
-__all__ = ["Completion", "StreamAssembler", "ToolCall"]
+__all__ = ["Completion", "StreamAssembler", "ToolCall", "stop_reason_of"]
+
+# Provider finish/stop reasons that mean the reply did not end by itself:
+# OpenAI and the servers that copy it (`length`, `content_filter`), Anthropic
+# (`max_tokens`, `refusal`, `model_context_window_exceeded`), Gemini's
+# OpenAI endpoint (`SAFETY`, `RECITATION`, lowered here).
+_STOPS = {
+    "length": StopReason.TRUNCATED,
+    "max_tokens": StopReason.TRUNCATED,
+    "model_context_window_exceeded": StopReason.TRUNCATED,
+    "content_filter": StopReason.FILTERED,
+    "safety": StopReason.FILTERED,
+    "recitation": StopReason.FILTERED,
+    "refusal": StopReason.REFUSED,
+}
+
+
+def stop_reason_of(finish_reason: str | None) -> StopReason:
+    """The provider-neutral reason for a finish reason (COMPLETE for `stop`,
+    `tool_calls`, `end_turn`, unknown values and none at all)."""
+    if not finish_reason:
+        return StopReason.COMPLETE
+    return _STOPS.get(finish_reason.lower(), StopReason.COMPLETE)
 
 
 @dataclass(slots=True)
