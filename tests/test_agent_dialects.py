@@ -119,3 +119,102 @@ def test_tool_call_cut_by_the_token_limit_is_not_run(fake_llm: FakeLLM, tmp_path
     sent = fake_llm.requests[1].json["messages"]
     assert not any(m.get("tool_calls") for m in sent) and not any(m["role"] == "tool" for m in sent)
     assert "write_file not run" in sent[-2]["content"] and sent[-1]["content"] == "again"
+
+
+# -- errors that say what happened --------------------------------------------
+
+
+def test_openrouter_error_body_reaches_the_client_in_full_and_400_is_not_retried(
+    fake_llm: FakeLLM, tmp_path: Path
+) -> None:
+    fake_llm.script(
+        Reply(
+            400,
+            {
+                "error": {
+                    "message": "Provider returned error",
+                    "code": 400,
+                    "metadata": {
+                        "raw": '{"error":{"message":"Unrecognized request argument supplied: stream_options"}}',
+                        "provider_name": "Azure",
+                    },
+                }
+            },
+        )
+    )
+    ((outcome, _),) = turns(fake_llm, tmp_path, "hi")
+    reason = failed(outcome).reason
+    assert "Provider returned error" in reason and "code=400" in reason
+    assert "upstream Azure said" in reason and "Unrecognized request argument supplied" in reason
+    assert "parameter" in reason  # the likely cause is named
+    assert len(fake_llm.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "expect"),
+    [
+        (401, {"error": {"message": "Incorrect API key provided", "code": "invalid_api_key"}}, "SESSIOND_T_KEY"),
+        (404, {"error": {"message": "The model does not exist", "code": "model_not_found"}}, "unknown model 'test-model'"),
+        (403, {"error": "forbidden"}, "no access to model 'test-model'"),
+    ],
+)
+def test_client_errors_name_the_likely_cause_and_are_not_retried(
+    fake_llm: FakeLLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    status: int, body: dict[str, Any], expect: str,
+) -> None:
+    monkeypatch.setenv("SESSIOND_T_KEY", "sk-abcdef")
+    fake_llm.script(Reply(status, body))
+    ((outcome, _),) = turns(fake_llm, tmp_path, "hi", api_key_env="SESSIOND_T_KEY")
+    reason = failed(outcome).reason
+    assert f"HTTP {status}" in reason and expect in reason
+    if isinstance(body["error"], dict):
+        assert body["error"]["code"] in reason
+    assert len(fake_llm.requests) == 1
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("style", ["data", "event"])
+def test_error_event_after_some_tokens(fake_llm: FakeLLM, tmp_path: Path, seed: int | None, style: str) -> None:
+    error = {"message": "upstream overloaded", "type": "server_error", "code": "overloaded"}
+    tail: Any = (
+        {"error": error} if style == "data" else f"event: error\ndata: {json.dumps(error)}\n\n"
+    )
+    fake_llm.script(
+        maybe_shred(Stream([chunk({"content": "Partial "}), chunk({"content": "answer"}), tail], done=False), seed),
+        text_stream("fresh"),
+    )
+    (first, ctx), (second, _) = turns(fake_llm, tmp_path, "q1", "q2")
+    reason = failed(first).reason
+    assert ctx.text == "Partial answer"
+    assert "upstream overloaded" in reason and "code=overloaded" in reason and "type=server_error" in reason
+    assert done(second).reply == "fresh"
+    sent = fake_llm.requests[1].json["messages"]
+    assert sent[-3]["content"] == "q1"
+    assert sent[-2]["role"] == "assistant" and sent[-2]["content"].startswith("Partial answer")
+    assert sent[-1] == {"role": "user", "content": "q2"}
+
+
+@pytest.mark.parametrize(
+    ("headers", "wait"), [({"Retry-After": "0.3"}, 0.3), ({"retry-after-ms": "250", "Retry-After": "9"}, 0.25)]
+)
+def test_429_waits_as_the_server_asks(fake_llm: FakeLLM, tmp_path: Path, headers: dict[str, str], wait: float) -> None:
+    fake_llm.script(Reply(429, {"error": {"message": "Rate limit reached", "code": "rate_limit_exceeded"}}, headers), text_stream("ok"))
+    ((outcome, ctx),) = turns(fake_llm, tmp_path, "hi")
+    assert done(outcome).reply == "ok"
+    first, second = fake_llm.requests
+    assert second.received_at - first.received_at >= wait
+    (retry,) = ctx.notices_of("provider_retry")
+    assert retry["delay_secs"] == pytest.approx(wait) and "rate_limit_exceeded" in retry["error"]
+    assert second.json == first.json
+
+
+def test_retry_after_past_the_turn_timeout_fails_now(fake_llm: FakeLLM, tmp_path: Path) -> None:
+    from test_agent_support import AgentSettings
+
+    fake_llm.script(Reply(503, {"error": {"message": "busy"}}, {"Retry-After": "30"}))
+    started = time.monotonic()
+    ((outcome, _),) = turns(fake_llm, tmp_path, "hi", agent=AgentSettings(turn_timeout_secs=5))
+    assert time.monotonic() - started < 4
+    reason = failed(outcome).reason
+    assert "busy" in reason and "agent.turn_timeout_secs" in reason
+    assert len(fake_llm.requests) == 1

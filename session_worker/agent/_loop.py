@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,9 @@ class Turn:
         self._separate = False
         # Calls of the last journaled assistant message still without a result.
         self._unanswered: list[ToolCall] = []
+        # Provider retries are not waited for past the turn's timeout (the
+        # daemon would kill the worker mid-wait and the error be lost).
+        self._deadline = time.monotonic() + settings.agent.turn_timeout_secs
 
     def reconfigure(self, settings: SessionSettings, tools: ToolRegistry) -> None:
         """New rules and limits for the rest of this turn (the provider in
@@ -166,7 +170,7 @@ class Turn:
         self._partial = []
         messages = self._request_messages()
         completion = await self._provider.stream_chat(
-            messages, self._tools.schemas(), self._on_text, self._on_retry
+            messages, self._tools.schemas(), self._on_text, self._on_retry, self._deadline
         )
         self._partial = None
         return completion
@@ -280,6 +284,7 @@ class Turn:
                 None,
                 _ignore_text,
                 self._on_retry,
+                self._deadline,
             )
             summary = completion.text.strip() or None
             if summary is None:

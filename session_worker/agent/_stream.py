@@ -22,7 +22,7 @@ from typing import Any
 from session_worker.agent._errors import ProviderError
 from ipc.contract import StopReason
 
-__all__ = ["Completion", "StreamAssembler", "ToolCall", "stop_reason_of"]
+__all__ = ["Completion", "StreamAssembler", "ToolCall", "describe_error", "stop_reason_of"]
 
 # Provider finish/stop reasons that mean the reply did not end by itself:
 # OpenAI and the servers that copy it (`length`, `content_filter`), Anthropic
@@ -87,7 +87,7 @@ class StreamAssembler:
         if not isinstance(chunk, dict):
             raise ProviderError("provider sent a stream chunk that is not a JSON object")
         if chunk.get("error") is not None:
-            raise ProviderError(f"provider reported an error mid-stream: {_error_text(chunk['error'])}")
+            raise ProviderError(f"provider reported an error mid-stream: {describe_error(chunk['error'])}")
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
@@ -164,10 +164,33 @@ class StreamAssembler:
         return Completion(self.text, calls, self.finish_reason, self.usage)
 
 
-def _error_text(error: Any) -> str:
-    if isinstance(error, dict):
-        message = error.get("message")
-        if isinstance(message, str):
-            return message
-        return json.dumps(error)[:500]
-    return str(error)[:500]
+def describe_error(error: Any) -> str:
+    """A provider's error object in full, as one line: the message, then
+    what else the provider said that helps (OpenAI's `code`, `type` and
+    `param`, OpenRouter's `metadata.raw` from the upstream provider and its
+    `provider_name`).  Capped, since an upstream body can be a whole page."""
+    if not isinstance(error, dict):
+        return str(error)[:_ERROR_CHARS]
+    message = error.get("message")
+    parts = [message if isinstance(message, str) and message else json.dumps(error)[:_ERROR_CHARS]]
+    extra = [
+        f"{key}={error[key]}"
+        for key in ("code", "type", "param")
+        if isinstance(error.get(key), (str, int)) and error.get(key) not in ("", None)
+    ]
+    if extra:
+        parts.append(f"({', '.join(extra)})")
+    metadata = error.get("metadata")
+    if isinstance(metadata, dict):
+        upstream = metadata.get("provider_name")
+        raw = metadata.get("raw")
+        if raw is not None:
+            raw_text = raw if isinstance(raw, str) else json.dumps(raw)
+            who = f"upstream {upstream}" if isinstance(upstream, str) else "upstream"
+            parts.append(f"[{who} said: {raw_text}]")
+        elif isinstance(upstream, str):
+            parts.append(f"[upstream {upstream}]")
+    return " ".join(parts)[:_ERROR_CHARS]
+
+
+_ERROR_CHARS = 2000
