@@ -218,3 +218,69 @@ def test_retry_after_past_the_turn_timeout_fails_now(fake_llm: FakeLLM, tmp_path
     reason = failed(outcome).reason
     assert "busy" in reason and "agent.turn_timeout_secs" in reason
     assert len(fake_llm.requests) == 1
+
+
+# -- history after a failed turn ------------------------------------------------
+
+
+def check_strictly(body: Any) -> str | None:
+    """What strict chat templates enforce: after the system message, user and
+    assistant alternate, starting with user; tool messages only right after
+    an assistant tool call (or another tool message)."""
+    previous = "assistant"
+    for m in body["messages"]:
+        role = m["role"]
+        if role == "system":
+            continue
+        if role == "tool":
+            if previous not in ("assistant_calls", "tool"):
+                return "tool message without a tool call"
+        elif role == "user" and previous == "user":
+            return "Conversation roles must alternate user/assistant/user/assistant/..."
+        elif role == "assistant" and previous not in ("user", "tool"):
+            return "Conversation roles must alternate user/assistant/user/assistant/..."
+        previous = "assistant_calls" if role == "assistant" and m.get("tool_calls") else role
+    return None
+
+
+@pytest.mark.parametrize("failure", ["http_400", "stream_cut_before_text", "error_after_tool"])
+def test_history_stays_alternating_after_a_failed_turn(fake_llm: FakeLLM, tmp_path: Path, failure: str) -> None:
+    fake_llm.check = check_strictly
+    if failure == "http_400":
+        fake_llm.script(Reply(400, {"error": {"message": "bad request"}}))
+    elif failure == "stream_cut_before_text":
+        fake_llm.script(Stream([chunk({"role": "assistant"})], cut=True))
+    else:
+        fake_llm.script(
+            tool_call_stream(("c1", "list_dir", {"path": "."})),
+            Reply(400, {"error": {"message": "bad request"}}),
+        )
+    fake_llm.script(text_stream("second answer"))
+    (first, _), (second, _) = turns(fake_llm, tmp_path, "q1", "q2")
+    failed(first)
+    assert done(second).reply == "second answer"
+    sent = fake_llm.requests[-1].json["messages"]
+    assert check_strictly({"messages": sent}) is None
+    # The failed input is still there, answered by a note saying it failed.
+    i = [m.get("content") for m in sent].index("q1")
+    after = sent[i + 1 :]
+    assert after[-1] == {"role": "user", "content": "q2"}
+    assert after[-2]["role"] == "assistant" and "request failed" in after[-2]["content"]
+
+
+def test_old_history_with_two_user_messages_is_merged_when_sent(fake_llm: FakeLLM, tmp_path: Path) -> None:
+    fake_llm.check = check_strictly
+    fake_llm.script(text_stream("ok"))
+    session = Session(fake_llm, tmp_path)
+
+    async def go() -> TurnResult | TurnFailure:
+        session.handler = make_handler(session.settings, session.ws)
+        # As an older version stored a failed turn: its input, no reply.
+        session.handler.restore(None, [{"v": 1, "ops": [{"op": "append", "message": {"role": "user", "content": "lost"}}], "failed": True}])
+        try:
+            return (await session.turn("again"))[0]
+        finally:
+            await session.close()
+
+    assert done(run(go())).reply == "ok"
+    assert fake_llm.requests[0].json["messages"][1:] == [{"role": "user", "content": "lost\n\nagain"}]

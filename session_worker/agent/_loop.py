@@ -23,7 +23,7 @@ from session_worker.agent._compaction import (
     system_content,
 )
 from session_worker.agent._errors import ProviderError, ToolError
-from session_worker.agent._history import History, Journal
+from session_worker.agent._history import History, Journal, well_formed
 from session_worker.agent._permissions import decide
 from session_worker.agent._provider import Provider
 from session_worker.agent._stream import Completion, ToolCall, stop_reason_of
@@ -36,6 +36,7 @@ __all__ = ["Turn"]
 
 _INTERRUPTED_TEXT = "\n\n[interrupted by the user]"
 _INTERRUPTED_RESULT = "error: interrupted by the user before this tool call finished; it may have partly run."
+_FAILED_TEXT = "[no reply: this request failed ({reason})]"
 _CUT_TEXT = "\n\n[the response was cut off: {reason}]"
 # How much of a tool's output goes into the `tool_result` notice; the whole
 # output is in the history.
@@ -86,6 +87,7 @@ class Turn:
         except ProviderError as exc:
             reason = self._provider.redact(str(exc))
             self._keep_partial(_CUT_TEXT.format(reason="provider error"))
+            self._close_failed_turn(reason)
             raise TurnFailure(
                 f"LLM provider error: {reason}", record=self._journal.record(failed=True)
             ) from exc
@@ -177,7 +179,7 @@ class Turn:
 
     def _request_messages(self) -> list[dict[str, Any]]:
         system = system_content(self._settings.agent.system_prompt, self._history.summary)
-        return [{"role": "system", "content": system}, *self._history.messages]
+        return [{"role": "system", "content": system}, *well_formed(self._history.messages)]
 
     def _on_text(self, text: str) -> None:
         if self._separate:
@@ -304,6 +306,16 @@ class Turn:
         if self._partial:
             self._journal.append({"role": "assistant", "content": "".join(self._partial) + marker})
         self._partial = None
+
+    def _close_failed_turn(self, reason: str) -> None:
+        """Keep the input of a failed turn (the model should know it was
+        asked), but never end the history on it: the next input would make
+        two user messages in a row, which strict chat templates (Mistral,
+        Llama, Gemma...) answer with a 400.  An assistant note closes it."""
+        if self._history.messages and self._history.messages[-1].get("role") != "assistant":
+            self._journal.append(
+                {"role": "assistant", "content": _FAILED_TEXT.format(reason=reason[:500])}
+            )
 
     def _interrupted(self) -> TurnResult:
         self._keep_partial(_INTERRUPTED_TEXT)
