@@ -84,7 +84,9 @@ class LoopSettings(ConfigSection):
 
 class AgentSettings(ConfigSection):
     # Handler run by new sessions: "agent", "echo" or "package.module:factory".
-    # "agent" falls back to "echo" when no provider is configured.
+    # "agent" runs "echo" when no [provider] is configured at all (said at
+    # start-up); a client naming "agent", or a provider missing base_url or
+    # model, is refused at create instead.
     handler: str = "agent"
     # Handlers a client may name at create (besides `handler` above):
     # "agent", "echo", "package.module:factory", or "package.module:*" for
@@ -124,6 +126,16 @@ class ProviderSettings(ConfigSection):
     @property
     def configured(self) -> bool:
         return bool(self.base_url and self.model)
+
+    def missing(self) -> str | None:
+        """The key(s) an agent session lacks to reach a provider, or None."""
+        if not self.base_url and not self.model:
+            return "provider.base_url and provider.model"
+        if not self.base_url:
+            return "provider.base_url"
+        if not self.model:
+            return "provider.model"
+        return None
 
 
 class ToolsSettings(ConfigSection):

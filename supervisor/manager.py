@@ -268,12 +268,21 @@ class SessionManager:
                 settings = resolve_overrides(self.config.session_settings(), overrides).settings
             except OverrideError as exc:
                 raise BadRequest(str(exc)) from None
+        named = handler is not None
         if handler is None:
             handler = settings.agent.handler
         elif parent is None:
             _check_handler(handler, settings)
-        if handler == "agent" and not settings.provider.configured:
-            handler = "echo"
+        if handler == "agent" and (missing := settings.provider.missing()) is not None:
+            provider = settings.provider
+            if named or provider.base_url or provider.model:
+                # Asked for the agent, or half a provider: an echo session
+                # would look like a working agent that answers nonsense.
+                raise BadRequest(
+                    f"the agent handler needs an LLM provider: {missing} is not set "
+                    "([provider] in config.toml)"
+                )
+            handler = "echo"  # no provider at all: the offline default, said at start-up
         # Order the worker first: the zygote forks (or hands over a spare)
         # while this process fsyncs the new session to disk.
         pending = self.spawner.request() if self._has_room() else None

@@ -5,10 +5,13 @@ and refusing an agent session that has no provider."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from fakellm import FakeLLM, text_stream
+from harness import env_for_children, wait_for
 from test_agent_e2e import agent_config
 
 pytestmark = pytest.mark.process
@@ -43,3 +46,40 @@ def test_truncated_and_filtered_replies_fail_sessionctl_send(make_daemon, llm: F
     assert last["stop_detail"] == "content_filter"
     ok = d.ctl("send", sid, "third")
     assert ok.returncode == 0 and ok.stdout == "fine\n" and ok.stderr == ""
+
+
+def test_agent_without_a_provider_is_refused_at_create(make_daemon) -> None:
+    d = make_daemon('[agent]\nhandler = "agent"\n')
+    named = d.ctl("create", "--handler", "agent")
+    assert named.returncode == 1
+    assert "provider.base_url and provider.model is not set" in named.stderr
+    # Not named: the offline default, as the start-up log says.
+    with d.client() as c:
+        assert c.create().handler == "echo"
+    assert "no [provider] configured" in d.log
+
+
+def test_half_a_provider_is_refused_at_create_and_at_config_check(make_daemon, tmp_path) -> None:
+    config = '[agent]\nhandler = "agent"\n[provider]\nbase_url = "http://127.0.0.1:9/v1"\n'
+    d = make_daemon(config)
+    for args in (("create",), ("create", "--handler", "agent")):
+        r = d.ctl(*args)
+        assert r.returncode == 1 and "provider.model is not set" in r.stderr, r
+    assert "[provider] is incomplete: provider.model" in d.log
+    path = tmp_path / "half.toml"
+    path.write_text(config)
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "config", "check", str(path)],
+                       capture_output=True, text=True, env=env_for_children())
+    assert r.returncode == 2 and "provider.model is not set" in r.stderr
+
+
+def test_unset_api_key_env_is_reported_at_start_up(make_daemon, llm: FakeLLM, tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("SESSIOND_TEST_KEY")
+    d = make_daemon(agent_config(llm))
+    assert wait_for(lambda: "SESSIOND_TEST_KEY, which is not set" in d.log, what="the start-up error")
+    assert llm.requests == []
+    path = tmp_path / "c.toml"
+    path.write_text(agent_config(llm))
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "config", "check", str(path)],
+                       capture_output=True, text=True, env=env_for_children())
+    assert r.returncode == 0 and "SESSIOND_TEST_KEY, which is not set" in r.stderr
