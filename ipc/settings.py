@@ -122,6 +122,10 @@ class ProviderSettings(ConfigSection):
     # Longest wait between retries; a Retry-After asking for more fails the turn
     # at once instead of stalling it.
     retry_backoff_max_ms: Annotated[int, Meta(ge=1)] = 60_000
+    # Send `stream_options: {include_usage: true}` (token usage in the stream).
+    # Older Azure API versions and some proxies answer 400 to it: turn it off
+    # for them (a server that rejects it by name is also retried without it).
+    stream_usage: bool = True
 
     @property
     def configured(self) -> bool:

@@ -135,7 +135,7 @@ def test_openrouter_error_body_reaches_the_client_in_full_and_400_is_not_retried
                     "message": "Provider returned error",
                     "code": 400,
                     "metadata": {
-                        "raw": '{"error":{"message":"Unrecognized request argument supplied: stream_options"}}',
+                        "raw": '{"error":{"message":"Unsupported parameter: tool_choice"}}',
                         "provider_name": "Azure",
                     },
                 }
@@ -145,7 +145,7 @@ def test_openrouter_error_body_reaches_the_client_in_full_and_400_is_not_retried
     ((outcome, _),) = turns(fake_llm, tmp_path, "hi")
     reason = failed(outcome).reason
     assert "Provider returned error" in reason and "code=400" in reason
-    assert "upstream Azure said" in reason and "Unrecognized request argument supplied" in reason
+    assert "upstream Azure said" in reason and "Unsupported parameter: tool_choice" in reason
     assert "parameter" in reason  # the likely cause is named
     assert len(fake_llm.requests) == 1
 
@@ -284,3 +284,37 @@ def test_old_history_with_two_user_messages_is_merged_when_sent(fake_llm: FakeLL
 
     assert done(run(go())).reply == "ok"
     assert fake_llm.requests[0].json["messages"][1:] == [{"role": "user", "content": "lost\n\nagain"}]
+
+
+# -- servers that do not know every parameter ---------------------------------
+
+
+def test_stream_options_rejected_by_name_is_dropped_for_the_session(fake_llm: FakeLLM, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    def old_azure(body: Any) -> str | None:
+        if "stream_options" in body:
+            return "Unrecognized request argument supplied: stream_options"
+        return None
+
+    fake_llm.check = old_azure
+    fake_llm.script(text_stream("one"), text_stream("two"))
+    with caplog.at_level("WARNING", logger="sessiond.worker.agent"):
+        (first, ctx), (second, _) = turns(fake_llm, tmp_path, "a", "b")
+    assert done(first).reply == "one" and done(second).reply == "two"
+    # Rejected once, retried once without it, never sent again.
+    assert ["stream_options" in r.json for r in fake_llm.requests] == [True, False, False]
+    (notice,) = ctx.notices_of("provider_retry")
+    assert notice["dropped_parameter"] == "stream_options" and "Unrecognized request argument" in notice["error"]
+    assert len([r for r in caplog.records if "stream_options" in r.getMessage()]) == 1
+
+
+def test_stream_usage_off_sends_no_stream_options(fake_llm: FakeLLM, tmp_path: Path) -> None:
+    fake_llm.script(text_stream("ok"))
+    ((outcome, _),) = turns(fake_llm, tmp_path, "a", stream_usage=False)
+    assert done(outcome).reply == "ok" and "stream_options" not in fake_llm.requests[0].json
+
+
+def test_a_400_naming_no_optional_parameter_is_not_retried(fake_llm: FakeLLM, tmp_path: Path) -> None:
+    fake_llm.script(Reply(400, {"error": {"message": "messages: roles must alternate"}}))
+    ((outcome, _),) = turns(fake_llm, tmp_path, "a")
+    failed(outcome)
+    assert len(fake_llm.requests) == 1

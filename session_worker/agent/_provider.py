@@ -6,6 +6,11 @@ connections are reused across the LLM calls of a session.
 Retries: a 429 or 5xx answer, or a failure to connect (nothing was sent, so
 nothing was streamed to the user yet), is retried up to `max_retries` times,
 waiting `Retry-After` when the server gives one, else an exponential backoff.
+Optional parameters (`stream_options`): a 400/422 whose error names one
+of them is retried once at once without it, and the parameter is left out
+for the rest of this client's life (the session's, or until the provider
+settings change), logged once.
+
 Once a 200 stream has started, no retry: text already went to the clients,
 and replaying would duplicate it; a broken stream is a `ProviderStreamError`.
 
@@ -32,6 +37,7 @@ import contextlib
 import email.utils
 import importlib
 import json
+import logging
 import math
 import os
 import ssl
@@ -57,6 +63,13 @@ __all__ = ["Provider", "redact"]
 
 OnText = Callable[[str], None]
 OnRetry = Callable[[dict[str, Any]], None]
+
+log = logging.getLogger("sessiond.worker.agent")
+
+# Parameters a request can do without, so that a server rejecting one by
+# name is retried without it.  `stream_options`: OpenAI's, unknown to older
+# Azure API versions and to some proxies.
+_OPTIONAL_PARAMETERS = ("stream_options",)
 
 _RETRY_STATUSES = frozenset({429}) | frozenset(range(500, 600))
 _REDACTED = "[redacted]"
@@ -117,6 +130,8 @@ class Provider:
             headers=headers, timeout=timeout, trust_env=False, verify=verify
         )
         self._url = f"{base}/chat/completions"
+        # Optional parameters this server rejected (see the module docstring).
+        self._dropped: set[str] = set()
 
     def redact(self, text: str) -> str:
         return redact(text, self._key)
@@ -143,8 +158,9 @@ class Provider:
             "model": self._settings.model,
             "messages": messages,
             "stream": True,
-            "stream_options": {"include_usage": True},
         }
+        if self._settings.stream_usage and "stream_options" not in self._dropped:
+            body["stream_options"] = {"include_usage": True}
         if tools:
             body["tools"] = tools
         attempt = 0
@@ -153,6 +169,16 @@ class Provider:
             if isinstance(failure, Completion):
                 return failure
             error, retry_after = failure
+            rejected = _rejected_parameter(error, body)
+            if rejected is not None:
+                self._dropped.add(rejected)
+                del body[rejected]
+                log.warning("provider at %s rejects %r: sent without it from now on (%s)",
+                            self._url, rejected, error)
+                if on_retry is not None:
+                    on_retry({"attempt": attempt + 1, "delay_secs": 0.0, "error": str(error),
+                              "dropped_parameter": rejected})
+                continue
             if retry_after is None or attempt >= self._settings.max_retries:
                 if attempt and retry_after is not None:
                     raise ProviderError(f"{error} (gave up after {attempt + 1} attempts)")
@@ -382,6 +408,18 @@ def _error_message(raw: bytes) -> str:
             return describe_error(body)
     text = raw.decode("utf-8", "replace").strip()
     return text[:2000] if text else "(empty body)"
+
+
+def _rejected_parameter(error: ProviderError, body: dict[str, Any]) -> str | None:
+    """The optional parameter of `body` that a 400/422 answer names, if any
+    (e.g. Azure: "Unrecognized request argument supplied: stream_options")."""
+    if not isinstance(error, ProviderHTTPError) or error.status not in (400, 422):
+        return None
+    detail = error.detail.lower()
+    for name in _OPTIONAL_PARAMETERS:
+        if name in body and (name in detail or (name == "stream_options" and "include_usage" in detail)):
+            return name
+    return None
 
 
 def _hint(status: int, settings: ProviderSettings, url: str) -> str:
