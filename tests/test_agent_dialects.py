@@ -318,3 +318,72 @@ def test_a_400_naming_no_optional_parameter_is_not_retried(fake_llm: FakeLLM, tm
     ((outcome, _),) = turns(fake_llm, tmp_path, "a")
     failed(outcome)
     assert len(fake_llm.requests) == 1
+
+
+# -- odd tool calls -------------------------------------------------------------
+
+
+def calls_stream(*tool_call_deltas: list[dict[str, Any]]) -> Stream:
+    events: list[Any] = [chunk({"role": "assistant", "content": None})]
+    events += [chunk({"tool_calls": delta}) for delta in tool_call_deltas]
+    events.append(chunk({}, "tool_calls"))
+    return Stream(events)
+
+
+def fn(name: str | None, arguments: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"arguments": arguments}
+    if name is not None:
+        out["name"] = name
+    return out
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("name", ["", None])
+def test_nameless_tool_call_gets_an_error_the_model_can_act_on(fake_llm: FakeLLM, tmp_path: Path, seed: int | None, name: str | None) -> None:
+    fake_llm.script(
+        maybe_shred(calls_stream([{"index": 0, "id": "c1", "type": "function", "function": fn(name, '{"path": "."}')}]), seed),
+        text_stream("sorry"),
+    )
+    ((outcome, ctx),) = turns(fake_llm, tmp_path, "list")
+    assert done(outcome).reply == "sorry"
+    (result,) = ctx.notices_of("tool_result")
+    assert result["id"] == "c1" and not result["ok"] and "no function name" in result["output"]
+    sent = fake_llm.requests[1].json["messages"]
+    assert sent[-2]["tool_calls"][0]["function"]["name"] == "missing_tool_name"
+    assert sent[-1]["tool_call_id"] == "c1" and "list_dir" in sent[-1]["content"]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_tool_call_without_id_gets_one_and_runs(fake_llm: FakeLLM, tmp_path: Path, seed: int | None) -> None:
+    fake_llm.script(
+        maybe_shred(calls_stream([{"index": 0, "function": fn("write_file", '{"path": "a.txt", ')}],
+                                 [{"index": 0, "function": fn(None, '"content": "A"}')}]), seed),
+        text_stream("done"),
+    )
+    ((outcome, ctx),) = turns(fake_llm, tmp_path, "write")
+    assert done(outcome).reply == "done" and (tmp_path / "ws" / "a.txt").read_text() == "A"
+    sent = fake_llm.requests[1].json["messages"]
+    call_id = sent[-2]["tool_calls"][0]["id"]
+    assert call_id.startswith("call_") and sent[-1]["tool_call_id"] == call_id
+    assert ctx.notices_of("tool_result")[0]["id"] == call_id
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("style", ["mistral_ids_no_index", "no_ids_no_index", "same_index_new_ids"])
+def test_parallel_calls_without_a_usable_index_are_all_run(fake_llm: FakeLLM, tmp_path: Path, seed: int | None, style: str) -> None:
+    a = fn("write_file", '{"path": "a.txt", "content": "A"}')
+    b = fn("write_file", '{"path": "b.txt", "content": "B"}')
+    if style == "mistral_ids_no_index":
+        deltas = [[{"id": "AbC123xyz", "function": a}, {"id": "DeF456uvw", "function": b}]]
+    elif style == "no_ids_no_index":
+        deltas = [[{"function": a}], [{"function": b}]]
+    else:
+        deltas = [[{"index": 0, "id": "c1", "function": a}], [{"index": 0, "id": "c2", "function": b}]]
+    fake_llm.script(maybe_shred(calls_stream(*deltas), seed), text_stream("both"))
+    ((outcome, ctx),) = turns(fake_llm, tmp_path, "two files")
+    assert done(outcome).reply == "both"
+    assert (tmp_path / "ws" / "a.txt").read_text() == "A" and (tmp_path / "ws" / "b.txt").read_text() == "B"
+    assert [n["ok"] for n in ctx.notices_of("tool_result")] == [True, True]
+    sent = fake_llm.requests[1].json["messages"]
+    ids = [c["id"] for c in sent[-3]["tool_calls"]]
+    assert len(set(ids)) == 2 and [m["tool_call_id"] for m in sent[-2:]] == ids

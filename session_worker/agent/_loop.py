@@ -36,6 +36,7 @@ __all__ = ["Turn"]
 
 _INTERRUPTED_TEXT = "\n\n[interrupted by the user]"
 _INTERRUPTED_RESULT = "error: interrupted by the user before this tool call finished; it may have partly run."
+_NO_NAME = "missing_tool_name"
 _FAILED_TEXT = "[no reply: this request failed ({reason})]"
 _CUT_TEXT = "\n\n[the response was cut off: {reason}]"
 # How much of a tool's output goes into the `tool_result` notice; the whole
@@ -224,6 +225,12 @@ class Turn:
                 "arguments": parsed if isinstance(parsed, dict) else call.arguments,
             },
         )
+        if not call.name:
+            available = ", ".join(self._tools.names()) or "none"
+            return False, (
+                "error: this tool call has no function name, so nothing was run; "
+                f"call again with one of: {available}"
+            )
         tool = self._tools.get(call.name)
         if tool is None:
             available = ", ".join(self._tools.names()) or "none"
@@ -355,7 +362,9 @@ def _assistant_message(completion: Completion) -> dict[str, Any]:
             {
                 "id": call.id,
                 "type": "function",
-                "function": {"name": call.name, "arguments": arguments},
+                # A nameless call goes back under a placeholder: servers
+                # refuse an empty function name in the history.
+                "function": {"name": call.name or _NO_NAME, "arguments": arguments},
             }
         )
     return {"role": "assistant", "content": completion.text or None, "tool_calls": calls}

@@ -16,6 +16,7 @@ here rather than spread over the provider:
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,9 @@ class StreamAssembler:
         self._text: list[str] = []
         self._calls: dict[int, _PartialCall] = {}
         self._last_index: int | None = None
+        # Server index -> our index, for a server reusing one index for
+        # several calls.
+        self._remap: dict[int, int] = {}
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
 
@@ -115,17 +119,27 @@ class StreamAssembler:
 
     def _feed_tool_call(self, raw: dict[str, Any]) -> None:
         call_id = raw.get("id") if isinstance(raw.get("id"), str) else ""
+        function = raw.get("function") or {}
+        name = function.get("name") if isinstance(function, dict) else None
         index = raw.get("index")
         if not isinstance(index, int):
-            index = self._index_without_position(call_id or "")
+            index = self._index_without_position(call_id or "", name)
+        else:
+            last = self._calls.get(index)
+            if last is not None and call_id and last.id and call_id != last.id:
+                # Several calls under one index (every call `index: 0`, as
+                # some OpenAI-compatible servers send them): a new id is a
+                # new call, never arguments glued onto the last one.
+                index = max(self._calls) + 1
+                self._remap[raw["index"]] = index
+            else:
+                index = self._remap.get(index, index)
         part = self._calls.setdefault(index, _PartialCall())
         self._last_index = index
         if call_id and not part.id:
             part.id = call_id
-        function = raw.get("function") or {}
         if not isinstance(function, dict):
             return
-        name = function.get("name")
         # Names arrive whole in the first delta; a server repeating the
         # name in later deltas must not double it.
         if isinstance(name, str) and name and name != part.name:
@@ -136,31 +150,38 @@ class StreamAssembler:
         elif isinstance(arguments, dict):
             part.arguments.append(json.dumps(arguments, ensure_ascii=False))
 
-    def _index_without_position(self, call_id: str) -> int:
-        # Old Ollama omits `index`: a new id starts a new call, no id
-        # continues the last one.
+    def _index_without_position(self, call_id: str, name: Any) -> int:
+        # Old Ollama and Mistral omit `index`: a new id starts a new call;
+        # without an id, a name after a call that already has its name and
+        # arguments starts one too (parallel calls, each whole); anything
+        # else continues the last call (arguments in pieces).
         if call_id:
             for index, part in self._calls.items():
                 if part.id == call_id:
                     return index
             return max(self._calls, default=-1) + 1
         if self._last_index is not None:
+            last = self._calls[self._last_index]
+            if isinstance(name, str) and name and last.name and "".join(last.arguments).strip():
+                return max(self._calls) + 1
             return self._last_index
         return 0
 
     def finish(self) -> Completion:
         calls: list[ToolCall] = []
-        for n, index in enumerate(sorted(self._calls)):
+        seen: set[str] = set()
+        for index in sorted(self._calls):
             part = self._calls[index]
-            if not part.name:
-                continue
-            calls.append(
-                ToolCall(
-                    id=part.id or f"call_{n}",
-                    name=part.name,
-                    arguments="".join(part.arguments),
-                )
-            )
+            arguments = "".join(part.arguments)
+            if not part.name and not part.id and not arguments.strip():
+                continue  # an empty fragment, nothing the model asked for
+            # A call without an id (or with one used twice) gets one of
+            # ours: the tool message answering it must name it, and ids
+            # must be unique across the history.  A call without a name is
+            # kept: the loop answers it with an error the model can act on.
+            call_id = part.id if part.id and part.id not in seen else f"call_{secrets.token_hex(8)}"
+            seen.add(call_id)
+            calls.append(ToolCall(id=call_id, name=part.name, arguments=arguments))
         return Completion(self.text, calls, self.finish_reason, self.usage)
 
 
