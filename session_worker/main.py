@@ -203,6 +203,7 @@ class Worker:
                 turn=turn, reply=result.reply, record=record,
                 interrupted=result.interrupted, snapshot=snapshot,
                 stop_reason=result.stop_reason, stop_detail=result.stop_detail,
+                usage=result.usage,
             )
         )
 

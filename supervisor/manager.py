@@ -142,6 +142,7 @@ class SessionManager:
             state=state, turns=loaded.turns, seq=loaded.seq, reserved_seq=loaded.seq,
             restarts=mark.restarts, ring=self.events.new_ring(),
             last_exit=msgspec.convert(mark.last_exit, m.ExitInfo) if mark.last_exit else None,
+            usage=loaded.usage,
         )
         if loaded.open_input is not None:
             # The daemon died during this turn; what it streamed is gone.
@@ -212,7 +213,7 @@ class SessionManager:
             rss_bytes=rss, restarts=session.restarts, turns=session.turns,
             created_at=session.meta.created_at, last_exit=session.last_exit, seq=session.seq,
             parent=session.meta.parent, children=list(session.children),
-            owner_uid=session.meta.owner_uid, error=session.error,
+            owner_uid=session.meta.owner_uid, error=session.error, usage=dict(session.usage),
         )
 
     def live_workers(self) -> int:

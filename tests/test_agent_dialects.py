@@ -387,3 +387,26 @@ def test_parallel_calls_without_a_usable_index_are_all_run(fake_llm: FakeLLM, tm
     sent = fake_llm.requests[1].json["messages"]
     ids = [c["id"] for c in sent[-3]["tool_calls"]]
     assert len(set(ids)) == 2 and [m["tool_call_id"] for m in sent[-2:]] == ids
+
+
+# -- usage ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_usage_of_every_call_of_a_turn_is_summed(fake_llm: FakeLLM, tmp_path: Path, seed: int | None) -> None:
+    calls = tool_call_stream(("c1", "list_dir", {"path": "."}))
+    calls.events.append({"id": "x", "object": "chat.completion.chunk", "choices": [],
+                         "usage": {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120,
+                                   "completion_tokens_details": {"reasoning_tokens": 7}}})
+    answer = text_stream("ok")
+    answer.events.append({"choices": [], "usage": {"prompt_tokens": 150, "completion_tokens": 3}})
+    fake_llm.script(maybe_shred(calls, seed), maybe_shred(answer, seed))
+    ((outcome, _),) = turns(fake_llm, tmp_path, "look")
+    assert done(outcome).usage == {"prompt_tokens": 250, "completion_tokens": 23, "reasoning_tokens": 7}
+    assert fake_llm.requests[0].json["stream_options"] == {"include_usage": True}
+
+
+def test_no_usage_chunk_means_no_usage(fake_llm: FakeLLM, tmp_path: Path) -> None:
+    fake_llm.script(text_stream("ok"))
+    ((outcome, _),) = turns(fake_llm, tmp_path, "hi")
+    assert done(outcome).usage == {}

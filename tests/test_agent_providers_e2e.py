@@ -83,3 +83,23 @@ def test_unset_api_key_env_is_reported_at_start_up(make_daemon, llm: FakeLLM, tm
     r = subprocess.run([sys.executable, "-m", "supervisor.cli", "config", "check", str(path)],
                        capture_output=True, text=True, env=env_for_children())
     assert r.returncode == 0 and "SESSIOND_TEST_KEY, which is not set" in r.stderr
+
+
+def test_status_json_usage_sums_turns_and_survives_a_restart(make_daemon, llm: FakeLLM) -> None:
+    d = make_daemon(agent_config(llm))
+    for n in (1, 2):
+        stream = text_stream(f"answer {n}")
+        stream.events.append({"choices": [], "usage": {"prompt_tokens": 10 * n, "completion_tokens": n,
+                                                       "completion_tokens_details": {"reasoning_tokens": n}}})
+        llm.script(stream)
+    sid = d.ctl("create").stdout.strip()
+    first = d.ctl("--json", "send", sid, "one")
+    assert json.loads(first.stdout.splitlines()[-1])["usage"] == {
+        "prompt_tokens": 10, "completion_tokens": 1, "reasoning_tokens": 1}
+    assert d.ctl("send", sid, "two").returncode == 0
+    want = {"prompt_tokens": 30, "completion_tokens": 3, "reasoning_tokens": 3}
+    assert json.loads(d.ctl("--json", "status", sid).stdout)["usage"] == want
+    d.kill()
+    d.start()
+    assert json.loads(d.ctl("--json", "status", sid).stdout)["usage"] == want
+    assert json.loads(d.ctl("--json", "ls").stdout)["sessions"][0]["usage"] == want

@@ -26,7 +26,7 @@ from session_worker.agent._errors import ProviderError, ToolError
 from session_worker.agent._history import History, Journal, well_formed
 from session_worker.agent._permissions import decide
 from session_worker.agent._provider import Provider
-from session_worker.agent._stream import Completion, ToolCall, stop_reason_of
+from session_worker.agent._stream import Completion, ToolCall, stop_reason_of, usage_counts
 from session_worker.agent._tools import ToolEnv, ToolRegistry, check_arguments
 from session_worker.handler import TurnContext, TurnFailure, TurnResult
 from ipc.contract import LimitKind, StopReason
@@ -71,6 +71,8 @@ class Turn:
         # Provider retries are not waited for past the turn's timeout (the
         # daemon would kill the worker mid-wait and the error be lost).
         self._deadline = time.monotonic() + settings.agent.turn_timeout_secs
+        # Tokens of this turn's completed LLM calls (compaction included).
+        self._usage: dict[str, int] = {}
 
     def reconfigure(self, settings: SessionSettings, tools: ToolRegistry) -> None:
         """New rules and limits for the rest of this turn (the provider in
@@ -82,9 +84,9 @@ class Turn:
     async def run(self, text: str) -> TurnResult:
         self._journal.append({"role": "user", "content": text})
         try:
-            return await self._loop()
+            result = await self._loop()
         except asyncio.CancelledError:
-            return self._interrupted()
+            result = self._interrupted()
         except ProviderError as exc:
             reason = self._provider.redact(str(exc))
             self._keep_partial(_CUT_TEXT.format(reason="provider error"))
@@ -96,6 +98,8 @@ class Turn:
             # No record will be committed: leave the state as it was.
             self._journal.rollback()
             raise
+        result.usage = dict(self._usage)
+        return result
 
     # -- the loop -------------------------------------------------------------
 
@@ -176,7 +180,12 @@ class Turn:
             messages, self._tools.schemas(), self._on_text, self._on_retry, self._deadline
         )
         self._partial = None
+        self._count(completion)
         return completion
+
+    def _count(self, completion: Completion) -> None:
+        for key, value in usage_counts(completion.usage).items():
+            self._usage[key] = self._usage.get(key, 0) + value
 
     def _request_messages(self) -> list[dict[str, Any]]:
         system = system_content(self._settings.agent.system_prompt, self._history.summary)
@@ -295,6 +304,7 @@ class Turn:
                 self._on_retry,
                 self._deadline,
             )
+            self._count(completion)
             summary = completion.text.strip() or None
             if summary is None:
                 notice["error"] = "the provider returned an empty summary"

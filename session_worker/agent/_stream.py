@@ -23,7 +23,9 @@ from typing import Any
 from session_worker.agent._errors import ProviderError
 from ipc.contract import StopReason
 
-__all__ = ["Completion", "StreamAssembler", "ToolCall", "describe_error", "stop_reason_of"]
+__all__ = [
+    "Completion", "StreamAssembler", "ToolCall", "describe_error", "stop_reason_of", "usage_counts",
+]
 
 # Provider finish/stop reasons that mean the reply did not end by itself:
 # OpenAI and the servers that copy it (`length`, `content_filter`), Anthropic
@@ -183,6 +185,39 @@ class StreamAssembler:
             seen.add(call_id)
             calls.append(ToolCall(id=call_id, name=part.name, arguments=arguments))
         return Completion(self.text, calls, self.finish_reason, self.usage)
+
+
+def usage_counts(usage: dict[str, Any] | None) -> dict[str, int]:
+    """Token counts of one completion in our three names, from OpenAI's
+    `prompt_tokens`/`completion_tokens`/`completion_tokens_details.
+    reasoning_tokens` or Anthropic's `input_tokens`/`output_tokens`
+    (cache reads and writes are input too).  Keys the server did not
+    report are left out rather than guessed."""
+    if not usage:
+        return {}
+    out: dict[str, int] = {}
+
+    def count(value: Any) -> int | None:
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+    prompt = count(usage.get("prompt_tokens"))
+    if prompt is None and count(usage.get("input_tokens")) is not None:
+        prompt = sum(
+            count(usage.get(key)) or 0
+            for key in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+        )
+    completion = count(usage.get("completion_tokens"))
+    if completion is None:
+        completion = count(usage.get("output_tokens"))
+    details = usage.get("completion_tokens_details")
+    reasoning = count(details.get("reasoning_tokens")) if isinstance(details, dict) else None
+    if reasoning is None:
+        reasoning = count(usage.get("reasoning_tokens"))
+    for key, value in (("prompt_tokens", prompt), ("completion_tokens", completion),
+                       ("reasoning_tokens", reasoning)):
+        if value is not None:
+            out[key] = value
+    return out
 
 
 def describe_error(error: Any) -> str:
