@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["EXIT_BOOT_FAILED", "ExitReason", "LimitKind"]
+__all__ = ["EXIT_BOOT_FAILED", "ExitReason", "LimitKind", "StopReason", "INCOMPLETE_STOPS"]
 
 # Like gunicorn's WORKER_BOOT_ERROR: a worker that cannot boot exits with
 # this, and the daemon reads it as "do not respawn in a tight loop".
@@ -35,3 +35,22 @@ class LimitKind(enum.StrEnum):
     RESTARTS = "restarts"
     TURNS = "turns"
     TOOL_CALLS = "tool_calls"
+
+
+class StopReason(enum.StrEnum):
+    """TurnDone.stop_reason: why the model's last reply ended, when that was
+    not a normal end.  Provider-neutral: OpenAI's `finish_reason` and
+    Anthropic's `stop_reason` both map here ("" = the reply was complete)."""
+
+    COMPLETE = ""
+    # The output token limit cut the reply (OpenAI `length`, Anthropic `max_tokens`).
+    TRUNCATED = "truncated"
+    # The provider's content filter withheld or cut the reply (`content_filter`).
+    FILTERED = "filtered"
+    # The model declined to answer (Anthropic `refusal`).
+    REFUSED = "refused"
+
+
+# Stop reasons after which a client should not take the reply as an answer
+# (`sessionctl send` exits non-zero).
+INCOMPLETE_STOPS = frozenset({StopReason.TRUNCATED, StopReason.FILTERED, StopReason.REFUSED})

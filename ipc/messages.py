@@ -223,6 +223,8 @@ class SessionInfo(_Msg, tag="session"):
     owner_uid: int = 0
     # Why the session is "damaged" (its stored state failed to load); None otherwise.
     error: str | None = None
+    # Token totals of the session's committed turns (TurnDone.usage summed).
+    usage: dict[str, int] = {}
 
 
 class Created(_Msg, tag="created"):
@@ -295,6 +297,14 @@ class TurnDone(_Msg, tag="turn_done"):
     turn: int
     reply: str
     interrupted: bool = False
+    # ipc.contract.StopReason as a plain string ("" = complete), so a value
+    # added later never makes an old client fail to decode the frame.
+    stop_reason: str = ""
+    # The provider's own word for it (e.g. "length", "max_tokens").
+    stop_detail: str = ""
+    # Tokens the turn's LLM calls spent, as the provider counted them:
+    # prompt_tokens, completion_tokens, reasoning_tokens (those of them it reported).
+    usage: dict[str, int] = {}
 
 
 class TurnFailed(_Msg, tag="turn_failed"):
@@ -469,6 +479,9 @@ class Done(_Msg, tag="done"):
     record: bytes = b""  # msgpack of the handler's record for this turn
     interrupted: bool = False
     snapshot: bytes = b""  # when non-empty: the handler's whole state after this turn
+    stop_reason: str = ""  # as TurnDone.stop_reason
+    stop_detail: str = ""
+    usage: dict[str, int] = {}  # as TurnDone.usage
 
 
 class Failed(_Msg, tag="failed"):

@@ -84,7 +84,9 @@ class LoopSettings(ConfigSection):
 
 class AgentSettings(ConfigSection):
     # Handler run by new sessions: "agent", "echo" or "package.module:factory".
-    # "agent" falls back to "echo" when no provider is configured.
+    # "agent" runs "echo" when no [provider] is configured at all (said at
+    # start-up); a client naming "agent", or a provider missing base_url or
+    # model, is refused at create instead.
     handler: str = "agent"
     # Handlers a client may name at create (besides `handler` above):
     # "agent", "echo", "package.module:factory", or "package.module:*" for
@@ -120,10 +122,24 @@ class ProviderSettings(ConfigSection):
     # Longest wait between retries; a Retry-After asking for more fails the turn
     # at once instead of stalling it.
     retry_backoff_max_ms: Annotated[int, Meta(ge=1)] = 60_000
+    # Send `stream_options: {include_usage: true}` (token usage in the stream).
+    # Older Azure API versions and some proxies answer 400 to it: turn it off
+    # for them (a server that rejects it by name is also retried without it).
+    stream_usage: bool = True
 
     @property
     def configured(self) -> bool:
         return bool(self.base_url and self.model)
+
+    def missing(self) -> str | None:
+        """The key(s) an agent session lacks to reach a provider, or None."""
+        if not self.base_url and not self.model:
+            return "provider.base_url and provider.model"
+        if not self.base_url:
+            return "provider.base_url"
+        if not self.model:
+            return "provider.model"
+        return None
 
 
 class ToolsSettings(ConfigSection):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import abc
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -56,6 +56,12 @@ class TurnResult:
     reply: str
     record: Any = None
     interrupted: bool = False
+    # ipc.contract.StopReason: why the last model reply ended early ("" = it did not).
+    stop_reason: str = ""
+    # The provider's own word for it ("length", "content_filter", "max_tokens"...).
+    stop_detail: str = ""
+    # Tokens spent by the turn: prompt_tokens, completion_tokens, reasoning_tokens.
+    usage: dict[str, int] = field(default_factory=dict)
 
 
 class SpawnError(Exception):

@@ -202,6 +202,8 @@ class Worker:
             m.Done(
                 turn=turn, reply=result.reply, record=record,
                 interrupted=result.interrupted, snapshot=snapshot,
+                stop_reason=result.stop_reason, stop_detail=result.stop_detail,
+                usage=result.usage,
             )
         )
 

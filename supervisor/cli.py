@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -50,10 +51,23 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(default_toml())
             return 0
         try:
-            load_config(args.path)
+            cfg = load_config(args.path)
         except ConfigError as exc:
             print(f"sessiond: {exc}", file=sys.stderr)
             return EXIT_USAGE
+        provider = cfg.provider
+        missing = provider.missing()
+        if missing and (provider.base_url or provider.model):
+            print(f"sessiond: {args.path}: [provider] is incomplete: {missing} is not set; "
+                  "agent sessions would be refused at create", file=sys.stderr)
+            return EXIT_USAGE
+        if provider.api_key_env and not os.environ.get(provider.api_key_env):
+            print(f"sessiond: warning: {args.path}: provider.api_key_env names "
+                  f"{provider.api_key_env}, which is not set in this environment", file=sys.stderr)
+        if missing:
+            print(f"{args.path}: ok (no [provider]: new sessions run echo; "
+                  "--handler agent is refused)")
+            return 0
         print(f"{args.path}: ok")
         return 0
 

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from ipc import messages as m
+from ipc.contract import INCOMPLETE_STOPS, StopReason
 from ipc.loop import run as run_loop
 from supervisor.client import AsyncClient, DaemonUnavailable, RequestError
 from supervisor.config import ConfigError, parse_override
@@ -158,8 +159,9 @@ def _print_event(ev: Any) -> None:
     match ev:
         case m.TextDelta(text=text):
             sys.stdout.write(text)
-        case m.TurnDone(turn=turn, interrupted=interrupted):
-            print(f"\n[turn {turn} done{' (interrupted)' if interrupted else ''}]")
+        case m.TurnDone(turn=turn, interrupted=interrupted, stop_reason=stop):
+            how = " (interrupted)" if interrupted else f" ({stop})" if stop else ""
+            print(f"\n[turn {turn} done{how}]")
         case m.TurnFailed(turn=turn, reason=reason):
             print(f"\n[turn {turn} failed: {reason}]")
         case m.StateChanged(old=old, new=new, reason=reason):
@@ -280,6 +282,13 @@ async def _run(args: argparse.Namespace) -> int:
         await client.close()
 
 
+_STOP_TEXT: dict[str, str] = {
+    StopReason.TRUNCATED: "the reply was truncated: the model hit its output token limit",
+    StopReason.FILTERED: "the reply was filtered by the provider's content filter",
+    StopReason.REFUSED: "the model refused to answer",
+}
+
+
 async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> int:
     interactive = sys.stdin.isatty() and not as_json
     asks: set[asyncio.Task[None]] = set()
@@ -300,12 +309,18 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> 
                       file=sys.stderr)
             case m.LimitExceeded(kind=kind, value=value, limit=limit) if not as_json:
                 print(f"\nsessionctl: limit {kind} exceeded: {value:g} > {limit:g}", file=sys.stderr)
-            case m.TurnDone(interrupted=interrupted):
+            case m.TurnDone(interrupted=interrupted, stop_reason=stop):
                 if not as_json:
                     if not ended_with_newline:
                         sys.stdout.write("\n")
                     if interrupted:
                         print("sessionctl: the turn was interrupted", file=sys.stderr)
+                if stop in INCOMPLETE_STOPS:
+                    # Also with --json: a script must not take a cut reply
+                    # for an answer because it only checked the exit code.
+                    print(f"sessionctl: turn {ev.turn}: {_STOP_TEXT.get(stop, stop)} "
+                          f"(provider said {ev.stop_detail or stop!r})", file=sys.stderr)
+                    return EXIT_FAILED
                 return EXIT_OK
             case m.TurnFailed(reason=reason):
                 if not as_json and not ended_with_newline:

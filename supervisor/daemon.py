@@ -390,7 +390,16 @@ async def _serve(
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: _reload(manager, config_path))
 
-    if not cfg.provider.configured:
+    if cfg.provider.api_key_env and not os.environ.get(cfg.provider.api_key_env):
+        # Said now, not at the first turn of the first session.
+        log.error(
+            "provider.api_key_env names %s, which is not set in sessiond's environment: "
+            "agent turns will fail until it is (set it and restart)", cfg.provider.api_key_env,
+        )
+    if (cfg.provider.base_url or cfg.provider.model) and cfg.provider.missing():
+        log.error("[provider] is incomplete: %s is not set; agent sessions are refused",
+                  cfg.provider.missing())
+    elif not cfg.provider.configured:
         log.info(
             "no [provider] configured: sessions run the echo handler; set [provider] base_url and "
             "model in config.toml to run the LLM agent"

@@ -30,7 +30,9 @@ from supervisor.errors import Internal, NoSpace, SessiondError
 from supervisor.events import EventLog
 from supervisor.session import PendingInput, Session, WorkerProc
 from supervisor.states import State, Trigger
-from supervisor.state_store import Abort, Commit, InputRecord, Mark, Snapshot, StoreError, StoreFull
+from supervisor.state_store import (
+    Abort, Commit, InputRecord, Mark, Snapshot, StoreError, StoreFull, add_usage,
+)
 
 __all__ = ["TurnLedger", "store_failure"]
 
@@ -133,7 +135,7 @@ class TurnLedger:
         try:
             session.store.append(
                 Commit(turn=msg.turn, reply=msg.reply, record=msg.record,
-                       interrupted=msg.interrupted, seq=seq),
+                       interrupted=msg.interrupted, seq=seq, usage=msg.usage),
                 durable=True,
             )
         except StoreError as exc:
@@ -143,6 +145,7 @@ class TurnLedger:
             self.on_unsaved(session, worker, "its turn could not be saved")
             return
         self._input_durable(session)  # the commit's fsync covered the input
+        add_usage(session.usage, msg.usage)
         if msg.snapshot:
             self._snapshot(session, msg.snapshot)
         self._turn_over(session, (True, msg.reply))
@@ -150,7 +153,9 @@ class TurnLedger:
         self._events.next_seq(session)  # == seq
         self._events.emit(
             session,
-            m.TurnDone(session=session.id, seq=seq, turn=msg.turn, reply=msg.reply, interrupted=msg.interrupted),
+            m.TurnDone(session=session.id, seq=seq, turn=msg.turn, reply=msg.reply,
+                       interrupted=msg.interrupted, stop_reason=msg.stop_reason,
+                       stop_detail=msg.stop_detail, usage=msg.usage),
         )
         if session.state in (State.RUNNING, State.INTERRUPTING):
             self._events.set_state(session, Trigger.TURN_END)
@@ -161,7 +166,7 @@ class TurnLedger:
             session.store.write_snapshot(
                 Snapshot(
                     gen=0, meta=session.meta, turns=session.turns, seq=session.reserved_seq,
-                    handler_state=handler_state,
+                    handler_state=handler_state, usage=dict(session.usage),
                     mark=Mark(state=session.persisted_state, seq=session.reserved_seq,
                               restarts=session.restarts, last_exit=last),
                 )

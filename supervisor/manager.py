@@ -142,6 +142,7 @@ class SessionManager:
             state=state, turns=loaded.turns, seq=loaded.seq, reserved_seq=loaded.seq,
             restarts=mark.restarts, ring=self.events.new_ring(),
             last_exit=msgspec.convert(mark.last_exit, m.ExitInfo) if mark.last_exit else None,
+            usage=loaded.usage,
         )
         if loaded.open_input is not None:
             # The daemon died during this turn; what it streamed is gone.
@@ -212,7 +213,7 @@ class SessionManager:
             rss_bytes=rss, restarts=session.restarts, turns=session.turns,
             created_at=session.meta.created_at, last_exit=session.last_exit, seq=session.seq,
             parent=session.meta.parent, children=list(session.children),
-            owner_uid=session.meta.owner_uid, error=session.error,
+            owner_uid=session.meta.owner_uid, error=session.error, usage=dict(session.usage),
         )
 
     def live_workers(self) -> int:
@@ -268,12 +269,21 @@ class SessionManager:
                 settings = resolve_overrides(self.config.session_settings(), overrides).settings
             except OverrideError as exc:
                 raise BadRequest(str(exc)) from None
+        named = handler is not None
         if handler is None:
             handler = settings.agent.handler
         elif parent is None:
             _check_handler(handler, settings)
-        if handler == "agent" and not settings.provider.configured:
-            handler = "echo"
+        if handler == "agent" and (missing := settings.provider.missing()) is not None:
+            provider = settings.provider
+            if named or provider.base_url or provider.model:
+                # Asked for the agent, or half a provider: an echo session
+                # would look like a working agent that answers nonsense.
+                raise BadRequest(
+                    f"the agent handler needs an LLM provider: {missing} is not set "
+                    "([provider] in config.toml)"
+                )
+            handler = "echo"  # no provider at all: the offline default, said at start-up
         # Order the worker first: the zygote forks (or hands over a spare)
         # while this process fsyncs the new session to disk.
         pending = self.spawner.request() if self._has_room() else None

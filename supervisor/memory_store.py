@@ -127,7 +127,8 @@ class InMemoryStateStore:
                         session_id, scan.size - torn, torn)
             del stored.log[torn:]
             stored.synced = min(stored.synced, torn)
-        loaded = (LoadedSession(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark)
+        loaded = (LoadedSession(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark,
+                                   usage=dict(snap.usage))
                   if snap is not None else None)
         for _, _, rec in scan.records:
             if loaded is None and isinstance(rec, Meta):

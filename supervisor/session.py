@@ -9,7 +9,10 @@ each own some of its fields, and only they write them:
                                   state_waiters
     TurnLedger     (ledger.py)    turns, current_turn, current_input,
                                   pending_input, pending_asks, turn_results,
-                                  turn_started, last_turn_secs, last_active
+                                  turn_started, last_turn_secs, last_active,
+                                  usage (token totals of committed turns:
+                                  prompt_tokens, completion_tokens,
+                                  reasoning_tokens; restored from the log)
     WorkerOwner    (workers.py)   worker, last_exit, restarts, policy,
                                   restart_handle, pings
     Sweeper        (sweep.py)     memory, turn_timer, kill_timer
@@ -125,6 +128,7 @@ class Session:
     error: str | None = None
     # DAMAGED with no readable metadata: meta is a stand-in.
     meta_lost: bool = False
+    usage: dict[str, int] = field(default_factory=dict)
 
     @property
     def persisted_state(self) -> str:

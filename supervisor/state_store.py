@@ -101,6 +101,8 @@ class Commit(_Rec, tag="commit"):
     record: bytes = b""
     interrupted: bool = False
     seq: int = 0
+    # Tokens this turn spent (see SessionInfo.usage); summed at load.
+    usage: dict[str, int] = {}
 
 
 class Abort(_Rec, tag="abort"):
@@ -132,6 +134,8 @@ class Snapshot(msgspec.Struct, kw_only=True):
     seq: int
     handler_state: bytes = b""
     mark: Mark = msgspec.field(default_factory=Mark)
+    # Token totals of the turns it replaces (their Commits are gone).
+    usage: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -142,6 +146,7 @@ class LoadedSession:
     mark: Mark = field(default_factory=Mark)
     # The last input had no commit/abort: its worker (or the daemon) died.
     open_input: InputRecord | None = None
+    usage: dict[str, int] = field(default_factory=dict)
 
     def apply(self, rec: Record) -> None:
         """Fold one record in (the same for every store)."""
@@ -154,11 +159,18 @@ class LoadedSession:
                 self.open_input = rec
             case Commit() | Abort():
                 self.seq = max(self.seq, rec.seq)
+                if isinstance(rec, Commit):
+                    add_usage(self.usage, rec.usage)
                 if self.open_input is not None and self.open_input.turn == rec.turn:
                     self.open_input = None
             case Mark():
                 self.seq = max(self.seq, rec.seq)
                 self.mark = rec
+
+
+def add_usage(total: dict[str, int], more: dict[str, int]) -> None:
+    for key, value in more.items():
+        total[key] = total.get(key, 0) + value
 
 
 def boot_state(snapshot: Snapshot | None, records: list[Record]) -> tuple[bytes, list[bytes], int]:

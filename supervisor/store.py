@@ -444,7 +444,8 @@ class SessionStore:
         snap = plan.snap
         loaded: LoadedSession | None = None
         if snap is not None:
-            loaded = LoadedSession(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark)
+            loaded = LoadedSession(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark,
+                                   usage=dict(snap.usage))
         for g in plan.gens:
             scan = plan.scans[g]
             torn = scan.torn_at

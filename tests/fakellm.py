@@ -24,6 +24,12 @@ split mid-line); `Delay(secs)` pauses; `Hang()` waits until the client
 disconnects or the server stops (then `RecordedRequest.client_gone` is set
 if it was the client).  Each item goes out as its own HTTP chunk.
 
+`llm.check = fn` makes the server strict the way some real ones are: `fn`
+gets each request's JSON and returns None, or the message of a 400 answer
+given instead of the next scripted response (which stays queued).
+`shredded(stream, seed)` re-cuts a stream's bytes into random small pieces,
+each its own HTTP chunk, as a slow or fragmenting network would deliver them.
+
 With no scripted response left the server answers 400 with the message
 "fakellm: no scripted response left", so a test that makes one call too many
 fails with a readable reason instead of hanging.
@@ -37,7 +43,8 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+import random
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -53,6 +60,7 @@ __all__ = [
     "Stream",
     "chunk",
     "fake_llm",
+    "shredded",
     "text_stream",
     "tool_call_stream",
 ]
@@ -166,6 +174,23 @@ def tool_call_stream(
     return Stream(events)
 
 
+def shredded(stream: Stream, seed: int, max_piece: int = 7) -> Stream:
+    """The same bytes as `stream` (its [DONE] included), cut at random
+    places into pieces of 1..max_piece bytes, so that events, lines, JSON
+    and UTF-8 sequences are all split somewhere."""
+    data = b"".join(_encode(item) for item in stream.events if not isinstance(item, (Delay, Hang)))
+    if stream.done and not stream.cut:
+        data += b"data: [DONE]\n\n"
+    rng = random.Random(seed)
+    pieces: list[StreamItem] = []
+    at = 0
+    while at < len(data):
+        n = rng.randint(1, max_piece)
+        pieces.append(data[at : at + n])
+        at += n
+    return Stream(pieces, done=False, cut=stream.cut, headers=stream.headers)
+
+
 class FakeLLM:
     """The server.  `start()`/`stop()` or use it as a context manager."""
 
@@ -177,6 +202,7 @@ class FakeLLM:
         self._stopping = threading.Event()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self.check: Callable[[Any], str | None] | None = None
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -257,6 +283,9 @@ class FakeLLM:
     def _take(self, request: RecordedRequest) -> Response | None:
         with self._lock:
             self._requests.append(request)
+            problem = self.check(request.json) if self.check is not None else None
+            if problem is not None:
+                return Reply(400, {"error": {"message": problem, "type": "invalid_request_error"}})
             return self._script.popleft() if self._script else None
 
 
@@ -281,7 +310,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
-        if self.path.rstrip("/") != "/v1/chat/completions":
+        # /v1/messages: Anthropic's Messages API, scripted the same way.
+        if self.path.rstrip("/") not in ("/v1/chat/completions", "/v1/messages"):
             self._reply(Reply(404, {"error": {"message": f"no route {self.path}"}}))
             return
         try:

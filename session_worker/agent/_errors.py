@@ -38,9 +38,12 @@ class ProviderError(AgentError):
 
 
 class ProviderHTTPError(ProviderError):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"provider answered HTTP {status}: {message}")
+    def __init__(self, status: int, message: str, hint: str = "") -> None:
+        text = f"provider answered HTTP {status}: {message}"
+        super().__init__(f"{text} ({hint})" if hint else text)
         self.status = status
+        # The server's own words, without our hint (to look for a parameter name).
+        self.detail = message
 
 
 class ProviderStreamError(ProviderError):

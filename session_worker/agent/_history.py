@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["History", "Journal", "RECORD_VERSION"]
+__all__ = ["History", "Journal", "RECORD_VERSION", "well_formed"]
 
 RECORD_VERSION = 1
 
@@ -91,3 +91,25 @@ class Journal:
         self._history.messages = self._saved_messages
         self._history.summary = self._saved_summary
         self.ops = []
+
+
+def well_formed(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` as every provider accepts them: consecutive user messages
+    merged into one.  A history written before failed turns were closed
+    with an assistant note (see `Turn._close_failed_turn`) can hold them,
+    and strict chat templates reject a user message after a user message.
+    Pure; the stored history is left as it is."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        previous = out[-1] if out else None
+        if (
+            previous is not None
+            and message.get("role") == "user"
+            and previous.get("role") == "user"
+            and isinstance(message.get("content"), str)
+            and isinstance(previous.get("content"), str)
+        ):
+            out[-1] = {**previous, "content": f"{previous['content']}\n\n{message['content']}"}
+        else:
+            out.append(message)
+    return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +23,21 @@ from session_worker.agent._compaction import (
     system_content,
 )
 from session_worker.agent._errors import ProviderError, ToolError
-from session_worker.agent._history import History, Journal
+from session_worker.agent._history import History, Journal, well_formed
 from session_worker.agent._permissions import decide
 from session_worker.agent._provider import Provider
-from session_worker.agent._stream import Completion, ToolCall
+from session_worker.agent._stream import Completion, ToolCall, stop_reason_of, usage_counts
 from session_worker.agent._tools import ToolEnv, ToolRegistry, check_arguments
 from session_worker.handler import TurnContext, TurnFailure, TurnResult
-from ipc.contract import LimitKind
+from ipc.contract import LimitKind, StopReason
 from ipc.settings import SessionSettings
 
 __all__ = ["Turn"]
 
 _INTERRUPTED_TEXT = "\n\n[interrupted by the user]"
 _INTERRUPTED_RESULT = "error: interrupted by the user before this tool call finished; it may have partly run."
+_NO_NAME = "missing_tool_name"
+_FAILED_TEXT = "[no reply: this request failed ({reason})]"
 _CUT_TEXT = "\n\n[the response was cut off: {reason}]"
 # How much of a tool's output goes into the `tool_result` notice; the whole
 # output is in the history.
@@ -65,6 +68,11 @@ class Turn:
         self._separate = False
         # Calls of the last journaled assistant message still without a result.
         self._unanswered: list[ToolCall] = []
+        # Provider retries are not waited for past the turn's timeout (the
+        # daemon would kill the worker mid-wait and the error be lost).
+        self._deadline = time.monotonic() + settings.agent.turn_timeout_secs
+        # Tokens of this turn's completed LLM calls (compaction included).
+        self._usage: dict[str, int] = {}
 
     def reconfigure(self, settings: SessionSettings, tools: ToolRegistry) -> None:
         """New rules and limits for the rest of this turn (the provider in
@@ -76,12 +84,13 @@ class Turn:
     async def run(self, text: str) -> TurnResult:
         self._journal.append({"role": "user", "content": text})
         try:
-            return await self._loop()
+            result = await self._loop()
         except asyncio.CancelledError:
-            return self._interrupted()
+            result = self._interrupted()
         except ProviderError as exc:
             reason = self._provider.redact(str(exc))
             self._keep_partial(_CUT_TEXT.format(reason="provider error"))
+            self._close_failed_turn(reason)
             raise TurnFailure(
                 f"LLM provider error: {reason}", record=self._journal.record(failed=True)
             ) from exc
@@ -89,6 +98,8 @@ class Turn:
             # No record will be committed: leave the state as it was.
             self._journal.rollback()
             raise
+        result.usage = dict(self._usage)
+        return result
 
     # -- the loop -------------------------------------------------------------
 
@@ -98,6 +109,9 @@ class Turn:
             n += 1
             await self._maybe_compact()
             completion = await self._complete()
+            stop = stop_reason_of(completion.finish_reason)
+            if stop is not StopReason.COMPLETE:
+                return self._stop_early(completion, stop)
             calls = completion.tool_calls
             self._journal.append(_assistant_message(completion))
             self._unanswered = list(calls)
@@ -107,6 +121,37 @@ class Turn:
             if n >= self._settings.agent.max_turns:
                 return self._stop_at_turn_limit(n, calls)
             await self._run_calls(calls)
+
+    def _stop_early(self, completion: Completion, stop: StopReason) -> TurnResult:
+        """The reply was truncated, filtered or refused: the turn ends here,
+        and no tool call of it runs (a truncated call's arguments may be cut
+        mid-JSON, and a filtered reply is not the model's whole intent)."""
+        detail = completion.finish_reason or ""
+        message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+        if completion.tool_calls:
+            names = ", ".join(c.name or "?" for c in completion.tool_calls)
+            self._ctx.notice(
+                "tool_calls_not_run",
+                {
+                    "reason": str(stop),
+                    "finish_reason": detail,
+                    "calls": [{"id": c.id, "name": c.name} for c in completion.tool_calls],
+                },
+            )
+            # Told to the model too, so that the next input does not find
+            # it believing those calls ran.
+            message["content"] = (
+                completion.text
+                + f"\n\n[tool call(s) {names} not run: the reply ended with "
+                f"finish_reason {detail!r} before they were complete]"
+            ).lstrip()
+        self._journal.append(message)
+        return TurnResult(
+            "".join(self._reply),
+            self._journal.record(stop=str(stop)),
+            stop_reason=str(stop),
+            stop_detail=detail,
+        )
 
     def _stop_at_turn_limit(self, n: int, calls: list[ToolCall]) -> TurnResult:
         limit = self._settings.agent.max_turns
@@ -132,14 +177,19 @@ class Turn:
         self._partial = []
         messages = self._request_messages()
         completion = await self._provider.stream_chat(
-            messages, self._tools.schemas(), self._on_text, self._on_retry
+            messages, self._tools.schemas(), self._on_text, self._on_retry, self._deadline
         )
         self._partial = None
+        self._count(completion)
         return completion
+
+    def _count(self, completion: Completion) -> None:
+        for key, value in usage_counts(completion.usage).items():
+            self._usage[key] = self._usage.get(key, 0) + value
 
     def _request_messages(self) -> list[dict[str, Any]]:
         system = system_content(self._settings.agent.system_prompt, self._history.summary)
-        return [{"role": "system", "content": system}, *self._history.messages]
+        return [{"role": "system", "content": system}, *well_formed(self._history.messages)]
 
     def _on_text(self, text: str) -> None:
         if self._separate:
@@ -184,6 +234,12 @@ class Turn:
                 "arguments": parsed if isinstance(parsed, dict) else call.arguments,
             },
         )
+        if not call.name:
+            available = ", ".join(self._tools.names()) or "none"
+            return False, (
+                "error: this tool call has no function name, so nothing was run; "
+                f"call again with one of: {available}"
+            )
         tool = self._tools.get(call.name)
         if tool is None:
             available = ", ".join(self._tools.names()) or "none"
@@ -246,7 +302,9 @@ class Turn:
                 None,
                 _ignore_text,
                 self._on_retry,
+                self._deadline,
             )
+            self._count(completion)
             summary = completion.text.strip() or None
             if summary is None:
                 notice["error"] = "the provider returned an empty summary"
@@ -265,6 +323,16 @@ class Turn:
         if self._partial:
             self._journal.append({"role": "assistant", "content": "".join(self._partial) + marker})
         self._partial = None
+
+    def _close_failed_turn(self, reason: str) -> None:
+        """Keep the input of a failed turn (the model should know it was
+        asked), but never end the history on it: the next input would make
+        two user messages in a row, which strict chat templates (Mistral,
+        Llama, Gemma...) answer with a 400.  An assistant note closes it."""
+        if self._history.messages and self._history.messages[-1].get("role") != "assistant":
+            self._journal.append(
+                {"role": "assistant", "content": _FAILED_TEXT.format(reason=reason[:500])}
+            )
 
     def _interrupted(self) -> TurnResult:
         self._keep_partial(_INTERRUPTED_TEXT)
@@ -304,7 +372,9 @@ def _assistant_message(completion: Completion) -> dict[str, Any]:
             {
                 "id": call.id,
                 "type": "function",
-                "function": {"name": call.name, "arguments": arguments},
+                # A nameless call goes back under a placeholder: servers
+                # refuse an empty function name in the history.
+                "function": {"name": call.name or _NO_NAME, "arguments": arguments},
             }
         )
     return {"role": "assistant", "content": completion.text or None, "tool_calls": calls}

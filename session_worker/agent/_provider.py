@@ -6,6 +6,11 @@ connections are reused across the LLM calls of a session.
 Retries: a 429 or 5xx answer, or a failure to connect (nothing was sent, so
 nothing was streamed to the user yet), is retried up to `max_retries` times,
 waiting `Retry-After` when the server gives one, else an exponential backoff.
+Optional parameters (`stream_options`): a 400/422 whose error names one
+of them is retried once at once without it, and the parameter is left out
+for the rest of this client's life (the session's, or until the provider
+settings change), logged once.
+
 Once a 200 stream has started, no retry: text already went to the clients,
 and replaying would duplicate it; a broken stream is a `ProviderStreamError`.
 
@@ -32,6 +37,7 @@ import contextlib
 import email.utils
 import importlib
 import json
+import logging
 import math
 import os
 import ssl
@@ -50,13 +56,20 @@ from session_worker.agent._errors import (
     ProviderStreamError,
 )
 from session_worker.agent._sse import SSEParser
-from session_worker.agent._stream import Completion, StreamAssembler
+from session_worker.agent._stream import Completion, StreamAssembler, describe_error
 from ipc.settings import ProviderSettings
 
 __all__ = ["Provider", "redact"]
 
 OnText = Callable[[str], None]
 OnRetry = Callable[[dict[str, Any]], None]
+
+log = logging.getLogger("sessiond.worker.agent")
+
+# Parameters a request can do without, so that a server rejecting one by
+# name is retried without it.  `stream_options`: OpenAI's, unknown to older
+# Azure API versions and to some proxies.
+_OPTIONAL_PARAMETERS = ("stream_options",)
 
 _RETRY_STATUSES = frozenset({429}) | frozenset(range(500, 600))
 _REDACTED = "[redacted]"
@@ -117,6 +130,8 @@ class Provider:
             headers=headers, timeout=timeout, trust_env=False, verify=verify
         )
         self._url = f"{base}/chat/completions"
+        # Optional parameters this server rejected (see the module docstring).
+        self._dropped: set[str] = set()
 
     def redact(self, text: str) -> str:
         return redact(text, self._key)
@@ -130,16 +145,22 @@ class Provider:
         tools: list[dict[str, Any]] | None,
         on_text: OnText,
         on_retry: OnRetry | None = None,
+        deadline: float | None = None,
     ) -> Completion:
-        """One completion; `on_text` gets each text delta as it arrives."""
+        """One completion; `on_text` gets each text delta as it arrives.
+
+        `deadline` (time.monotonic()) is when the turn times out: a retry
+        that would start after it is not waited for; the turn fails now,
+        with the provider's error, instead of being killed mid-wait."""
         if self._key_problem is not None:
             raise ProviderError(self._key_problem)
         body: dict[str, Any] = {
             "model": self._settings.model,
             "messages": messages,
             "stream": True,
-            "stream_options": {"include_usage": True},
         }
+        if self._settings.stream_usage and "stream_options" not in self._dropped:
+            body["stream_options"] = {"include_usage": True}
         if tools:
             body["tools"] = tools
         attempt = 0
@@ -148,6 +169,16 @@ class Provider:
             if isinstance(failure, Completion):
                 return failure
             error, retry_after = failure
+            rejected = _rejected_parameter(error, body)
+            if rejected is not None:
+                self._dropped.add(rejected)
+                del body[rejected]
+                log.warning("provider at %s rejects %r: sent without it from now on (%s)",
+                            self._url, rejected, error)
+                if on_retry is not None:
+                    on_retry({"attempt": attempt + 1, "delay_secs": 0.0, "error": str(error),
+                              "dropped_parameter": rejected})
+                continue
             if retry_after is None or attempt >= self._settings.max_retries:
                 if attempt and retry_after is not None:
                     raise ProviderError(f"{error} (gave up after {attempt + 1} attempts)")
@@ -157,6 +188,11 @@ class Provider:
                 raise ProviderError(
                     f"{error}; the provider asked to retry after {retry_after:g} s, more "
                     f"than provider.retry_backoff_max_ms"
+                )
+            if deadline is not None and time.monotonic() + delay >= deadline:
+                raise ProviderError(
+                    f"{error}; not retried: waiting {delay:g} s would pass the turn's "
+                    "timeout (agent.turn_timeout_secs)"
                 )
             attempt += 1
             if on_retry is not None:
@@ -183,10 +219,14 @@ class Provider:
             async with self._client.stream("POST", self._url, json=body) as response:
                 if response.status_code != 200:
                     raw = await response.aread()
+                    status = response.status_code
                     message = self.redact(_error_message(raw))
-                    error = ProviderHTTPError(response.status_code, message)
-                    if response.status_code in _RETRY_STATUSES:
-                        return error, _retry_after(response.headers.get("retry-after"))
+                    error = ProviderHTTPError(status, message, _hint(status, self._settings, self._url))
+                    if status in _RETRY_STATUSES:
+                        return error, _retry_after(
+                            response.headers.get("retry-after"),
+                            response.headers.get("retry-after-ms"),
+                        )
                     return error, None
                 return await self._read(response, on_text)
         except httpx.ConnectError as exc:
@@ -351,27 +391,75 @@ def _json(raw: str | bytes, redact_fn: Callable[[str], str]) -> Any:
 
 
 def _error_message(raw: bytes) -> str:
-    """The provider's own words: OpenAI/vLLM/llama.cpp `{"error": {"message"}}`,
-    Ollama `{"error": "..."}`, FastAPI `{"detail": ...}`, else the body."""
+    """The provider's own words, in full: OpenAI/vLLM/llama.cpp/OpenRouter
+    `{"error": {"message", "code", "metadata"...}}`, Ollama `{"error": "..."}`,
+    FastAPI `{"detail": ...}`, else the body."""
     try:
         body = json.loads(raw)
     except ValueError:
         body = None
     if isinstance(body, dict):
         error = body.get("error", body.get("detail"))
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return str(error["message"])
+        if isinstance(error, dict):
+            return describe_error(error)
         if isinstance(error, str):
             return error
         if isinstance(body.get("message"), str):
-            return str(body["message"])
+            return describe_error(body)
     text = raw.decode("utf-8", "replace").strip()
-    return text[:500] if text else "(empty body)"
+    return text[:2000] if text else "(empty body)"
 
 
-def _retry_after(value: str | None) -> float:
-    """Seconds to wait from a Retry-After header (delta-seconds or HTTP date);
-    0 when absent or unreadable, meaning "use our own backoff"."""
+def _rejected_parameter(error: ProviderError, body: dict[str, Any]) -> str | None:
+    """The optional parameter of `body` that a 400/422 answer names, if any
+    (e.g. Azure: "Unrecognized request argument supplied: stream_options")."""
+    if not isinstance(error, ProviderHTTPError) or error.status not in (400, 422):
+        return None
+    detail = error.detail.lower()
+    for name in _OPTIONAL_PARAMETERS:
+        if name in body and (name in detail or (name == "stream_options" and "include_usage" in detail)):
+            return name
+    return None
+
+
+def _hint(status: int, settings: ProviderSettings, url: str) -> str:
+    """The likely cause of an answer that retrying will not change."""
+    if status == 401:
+        where = (
+            f"the key in ${settings.api_key_env} (provider.api_key_env)"
+            if settings.api_key_env
+            else "no key was sent: set provider.api_key_env"
+        )
+        return f"the provider refused the API key; check {where}"
+    if status == 403:
+        return (
+            f"the API key has no access to model {settings.model!r} or to this endpoint "
+            "(permissions, region or billing)"
+        )
+    if status == 404:
+        return (
+            f"unknown model {settings.model!r} (provider.model) or wrong endpoint "
+            f"POST {url} (provider.base_url)"
+        )
+    if status in (400, 422):
+        return (
+            "the server refused the request: likely a parameter or message field it "
+            "does not support, or a model that does not take tools"
+        )
+    return ""
+
+
+def _retry_after(value: str | None, value_ms: str | None = None) -> float:
+    """Seconds to wait from `retry-after-ms` (OpenAI, Azure: milliseconds,
+    more precise, so preferred) or `Retry-After` (delta-seconds or HTTP
+    date); 0 when absent or unreadable, meaning "use our own backoff"."""
+    if value_ms:
+        try:
+            ms = float(value_ms)
+        except ValueError:
+            ms = math.nan
+        if math.isfinite(ms) and ms > 0:
+            return ms / 1000
     if not value:
         return 0.0
     try:

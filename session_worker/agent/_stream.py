@@ -16,12 +16,38 @@ here rather than spread over the provider:
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from session_worker.agent._errors import ProviderError
+from ipc.contract import StopReason
 
-__all__ = ["Completion", "StreamAssembler", "ToolCall"]
+__all__ = [
+    "Completion", "StreamAssembler", "ToolCall", "describe_error", "stop_reason_of", "usage_counts",
+]
+
+# Provider finish/stop reasons that mean the reply did not end by itself:
+# OpenAI and the servers that copy it (`length`, `content_filter`), Anthropic
+# (`max_tokens`, `refusal`, `model_context_window_exceeded`), Gemini's
+# OpenAI endpoint (`SAFETY`, `RECITATION`, lowered here).
+_STOPS = {
+    "length": StopReason.TRUNCATED,
+    "max_tokens": StopReason.TRUNCATED,
+    "model_context_window_exceeded": StopReason.TRUNCATED,
+    "content_filter": StopReason.FILTERED,
+    "safety": StopReason.FILTERED,
+    "recitation": StopReason.FILTERED,
+    "refusal": StopReason.REFUSED,
+}
+
+
+def stop_reason_of(finish_reason: str | None) -> StopReason:
+    """The provider-neutral reason for a finish reason (COMPLETE for `stop`,
+    `tool_calls`, `end_turn`, unknown values and none at all)."""
+    if not finish_reason:
+        return StopReason.COMPLETE
+    return _STOPS.get(finish_reason.lower(), StopReason.COMPLETE)
 
 
 @dataclass(slots=True)
@@ -52,6 +78,9 @@ class StreamAssembler:
         self._text: list[str] = []
         self._calls: dict[int, _PartialCall] = {}
         self._last_index: int | None = None
+        # Server index -> our index, for a server reusing one index for
+        # several calls.
+        self._remap: dict[int, int] = {}
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
 
@@ -64,7 +93,7 @@ class StreamAssembler:
         if not isinstance(chunk, dict):
             raise ProviderError("provider sent a stream chunk that is not a JSON object")
         if chunk.get("error") is not None:
-            raise ProviderError(f"provider reported an error mid-stream: {_error_text(chunk['error'])}")
+            raise ProviderError(f"provider reported an error mid-stream: {describe_error(chunk['error'])}")
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
@@ -92,17 +121,27 @@ class StreamAssembler:
 
     def _feed_tool_call(self, raw: dict[str, Any]) -> None:
         call_id = raw.get("id") if isinstance(raw.get("id"), str) else ""
+        function = raw.get("function") or {}
+        name = function.get("name") if isinstance(function, dict) else None
         index = raw.get("index")
         if not isinstance(index, int):
-            index = self._index_without_position(call_id or "")
+            index = self._index_without_position(call_id or "", name)
+        else:
+            last = self._calls.get(index)
+            if last is not None and call_id and last.id and call_id != last.id:
+                # Several calls under one index (every call `index: 0`, as
+                # some OpenAI-compatible servers send them): a new id is a
+                # new call, never arguments glued onto the last one.
+                index = max(self._calls) + 1
+                self._remap[raw["index"]] = index
+            else:
+                index = self._remap.get(index, index)
         part = self._calls.setdefault(index, _PartialCall())
         self._last_index = index
         if call_id and not part.id:
             part.id = call_id
-        function = raw.get("function") or {}
         if not isinstance(function, dict):
             return
-        name = function.get("name")
         # Names arrive whole in the first delta; a server repeating the
         # name in later deltas must not double it.
         if isinstance(name, str) and name and name != part.name:
@@ -113,38 +152,101 @@ class StreamAssembler:
         elif isinstance(arguments, dict):
             part.arguments.append(json.dumps(arguments, ensure_ascii=False))
 
-    def _index_without_position(self, call_id: str) -> int:
-        # Old Ollama omits `index`: a new id starts a new call, no id
-        # continues the last one.
+    def _index_without_position(self, call_id: str, name: Any) -> int:
+        # Old Ollama and Mistral omit `index`: a new id starts a new call;
+        # without an id, a name after a call that already has its name and
+        # arguments starts one too (parallel calls, each whole); anything
+        # else continues the last call (arguments in pieces).
         if call_id:
             for index, part in self._calls.items():
                 if part.id == call_id:
                     return index
             return max(self._calls, default=-1) + 1
         if self._last_index is not None:
+            last = self._calls[self._last_index]
+            if isinstance(name, str) and name and last.name and "".join(last.arguments).strip():
+                return max(self._calls) + 1
             return self._last_index
         return 0
 
     def finish(self) -> Completion:
         calls: list[ToolCall] = []
-        for n, index in enumerate(sorted(self._calls)):
+        seen: set[str] = set()
+        for index in sorted(self._calls):
             part = self._calls[index]
-            if not part.name:
-                continue
-            calls.append(
-                ToolCall(
-                    id=part.id or f"call_{n}",
-                    name=part.name,
-                    arguments="".join(part.arguments),
-                )
-            )
+            arguments = "".join(part.arguments)
+            if not part.name and not part.id and not arguments.strip():
+                continue  # an empty fragment, nothing the model asked for
+            # A call without an id (or with one used twice) gets one of
+            # ours: the tool message answering it must name it, and ids
+            # must be unique across the history.  A call without a name is
+            # kept: the loop answers it with an error the model can act on.
+            call_id = part.id if part.id and part.id not in seen else f"call_{secrets.token_hex(8)}"
+            seen.add(call_id)
+            calls.append(ToolCall(id=call_id, name=part.name, arguments=arguments))
         return Completion(self.text, calls, self.finish_reason, self.usage)
 
 
-def _error_text(error: Any) -> str:
-    if isinstance(error, dict):
-        message = error.get("message")
-        if isinstance(message, str):
-            return message
-        return json.dumps(error)[:500]
-    return str(error)[:500]
+def usage_counts(usage: dict[str, Any] | None) -> dict[str, int]:
+    """Token counts of one completion in our three names, from OpenAI's
+    `prompt_tokens`/`completion_tokens`/`completion_tokens_details.
+    reasoning_tokens` or Anthropic's `input_tokens`/`output_tokens`
+    (cache reads and writes are input too).  Keys the server did not
+    report are left out rather than guessed."""
+    if not usage:
+        return {}
+    out: dict[str, int] = {}
+
+    def count(value: Any) -> int | None:
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+    prompt = count(usage.get("prompt_tokens"))
+    if prompt is None and count(usage.get("input_tokens")) is not None:
+        prompt = sum(
+            count(usage.get(key)) or 0
+            for key in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+        )
+    completion = count(usage.get("completion_tokens"))
+    if completion is None:
+        completion = count(usage.get("output_tokens"))
+    details = usage.get("completion_tokens_details")
+    reasoning = count(details.get("reasoning_tokens")) if isinstance(details, dict) else None
+    if reasoning is None:
+        reasoning = count(usage.get("reasoning_tokens"))
+    for key, value in (("prompt_tokens", prompt), ("completion_tokens", completion),
+                       ("reasoning_tokens", reasoning)):
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def describe_error(error: Any) -> str:
+    """A provider's error object in full, as one line: the message, then
+    what else the provider said that helps (OpenAI's `code`, `type` and
+    `param`, OpenRouter's `metadata.raw` from the upstream provider and its
+    `provider_name`).  Capped, since an upstream body can be a whole page."""
+    if not isinstance(error, dict):
+        return str(error)[:_ERROR_CHARS]
+    message = error.get("message")
+    parts = [message if isinstance(message, str) and message else json.dumps(error)[:_ERROR_CHARS]]
+    extra = [
+        f"{key}={error[key]}"
+        for key in ("code", "type", "param")
+        if isinstance(error.get(key), (str, int)) and error.get(key) not in ("", None)
+    ]
+    if extra:
+        parts.append(f"({', '.join(extra)})")
+    metadata = error.get("metadata")
+    if isinstance(metadata, dict):
+        upstream = metadata.get("provider_name")
+        raw = metadata.get("raw")
+        if raw is not None:
+            raw_text = raw if isinstance(raw, str) else json.dumps(raw)
+            who = f"upstream {upstream}" if isinstance(upstream, str) else "upstream"
+            parts.append(f"[{who} said: {raw_text}]")
+        elif isinstance(upstream, str):
+            parts.append(f"[upstream {upstream}]")
+    return " ".join(parts)[:_ERROR_CHARS]
+
+
+_ERROR_CHARS = 2000

@@ -1,0 +1,105 @@
+"""Provider behaviours through the real daemon and sessionctl: what a
+client sees when a reply is truncated or filtered, `status --json` usage,
+and refusing an agent session that has no provider."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fakellm import FakeLLM, text_stream
+from harness import env_for_children, wait_for
+from test_agent_e2e import agent_config
+
+pytestmark = pytest.mark.process
+
+
+@pytest.fixture
+def llm():
+    with FakeLLM() as server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def _key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SESSIOND_TEST_KEY", "sk-test-secret-123")
+
+
+def test_truncated_and_filtered_replies_fail_sessionctl_send(make_daemon, llm: FakeLLM) -> None:
+    d = make_daemon(agent_config(llm))
+    llm.script(
+        text_stream("Once upon", finish_reason="length"),
+        text_stream("[withheld]", finish_reason="content_filter"),
+        text_stream("fine"),
+    )
+    sid = d.ctl("create").stdout.strip()
+    cut = d.ctl("send", sid, "tell a story")
+    assert cut.returncode == 1 and cut.stdout == "Once upon\n"
+    assert "truncated" in cut.stderr and "'length'" in cut.stderr
+    filtered = d.ctl("--json", "send", sid, "again")
+    assert filtered.returncode == 1 and "filtered" in filtered.stderr
+    last = json.loads(filtered.stdout.splitlines()[-1])
+    assert last["type"] == "turn_done" and last["stop_reason"] == "filtered"
+    assert last["stop_detail"] == "content_filter"
+    ok = d.ctl("send", sid, "third")
+    assert ok.returncode == 0 and ok.stdout == "fine\n" and ok.stderr == ""
+
+
+def test_agent_without_a_provider_is_refused_at_create(make_daemon) -> None:
+    d = make_daemon('[agent]\nhandler = "agent"\n')
+    named = d.ctl("create", "--handler", "agent")
+    assert named.returncode == 1
+    assert "provider.base_url and provider.model is not set" in named.stderr
+    # Not named: the offline default, as the start-up log says.
+    with d.client() as c:
+        assert c.create().handler == "echo"
+    assert "no [provider] configured" in d.log
+
+
+def test_half_a_provider_is_refused_at_create_and_at_config_check(make_daemon, tmp_path) -> None:
+    config = '[agent]\nhandler = "agent"\n[provider]\nbase_url = "http://127.0.0.1:9/v1"\n'
+    d = make_daemon(config)
+    for args in (("create",), ("create", "--handler", "agent")):
+        r = d.ctl(*args)
+        assert r.returncode == 1 and "provider.model is not set" in r.stderr, r
+    assert "[provider] is incomplete: provider.model" in d.log
+    path = tmp_path / "half.toml"
+    path.write_text(config)
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "config", "check", str(path)],
+                       capture_output=True, text=True, env=env_for_children())
+    assert r.returncode == 2 and "provider.model is not set" in r.stderr
+
+
+def test_unset_api_key_env_is_reported_at_start_up(make_daemon, llm: FakeLLM, tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("SESSIOND_TEST_KEY")
+    d = make_daemon(agent_config(llm))
+    assert wait_for(lambda: "SESSIOND_TEST_KEY, which is not set" in d.log, what="the start-up error")
+    assert llm.requests == []
+    path = tmp_path / "c.toml"
+    path.write_text(agent_config(llm))
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "config", "check", str(path)],
+                       capture_output=True, text=True, env=env_for_children())
+    assert r.returncode == 0 and "SESSIOND_TEST_KEY, which is not set" in r.stderr
+
+
+def test_status_json_usage_sums_turns_and_survives_a_restart(make_daemon, llm: FakeLLM) -> None:
+    d = make_daemon(agent_config(llm))
+    for n in (1, 2):
+        stream = text_stream(f"answer {n}")
+        stream.events.append({"choices": [], "usage": {"prompt_tokens": 10 * n, "completion_tokens": n,
+                                                       "completion_tokens_details": {"reasoning_tokens": n}}})
+        llm.script(stream)
+    sid = d.ctl("create").stdout.strip()
+    first = d.ctl("--json", "send", sid, "one")
+    assert json.loads(first.stdout.splitlines()[-1])["usage"] == {
+        "prompt_tokens": 10, "completion_tokens": 1, "reasoning_tokens": 1}
+    assert d.ctl("send", sid, "two").returncode == 0
+    want = {"prompt_tokens": 30, "completion_tokens": 3, "reasoning_tokens": 3}
+    assert json.loads(d.ctl("--json", "status", sid).stdout)["usage"] == want
+    d.kill()
+    d.start()
+    assert json.loads(d.ctl("--json", "status", sid).stdout)["usage"] == want
+    assert json.loads(d.ctl("--json", "ls").stdout)["sessions"][0]["usage"] == want
