@@ -284,6 +284,7 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> 
     interactive = sys.stdin.isatty() and not as_json
     asks: set[asyncio.Task[None]] = set()
     ended_with_newline = True
+    streamed: list[str] = []
     async for ev in client.send(session, text):
         if as_json:
             print(event_json(ev), flush=True)
@@ -291,6 +292,7 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> 
             case m.TextDelta(text=delta) if not as_json:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
+                streamed.append(delta)
                 ended_with_newline = delta.endswith("\n")
             case m.PermissionRequest() if interactive:
                 asks.add(asyncio.create_task(_ask_on_terminal(client, session, ev)))
@@ -302,6 +304,10 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> 
                 print(f"\nsessionctl: limit {kind} exceeded: {value:g} > {limit:g}", file=sys.stderr)
             case m.TurnDone(interrupted=interrupted):
                 if not as_json:
+                    rest = _unstreamed(ev.reply, "".join(streamed), ended_with_newline)
+                    if rest:
+                        sys.stdout.write(rest)
+                        ended_with_newline = rest.endswith("\n")
                     if not ended_with_newline:
                         sys.stdout.write("\n")
                     if interrupted:
@@ -313,6 +319,20 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> 
                 print(f"sessionctl: turn {ev.turn} failed: {reason}", file=sys.stderr)
                 return EXIT_FAILED
     return EXIT_FAILED
+
+
+def _unstreamed(reply: str, streamed: str, ended_with_newline: bool) -> str:
+    """What of the turn's reply the user has not seen yet.
+
+    A handler may stream its whole reply, part of it, or only a progress
+    word ("counting… ") and return the reply without streaming it; the user
+    must see the reply in every case, and never twice."""
+    if not reply or reply == streamed:
+        return ""
+    if reply.startswith(streamed):
+        return reply[len(streamed):]
+    # Something else was streamed: the reply goes on a line of its own.
+    return reply if ended_with_newline else "\n" + reply
 
 
 def main(argv: list[str] | None = None) -> int:
