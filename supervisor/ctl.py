@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -220,7 +222,7 @@ async def _run(args: argparse.Namespace) -> int:
                 info = await client.create(args.session_id, args.handler, overrides)
                 print(json.dumps(to_plain(info)) if as_json else info.id)
             case "send":
-                return await _send(client, args.id, args.text, as_json)
+                return await _send_interruptibly(client, args.id, args.text, as_json)
             case "attach":
                 async for ev in client.attach(args.id, args.from_seq):
                     if as_json:
@@ -278,6 +280,54 @@ async def _run(args: argparse.Namespace) -> int:
         return EXIT_OK
     finally:
         await client.close()
+
+
+EXIT_SIGINT = 128 + signal.SIGINT
+
+
+async def _send_interruptibly(client: AsyncClient, session: str, text: str, as_json: bool) -> int:
+    """`send`, where Ctrl-C means what a user expects: the first interrupts
+    the turn (its LLM calls and tools stop; the partial reply is kept and
+    printed), a second one detaches and leaves the turn to the daemon.
+
+    Either way the exit code is 130, as for any command stopped by Ctrl-C.
+    The signal callback only enqueues (it runs on the loop, but the rule
+    holds); this coroutine does the talking."""
+    loop = asyncio.get_running_loop()
+    sigints: asyncio.Queue[None] = asyncio.Queue()
+    try:
+        loop.add_signal_handler(signal.SIGINT, sigints.put_nowait, None)
+    except (NotImplementedError, RuntimeError, ValueError):
+        return await _send(client, session, text, as_json)  # not the main thread: plain Ctrl-C
+    stream = asyncio.ensure_future(_send(client, session, text, as_json))
+    interrupted = False
+    try:
+        while True:
+            sigint = asyncio.ensure_future(sigints.get())
+            await asyncio.wait({stream, sigint}, return_when=asyncio.FIRST_COMPLETED)
+            if stream.done():
+                sigint.cancel()
+                code = stream.result()
+                return EXIT_SIGINT if interrupted and code == EXIT_OK else code
+            if not interrupted:
+                interrupted = True
+                print(f"\nsessionctl: interrupting the turn of {session} (Ctrl-C again to detach)",
+                      file=sys.stderr, flush=True)
+                try:
+                    await client.interrupt(session)
+                except RequestError as exc:
+                    # Typically: the turn ended meanwhile; its end is on its way.
+                    print(f"sessionctl: {exc.message}", file=sys.stderr, flush=True)
+                continue
+            print(f"sessionctl: detached; the turn of {session} goes on in the daemon "
+                  f"(`sessionctl interrupt {session}` stops it)", file=sys.stderr, flush=True)
+            return EXIT_SIGINT
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        if not stream.done():
+            stream.cancel()
+            with contextlib.suppress(BaseException):
+                await stream
 
 
 async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> int:
@@ -346,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sessionctl: {exc.message}", file=sys.stderr)
         return EXIT_NO_SESSION if exc.code == "not_found" else EXIT_FAILED
     except KeyboardInterrupt:
-        return 130
+        return EXIT_SIGINT
 
 
 if __name__ == "__main__":

@@ -4,10 +4,17 @@ that were not streamed, Ctrl-C, tool calls, permission prompts, exit codes,
 
 from __future__ import annotations
 
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
 from conftest import FAST_CONFIG
-from harness import Daemon
+from harness import Daemon, env_for_children, wait_for
 
 pytestmark = pytest.mark.process
 
@@ -43,3 +50,63 @@ def test_send_prints_a_reply_that_was_not_streamed(opd: Daemon) -> None:
     sid = _create(opd, "echo")
     r = opd.ctl("send", sid, "hi")
     assert r.stdout == "1: hi\n"
+
+
+def _ctl_process(d: Daemon, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "supervisor.ctl", "--socket", str(d.socket), *args],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=env_for_children(),
+    )
+
+
+def _read_until(pipe: object, needle: str, timeout: float = 10.0) -> str:
+    """Read a child's pipe until `needle` shows up, within a deadline."""
+    fd = pipe.fileno()  # type: ignore[attr-defined]
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while needle.encode() not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no {needle!r} within {timeout}s; got {buf!r}")
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise AssertionError(f"end of output before {needle!r}; got {buf!r}")
+            buf += chunk
+    return buf.decode()
+
+
+def test_ctrl_c_on_send_interrupts_the_turn(opd: Daemon) -> None:
+    sid = _create(opd, "fixture_handlers:slow")
+    proc = _ctl_process(opd, "send", sid, "100000")  # ~30 minutes of ticks
+    try:
+        _read_until(proc.stdout, "tick 1\n")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert b"interrupting the turn" in err and b"the turn was interrupted" in err
+    # The partial reply was kept and the session is idle again, at once:
+    # the turn did not go on running after the user pressed Ctrl-C.
+    with opd.client() as c:
+        wait_for(lambda: c.status(sid).state == "idle", 3.0, "the session to be idle")
+        assert c.status(sid).turns == 1
+
+
+def test_second_ctrl_c_detaches_from_a_turn_that_ignores_the_interrupt(opd: Daemon) -> None:
+    sid = _create(opd, "fixture_handlers:deaf")
+    proc = _ctl_process(opd, "send", sid, "x")
+    try:
+        _read_until(proc.stdout, "not listening")
+        proc.send_signal(signal.SIGINT)
+        _read_until(proc.stderr, "Ctrl-C again to detach")
+        assert proc.poll() is None, "the first Ctrl-C must not leave the command"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert b"detached" in err and f"sessionctl interrupt {sid}".encode() in err
