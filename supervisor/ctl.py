@@ -156,6 +156,37 @@ def _print_status(s: m.SessionInfo) -> None:
         print(f"{k + ':':<11}{v}")
 
 
+_TOOL_LINE_CHARS = 200
+
+
+def _clip(text: str, limit: int = _TOOL_LINE_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _tool_line(kind: str, data: dict[str, Any]) -> str | None:
+    """One compact line for a `tool_call` or `tool_result` notice (None for
+    other notices): what the agent runs, and how it went."""
+    name = str(data.get("name", "?"))
+    if kind == "tool_call":
+        args = data.get("arguments", {})
+        shown = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        return _clip(f"[tool] {name} {shown}")
+    if kind == "tool_result":
+        lines = str(data.get("output", "")).strip().splitlines() or [""]
+        more = len(lines) - 1
+        tail = f" (+{more} line{'s' if more > 1 else ''})" if more else ""
+        if data.get("truncated"):
+            tail += " (cut)"
+        status = "ok" if data.get("ok") else "failed"
+        return _clip(f"[tool] {name} {status}: {lines[0]}", _TOOL_LINE_CHARS - len(tail)) + tail
+    return None
+
+
+def _permission_text(ev: m.PermissionRequest) -> str:
+    """The whole request, arguments uncut: the user decides on exactly this."""
+    return f"{ev.tool} {json.dumps(ev.arguments, ensure_ascii=False)}"
+
+
 def _print_event(ev: Any) -> None:
     match ev:
         case m.TextDelta(text=text):
@@ -169,16 +200,16 @@ def _print_event(ev: Any) -> None:
         case m.LimitExceeded(kind=kind, value=value, limit=limit):
             print(f"[limit {kind}: {value:g} > {limit:g}]")
         case m.Notice(kind=kind, data=data):
-            print(f"[{kind}: {json.dumps(data)}]")
-        case m.PermissionRequest(request_id=rid, tool=tool, arguments=args):
-            print(f"[permission request {rid}: {tool} {json.dumps(args)}]")
+            print(_tool_line(kind, data) or f"[{kind}: {json.dumps(data)}]")
+        case m.PermissionRequest(request_id=rid):
+            print(f"[permission request {rid}: {_permission_text(ev)}]")
         case m.Gap(seq=seq, from_seq=from_seq):
             print(f"[events {from_seq}..{seq - 1} are no longer retained]")
     sys.stdout.flush()
 
 
 async def _ask_on_terminal(client: AsyncClient, session: str, ev: m.PermissionRequest) -> None:
-    prompt = f"\nallow {ev.tool} {json.dumps(ev.arguments)}? [y/N] "
+    prompt = f"\nallow {_permission_text(ev)}? [y/N] "
     answer = await asyncio.get_running_loop().run_in_executor(None, _read_answer, prompt)
     await client.answer(session, ev.request_id, answer)
 
@@ -332,6 +363,7 @@ async def _send_interruptibly(client: AsyncClient, session: str, text: str, as_j
 
 async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> int:
     interactive = sys.stdin.isatty() and not as_json
+    same_terminal = sys.stdout.isatty() and sys.stderr.isatty()
     asks: set[asyncio.Task[None]] = set()
     ended_with_newline = True
     streamed: list[str] = []
@@ -346,10 +378,19 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> 
                 ended_with_newline = delta.endswith("\n")
             case m.PermissionRequest() if interactive:
                 asks.add(asyncio.create_task(_ask_on_terminal(client, session, ev)))
+            case m.Notice(kind=kind, data=data) if not as_json:
+                line = _tool_line(kind, data)
+                if line is not None:
+                    # Tool calls go to stderr: stdout stays the reply alone.
+                    if not ended_with_newline and same_terminal:
+                        sys.stdout.write("\n")
+                        sys.stdout.flush()
+                        ended_with_newline = True
+                    print(line, file=sys.stderr, flush=True)
             case m.PermissionRequest() if not as_json:
-                print(f"\nsessionctl: permission request {ev.request_id} for {ev.tool}: "
-                      f"answer with `sessionctl approve|deny {session} {ev.request_id}`",
-                      file=sys.stderr)
+                print(f"\nsessionctl: permission request {ev.request_id}: {_permission_text(ev)}\n"
+                      f"sessionctl: answer with `sessionctl approve|deny {session} {ev.request_id}`",
+                      file=sys.stderr, flush=True)
             case m.LimitExceeded(kind=kind, value=value, limit=limit) if not as_json:
                 print(f"\nsessionctl: limit {kind} exceeded: {value:g} > {limit:g}", file=sys.stderr)
             case m.TurnDone(interrupted=interrupted):

@@ -110,3 +110,24 @@ def test_second_ctrl_c_detaches_from_a_turn_that_ignores_the_interrupt(opd: Daem
         proc.kill()
     assert proc.returncode == 130
     assert b"detached" in err and f"sessionctl interrupt {sid}".encode() in err
+
+
+def test_send_shows_tool_calls_and_the_whole_permission_request(opd: Daemon) -> None:
+    import re
+
+    sid = _create(opd, "operator_handlers:tool_user")
+    proc = _ctl_process(opd, "send", sid, "rm -rf build")
+    try:
+        err = _read_until(proc.stderr, "answer with")
+        # The call is shown as it starts, and the prompt names the command.
+        assert '[tool] bash {"command": "rm -rf build"}' in err
+        found = re.search(r"permission request (\S+): bash \{\"command\": \"rm -rf build\"\}", err)
+        assert found, err
+        approve = opd.ctl("approve", sid, found.group(1))
+        assert approve.returncode == 0, approve.stderr
+        out, rest = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    assert "[tool] bash ok: file-a (+1 line)" in rest.decode()
+    assert out == b"done\n"  # stdout is the reply alone
