@@ -250,16 +250,29 @@ async def _run(args: argparse.Namespace) -> int:
                         print(f"sessionctl: {exc}", file=sys.stderr)
                         return EXIT_USAGE
                     overrides[key] = value
-                info = await client.create(args.session_id, args.handler, overrides)
+                try:
+                    info = await client.create(args.session_id, args.handler, overrides)
+                except RequestError as exc:
+                    if exc.code != "bad_request":
+                        raise
+                    # A bad --id, --handler or --set: the command line's fault.
+                    print(f"sessionctl: {exc.message}", file=sys.stderr)
+                    return EXIT_USAGE
                 print(json.dumps(to_plain(info)) if as_json else info.id)
             case "send":
                 return await _send_interruptibly(client, args.id, args.text, as_json)
             case "attach":
+                deleted = False
                 async for ev in client.attach(args.id, args.from_seq):
                     if as_json:
                         print(event_json(ev), flush=True)
                     else:
                         _print_event(ev)
+                    deleted = isinstance(ev, m.StateChanged) and ev.new == "deleted"
+                if not deleted:
+                    # The stream ends by itself only when the session is
+                    # deleted; anything else is the daemon going away.
+                    raise DaemonUnavailable("connection to sessiond lost")
             case "ls":
                 sessions = await client.list()
                 if as_json:
@@ -305,7 +318,16 @@ async def _run(args: argparse.Namespace) -> int:
                           f"{repaired.dropped_records} intact record(s) and "
                           f"{repaired.dropped_bytes} damaged byte(s) dropped; now {repaired.session.state}")
             case "approve" | "deny":
-                await client.answer(args.id, args.request_id, args.command == "approve")
+                try:
+                    await client.answer(args.id, args.request_id, args.command == "approve")
+                except RequestError as exc:
+                    if exc.code != "not_found":
+                        raise
+                    # not_found covers the request and the session; exit 4
+                    # is for "no such session" alone.
+                    await client.status(args.id)  # raises not_found (4) if that is it
+                    print(f"sessionctl: {exc.message}", file=sys.stderr)
+                    return EXIT_FAILED
                 if as_json:
                     print(json.dumps({"ok": True, "id": args.id, "request_id": args.request_id}))
         return EXIT_OK

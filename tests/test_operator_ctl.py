@@ -131,3 +131,55 @@ def test_send_shows_tool_calls_and_the_whole_permission_request(opd: Daemon) -> 
     assert proc.returncode == 0
     assert "[tool] bash ok: file-a (+1 line)" in rest.decode()
     assert out == b"done\n"  # stdout is the reply alone
+
+
+def test_exit_codes_follow_the_contract(opd: Daemon) -> None:
+    # Usage (2): the command line is wrong, whichever side finds it.
+    for args, says in (
+        (["--set", "agent.limits.nonsense=1"], "agent.limits.nonsense"),
+        (["--set", "agent.max_turns=-3"], "agent.max_turns"),
+        (["--handler", "nocolon"], "invalid handler"),
+        (["--id", "../etc"], "invalid session id"),
+    ):
+        r = opd.ctl("create", *args)
+        assert r.returncode == 2 and says in r.stderr, (args, r.returncode, r.stderr)
+    # The session exists, the request does not: the operation failed (1).
+    sid = _create(opd, "echo")
+    for verb in ("approve", "deny"):
+        r = opd.ctl(verb, sid, "bogus")
+        assert r.returncode == 1 and "bogus" in r.stderr, r.stderr
+        # No such session at all: 4.
+        assert opd.ctl(verb, "nosuch", "bogus").returncode == 4
+
+
+def test_attach_exits_3_when_the_daemon_dies(opd: Daemon) -> None:
+    sid = _create(opd, "echo")
+    assert opd.ctl("send", sid, "hi").returncode == 0
+    proc = _ctl_process(opd, "attach", sid, "--from", "0")
+    try:
+        _read_until(proc.stdout, "turn 1 done")
+        opd.kill()
+        _, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 3 and b"lost" in err, err
+    # Deleting the session is the one quiet end of an attach: 0.
+    opd.start()
+    sid = _create(opd, "echo")
+    proc = _ctl_process(opd, "attach", sid)
+    try:
+        # Sends until the attach shows a turn: then it is surely attached.
+        wait_for(lambda: opd.ctl("send", sid, "x").returncode == 0
+                 and b"done" in _peek(proc.stdout), 10.0, "the attach to see a turn")
+        assert opd.ctl("rm", sid).returncode == 0
+        proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+
+
+def _peek(pipe: object) -> bytes:
+    """Whatever a child has written so far, without blocking."""
+    fd = pipe.fileno()  # type: ignore[attr-defined]
+    ready, _, _ = select.select([fd], [], [], 0)
+    return os.read(fd, 65536) if ready else b""
