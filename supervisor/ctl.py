@@ -23,6 +23,7 @@ import msgspec
 
 from ipc import messages as m
 from ipc.loop import run as run_loop
+from supervisor import __version__
 from supervisor.client import AsyncClient, DaemonUnavailable, RequestError
 from supervisor.config import ConfigError, parse_override
 
@@ -49,12 +50,35 @@ def event_json(ev: Any) -> str:
     return json.dumps(data)
 
 
+_EPILOG = """\
+examples:
+  sessionctl create                      create a session, print its id
+  sessionctl create --handler echo --set agent.limits.max_memory_mb=256
+  sessionctl send ID "list the files"    stream the reply; Ctrl-C interrupts
+                                         the turn, a second Ctrl-C detaches
+  sessionctl attach ID --from 0          replay retained events, then follow
+  sessionctl approve ID REQUEST_ID       answer a permission request
+  sessionctl --json status ID            one JSON object
+
+exit codes:
+  0  done
+  1  the operation failed (a turn failed, the daemon refused)
+  2  usage (bad arguments, a bad --id, --handler or --set)
+  3  cannot reach the daemon, or lost it
+  4  no such session
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="machine-readable output")
     common.add_argument("--socket", default=argparse.SUPPRESS, help="daemon socket path")
-    parser = argparse.ArgumentParser(prog="sessionctl", description="Talk to sessiond.")
+    parser = argparse.ArgumentParser(
+        prog="sessionctl", description="Talk to sessiond.", epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"sessionctl {__version__}")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--socket", help="daemon socket path (default: $SESSIOND_SOCKET, "
                         "/run/sessiond/sessiond.sock as root, else $XDG_RUNTIME_DIR/sessiond/sessiond.sock)")
