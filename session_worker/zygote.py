@@ -39,6 +39,7 @@ import traceback
 from collections.abc import Iterator
 
 import msgspec
+import setproctitle
 
 from ipc import messages as m
 from ipc.linux import set_child_subreaper, set_dumpable, set_pdeathsig
@@ -73,6 +74,7 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     set_child_subreaper()
+    setproctitle.setproctitle("sessiond: zygote")
     _preload()
 
     parent_died = False
