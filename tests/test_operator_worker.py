@@ -47,3 +47,27 @@ def test_ps_names_the_daemon_the_zygote_and_each_worker(make_daemon) -> None:
     # Spares wait for a session, and say so.
     wait_for(lambda: any(title(p.pid) == "sessiond: worker (spare)" for p in children[0].children()),
              5.0, "a spare worker")
+
+
+def test_on_the_journal_every_line_has_its_priority_and_no_timestamp(
+    make_daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import re
+
+    d: Daemon = make_daemon(OPERATOR_CONFIG, start=False)
+    d.log_path.touch()  # the daemon's stderr: make it the "journal stream"
+    st = os.stat(d.log_path)
+    monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+    d.start()
+    sid = _create(d, "operator_handlers:broken")
+    assert d.ctl("send", sid, "x").returncode == 1
+    wait_for(lambda: "KeyError" in d.log, 5.0, "the failure in the log")
+    lines = [line for line in d.log.splitlines() if line]
+    assert all(re.match(r"<[0-7]>", line) for line in lines), lines
+    assert not any(re.match(r"<\d>\d{4}-\d\d-\d\d", line) for line in lines), "the journal adds the time"
+    assert any(line.startswith("<6>sessiond: ") for line in lines)
+    failed = [line for line in lines if "turn 1 failed" in line]
+    assert failed and failed[0].startswith(f"<3>sessiond.worker: session={sid} "), failed
+    # The traceback's lines are errors too, so `journalctl -p err` shows them.
+    assert any(line.startswith("<3>") and "return table[key]" in line for line in lines)
