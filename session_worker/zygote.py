@@ -74,7 +74,11 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     set_child_subreaper()
-    setproctitle.setproctitle("sessiond: zygote")
+    # A zygote started by exec keeps its command line in view: how it was
+    # started (python -P: nothing imported from the cwd) is worth seeing.
+    started = "session_worker.zygote" in setproctitle.getproctitle()
+    title = f"sessiond: zygote ({setproctitle.getproctitle()})" if started else "sessiond: zygote"
+    setproctitle.setproctitle(title)
     _preload()
 
     parent_died = False
