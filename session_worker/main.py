@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import setproctitle
 
 from ipc import messages as m
 from ipc.contract import EXIT_BOOT_FAILED
@@ -173,7 +174,7 @@ class Worker:
                 try:
                     hook(settings)
                 except Exception:
-                    log.exception("session %s: the handler could not take the new settings", self.session)
+                    log.exception("the handler could not take the new settings")
 
     async def run_turn(self, turn: int, text: str) -> None:
         assert self.handler is not None
@@ -188,8 +189,10 @@ class Worker:
             self.send(m.Failed(turn=turn, reason=exc.reason, record=record))
             return
         except Exception as exc:
-            log.debug("turn %d failed", turn, exc_info=True)
-            self.send(m.Failed(turn=turn, reason=f"{type(exc).__name__}: {exc}"))
+            # A handler's bug: the operator needs the traceback at the
+            # default log level, the client the place it broke.
+            log.error("turn %d failed", turn, exc_info=True)
+            self.send(m.Failed(turn=turn, reason=failure_reason(exc)))
             return
         record = _encode(result.record) if result.record is not None else b""
         snapshot = b""
@@ -237,6 +240,17 @@ class Worker:
             if self.handler is not None:
                 with contextlib.suppress(Exception):
                     await self.handler.aclose()
+
+
+def failure_reason(exc: BaseException) -> str:
+    """`KeyError: 'missing' (at handler.py:12 in lookup)`: the exception and
+    its last frame, the line that raised, for the client's message."""
+    reason = f"{type(exc).__name__}: {exc}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        last = frames[-1]
+        reason += f" (at {os.path.basename(last.filename)}:{last.lineno} in {last.name})"
+    return reason
 
 
 def _warm_up(conn: FramedProtocol[Any]) -> None:
@@ -319,6 +333,7 @@ async def _main(sock: socket.socket, warm_up: bool) -> int:
     if not isinstance(boot, m.Boot):
         conn.send(m.BootFailed(reason=f"expected boot, got {type(boot).__name__}"))
         return EXIT_BOOT_FAILED
+    _name_process(boot.session)
     try:
         worker = Worker(conn, boot)
         worker.boot(boot)
@@ -345,11 +360,41 @@ async def _flush(conn: FramedProtocol[Any]) -> None:
         await asyncio.wait_for(asyncio.shield(conn.closed), 1.0)
 
 
+class _SessionTag(logging.Filter):
+    """Puts `session=ID` at the start of every line this worker logs.
+
+    A filter on the handlers, not a format: the worker keeps the handler it
+    inherited from the daemon through the zygote (journal priorities or
+    timestamps, as the daemon chose) and only adds the field, whichever
+    logger the record comes from (ours, asyncio, a handler's own)."""
+
+    def __init__(self, session: str) -> None:
+        super().__init__()
+        self.prefix = f"session={session} "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(record, "session_tagged", False):
+            record.msg = self.prefix + str(record.msg)
+            record.session_tagged = True
+        return True
+
+
+def _name_process(session: str) -> None:
+    """`ps` shows `sessiond: worker ID`, and the log lines carry the id."""
+    setproctitle.setproctitle(f"sessiond: worker {session}")
+    tag = _SessionTag(session)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(tag)
+
+
 def run_worker(sock: socket.socket, warm_up: bool = False) -> int:
     """Entry point in the forked child; returns the exit code."""
+    # No-op when the zygote was forked from the daemon (its handler came
+    # along); a zygote started by exec has none.
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr,
         format=f"sessiond-worker[{os.getpid()}]: %(levelname)s: %(message)s",
     )
+    setproctitle.setproctitle("sessiond: worker (spare)" if warm_up else "sessiond: worker")
     sock.setblocking(False)
     return run_loop(_main(sock, warm_up))

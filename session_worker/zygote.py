@@ -39,6 +39,7 @@ import traceback
 from collections.abc import Iterator
 
 import msgspec
+import setproctitle
 
 from ipc import messages as m
 from ipc.linux import set_child_subreaper, set_dumpable, set_pdeathsig
@@ -73,6 +74,11 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     set_child_subreaper()
+    # A zygote started by exec keeps its command line in view: how it was
+    # started (python -P: nothing imported from the cwd) is worth seeing.
+    started = "session_worker.zygote" in setproctitle.getproctitle()
+    title = f"sessiond: zygote ({setproctitle.getproctitle()})" if started else "sessiond: zygote"
+    setproctitle.setproctitle(title)
     _preload()
 
     parent_died = False

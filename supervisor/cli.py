@@ -21,10 +21,26 @@ __all__ = ["main"]
 EXIT_USAGE = 2
 
 
+_EPILOG = """\
+examples:
+  sessiond                               run in the foreground (systemd runs it so)
+  sessiond run --config /etc/sessiond/config.toml
+  sessiond config default > config.toml  every key, its default and its meaning
+  sessiond config check config.toml      validate before a reload
+
+exit codes:
+  0  done (the daemon stopped cleanly)
+  1  the daemon could not start (the reason is on stderr)
+  2  usage, or a config file that is not valid (naming the key and file)
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="sessiond", description="Process-isolated session supervisor for LLM agents."
+        prog="sessiond", description="Process-isolated session supervisor for LLM agents.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"sessiond {__version__}")
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="run the daemon in the foreground (the default)")
     for p in (parser, run):

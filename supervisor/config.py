@@ -12,9 +12,12 @@ which leaf keys a session may set and within which bounds.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
+import textwrap
 import tomllib
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -23,7 +26,7 @@ import tomli_w
 from msgspec import Meta
 
 from ipc.paths import default_socket_path
-from ipc.settings import ConfigSection, SessionSettings
+from ipc.settings import ConfigSection, PermissionRule, SessionSettings
 
 __all__ = [
     "Config",
@@ -224,15 +227,93 @@ def load_config(path: Path | None) -> Config:
 
 
 def default_toml() -> str:
-    data = msgspec.to_builtins(Config())
-    return tomli_w.dumps(_drop_none(data))
+    """Every key with its default and, above it, its meaning.  Keys unset
+    by default (TOML has no null) are printed commented out.
+
+    The meanings are the comments above each field in `ipc.settings` and
+    in this module, read from the source: one place to write them."""
+    out = [
+        "# sessiond configuration: every key, its default and its meaning.",
+        "# Keys shown commented out are unset by default; uncomment to set one.",
+    ]
+    _emit_table(Config(), "", out)
+    return "\n".join(out) + "\n"
 
 
-def _drop_none(obj: Any) -> Any:
-    # TOML has no null: unset optional keys are simply absent.
-    if isinstance(obj, dict):
-        return {k: _drop_none(v) for k, v in obj.items() if v is not None}
-    return obj
+# Meanings of fields that carry no comment in the source (keep this short:
+# a comment above the field is the better place).
+_MEANINGS_NOT_IN_SOURCE = {
+    "provider.model": "Model name sent to the provider; unset = no provider.",
+}
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """The comment lines right above each field of a config Struct."""
+    try:
+        lines, _ = inspect.getsourcelines(cls)
+    except (OSError, TypeError):
+        return {}  # no source (a frozen build): the keys go without meanings
+    comments: dict[str, str] = {}
+    pending: list[str] = []
+    for line in lines[1:]:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            pending.append(stripped[1:].strip())
+            continue
+        field = _FIELD_LINE.match(line)
+        if field:
+            comments[field.group(1)] = " ".join(pending)
+        pending = []
+    return comments
+
+
+_FIELD_LINE = re.compile(r"^    ([A-Za-z_]\w*)\s*:")
+
+
+def _comment(text: str) -> list[str]:
+    return ["# " + line for line in textwrap.wrap(text, 76)] if text else []
+
+
+def _placeholder(cls: type, name: str) -> str:
+    hint = typing.get_type_hints(cls).get(name)
+    inner = [a for a in typing.get_args(hint) if a is not type(None)]
+    kind = getattr(inner[0] if inner else hint, "__name__", "value")
+    return {"int": "<integer>", "float": "<number>", "str": '"<text>"'}.get(kind, f"<{kind}>")
+
+
+def _emit_table(obj: msgspec.Struct, path: str, out: list[str]) -> None:
+    cls = type(obj)
+    meanings = _field_comments(cls)
+    tables: list[tuple[str, msgspec.Struct]] = []
+    arrays: list[tuple[str, list[Any]]] = []
+    if path:
+        out.append(f"\n[{path}]")
+    for name in cls.__struct_fields__:
+        value = getattr(obj, name)
+        key = f"{path}.{name}" if path else name
+        if isinstance(value, msgspec.Struct):
+            tables.append((key, value))
+            continue
+        if name == "permissions":
+            arrays.append((key, value))
+            continue
+        meaning = meanings.get(name) or _MEANINGS_NOT_IN_SOURCE.get(key, "")
+        out.extend(_comment(meaning))
+        if value is None:
+            out.append(f"# {name} = {_placeholder(cls, name)}")
+        else:
+            out.append(tomli_w.dumps({name: msgspec.to_builtins(value)}).rstrip())
+    for key, table in tables:
+        _emit_table(table, key, out)
+    for key, value in arrays:
+        # [[permissions]]: none by default; one commented-out rule shows the shape.
+        rule = _field_comments(PermissionRule)
+        out.append("\n# Permission rules, first match wins; none by default. One rule:")
+        out.append(f"# [[{key}]]")
+        for name, example in (("tool", '"bash"'), ("match", '"rm *"'), ("action", '"ask"')):
+            out.extend(_comment(rule.get(name, "")))
+            out.append(f"# {name} = {example}")
+        out.extend(tomli_w.dumps({key: value}).rstrip().splitlines() if value else [])
 
 
 def parse_override(item: str) -> tuple[str, Any]:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -22,6 +24,7 @@ import msgspec
 from ipc import messages as m
 from ipc.contract import INCOMPLETE_STOPS, StopReason
 from ipc.loop import run as run_loop
+from supervisor import __version__
 from supervisor.client import AsyncClient, DaemonUnavailable, RequestError
 from supervisor.config import ConfigError, parse_override
 
@@ -48,12 +51,35 @@ def event_json(ev: Any) -> str:
     return json.dumps(data)
 
 
+_EPILOG = """\
+examples:
+  sessionctl create                      create a session, print its id
+  sessionctl create --handler echo --set agent.limits.max_memory_mb=256
+  sessionctl send ID "list the files"    stream the reply; Ctrl-C interrupts
+                                         the turn, a second Ctrl-C detaches
+  sessionctl attach ID --from 0          replay retained events, then follow
+  sessionctl approve ID REQUEST_ID       answer a permission request
+  sessionctl --json status ID            one JSON object
+
+exit codes:
+  0  done
+  1  the operation failed (a turn failed, the daemon refused)
+  2  usage (bad arguments, a bad --id, --handler or --set)
+  3  cannot reach the daemon, or lost it
+  4  no such session
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="machine-readable output")
     common.add_argument("--socket", default=argparse.SUPPRESS, help="daemon socket path")
-    parser = argparse.ArgumentParser(prog="sessionctl", description="Talk to sessiond.")
+    parser = argparse.ArgumentParser(
+        prog="sessionctl", description="Talk to sessiond.", epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"sessionctl {__version__}")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--socket", help="daemon socket path (default: $SESSIOND_SOCKET, "
                         "/run/sessiond/sessiond.sock as root, else $XDG_RUNTIME_DIR/sessiond/sessiond.sock)")
@@ -155,6 +181,37 @@ def _print_status(s: m.SessionInfo) -> None:
         print(f"{k + ':':<11}{v}")
 
 
+_TOOL_LINE_CHARS = 200
+
+
+def _clip(text: str, limit: int = _TOOL_LINE_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _tool_line(kind: str, data: dict[str, Any]) -> str | None:
+    """One compact line for a `tool_call` or `tool_result` notice (None for
+    other notices): what the agent runs, and how it went."""
+    name = str(data.get("name", "?"))
+    if kind == "tool_call":
+        args = data.get("arguments", {})
+        shown = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        return _clip(f"[tool] {name} {shown}")
+    if kind == "tool_result":
+        lines = str(data.get("output", "")).strip().splitlines() or [""]
+        more = len(lines) - 1
+        tail = f" (+{more} line{'s' if more > 1 else ''})" if more else ""
+        if data.get("truncated"):
+            tail += " (cut)"
+        status = "ok" if data.get("ok") else "failed"
+        return _clip(f"[tool] {name} {status}: {lines[0]}", _TOOL_LINE_CHARS - len(tail)) + tail
+    return None
+
+
+def _permission_text(ev: m.PermissionRequest) -> str:
+    """The whole request, arguments uncut: the user decides on exactly this."""
+    return f"{ev.tool} {json.dumps(ev.arguments, ensure_ascii=False)}"
+
+
 def _print_event(ev: Any) -> None:
     match ev:
         case m.TextDelta(text=text):
@@ -169,16 +226,16 @@ def _print_event(ev: Any) -> None:
         case m.LimitExceeded(kind=kind, value=value, limit=limit):
             print(f"[limit {kind}: {value:g} > {limit:g}]")
         case m.Notice(kind=kind, data=data):
-            print(f"[{kind}: {json.dumps(data)}]")
-        case m.PermissionRequest(request_id=rid, tool=tool, arguments=args):
-            print(f"[permission request {rid}: {tool} {json.dumps(args)}]")
+            print(_tool_line(kind, data) or f"[{kind}: {json.dumps(data)}]")
+        case m.PermissionRequest(request_id=rid):
+            print(f"[permission request {rid}: {_permission_text(ev)}]")
         case m.Gap(seq=seq, from_seq=from_seq):
             print(f"[events {from_seq}..{seq - 1} are no longer retained]")
     sys.stdout.flush()
 
 
 async def _ask_on_terminal(client: AsyncClient, session: str, ev: m.PermissionRequest) -> None:
-    prompt = f"\nallow {ev.tool} {json.dumps(ev.arguments)}? [y/N] "
+    prompt = f"\nallow {_permission_text(ev)}? [y/N] "
     answer = await asyncio.get_running_loop().run_in_executor(None, _read_answer, prompt)
     await client.answer(session, ev.request_id, answer)
 
@@ -219,16 +276,29 @@ async def _run(args: argparse.Namespace) -> int:
                         print(f"sessionctl: {exc}", file=sys.stderr)
                         return EXIT_USAGE
                     overrides[key] = value
-                info = await client.create(args.session_id, args.handler, overrides)
+                try:
+                    info = await client.create(args.session_id, args.handler, overrides)
+                except RequestError as exc:
+                    if exc.code != "bad_request":
+                        raise
+                    # A bad --id, --handler or --set: the command line's fault.
+                    print(f"sessionctl: {exc.message}", file=sys.stderr)
+                    return EXIT_USAGE
                 print(json.dumps(to_plain(info)) if as_json else info.id)
             case "send":
-                return await _send(client, args.id, args.text, as_json)
+                return await _send_interruptibly(client, args.id, args.text, as_json)
             case "attach":
+                deleted = False
                 async for ev in client.attach(args.id, args.from_seq):
                     if as_json:
                         print(event_json(ev), flush=True)
                     else:
                         _print_event(ev)
+                    deleted = isinstance(ev, m.StateChanged) and ev.new == "deleted"
+                if not deleted:
+                    # The stream ends by itself only when the session is
+                    # deleted; anything else is the daemon going away.
+                    raise DaemonUnavailable("connection to sessiond lost")
             case "ls":
                 sessions = await client.list()
                 if as_json:
@@ -274,7 +344,16 @@ async def _run(args: argparse.Namespace) -> int:
                           f"{repaired.dropped_records} intact record(s) and "
                           f"{repaired.dropped_bytes} damaged byte(s) dropped; now {repaired.session.state}")
             case "approve" | "deny":
-                await client.answer(args.id, args.request_id, args.command == "approve")
+                try:
+                    await client.answer(args.id, args.request_id, args.command == "approve")
+                except RequestError as exc:
+                    if exc.code != "not_found":
+                        raise
+                    # not_found covers the request and the session; exit 4
+                    # is for "no such session" alone.
+                    await client.status(args.id)  # raises not_found (4) if that is it
+                    print(f"sessionctl: {exc.message}", file=sys.stderr)
+                    return EXIT_FAILED
                 if as_json:
                     print(json.dumps({"ok": True, "id": args.id, "request_id": args.request_id}))
         return EXIT_OK
@@ -289,10 +368,60 @@ _STOP_TEXT: dict[str, str] = {
 }
 
 
+EXIT_SIGINT = 128 + signal.SIGINT
+
+
+async def _send_interruptibly(client: AsyncClient, session: str, text: str, as_json: bool) -> int:
+    """`send`, where Ctrl-C means what a user expects: the first interrupts
+    the turn (its LLM calls and tools stop; the partial reply is kept and
+    printed), a second one detaches and leaves the turn to the daemon.
+
+    Either way the exit code is 130, as for any command stopped by Ctrl-C.
+    The signal callback only enqueues (it runs on the loop, but the rule
+    holds); this coroutine does the talking."""
+    loop = asyncio.get_running_loop()
+    sigints: asyncio.Queue[None] = asyncio.Queue()
+    try:
+        loop.add_signal_handler(signal.SIGINT, sigints.put_nowait, None)
+    except (NotImplementedError, RuntimeError, ValueError):
+        return await _send(client, session, text, as_json)  # not the main thread: plain Ctrl-C
+    stream = asyncio.ensure_future(_send(client, session, text, as_json))
+    interrupted = False
+    try:
+        while True:
+            sigint = asyncio.ensure_future(sigints.get())
+            await asyncio.wait({stream, sigint}, return_when=asyncio.FIRST_COMPLETED)
+            if stream.done():
+                sigint.cancel()
+                code = stream.result()
+                return EXIT_SIGINT if interrupted and code == EXIT_OK else code
+            if not interrupted:
+                interrupted = True
+                print(f"\nsessionctl: interrupting the turn of {session} (Ctrl-C again to detach)",
+                      file=sys.stderr, flush=True)
+                try:
+                    await client.interrupt(session)
+                except RequestError as exc:
+                    # Typically: the turn ended meanwhile; its end is on its way.
+                    print(f"sessionctl: {exc.message}", file=sys.stderr, flush=True)
+                continue
+            print(f"sessionctl: detached; the turn of {session} goes on in the daemon "
+                  f"(`sessionctl interrupt {session}` stops it)", file=sys.stderr, flush=True)
+            return EXIT_SIGINT
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        if not stream.done():
+            stream.cancel()
+            with contextlib.suppress(BaseException):
+                await stream
+
+
 async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> int:
     interactive = sys.stdin.isatty() and not as_json
+    same_terminal = sys.stdout.isatty() and sys.stderr.isatty()
     asks: set[asyncio.Task[None]] = set()
     ended_with_newline = True
+    streamed: list[str] = []
     async for ev in client.send(session, text):
         if as_json:
             print(event_json(ev), flush=True)
@@ -300,17 +429,31 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> 
             case m.TextDelta(text=delta) if not as_json:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
+                streamed.append(delta)
                 ended_with_newline = delta.endswith("\n")
             case m.PermissionRequest() if interactive:
                 asks.add(asyncio.create_task(_ask_on_terminal(client, session, ev)))
+            case m.Notice(kind=kind, data=data) if not as_json:
+                line = _tool_line(kind, data)
+                if line is not None:
+                    # Tool calls go to stderr: stdout stays the reply alone.
+                    if not ended_with_newline and same_terminal:
+                        sys.stdout.write("\n")
+                        sys.stdout.flush()
+                        ended_with_newline = True
+                    print(line, file=sys.stderr, flush=True)
             case m.PermissionRequest() if not as_json:
-                print(f"\nsessionctl: permission request {ev.request_id} for {ev.tool}: "
-                      f"answer with `sessionctl approve|deny {session} {ev.request_id}`",
-                      file=sys.stderr)
+                print(f"\nsessionctl: permission request {ev.request_id}: {_permission_text(ev)}\n"
+                      f"sessionctl: answer with `sessionctl approve|deny {session} {ev.request_id}`",
+                      file=sys.stderr, flush=True)
             case m.LimitExceeded(kind=kind, value=value, limit=limit) if not as_json:
                 print(f"\nsessionctl: limit {kind} exceeded: {value:g} > {limit:g}", file=sys.stderr)
             case m.TurnDone(interrupted=interrupted, stop_reason=stop):
                 if not as_json:
+                    rest = _unstreamed(ev.reply, "".join(streamed), ended_with_newline)
+                    if rest:
+                        sys.stdout.write(rest)
+                        ended_with_newline = rest.endswith("\n")
                     if not ended_with_newline:
                         sys.stdout.write("\n")
                     if interrupted:
@@ -330,6 +473,20 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> 
     return EXIT_FAILED
 
 
+def _unstreamed(reply: str, streamed: str, ended_with_newline: bool) -> str:
+    """What of the turn's reply the user has not seen yet.
+
+    A handler may stream its whole reply, part of it, or only a progress
+    word ("counting… ") and return the reply without streaming it; the user
+    must see the reply in every case, and never twice."""
+    if not reply or reply == streamed:
+        return ""
+    if reply.startswith(streamed):
+        return reply[len(streamed):]
+    # Something else was streamed: the reply goes on a line of its own.
+    return reply if ended_with_newline else "\n" + reply
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -341,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sessionctl: {exc.message}", file=sys.stderr)
         return EXIT_NO_SESSION if exc.code == "not_found" else EXIT_FAILED
     except KeyboardInterrupt:
-        return 130
+        return EXIT_SIGINT
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+import setproctitle
+
 from ipc.loop import run as run_loop
 from ipc.linux import set_dumpable
 from supervisor import __version__, sdnotify
@@ -332,6 +334,8 @@ def run_daemon(
     # must not read /proc/<us>/environ or mem, nor ptrace us.  The zygote
     # and the workers inherit the flag through fork.
     set_dumpable(False)
+    # Before the zygote is forked: it renames itself, and so do workers.
+    setproctitle.setproctitle("sessiond: daemon")
     faulthandler.enable()  # a watchdog SIGABRT leaves the stuck stack in the journal
     _raise_nofile_limit()
     state_dir = state_dir or default_state_dir(cfg)

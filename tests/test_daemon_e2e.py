@@ -70,7 +70,7 @@ def test_exit_codes(daemon: Daemon, tmp_path) -> None:
     dup = daemon.ctl("create", "--id", "dup")
     assert dup.returncode == 1 and "already exists" in dup.stderr
     bad_id = daemon.ctl("create", "--id", "../escape")
-    assert bad_id.returncode == 1 and "invalid session id" in bad_id.stderr
+    assert bad_id.returncode == 2 and "invalid session id" in bad_id.stderr
     assert daemon.ctl("frobnicate").returncode == 2
     unreachable = daemon.ctl("--socket", str(tmp_path / "none.sock"), "ls")
     assert unreachable.returncode == 3 and "cannot connect" in unreachable.stderr
@@ -80,11 +80,11 @@ def test_set_overrides_are_validated_and_capped(daemon: Daemon) -> None:
     ok = daemon.ctl("create", "--set", "agent.limits.max_memory_mb=64", "--json")
     assert ok.returncode == 0, ok.stderr
     above = daemon.ctl("create", "--set", "agent.limits.max_memory_mb=999999")
-    assert above.returncode == 1 and "above the operator's limit" in above.stderr
+    assert above.returncode == 2 and "above the operator's limit" in above.stderr
     unknown = daemon.ctl("create", "--set", "agent.limits.nonsense=1")
-    assert unknown.returncode == 1 and "agent.limits.nonsense" in unknown.stderr
+    assert unknown.returncode == 2 and "agent.limits.nonsense" in unknown.stderr
     outside = daemon.ctl("create", "--set", "daemon.state_dir=/tmp")
-    assert outside.returncode == 1
+    assert outside.returncode == 2
 
 
 def test_sessions_survive_daemon_sigkill(make_daemon) -> None:
@@ -162,7 +162,7 @@ def test_boot_failure_at_create_leaves_nothing(daemon: Daemon) -> None:
     assert "this handler cannot start" in r.stderr
     assert daemon.ctl("status", "bad").returncode == 4
     r = daemon.ctl("create", "--handler", "no_such_module:factory")
-    assert r.returncode == 1 and "no_such_module" in r.stderr
+    assert r.returncode == 2 and "no_such_module" in r.stderr
 
 
 def test_repeated_crashes_end_in_failed(make_daemon) -> None:

@@ -259,7 +259,7 @@ def test_set_keys_cannot_reach_outside_the_session_settings(daemon: Daemon) -> N
     assert tree(daemon.root) - before <= {"sessiond.log"}
     assert not Path("/tmp/elsewhere").exists()
     r = daemon.ctl("create", "--set", "daemon.state_dir=/tmp/elsewhere")
-    assert r.returncode == 1 and "daemon.state_dir" in r.stderr
+    assert r.returncode == 2 and "daemon.state_dir" in r.stderr
     with daemon.client() as c:
         assert c.ping().pid == daemon.pid
 
@@ -286,7 +286,7 @@ def test_handlers_the_operator_did_not_allow_are_never_imported(
     monkeypatch.setenv("SESSIOND_IMPORT_MARKER", str(marker))  # the daemon's, and so its workers'
     d = make_daemon()
     r = d.ctl("create", "--id", "victim", "--handler", handler)
-    assert r.returncode == 1, r
+    assert r.returncode == 2, r
     assert f"handler {handler!r} is not allowed" in r.stderr and "allowed_handlers" in r.stderr, r.stderr
     assert not marker.exists()
     with d.client() as c:

@@ -53,14 +53,14 @@ def test_parent_tables_cannot_smuggle_operator_only_keys(make_daemon, llm: FakeL
         stolen = (f'provider={{base_url="{attacker.base_url}",model="m",'
                   'api_key_env="SESSIOND_TEST_KEY"}')
         r = d.ctl("create", "--set", stolen)
-        assert r.returncode == 1 and "a table, not a key" in r.stderr, r
+        assert r.returncode == 2 and "a table, not a key" in r.stderr, r
         r = d.ctl("create", "--set", 'provider.api_key_env="PATH"')
-        assert r.returncode == 1 and "only the operator" in r.stderr, r
+        assert r.returncode == 2 and "only the operator" in r.stderr, r
         victim_dir = tmp_path / "victim"
         victim_dir.mkdir(mode=0o755)
         before = victim_dir.stat()
         r = d.ctl("create", "--id", "etc", "--set", f'tools={{workspace_dir="{victim_dir}"}}')
-        assert r.returncode == 1 and "a table" in r.stderr, r
+        assert r.returncode == 2 and "a table" in r.stderr, r
         assert list(victim_dir.iterdir()) == [] and victim_dir.stat().st_uid == before.st_uid
         with d.client() as c:
             assert c.list() == []
@@ -73,7 +73,7 @@ def test_an_echo_only_daemon_gives_no_provider_and_no_bash(make_daemon, llm: Fak
     d = make_daemon()
     r = d.ctl("create", "--handler", "agent", "--set", f'provider.base_url="{llm.base_url}"',
               "--set", 'provider.model="m"')
-    assert r.returncode == 1 and "provider.base_url" in r.stderr, r
+    assert r.returncode == 2 and "provider.base_url" in r.stderr, r
     assert llm.requests == []
 
 
@@ -92,7 +92,7 @@ def test_limits_without_ceilings_of_the_audit_are_refused(make_daemon) -> None:
     ]:
         r = d.ctl("create", "--set", item)
         key = item.partition("=")[0]
-        assert r.returncode == 1 and key in r.stderr and word in r.stderr, (item, r.stderr)
+        assert r.returncode == 2 and key in r.stderr and word in r.stderr, (item, r.stderr)
     with d.client() as c:
         assert c.list() == []
 
@@ -101,9 +101,9 @@ def test_a_session_cannot_lift_the_operators_rules_or_tools(make_daemon, llm: Fa
     extra = '[[permissions]]\ntool = "bash"\nmatch = "rm *"\naction = "deny"\n'
     d = make_daemon(agent_config(llm, extra))
     r = d.ctl("create", "--set", 'permissions=[{tool="bash", match="rm *", action="allow"}]')
-    assert r.returncode == 1 and "deny or ask" in r.stderr, r
+    assert r.returncode == 2 and "deny or ask" in r.stderr, r
     r = d.ctl("create", "--set", 'tools.enabled=["bash", "read_file", "rogue"]')
-    assert r.returncode == 1 and "not enabled by the operator" in r.stderr, r
+    assert r.returncode == 2 and "not enabled by the operator" in r.stderr, r
     # permissions=[] is accepted but removes nothing: the operator's deny stays first.
     r = d.ctl("--json", "create", "--set", "permissions=[]", "--set", 'tools.enabled=["bash"]')
     assert r.returncode == 0, r
