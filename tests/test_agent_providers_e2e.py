@@ -51,7 +51,7 @@ def test_truncated_and_filtered_replies_fail_sessionctl_send(make_daemon, llm: F
 def test_agent_without_a_provider_is_refused_at_create(make_daemon) -> None:
     d = make_daemon('[agent]\nhandler = "agent"\n')
     named = d.ctl("create", "--handler", "agent")
-    assert named.returncode == 1
+    assert named.returncode == 2  # a handler this daemon cannot run, as one it does not allow
     assert "provider.base_url and provider.model is not set" in named.stderr
     # Not named: the offline default, as the start-up log says.
     with d.client() as c:
@@ -64,7 +64,7 @@ def test_half_a_provider_is_refused_at_create_and_at_config_check(make_daemon, t
     d = make_daemon(config)
     for args in (("create",), ("create", "--handler", "agent")):
         r = d.ctl(*args)
-        assert r.returncode == 1 and "provider.model is not set" in r.stderr, r
+        assert r.returncode == 2 and "provider.model is not set" in r.stderr, r
     assert "[provider] is incomplete: provider.model" in d.log
     path = tmp_path / "half.toml"
     path.write_text(config)
