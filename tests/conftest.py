@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from fakellm import FakeLLM
 from harness import Daemon
 
 FAST_CONFIG = """
@@ -35,6 +36,13 @@ def make_daemon(tmp_path: Path) -> Iterator[callable]:
         d.cleanup()
     for d in made:
         d.assert_no_leftovers()
+
+
+@pytest.fixture
+def llm() -> Iterator[FakeLLM]:
+    """A scripted OpenAI-compatible server on loopback (tests/fakellm.py)."""
+    with FakeLLM() as server:
+        yield server
 
 
 @pytest.fixture

@@ -4,23 +4,8 @@ must log."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from fixture_handlers import _Base
 from session_worker.handler import HandlerInit, TurnContext, TurnResult
-
-
-class _Base:
-    def __init__(self, init: HandlerInit) -> None:
-        self.turns = 0
-
-    def restore(self, state: Any, records: list[Any]) -> None:
-        self.turns = int(state or 0) + len(records)
-
-    def snapshot(self) -> Any:
-        return self.turns
-
-    async def aclose(self) -> None:
-        return None
 
 
 class Counter(_Base):

@@ -39,12 +39,6 @@ stop_grace_secs = 1.0
 """
 
 
-@pytest.fixture
-def llm():
-    with FakeLLM() as server:
-        yield server
-
-
 @pytest.fixture(autouse=True)
 def _key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SESSIOND_TEST_KEY", "sk-test-secret-123")

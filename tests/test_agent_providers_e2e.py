@@ -17,12 +17,6 @@ from test_agent_e2e import agent_config
 pytestmark = pytest.mark.process
 
 
-@pytest.fixture
-def llm():
-    with FakeLLM() as server:
-        yield server
-
-
 @pytest.fixture(autouse=True)
 def _key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SESSIOND_TEST_KEY", "sk-test-secret-123")

@@ -37,12 +37,6 @@ SECRET = "sk-audit-canary-0123456789"
 
 
 @pytest.fixture
-def llm() -> Iterator[FakeLLM]:
-    with FakeLLM() as server:
-        yield server
-
-
-@pytest.fixture
 def shared_root() -> Iterator[Path]:
     """A daemon root another user can reach (pytest's temp dirs are root's
     alone), as /var/lib would be."""

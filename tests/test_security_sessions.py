@@ -24,12 +24,6 @@ pytestmark = pytest.mark.process
 SECRET = "U1-secret-4711"
 
 
-@pytest.fixture
-def llm():
-    with FakeLLM() as server:
-        yield server
-
-
 @pytest.fixture(autouse=True)
 def _key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SESSIOND_TEST_KEY", "sk-operator-key-0001")

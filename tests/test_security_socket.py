@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -111,12 +111,6 @@ def rss(pid: int) -> int:
 
 def agent_config(llm: FakeLLM, extra: str = "") -> str:
     return e2e_agent_config(llm, extra, key_env=None)
-
-
-@pytest.fixture
-def llm() -> Iterator[FakeLLM]:
-    with FakeLLM() as server:
-        yield server
 
 
 @pytest.mark.process
