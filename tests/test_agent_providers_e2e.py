@@ -126,8 +126,9 @@ def test_anthropic_kind_through_the_daemon(make_daemon, llm: FakeLLM) -> None:
         Stream([start(), *text_block(0, "Once"), *end("max_tokens")], done=False),
     )
     sid = d.ctl("create").stdout.strip()
-    r = d.ctl("send", sid, "write n.txt")
+    r = d.ctl("send", "--reasoning", sid, "write n.txt")
     assert r.returncode == 0 and r.stdout == "Written.\n", r
+    assert "Write it." in r.stderr  # the thinking, apart from the reply
     follow_up = llm.requests[1]
     assert follow_up.path == "/v1/messages" and follow_up.headers["x-api-key"] == "sk-test-secret-123"
     assert follow_up.json["max_tokens"] == 1000
@@ -138,3 +139,39 @@ def test_anthropic_kind_through_the_daemon(make_daemon, llm: FakeLLM) -> None:
     last = json.loads(cut.stdout.splitlines()[-1])
     assert last["stop_reason"] == "truncated" and last["stop_detail"] == "max_tokens"
     assert json.loads(d.ctl("--json", "status", sid).stdout)["usage"] == {"prompt_tokens": 75, "completion_tokens": 45}
+
+
+def test_reasoning_reaches_only_clients_that_ask_for_it(make_daemon, llm: FakeLLM) -> None:
+    from fakellm import chunk
+
+    def reasoned(text: str, thought: str) -> Stream:
+        stream = text_stream(text)
+        stream.events.insert(1, chunk({"reasoning_content": thought, "content": None}))
+        return stream
+
+    d = make_daemon(agent_config(llm))
+    llm.script(reasoned("one", "thought one"), reasoned("two", "thought two"), reasoned("three", "thought three"))
+    sid = d.ctl("create").stdout.strip()
+    # An old client (nothing announced in Hello): the reply alone, and it decodes every frame.
+    plain = d.ctl("send", sid, "a")
+    assert plain.returncode == 0 and plain.stdout == "one\n" and plain.stderr == ""
+    shown = d.ctl("send", "--reasoning", sid, "b")
+    assert shown.returncode == 0 and shown.stdout == "two\n" and shown.stderr == "thought two"
+    lines = [json.loads(x) for x in d.ctl("--json", "send", "--reasoning", sid, "c").stdout.splitlines()]
+    (reasoning,) = [x for x in lines if x["type"] == "reasoning"]
+    assert reasoning["text"] == "thought three" and reasoning["session"] == sid
+    texts = [x for x in lines if x["type"] == "text"]
+    assert reasoning["seq"] < texts[0]["seq"] and "".join(x["text"] for x in texts) == "three"
+    # Live only: a replay has the text, not the reasoning.
+    from supervisor.client import Client
+    from ipc import messages as m
+
+    last = lines[-1]["seq"]
+    with Client(d.socket, reasoning=True) as c:
+        replayed = []
+        for ev in c.attach(sid, from_seq=1):
+            replayed.append(ev)
+            if ev.seq >= last:
+                break
+    assert any(isinstance(e, m.TextDelta) for e in replayed)
+    assert not any(isinstance(e, m.ReasoningDelta) for e in replayed)
