@@ -34,7 +34,7 @@ __all__ = [
     # daemon -> client
     "Welcome", "Error", "ErrorCode", "Ok", "Created", "Accepted", "Attached",
     "StatusReply", "SessionList", "StatsReply", "Pong", "Repaired", "ExitInfo", "SessionInfo",
-    "TextDelta", "TurnDone", "TurnFailed", "StateChanged", "LimitExceeded", "Notice",
+    "TextDelta", "ReasoningDelta", "TurnDone", "TurnFailed", "StateChanged", "LimitExceeded", "Notice",
     "PermissionRequest", "Gap", "Lagged", "Event", "Reply", "EVENT_TYPES",
     # daemon <-> worker
     "Boot", "Input", "InterruptTurn", "WorkerPing", "Shutdown", "PermissionAnswer",
@@ -72,6 +72,12 @@ class ErrorCode(enum.StrEnum):
 # `Hello.error_codes`; older clients get `internal` with the same message.
 NEW_ERROR_CODES = frozenset({ErrorCode.NO_SPACE})
 
+# Event tags added after protocol 1 shipped.  A client decodes events as a
+# tagged union, and msgspec rejects a tag it does not know (the frame fails
+# to decode and the client drops the connection), so these are delivered
+# only to clients that list them in `Hello.events`; others never see them.
+NEW_EVENT_TAGS = frozenset({"reasoning"})
+
 
 # ---------------------------------------------------------------- client -> daemon
 
@@ -81,6 +87,8 @@ class Hello(_Msg, tag="hello"):
     client: str = ""
     # Error codes of NEW_ERROR_CODES this client can decode.
     error_codes: list[str] = []
+    # Event tags of NEW_EVENT_TAGS this client wants (and can decode).
+    events: list[str] = []
 
 
 class Create(_Msg, tag="create"):
@@ -291,6 +299,20 @@ class TextDelta(_Msg, tag="text"):
     text: str
 
 
+class ReasoningDelta(_Msg, tag="reasoning"):
+    """A piece of the model's reasoning (DeepSeek/Kimi `reasoning_content`,
+    Anthropic thinking): not reply text, for clients to show or hide.  Sent
+    only to clients that announced "reasoning" in `Hello.events`, and only
+    live: not retained for `Attach{from_seq}` (thinking can be far longer
+    than the reply and would push the events that matter out of the
+    retained window), so a replay skips its seq numbers."""
+
+    session: str
+    seq: int
+    turn: int
+    text: str
+
+
 class TurnDone(_Msg, tag="turn_done"):
     session: str
     seq: int
@@ -366,17 +388,17 @@ class Lagged(_Msg, tag="lagged"):
 
 
 Event = (
-    TextDelta | TurnDone | TurnFailed | StateChanged | LimitExceeded | Notice
+    TextDelta | ReasoningDelta | TurnDone | TurnFailed | StateChanged | LimitExceeded | Notice
     | PermissionRequest | Gap | Lagged
 )
 EVENT_TYPES = (
-    TextDelta, TurnDone, TurnFailed, StateChanged, LimitExceeded, Notice,
+    TextDelta, ReasoningDelta, TurnDone, TurnFailed, StateChanged, LimitExceeded, Notice,
     PermissionRequest, Gap, Lagged,
 )
 
 Reply = (
     Welcome | Error | Ok | Created | Accepted | Attached | StatusReply | SessionList
-    | StatsReply | Pong | Repaired | TextDelta | TurnDone | TurnFailed | StateChanged
+    | StatsReply | Pong | Repaired | TextDelta | ReasoningDelta | TurnDone | TurnFailed | StateChanged
     | LimitExceeded | Notice | PermissionRequest | Gap | Lagged
 )
 
@@ -460,6 +482,11 @@ class Delta(_Msg, tag="delta"):
     text: str
 
 
+class WorkerReasoning(_Msg, tag="reasoning"):
+    turn: int
+    text: str
+
+
 class WorkerNotice(_Msg, tag="notice"):
     turn: int
     kind: str
@@ -513,7 +540,7 @@ class SpawnAgent(_Msg, tag="spawn"):
 
 
 FromWorker = (
-    Ready | BootFailed | Delta | WorkerNotice | WorkerLimit | Done | Failed | Heartbeat
+    Ready | BootFailed | Delta | WorkerReasoning | WorkerNotice | WorkerLimit | Done | Failed | Heartbeat
     | WorkerPong | AskPermission | SpawnAgent
 )
 

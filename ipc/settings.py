@@ -106,8 +106,11 @@ class AgentSettings(ConfigSection):
 
 
 class ProviderSettings(ConfigSection):
-    kind: Literal["openai"] = "openai"
-    # e.g. "https://api.openai.com/v1" or "http://127.0.0.1:8000/v1"; unset = no provider.
+    # "openai": POST {base_url}/chat/completions (OpenAI and the servers that
+    # copy it); "anthropic": POST {base_url}/messages, Anthropic's Messages API.
+    kind: Literal["openai", "anthropic"] = "openai"
+    # e.g. "https://api.openai.com/v1", "https://api.anthropic.com/v1" or
+    # "http://127.0.0.1:8000/v1"; unset = no provider.
     base_url: str | None = None
     model: str | None = None
     # Name of the environment variable that holds the API key (never the key itself).
@@ -126,6 +129,20 @@ class ProviderSettings(ConfigSection):
     # Older Azure API versions and some proxies answer 400 to it: turn it off
     # for them (a server that rejects it by name is also retried without it).
     stream_usage: bool = True
+    # Most output tokens per model call.  Anthropic requires one: 4096 when
+    # unset.  OpenAI-compatible servers get `max_tokens` only when it is set.
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    # Anthropic extended thinking: `thinking: {type: enabled, budget_tokens}`
+    # when > 0 (Anthropic wants at least 1024, and less than max_tokens).
+    thinking_budget_tokens: NonNegInt = 0
+    # Which reasoning text (DeepSeek/Kimi `reasoning_content`, OpenRouter/vLLM
+    # `reasoning`, Anthropic thinking blocks) is sent back in the history:
+    # "tool_turns": on the assistant messages of the running turn only, which
+    # is what DeepSeek and Anthropic require after a tool call (DeepSeek
+    # answers 400 without it) and what DeepSeek asks for earlier turns (leave
+    # it out); "all": every turn's (Kimi's thinking models keep it all);
+    # "none": never (servers that reject the field).
+    reasoning_history: Literal["tool_turns", "all", "none"] = "tool_turns"
 
     @property
     def configured(self) -> bool:

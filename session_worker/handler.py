@@ -106,6 +106,11 @@ class TurnContext(abc.ABC):
         """Tell attached clients something that is not reply text
         (a tool call starting or finishing, a compaction)."""
 
+    def reasoning(self, text: str) -> None:
+        """Stream a piece of the model's reasoning (not reply text) to the
+        clients that asked for it.  Not abstract: a context that cannot
+        deliver it drops it."""
+
     @abc.abstractmethod
     def limit_exceeded(self, kind: str, value: float, limit: float) -> None:
         """Report that a limit of the loop (e.g. kind="turns") was reached."""

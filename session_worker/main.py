@@ -71,6 +71,11 @@ class _Context(TurnContext):
             self.streamed.append(text)
             self._worker.send(m.Delta(turn=self.turn, text=text))
 
+    def reasoning(self, text: str) -> None:
+        # Not in `streamed`: an interrupted turn keeps its reply text only.
+        if text:
+            self._worker.send(m.WorkerReasoning(turn=self.turn, text=text))
+
     def notice(self, kind: str, data: dict[str, Any]) -> None:
         self._worker.send(m.WorkerNotice(turn=self.turn, kind=kind, data=data))
 

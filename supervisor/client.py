@@ -95,7 +95,11 @@ class AsyncClient:
         *,
         client_name: str = "sessiond-python",
         timeout: float = 5.0,
+        reasoning: bool = False,
     ) -> AsyncClient:
+        """`reasoning`: also receive `ReasoningDelta` events (the model's
+        reasoning, live only); off, the daemon sends none, as to clients
+        older than them."""
         path = str(socket_path or default_socket_path())
         loop = asyncio.get_running_loop()
         client: AsyncClient | None = None
@@ -137,7 +141,8 @@ class AsyncClient:
         fut = loop.create_future()
         client._pending[0] = fut
         proto.send(m.Hello(protocol=m.PROTOCOL_VERSION, client=client_name,
-                           error_codes=sorted(m.NEW_ERROR_CODES)))
+                           error_codes=sorted(m.NEW_ERROR_CODES),
+                           events=["reasoning"] if reasoning else []))
         for msg in early:
             client._dispatch(msg)
         if early_close:
@@ -321,12 +326,13 @@ class Client:
     """Blocking wrapper around AsyncClient, with its own event loop."""
 
     def __init__(
-        self, socket_path: str | os.PathLike[str] | None = None, *, client_name: str = "sessiond-python"
+        self, socket_path: str | os.PathLike[str] | None = None, *, client_name: str = "sessiond-python",
+        reasoning: bool = False,
     ) -> None:
         self._loop = new_event_loop()
         try:
             self._client = self._loop.run_until_complete(
-                AsyncClient.connect(socket_path, client_name=client_name)
+                AsyncClient.connect(socket_path, client_name=client_name, reasoning=reasoning)
             )
         except BaseException:
             self._loop.close()

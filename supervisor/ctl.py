@@ -96,8 +96,10 @@ def _parser() -> argparse.ArgumentParser:
     p = add("send", "send an input; streams the reply")
     p.add_argument("id")
     p.add_argument("text")
+    p.add_argument("--reasoning", action="store_true", help=_REASONING_HELP)
     p = add("attach", "stream a session's events")
     p.add_argument("id")
+    p.add_argument("--reasoning", action="store_true", help=_REASONING_HELP)
     p.add_argument("--from", dest="from_seq", type=int, help="replay retained events from this seq")
     add("ls", "list sessions")
     for name, help_text in (
@@ -212,10 +214,23 @@ def _permission_text(ev: m.PermissionRequest) -> str:
     return f"{ev.tool} {json.dumps(ev.arguments, ensure_ascii=False)}"
 
 
+_REASONING_HELP = "also show the model's reasoning (dimmed, on stderr; with --json, as events)"
+
+
+def _print_reasoning(text: str) -> None:
+    # stderr, so that stdout stays the reply alone; dimmed on a terminal.
+    if sys.stderr.isatty():
+        text = f"\x1b[2m{text}\x1b[0m"
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
 def _print_event(ev: Any) -> None:
     match ev:
         case m.TextDelta(text=text):
             sys.stdout.write(text)
+        case m.ReasoningDelta(text=text):
+            _print_reasoning(text)
         case m.TurnDone(turn=turn, interrupted=interrupted, stop_reason=stop):
             how = " (interrupted)" if interrupted else f" ({stop})" if stop else ""
             print(f"\n[turn {turn} done{how}]")
@@ -264,7 +279,9 @@ def _read_answer(prompt: str) -> bool:
 
 async def _run(args: argparse.Namespace) -> int:
     as_json: bool = args.json
-    client = await AsyncClient.connect(args.socket, client_name="sessionctl")
+    client = await AsyncClient.connect(
+        args.socket, client_name="sessionctl", reasoning=getattr(args, "reasoning", False)
+    )
     try:
         match args.command:
             case "create":
@@ -431,6 +448,8 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> 
                 sys.stdout.flush()
                 streamed.append(delta)
                 ended_with_newline = delta.endswith("\n")
+            case m.ReasoningDelta(text=thought) if not as_json:
+                _print_reasoning(thought)
             case m.PermissionRequest() if interactive:
                 asks.add(asyncio.create_task(_ask_on_terminal(client, session, ev)))
             case m.Notice(kind=kind, data=data) if not as_json:

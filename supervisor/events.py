@@ -65,6 +65,16 @@ class EventLog:
         for sub in list(session.subscribers):
             sub.deliver(frame)
 
+    def emit_live(self, session: Session, event: m.ReasoningDelta) -> None:
+        """An event of NEW_EVENT_TAGS: to the subscribers that asked for its
+        tag, not retained (see `ReasoningDelta`)."""
+        tag = type(event).__struct_config__.tag
+        frame: bytes | bytearray | None = None
+        for sub in list(session.subscribers):
+            if tag in sub.event_tags:
+                frame = frame or self._encoder.encode(event)
+                sub.deliver(frame)
+
     def emit_limit(self, session: Session, kind: LimitKind, value: float, limit: float) -> None:
         self.emit(
             session,

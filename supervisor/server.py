@@ -74,6 +74,8 @@ class ClientConn:
         self.said_hello = False
         # Error codes newer than protocol 1 that this client said it decodes.
         self.error_codes: frozenset[str] = frozenset()
+        # Event tags newer than protocol 1 that this client asked for.
+        self.event_tags: frozenset[str] = frozenset()
         self.counted = False  # toward max_connections_per_uid
         self._hello_timer: asyncio.TimerHandle | None = None
 
@@ -182,6 +184,7 @@ class ClientConn:
             return
         self.said_hello = True
         self.error_codes = frozenset(msg.error_codes) & m.NEW_ERROR_CODES
+        self.event_tags = frozenset(msg.events) & m.NEW_EVENT_TAGS
         if self._hello_timer is not None:
             self._hello_timer.cancel()
         if msg.client:

@@ -51,6 +51,8 @@ class Subscriber(Protocol):
     """A client attached to sessions (supervisor.server.ClientConn)."""
 
     uid: int
+    # Tags of m.NEW_EVENT_TAGS this subscriber asked for in its Hello.
+    event_tags: frozenset[str]
 
     def deliver(self, frame: bytes | bytearray) -> None: ...
 

@@ -190,6 +190,12 @@ class WorkerOwner:
                         session,
                         m.TextDelta(session=session.id, seq=events.next_seq(session), turn=turn, text=text),
                     )
+            case m.WorkerReasoning(turn=turn, text=text):
+                if turn == session.current_turn:
+                    events.emit_live(
+                        session,
+                        m.ReasoningDelta(session=session.id, seq=events.next_seq(session), turn=turn, text=text),
+                    )
             case m.Done():
                 self._ledger.commit(session, worker, msg)
             case m.Failed():

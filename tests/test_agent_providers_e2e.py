@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from fakellm import FakeLLM, text_stream
+from fakellm import FakeLLM, Stream, text_stream
 from harness import env_for_children, wait_for
 from test_agent_e2e import agent_config
 
@@ -97,3 +97,75 @@ def test_status_json_usage_sums_turns_and_survives_a_restart(make_daemon, llm: F
     d.start()
     assert json.loads(d.ctl("--json", "status", sid).stdout)["usage"] == want
     assert json.loads(d.ctl("--json", "ls").stdout)["sessions"][0]["usage"] == want
+
+
+def test_anthropic_kind_through_the_daemon(make_daemon, llm: FakeLLM) -> None:
+    from test_agent_anthropic import answer, end, ev, start, text_block
+
+    config = agent_config(llm).replace("[provider]\n", '[provider]\nkind = "anthropic"\nmax_tokens = 1000\n')
+    d = make_daemon(config)
+    llm.script(
+        Stream([
+            start(),
+            ev("content_block_start", index=0, content_block={"type": "thinking", "thinking": "", "signature": ""}),
+            ev("content_block_delta", index=0, delta={"type": "thinking_delta", "thinking": "Write it."}),
+            ev("content_block_delta", index=0, delta={"type": "signature_delta", "signature": "c2ln"}),
+            ev("content_block_stop", index=0),
+            ev("content_block_start", index=1, content_block={"type": "tool_use", "id": "toolu_1", "name": "write_file", "input": {}}),
+            ev("content_block_delta", index=1, delta={"type": "input_json_delta", "partial_json": '{"path": "n.txt", "content": "hi"}'}),
+            ev("content_block_stop", index=1),
+            *end("tool_use"),
+        ], done=False),
+        answer("Written."),
+        Stream([start(), *text_block(0, "Once"), *end("max_tokens")], done=False),
+    )
+    sid = d.ctl("create").stdout.strip()
+    r = d.ctl("send", "--reasoning", sid, "write n.txt")
+    assert r.returncode == 0 and r.stdout == "Written.\n", r
+    assert "Write it." in r.stderr  # the thinking, apart from the reply
+    follow_up = llm.requests[1]
+    assert follow_up.path == "/v1/messages" and follow_up.headers["x-api-key"] == "sk-test-secret-123"
+    assert follow_up.json["max_tokens"] == 1000
+    assert follow_up.json["messages"][1]["content"][0] == {"type": "thinking", "thinking": "Write it.", "signature": "c2ln"}
+    assert follow_up.json["messages"][2]["content"][0]["type"] == "tool_result"
+    cut = d.ctl("--json", "send", sid, "story")
+    assert cut.returncode == 1
+    last = json.loads(cut.stdout.splitlines()[-1])
+    assert last["stop_reason"] == "truncated" and last["stop_detail"] == "max_tokens"
+    assert json.loads(d.ctl("--json", "status", sid).stdout)["usage"] == {"prompt_tokens": 75, "completion_tokens": 45}
+
+
+def test_reasoning_reaches_only_clients_that_ask_for_it(make_daemon, llm: FakeLLM) -> None:
+    from fakellm import chunk
+
+    def reasoned(text: str, thought: str) -> Stream:
+        stream = text_stream(text)
+        stream.events.insert(1, chunk({"reasoning_content": thought, "content": None}))
+        return stream
+
+    d = make_daemon(agent_config(llm))
+    llm.script(reasoned("one", "thought one"), reasoned("two", "thought two"), reasoned("three", "thought three"))
+    sid = d.ctl("create").stdout.strip()
+    # An old client (nothing announced in Hello): the reply alone, and it decodes every frame.
+    plain = d.ctl("send", sid, "a")
+    assert plain.returncode == 0 and plain.stdout == "one\n" and plain.stderr == ""
+    shown = d.ctl("send", "--reasoning", sid, "b")
+    assert shown.returncode == 0 and shown.stdout == "two\n" and shown.stderr == "thought two"
+    lines = [json.loads(x) for x in d.ctl("--json", "send", "--reasoning", sid, "c").stdout.splitlines()]
+    (reasoning,) = [x for x in lines if x["type"] == "reasoning"]
+    assert reasoning["text"] == "thought three" and reasoning["session"] == sid
+    texts = [x for x in lines if x["type"] == "text"]
+    assert reasoning["seq"] < texts[0]["seq"] and "".join(x["text"] for x in texts) == "three"
+    # Live only: a replay has the text, not the reasoning.
+    from supervisor.client import Client
+    from ipc import messages as m
+
+    last = lines[-1]["seq"]
+    with Client(d.socket, reasoning=True) as c:
+        replayed = []
+        for ev in c.attach(sid, from_seq=1):
+            replayed.append(ev)
+            if ev.seq >= last:
+                break
+    assert any(isinstance(e, m.TextDelta) for e in replayed)
+    assert not any(isinstance(e, m.ReasoningDelta) for e in replayed)

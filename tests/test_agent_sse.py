@@ -123,7 +123,7 @@ def test_comment_only_and_blank_lines_dispatch_nothing() -> None:
 
 def feed_all(*chunks: dict[str, object]) -> tuple[StreamAssembler, str]:
     assembler = StreamAssembler()
-    text = "".join(assembler.feed(c) for c in chunks)
+    text = "".join(assembler.feed(c)[0] for c in chunks)
     return assembler, text
 
 

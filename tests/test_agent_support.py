@@ -72,6 +72,7 @@ class FakeCtx(TurnContext):
         self.workspace = workspace
         self.depth = depth
         self.emits: list[str] = []
+        self.reasonings: list[str] = []
         self.notices: list[tuple[str, dict[str, Any]]] = []
         self.limits: list[tuple[str, float, float]] = []
         self.asked: list[tuple[str, dict[str, Any]]] = []
@@ -88,6 +89,9 @@ class FakeCtx(TurnContext):
 
     def emit(self, text: str) -> None:
         self.emits.append(text)
+
+    def reasoning(self, text: str) -> None:
+        self.reasonings.append(text)
 
     def notice(self, kind: str, data: dict[str, Any]) -> None:
         self.notices.append((kind, data))

@@ -38,6 +38,7 @@ class Recorder:
     """A Subscriber that keeps every event it is sent."""
 
     uid = 0
+    event_tags = frozenset({"reasoning"})
 
     def __init__(self) -> None:
         self.events: list[Any] = []

@@ -4,9 +4,11 @@ Module map (all private; `AgentHandler` is the whole public surface):
 
 * `_handler`     AgentHandler: owns provider, tools and history; one Turn per input
 * `_loop`        one turn: compaction, streaming, tool dispatch, interrupts
-* `_provider`    OpenAI-compatible streaming client (httpx), retries, redaction
+* `_provider`    streaming client (httpx), retries, redaction, error descriptions
+* `_dialect`     what differs per API: endpoint, headers, request body, assembler (pure)
 * `_sse`         incremental server-sent-events parser (pure)
-* `_stream`      chunk → text deltas and assembled tool calls (pure)
+* `_stream`      OpenAI chunk → text/reasoning deltas and assembled tool calls (pure)
+* `_anthropic`   Messages API request body and stream events (pure)
 * `_tools`       registry, schema checks; `_builtins`, `_bash`, `_custom`: the tools
 * `_permissions` first-match permission rules (pure)
 * `_compaction`  token estimate and where to cut (pure)

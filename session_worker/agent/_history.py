@@ -2,7 +2,9 @@
 
 State: the conversation as OpenAI-format message dicts (system prompt not
 included: it comes from settings at request time) plus the summary of what
-compaction removed.  Every change is an *op*, a plain msgpack-able dict:
+compaction removed.  An assistant message may also keep the model's
+reasoning (`REASONING_KEYS`), for the dialect to send back or leave out
+(`reasoning_for_request`).  Every change is an *op*, a plain msgpack-able dict:
 
 * `{"op": "append", "message": {...}}`
 * `{"op": "compact", "drop": N, "summary": str | None}`: the first N
@@ -21,7 +23,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["History", "Journal", "RECORD_VERSION", "well_formed"]
+__all__ = ["History", "Journal", "REASONING_KEYS", "RECORD_VERSION", "reasoning_for_request", "well_formed"]
 
 RECORD_VERSION = 1
 
@@ -112,4 +114,32 @@ def well_formed(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out[-1] = {**previous, "content": f"{previous['content']}\n\n{message['content']}"}
         else:
             out.append(message)
+    return out
+
+
+# Keys of an assistant message that hold reasoning: `reasoning_content`
+# (DeepSeek, Kimi), `reasoning` (OpenRouter, vLLM), `thinking_blocks`
+# (Anthropic's signed thinking and redacted_thinking blocks).
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking_blocks")
+
+
+def reasoning_for_request(
+    messages: list[dict[str, Any]], mode: str, keep: tuple[str, ...] = REASONING_KEYS
+) -> list[dict[str, Any]]:
+    """`messages` with the reasoning a request carries (`provider.
+    reasoning_history`): "all", "none", or "tool_turns": only on the
+    assistant messages after the last user message, i.e. the tool calls of
+    the running turn, which DeepSeek and Anthropic need back (DeepSeek
+    answers 400 without it) and nothing earlier (DeepSeek asks to leave it
+    out).  Reasoning keys not in `keep` (another dialect's) always go.
+    Pure; the stored history is left as it is."""
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if message.get("role") == "assistant" and any(k in message for k in REASONING_KEYS):
+            sent = mode == "all" or (mode == "tool_turns" and i > last_user)
+            drop = REASONING_KEYS if not sent else tuple(k for k in REASONING_KEYS if k not in keep)
+            if any(k in message for k in drop):
+                message = {k: v for k, v in message.items() if k not in drop}
+        out.append(message)
     return out

@@ -127,7 +127,9 @@ class Turn:
         and no tool call of it runs (a truncated call's arguments may be cut
         mid-JSON, and a filtered reply is not the model's whole intent)."""
         detail = completion.finish_reason or ""
-        message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+        message: dict[str, Any] = {
+            "role": "assistant", "content": completion.text, **completion.history_fields,
+        }
         if completion.tool_calls:
             names = ", ".join(c.name or "?" for c in completion.tool_calls)
             self._ctx.notice(
@@ -177,7 +179,12 @@ class Turn:
         self._partial = []
         messages = self._request_messages()
         completion = await self._provider.stream_chat(
-            messages, self._tools.schemas(), self._on_text, self._on_retry, self._deadline
+            messages,
+            self._tools.schemas(),
+            self._on_text,
+            self._on_retry,
+            self._deadline,
+            self._on_reasoning,
         )
         self._partial = None
         self._count(completion)
@@ -198,6 +205,10 @@ class Turn:
         if self._partial is not None:
             self._partial.append(text)
         self._emit(text)
+
+    def _on_reasoning(self, text: str) -> None:
+        # Not reply text: clients get it as its own event kind, to show or hide.
+        self._ctx.reasoning(text)
 
     def _emit(self, text: str) -> None:
         self._reply.append(text)
@@ -359,8 +370,9 @@ def _parse_arguments(raw: str) -> dict[str, Any] | str:
 
 
 def _assistant_message(completion: Completion) -> dict[str, Any]:
+    # `history_fields`: the reasoning, kept for the dialect to send back.
     if not completion.tool_calls:
-        return {"role": "assistant", "content": completion.text}
+        return {"role": "assistant", "content": completion.text, **completion.history_fields}
     calls = []
     for call in completion.tool_calls:
         # Invalid JSON goes back as "{}": some servers re-parse the history's
@@ -377,5 +389,10 @@ def _assistant_message(completion: Completion) -> dict[str, Any]:
                 "function": {"name": call.name or _NO_NAME, "arguments": arguments},
             }
         )
-    return {"role": "assistant", "content": completion.text or None, "tool_calls": calls}
+    return {
+        "role": "assistant",
+        "content": completion.text or None,
+        "tool_calls": calls,
+        **completion.history_fields,
+    }
 

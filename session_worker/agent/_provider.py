@@ -1,4 +1,8 @@
-"""OpenAI-compatible streaming client for `POST {base_url}/chat/completions`.
+"""Streaming LLM client: `POST {base_url}/chat/completions` (OpenAI and
+compatible servers) or `POST {base_url}/messages` (Anthropic), chosen by
+`provider.kind`.  What differs between the two (endpoint, headers, request
+body, stream events) is the `_dialect`'s; HTTP, retries, SSE, error
+descriptions and flushing text to the client are shared, here.
 
 Runs in the worker's event loop.  One `httpx.AsyncClient` per handler, so
 connections are reused across the LLM calls of a session.
@@ -55,8 +59,9 @@ from session_worker.agent._errors import (
     ProviderHTTPError,
     ProviderStreamError,
 )
+from session_worker.agent._dialect import dialect_for
 from session_worker.agent._sse import SSEParser
-from session_worker.agent._stream import Completion, StreamAssembler, describe_error
+from session_worker.agent._stream import Assembler, Completion, Delta, describe_error
 from ipc.settings import ProviderSettings
 
 __all__ = ["Provider", "redact"]
@@ -114,9 +119,8 @@ class Provider:
                     f"environment variable {settings.api_key_env} "
                     "(provider.api_key_env) is not set"
                 )
-        headers = {"Accept": "text/event-stream"}
-        if self._key:
-            headers["Authorization"] = f"Bearer {self._key}"
+        self._dialect = dialect_for(settings)
+        headers = {"Accept": "text/event-stream", **self._dialect.headers(self._key)}
         timeout = httpx.Timeout(
             connect=settings.connect_timeout_secs,
             read=settings.read_timeout_secs,
@@ -129,7 +133,7 @@ class Provider:
         self._client = httpx.AsyncClient(
             headers=headers, timeout=timeout, trust_env=False, verify=verify
         )
-        self._url = f"{base}/chat/completions"
+        self._url = f"{base}{self._dialect.path}"
         # Optional parameters this server rejected (see the module docstring).
         self._dropped: set[str] = set()
 
@@ -146,26 +150,20 @@ class Provider:
         on_text: OnText,
         on_retry: OnRetry | None = None,
         deadline: float | None = None,
+        on_reasoning: OnText | None = None,
     ) -> Completion:
-        """One completion; `on_text` gets each text delta as it arrives.
+        """One completion; `on_text` gets each text delta as it arrives,
+        `on_reasoning` each piece of reasoning text.
 
         `deadline` (time.monotonic()) is when the turn times out: a retry
         that would start after it is not waited for; the turn fails now,
         with the provider's error, instead of being killed mid-wait."""
         if self._key_problem is not None:
             raise ProviderError(self._key_problem)
-        body: dict[str, Any] = {
-            "model": self._settings.model,
-            "messages": messages,
-            "stream": True,
-        }
-        if self._settings.stream_usage and "stream_options" not in self._dropped:
-            body["stream_options"] = {"include_usage": True}
-        if tools:
-            body["tools"] = tools
+        body = self._dialect.body(messages, tools, self._dropped)
         attempt = 0
         while True:
-            failure = await self._attempt(body, on_text)
+            failure = await self._attempt(body, on_text, on_reasoning or _ignore)
             if isinstance(failure, Completion):
                 return failure
             error, retry_after = failure
@@ -207,7 +205,7 @@ class Provider:
         return min(backoff, cap)
 
     async def _attempt(
-        self, body: dict[str, Any], on_text: OnText
+        self, body: dict[str, Any], on_text: OnText, on_reasoning: OnText
     ) -> Completion | tuple[ProviderError, float | None]:
         """One HTTP exchange.  Returns the completion, or the error and,
         when it may be retried, the wait the server asked for (0 = ours)."""
@@ -228,7 +226,7 @@ class Provider:
                             response.headers.get("retry-after-ms"),
                         )
                     return error, None
-                return await self._read(response, on_text)
+                return await self._read(response, on_text, on_reasoning)
         except httpx.ConnectError as exc:
             problem, retryable = f"cannot connect to provider at {self._url}: {exc}", True
         except httpx.ConnectTimeout:
@@ -246,23 +244,31 @@ class Provider:
         stream_error = ProviderStreamError(self.redact(problem))
         return stream_error, (0.0 if retryable else None)
 
-    async def _read(self, response: httpx.Response, on_text: OnText) -> Completion:
-        assembler = StreamAssembler()
+    async def _read(self, response: httpx.Response, on_text: OnText, on_reasoning: OnText) -> Completion:
+        assembler = self._dialect.assembler()
         content_type = response.headers.get("content-type", "")
         if "application/json" in content_type:
             # A server that ignored `stream: true` answers with one object.
             raw = await response.aread()
-            text = assembler.feed(_json(raw, self.redact))
+            text, reasoning = assembler.feed(_json(raw, self.redact))
+            if reasoning:
+                on_reasoning(reasoning)
             if text:
                 on_text(text)
             return assembler.finish()
         parser = SSEParser()
         feed = parser.feed
         take = self._take
-        # Text of the events in hand, not yet passed on.
+        # Text and reasoning of the events in hand, not yet passed on.
         pending: list[str] = []
+        pending_reasoning: list[str] = []
 
         def flush() -> None:
+            # Reasoning first: within one read it came before the text.
+            if pending_reasoning:
+                reasoning = "".join(pending_reasoning)
+                pending_reasoning.clear()
+                on_reasoning(reasoning)
             if pending:
                 text = "".join(pending)
                 pending.clear()
@@ -281,14 +287,17 @@ class Provider:
                     if added is None:
                         done = True
                         break
-                    if added:
-                        pending.append(added)
-                        if not started:
-                            # The first text goes at once, not after the
-                            # rest of its read: time to first token is what
-                            # a user feels, and it costs one more frame.
-                            started = True
-                            flush()
+                    text, reasoning = added
+                    if reasoning:
+                        pending_reasoning.append(reasoning)
+                    if text:
+                        pending.append(text)
+                    if (text or reasoning) and not started:
+                        # The first text goes at once, not after the
+                        # rest of its read: time to first token is what
+                        # a user feels, and it costs one more frame.
+                        started = True
+                        flush()
         finally:
             # Also on an error: the text before it was the model's, as
             # when each event was passed on by itself.
@@ -306,18 +315,22 @@ class Provider:
                 added = take(event.data, event.event, assembler)
                 if added is None:
                     done = True
-                elif added:
-                    on_text(added)
-        if not done and assembler.finish_reason is None:
+                    break
+                if added[1]:
+                    on_reasoning(added[1])
+                if added[0]:
+                    on_text(added[0])
+        if not done and not assembler.complete:
             raise ProviderStreamError(
                 "provider stream ended before the response was complete "
-                "(no finish_reason and no [DONE])"
+                "(no finish or stop reason, and no end-of-stream event)"
             )
         return assembler.finish()
 
-    def _take(self, data: str, event: str, assembler: StreamAssembler) -> str | None:
-        """Feed one event's data to `assembler`: the text it adds, or None
-        for the `[DONE]` sentinel."""
+    def _take(self, data: str, event: str, assembler: Assembler) -> Delta | None:
+        """Feed one event's data to `assembler`: the text and reasoning it
+        adds, or None at the end of the stream (OpenAI's `[DONE]`, Anthropic's
+        `message_stop`)."""
         if data.strip() == "[DONE]":
             return None
         chunk = _json(data, self.redact)
@@ -325,10 +338,17 @@ class Provider:
             chunk = {"error": chunk}
         problem: str | None = None
         try:
-            return assembler.feed(chunk)
+            added = assembler.feed(chunk, event)
         except ProviderError as exc:
             problem = str(exc)
+        else:
+            # message_stop carries no text; `ended` is only ever set by one.
+            return None if assembler.ended else added
         raise ProviderError(self.redact(problem))
+
+
+def _ignore(_: str) -> None:
+    pass
 
 
 @types.coroutine

@@ -11,6 +11,13 @@ here rather than spread over the provider:
 * Ollama: `role` repeated in every chunk, a whole tool call in one chunk,
   older versions without `index` on tool calls, `finish_reason: "stop"` even
   when it called tools (so tool calls are run whatever the finish reason).
+* DeepSeek (thinking mode) and Kimi: reasoning text in
+  `delta.reasoning_content`; OpenRouter and vLLM: in `delta.reasoning`.  It
+  is kept under the key it came in, to be sent back the way the server knows
+  (see `_history.reasoning_for_request`).
+
+Anthropic's Messages API has its own assembler (`_anthropic`); both meet the
+`Assembler` protocol the provider reads a stream with.
 """
 
 from __future__ import annotations
@@ -18,13 +25,13 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from session_worker.agent._errors import ProviderError
 from ipc.contract import StopReason
 
 __all__ = [
-    "Completion", "StreamAssembler", "ToolCall", "describe_error", "stop_reason_of", "usage_counts",
+    "Assembler", "Completion", "Delta", "StreamAssembler", "ToolCall", "describe_error", "stop_reason_of", "usage_counts",
 ]
 
 # Provider finish/stop reasons that mean the reply did not end by itself:
@@ -64,6 +71,38 @@ class Completion:
     tool_calls: list[ToolCall]
     finish_reason: str | None
     usage: dict[str, Any] | None
+    # The model's reasoning text, as streamed to the client (not reply text).
+    reasoning: str = ""
+    # Keys the assistant message keeps in the history so that the dialect
+    # can send the reasoning back (`reasoning_content`, `reasoning`, or
+    # Anthropic's signed `thinking_blocks`); the loop only copies them.
+    history_fields: dict[str, Any] = field(default_factory=dict)
+
+
+# What one stream event adds: (reply text, reasoning text), "" for none.
+Delta = tuple[str, str]
+
+
+class Assembler(Protocol):
+    """One completion being read from a stream, whatever the dialect."""
+
+    def feed(self, chunk: Any, event: str = "") -> Delta:
+        """Take one decoded event (`event`: the SSE event name, "" if none);
+        raises ProviderError for an error the stream reports."""
+        ...
+
+    @property
+    def ended(self) -> bool:
+        """The stream said it is over (Anthropic `message_stop`); OpenAI's
+        `[DONE]` is not JSON and is seen by the provider instead."""
+        ...
+
+    @property
+    def complete(self) -> bool:
+        """Enough was seen to accept a stream that ends without its end mark."""
+        ...
+
+    def finish(self) -> Completion: ...
 
 
 @dataclass(slots=True)
@@ -83,13 +122,24 @@ class StreamAssembler:
         self._remap: dict[int, int] = {}
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
+        self._reasoning: list[str] = []
+        # `reasoning_content` or `reasoning`: whichever the server used.
+        self._reasoning_key = "reasoning_content"
 
     @property
     def text(self) -> str:
         return "".join(self._text)
 
-    def feed(self, chunk: Any) -> str:
-        """Take one decoded chunk; return the reply text it adds ("" if none)."""
+    @property
+    def ended(self) -> bool:
+        return False
+
+    @property
+    def complete(self) -> bool:
+        return self.finish_reason is not None
+
+    def feed(self, chunk: Any, event: str = "") -> Delta:
+        """Take one decoded chunk; return the reply and reasoning text it adds."""
         if not isinstance(chunk, dict):
             raise ProviderError("provider sent a stream chunk that is not a JSON object")
         if chunk.get("error") is not None:
@@ -98,6 +148,7 @@ class StreamAssembler:
         if isinstance(usage, dict):
             self.usage = usage
         added: list[str] = []
+        thought: list[str] = []
         choices = chunk.get("choices") or []
         for choice in choices:
             # We never ask for n > 1; other choices would be alternatives.
@@ -108,6 +159,12 @@ class StreamAssembler:
                 content = delta.get("content")
                 if isinstance(content, str) and content:
                     added.append(content)
+                for key in ("reasoning_content", "reasoning"):
+                    reasoning = delta.get(key)
+                    if isinstance(reasoning, str) and reasoning:
+                        thought.append(reasoning)
+                        self._reasoning_key = key
+                        break
                 for raw in delta.get("tool_calls") or []:
                     if isinstance(raw, dict):
                         self._feed_tool_call(raw)
@@ -117,7 +174,10 @@ class StreamAssembler:
         text = "".join(added)
         if text:
             self._text.append(text)
-        return text
+        reasoning_text = "".join(thought)
+        if reasoning_text:
+            self._reasoning.append(reasoning_text)
+        return text, reasoning_text
 
     def _feed_tool_call(self, raw: dict[str, Any]) -> None:
         call_id = raw.get("id") if isinstance(raw.get("id"), str) else ""
@@ -184,7 +244,9 @@ class StreamAssembler:
             call_id = part.id if part.id and part.id not in seen else f"call_{secrets.token_hex(8)}"
             seen.add(call_id)
             calls.append(ToolCall(id=call_id, name=part.name, arguments=arguments))
-        return Completion(self.text, calls, self.finish_reason, self.usage)
+        reasoning = "".join(self._reasoning)
+        fields = {self._reasoning_key: reasoning} if reasoning else {}
+        return Completion(self.text, calls, self.finish_reason, self.usage, reasoning, fields)
 
 
 def usage_counts(usage: dict[str, Any] | None) -> dict[str, int]:
