@@ -10,17 +10,21 @@ import pytest
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
+import pytest
 
 from fakespawner import FakeSpawner, FakeWorker
 from ipc import messages as m
 from ipc.settings import SessionSettings
 from supervisor.config import parse_config
+from supervisor.errors import Capacity
 from supervisor.manager import SessionManager
 from supervisor.memory_store import InMemoryStateStore
 from supervisor.session import Session, valid_session_id
+from supervisor.workspaces import Workspaces
 
 
 pytestmark = pytest.mark.component
@@ -204,3 +208,15 @@ def test_the_store_holds_what_the_ledger_acknowledged(tmp_path: Path) -> None:
         assert loaded.turns == 5
 
     _run(body)
+
+
+def test_a_full_session_uid_range_refuses_with_capacity(tmp_path: Path) -> None:
+    span = range(1879113726, 1879113728)  # two uids no user has here
+    spaces = Workspaces(lambda: parse_config(FAST, "test"), tmp_path, None, span)
+    held: list[Any] = []
+    for _ in span:
+        uid = spaces.allocate_uid(held)
+        assert uid in span and uid not in {s.meta.run_uid for s in held}
+        held.append(SimpleNamespace(meta=SimpleNamespace(run_uid=uid)))
+    with pytest.raises(Capacity, match="session_uid_range"):
+        spaces.allocate_uid(held)
