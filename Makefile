@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+# `make run CONFIG=path/to/config.toml`; empty: the embedded defaults.
+CONFIG ?=
 
 .PHONY: run test test-fast typecheck bench clean
 
@@ -12,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: $(VENV)/.installed
-	$(VENV)/bin/sessiond run
+	$(VENV)/bin/sessiond run$(if $(CONFIG), --config "$(CONFIG)")
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

@@ -26,6 +26,7 @@ from ipc.contract import LimitKind
 from ipc.framing import FrameEncoder
 from supervisor.config import DaemonSettings
 from supervisor.errors import Conflict
+from supervisor.logtag import tagged
 from supervisor.session import Session, Subscriber
 from supervisor.states import State, Trigger, transition
 from supervisor.state_store import Mark, StoreError
@@ -100,7 +101,7 @@ class EventLog:
         try:
             session.store.append(mark, durable=durable)
         except StoreError as exc:
-            log.error("session %s: %s", session.id, exc)
+            tagged(log, session.id).error("%s", exc)
 
     # ---------------------------------------------------------------- states
 
@@ -110,7 +111,7 @@ class EventLog:
         session.state = new
         # A failed session needs an operator: say so where they look.
         level = logging.WARNING if new is State.FAILED else logging.DEBUG
-        log.log(level, "session %s: %s -> %s (%s)", session.id, old, new, reason or trigger)
+        tagged(log, session.id).log(level, "%s -> %s (%s)", old, new, reason or trigger)
         self.emit(
             session,
             m.StateChanged(session=session.id, seq=self.next_seq(session), old=old, new=new, reason=reason),

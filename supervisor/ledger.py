@@ -28,6 +28,7 @@ import msgspec
 from ipc import messages as m
 from supervisor.errors import Internal, NoSpace, SessiondError
 from supervisor.events import EventLog
+from supervisor.logtag import tagged
 from supervisor.session import PendingInput, Session, WorkerProc
 from supervisor.states import State, Trigger
 from supervisor.state_store import (
@@ -106,7 +107,7 @@ class TurnLedger:
         except StoreError as exc:
             if session.worker is not None:
                 # It has an input the log does not: it must restart from the log.
-                log.error("session %s: input not saved (%s)", session.id, exc)
+                tagged(log, session.id).error("input not saved (%s)", exc)
                 self.on_unsaved(session, session.worker, "its input could not be saved")
             self._input_durable(session, store_failure("input not accepted: ", exc))
             return
@@ -129,7 +130,7 @@ class TurnLedger:
 
     def commit(self, session: Session, worker: WorkerProc, msg: m.Done) -> None:
         if msg.turn != session.current_turn:
-            log.warning("session %s: Done for turn %d, expected %s", session.id, msg.turn, session.current_turn)
+            tagged(log, session.id).warning("Done for turn %d, expected %s", msg.turn, session.current_turn)
             return
         seq = session.seq + 1
         try:
@@ -140,7 +141,7 @@ class TurnLedger:
             )
         except StoreError as exc:
             # The worker is now ahead of the disk: make it restart from the disk.
-            log.error("session %s: turn %d not persisted: %s", session.id, msg.turn, exc)
+            tagged(log, session.id).error("turn %d not persisted: %s", msg.turn, exc)
             self.end(session, failed=f"the turn could not be saved: {exc}")
             self.on_unsaved(session, worker, "its turn could not be saved")
             return
@@ -172,7 +173,7 @@ class TurnLedger:
                 )
             )
         except StoreError as exc:
-            log.warning("session %s: %s (the log still holds every turn)", session.id, exc)
+            tagged(log, session.id).warning("%s (the log still holds every turn)", exc)
 
     def fail(self, session: Session, msg: m.Failed) -> None:
         if msg.turn != session.current_turn:
@@ -191,7 +192,7 @@ class TurnLedger:
         try:
             session.store.append(Abort(turn=turn, reason=reason, record=record, seq=seq), durable=True)
         except StoreError as exc:
-            log.error("session %s: %s", session.id, exc)
+            tagged(log, session.id).error("%s", exc)
             self.sync_input(session)
         self._input_durable(session)
         self._turn_over(session, (False, reason))

@@ -35,6 +35,7 @@ from supervisor.errors import BadRequest, Capacity, Conflict, Internal, NotFound
 from supervisor.events import EventLog
 from supervisor.ledger import TurnLedger, store_failure
 from supervisor.limits import ProcTable
+from supervisor.logtag import tagged
 from supervisor.overrides import OverrideError, resolve_overrides
 from supervisor.seams import Spawner
 from supervisor.session import Session, Subscriber, valid_session_id
@@ -158,7 +159,7 @@ class SessionManager:
         status: state "damaged" with the reason) and removable, and keeps
         its id taken, its files untouched, until repaired or removed.
         Without readable metadata only admins see it (owner uid 0)."""
-        log.error("session %s is damaged and was not restored: %s", session_id, reason)
+        tagged(log, session_id).error("is damaged and was not restored: %s", reason)
         session = Session(
             id=session_id, meta=meta or Meta(id=session_id, handler="?"),
             store=DamagedLog(self.store, session_id, reason),
@@ -174,7 +175,7 @@ class SessionManager:
         that no longer fit are pulled back inside the operator's bounds."""
         resolved = resolve_overrides(self.config.session_settings(), overrides, strict=False)
         for line in resolved.adjusted:
-            log.warning("session %s: %s", session_id, line)
+            tagged(log, session_id).warning("%s", line)
         return resolved.settings
 
     # ================================================================ the registry
@@ -326,8 +327,8 @@ class SessionManager:
         except BaseException:
             self._discard(session)
             raise
-        log.info("session %s created (handler %s, pid %s)", session_id, handler,
-                 session.worker.pid if session.worker else "-")
+        tagged(log, session_id).info("created (handler %s, pid %s)", handler,
+                                     session.worker.pid if session.worker else "-")
         return session
 
     def _discard(self, session: Session) -> None:
@@ -337,7 +338,7 @@ class SessionManager:
         try:
             self.workspaces.remove(session)
         except OSError as exc:
-            log.warning("session %s: its workspace could not be removed: %s", session.id, exc)
+            tagged(log, session.id).warning("its workspace could not be removed: %s", exc)
 
     def _unlink(self, session: Session) -> None:
         self.sessions.pop(session.id, None)
@@ -465,14 +466,14 @@ class SessionManager:
             if session.meta_lost:
                 # Which workspace is its own is unknown; the next start's
                 # sweep of orphaned workspaces removes it.
-                log.info("session %s deleted", session.id)
+                tagged(log, session.id).info("deleted")
                 return
             try:
                 await asyncio.to_thread(self.workspaces.remove, session)
             except OSError as exc:
-                log.error("session %s: its workspace %s could not be removed: %s",
-                          session.id, self.workspaces.path(session), exc)
-            log.info("session %s deleted", session.id)
+                tagged(log, session.id).error("its workspace %s could not be removed: %s",
+                                              self.workspaces.path(session), exc)
+            tagged(log, session.id).info("deleted")
 
     async def repair(self, session: Session, mode: str) -> tuple[Session, RepairResult]:
         """Rewrite a damaged session's stored state per `mode`, then restore
@@ -494,9 +495,9 @@ class SessionManager:
                 raise store_failure(f"session {session.id} could not be repaired: ", exc) from None
             except OSError as exc:
                 raise Internal(f"session {session.id} could not be repaired: {exc}") from None
-            log.warning("session %s repaired (%s): %d record(s) kept, %d intact record(s) and "
-                        "%d damaged byte(s) dropped", session.id, how.value, result.kept_records,
-                        result.dropped_records, result.dropped_bytes)
+            tagged(log, session.id).warning("repaired (%s): %d record(s) kept, %d intact record(s) and "
+                                            "%d damaged byte(s) dropped", how.value, result.kept_records,
+                                            result.dropped_records, result.dropped_bytes)
             self.events.set_state(session, Trigger.REPAIR, reason=f"repaired ({how.value})")
             subscribers, children = set(session.subscribers), list(session.children)
             self.sessions.pop(session.id)
@@ -585,7 +586,7 @@ class SessionManager:
                     "try again when a turn ends"
                 )
             victim = min(idle, key=lambda s: s.last_active)
-            log.info("session %s: hibernating to make room for %s", victim.id, session.id)
+            tagged(log, victim.id).info("hibernating to make room for session=%s", session.id)
             self._hibernating.add(victim.id)
             await self._hibernate(victim, "hibernated to make room (max_concurrent_sessions)")
 

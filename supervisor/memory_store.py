@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from supervisor.logtag import tagged
 from supervisor.state_store import (
     Fenced,
     LoadedSession,
@@ -123,8 +124,8 @@ class InMemoryStateStore:
         stored.fence += 1
         torn = scan.torn_at
         if torn is not None:
-            log.warning("session %s: dropping %d bytes of a torn last record at offset %d",
-                        session_id, scan.size - torn, torn)
+            tagged(log, session_id).warning("dropping %d bytes of a torn last record at offset %d",
+                                            scan.size - torn, torn)
             del stored.log[torn:]
             stored.synced = min(stored.synced, torn)
         loaded = (LoadedSession(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark,

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import msgspec
 
+from supervisor.logtag import tagged
 from supervisor.state_store import (
     Abort,
     Commit,
@@ -429,11 +430,9 @@ class SessionStore:
     @classmethod
     def _load(cls, path: Path, plan: _Plan, fence: tuple[int, int]) -> tuple[SessionStore, LoadedSession]:
         if plan.fallback:
-            log.warning(
-                "session %s: %s; restored from the previous generation (%s and log(s) %s)",
-                path.name, plan.fallback, "snapshot.prev" if plan.snap else "no snapshot",
-                ", ".join(map(str, plan.gens)),
-            )
+            tagged(log, path.name).warning("%s; restored from the previous generation (%s and log(s) %s)",
+                                           plan.fallback, "snapshot.prev" if plan.snap else "no snapshot",
+                                           ", ".join(map(str, plan.gens)))
             # The previous generation becomes the current one on disk too,
             # so the next rotation keeps a good snapshot as its fallback.
             if plan.snap is not None:
@@ -450,10 +449,8 @@ class SessionStore:
             scan = plan.scans[g]
             torn = scan.torn_at
             if torn is not None:
-                log.warning(
-                    "session %s: log.%d: dropping %d bytes of a torn last record at offset %d",
-                    path.name, g, scan.size - torn, torn,
-                )
+                tagged(log, path.name).warning("log.%d: dropping %d bytes of a torn last record at offset %d",
+                                               g, scan.size - torn, torn)
                 with open(path / f"log.{g}", "r+b") as f:
                     f.truncate(torn)
                     os.fsync(f.fileno())
@@ -673,10 +670,8 @@ class FileStateStore:
                 os.fsync(f.fileno())
             os.replace(tmp, log_path)
             _fsync_dir(path)
-            log.warning(
-                "session %s: log.%d repaired (%s): %d record(s) kept, %d intact record(s) and "
-                "%d damaged byte(s) dropped",
-                session_id, g, mode.value, len(keep), len(scan.records) - len(keep),
-                sum(b - a for a, b in scan.bad),
-            )
+            tagged(log, session_id).warning("log.%d repaired (%s): %d record(s) kept, %d intact record(s) and "
+                                            "%d damaged byte(s) dropped",
+                                            g, mode.value, len(keep), len(scan.records) - len(keep),
+                                            sum(b - a for a, b in scan.bad))
         return RepairResult(kept, dropped_records, dropped_bytes)

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from ipc import messages as m
 from supervisor.errors import BadRequest, Conflict, Internal, LimitError, SessiondError
+from supervisor.logtag import tagged
 from supervisor.session import Session, Subscriber, WorkerProc
 
 __all__ = ["SessionHost", "Subagents"]
@@ -55,7 +56,7 @@ class Subagents:
         except SessiondError as exc:
             result = m.SpawnResult(request_id=msg.request_id, ok=False, reason=exc.message)
         except Exception as exc:  # never let one spawn take the daemon down
-            log.exception("session %s: sub-agent failed", parent.id)
+            tagged(log, parent.id).exception("sub-agent failed")
             result = m.SpawnResult(request_id=msg.request_id, ok=False, reason=f"internal error: {exc}")
         if parent.worker is worker:
             worker.conn.send(result)

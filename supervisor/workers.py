@@ -31,6 +31,7 @@ from supervisor.errors import Capacity, Conflict, Internal, SessiondError
 from supervisor.events import EventLog
 from supervisor.ledger import TurnLedger
 from supervisor.limits import ProcTable, SessionMemory
+from supervisor.logtag import tagged
 from supervisor.seams import Spawner, SpawnerDied
 from supervisor.session import Session, WorkerProc
 from supervisor.states import LIVE, RestartPolicy, State, Trigger
@@ -172,8 +173,8 @@ class WorkerOwner:
         try:
             self._dispatch(session, worker, msg)
         except Exception as exc:
-            log.exception("session %s: handling %s from worker %d failed",
-                          session.id, type(msg).__name__, worker.pid)
+            tagged(log, session.id).exception("handling %s from worker %d failed",
+                                              type(msg).__name__, worker.pid)
             with contextlib.suppress(Exception):
                 self._ledger.end(session, failed=f"internal error: {type(exc).__name__}: {exc}")
 
@@ -244,14 +245,14 @@ class WorkerOwner:
         if worker.kill_reason is None:
             worker.kill_reason = reason
             worker.kill_detail = detail
-        log.warning("session %s: %s: %s; killing worker %d and its processes",
-                    session.id, reason, detail, worker.pid)
+        tagged(log, session.id).warning("%s: %s; killing worker %d and its processes",
+                                        reason, detail, worker.pid)
         self.spawner.kill_tree(worker.pid, session.memory.escapees())
 
     def kill_discarded(self, session: Session) -> None:
         """A session that is being thrown away (its create failed)."""
         if session.worker is not None:
-            log.warning("session %s: its create failed; killing worker %d", session.id, session.worker.pid)
+            tagged(log, session.id).warning("its create failed; killing worker %d", session.worker.pid)
             session.worker.expected = "discarded"
             self.spawner.kill_tree(session.worker.pid, session.memory.escapees())
 
@@ -288,11 +289,11 @@ class WorkerOwner:
         session.worker = None
         session.last_exit = info
         if worker.expected:
-            log.info("session %s: worker %d exited (%s)", session.id, pid, worker.expected)
+            tagged(log, session.id).info("worker %d exited (%s)", pid, worker.expected)
             session.current_input = ""
             self._ledger.abort(session, f"the session was {worker.expected}")
             return
-        log.warning("session %s: worker %d %s", session.id, pid, describe_exit(info))
+        tagged(log, session.id).warning("worker %d %s", pid, describe_exit(info))
         self._ledger.abort(session, describe_exit(info))
         if session.state is State.STARTING and not worker.booted:
             return  # start()'s caller decides (create fails, revive retries)
@@ -322,8 +323,8 @@ class WorkerOwner:
         while loop.time() < deadline and self.spawner.tree_alive(worker.pid, session.memory.escapees()):
             await asyncio.sleep(0.02)
         if self.spawner.tree_alive(worker.pid, session.memory.escapees()):
-            log.warning("session %s: processes still running %.1fs after SIGTERM; killing them",
-                        session.id, grace)
+            tagged(log, session.id).warning("processes still running %.1fs after SIGTERM; killing them",
+                                            grace)
             if not worker.exited.done():
                 # Children started during the grace: their handles too.
                 session.memory.measure(self._proc_table, worker.pid)
@@ -345,12 +346,10 @@ class WorkerOwner:
             )
         decision = session.policy.on_failure(time.monotonic())
         if not decision.restart:
-            log.error(
-                "session %s: giving up restarting it after %d failures within %gs (last: %s); "
-                "`sessionctl restart %s` tries again",
-                session.id, decision.attempts_in_window, ws.restart_window_secs,
-                describe_exit(session.last_exit), session.id,
-            )
+            tagged(log, session.id).error("giving up restarting it after %d failures within %gs (last: %s); "
+                                          "`sessionctl restart %s` tries again",
+                                          decision.attempts_in_window, ws.restart_window_secs,
+                                          describe_exit(session.last_exit), session.id)
             self._events.set_state(
                 session, Trigger.GIVE_UP,
                 reason=f"{decision.attempts_in_window} failures within {ws.restart_window_secs:g}s",
@@ -389,7 +388,7 @@ class WorkerOwner:
             try:
                 await self.start(session)
             except SessiondError as exc:
-                log.warning("session %s: restart failed: %s", session.id, exc)
+                tagged(log, session.id).warning("restart failed: %s", exc)
                 if session.is_(State.STARTING):
                     self._events.set_state(session, Trigger.EXIT, reason="boot_failed")
                     self.schedule_restart(session)

@@ -24,6 +24,7 @@ from typing import Any
 
 from supervisor.config import Config, workspace_root
 from supervisor.errors import Capacity
+from supervisor.logtag import tagged
 from supervisor.session import Session
 
 __all__ = ["Workspaces"]
@@ -100,7 +101,7 @@ class Workspaces:
                 if run_as is not None:
                     os.lchown(workspace, *run_as)
         except OSError as exc:
-            log.warning("session %s: cannot prepare workspace %s: %s", session.id, workspace, exc)
+            tagged(log, session.id).warning("cannot prepare workspace %s: %s", workspace, exc)
         return workspace
 
     def remove(self, session: Session) -> None:

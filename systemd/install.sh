@@ -20,22 +20,39 @@
 #   --root DIR   install into DIR instead of / (like DESTDIR=DIR, which is
 #                also honoured): for building images and for tests. Nothing
 #                outside DIR is touched and systemctl is not run.
+#                The venv is built in DIR/opt/sessiond but names its final
+#                paths (/opt/sessiond/...) in its scripts, pyvenv.cfg and
+#                bytecode, so the tree works once copied to /.
+#   --python PATH  the interpreter the venv is made from (>= 3.11; also
+#                $PYTHON). Default: the first of /usr/bin/python3,
+#                /usr/local/bin/python3, /usr/bin/python3.1[1-9] that is new
+#                enough. One under /root, /home or /run/user is refused: the
+#                unit's ProtectHome=yes hides it from the service.
+#   --allow-hidden-python  accept such an interpreter anyway (a staged
+#                install for tests; the service could not start from it).
 #   --no-pip     skip step 1 (the venv at ROOT/opt/sessiond must then exist,
 #                or at least ROOT/opt/sessiond/bin/sessiond, to write the
 #                default config).
 #   -h, --help   show this text.
-# Environment: PYTHON (default python3, >= 3.11) creates the venv.
+# The checkout is left as it was: the wheel is built from a copy in a
+# temporary directory (no build/ or *.egg-info in the checkout).
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
 
 root="${DESTDIR:-/}"
 do_pip=1
+python="${PYTHON:-}"
+allow_hidden=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --root) [ $# -ge 2 ] || { echo "install.sh: --root needs a directory" >&2; exit 2; }
                 root="$2"; shift 2 ;;
         --root=*) root="${1#--root=}"; shift ;;
+        --python) [ $# -ge 2 ] || { echo "install.sh: --python needs a path" >&2; exit 2; }
+                  python="$2"; shift 2 ;;
+        --python=*) python="${1#--python=}"; shift ;;
+        --allow-hidden-python) allow_hidden=1; shift ;;
         --no-pip) do_pip=0; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "install.sh: unknown argument: $1 (try --help)" >&2; exit 2 ;;
@@ -54,7 +71,8 @@ else
     mkdir -p "$R"
     R="$(cd "$R" && pwd)"   # absolute, so the messages and mktemp agree
 fi
-venv="$R/opt/sessiond"
+final_venv=/opt/sessiond
+venv="$R$final_venv"
 sessiond_bin="$venv/bin/sessiond"
 
 if [ "$live" = 1 ] && [ "$(id -u)" != 0 ]; then
@@ -64,18 +82,77 @@ fi
 
 say() { printf 'install.sh: %s\n' "$*"; }
 
+new_enough() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
+
+# The venv's scripts name /opt/sessiond/bin/python, which exists only once a
+# staged tree is in place: until then run them with the staged interpreter.
+run_sessiond() {
+    if [ -n "$R" ] && [ -x "$venv/bin/python" ]; then
+        "$venv/bin/python" "$sessiond_bin" "$@"
+    else
+        "$sessiond_bin" "$@"
+    fi
+}
+
 # 1. The venv. Re-running `python -m venv` on an existing venv keeps its
 #    packages; `pip install --upgrade` replaces the previous sessiond build.
 if [ "$do_pip" = 1 ]; then
-    python="${PYTHON:-python3}"
-    "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
-        echo "install.sh: $python is older than Python 3.11" >&2; exit 1; }
-    say "virtualenv $venv"
+    if [ -z "$python" ]; then
+        # An explicit system interpreter, not the first python3 on PATH
+        # (pyenv's shims under /root would win there).
+        for candidate in /usr/bin/python3 /usr/local/bin/python3 /usr/bin/python3.1[1-9]; do
+            if [ -x "$candidate" ] && new_enough "$candidate"; then python="$candidate"; break; fi
+        done
+        [ -n "$python" ] || {
+            echo "install.sh: no system Python >= 3.11 in /usr/bin or /usr/local/bin; pass --python PATH" >&2
+            exit 1; }
+    fi
+    new_enough "$python" || { echo "install.sh: $python is not a Python 3.11 or newer" >&2; exit 1; }
+    # Where the interpreter really lives (through shims, symlinks, venvs).
+    real="$("$python" -c 'import os, sys; print(os.path.realpath(sys.executable)); print(os.path.realpath(sys.base_prefix))')"
+    while IFS= read -r path; do
+        case "$path/" in
+            /root/*|/home/*|/run/user/*)
+                if [ "$allow_hidden" = 1 ]; then
+                    say "WARNING: $python lives in $path, which ProtectHome=yes hides from sessiond.service (--allow-hidden-python)"
+                    break
+                fi
+                echo "install.sh: $python lives in $path, which sessiond.service cannot see (ProtectHome=yes hides /root, /home and /run/user): the daemon would not start. Pass --python with a system interpreter, e.g. --python /usr/bin/python3 (--allow-hidden-python overrides this, for staged test installs only)" >&2
+                exit 1 ;;
+        esac
+    done <<<"$real"
+    say "virtualenv $venv (from $python)"
     "$python" -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --upgrade pip
-    "$venv/bin/python" -m pip install --quiet --upgrade "$repo"
+    # Build the wheel from a copy, so the checkout gets no build/ or
+    # *.egg-info (owned by root, in a user's clone).
+    build="$(mktemp -d)"
+    trap 'rm -rf "$build"' EXIT
+    mkdir "$build/src" "$build/wheel"
+    for item in pyproject.toml README.md LICENSE supervisor session_worker ipc; do
+        [ ! -e "$repo/$item" ] || cp -R "$repo/$item" "$build/src/"
+    done
+    find "$build/src" -name __pycache__ -prune -exec rm -rf {} +
+    "$venv/bin/python" -m pip wheel --quiet --no-deps --wheel-dir "$build/wheel" "$build/src"
+    wheel=("$build"/wheel/sessiond-*.whl)
+    # Dependencies first, then this build over whatever version was there.
+    "$venv/bin/python" -m pip install --quiet --no-compile --upgrade "${wheel[0]}"
+    "$venv/bin/python" -m pip install --quiet --no-compile --no-deps --force-reinstall "${wheel[0]}"
+    rm -rf "$build"
+    trap - EXIT
     if [ -f "$repo/README.md" ]; then
         install -m 0644 "$repo/README.md" "$venv/README.md"
+    fi
+    if [ -n "$R" ]; then
+        # Staged: the venv names $venv in its scripts (shebangs, activate)
+        # and pyvenv.cfg; make them name the final path.
+        grep -rlIZ -F -- "$venv" "$venv/bin" "$venv/pyvenv.cfg" | xargs -0 -r sed -i "s|$venv|$final_venv|g"
+    fi
+    # Bytecode now (the unit's /opt is read-only), naming the final paths.
+    if [ -n "$R" ]; then
+        "$venv/bin/python" -m compileall -q -f -s "$R" -p / "$venv/lib" >/dev/null
+    else
+        "$venv/bin/python" -m compileall -q "$venv/lib" >/dev/null
     fi
 fi
 
@@ -105,7 +182,7 @@ install -d -m 0755 "$R/etc/sessiond"
 config="$R/etc/sessiond/config.toml"
 if [ -e "$config" ]; then
     say "keeping existing $config"
-    if [ -x "$sessiond_bin" ] && ! "$sessiond_bin" config check "$config"; then
+    if [ -x "$sessiond_bin" ] && ! run_sessiond config check "$config"; then
         say "WARNING: $config does not pass 'sessiond config check' with this version; fix it before restarting"
     fi
 else
@@ -114,7 +191,7 @@ else
         exit 1; }
     tmp="$(mktemp "$R/etc/sessiond/.config.toml.XXXXXX")"
     trap 'rm -f "$tmp"' EXIT
-    "$sessiond_bin" config default >"$tmp"
+    run_sessiond config default >"$tmp"
     chmod 0644 "$tmp"
     mv -f "$tmp" "$config"
     trap - EXIT

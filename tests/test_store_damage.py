@@ -213,7 +213,7 @@ def test_damaged_session_is_visible_refused_repairable(make_daemon) -> None:
     listed = {s["id"]: s for s in _ctl_json(d, "ls")["sessions"]}
     assert listed[sid]["state"] == "damaged" and "corrupt" in listed[sid]["error"]
     assert listed[other]["state"] == "hibernated" and listed[other]["error"] is None
-    assert any("ERROR" in line and f"session {sid} is damaged" in line for line in d.log.splitlines())
+    assert any("ERROR" in line and f"session={sid} is damaged" in line for line in d.log.splitlines())
     r = d.ctl("status", sid)
     assert r.returncode == 0 and "damaged" in r.stdout and "error:" in r.stdout
     r = d.ctl("send", sid, "more")

@@ -218,8 +218,8 @@ def test_boot_failure_on_restart_is_not_a_tight_loop(make_daemon) -> None:
         assert st.restarts == 3 and elapsed >= 0.35
     # The give-up and the move to failed reach the log above DEBUG, with the id and why.
     log = d.log
-    assert f"giving up restarting it" in log and f"session {sid}" in log
-    assert any("WARNING" in line and f"session {sid}" in line and "-> failed" in line
+    assert f"giving up restarting it" in log and f"session={sid}" in log
+    assert any("WARNING" in line and f"session={sid}" in line and "-> failed" in line
                for line in log.splitlines()), log
 
 

@@ -262,3 +262,26 @@ def test_sighup_applies_a_valid_config_and_keeps_the_old_one_on_error(make_daemo
         assert c.send_text(sid, "b") == "2: b"
         assert c.send_text("at512", "x") == "1: x"
         assert c.status(sid).restarts == 0
+
+
+def test_every_daemon_line_about_a_session_carries_session_id(make_daemon) -> None:
+    # `journalctl -u sessiond --grep 'session=ID'` must find the daemon's lines
+    # about a session as well as its worker's: created, crashed, restarted,
+    # state changes (debug), deleted.
+    d = make_daemon(FAST_CONFIG + 'log_level = "debug"\n')
+    sid = "grepme7"
+    with d.client() as c:
+        c.create(session=sid, handler="fixture_handlers:crash_mid_turn")
+        events = list(c.send(sid, "crash"))
+        assert type(events[-1]).__name__ == "TurnFailed", events
+        wait_for(lambda: c.status(sid).state == "idle" and c.status(sid).restarts == 1, 10,
+                 "the restarted worker")
+        c.remove(sid)
+    wait_for(lambda: "deleted" in d.log, 10, "the deletion to be logged")
+    about = [line for line in d.log.splitlines() if sid in line]
+    # The daemon's own lines are there (not only the worker's) ...
+    for what in ("created", "crashed", "deleted", "-> restarting"):
+        assert any(what in line for line in about), (what, d.log)
+    # ... and every one of them carries the field.
+    untagged = [line for line in about if f"session={sid}" not in line]
+    assert untagged == [], "\n".join(untagged)

@@ -12,6 +12,7 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -339,3 +340,82 @@ def test_install_script_rejects_unknown_arguments() -> None:
     done = run_install("--prefx", "/tmp/x")
     assert done.returncode == 2
     assert "unknown argument" in done.stderr
+
+
+# --------------------------------------------------------------------------
+# install.sh with its pip step: a staged tree that works once moved to /
+
+HIDDEN = ("/root/", "/home/", "/run/user/")  # what the unit's ProtectHome=yes hides
+
+
+def _hidden(path: str) -> bool:
+    return (os.path.realpath(path) + "/").startswith(HIDDEN)
+
+
+def _new_enough(python: str) -> bool:
+    return subprocess.run([python, "-c", "import sys; sys.exit(sys.version_info < (3, 11))"]).returncode == 0
+
+
+def _git_state() -> str | None:
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        return None
+    return subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=REPO,
+                          capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.process
+def test_staged_install_names_final_paths_leaves_the_checkout_clean_and_runs_once_moved(tmp_path: Path) -> None:
+    system = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3")
+                   if os.path.exists(p) and not _hidden(p) and _new_enough(p)), None)
+    # A machine whose only Python is pyenv's under /root: stage from it, saying so.
+    python_args = ["--python", system] if system else [
+        "--python", os.path.realpath(sys._base_executable), "--allow-hidden-python"]
+    root = tmp_path / "stage"
+    before = _git_state()
+    done = run_install("--root", str(root), *python_args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # The checkout: no build/, *.egg-info or anything else new, ignored or not.
+    assert _git_state() == before
+
+    venv = root / "opt/sessiond"
+    for script in ("sessiond", "sessionctl"):
+        assert (venv / "bin" / script).read_text().splitlines()[0] == "#!/opt/sessiond/bin/python"
+    cfg = (venv / "pyvenv.cfg").read_text()
+    assert "command = " in cfg and cfg.split("command = ")[1].split()[-1] == "/opt/sessiond"
+    staged = str(root).encode()
+    leaks = [p for p in venv.rglob("*") if p.is_file() and not p.is_symlink() and staged in p.read_bytes()]
+    assert leaks == [], f"files naming the staging dir: {leaks[:10]}"
+    if not system:
+        assert "ProtectHome=yes hides" in done.stdout
+
+    # Moved to /: in a mount namespace where the staged /opt is the real
+    # /opt, the unit files verify (ExecStart= exists) and the daemon's
+    # binary runs from its final path.
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("moving the tree to /opt needs root and unshare(1)")
+    units = root / "etc/systemd/system"
+    script = textwrap.dedent(f"""\
+        mount --bind {root / 'opt'} /opt
+        /opt/sessiond/bin/sessiond config check {root / 'etc/sessiond/config.toml'}
+        /opt/sessiond/bin/sessionctl --version
+        """)
+    if ANALYZE is not None:
+        script += f"{ANALYZE} verify {units / 'sessiond.service'} {units / 'sessiond.socket'}\n"
+    moved = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-ec", script],
+                           capture_output=True, text=True, timeout=120)
+    assert moved.returncode == 0, moved.stdout + moved.stderr
+    assert f"{root / 'etc/sessiond/config.toml'}: ok" in moved.stdout
+    problems = [line for line in (moved.stdout + moved.stderr).splitlines() if _VERIFY_PROBLEMS.search(line)]
+    assert problems == []
+
+
+@pytest.mark.process
+def test_install_refuses_a_python_that_protecthome_hides(tmp_path: Path) -> None:
+    hidden = os.path.realpath(sys._base_executable)
+    if not _hidden(hidden):
+        pytest.skip(f"no interpreter under {HIDDEN} here ({hidden})")
+    root = tmp_path / "stage"
+    done = run_install("--root", str(root), "--python", hidden)
+    assert done.returncode == 1
+    assert "ProtectHome=yes" in done.stderr and "--python" in done.stderr, done.stderr
+    assert not (root / "opt").exists()

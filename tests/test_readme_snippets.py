@@ -1,0 +1,182 @@
+"""The README's commands and TOML, run as printed.
+
+Every fenced `sh`/`console` block's command lines are either run here (the
+`sessiond config …` and `sessionctl …` lines, against a daemon this test
+starts, and `make …` as `make -n …`) or listed in NOT_RUN with the reason,
+so a new command in the README is either tested or consciously exempted.
+Every `toml` block parses and passes `sessiond config check`."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST_CONFIG
+from harness import REPO, Daemon, env_for_children
+
+pytestmark = pytest.mark.process
+
+README = REPO / "README.md"
+# The venv the suite runs in holds the scripts the README names as .venv/bin/….
+VENV = Path(sys.prefix)
+
+# Commands printed in the README that a test cannot run here, with why.
+NOT_RUN = {
+    "sudo systemd/install.sh": "installs into / as root; tests/test_systemd_units.py stages it into a temp root",
+    "sudo systemctl enable --now sessiond.socket": "needs systemd as PID 1",
+}
+# TOML blocks that only a real provider key could check: none today (an unset
+# api_key_env variable is a warning, not an error). Name them here by their
+# first line if one ever needs it.
+NEEDS_PROVIDER_KEY: set[str] = set()
+# The example id of the "First session" transcript, replaced by the real one.
+EXAMPLE_ID = "3f2a9c1d7b4e"
+
+
+@dataclass
+class Command:
+    line: str
+    expected: list[str] = field(default_factory=list)  # transcript output (console blocks)
+
+
+@dataclass
+class Block:
+    lang: str
+    body: str
+    lineno: int
+
+
+def fenced_blocks(text: str) -> list[Block]:
+    blocks: list[Block] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^(\s*)```(\w*)\s*$", lines[i])
+        if m is None:
+            i += 1
+            continue
+        indent, lang, start = m.group(1), m.group(2), i + 1
+        body: list[str] = []
+        i += 1
+        while not re.match(rf"^{indent}```\s*$", lines[i]):
+            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        blocks.append(Block(lang, "\n".join(body) + "\n", start))
+        i += 1
+    return blocks
+
+
+def commands(blocks: list[Block]) -> list[Command]:
+    found: list[Command] = []
+    for block in blocks:
+        if block.lang == "sh":
+            found += [Command(line) for line in block.body.splitlines() if line and not line.startswith("#")]
+        elif block.lang == "console":
+            for line in block.body.splitlines():
+                if line.startswith("$ "):
+                    found.append(Command(line[2:]))
+                else:
+                    found[-1].expected.append(line)
+    return found
+
+
+BLOCKS = fenced_blocks(README.read_text())
+COMMANDS = commands(BLOCKS)
+TOML_BLOCKS = [b for b in BLOCKS if b.lang == "toml"]
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A directory where `.venv/bin/…` means the suite's venv, as it means
+    the checkout's venv to a reader in the checkout."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / ".venv").symlink_to(VENV)
+    return work
+
+
+def run(line: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_the_readme_has_the_commands_this_test_expects() -> None:
+    # The extraction itself: an empty list would make the tests below vacuous.
+    lines = [c.line for c in COMMANDS]
+    assert "make run" in lines and "make test" in lines
+    assert any(line.startswith("make run CONFIG=") for line in lines)
+    assert any(line.startswith(".venv/bin/sessionctl send ") for line in lines)
+    assert any(line.startswith(".venv/bin/sessiond config check ") for line in lines)
+    assert len(TOML_BLOCKS) >= 5
+    for exempt in NOT_RUN:
+        assert exempt in lines, f"NOT_RUN names {exempt!r}, which the README no longer prints"
+
+
+def test_readme_commands_run_as_printed(tmp_path: Path, workdir: Path) -> None:
+    for name in ("sessiond", "sessionctl"):
+        assert (VENV / "bin" / name).exists(), f"{VENV}/bin/{name} is missing: run `make .venv/.installed`"
+    daemon = Daemon(tmp_path / "daemon", FAST_CONFIG)
+    try:
+        daemon.start()
+        env = {**env_for_children(), "SESSIOND_SOCKET": str(daemon.socket)}
+        created: str | None = None
+        ran = 0
+        for cmd in COMMANDS:
+            line = cmd.line
+            if line in NOT_RUN:
+                continue
+            if line.startswith("make "):
+                # What make would run, without running a daemon in the foreground.
+                done = subprocess.run(["make", "-n", *shlex.split(line)[1:]], cwd=REPO, env=env,
+                                      capture_output=True, text=True, timeout=60)
+                assert done.returncode == 0, (line, done.stderr)
+                if line.startswith("make run"):
+                    config = re.search(r"CONFIG=(\S+)", line)
+                    want = ".venv/bin/sessiond run" + (f' --config "{config.group(1)}"' if config else "")
+                    assert want in done.stdout.splitlines(), (line, done.stdout)
+            elif line.startswith((".venv/bin/sessionctl ", ".venv/bin/sessiond config ")):
+                if created is not None:
+                    line = line.replace(EXAMPLE_ID, created)
+                done = run(line, workdir, env)
+                assert done.returncode == 0, (line, done.stdout, done.stderr)
+                if line == ".venv/bin/sessionctl create":
+                    created = done.stdout.strip()
+                    assert re.fullmatch(r"[0-9a-f]{12}", created), done.stdout
+                if cmd.expected:
+                    # The transcript's shape: as many lines, each starting with
+                    # the same word (pids and sizes differ from run to run).
+                    expected = [e.replace(EXAMPLE_ID, created or EXAMPLE_ID) for e in cmd.expected]
+                    actual = done.stdout.splitlines()
+                    assert [a.split()[:1] for a in actual] == [e.split()[:1] for e in expected], (line, actual)
+            else:
+                raise AssertionError(f"README command {line!r} is neither run here nor listed in NOT_RUN")
+            ran += 1
+        assert ran >= 7
+        # `sessiond config default > config.toml` wrote a config that checks.
+        assert tomllib.loads((workdir / "config.toml").read_text())
+    finally:
+        daemon.cleanup()
+    daemon.assert_no_leftovers()
+
+
+@pytest.mark.parametrize("block", TOML_BLOCKS, ids=lambda b: f"README.md:{b.lineno}")
+def test_readme_toml_parses_and_passes_config_check(tmp_path: Path, block: Block) -> None:
+    data = tomllib.loads(block.body)
+    assert data
+    first = block.body.splitlines()[0]
+    if first in NEEDS_PROVIDER_KEY:
+        pytest.skip("needs a real provider key")
+    config = tmp_path / "config.toml"
+    config.write_text(block.body)
+    env = {k: v for k, v in env_for_children().items() if not k.endswith("_API_KEY")}
+    done = subprocess.run([str(VENV / "bin" / "sessiond"), "config", "check", str(config)],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, (block.body, done.stdout, done.stderr)
+    assert done.stdout.startswith(f"{config}: ok"), done.stdout
