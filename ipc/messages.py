@@ -37,7 +37,7 @@ __all__ = [
     "TextDelta", "ReasoningDelta", "TurnDone", "TurnFailed", "StateChanged", "LimitExceeded", "Notice",
     "PermissionRequest", "Gap", "Lagged", "Event", "Reply", "EVENT_TYPES",
     # daemon <-> worker
-    "Boot", "Input", "InterruptTurn", "WorkerPing", "Shutdown", "PermissionAnswer",
+    "Boot", "SandboxBoot", "Input", "InterruptTurn", "WorkerPing", "Shutdown", "PermissionAnswer",
     "SpawnResult", "MemoryHigh", "Reconfigure", "ToWorker",
     "Ready", "BootFailed", "Delta", "WorkerNotice", "WorkerLimit", "Done", "Failed",
     "Heartbeat", "WorkerPong", "AskPermission", "SpawnAgent", "FromWorker",
@@ -233,6 +233,8 @@ class SessionInfo(_Msg, tag="session"):
     error: str | None = None
     # Token totals of the session's committed turns (TurnDone.usage summed).
     usage: dict[str, int] = {}
+    # The live worker's sandbox, as its Ready reported it (see Ready.sandbox).
+    sandbox: dict[str, Any] = {}
 
 
 class Created(_Msg, tag="created"):
@@ -406,6 +408,18 @@ Reply = (
 # ---------------------------------------------------------------- daemon -> worker
 
 
+class SandboxBoot(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
+    """What the daemon found at start about confining tools on this host."""
+
+    # bubblewrap can set up namespaces for a session's uid (probed at start).
+    namespaces: bool = False
+    bwrap: str = ""
+    why_not: str = ""  # why not, when namespaces is False
+    # Daemon paths no tool may see even under a read-only system tree
+    # (its config, state and socket directories).
+    hide: list[str] = []
+
+
 class Boot(_Msg, tag="boot"):
     session: str
     handler: str
@@ -418,6 +432,7 @@ class Boot(_Msg, tag="boot"):
     # Drop to these ids before any handler code runs (daemon running as root).
     run_as_uid: int | None = None
     run_as_gid: int | None = None
+    sandbox: SandboxBoot | None = None  # None: tools run unconfined (sandbox.mode = off)
 
 
 class Input(_Msg, tag="input"):
@@ -471,6 +486,9 @@ ToWorker = (
 
 class Ready(_Msg, tag="ready"):
     pid: int
+    # What confines this session's tools: {"active": [...], "inactive":
+    # {mechanism: why}, "network": policy}; empty with sandbox.mode = off.
+    sandbox: dict[str, Any] = {}
 
 
 class BootFailed(_Msg, tag="boot_failed"):

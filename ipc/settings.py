@@ -24,6 +24,7 @@ __all__ = [
     "LoopSettings",
     "PermissionRule",
     "ProviderSettings",
+    "SandboxSettings",
     "SessionSettings",
     "SubagentSettings",
     "ToolsSettings",
@@ -47,10 +48,11 @@ class LimitsSettings(ConfigSection):
     # Optional soft threshold: an event and a hint to the worker.
     memory_high_mb: Annotated[int, Meta(ge=1)] | None = None
     memory_poll_interval_ms: Annotated[int, Meta(ge=5, le=60_000)] = 100
-    # RLIMIT_NPROC of the worker and its tools.  The kernel counts every
-    # process of the worker's user, so this bites only with [daemon]
-    # worker_user set (and never for root).  None = inherited.
-    max_processes: Annotated[int, Meta(ge=8)] | None = None
+    # Processes (and threads) of the session's tools: RLIMIT_NPROC in the
+    # sandbox's user namespace or for the session's own uid, so the kernel
+    # refuses the fork past it; else the memory sweep counts and kills.
+    # None = no limit (root's tools are never limited by RLIMIT_NPROC).
+    max_processes: Annotated[int, Meta(ge=8)] | None = 512
     # RLIMIT_FSIZE: the largest file a worker or tool may write.  None = inherited.
     max_file_size_mb: Annotated[int, Meta(ge=1)] | None = None
 
@@ -178,6 +180,27 @@ class PermissionRule(ConfigSection, kw_only=True):
     action: Literal["allow", "deny", "ask"]
 
 
+NetworkPolicy = Literal["none", "loopback", "full"]
+# Least to most reach: a session override may only move left of the operator's.
+NETWORK_LEVELS: tuple[str, ...] = ("none", "loopback", "full")
+
+
+class SandboxSettings(ConfigSection):
+    """Where a session's tools run: see README, Security."""
+
+    # auto: on where the kernel allows, and say what is missing;
+    # required: the daemon refuses to start without namespaces, Landlock and
+    # seccomp; off: tools run as the worker's user with no confinement.
+    mode: Literal["auto", "required", "off"] = "auto"
+    # none: no sockets but local (Unix) ones; loopback: a loopback of the
+    # session's own (needs namespaces; else treated as none); full: the host's.
+    network: NetworkPolicy = "none"
+    # Extra read-only paths tools may see (a toolchain under /opt, say).
+    read_paths: list[str] = msgspec.field(default_factory=list)
+    # Size of the private /tmp (a tmpfs, with namespaces).
+    tmp_size_mb: Annotated[int, Meta(ge=1, le=1 << 20)] = 256
+
+
 class SessionSettings(ConfigSection):
     """What one session runs with: the operator's config plus its overrides."""
 
@@ -185,3 +208,4 @@ class SessionSettings(ConfigSection):
     provider: ProviderSettings = msgspec.field(default_factory=ProviderSettings)
     tools: ToolsSettings = msgspec.field(default_factory=ToolsSettings)
     permissions: list[PermissionRule] = msgspec.field(default_factory=list)
+    sandbox: SandboxSettings = msgspec.field(default_factory=SandboxSettings)

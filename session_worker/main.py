@@ -35,6 +35,7 @@ from ipc.connection import FramedProtocol
 from ipc.errors import ProtocolError
 from ipc.loop import run as run_loop
 from ipc.settings import SessionSettings
+from session_worker import sandbox
 from session_worker.factories import load_factory
 from session_worker.handler import (
     Handler,
@@ -116,6 +117,7 @@ class Worker:
         self._requests: dict[str, asyncio.Future[Any]] = {}
         self._ids = itertools.count(1)
         self.stopping = asyncio.get_running_loop().create_future()
+        self.sandbox_report: dict[str, Any] = {}
 
     def send(self, msg: Any) -> None:
         self.conn.send(msg)
@@ -130,6 +132,10 @@ class Worker:
     def boot(self, boot: m.Boot) -> None:
         _confine(self.settings, boot.run_as_uid, boot.run_as_gid)
         self.workspace.mkdir(parents=True, exist_ok=True, mode=0o700)
+        plan = sandbox.plan_for(boot.sandbox, self.settings, self.workspace.resolve(),
+                                per_session_uid=boot.run_as_uid is not None)
+        sandbox.configure(plan)
+        self.sandbox_report = plan.describe() if plan is not None else {}
         factory = load_factory(boot.handler)
         init = HandlerInit(
             session=self.session, settings=self.settings, workspace=self.workspace,
@@ -284,7 +290,11 @@ def _confine(settings: SessionSettings, uid: int | None, gid: int | None) -> Non
 
     limits = settings.agent.limits
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core dumps of session memory
-    if limits.max_processes is not None:
+    # RLIMIT_NPROC counts every process of a user: set here only when the
+    # session has a uid of its own (else the tool host sets it inside the
+    # sandbox's user namespace, or the sweep counts).
+    own_uid = uid is not None and os.geteuid() == 0
+    if limits.max_processes is not None and own_uid:
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
     if limits.max_file_size_mb is not None:
         size = limits.max_file_size_mb * 1024 * 1024
@@ -348,7 +358,7 @@ async def _main(sock: socket.socket, warm_up: bool) -> int:
         conn.send(m.BootFailed(reason=reason))
         await _flush(conn)
         return EXIT_BOOT_FAILED
-    conn.send(m.Ready(pid=os.getpid()))
+    conn.send(m.Ready(pid=os.getpid(), sandbox=worker.sandbox_report))
     await worker.serve()
     await _flush(conn)
     return 0

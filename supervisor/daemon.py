@@ -34,9 +34,10 @@ from typing import NamedTuple
 
 import setproctitle
 
+from ipc import messages as m
 from ipc.loop import run as run_loop
 from ipc.linux import set_dumpable
-from supervisor import __version__, sdnotify
+from supervisor import __version__, sandbox, sdnotify
 from supervisor.config import (
     Config,
     ConfigError,
@@ -236,6 +237,25 @@ def resolve_identities(cfg: Config) -> Identities:
     return Identities(None, uids)
 
 
+def _probe_sandbox(cfg: Config, identities: Identities, state_dir: Path, socket_path: Path,
+                   config_path: Path | None) -> m.SandboxBoot | None:
+    """What confines tools here, for the uid they will run as; every daemon
+    path goes on the list no sandbox may show."""
+    who = identities.run_as
+    if who is None and identities.session_uids is not None:
+        who = (identities.session_uids.start, identities.session_uids.start)
+    hide = [state_dir, socket_path.parent]
+    if config_path is not None:
+        hide.append(config_path.resolve())
+    if os.environ.get("CREDENTIALS_DIRECTORY"):
+        hide.append(Path(os.environ["CREDENTIALS_DIRECTORY"]))
+    try:
+        uid, gid = who if who is not None else (None, None)
+        return sandbox.probe(cfg.sandbox, uid, gid, hide)
+    except sandbox.SandboxUnavailable as exc:
+        raise StartupError(str(exc)) from None
+
+
 def check_workspaces_reachable(root: Path, identities: Identities) -> None:
     """Workers that run as another uid must be able to reach their
     workspace: every directory above it must let that uid search it."""
@@ -351,6 +371,7 @@ def run_daemon(
     if identities.run_as is not None or identities.session_uids is not None:
         os.chmod(state_dir, 0o711)  # workers pass through to their workspace; never list it
     check_workspaces_reachable(workspace_root(cfg, state_dir), identities)
+    sandbox_boot = _probe_sandbox(cfg, identities, state_dir, socket_path, config_path)
 
     spawner = ZygoteSpawner()
     spawner.start()  # before any loop or thread exists
@@ -361,7 +382,8 @@ def run_daemon(
             sock = bind_socket(socket_path, int(cfg.daemon.socket_mode, 8), cfg.daemon.socket_group)
             bound = True
         try:
-            return run_loop(_serve(cfg, config_path, state_dir, socket_path, sock, spawner, identities))
+            return run_loop(_serve(cfg, config_path, state_dir, socket_path, sock, spawner, identities,
+                                   sandbox_boot))
         finally:
             if bound:
                 with contextlib.suppress(FileNotFoundError):
@@ -378,12 +400,14 @@ async def _serve(
     sock: socket.socket,
     spawner: ZygoteSpawner,
     identities: Identities,
+    sandbox_boot: m.SandboxBoot | None,
 ) -> int:
     loop = asyncio.get_running_loop()
     spawner.attach(loop)
     spawner.keep_spares(cfg.daemon.spare_workers)
     manager = SessionManager(
-        cfg, state_dir, spawner, run_as=identities.run_as, session_uids=identities.session_uids
+        cfg, state_dir, spawner, run_as=identities.run_as, session_uids=identities.session_uids,
+        sandbox=sandbox_boot,
     )
     manager.load_all()
     server = ControlServer(manager)

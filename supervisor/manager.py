@@ -75,6 +75,7 @@ class SessionManager:
         run_as: tuple[int, int] | None = None,
         session_uids: range | None = None,
         store: StateStore | None = None,
+        sandbox: m.SandboxBoot | None = None,
     ) -> None:
         self.config = config
         self.state_dir = state_dir
@@ -99,6 +100,7 @@ class SessionManager:
         self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
                                self._hibernate_soon)
         self.subagents = Subagents(self, self.sessions)
+        self.workers.sandbox = sandbox
         self.workers.make_room = self._make_room
         self.workers.on_spawn_agent = lambda session, worker, msg: self._spawn_task(
             self.subagents.run(session, worker, msg))
@@ -215,6 +217,7 @@ class SessionManager:
             created_at=session.meta.created_at, last_exit=session.last_exit, seq=session.seq,
             parent=session.meta.parent, children=list(session.children),
             owner_uid=session.meta.owner_uid, error=session.error, usage=dict(session.usage),
+            sandbox=worker.sandbox if pid is not None and worker is not None else {},
         )
 
     def live_workers(self) -> int:

@@ -37,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from ipc.settings import PermissionRule, SessionSettings
+from ipc.settings import NETWORK_LEVELS, PermissionRule, SessionSettings
 
 __all__ = ["OverrideError", "Resolved", "resolve_overrides"]
 
@@ -53,6 +53,7 @@ class Rule(enum.Enum):
     MODEL = "model"
     FREE = "free"
     RULES = "rules"
+    LEVEL = "level"
 
 
 _C, _F = Rule.CEILING, Rule.FLOOR
@@ -91,7 +92,10 @@ ALLOWED: dict[str, Rule] = {
     "tools.bash_timeout_secs": _C,
     "tools.output_limit_bytes": _C,
     "permissions": Rule.RULES,
+    "sandbox.network": Rule.LEVEL,  # only less reach than the operator's
 }
+# The order of a LEVEL key's values, least privilege first.
+_LEVELS: dict[str, tuple[str, ...]] = {"sandbox.network": NETWORK_LEVELS}
 
 # Refused with a reason: knobs of the whole daemon, and keys that choose a
 # provider, a path, a module or an environment variable.
@@ -111,6 +115,9 @@ _OPERATOR_ONLY = {
     "provider.allowed_models": "",
     "tools.custom": "it names code to import",
     "tools.workspace_dir": "it names a directory on the daemon's host",
+    "sandbox.mode": "the sandbox is the operator's to weaken",
+    "sandbox.read_paths": "it names directories on the daemon's host",
+    "sandbox.tmp_size_mb": "",
 }
 _MAX_KEYS = 64
 _MAX_SESSION_RULES = 64
@@ -288,6 +295,11 @@ def _enforce(key: str, rule: Rule, old: Any, new: Any, base: SessionSettings, st
             strict, f"--set {key}: {extra} not enabled by the operator; a session may only narrow {old}",
             [x for x in new if x in old],
         )
+    if rule is Rule.LEVEL:
+        order = _LEVELS[key]
+        if order.index(new) <= order.index(old):
+            return _KEEP
+        return _refuse(strict, f"--set {key}={new}: more than the operator's {old} (order: {', '.join(order)})", old)
     if old is None:
         return _KEEP  # the operator set no bound: any value tightens
     if new is None:

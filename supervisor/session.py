@@ -27,7 +27,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from ipc import messages as m
 from ipc.connection import FramedProtocol
@@ -78,6 +78,7 @@ class WorkerProc:
     last_heartbeat: float
     booted: bool = False
     boot_error: str = ""
+    sandbox: dict[str, Any] = field(default_factory=dict)  # from its Ready
     # Why we asked it to go, so its exit is not mistaken for a crash.
     expected: str = ""
     # Set when we killed it for a reason of its own (a limit, a broken link,

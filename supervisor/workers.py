@@ -68,6 +68,8 @@ class WorkerOwner:
         self._spawn_task = spawn_task
         self.by_pid: dict[int, Session] = {}
         self.closing = False
+        # What the daemon found at start for confining tools (None: off).
+        self.sandbox: m.SandboxBoot | None = None
         # Set by the daemon's core.
         self.make_room: Callable[[Session], Awaitable[None]] = _no_room_needed
         self.on_spawn_agent: Callable[[Session, WorkerProc, m.SpawnAgent], None] = lambda s, w, msg: None
@@ -126,6 +128,7 @@ class WorkerOwner:
                 turns=session.turns, snapshot=snapshot, records=records,
                 run_as_uid=run_as[0] if run_as else None,
                 run_as_gid=run_as[1] if run_as else None,
+                sandbox=self.sandbox,
             )
         )
         if during_boot is not None:
@@ -201,7 +204,8 @@ class WorkerOwner:
                 self._ledger.commit(session, worker, msg)
             case m.Failed():
                 self._ledger.fail(session, msg)
-            case m.Ready():
+            case m.Ready(sandbox=report):
+                worker.sandbox = report
                 worker.booted = True
                 worker.last_heartbeat = time.monotonic()
                 if not worker.ready.done():

@@ -55,8 +55,11 @@ stop_grace_secs = 3.0
 """
 
 
-def agent_config(llm: FakeLLM) -> str:
-    return e2e_agent_config(llm, "[agent.limits]\nmemory_poll_interval_ms = 50\n", key_env="SESSIOND_API_KEY")
+def agent_config(llm: FakeLLM, sandbox: str = "auto") -> str:
+    return e2e_agent_config(
+        llm, f"[agent.limits]\nmemory_poll_interval_ms = 50\n[sandbox]\nmode = \"{sandbox}\"\n",
+        key_env="SESSIOND_API_KEY",
+    )
 
 
 def _open_as(uid: int, paths: list[str]) -> dict[str, int]:
@@ -78,14 +81,17 @@ def _open_as(uid: int, paths: list[str]) -> dict[str, int]:
 
 @pytest.mark.process
 @root_only
+@pytest.mark.parametrize("sandbox", ["off", "auto"])
 def test_same_uid_tools_cannot_read_the_daemons_or_a_workers_secrets(
-    make_daemon, llm: FakeLLM, shared_root: Path, monkeypatch: pytest.MonkeyPatch
+    make_daemon, llm: FakeLLM, shared_root: Path, monkeypatch: pytest.MonkeyPatch, sandbox: str
 ) -> None:
     """Daemon and workers run as one unprivileged user, as they do without
     root.  Before PR_SET_DUMPABLE=0 the session's own `bash` tool (same
-    uid) read the provider key from /proc/<daemon or worker>/environ."""
+    uid) read the provider key from /proc/<daemon or worker>/environ.  With
+    the sandbox off, non-dumpable processes are the only layer; with it on,
+    the daemon and the worker are not even in the tool's /proc."""
     monkeypatch.setenv("SESSIOND_API_KEY", SECRET)
-    d = make_daemon(agent_config(llm), start=False, root=shared_root)
+    d = make_daemon(agent_config(llm, sandbox), start=False, root=shared_root)
     d.run_as_user(NOBODY, NOBODY)
     d.start()
     with d.client() as c:
@@ -109,7 +115,10 @@ def test_same_uid_tools_cannot_read_the_daemons_or_a_workers_secrets(
         events = list(c.send(sid, "look around"))
         assert isinstance(events[-1], m.TurnDone) and events[-1].reply == "done"
     result = next(msg["content"] for msg in llm.requests[1].json["messages"] if msg["role"] == "tool")
-    assert f"PARENT {worker} UID {NOBODY}" in result
+    if sandbox == "off":
+        assert f"PARENT {worker} UID {NOBODY}" in result
+    else:  # started by the session's tool host, as the same user
+        assert f"UID {NOBODY}" in result and f"PARENT {worker} " not in result
     for t in targets:
         assert f"DENIED {t}" in result, result
     assert "DENIED fd" in result and "OPENED" not in result, result

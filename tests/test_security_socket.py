@@ -115,7 +115,10 @@ def agent_config(llm: FakeLLM, extra: str = "") -> str:
 
 @pytest.mark.process
 def test_a_sessions_tools_cannot_drive_the_daemon_even_after_escaping(make_daemon, llm: FakeLLM) -> None:
-    d = make_daemon(agent_config(llm))
+    """The daemon's own check, the layer under the sandbox: with the sandbox
+    off the socket is in a tool's reach, and the peer is still refused.
+    (With the sandbox on, the socket is not even in view: test_sandbox.py.)"""
+    d = make_daemon(agent_config(llm, '[sandbox]\nmode = "off"'))
     with d.client() as c:
         victim = c.create(session="victim", handler="echo").id
         assert c.send_text(victim, "hello") == "1: hello"

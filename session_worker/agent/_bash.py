@@ -1,10 +1,10 @@
 """The `bash` tool: `/bin/bash -c COMMAND` in the workspace.
 
-Runs in the worker process, as a child of the worker and in the worker's
-process group: the supervisor kills a session with `killpg`, and that must
-reach tool processes too, so no setsid/setpgid here.  Because the command
-shares our group, killing "the command and its children" on a timeout or an
-interrupt means walking its descendants (psutil) rather than `killpg`.
+With a sandbox (the default), the session's tool host starts the command
+inside it (`session_worker.sandbox`), in a process group of its own that a
+timeout or an interrupt kills.  With `sandbox.mode = "off"` the worker starts
+it itself, in the worker's process group (the supervisor's `killpg` reaches
+it), so killing "the command and its children" walks its descendants.
 
 The environment is built from nothing (an allowlist), so no provider key,
 SESSIOND_* variable or systemd socket variable can reach a tool.  Output
@@ -21,6 +21,9 @@ import signal
 from pathlib import Path
 
 import psutil
+
+from session_worker import sandbox
+from session_worker.agent._errors import ToolError
 
 __all__ = ["OutputCap", "run_bash", "tool_environment"]
 
@@ -89,6 +92,53 @@ def _kill_tree(pid: int) -> None:
                 proc.send_signal(signal.SIGKILL)
 
 
+class _Local:
+    """A command run by the worker itself (sandbox.mode = off)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
+
+    def kill(self) -> None:
+        _kill_tree(self.proc.pid)
+
+
+class _Hosted:
+    """A command run by the session's tool host, inside its sandbox."""
+
+    def __init__(self, host: sandbox.ToolHost, command: sandbox.HostCommand) -> None:
+        self.host, self.command = host, command
+
+    @property
+    def returncode(self) -> int | None:
+        return self.command.returncode
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self.command.exited)
+
+    def kill(self) -> None:
+        self.host.kill(self.command)
+
+
+async def _start(command: str, workspace: Path, wfd: int) -> _Local | _Hosted:
+    host = sandbox.current()
+    if host is not None:
+        env = {**tool_environment(workspace), "TMPDIR": host.plan.tmp}
+        started = await host.spawn(["/bin/bash", "-c", command], env, wfd)
+        return _Hosted(host, started)
+    proc = await asyncio.create_subprocess_exec(
+        "/bin/bash", "-c", command, cwd=workspace, env=tool_environment(workspace),
+        stdin=asyncio.subprocess.DEVNULL, stdout=wfd, stderr=wfd,
+    )
+    return _Local(proc)
+
+
 async def run_bash(command: str, workspace: Path, timeout_secs: float, limit: int) -> str:
     # Our own pipe rather than asyncio's PIPE: asyncio's Process.wait() only
     # returns once every pipe is closed, so a background child (`server &`)
@@ -97,27 +147,19 @@ async def run_bash(command: str, workspace: Path, timeout_secs: float, limit: in
     # end, the exit is seen at once and we decide when to stop reading.
     loop = asyncio.get_running_loop()
     rfd, wfd = os.pipe()
-    starting = asyncio.ensure_future(
-        asyncio.create_subprocess_exec(
-            "/bin/bash",
-            "-c",
-            command,
-            cwd=workspace,
-            env=tool_environment(workspace),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=wfd,
-            stderr=wfd,
-        )
-    )
+    starting = asyncio.ensure_future(_start(command, workspace, wfd))
     try:
-        # The command runs before create_subprocess_exec returns: an
-        # interrupt in that window must still find it and kill it.
+        # The command runs before the start returns: an interrupt in that
+        # window must still find it and kill it.
         proc = await asyncio.shield(starting)
     except asyncio.CancelledError:
         with contextlib.suppress(BaseException):
-            _kill_tree((await starting).pid)
+            (await starting).kill()
         os.close(rfd)
         raise
+    except sandbox.SandboxError as exc:
+        os.close(rfd)
+        raise ToolError(str(exc)) from None
     except BaseException:
         os.close(rfd)
         raise
@@ -150,13 +192,13 @@ async def run_bash(command: str, workspace: Path, timeout_secs: float, limit: in
                 await _drain(eof)
         except TimeoutError:
             timed_out = True
-            _kill_tree(proc.pid)
+            proc.kill()
             await proc.wait()
             await _drain(eof)
     except BaseException:
         # Interrupt (cancellation) or a bug: the command must not outlive it.
         if proc.returncode is None:
-            _kill_tree(proc.pid)
+            proc.kill()
         raise
     finally:
         loop.remove_reader(rfd)

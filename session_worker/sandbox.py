@@ -1,0 +1,414 @@
+"""A session's sandbox, seen from its worker: the tool host and what confines it.
+
+Every process a session's tools start descends from one tool host
+(`session_worker._toolhost`), started at the session's first tool call and
+kept until the worker exits.  Isolation is per session, not per command:
+commands share the session's /tmp and can see each other, never anything
+else.  What confines the host, and so every tool:
+
+- with namespaces (bubblewrap works for this uid; probed by the daemon at
+  start): its own mount namespace holding a read-only system, the workspace
+  and a private /tmp (tmpfs) and nothing of the daemon; its own PID, IPC and,
+  unless `network = "full"`, network namespaces; when the worker dies the
+  namespace's init dies and the kernel kills every process in it;
+- always (where the kernel has it): `no_new_privs`, a Landlock domain (the
+  same paths, read-only or read-write; TCP refused under `none`; signals and
+  abstract sockets scoped), the seccomp filter of `session_worker._seccomp`,
+  RLIMIT_NPROC, umask 077.  Without namespaces, tools still see only these
+  paths (Landlock), /tmp is `<workspace>/.tmp`, /proc shows only system-wide
+  files, and a tool that daemonizes stays below the host (the subreaper) or,
+  once the host is gone, is killed by the zygote.
+
+The worker itself stays outside the sandbox: it holds the provider's key and
+makes the provider's requests; tools never see its environment, its memory
+(non-dumpable, and another domain) or its /proc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ipc import messages as m
+from ipc.settings import SessionSettings
+from session_worker import _seccomp
+
+__all__ = ["HostCommand", "Plan", "SandboxError", "ToolHost", "configure", "current"]
+
+log = logging.getLogger("sessiond.sandbox")
+
+_HOST_SOURCE = Path(__file__).with_name("_toolhost.py").read_text()
+_SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+# Never visible, whatever tree holds them.
+_SECRETS = (
+    "/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/sudoers",
+    "/etc/sudoers.d", "/etc/ssl/private", "/etc/credstore", "/etc/credstore.encrypted",
+    "/etc/sessiond", "/etc/ssh/ssh_host_rsa_key", "/etc/ssh/ssh_host_ecdsa_key",
+    "/etc/ssh/ssh_host_ed25519_key",
+)
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+# Without a PID namespace, /proc/<pid> of the daemon and of other sessions
+# would be in view: tools get only these system-wide files.
+_PROC_INFO = (
+    "/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/loadavg", "/proc/uptime",
+    "/proc/version", "/proc/filesystems", "/proc/sys",
+)
+_START_TIMEOUT_SECS = 10.0
+
+
+class SandboxError(Exception):
+    """The tool host could not be started or has gone away."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How this session's tools are confined; built once at boot."""
+
+    workspace: Path
+    network: str
+    namespaces: bool
+    bwrap: str = ""
+    why_no_namespaces: str = ""
+    hide: tuple[str, ...] = ()
+    read_paths: tuple[str, ...] = ()
+    nproc: int | None = None
+    tmp_size_mb: int = 256
+    seccomp: bytes = b""
+    why_no_seccomp: str = ""
+    python: str = field(default_factory=lambda: host_python())
+
+    @property
+    def tmp(self) -> str:
+        return "/tmp" if self.namespaces else str(self.workspace / ".tmp")
+
+    @property
+    def effective_network(self) -> str:
+        # A loopback of the session's own needs a network namespace.
+        return "none" if self.network == "loopback" and not self.namespaces else self.network
+
+    def roots(self) -> list[str]:
+        """Read-only trees: the system, the interpreter, the operator's extras."""
+        roots = list(_SYSTEM)
+        prefix = sys.base_prefix if self.python == _own_python() else os.path.dirname(self.python)
+        for extra in (prefix, os.path.dirname(self.python), *self.read_paths):
+            if not any(_within(extra, r) for r in roots):
+                roots.append(extra)
+        return roots
+
+    def hidden(self) -> list[str]:
+        return [*_SECRETS, *self.hide]
+
+    def landlock_paths(self) -> list[tuple[str, str]]:
+        hidden = self.hidden()
+        paths: list[tuple[str, str]] = []
+        for root in self.roots():
+            paths += [(p, "ro") for p in _allow_except(root, hidden)]
+        paths += [(d, "dev") for d in _DEVICES]
+        if self.namespaces:
+            paths += [("/proc", "ro"), ("/tmp", "rw")]
+        else:
+            paths += [(p, "ro") for p in _PROC_INFO]
+        paths.append((str(self.workspace), "rw"))
+        return paths
+
+    def bwrap_argv(self) -> list[str]:
+        argv = [self.bwrap, "--die-with-parent", "--new-session",
+                "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        if self.effective_network != "full":
+            argv.append("--unshare-net")
+        if os.geteuid() != 0:
+            argv.append("--unshare-user")
+        else:
+            argv += ["--cap-drop", "ALL"]
+        for root in self.roots():
+            if os.path.islink(root):
+                argv += ["--symlink", os.readlink(root), root]
+            elif os.path.isdir(root):
+                argv += ["--ro-bind", root, root]
+        for path in self.hidden():
+            if os.path.lexists(path) and any(_within(path, r) for r in self.roots()):
+                if os.path.isdir(path) and not os.path.islink(path):
+                    argv += ["--tmpfs", path]
+                else:
+                    argv += ["--ro-bind", "/dev/null", path]
+        argv += ["--proc", "/proc", "--dev", "/dev",
+                 "--size", str(self.tmp_size_mb << 20), "--tmpfs", "/tmp",
+                 "--bind", str(self.workspace), str(self.workspace),
+                 "--chdir", str(self.workspace)]
+        return argv
+
+    def describe(self) -> dict[str, Any]:
+        """For the log and the worker's Ready: what is on and what is not."""
+        active = ["tool-host", "no_new_privs", "rlimit-nproc" if self.nproc else "", "landlock"]
+        inactive: dict[str, str] = {}
+        if self.namespaces:
+            active.append("namespaces")
+        else:
+            inactive["namespaces"] = self.why_no_namespaces or "unavailable"
+        if self.seccomp:
+            active.append("seccomp")
+        else:
+            inactive["seccomp"] = self.why_no_seccomp
+        if self.network != self.effective_network:
+            inactive["network-loopback"] = "needs namespaces; tools get network none"
+        return {"active": [a for a in active if a], "inactive": inactive,
+                "network": self.effective_network}
+
+    def host_config(self) -> dict[str, Any]:
+        return {
+            "network": self.effective_network,
+            "paths": self.landlock_paths(),
+            "nproc": self.nproc,
+            "seccomp": self.seccomp.hex(),
+            "parent": None if self.namespaces else os.getpid(),
+            "outer": ["namespaces"] if self.namespaces else [],
+        }
+
+
+def _own_python() -> str:
+    return os.path.realpath(sys.executable)
+
+
+def host_python() -> str:
+    """The interpreter for the tool host: ours, when this uid may run it
+    (a per-session uid may not reach a Python installed under /root, say),
+    else the system's; the host needs only the standard library."""
+    own = _own_python()
+    if os.access(own, os.X_OK):
+        return own
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    return own
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _allow_except(root: str, hidden: list[str]) -> list[str]:
+    """`root`, or when something hidden is inside it, every entry of it
+    but the hidden ones, recursively (Landlock can only add, not subtract)."""
+    inside = [h for h in hidden if _within(h, root)]
+    if not inside:
+        return [root]
+    if root in inside or not os.path.isdir(root) or os.path.islink(root):
+        return []
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    out: list[str] = []
+    for name in names:
+        out += _allow_except(os.path.join(root, name), inside)
+    return out
+
+
+def plan_for(boot: m.SandboxBoot | None, settings: SessionSettings, workspace: Path,
+             per_session_uid: bool) -> Plan | None:
+    """The plan for this worker, or None when sandbox.mode is off."""
+    if boot is None or settings.sandbox.mode == "off":
+        return None
+    network = settings.sandbox.network
+    try:
+        program = _seccomp.build("none" if network == "loopback" and not boot.namespaces else network)
+        why_no_seccomp = ""
+    except _seccomp.UnsupportedArch as exc:
+        program, why_no_seccomp = b"", str(exc)
+    limit = settings.agent.limits.max_processes
+    # RLIMIT_NPROC counts per user and user namespace: per session with a
+    # uid of its own or a user namespace of its own, else it would count
+    # every session's processes (then the memory sweep's count enforces it).
+    nproc = limit if (per_session_uid or boot.namespaces) else None
+    return Plan(
+        workspace=workspace, network=network, namespaces=boot.namespaces,
+        bwrap=boot.bwrap, why_no_namespaces=boot.why_not, hide=tuple(boot.hide),
+        read_paths=tuple(settings.sandbox.read_paths), nproc=nproc,
+        tmp_size_mb=settings.sandbox.tmp_size_mb, seccomp=program, why_no_seccomp=why_no_seccomp,
+    )
+
+
+@dataclass(slots=True)
+class HostCommand:
+    """One command started by the tool host."""
+
+    id: int
+    pid: int
+    exited: asyncio.Future[int]
+
+    @property
+    def returncode(self) -> int | None:
+        return self.exited.result() if self.exited.done() and not self.exited.cancelled() else None
+
+
+class ToolHost:
+    """The worker's end of its tool host: start on first use, then run orders."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.report: dict[str, Any] = {}
+        self._sock: socket.socket | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._starting: asyncio.Task[None] | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[int]] = {}
+        self._exits: dict[int, asyncio.Future[int]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._stderr = bytearray()
+
+    async def _ensure(self) -> socket.socket:
+        if self._sock is not None and (self._reader is None or not self._reader.done()):
+            return self._sock
+        if self._starting is None or self._starting.done():
+            self._close_transport()
+            self._starting = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._starting)
+        assert self._sock is not None
+        return self._sock
+
+    async def _start(self) -> None:
+        plan = self.plan
+        if not plan.namespaces:
+            os.makedirs(plan.tmp, mode=0o700, exist_ok=True)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [plan.python, "-I", "-S", "-c", _HOST_SOURCE,
+                json.dumps(plan.host_config()), str(theirs.fileno())]
+        if plan.namespaces:
+            argv = [*plan.bwrap_argv(), "--", *argv]
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, pass_fds=(theirs.fileno(),), cwd=plan.workspace,
+                env=host_environment(plan), stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+            )
+        except OSError as exc:
+            ours.close()
+            raise SandboxError(f"cannot start the tool host: {exc}") from None
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self._proc = proc
+        errors = asyncio.ensure_future(self._drain_stderr(proc))
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(_START_TIMEOUT_SECS):
+                first = await loop.sock_recv(ours, 65536)
+        except (TimeoutError, OSError) as exc:
+            first = b""
+            self._stderr += f"({type(exc).__name__} waiting for the tool host)".encode()
+        hello = json.loads(first) if first else {}
+        if not hello.get("ready"):
+            ours.close()
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(errors, 1.0)
+            detail = hello.get("error") or self._stderr.decode("utf-8", "replace").strip() or "it exited"
+            raise SandboxError(f"the session's sandbox did not start: {detail}")
+        self.report = {"active": hello.get("applied", []), "inactive": hello.get("skipped", {})}
+        log.info("tool host started (pid %s): %s", proc.pid, ", ".join(self.report["active"]))
+        self._sock = ours
+        self._reader = asyncio.ensure_future(self._read(ours))
+
+    async def _drain_stderr(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stderr is not None
+        while line := await proc.stderr.readline():
+            if len(self._stderr) < 8192:
+                self._stderr += line
+            if self._sock is not None:
+                log.warning("tool host: %s", line.decode("utf-8", "replace").rstrip())
+
+    async def _read(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while data := await loop.sock_recv(sock, 65536):
+                msg = json.loads(data)
+                oid = msg.get("id")
+                if "pid" in msg or "error" in msg:
+                    fut = self._pending.pop(oid, None)
+                    if fut is not None and not fut.done():
+                        if "error" in msg:
+                            fut.set_exception(SandboxError(f"cannot start the command: {msg['error']}"))
+                        else:
+                            fut.set_result(msg["pid"])
+                elif "exit" in msg:
+                    done = self._exits.pop(oid, None)
+                    if done is not None and not done.done():
+                        done.set_result(int(msg["exit"]))
+        except (OSError, ValueError):
+            pass
+        finally:
+            lost = SandboxError("the tool host exited")
+            for fut in [*self._pending.values(), *self._exits.values()]:
+                if not fut.done():
+                    fut.set_exception(lost)
+            self._pending.clear()
+            self._exits.clear()
+
+    async def spawn(self, argv: list[str], env: dict[str, str], outfd: int) -> HostCommand:
+        """Start `argv` in the workspace with stdout and stderr on `outfd`."""
+        sock = await self._ensure()
+        loop = asyncio.get_running_loop()
+        oid = next(self._ids)
+        started: asyncio.Future[int] = loop.create_future()
+        exited: asyncio.Future[int] = loop.create_future()
+        self._pending[oid] = started
+        self._exits[oid] = exited
+        order = {"op": "run", "id": oid, "argv": argv, "cwd": str(self.plan.workspace), "env": env}
+        try:
+            socket.send_fds(sock, [json.dumps(order).encode()], [outfd])
+        except OSError as exc:
+            self._pending.pop(oid, None)
+            self._exits.pop(oid, None)
+            raise SandboxError(f"the tool host is gone: {exc}") from None
+        pid = await started
+        return HostCommand(oid, pid, exited)
+
+    def kill(self, command: HostCommand) -> None:
+        """SIGKILL the command's process group."""
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.send(json.dumps({"op": "kill", "id": command.id}).encode())
+
+    def _close_transport(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._sock is not None:
+            self._sock.close()
+        self._sock = None
+        self._reader = None
+
+    def close(self) -> None:
+        self._close_transport()
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+
+
+def host_environment(plan: Plan) -> dict[str, str]:
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "TMPDIR": plan.tmp}
+
+
+_current: ToolHost | None = None
+
+
+def configure(plan: Plan | None) -> None:
+    """Set this worker's sandbox (one session per worker process)."""
+    global _current
+    if _current is not None:
+        _current.close()
+    _current = ToolHost(plan) if plan is not None else None
+
+
+def current() -> ToolHost | None:
+    """The session's tool host, or None when tools run unconfined."""
+    return _current

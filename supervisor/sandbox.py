@@ -1,0 +1,94 @@
+"""What this host offers for confining tools, found once at start.
+
+The worker does the confining (`session_worker.sandbox`); the daemon finds
+out, before any session exists, whether bubblewrap can make namespaces for
+the uid tools will run as (a root daemon's session uids, or its own), and
+which daemon paths must stay out of every sandbox.  Said in one log line,
+refused at start under `sandbox.mode = "required"` when a mechanism is
+missing, and sent to every worker in its Boot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+from ipc import messages as m
+from ipc.settings import SandboxSettings
+
+__all__ = ["SandboxUnavailable", "landlock_abi", "probe"]
+
+log = logging.getLogger("sessiond")
+
+_PROBE_TIMEOUT_SECS = 10.0
+
+
+class SandboxUnavailable(Exception):
+    """`sandbox.mode = "required"` on a host that cannot provide it."""
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 when it has none."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    abi = libc.syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    return max(0, int(abi))
+
+
+def _try_bwrap(bwrap: str, uid: int | None, gid: int | None) -> str:
+    """'' when bubblewrap makes every namespace we use for `uid`, else why not."""
+    argv = [bwrap, "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--unshare-pid",
+            "--unshare-ipc", "--unshare-net", "--unshare-uts", "--die-with-parent"]
+    if (uid if uid is not None else os.geteuid()) != 0:
+        argv.append("--unshare-user")
+    argv += ["--", "/bin/true"]
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, timeout=_PROBE_TIMEOUT_SECS, text=True, check=False,
+            user=uid, group=gid, extra_groups=[] if uid is not None else None, cwd="/",
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{bwrap} did not run: {exc}"
+    if done.returncode != 0:
+        why = done.stderr.strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
+        return f"{bwrap} cannot make namespaces here: {why[0]}"
+    return ""
+
+
+def probe(settings: SandboxSettings, uid: int | None, gid: int | None,
+          hide: list[Path]) -> m.SandboxBoot | None:
+    """Probe, log what sessions will get, and refuse when `required` is unmet."""
+    if settings.mode == "off":
+        log.warning("sandbox.mode = off: tools run as the worker's user, unconfined")
+        return None
+    bwrap = shutil.which("bwrap") or ""
+    why_not = _try_bwrap(bwrap, uid, gid) if bwrap else "bubblewrap (bwrap) is not installed"
+    abi = landlock_abi()
+    seccomp_ok = platform.machine() in ("x86_64", "amd64")
+    missing = []
+    if why_not:
+        missing.append(f"namespaces ({why_not})")
+    if not abi:
+        missing.append("Landlock (the kernel has none, or it is not enabled: lsm=landlock)")
+    if not seccomp_ok:
+        missing.append(f"seccomp (no syscall table for {platform.machine()})")
+    if missing and settings.mode == "required":
+        raise SandboxUnavailable(
+            "sandbox.mode = required, but this host lacks: " + "; ".join(missing)
+        )
+    have = ["namespaces (bubblewrap)"] if not why_not else []
+    have += [f"Landlock ABI {abi}"] if abi else []
+    have += ["seccomp"] if seccomp_ok else []
+    log.info("sandbox: tools run confined by %s; network %s%s", ", ".join(have + ["no_new_privs"]),
+             settings.network, "" if not missing else "; missing: " + "; ".join(missing))
+    if missing:
+        log.warning("sandbox: weaker than it could be: %s (see README, Security)", "; ".join(missing))
+    return m.SandboxBoot(
+        namespaces=not why_not, bwrap=bwrap, why_not=why_not,
+        hide=sorted({str(p) for p in hide}),
+    )
