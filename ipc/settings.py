@@ -192,6 +192,10 @@ class SandboxSettings(ConfigSection):
     # required: the daemon refuses to start without namespaces, Landlock and
     # seccomp; off: tools run as the worker's user with no confinement.
     mode: Literal["auto", "required", "off"] = "auto"
+    # auto: bubblewrap namespaces where the daemon's probe finds them usable;
+    # off: Landlock, seccomp and the rest without them (where user
+    # namespaces are unwanted; the hardened unit cannot make them anyway).
+    namespaces: Literal["auto", "off"] = "auto"
     # none: no sockets but local (Unix) ones; loopback: a loopback of the
     # session's own (needs namespaces; else treated as none); full: the host's.
     network: NetworkPolicy = "none"

@@ -42,6 +42,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 from typing import Any
 
 Config = dict[str, Any]
@@ -62,6 +63,7 @@ _FS_REFER, _FS_TRUNCATE, _FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1, 2
 _SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1, 2
 _READ = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
+_GRACE_SECS = 1.0
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -228,6 +230,7 @@ def serve(sock: socket.socket, applied: list[str], skipped: dict[str, str]) -> N
                 except OSError:
                     data, fds = b"", []
                 if not data:
+                    _wind_down(commands, "landlock-scope" in applied or "namespaces" in applied)
                     return
                 order = json.loads(data)
                 if order.get("op") == "run":
@@ -265,6 +268,40 @@ def serve(sock: socket.socket, applied: list[str], skipped: dict[str, str]) -> N
             oid = commands.pop(pid, None)
             if oid is not None:
                 _send(sock, {"id": oid, "exit": os.waitstatus_to_exitcode(status)})
+
+
+def _wind_down(commands: dict[int, int | None], contained: bool) -> None:
+    """The worker is done with us: SIGTERM each command's group, give them a
+    moment, then SIGKILL what is left.  When the host's signals reach only
+    its own session (a Landlock scope or a PID namespace), kill(-1) also
+    finds what left its group; never otherwise, where -1 is every process
+    of this uid."""
+    for pid in commands:
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + _GRACE_SECS
+    while commands and time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid:
+            commands.pop(pid, None)
+        else:
+            time.sleep(0.01)
+    for pid in commands:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if contained:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def main(argv: list[str]) -> int:

@@ -49,6 +49,10 @@ __all__ = ["zygote_main"]
 _to_zygote = msgspec.msgpack.Decoder(m.ToZygote)
 _encode = msgspec.msgpack.Encoder().encode
 _MAX_PACKET = 4096
+# After a worker is killed, look for its orphans this long, this often:
+# they re-parent one generation at a time as their parents die.
+_HUNT_SECS = 1.0
+_HUNT_POLL_SECS = 0.02
 
 
 def _preload() -> None:
@@ -125,7 +129,11 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
         theirs.close()
         return pid, ours, pidfd
 
+    # Until when to hunt strays (see _kill_strays) after a worker was killed.
+    hunt_until = 0.0
+
     def reap() -> None:
+        nonlocal hunt_until
         for pid, status in _reap_any():
             spare = spares.pop(pid, None)
             if spare is not None:
@@ -138,12 +146,19 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
             exited = m.Exited(pid=pid, code=code) if code >= 0 else m.Exited(pid=pid, signal=-code)
             with contextlib.suppress(OSError):
                 sock.send(_encode(exited))
+            if code < 0:
+                hunt_until = time.monotonic() + _HUNT_SECS
+        if time.monotonic() < hunt_until:
+            _kill_strays(workers.keys() | spares.keys())
 
     running = True
     while running and not parent_died:
         # With spares to make, poll instead of blocking: an order always
         # comes first, a spare is forked only when nothing is waiting.
-        events = sel.select(0 if len(spares) < keep_spares else None)
+        hunting = time.monotonic() < hunt_until
+        events = sel.select(0 if len(spares) < keep_spares else _HUNT_POLL_SECS if hunting else None)
+        if hunting:
+            reap()
         if not events and len(spares) < keep_spares:
             pid, ours, pidfd = fork_worker(spare=True)
             spares[pid] = (ours, pidfd)
@@ -215,6 +230,20 @@ def _kill_everything(workers: dict[int, int], settle_secs: float = 1.0) -> None:
         if time.monotonic() > deadline:
             return
         time.sleep(0.01)
+
+
+def _kill_strays(ours: set[int]) -> None:
+    """SIGKILL every child that is not a worker.
+
+    Called for a while after a worker was killed (by us, the daemon or the
+    kernel): its tool host dies with it (PDEATHSIG), and whatever the tools
+    left re-parents to us, the subreaper.  A worker that exits by itself has
+    stopped its host tidily, and the daemon's stop gives the rest their
+    grace period."""
+    for pid in _my_children():
+        if pid not in ours:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _reap_any() -> Iterator[tuple[int, int]]:

@@ -116,6 +116,7 @@ _OPERATOR_ONLY = {
     "tools.custom": "it names code to import",
     "tools.workspace_dir": "it names a directory on the daemon's host",
     "sandbox.mode": "the sandbox is the operator's to weaken",
+    "sandbox.namespaces": "the sandbox is the operator's to weaken",
     "sandbox.read_paths": "it names directories on the daemon's host",
     "sandbox.tmp_size_mb": "",
 }

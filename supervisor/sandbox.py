@@ -67,11 +67,16 @@ def probe(settings: SandboxSettings, uid: int | None, gid: int | None,
         log.warning("sandbox.mode = off: tools run as the worker's user, unconfined")
         return None
     bwrap = shutil.which("bwrap") or ""
-    why_not = _try_bwrap(bwrap, uid, gid) if bwrap else "bubblewrap (bwrap) is not installed"
+    if settings.namespaces == "off":
+        why_not = "sandbox.namespaces = off"
+    elif not bwrap:
+        why_not = "bubblewrap (bwrap) is not installed"
+    else:
+        why_not = _try_bwrap(bwrap, uid, gid)
     abi = landlock_abi()
     seccomp_ok = platform.machine() in ("x86_64", "amd64")
     missing = []
-    if why_not:
+    if why_not and settings.namespaces != "off":
         missing.append(f"namespaces ({why_not})")
     if not abi:
         missing.append("Landlock (the kernel has none, or it is not enabled: lsm=landlock)")
