@@ -22,6 +22,7 @@ class ExitReason(enum.StrEnum):
     KILLED_MEMORY = "killed_memory"
     KILLED_TURN_TIMEOUT = "killed_turn_timeout"
     KILLED_HEARTBEAT = "killed_heartbeat"
+    KILLED_PROCESSES = "killed_processes"  # max_processes, where the sweep counts them
     STOPPED = "stopped"  # stopped, hibernated or removed on purpose
 
 
@@ -35,6 +36,7 @@ class LimitKind(enum.StrEnum):
     RESTARTS = "restarts"
     TURNS = "turns"
     TOOL_CALLS = "tool_calls"
+    PROCESSES = "processes"
 
 
 class StopReason(enum.StrEnum):

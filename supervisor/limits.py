@@ -74,6 +74,23 @@ class ProcTable:
         except (IndexError, ValueError):
             return None
 
+    def pss(self, pid: int) -> int | None:
+        """Proportional set size (smaps_rollup): shared pages divided among
+        their sharers.  None when the kernel will not tell us (a non-root
+        daemon and a non-dumpable worker) or the process is gone."""
+        try:
+            with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+                data = f.read()
+        except OSError:
+            return None
+        at = data.find(b"\nPss:")
+        if at < 0:
+            return None
+        try:
+            return int(data[at + 5:].split(None, 1)[0]) * 1024
+        except (IndexError, ValueError):
+            return None
+
     def children(self, pid: int) -> list[int]:
         # Empty is the common case (no children), not a sign of exit: the
         # file stays open for the next sweep.
@@ -169,6 +186,22 @@ class SessionMemory:
                 handle = table.pidfd(pid)
                 if handle is not None:
                     self.pidfds[pid] = handle
+        self.rss_bytes = total
+        return total
+
+    def measure_pss(self, table: ProcTable, worker_pid: int) -> int:
+        """What the session's processes really cost, for a figure near a cap.
+
+        Summing RSS counts every page shared between processes once per
+        process: 85 forks of a 28 MiB worker "used" 2 GiB.  PSS splits each
+        shared page among its sharers.  Reading smaps_rollup walks the page
+        tables, so the sweep asks only when the cheap RSS sum (never below
+        the PSS sum) is over a limit.  A process whose PSS we may not read
+        counts its RSS."""
+        total = 0
+        for pid in (worker_pid, *self.pids):
+            pss = table.pss(pid)
+            total += pss if pss is not None else table.rss(pid) or 0
         self.rss_bytes = total
         return total
 

@@ -86,6 +86,11 @@ class Sweeper:
     def _check(self, session: Session, worker: WorkerProc, now: float) -> None:
         limits = session.settings.agent.limits
         rss = session.memory.measure(self._proc_table, worker.pid)
+        bound = min(limits.max_memory_mb, limits.memory_high_mb or limits.max_memory_mb) * MIB
+        if rss > bound:
+            rss = session.memory.measure_pss(self._proc_table, worker.pid)
+        if self._too_many_processes(session, worker):
+            return
         verdict = memory_verdict(rss, limits.max_memory_mb, limits.memory_high_mb, session.memory.high)
         if verdict.kill:
             self._events.emit_limit(session, LimitKind.MEMORY, rss / MIB, limits.max_memory_mb)
@@ -110,6 +115,20 @@ class Sweeper:
         if idle_expired(now, session.last_active, idle_limit, session.state is State.IDLE,
                         session.lock.locked()):
             self._hibernate(session, f"idle for more than {idle_limit:g}s")
+
+    def _too_many_processes(self, session: Session, worker: WorkerProc) -> bool:
+        """max_processes, counted here where the kernel does not count it
+        per session (no uid and no user namespace of its own)."""
+        limit = session.settings.agent.limits.max_processes
+        if limit is None or "rlimit-nproc" in worker.sandbox.get("active", ()):
+            return False
+        count = 1 + len(session.memory.pids)
+        if count <= limit:
+            return False
+        self._events.emit_limit(session, LimitKind.PROCESSES, count, limit)
+        self._workers.kill(session, worker, ExitReason.KILLED_PROCESSES,
+                           f"{count} processes, over max_processes = {limit}")
+        return True
 
     # ---------------------------------------------------------------- turn timeouts
 
