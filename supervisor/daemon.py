@@ -19,6 +19,7 @@ import contextlib
 import faulthandler
 import fcntl
 import grp
+import importlib.util
 import logging
 import os
 import pwd
@@ -49,6 +50,7 @@ from supervisor.config import (
 from supervisor.manager import SessionManager
 from supervisor.server import ControlServer
 from supervisor.spawner import ZygoteSpawner
+from supervisor.state_store import StateStore, StoreError
 
 __all__ = ["StartupError", "run_daemon"]
 
@@ -352,6 +354,7 @@ def run_daemon(
         os.chmod(state_dir, 0o711)  # workers pass through to their workspace; never list it
     check_workspaces_reachable(workspace_root(cfg, state_dir), identities)
 
+    _check_store_driver(cfg)
     spawner = ZygoteSpawner()
     spawner.start()  # before any loop or thread exists
     try:
@@ -382,8 +385,12 @@ async def _serve(
     loop = asyncio.get_running_loop()
     spawner.attach(loop)
     spawner.keep_spares(cfg.daemon.spare_workers)
+    # Connected only now, after the zygote was forked: no worker may inherit
+    # the daemon's database connection.
+    store = _open_store(cfg)
     manager = SessionManager(
-        cfg, state_dir, spawner, run_as=identities.run_as, session_uids=identities.session_uids
+        cfg, state_dir, spawner, run_as=identities.run_as, session_uids=identities.session_uids,
+        store=store,
     )
     manager.load_all()
     server = ControlServer(manager)
@@ -432,6 +439,26 @@ async def _serve(
         task.cancel()
     log.info("stopped")
     return 0
+
+
+def _check_store_driver(cfg: Config) -> None:
+    if cfg.store.backend == "postgres" and importlib.util.find_spec("psycopg") is None:
+        raise StartupError("[store] backend = \"postgres\" needs the PostgreSQL driver, which is not "
+                           "installed: pip install 'sessiond[cluster]'")
+
+
+def _open_store(cfg: Config) -> StateStore | None:
+    """The configured state store; None: the file store under state_dir."""
+    if cfg.store.backend != "postgres":
+        return None
+    from supervisor.pg_store import PgStateStore  # the optional `cluster` extra
+
+    try:
+        store = PgStateStore(cfg.store.dsn, retry_secs=cfg.store.retry_secs)
+    except StoreError as exc:
+        raise StartupError(f"[store] backend = \"postgres\": {exc}") from None
+    log.info("state in PostgreSQL (%s)", store.where)
+    return store
 
 
 def _sessionctl_command() -> str:
