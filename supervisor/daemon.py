@@ -392,7 +392,10 @@ async def _serve(
         cfg, state_dir, spawner, run_as=identities.run_as, session_uids=identities.session_uids,
         store=store,
     )
-    manager.load_all()
+    try:
+        manager.load_all()
+    except StoreError as exc:  # the database went away since it was opened
+        raise StartupError(f"cannot read the sessions: {exc}") from None
     server = ControlServer(manager)
     await server.start(sock)
 
@@ -500,6 +503,8 @@ def _reload(manager: SessionManager, config_path: Path | None) -> None:
     except ConfigError as exc:
         log.error("reload refused, keeping the running config: %s", exc)
     else:
+        if cfg.store != manager.config.store:
+            log.warning("[store] changed: it takes effect at the next start, not on reload")
         manager.reload(cfg)
         manager.spawner.keep_spares(cfg.daemon.spare_workers)
         sdnotify.configure_logging(cfg.daemon.log_level.upper())
