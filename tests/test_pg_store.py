@@ -229,3 +229,16 @@ def test_a_daemon_whose_database_cannot_be_reached_says_so(make_daemon, tmp_path
     with pytest.raises(AssertionError, match="exited with 1") as exc:
         d.start()
     assert "cannot be reached" in str(exc.value) and "hunter2" not in str(exc.value)
+
+
+@pytest.mark.pure
+def test_a_server_out_of_space_is_store_full() -> None:
+    from psycopg import errors as pgerr
+
+    from supervisor.pg_store import _store_error
+    from supervisor.state_store import StoreFull
+
+    full = _store_error("the log of s1", pgerr.DiskFull("could not extend file: No space left on device"))
+    assert isinstance(full, StoreFull) and "out of space" in str(full)
+    other = _store_error("the log of s1", pgerr.UniqueViolation("duplicate key"))
+    assert type(other) is StoreError and "duplicate key" in str(other)
