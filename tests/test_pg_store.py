@@ -10,6 +10,7 @@ import signal
 import threading
 from collections.abc import Iterator
 
+import msgspec
 import psycopg
 import pytest
 import tomli_w
@@ -17,6 +18,7 @@ import tomli_w
 from conftest import FAST_CONFIG
 from harness import wait_for
 from pg_server import PgServer
+from supervisor.client import RequestError, TurnFailedError
 from supervisor.config import ConfigError, parse_config
 from supervisor.pg_store import SCHEMA_VERSION, PgSessionLog, PgStateStore, safe_dsn
 from supervisor.state_store import Commit, Fenced, InputRecord, Meta, StoreError
@@ -218,6 +220,25 @@ def test_a_daemon_on_postgres_loses_no_turn_to_a_worker_kill_or_its_own(make_dae
     assert not list((d.state_dir / "sessions").glob("*")), "nothing of it in files"
     (gen, snapshot), = sql(dsn, "SELECT gen, snapshot IS NOT NULL FROM sessiond_sessions WHERE id = %s", sid)
     assert gen >= 2 and snapshot
+
+
+@pytest.mark.process
+def test_a_second_daemon_takes_a_session_over_and_the_first_cannot_write(make_daemon, dsn: str) -> None:
+    """Two daemons on one database (two machines, say): the one that loaded
+    the session last holds it; the other's input is refused, not logged."""
+    first = make_daemon(pg_config(dsn))
+    with first.client() as c:
+        sid = c.create().id
+        assert c.send_text(sid, "a") == "1: a"
+    second = make_daemon(pg_config(dsn))  # its start loads every session: a takeover
+    with first.client() as c:
+        with pytest.raises((RequestError, TurnFailedError), match="generation"):
+            c.send_text(sid, "stale")
+    with second.client() as c:
+        assert c.send_text(sid, "b") == "2: b"
+    decoded = [msgspec.msgpack.decode(f[8:]) for f in log_rows(dsn, sid)]
+    assert [r["text"] for r in decoded if r["r"] == "input"] == ["a", "b"]
+    assert "generation" in first.log
 
 
 @pytest.mark.process
