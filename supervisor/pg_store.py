@@ -360,6 +360,14 @@ class PgStateStore:
             params.pop("tcp_user_timeout")  # a Unix socket: no TCP
         conn = psycopg.connect(make_conninfo(**{k: str(v) for k, v in params.items()}),
                                autocommit=True)
+        try:
+            self._prepare(conn)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _prepare(self, conn: psycopg.Connection[Any]) -> None:
         with conn.cursor() as cur:
             cur.execute("SHOW synchronous_commit")
             row = cur.fetchone()
@@ -374,7 +382,6 @@ class PgStateStore:
             if row is not None and row[0] == "off":
                 log.warning("the PostgreSQL server at %s runs with fsync = off: a crash of its "
                             "machine can lose acknowledged turns", self._where)
-        return conn
 
     def run(self, op: Callable[[psycopg.Cursor[Any]], _T], what: str) -> _T:
         """Run `op` with a cursor; a lost connection is re-made and `op`
