@@ -32,6 +32,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DaemonSettings",
+    "StoreSettings",
     "default_config_path",
     "default_socket_path",
     "default_state_dir",
@@ -100,8 +101,23 @@ class DaemonSettings(ConfigSection):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
+class StoreSettings(ConfigSection):
+    # Where sessions' state is kept: "file" (under state_dir, one machine) or
+    # "postgres" (a PostgreSQL database, needs the `cluster` extra: pip
+    # install 'sessiond[cluster]').
+    backend: Literal["file", "postgres"] = "file"
+    # For backend = "postgres": a libpq connection string ("host=/run/postgresql
+    # dbname=sessiond" or "postgresql://user@host/db"); keep passwords in
+    # ~/.pgpass or PGPASSFILE rather than here.
+    dsn: str = ""
+    # How long one store operation keeps retrying a lost database connection
+    # (the daemon waits meanwhile) before the write fails.
+    retry_secs: Annotated[float, Meta(ge=0, le=600)] = 5.0
+
+
 class Config(SessionSettings):
     daemon: DaemonSettings = msgspec.field(default_factory=DaemonSettings)
+    store: StoreSettings = msgspec.field(default_factory=StoreSettings)
 
     def session_settings(self) -> SessionSettings:
         return SessionSettings(
@@ -203,6 +219,8 @@ def parse_config(data: dict[str, Any], source: str) -> Config:
             f"{source}: 'daemon.event_retention_bytes' ({cfg.daemon.event_retention_bytes}) must not "
             f"exceed 'daemon.client_buffer_bytes' ({cfg.daemon.client_buffer_bytes})"
         )
+    if cfg.store.backend == "postgres" and not cfg.store.dsn.strip():
+        raise ConfigError(f"{source}: 'store.dsn' must be set when 'store.backend' is \"postgres\"")
     try:
         uid_range(cfg.daemon.session_uid_range)
     except ValueError as exc:

@@ -19,6 +19,7 @@ import contextlib
 import faulthandler
 import fcntl
 import grp
+import importlib.util
 import logging
 import os
 import pwd
@@ -50,6 +51,7 @@ from supervisor.config import (
 from supervisor.manager import SessionManager
 from supervisor.server import ControlServer
 from supervisor.spawner import ZygoteSpawner
+from supervisor.state_store import StateStore, StoreError
 
 __all__ = ["StartupError", "run_daemon"]
 
@@ -373,6 +375,7 @@ def run_daemon(
     check_workspaces_reachable(workspace_root(cfg, state_dir), identities)
     sandbox_boot = _probe_sandbox(cfg, identities, state_dir, socket_path, config_path)
 
+    _check_store_driver(cfg)
     spawner = ZygoteSpawner()
     spawner.start()  # before any loop or thread exists
     try:
@@ -405,11 +408,17 @@ async def _serve(
     loop = asyncio.get_running_loop()
     spawner.attach(loop)
     spawner.keep_spares(cfg.daemon.spare_workers)
+    # Connected only now, after the zygote was forked: no worker may inherit
+    # the daemon's database connection.
+    store = _open_store(cfg)
     manager = SessionManager(
         cfg, state_dir, spawner, run_as=identities.run_as, session_uids=identities.session_uids,
-        sandbox=sandbox_boot,
+        sandbox=sandbox_boot, store=store,
     )
-    manager.load_all()
+    try:
+        manager.load_all()
+    except StoreError as exc:  # the database went away since it was opened
+        raise StartupError(f"cannot read the sessions: {exc}") from None
     server = ControlServer(manager)
     await server.start(sock)
 
@@ -458,6 +467,26 @@ async def _serve(
     return 0
 
 
+def _check_store_driver(cfg: Config) -> None:
+    if cfg.store.backend == "postgres" and importlib.util.find_spec("psycopg") is None:
+        raise StartupError("[store] backend = \"postgres\" needs the PostgreSQL driver, which is not "
+                           "installed: pip install 'sessiond[cluster]'")
+
+
+def _open_store(cfg: Config) -> StateStore | None:
+    """The configured state store; None: the file store under state_dir."""
+    if cfg.store.backend != "postgres":
+        return None
+    from supervisor.pg_store import PgStateStore  # the optional `cluster` extra
+
+    try:
+        store = PgStateStore(cfg.store.dsn, retry_secs=cfg.store.retry_secs)
+    except StoreError as exc:
+        raise StartupError(f"[store] backend = \"postgres\": {exc}") from None
+    log.info("state in PostgreSQL (%s)", store.where)
+    return store
+
+
 def _sessionctl_command() -> str:
     """How to run sessionctl from here: plain when it is on PATH, else the
     one installed beside this interpreter (e.g. .venv/bin/sessionctl)."""
@@ -497,6 +526,8 @@ def _reload(manager: SessionManager, config_path: Path | None) -> None:
     except ConfigError as exc:
         log.error("reload refused, keeping the running config: %s", exc)
     else:
+        if cfg.store != manager.config.store:
+            log.warning("[store] changed: it takes effect at the next start, not on reload")
         manager.reload(cfg)
         manager.spawner.keep_spares(cfg.daemon.spare_workers)
         sdnotify.configure_logging(cfg.daemon.log_level.upper())

@@ -7,6 +7,7 @@ import pytest
 
 from fakellm import FakeLLM
 from harness import Daemon
+from pg_server import pg_server  # noqa: F401 (a session-scoped fixture: one server a run)
 
 FAST_CONFIG = """
 [agent.worker]

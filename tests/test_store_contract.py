@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from pg_server import PgServer
 from supervisor.memory_store import InMemoryStateStore
 from supervisor.state_store import (
     Commit,
@@ -122,16 +123,75 @@ class MemoryAdapter(Adapter):
         stored.log[self._offsets(bytes(stored.log))[-2] + 10] ^= 0x40
 
 
-ADAPTERS = ["file", "memory"]
+class PgAdapter(Adapter):
+    """A real PostgreSQL server (tests/pg_server.py), a schema per test."""
+
+    def __init__(self, server: PgServer) -> None:
+        from supervisor.pg_store import PgStateStore
+
+        self.server = server
+        self.dsn = server.fresh_dsn()
+        self.pg = PgStateStore(self.dsn, retry_secs=30.0)
+        self.store = self.pg
+        self.handles: list[SessionLog] = []
+        real_create, real_load = self.pg.create, self.pg.load
+
+        def create(meta: Meta, durable: bool = True) -> SessionLog:
+            h = real_create(meta, durable)
+            self.handles.append(h)
+            return h
+
+        def load(session_id: str) -> tuple[SessionLog, object]:
+            h, loaded = real_load(session_id)
+            self.handles.append(h)
+            return h, loaded
+
+        self.pg.create = create  # type: ignore[method-assign, assignment]
+        self.pg.load = load  # type: ignore[method-assign, assignment]
+
+    def _sql(self, query: str, *args: object) -> None:
+        import psycopg
+
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute(query.encode(), args)
+
+    def crash(self) -> None:
+        # The server dies without a checkpoint and recovers from its WAL;
+        # the daemon dies too, with whatever it had not sent.
+        for h in self.handles:
+            h.close()
+        self.handles.clear()
+        self.server.crash()
+
+    _LAST = "(SELECT pos FROM sessiond_records WHERE session = %s ORDER BY pos DESC LIMIT 1 OFFSET {})"
+
+    def tear_tail(self, session_id: str, keep: int) -> None:
+        self._sql("UPDATE sessiond_records SET frame = substring(frame FROM 1 FOR %s) "
+                  f"WHERE session = %s AND pos = {self._LAST.format(0)}", keep, session_id, session_id)
+
+    def corrupt_middle(self, session_id: str) -> None:
+        self._sql("UPDATE sessiond_records SET frame = set_byte(frame, 10, get_byte(frame, 10) # 64) "
+                  f"WHERE session = %s AND pos = {self._LAST.format(1)}", session_id, session_id)
+
+
+ADAPTERS = ["file", "memory", "postgres"]
 
 
 @pytest.fixture(params=ADAPTERS)
 def ad(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Adapter]:
-    adapter: Adapter = FileAdapter(tmp_path) if request.param == "file" else MemoryAdapter()
+    adapter: Adapter
+    if request.param == "file":
+        adapter = FileAdapter(tmp_path)
+    elif request.param == "memory":
+        adapter = MemoryAdapter()
+    else:
+        adapter = PgAdapter(request.getfixturevalue("pg_server"))
     yield adapter
     if isinstance(adapter, FileAdapter):
         for h in adapter.handles:
             h.close()
+    if isinstance(adapter, PgAdapter):
+        adapter.pg.close()
 
 
 def meta(sid: str = "s1") -> Meta:

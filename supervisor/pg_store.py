@@ -1,0 +1,563 @@
+"""`StateStore` in PostgreSQL: the same records and promises as the file
+store, for daemons on several machines sharing one database.
+
+Tables (created and migrated by the store itself, see `_MIGRATIONS`):
+
+    sessiond_schema    one row: the schema version this database is at
+    sessiond_sessions  one row a session: its fencing generation `gen`, the
+                       position of its next record, its snapshot (msgpack)
+    sessiond_records   (session, pos, frame): the log after the snapshot,
+                       each frame `u32 length | u32 crc32 | msgpack` as in
+                       the file store's log
+
+Runs in the daemon's loop thread, synchronously, as the `SessionLog`
+protocol is: a call returns once its round trip has, so the loop waits for
+it as it waits for the file store's fsync.  What keeps that short:
+* `append(durable=False)` is kept in memory, no round trip; the next
+  durable append or `sync()` sends everything in one statement;
+* that statement is the fencing check, the position claim and the insert
+  at once (`_COMMIT`): one round trip, one transaction (autocommit), and
+  the server's COMMIT waits for its WAL flush (synchronous_commit is forced
+  on), so it is durable when the call returns;
+* a lost connection is retried with bounded backoff (`retry_secs` in all),
+  then reported as `StoreError`; a commit is idempotent because it names
+  the position it starts at, so a retry after an unknown outcome cannot
+  write a record twice.
+
+Fencing: `load()` bumps `gen` in the transaction that reads the session
+back (the row is locked FOR UPDATE first, so no commit can slip between the
+read and the claim).  Every write is `UPDATE sessiond_sessions ... WHERE
+id = $id AND gen = $mine`: under READ COMMITTED an UPDATE that waited for
+a concurrent takeover re-checks its WHERE against the row the takeover
+committed, so a stale writer's statement matches no row and writes nothing,
+and the store raises `Fenced`, as the file store does.
+
+Damage: PostgreSQL does not tear a row, but a frame can still be damaged
+(a restored backup, a hand edit, bit rot without page checksums).  Each
+row is checked as the file store checks a record; damaged rows at the end
+are dropped on load with a warning (a torn tail), damaged rows followed by
+intact ones raise `StoreDamaged` until `repair()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import msgspec
+import psycopg
+from psycopg import errors as pgerr
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from supervisor.logtag import tagged
+from supervisor.state_store import (
+    Fenced,
+    LoadedSession,
+    Meta,
+    Record,
+    RepairMode,
+    RepairResult,
+    Snapshot,
+    StoreDamaged,
+    StoreError,
+    StoreFull,
+    boot_state,
+)
+from supervisor.store import frame_record, scan_log
+
+__all__ = ["PgSessionLog", "PgStateStore", "SCHEMA_VERSION", "safe_dsn"]
+
+log = logging.getLogger("sessiond.store")
+
+_T = TypeVar("_T")
+
+_snap_encoder = msgspec.msgpack.Encoder()
+_snap_decoder = msgspec.msgpack.Decoder(Snapshot)
+
+# Each entry moves the schema one version up; never edit one that shipped.
+_MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE sessiond_sessions (
+        id text PRIMARY KEY,
+        gen bigint NOT NULL,
+        next_pos bigint NOT NULL,
+        snap_gen bigint NOT NULL DEFAULT 0,
+        snapshot bytea,
+        created_at timestamptz NOT NULL DEFAULT now()
+    );
+    CREATE TABLE sessiond_records (
+        session text NOT NULL REFERENCES sessiond_sessions (id) ON DELETE CASCADE,
+        pos bigint NOT NULL,
+        frame bytea NOT NULL,
+        PRIMARY KEY (session, pos)
+    );
+    """,
+]
+SCHEMA_VERSION = len(_MIGRATIONS)
+# pg_advisory_xact_lock key: daemons starting together migrate one at a time.
+_MIGRATION_LOCK = 0x5E55_10D0
+
+# The one statement of a commit: fence check, position claim and insert.
+# `next_pos = start` makes a retry of a commit that did land match nothing
+# (the caller then finds next_pos = end and knows it landed).
+_COMMIT = """
+WITH claim AS (
+    UPDATE sessiond_sessions SET next_pos = %(end)s
+    WHERE id = %(id)s AND gen = %(gen)s AND next_pos = %(start)s
+    RETURNING id
+)
+INSERT INTO sessiond_records (session, pos, frame)
+SELECT claim.id, %(start)s + f.ord - 1, f.frame
+FROM claim, unnest(%(frames)s::bytea[]) WITH ORDINALITY AS f(frame, ord)
+"""
+
+_SNAPSHOT = """
+WITH claim AS (
+    UPDATE sessiond_sessions SET snapshot = %(snap)s, snap_gen = %(snap_gen)s
+    WHERE id = %(id)s AND gen = %(gen)s
+    RETURNING id
+), gone AS (
+    DELETE FROM sessiond_records r USING claim WHERE r.session = claim.id
+)
+SELECT id FROM claim
+"""
+
+_CREATE = """
+WITH s AS (
+    INSERT INTO sessiond_sessions (id, gen, next_pos) VALUES (%(id)s, 1, 1)
+    ON CONFLICT (id) DO NOTHING
+    RETURNING id
+)
+INSERT INTO sessiond_records (session, pos, frame) SELECT s.id, 0, %(frame)s FROM s
+"""
+
+# Connection defaults a DSN may override: fail fast instead of hanging the
+# loop on a dead peer (tcp_user_timeout: unacknowledged data, in ms).
+_DSN_DEFAULTS = {"connect_timeout": "5", "tcp_user_timeout": "5000", "keepalives_idle": "10",
+                 "application_name": "sessiond"}
+
+
+def safe_dsn(dsn: str) -> str:
+    """The DSN as it may be logged: without its password."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "(an unparsable dsn)"
+    params.pop("password", None)
+    return make_conninfo(**{k: str(v) for k, v in params.items() if v is not None})
+
+
+def _intact(frame: bytes) -> Record | None:
+    """The record a row holds, or None when its frame is damaged."""
+    scan = scan_log(frame)
+    if scan.bad or len(scan.records) != 1:
+        return None
+    return scan.records[0][2]
+
+
+class _Rows:
+    """A session's log rows, checked: which are intact, which damaged."""
+
+    def __init__(self, rows: list[tuple[int, bytes]]) -> None:
+        self.rows = rows
+        self.records: list[tuple[int, Record]] = []
+        self.bad: list[tuple[int, int]] = []  # (pos, length) of damaged rows
+        for pos, frame in rows:
+            rec = _intact(bytes(frame))
+            if rec is None:
+                self.bad.append((pos, len(frame)))
+            else:
+                self.records.append((pos, rec))
+
+    @property
+    def torn_at(self) -> int | None:
+        """First position of damaged rows with nothing intact after them."""
+        last_good = self.records[-1][0] if self.records else -1
+        return next((pos for pos, _ in self.bad if pos > last_good), None)
+
+    @property
+    def damaged(self) -> list[int]:
+        last_good = self.records[-1][0] if self.records else -1
+        return [pos for pos, _ in self.bad if pos < last_good]
+
+    def meta(self) -> Meta | None:
+        return next((r for _, r in self.records if isinstance(r, Meta)), None)
+
+
+class PgSessionLog:
+    """One session's rows, held by its one writer.  Runs in the daemon only."""
+
+    def __init__(self, store: PgStateStore, session_id: str, generation: int, next_pos: int,
+                 snap_gen: int) -> None:
+        self._store = store
+        self._id = session_id
+        self._generation = generation
+        self._next_pos = next_pos
+        self._snap_gen = snap_gen
+        self._pending: list[bytes] = []  # appended, not yet sent
+        self._closed = False
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"session {self._id}: this writer was closed")
+
+    def _fenced_or(self, cur: psycopg.Cursor[Any], landed: Callable[[int], bool]) -> None:
+        """After a write matched no row: raise what happened, or return if
+        `landed(next_pos)` says an earlier attempt of it did land."""
+        cur.execute("SELECT gen, next_pos FROM sessiond_sessions WHERE id = %s", (self._id,))
+        row = cur.fetchone()
+        if row is None:
+            raise StoreError(f"session {self._id}: it was removed; refusing to write")
+        gen, next_pos = row
+        if gen != self._generation:
+            raise Fenced(self._id, self._generation, gen)
+        if not landed(next_pos):
+            raise StoreError(f"session {self._id}: its log ends at {next_pos}, this writer expected "
+                             f"{self._next_pos}; refusing to write")
+
+    def _send(self, frames: list[bytes]) -> None:
+        """Commit `frames` after everything already sent: one statement."""
+        start, end = self._next_pos, self._next_pos + len(frames)
+
+        def op(cur: psycopg.Cursor[Any]) -> None:
+            cur.execute(_COMMIT, {"id": self._id, "gen": self._generation, "start": start,
+                                  "end": end, "frames": frames})
+            if cur.rowcount != len(frames):
+                self._fenced_or(cur, lambda next_pos: next_pos == end)
+
+        self._store.run(op, f"the log of {self._id}")
+        self._next_pos = end
+
+    def append(self, record: Record, durable: bool) -> None:
+        self._check_open()
+        self._pending.append(frame_record(record))
+        if durable:
+            self.sync()
+
+    def sync(self) -> None:
+        """Send what was appended; on failure it is dropped, never kept
+        without anyone being told it was saved."""
+        self._check_open()
+        frames, self._pending = self._pending, []
+        if frames:
+            self._send(frames)
+            return
+
+        def op(cur: psycopg.Cursor[Any]) -> None:  # nothing to send: the fence only
+            self._fenced_or(cur, lambda next_pos: next_pos == self._next_pos)
+
+        self._store.run(op, f"the log of {self._id}")
+
+    def make_durable(self) -> None:
+        # `create` commits its row durably at once (one round trip either
+        # way); what is left is to refuse a handle that lost its session.
+        self.sync()
+
+    def write_snapshot(self, snap: Snapshot) -> None:
+        """The snapshot and the end of every record before it, in one
+        statement.  Records appended and not synced precede it: its state
+        covers them, so they are dropped with the rest."""
+        self._check_open()
+        snap.gen = self._snap_gen + 1
+        body = _snap_encoder.encode(snap)
+
+        def op(cur: psycopg.Cursor[Any]) -> None:
+            cur.execute(_SNAPSHOT, {"id": self._id, "gen": self._generation, "snap": body,
+                                    "snap_gen": snap.gen})
+            if cur.fetchone() is None:
+                self._fenced_or(cur, lambda next_pos: False)
+
+        self._store.run(op, f"the snapshot of {self._id}")
+        self._pending = []
+        self._snap_gen = snap.gen
+
+    def read_for_boot(self) -> tuple[bytes, list[bytes], int]:
+        def op(cur: psycopg.Cursor[Any]) -> tuple[bytes | None, list[bytes]]:
+            cur.execute(
+                "SELECT s.snapshot, ARRAY(SELECT frame FROM sessiond_records r "
+                "WHERE r.session = s.id ORDER BY pos) FROM sessiond_sessions s WHERE s.id = %s",
+                (self._id,))
+            row = cur.fetchone()
+            if row is None:
+                raise StoreError(f"session {self._id}: it was removed")
+            return row[0], row[1]
+
+        body, frames = self._store.run(op, f"session {self._id}")
+        snap = _decode_snapshot(self._id, body)
+        records = [rec for rec in map(_intact, [*map(bytes, frames), *self._pending]) if rec]
+        return boot_state(snap, records)
+
+    def close(self) -> None:
+        self._closed = True
+        self._pending = []
+
+    def remove(self) -> None:
+        """Delete the session, unless a newer writer holds it."""
+        self.close()
+
+        def op(cur: psycopg.Cursor[Any]) -> None:
+            cur.execute("DELETE FROM sessiond_sessions WHERE id = %s AND gen = %s",
+                        (self._id, self._generation))
+            if cur.rowcount == 0:
+                cur.execute("SELECT gen FROM sessiond_sessions WHERE id = %s", (self._id,))
+                row = cur.fetchone()
+                if row is not None:
+                    raise Fenced(self._id, self._generation, row[0])
+
+        self._store.run(op, f"session {self._id}")
+
+
+def _decode_snapshot(session_id: str, body: bytes | None) -> Snapshot | None:
+    if body is None:
+        return None
+    try:
+        return _snap_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise StoreDamaged(session_id, f"its snapshot cannot be decoded ({exc}); its state is lost: "
+                           f"`sessionctl rm {session_id}` deletes it", repairable=False) from None
+
+
+def _describe(rows: _Rows) -> str:
+    damaged = rows.damaged
+    where = ", ".join(map(str, damaged[:4])) + (", ..." if len(damaged) > 4 else "")
+    after = sum(1 for pos, _ in rows.records if pos > damaged[0])
+    return (
+        f"record(s) at position {where} are corrupt with {after} intact record(s) after the damage; "
+        "they are kept as they are. `sessionctl repair ID --skip-bad` keeps every intact record, "
+        "`--truncate` keeps what precedes the damage, `sessionctl rm ID` deletes the session"
+    )
+
+
+class PgStateStore:
+    """`StateStore` over one PostgreSQL database.  Opening it connects,
+    creates or migrates the schema, and fails with `StoreError` saying why."""
+
+    def __init__(self, dsn: str, retry_secs: float = 5.0) -> None:
+        self._dsn = dsn
+        self._where = safe_dsn(dsn)
+        self._retry_secs = retry_secs
+        self._conn: psycopg.Connection[Any] | None = None
+        self.run(self._migrate, "the schema")
+
+    @property
+    def where(self) -> str:
+        """The database, as it may be logged (no password)."""
+        return self._where
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        params = {**_DSN_DEFAULTS, **conninfo_to_dict(self._dsn)}
+        host = str(params.get("host") or "")
+        if not host or host.startswith("/"):
+            params.pop("tcp_user_timeout")  # a Unix socket: no TCP
+        conn = psycopg.connect(make_conninfo(**{k: str(v) for k, v in params.items()}),
+                               autocommit=True)
+        try:
+            self._prepare(conn)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _prepare(self, conn: psycopg.Connection[Any]) -> None:
+        with conn.cursor() as cur:
+            cur.execute("SHOW synchronous_commit")
+            row = cur.fetchone()
+            if row is not None and row[0] == "off":
+                # A commit must be on disk when it returns: that is the promise.
+                cur.execute("SET synchronous_commit = on")
+            # A takeover holds a session's row for a moment; anything longer
+            # is a stuck peer, and the loop must not wait on it.
+            cur.execute("SET lock_timeout = '5s'")
+            cur.execute("SHOW fsync")
+            row = cur.fetchone()
+            if row is not None and row[0] == "off":
+                log.warning("the PostgreSQL server at %s runs with fsync = off: a crash of its "
+                            "machine can lose acknowledged turns", self._where)
+
+    def run(self, op: Callable[[psycopg.Cursor[Any]], _T], what: str) -> _T:
+        """Run `op` with a cursor; a lost connection is re-made and `op`
+        run again (each op is safe to repeat) until `retry_secs` have gone
+        by.  Every database error leaves here as a `StoreError`."""
+        deadline = time.monotonic() + self._retry_secs
+        delay = 0.05
+        while True:
+            try:
+                if self._conn is None or self._conn.closed:
+                    self._conn = self._connect()
+                with self._conn.cursor() as cur:
+                    return op(cur)
+            except psycopg.OperationalError as exc:
+                if self._conn is not None and not (self._conn.closed or self._conn.broken):
+                    raise _store_error(what, exc) from exc  # the server refused, the link is fine
+                self._drop()
+                if time.monotonic() + delay > deadline:
+                    raise StoreError(f"cannot write {what}: the PostgreSQL server at {self._where} "
+                                     f"cannot be reached ({_first_line(exc)}); gave up after "
+                                     f"{self._retry_secs:g}s") from exc
+                log.warning("PostgreSQL connection lost (%s); retrying in %.2fs", _first_line(exc), delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            except psycopg.Error as exc:
+                raise _store_error(what, exc) from exc
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        assert self._conn is not None
+        with self._conn.transaction():
+            yield
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except psycopg.Error:
+                pass
+            self._conn = None
+
+    def close(self) -> None:
+        self._drop()
+
+    def _migrate(self, cur: psycopg.Cursor[Any]) -> None:
+        with self._transaction():
+            cur.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+            cur.execute("CREATE TABLE IF NOT EXISTS sessiond_schema (version integer NOT NULL)")
+            cur.execute("SELECT version FROM sessiond_schema")
+            row = cur.fetchone()
+            version = row[0] if row is not None else 0
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"the database at {self._where} holds sessiond schema version {version}, newer than "
+                    f"this sessiond knows ({SCHEMA_VERSION}): upgrade sessiond, or use another database")
+            for number, ddl in enumerate(_MIGRATIONS[version:], start=version + 1):
+                cur.execute(ddl.encode())
+                log.info("PostgreSQL store at %s: schema migrated to version %d", self._where, number)
+            if row is None:
+                cur.execute("INSERT INTO sessiond_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
+            elif version != SCHEMA_VERSION:
+                cur.execute("UPDATE sessiond_schema SET version = %s", (SCHEMA_VERSION,))
+
+    # ---------------------------------------------------------------- the seam
+
+    def create(self, meta: Meta, durable: bool = True) -> PgSessionLog:
+        """The session row and its metadata record in one durable statement
+        (`durable=False` changes nothing: there is no fsync to overlap)."""
+        frame = frame_record(meta)
+        attempts = 0
+
+        def op(cur: psycopg.Cursor[Any]) -> bool:
+            nonlocal attempts
+            attempts += 1
+            cur.execute(_CREATE, {"id": meta.id, "frame": frame})
+            if cur.rowcount == 1:
+                return True
+            if attempts > 1:
+                # An earlier attempt's reply was lost: is the row ours?
+                cur.execute("SELECT s.gen, r.frame FROM sessiond_sessions s JOIN sessiond_records r "
+                            "ON r.session = s.id AND r.pos = 0 WHERE s.id = %s", (meta.id,))
+                row = cur.fetchone()
+                return row is not None and row[0] == 1 and bytes(row[1]) == frame
+            return False
+
+        if not self.run(op, f"session {meta.id}"):
+            raise FileExistsError(meta.id)
+        return PgSessionLog(self, meta.id, 1, 1, 0)
+
+    def _read(self, cur: psycopg.Cursor[Any], session_id: str) -> tuple[Snapshot | None, int, _Rows]:
+        """Inside a transaction: the session's row (locked) and its records."""
+        cur.execute("SELECT snapshot, snap_gen FROM sessiond_sessions WHERE id = %s FOR UPDATE",
+                    (session_id,))
+        row = cur.fetchone()
+        if row is None:
+            raise KeyError(session_id)
+        cur.execute("SELECT pos, frame FROM sessiond_records WHERE session = %s ORDER BY pos",
+                    (session_id,))
+        rows = _Rows([(pos, bytes(frame)) for pos, frame in cur.fetchall()])
+        return _decode_snapshot(session_id, row[0]), row[1], rows
+
+    def load(self, session_id: str) -> tuple[PgSessionLog, LoadedSession]:
+        def op(cur: psycopg.Cursor[Any]) -> tuple[PgSessionLog, LoadedSession]:
+            with self._transaction():
+                snap, snap_gen, rows = self._read(cur, session_id)
+                if rows.damaged:
+                    meta = snap.meta if snap is not None else rows.meta()
+                    raise StoreDamaged(session_id, _describe(rows), meta=meta)
+                torn = rows.torn_at
+                if torn is not None:
+                    dropped = sum(n for pos, n in rows.bad if pos >= torn)
+                    tagged(log, session_id).warning(
+                        "dropping %d bytes of a torn last record at position %d", dropped, torn)
+                    cur.execute("DELETE FROM sessiond_records WHERE session = %s AND pos >= %s",
+                                (session_id, torn))
+                cur.execute("UPDATE sessiond_sessions SET gen = gen + 1 WHERE id = %s "
+                            "RETURNING gen, next_pos", (session_id,))
+                claimed = cur.fetchone()
+                assert claimed is not None  # locked above
+            loaded = (LoadedSession(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark,
+                                    usage=dict(snap.usage)) if snap is not None else None)
+            for _, rec in rows.records:
+                if loaded is None and isinstance(rec, Meta):
+                    loaded = LoadedSession(meta=rec)
+                elif loaded is not None:
+                    loaded.apply(rec)
+            if loaded is None:
+                raise StoreDamaged(session_id, "no metadata record", repairable=False)
+            return PgSessionLog(self, session_id, claimed[0], claimed[1], snap_gen), loaded
+
+        return self.run(op, f"session {session_id}")
+
+    def ids(self) -> list[str]:
+        def op(cur: psycopg.Cursor[Any]) -> list[str]:
+            cur.execute("SELECT id FROM sessiond_sessions")
+            return sorted(row[0] for row in cur.fetchall())
+
+        return self.run(op, "the session list")
+
+    def remove(self, session_id: str) -> None:
+        def op(cur: psycopg.Cursor[Any]) -> None:
+            cur.execute("DELETE FROM sessiond_sessions WHERE id = %s", (session_id,))
+
+        self.run(op, f"session {session_id}")
+
+    def repair(self, session_id: str, mode: RepairMode) -> RepairResult:
+        """Delete damaged rows (skip_bad), or everything from the first
+        damaged row on (truncate), in one transaction."""
+        def op(cur: psycopg.Cursor[Any]) -> RepairResult:
+            with self._transaction():
+                _, _, rows = self._read(cur, session_id)
+                if not rows.bad:
+                    return RepairResult(len(rows.records), 0, 0)
+                first_bad = rows.bad[0][0]
+                drop = [pos for pos, _ in rows.bad]
+                kept = [pos for pos, _ in rows.records]
+                if mode is RepairMode.TRUNCATE:
+                    drop += [pos for pos in kept if pos > first_bad]
+                    kept = [pos for pos in kept if pos < first_bad]
+                cur.execute("DELETE FROM sessiond_records WHERE session = %s AND pos = ANY(%s)",
+                            (session_id, drop))
+                return RepairResult(len(kept), len(rows.records) - len(kept),
+                                    sum(n for _, n in rows.bad))
+
+        return self.run(op, f"session {session_id}")
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _store_error(what: str, exc: psycopg.Error) -> StoreError:
+    """A database error as ours: `StoreFull` when the server is out of space."""
+    if isinstance(exc, (pgerr.DiskFull, pgerr.OutOfMemory, pgerr.ProgramLimitExceeded)):
+        return StoreFull(f"cannot write {what}: the PostgreSQL server is out of space ({_first_line(exc)})")
+    return StoreError(f"cannot write {what}: PostgreSQL said: {_first_line(exc)}")

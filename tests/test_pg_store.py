@@ -1,0 +1,265 @@
+"""The PostgreSQL store beyond the shared contract: fencing between two
+writers (each with its own connection, as two daemons would have), a
+takeover racing a commit, lost connections, the schema, and a real daemon
+running on it.  Every test uses the real server of tests/pg_server.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+
+import msgspec
+import psycopg
+import pytest
+import tomli_w
+
+from conftest import FAST_CONFIG
+from harness import wait_for
+from pg_server import PgServer
+from supervisor.client import RequestError, TurnFailedError
+from supervisor.config import ConfigError, parse_config
+from supervisor.pg_store import SCHEMA_VERSION, PgSessionLog, PgStateStore, safe_dsn
+from supervisor.state_store import Commit, Fenced, InputRecord, Meta, StoreError
+from supervisor.store import frame_record
+
+
+def meta(sid: str = "s1") -> Meta:
+    return Meta(id=sid, handler="echo", created_at=1.0)
+
+
+def commit(turn: int, seq: int) -> Commit:
+    return Commit(turn=turn, reply=f"r{turn}", record=bytes([turn]), seq=seq)
+
+
+@pytest.fixture
+def dsn(pg_server: PgServer) -> str:
+    return pg_server.fresh_dsn()
+
+
+@pytest.fixture
+def stores(dsn: str) -> Iterator[list[PgStateStore]]:
+    made: list[PgStateStore] = []
+    yield made
+    for store in made:
+        store.close()
+
+
+def sql(dsn: str, query: str, *args: object) -> list[tuple[object, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute(query.encode(), args)
+        return cur.fetchall() if cur.description else []
+
+
+def log_rows(dsn: str, sid: str = "s1") -> list[bytes]:
+    return [bytes(r[0]) for r in sql(dsn, "SELECT frame FROM sessiond_records WHERE session = %s "
+                                          "ORDER BY pos", sid)]
+
+
+# ---------------------------------------------------------------- fencing
+
+
+@pytest.mark.component
+def test_a_takeover_by_another_daemon_fences_the_old_writer(dsn: str, stores: list[PgStateStore]) -> None:
+    first, second = PgStateStore(dsn), PgStateStore(dsn)
+    stores += [first, second]
+    old = first.create(meta())
+    old.append(InputRecord(turn=1, text="a", seq=1), durable=False)
+    old.append(commit(1, 2), durable=True)
+    old.append(InputRecord(turn=2, text="unsent", seq=3), durable=False)
+    new, loaded = second.load("s1")  # the other node takes the session over
+    assert new.generation == old.generation + 1 and loaded.turns == 1
+    with pytest.raises(Fenced, match=f"holds generation {old.generation} but generation {new.generation}"):
+        old.sync()  # the stale writer's buffered input: refused, not written
+    with pytest.raises(Fenced):
+        old.append(commit(2, 4), durable=True)
+    new.append(InputRecord(turn=2, text="b", seq=3), durable=True)
+    assert [f for f in log_rows(dsn)][1:] == [
+        frame_record(InputRecord(turn=1, text="a", seq=1)), frame_record(commit(1, 2)),
+        frame_record(InputRecord(turn=2, text="b", seq=3))]  # no interleaving
+    with pytest.raises(Fenced):
+        old.remove()  # nor may it delete the session under the new writer
+    assert second.ids() == ["s1"]
+
+
+@pytest.mark.component
+def test_a_commit_that_waited_for_a_takeover_is_refused(dsn: str, stores: list[PgStateStore]) -> None:
+    """The race the row lock decides: a commit blocked behind a takeover's
+    uncommitted claim re-checks the generation once the claim commits."""
+    store = PgStateStore(dsn)
+    stores.append(store)
+    writer = store.create(meta())
+    writer.append(commit(1, 1), durable=True)
+    outcome: list[BaseException | None] = []
+    with psycopg.connect(dsn) as takeover:  # not autocommit: a transaction held open
+        takeover.execute(b"UPDATE sessiond_sessions SET gen = gen + 1 WHERE id = 's1'")
+
+        def write() -> None:
+            try:
+                writer.append(commit(2, 2), durable=True)
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 (handed to the test's thread)
+                outcome.append(exc)
+
+        thread = threading.Thread(target=write)
+        thread.start()
+        wait_for(lambda: sql(dsn, "SELECT 1 FROM pg_stat_activity WHERE application_name = 'sessiond' "
+                                  "AND wait_event_type = 'Lock'"), 10, "the commit to wait for the row lock")
+        takeover.commit()
+    thread.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], Fenced), outcome
+    assert log_rows(dsn)[1:] == [frame_record(commit(1, 1))]
+
+
+# ---------------------------------------------------------------- connections
+
+
+@pytest.mark.component
+def test_a_lost_connection_is_remade_and_the_commit_lands_once(
+    dsn: str, stores: list[PgStateStore], caplog: pytest.LogCaptureFixture
+) -> None:
+    store = PgStateStore(dsn)
+    stores.append(store)
+    writer = store.create(meta())
+    sql(dsn, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'sessiond'")
+    writer.append(commit(1, 1), durable=True)
+    assert log_rows(dsn)[1:] == [frame_record(commit(1, 1))]
+    assert "PostgreSQL connection lost" in caplog.text
+
+
+@pytest.mark.component
+def test_a_retry_of_a_commit_that_landed_writes_nothing_twice(dsn: str, stores: list[PgStateStore]) -> None:
+    # What a retry after a lost reply sees: its rows are there already.
+    store = PgStateStore(dsn)
+    stores.append(store)
+    writer = store.create(meta())
+    start = writer._next_pos
+    writer.append(commit(1, 1), durable=True)
+    writer._next_pos = start  # as if the reply had been lost
+    writer.append(commit(1, 1), durable=True)
+    assert log_rows(dsn)[1:] == [frame_record(commit(1, 1))]
+    writer.append(commit(2, 2), durable=True)
+    assert len(log_rows(dsn)) == 3
+
+
+@pytest.mark.component
+def test_a_server_that_stays_away_is_a_store_error_and_then_comes_back(
+    pg_server: PgServer, dsn: str, stores: list[PgStateStore]
+) -> None:
+    store = PgStateStore(dsn, retry_secs=0.3)
+    stores.append(store)
+    writer = store.create(meta())
+    pg_server.stop()
+    try:
+        with pytest.raises(StoreError, match="cannot be reached.*gave up after 0.3s") as exc:
+            writer.append(commit(1, 1), durable=True)
+        assert not isinstance(exc.value, Fenced)
+        assert "password" not in str(exc.value)
+    finally:
+        pg_server.start()
+    writer.append(commit(2, 2), durable=True)  # the failed record was dropped, not kept
+    assert log_rows(dsn)[1:] == [frame_record(commit(2, 2))]
+
+
+# ---------------------------------------------------------------- schema
+
+
+@pytest.mark.component
+def test_the_schema_is_made_once_and_a_newer_one_is_refused(dsn: str, stores: list[PgStateStore]) -> None:
+    stores += [PgStateStore(dsn), PgStateStore(dsn)]  # the second finds it made
+    assert sql(dsn, "SELECT version FROM sessiond_schema") == [(SCHEMA_VERSION,)]
+    sql(dsn, "UPDATE sessiond_schema SET version = version + 1")
+    with pytest.raises(StoreError, match=f"schema version {SCHEMA_VERSION + 1}, newer than this"):
+        PgStateStore(dsn)
+
+
+@pytest.mark.pure
+def test_the_dsn_is_logged_without_its_password() -> None:
+    shown = safe_dsn("host=db.example dbname=s user=u password=hunter2")
+    assert "hunter2" not in shown and "db.example" in shown
+
+
+@pytest.mark.pure
+def test_postgres_needs_a_dsn() -> None:
+    with pytest.raises(ConfigError, match="'store.dsn' must be set"):
+        parse_config({"store": {"backend": "postgres"}}, "c.toml")
+    with pytest.raises(ConfigError, match="store.backend"):
+        parse_config({"store": {"backend": "mysql"}}, "c.toml")
+    assert parse_config({}, "c.toml").store.backend == "file"
+
+
+# ---------------------------------------------------------------- a real daemon
+
+
+def pg_config(dsn: str, worker: str = "") -> str:
+    return (FAST_CONFIG.replace("[agent.worker]\n", f"[agent.worker]\n{worker}") + "\n"
+            + tomli_w.dumps({"store": {"backend": "postgres", "dsn": dsn}}))
+
+
+@pytest.mark.process
+def test_a_daemon_on_postgres_loses_no_turn_to_a_worker_kill_or_its_own(make_daemon, dsn: str) -> None:
+    d = make_daemon(pg_config(dsn, "snapshot_every_turns = 3\n"))
+    with d.client() as c:
+        sid = c.create().id
+        for i in range(1, 5):
+            assert c.send_text(sid, f"t{i}") == f"{i}: t{i}"
+        pid = c.status(sid).pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: c.status(sid).state == "idle" and c.status(sid).restarts == 1, 10,
+                 "the worker to restart from the store")
+        assert c.send_text(sid, "t5") == "5: t5"
+    d.kill()
+    d.start()
+    with d.client() as c:
+        st = c.status(sid)
+        assert st.state == "hibernated" and st.turns == 5
+        assert c.send_text(sid, "t6") == "6: t6"
+    assert "state in PostgreSQL" in d.log
+    assert not list((d.state_dir / "sessions").glob("*")), "nothing of it in files"
+    (gen, snapshot), = sql(dsn, "SELECT gen, snapshot IS NOT NULL FROM sessiond_sessions WHERE id = %s", sid)
+    assert gen >= 2 and snapshot
+
+
+@pytest.mark.process
+def test_a_second_daemon_takes_a_session_over_and_the_first_cannot_write(make_daemon, dsn: str) -> None:
+    """Two daemons on one database (two machines, say): the one that loaded
+    the session last holds it; the other's input is refused, not logged."""
+    first = make_daemon(pg_config(dsn))
+    with first.client() as c:
+        sid = c.create().id
+        assert c.send_text(sid, "a") == "1: a"
+    second = make_daemon(pg_config(dsn))  # its start loads every session: a takeover
+    with first.client() as c:
+        with pytest.raises((RequestError, TurnFailedError), match="generation"):
+            c.send_text(sid, "stale")
+    with second.client() as c:
+        assert c.send_text(sid, "b") == "2: b"
+    decoded = [msgspec.msgpack.decode(f[8:]) for f in log_rows(dsn, sid)]
+    assert [r["text"] for r in decoded if r["r"] == "input"] == ["a", "b"]
+    assert "generation" in first.log
+
+
+@pytest.mark.process
+def test_a_daemon_whose_database_cannot_be_reached_says_so(make_daemon, tmp_path) -> None:
+    nowhere = tmp_path / "no-server-here"
+    nowhere.mkdir()
+    d = make_daemon(pg_config(f"host={nowhere} dbname=x password=hunter2")
+                    .replace("[store]", "[store]\nretry_secs = 0.2"), start=False)
+    with pytest.raises(AssertionError, match="exited with 1") as exc:
+        d.start()
+    assert "cannot be reached" in str(exc.value) and "hunter2" not in str(exc.value)
+
+
+@pytest.mark.pure
+def test_a_server_out_of_space_is_store_full() -> None:
+    from psycopg import errors as pgerr
+
+    from supervisor.pg_store import _store_error
+    from supervisor.state_store import StoreFull
+
+    full = _store_error("the log of s1", pgerr.DiskFull("could not extend file: No space left on device"))
+    assert isinstance(full, StoreFull) and "out of space" in str(full)
+    other = _store_error("the log of s1", pgerr.UniqueViolation("duplicate key"))
+    assert type(other) is StoreError and "duplicate key" in str(other)
