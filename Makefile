@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # `make run CONFIG=path/to/config.toml`; empty: the embedded defaults.
 CONFIG ?=
 
-.PHONY: run test test-fast typecheck bench clean postgres-binaries
+.PHONY: run test test-fast typecheck bench clean system-deps
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,22 +21,36 @@ $(VENV)/.installed: pyproject.toml
 run: $(VENV)/.installed
 	$(VENV)/bin/sessiond run$(if $(CONFIG), --config "$(CONFIG)")
 
-# The PostgreSQL store's tests start a real server from these binaries.
-PG_BIN ?= $(firstword $(wildcard /usr/lib/postgresql/*/bin) $(dir $(shell command -v initdb 2>/dev/null)))
+# What the tests start for real and a fresh machine may lack: bubblewrap
+# (each session's sandbox) and PostgreSQL's server binaries (the postgres
+# store).  As root with apt-get they are installed from the distribution;
+# otherwise make stops and names them.  PG_BIN=/path/to/bin points at a
+# PostgreSQL installed elsewhere.
+system-deps:
+	@missing=""; \
+	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
+	{ test -n "$$PG_BIN" && test -x "$$PG_BIN/initdb"; } || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
+	  || command -v initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "make: installing$$missing from the distribution" >&2; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing >/dev/null \
+	      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	           --no-install-recommends $$missing >/dev/null; } \
+	      || { echo "make: could not install$$missing with apt-get" >&2; exit 1; }; \
+	  else \
+	    echo "make: the tests need$$missing: install with your package manager (Debian/Ubuntu:" \
+	         "apt-get install$$missing; Fedora: dnf install$$missing), then run make test again" >&2; \
+	    exit 1; \
+	  fi; \
+	fi
 
-postgres-binaries:
-	@test -x "$(PG_BIN)/initdb" -a -x "$(PG_BIN)/pg_ctl" || { \
-	  echo "make: the PostgreSQL server binaries (initdb, pg_ctl) are missing; the tests of" \
-	       "[store] backend = \"postgres\" need them: apt-get install postgresql (Debian/Ubuntu)," \
-	       "dnf install postgresql-server (Fedora), or PG_BIN=/path/to/bin make test" >&2; \
-	  exit 1; }
-
-test: $(VENV)/.installed postgres-binaries
-	PG_BIN=$(PG_BIN) $(PY) -m pytest -q
+test: $(VENV)/.installed system-deps
+	$(PY) -m pytest -q
 
 # The pure, protocol and component tiers: no daemon, no child processes.
-test-fast: $(VENV)/.installed postgres-binaries
-	PG_BIN=$(PG_BIN) $(PY) -m pytest -q -m "not process"
+test-fast: $(VENV)/.installed system-deps
+	$(PY) -m pytest -q -m "not process"
 
 typecheck: $(VENV)/.installed
 	$(PY) -m mypy
