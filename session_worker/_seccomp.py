@@ -26,7 +26,7 @@ import errno
 import platform
 import struct
 
-__all__ = ["UnsupportedArch", "build", "denied_syscalls"]
+__all__ = ["UnsupportedArch", "build", "denied_syscalls", "unsupported"]
 
 # linux/audit.h
 _AUDIT_ARCH_X86_64 = 0xC000003E
@@ -73,6 +73,12 @@ class UnsupportedArch(Exception):
     """No syscall table for this machine: run without seccomp, and say so."""
 
 
+def unsupported(machine: str | None = None) -> str:
+    """Why there is no filter for this machine, or '' when there is one."""
+    machine = machine or platform.machine()
+    return "" if machine in ("x86_64", "amd64") else f"no seccomp syscall table for {machine}"
+
+
 def denied_syscalls() -> list[str]:
     """The names refused outright (besides the clone and socket checks)."""
     return sorted(_X86_64)
@@ -84,9 +90,9 @@ def _ins(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
 
 def build(network: str, machine: str | None = None) -> bytes:
     """The filter for one sandbox, ready for bubblewrap's `--seccomp FD`."""
-    machine = machine or platform.machine()
-    if machine not in ("x86_64", "amd64"):
-        raise UnsupportedArch(f"no seccomp syscall table for {machine}")
+    why = unsupported(machine)
+    if why:
+        raise UnsupportedArch(why)
     eperm = _ERRNO | errno.EPERM
     prog = [
         _ins(_LD_W_ABS, _ARCH),

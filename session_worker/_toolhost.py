@@ -183,29 +183,20 @@ def _send(sock: socket.socket, obj: dict[str, Any]) -> None:
 
 
 def _start(order: Config, outfd: int) -> int:
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setpgid(0, 0)
-            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            null = os.open("/dev/null", os.O_RDONLY)
-            os.dup2(null, 0)
-            os.dup2(outfd, 1)
-            os.dup2(outfd, 2)
-            os.chdir(order["cwd"])
-            os.execve(order["argv"][0], order["argv"], order["env"])
-        except BaseException as exc:
-            try:
-                os.write(2, ("sessiond tool host: cannot start %s: %s\n" % (order["argv"][0], exc)).encode())
-            except OSError:
-                pass
-        os._exit(127)
-    try:
-        os.setpgid(pid, pid)  # also done by the child: whoever runs first
-    except OSError:
-        pass
-    return pid
+    """posix_spawn (vfork and exec): no Python runs in the child.  Every
+    command starts in the workspace, the host's own working directory."""
+    if order.get("cwd") and os.path.realpath(order["cwd"]) != os.getcwd():
+        raise OSError("commands run in the workspace only")
+    return os.posix_spawn(
+        order["argv"][0], order["argv"], order["env"],
+        file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_DUP2, outfd, 1),
+            (os.POSIX_SPAWN_DUP2, outfd, 2),
+        ],
+        setpgroup=0,
+        setsigdef=(signal.SIGPIPE, signal.SIGCHLD),
+    )
 
 
 def serve(sock: socket.socket, applied: list[str], skipped: dict[str, str]) -> None:
@@ -306,7 +297,9 @@ def _wind_down(commands: dict[int, int | None], contained: bool) -> None:
 
 def main(argv: list[str]) -> int:
     cfg = json.loads(argv[1])
-    sock = socket.socket(fileno=int(argv[2]))
+    fd = int(argv[2])
+    os.set_inheritable(fd, False)  # the worker's line is not for the tools
+    sock = socket.socket(fileno=fd)
     try:
         applied, skipped = confine(cfg)
     except OSError as exc:

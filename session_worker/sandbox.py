@@ -82,8 +82,7 @@ class Plan:
     read_paths: tuple[str, ...] = ()
     nproc: int | None = None
     tmp_size_mb: int = 256
-    seccomp: bytes = b""
-    why_no_seccomp: str = ""
+    why_no_seccomp: str = ""  # empty: this machine has a syscall table
     python: str = field(default_factory=lambda: host_python())
 
     @property
@@ -154,7 +153,7 @@ class Plan:
             active.append("namespaces")
         else:
             inactive["namespaces"] = self.why_no_namespaces or "unavailable"
-        if self.seccomp:
+        if not self.why_no_seccomp:
             active.append("seccomp")
         else:
             inactive["seccomp"] = self.why_no_seccomp
@@ -168,7 +167,8 @@ class Plan:
             "network": self.effective_network,
             "paths": self.landlock_paths(),
             "nproc": self.nproc,
-            "seccomp": self.seccomp.hex(),
+            # Built when the host starts, not at boot: most sessions never run a tool.
+            "seccomp": "" if self.why_no_seccomp else _seccomp.build(self.effective_network).hex(),
             "parent": None if self.namespaces else os.getpid(),
             "outer": ["namespaces"] if self.namespaces else [],
         }
@@ -219,11 +219,7 @@ def plan_for(boot: m.SandboxBoot | None, settings: SessionSettings, workspace: P
     if boot is None or settings.sandbox.mode == "off":
         return None
     network = settings.sandbox.network
-    try:
-        program = _seccomp.build("none" if network == "loopback" and not boot.namespaces else network)
-        why_no_seccomp = ""
-    except _seccomp.UnsupportedArch as exc:
-        program, why_no_seccomp = b"", str(exc)
+    why_no_seccomp = _seccomp.unsupported()
     limit = settings.agent.limits.max_processes
     # RLIMIT_NPROC counts per user and user namespace: per session with a
     # uid of its own or a user namespace of its own, else it would count
@@ -233,7 +229,7 @@ def plan_for(boot: m.SandboxBoot | None, settings: SessionSettings, workspace: P
         workspace=workspace, network=network, namespaces=boot.namespaces,
         bwrap=boot.bwrap, why_no_namespaces=boot.why_not, hide=tuple(boot.hide),
         read_paths=tuple(settings.sandbox.read_paths), nproc=nproc,
-        tmp_size_mb=settings.sandbox.tmp_size_mb, seccomp=program, why_no_seccomp=why_no_seccomp,
+        tmp_size_mb=settings.sandbox.tmp_size_mb, why_no_seccomp=why_no_seccomp,
     )
 
 
