@@ -251,7 +251,11 @@ def test_a_reloaded_deny_rule_binds_live_sessions_at_their_next_tool_call(make_d
 def test_a_lowered_memory_cap_applies_to_live_sessions_at_once(make_daemon) -> None:
     d = make_daemon()
     with d.client() as c:
-        sid = c.create(handler="echo").id
+        # A child holding 24 MiB of its own (the cap counts PSS: an idle
+        # worker's pages, shared with the zygote, do not reach even 16 MiB).
+        sid = c.create(handler="fixture_handlers:child_hog").id
+        stream = c.send(sid, "24")
+        next(e for e in stream if isinstance(e, m.TextDelta) and e.text.startswith("child"))
         pid = c.status(sid).pid
         assert pid is not None
         d.config_path.write_text(d.config_path.read_text().replace(
