@@ -43,9 +43,11 @@ from supervisor.config import (
     daemon_socket_path,
     default_state_dir,
     load_config,
+    metrics_address,
     uid_range,
     workspace_root,
 )
+from supervisor import metrics
 from supervisor.manager import SessionManager
 from supervisor.server import ControlServer
 from supervisor.spawner import ZygoteSpawner
@@ -360,14 +362,36 @@ def run_daemon(
         else:
             sock = bind_socket(socket_path, int(cfg.daemon.socket_mode, 8), cfg.daemon.socket_group)
             bound = True
+        metrics_sock: socket.socket | None = None
         try:
-            return run_loop(_serve(cfg, config_path, state_dir, socket_path, sock, spawner, identities))
+            metrics_sock = bind_metrics(cfg)
+            return run_loop(_serve(cfg, config_path, state_dir, socket_path, sock, spawner, identities,
+                                   metrics_sock))
         finally:
             if bound:
                 with contextlib.suppress(FileNotFoundError):
                     socket_path.unlink()
+            if cfg.daemon.metrics_listen.startswith("/") and metrics_sock is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(cfg.daemon.metrics_listen)
     finally:
         spawner.close()
+
+
+def bind_metrics(cfg: Config) -> socket.socket | None:
+    """The listener for `[daemon] metrics_listen`, or None when it is off."""
+    where = metrics_address(cfg.daemon.metrics_listen)
+    if where is None:
+        return None
+    if isinstance(where, str):
+        prepare_socket_path(Path(where))  # as the control socket: no live one replaced
+    try:
+        return metrics.bind_listener(where)
+    except OSError as exc:
+        raise StartupError(
+            f"[daemon] metrics_listen = {cfg.daemon.metrics_listen!r}: cannot listen there: "
+            f"{exc.strerror or exc}"
+        ) from None
 
 
 async def _serve(
@@ -378,6 +402,7 @@ async def _serve(
     sock: socket.socket,
     spawner: ZygoteSpawner,
     identities: Identities,
+    metrics_sock: socket.socket | None = None,
 ) -> int:
     loop = asyncio.get_running_loop()
     spawner.attach(loop)
@@ -387,6 +412,13 @@ async def _serve(
     )
     manager.load_all()
     server = ControlServer(manager)
+    metrics_server: asyncio.AbstractServer | None = None
+    if metrics_sock is not None:
+        recorder = metrics.PrometheusRecorder(lambda: manager.sessions.values(), lambda: len(server.clients))
+        manager.use_metrics(recorder)
+        server.metrics = recorder
+        metrics_server = await metrics.serve(metrics_sock, recorder)
+        log.info("metrics on %s ([daemon] metrics_listen)", metrics.address_of(metrics_sock))
     await server.start(sock)
 
     stop = asyncio.Event()
@@ -426,6 +458,8 @@ async def _serve(
              cfg.daemon.shutdown_grace_secs)
     sdnotify.stopping()
     server.stop_accepting()
+    if metrics_server is not None:
+        metrics_server.close()
     await manager.shutdown(cfg.daemon.shutdown_grace_secs)
     server.close_clients()
     for task in background:

@@ -36,6 +36,7 @@ from supervisor.events import EventLog
 from supervisor.ledger import TurnLedger, store_failure
 from supervisor.limits import ProcTable
 from supervisor.logtag import tagged
+from supervisor.metrics import Recorder
 from supervisor.overrides import OverrideError, resolve_overrides
 from supervisor.seams import Spawner
 from supervisor.session import Session, Subscriber, valid_session_id
@@ -103,6 +104,10 @@ class SessionManager:
         self.workers.on_spawn_agent = lambda session, worker, msg: self._spawn_task(
             self.subagents.run(session, worker, msg))
         self.ledger.on_turn_started = self.sweeper.arm_turn_timer
+
+    def use_metrics(self, recorder: Recorder) -> None:
+        """Count into `recorder` (the parts hold the no-op one until then)."""
+        self.workers.metrics = self.ledger.metrics = self.sweeper.metrics = recorder
 
     # ================================================================ load
 

@@ -46,6 +46,7 @@ from ipc.errors import FrameTimeout, FrameTooLarge, ProtocolError
 from supervisor import __version__, peer
 from supervisor.errors import BadRequest, SessiondError
 from supervisor.manager import SessionManager
+from supervisor.metrics import NO_METRICS, Recorder
 from supervisor.ratelog import RateLimitedLog
 
 __all__ = ["ControlServer"]
@@ -114,6 +115,7 @@ class ClientConn:
         else:
             message = f"bad frame: {exc}"
         self.proto.send(m.Error(code=m.ErrorCode.BAD_REQUEST, message=message))
+        self.server.metrics.request("invalid", m.ErrorCode.BAD_REQUEST)
         if isinstance(exc, (FrameTooLarge, FrameTimeout)):
             # The connection is being closed; one that does not read would
             # keep it (and its buffers) open forever, so it gets a moment.
@@ -165,22 +167,28 @@ class ClientConn:
                 reply = self._error_reply(msg, exc)
             if reply is not None:
                 self.proto.send(reply)
+            if reply is not None or not isinstance(msg, m.Ping):  # a session's pong counts when it comes
+                self._count(msg, reply)
+
+    def _count(self, msg: m.Request, reply: Any) -> None:
+        code = reply.code if isinstance(reply, m.Error) else "ok"
+        self.server.metrics.request(str(type(msg).__struct_config__.tag), code)
 
     def _hello(self, msg: m.Request) -> None:
         if not isinstance(msg, m.Hello):
-            self.proto.send(
-                m.Error(code=m.ErrorCode.BAD_REQUEST, message="the first message must be hello")
-            )
+            refusal = m.Error(code=m.ErrorCode.BAD_REQUEST, message="the first message must be hello")
+            self.proto.send(refusal)
             self.proto.close()
+            self._count(msg, refusal)
             return
         if msg.protocol != m.PROTOCOL_VERSION:
-            self.proto.send(
-                m.Error(
-                    code=m.ErrorCode.PROTOCOL_MISMATCH,
-                    message=f"this daemon speaks protocol {m.PROTOCOL_VERSION}, the client {msg.protocol}",
-                )
+            refusal = m.Error(
+                code=m.ErrorCode.PROTOCOL_MISMATCH,
+                message=f"this daemon speaks protocol {m.PROTOCOL_VERSION}, the client {msg.protocol}",
             )
+            self.proto.send(refusal)
             self.proto.close()
+            self._count(msg, refusal)
             return
         self.said_hello = True
         self.error_codes = frozenset(msg.error_codes) & m.NEW_ERROR_CODES
@@ -193,6 +201,7 @@ class ClientConn:
         self.proto.send(
             m.Welcome(protocol=m.PROTOCOL_VERSION, server_version=__version__, pid=os.getpid())
         )
+        self._count(msg, None)
 
     def _error_reply(self, msg: m.Request, exc: Exception) -> m.Error:
         """The answer to a request that raised: its code for our errors,
@@ -213,6 +222,7 @@ class ClientConn:
             reply = self._error_reply(msg, exc)
         if reply is not None:
             self.proto.send(reply)
+        self._count(msg, reply)
 
     def _handle_now(self, msg: m.Request) -> Any:
         mgr = self.server.manager
@@ -227,6 +237,7 @@ class ClientConn:
                     reply = (m.Pong(id=rid, session=sid, pid=pid) if err is None
                              else m.Error(id=rid, code=err.code, message=err.message))
                     self.proto.send(reply)
+                    self._count(msg, reply)
 
                 pid = mgr.ping(mgr.get(sid, self.uid), answer)
                 return None
@@ -326,6 +337,7 @@ class ControlServer:
         self.socket_gid: int | None = None
         self.own_uid = os.geteuid()
         self._connections: dict[int, int] = {}  # admitted, by non-exempt uid
+        self.metrics: Recorder = NO_METRICS
 
     def admits(self, cred: peer.PeerCredentials) -> bool:
         """Root, the daemon's own user (someone running the daemon as
