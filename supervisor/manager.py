@@ -105,6 +105,17 @@ class SessionManager:
             self.subagents.run(session, worker, msg))
         self.ledger.on_turn_started = self.sweeper.arm_turn_timer
 
+    # For supervisor.transfer (import): create's checks, load's restore.
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def restore(self, store: SessionLog, loaded: LoadedSession) -> None:
+        self._restore(store, loaded)
+
+    def check_quota(self, uid: int) -> None:
+        self._check_quota(uid)
+
     def use_metrics(self, recorder: Recorder) -> None:
         """Count into `recorder` (the parts hold the no-op one until then)."""
         self.workers.metrics = self.ledger.metrics = self.sweeper.metrics = recorder
@@ -657,6 +668,9 @@ def _check_handler(name: str, settings: SessionSettings) -> None:
         f"handler {name!r} is not allowed here; the operator allows "
         f"{', '.join(allowed) or 'none'} ([agent] allowed_handlers in config.toml)"
     )
+
+
+check_handler = _check_handler  # for supervisor.transfer
 
 
 def _damaged_hint(session: Session) -> str:
