@@ -63,6 +63,11 @@ examples:
   sessionctl attach ID --from 0          replay retained events, then follow
   sessionctl approve ID REQUEST_ID       answer a permission request
   sessionctl --json status ID            one JSON object
+  sessionctl top                         live view; sessionctl --json top --once
+  sessionctl history ID --limit 5        the last five turns, tool calls included
+  sessionctl logs ID -f                  state changes, limits, exits; then follow
+  sessionctl export ID > s.json          and on another daemon:
+  sessionctl import s.json               (same id; --id NEW renames)
 
 exit codes:
   0  done
