@@ -414,7 +414,8 @@ async def _serve(
     server = ControlServer(manager)
     metrics_server: asyncio.AbstractServer | None = None
     if metrics_sock is not None:
-        recorder = metrics.PrometheusRecorder(lambda: manager.sessions.values(), lambda: len(server.clients))
+        recorder = metrics.PrometheusRecorder(lambda: manager.sessions.values(), lambda: len(server.clients),
+                                              cfg.daemon.metrics_top_sessions)
         manager.use_metrics(recorder)
         server.metrics = recorder
         metrics_server = await metrics.serve(metrics_sock, recorder)

@@ -58,7 +58,8 @@ __all__ = [
 log = logging.getLogger("sessiond.metrics")
 
 # sessiond_session_rss_bytes carries only this many sessions (the largest
-# at the last sweep): a series per session would grow without bound.
+# at the last sweep; [daemon] metrics_top_sessions): a series per session
+# would grow without bound.
 TOP_RSS_SESSIONS = 20
 
 _READ_TIMEOUT_SECS = 5.0
@@ -141,7 +142,8 @@ class PrometheusRecorder(Recorder):
     """Metrics on: counters and histograms, plus the scrape-time gauges
     read from `sessions()` and `clients()`."""
 
-    def __init__(self, sessions: Callable[[], Iterable[Session]], clients: Callable[[], int]) -> None:
+    def __init__(self, sessions: Callable[[], Iterable[Session]], clients: Callable[[], int],
+                 top_sessions: int = TOP_RSS_SESSIONS) -> None:
         # Here, not at the top: a daemon without metrics never pays the import.
         from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
@@ -190,7 +192,7 @@ class PrometheusRecorder(Recorder):
         self._request_children: dict[tuple[str, str], Any] = {}
         self._restarts.inc(0)
         self._awaiting_first: set[str] = set()  # sessions whose turn has streamed nothing yet
-        r.register(_StateCollector(sessions, clients))
+        r.register(_StateCollector(sessions, clients, top_sessions))
 
     def worker_exit(self, reason: str) -> None:
         self._exits.labels(reason).inc()
@@ -246,9 +248,11 @@ class PrometheusRecorder(Recorder):
 class _StateCollector:
     """Gauges computed when scraped, from the manager's own dicts."""
 
-    def __init__(self, sessions: Callable[[], Iterable[Session]], clients: Callable[[], int]) -> None:
+    def __init__(self, sessions: Callable[[], Iterable[Session]], clients: Callable[[], int],
+                 top_sessions: int) -> None:
         self._sessions = sessions
         self._clients = clients
+        self._top = top_sessions
 
     def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import GaugeMetricFamily
@@ -265,10 +269,10 @@ class _StateCollector:
         yield states
         rss = GaugeMetricFamily(
             "sessiond_session_rss_bytes",
-            f"RSS of a session's processes at the last sweep; the {TOP_RSS_SESSIONS} largest only.",
+            f"RSS of a session's processes at the last sweep; the {self._top} largest only.",
             labels=["session"],
         )
-        for value, sid in heapq.nlargest(TOP_RSS_SESSIONS, live):
+        for value, sid in heapq.nlargest(self._top, live):
             rss.add_metric([sid], value)
         yield rss
         yield GaugeMetricFamily("sessiond_workers_rss_bytes",

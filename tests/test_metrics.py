@@ -205,7 +205,8 @@ def test_provider_errors_are_counted_by_status(make_daemon, llm, monkeypatch) ->
     from test_agent_e2e import agent_config
 
     monkeypatch.setenv("SESSIOND_TEST_KEY", "sk-test")
-    d = make_daemon(agent_config(llm, extra='metrics_listen = "127.0.0.1:0"'))
+    # With metrics_top_sessions = 0 the endpoint names no session.
+    d = make_daemon(agent_config(llm, extra='metrics_listen = "127.0.0.1:0"\nmetrics_top_sessions = 0'))
     url = tcp_metrics_url(d)
     llm.script(
         Reply(429, {"error": {"message": "slow down"}}, {"Retry-After": "0"}),  # retried
@@ -217,7 +218,10 @@ def test_provider_errors_are_counted_by_status(make_daemon, llm, monkeypatch) ->
         assert c.send_text(sid, "hello") == "fine"
         events = list(c.send(sid, "again"))
         assert isinstance(events[-1], m.TurnFailed) and "401" in events[-1].reason
-    s = parse(httpx.get(url, timeout=5).text)
+    s = wait_for(lambda: (got := parse(httpx.get(url, timeout=5).text))
+                 and value(got, "sessiond_workers_rss_bytes") > 0 and got, 10, "a sweep of the worker")
+    assert not [k for k in s if k[0] == "sessiond_session_rss_bytes"]
+    assert sid not in httpx.get(url, timeout=5).text
     assert value(s, "sessiond_provider_errors_total", status="429") == 1
     assert value(s, "sessiond_provider_errors_total", status="401") == 1
     assert value(s, "sessiond_turns_failed_total", reason="provider") == 1
