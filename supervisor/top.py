@@ -140,8 +140,8 @@ def _age(secs: float) -> str:
     if s < 3600:
         return f"{s // 60}m"
     if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}"
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def _exit(e: m.ExitInfo | None) -> str:
