@@ -229,3 +229,48 @@ def test_top_once_json_has_the_fields_scripts_use(make_daemon) -> None:
     text = d.ctl("top", "--once")
     assert text.returncode == 0 and "busy" in text.stdout
     assert all(len(line) <= 80 for line in text.stdout.splitlines())
+
+
+def test_top_runs_live_in_an_80x24_terminal_and_quits_on_q(make_daemon) -> None:
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import termios
+
+    d = make_daemon()
+    with d.client() as c:
+        c.create(session="watched")
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor.ctl", "--socket", str(d.socket), "top", "--interval", "0.2"],
+        stdin=follower, stdout=follower, stderr=follower, env=env_for_children() | {"TERM": "xterm"},
+        start_new_session=True,
+    )
+    os.close(follower)
+    screen = b""
+    try:
+        def painted(text: bytes) -> bool:
+            nonlocal screen
+            while select.select([leader], [], [], 0.05)[0]:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                screen += chunk
+            return text in screen
+
+        wait_for(lambda: painted(b"watched") and painted(b"sessiond up"), 15, "the first screen")
+        before = len(screen)
+        os.write(leader, b"m")  # sort by memory: curses repaints just the changed word
+        wait_for(lambda: painted(b"") and b"rss" in screen[before:], 10, "the sort key to change")
+        os.write(leader, b"q")
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(leader)
