@@ -43,3 +43,20 @@ def test_the_off_recorder_does_nothing_and_imports_nothing() -> None:
     NO_METRICS.commit(0.1, records=4)
     NO_METRICS.notice("provider_retry", {"error": "HTTP 500"})
     NO_METRICS.request("ping", "ok")
+
+
+@pytest.mark.pure
+def test_the_grafana_dashboard_queries_only_metrics_the_daemon_exports() -> None:
+    import json
+    import re
+
+    from harness import REPO
+    from supervisor.metrics import PrometheusRecorder
+
+    registry = PrometheusRecorder(lambda: [], lambda: 0).registry
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    exported = {family.name + suffix for family in registry.collect() for suffix in suffixes[family.type]}
+    dashboard = json.loads((REPO / "contrib" / "grafana" / "sessiond.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    named = {name for e in exprs for name in re.findall(r"\bsessiond_[a-z_]+", e)}
+    assert named and named <= exported, named - exported
