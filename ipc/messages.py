@@ -620,6 +620,8 @@ class HistoryReply(_Msg, tag="history"):
     # messages), when the handler is the agent; else empty.
     earlier_messages: list[dict[str, Any]] = []
     turns: list[HistoryTurn] = []
+    # Older turns of the log left out so that the reply fits in a frame.
+    omitted_turns: int = 0
 
 
 class Logs(_Msg, tag="logs"):

@@ -44,7 +44,8 @@ def print_history(reply: m.HistoryReply, as_json: bool) -> None:
     if as_json:
         print(json.dumps({
             "session": reply.session, "earlier_turns": reply.earlier_turns,
-            "earlier_messages": reply.earlier_messages, "turns": _plain(reply.turns)}, default=str))
+            "earlier_messages": reply.earlier_messages, "omitted_turns": reply.omitted_turns,
+            "turns": _plain(reply.turns)}, default=str))
         return
     out = sys.stdout
     if reply.earlier_turns:
@@ -54,6 +55,9 @@ def print_history(reply: m.HistoryReply, as_json: bool) -> None:
             print(f"  {msg.get('role', '?')}: {_clip(str(msg.get('content') or ''))}", file=out)
         if reply.earlier_messages:
             print(")", file=out)
+    if reply.omitted_turns:
+        print(f"({reply.omitted_turns} older turn(s) left out: too large for one reply; "
+              "`sessionctl export` has them)", file=out)
     if not reply.turns and not reply.earlier_turns:
         print("no turns yet", file=out)
     for t in reply.turns:

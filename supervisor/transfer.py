@@ -96,6 +96,7 @@ class ExportDocument(_Doc):
 
 _decoder = msgspec.json.Decoder(ExportDocument)
 _msgpack = msgspec.msgpack.Decoder()
+_encoder = msgspec.msgpack.Encoder()
 
 
 def _read(session: Session) -> tuple[Snapshot | None, list[Record]]:
@@ -108,9 +109,11 @@ def _read(session: Session) -> tuple[Snapshot | None, list[Record]]:
 # ---------------------------------------------------------------- history
 
 
-def history(session: Session, limit: int | None) -> m.HistoryReply:
+def history(session: Session, limit: int | None, max_bytes: int = 8 << 20) -> m.HistoryReply:
     """The turns the log holds (the last `limit` of them), with the tool
-    calls the agent handler recorded, and the running turn as "open"."""
+    calls the agent handler recorded, and the running turn as "open".
+    The newest turns that fit in `max_bytes` (one frame must carry the
+    reply); those left out are counted in `omitted_turns`."""
     if limit is not None and limit < 0:
         raise BadRequest("--limit must be 0 or more")
     snap, records = _read(session)
@@ -130,13 +133,23 @@ def history(session: Session, limit: int | None) -> m.HistoryReply:
     ordered = sorted(turns.values(), key=lambda t: t.turn)
     if limit is not None:
         ordered = ordered[len(ordered) - limit:] if limit else []
+    kept: list[m.HistoryTurn] = []
+    budget = max_bytes
+    for t in reversed(ordered):
+        budget -= len(_encoder.encode(t))
+        if budget < 0:
+            break
+        kept.append(t)
+    kept.reverse()
     earlier: list[dict[str, Any]] = []
-    if snap is not None and session.meta.handler == "agent":
+    if snap is not None and session.meta.handler == "agent" and len(kept) == len(ordered):
         state = _decoded(snap.handler_state)
         if isinstance(state, dict) and isinstance(state.get("messages"), list):
             earlier = [msg for msg in state["messages"] if isinstance(msg, dict)]
+            if len(_encoder.encode(earlier)) > budget:
+                earlier = []  # the turns came first; `history --json` of the export has them all
     return m.HistoryReply(id=0, session=session.id, earlier_turns=snap.turns if snap else 0,
-                          earlier_messages=earlier, turns=ordered)
+                          earlier_messages=earlier, turns=kept, omitted_turns=len(ordered) - len(kept))
 
 
 def _decoded(data: bytes) -> Any:
