@@ -274,3 +274,50 @@ def test_top_runs_live_in_an_80x24_terminal_and_quits_on_q(make_daemon) -> None:
         proc.kill()
         proc.wait()
         os.close(leader)
+
+
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="acting as another user needs root")
+def test_another_user_sees_none_of_it_and_owns_what_it_imports(make_daemon) -> None:
+    import os
+    import socket
+    import struct
+
+    import msgspec
+
+    from harness import run_as
+    from ipc.framing import encode_frame
+
+    nobody = 65534
+    d = make_daemon(f'[daemon]\nsocket_mode = "0666"\nallowed_uids = [{nobody}]\n')
+    os.chmod(d.sockdir, 0o755)
+    with d.client() as c:
+        mine = c.create(session="roots").id
+        c.send_text(mine, "secret")
+    document = d.ctl("export", mine).stdout.encode()
+    decoder = msgspec.msgpack.Decoder(m.AnyReply)
+    requests = [m.History(id=1, session=mine), m.Logs(id=2, session=mine), m.Export(id=3, session=mine),
+                m.Top(id=4), m.Import(id=5, document=document, session="theirs"), m.Top(id=6),
+                m.History(id=7, session="theirs", limit=-1)]
+
+    def talk() -> list[bytes]:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect(str(d.socket))
+        out = []
+        for req in [m.Hello(protocol=m.PROTOCOL_VERSION, client="other-user"), *requests]:
+            s.sendall(encode_frame(req))
+            (n,) = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))
+            out.append(s.recv(n, socket.MSG_WAITALL))
+        return out
+
+    welcome, history, logs, export, top, imported, top_after, bad_limit = (
+        decoder.decode(f) for f in run_as(nobody, talk))
+    assert isinstance(welcome, m.Welcome)
+    for reply in (history, logs, export):
+        assert isinstance(reply, m.Error) and reply.code == "not_found"
+    assert isinstance(top, m.TopReply) and top.entries == []
+    assert isinstance(imported, m.Created) and imported.session.owner_uid == nobody
+    assert isinstance(top_after, m.TopReply) and [e.session.id for e in top_after.entries] == ["theirs"]
+    assert isinstance(bad_limit, m.Error) and bad_limit.code == "bad_request"
+    with d.client() as c:
+        assert c.status("theirs").owner_uid == nobody
