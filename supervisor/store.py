@@ -567,10 +567,8 @@ class SessionStore:
         snap, why = _read_snapshot(self.path / "snapshot")
         if why:
             raise StoreError(f"session {self.path.name}: {why}")
-        records: list[Record] = []
-        for g in range(self._snap_gen, self.gen + 1):
-            records.extend(rec for _, _, rec in _read_scan(self.path / f"log.{g}").records)
-        return snap, records
+        return snap, [rec for g in range(self._snap_gen, self.gen + 1)
+                      for _, _, rec in _read_scan(self.path / f"log.{g}").records]
 
     def close(self) -> None:
         for attr in ("_fd", "_fence_fd"):
