@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import curses
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -208,7 +209,23 @@ async def run_top(client: AsyncClient, *, once: bool, as_json: bool, sort: str, 
         else:
             print("\n".join(render(rows, second, sort, 80, 10_000)))
         return 0
+    if as_json:
+        return await _json_lines(client, sort, interval)
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        print("sessionctl: top needs a terminal; `top --once` prints one sample, "
+              "`--json top` one JSON line per refresh", file=sys.stderr)
+        return 2
     return await _live(client, sort, interval)
+
+
+async def _json_lines(client: AsyncClient, sort: str, interval: float) -> int:
+    """`--json top` without --once: a stream, so JSON lines, one a refresh."""
+    before = await client.top()
+    while True:
+        await asyncio.sleep(interval)
+        reply = await client.top()
+        print(snapshot_json(rows_from(reply, before), reply, sort), flush=True)
+        before = reply
 
 
 async def _live(client: AsyncClient, sort: str, interval: float) -> int:

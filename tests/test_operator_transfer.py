@@ -321,3 +321,22 @@ def test_another_user_sees_none_of_it_and_owns_what_it_imports(make_daemon) -> N
     assert isinstance(bad_limit, m.Error) and bad_limit.code == "bad_request"
     with d.client() as c:
         assert c.status("theirs").owner_uid == nobody
+
+
+def test_top_without_a_terminal_streams_json_lines_or_says_what_to_use(make_daemon) -> None:
+    d = make_daemon()
+    with d.client() as c:
+        c.create(session="one")
+    plain = d.ctl("top")
+    assert plain.returncode == 2 and "--once" in plain.stderr
+    stream = subprocess.Popen(
+        [sys.executable, "-m", "supervisor.ctl", "--socket", str(d.socket), "--json", "top", "--interval", "0.1"],
+        stdout=subprocess.PIPE, text=True, env=env_for_children(),
+    )
+    try:
+        first, second = stream.stdout.readline(), stream.stdout.readline()  # type: ignore[union-attr]
+        for line in (first, second):
+            assert [s["id"] for s in json.loads(line)["sessions"]] == ["one"]
+    finally:
+        stream.kill()
+        stream.wait()
