@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # `make run CONFIG=path/to/config.toml`; empty: the embedded defaults.
 CONFIG ?=
 
-.PHONY: run test test-fast typecheck bench clean system-deps
+.PHONY: run test test-fast typecheck bench clean system-deps man
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,10 +55,15 @@ test-fast: $(VENV)/.installed system-deps
 typecheck: $(VENV)/.installed
 	$(PY) -m mypy
 
-BENCHES := spawn ipc memory limits restart persist agent hostile sandbox
+# sessionctl(1) from the argparse definitions: `man -l man/sessionctl.1`.
+man: $(VENV)/.installed
+	mkdir -p man
+	$(PY) -m supervisor.manpage > man/sessionctl.1
+
+BENCHES := spawn ipc memory limits restart persist agent hostile sandbox metrics
 
 bench: $(VENV)/.installed
 	for b in $(BENCHES); do $(PY) bench/$$b.py || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache man

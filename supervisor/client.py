@@ -51,7 +51,7 @@ __all__ = [
     "TurnFailedError",
 ]
 
-_reply_decoder = msgspec.msgpack.Decoder(m.Reply)
+_reply_decoder = msgspec.msgpack.Decoder(m.AnyReply)
 R = TypeVar("R")
 
 
@@ -78,7 +78,7 @@ _END = object()
 
 
 class AsyncClient:
-    def __init__(self, proto: FramedProtocol[m.Reply]) -> None:
+    def __init__(self, proto: FramedProtocol[m.AnyReply]) -> None:
         self._proto = proto
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any]] = {}
@@ -105,10 +105,10 @@ class AsyncClient:
         client: AsyncClient | None = None
         # The daemon may answer (a refusal) and close before our Hello, even
         # before create_unix_connection returns: keep that for the client.
-        early: list[m.Reply] = []
+        early: list[m.AnyReply] = []
         early_close: list[BaseException | None] = []
 
-        def on_message(msg: m.Reply) -> None:
+        def on_message(msg: m.AnyReply) -> None:
             if client is None:
                 early.append(msg)
             else:
@@ -170,7 +170,7 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _dispatch(self, msg: m.Reply) -> None:
+    def _dispatch(self, msg: m.AnyReply) -> None:
         if isinstance(msg, m.EVENT_TYPES):
             for q in self._streams.get(getattr(msg, "session", ""), ()):
                 q.put_nowait(msg)
@@ -297,6 +297,26 @@ class AsyncClient:
     async def stats(self) -> StatsReply:
         return await self._request(m.Stats(id=self._next_id()), m.StatsReply)
 
+    async def history(self, session: str, limit: int | None = None) -> m.HistoryReply:
+        return await self._request(m.History(id=self._next_id(), session=session, limit=limit),
+                                   m.HistoryReply)
+
+    async def logs(self, session: str, limit: int | None = None) -> m.LogsReply:
+        return await self._request(m.Logs(id=self._next_id(), session=session, limit=limit), m.LogsReply)
+
+    async def export(self, session: str) -> bytes:
+        """The session as a JSON document (bytes), for `import_session`."""
+        reply = await self._request(m.Export(id=self._next_id(), session=session), m.ExportReply)
+        return reply.document
+
+    async def import_session(self, document: bytes, session: str | None = None) -> SessionInfo:
+        reply = await self._request(
+            m.Import(id=self._next_id(), document=document, session=session), m.Created)
+        return reply.session
+
+    async def top(self) -> m.TopReply:
+        return await self._request(m.Top(id=self._next_id()), m.TopReply)
+
     async def ping(self, session: str | None = None) -> m.Pong:
         return await self._request(m.Ping(id=self._next_id(), session=session), m.Pong)
 
@@ -413,3 +433,23 @@ class Client:
     def answer(self, session: str, request_id: str, allow: bool) -> None:
         self._run(self._client.answer(session, request_id, allow))
 
+
+    def history(self, session: str, limit: int | None = None) -> m.HistoryReply:
+        result: m.HistoryReply = self._run(self._client.history(session, limit))
+        return result
+
+    def logs(self, session: str, limit: int | None = None) -> m.LogsReply:
+        result: m.LogsReply = self._run(self._client.logs(session, limit))
+        return result
+
+    def export(self, session: str) -> bytes:
+        result: bytes = self._run(self._client.export(session))
+        return result
+
+    def import_session(self, document: bytes, session: str | None = None) -> SessionInfo:
+        result: SessionInfo = self._run(self._client.import_session(document, session))
+        return result
+
+    def top(self) -> m.TopReply:
+        result: m.TopReply = self._run(self._client.top())
+        return result

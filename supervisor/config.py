@@ -38,6 +38,7 @@ __all__ = [
     "default_state_dir",
     "default_toml",
     "load_config",
+    "metrics_address",
     "parse_override",
     "uid_range",
     "valid_handler_name",
@@ -99,6 +100,14 @@ class DaemonSettings(ConfigSection):
     # its share (at least its newest event).
     event_retention_total_bytes: Annotated[int, Meta(ge=65536, le=1 << 40)] = 256 * 1024 * 1024
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Prometheus metrics at http://HOST:PORT/metrics ("127.0.0.1:9464"; IPv6
+    # as "[::1]:9464"), or on a Unix socket (an absolute path).  Empty = off.
+    # No authentication: keep it on loopback or a private network.
+    metrics_listen: str = ""
+    # How many of the largest live sessions get an RSS series of their own
+    # (sessiond_session_rss_bytes{session="ID"}).  Those series name session
+    # ids to whoever can reach the endpoint; 0 = none (the total stays).
+    metrics_top_sessions: Annotated[int, Meta(ge=0, le=1000)] = 20
 
 
 class StoreSettings(ConfigSection):
@@ -180,6 +189,28 @@ def uid_range(text: str) -> range | None:
     return range(lo, hi + 1)
 
 
+def metrics_address(text: str) -> tuple[str, int] | str | None:
+    """`[daemon] metrics_listen` as (host, port), a Unix socket path, or
+    None when empty (metrics off)."""
+    if not text:
+        return None
+    if text.startswith("/"):
+        if len(os.fsencode(text)) >= 108 or "\0" in text:
+            raise ValueError(f"a Unix socket path must be shorter than 108 bytes; got {text!r}")
+        return text
+    host, sep, port = text.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
+        host = host[1:-1]
+    if (not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535
+            or (":" in host and not bracketed) or any(c.isspace() or c in "/[]" for c in host)):
+        raise ValueError(
+            f'expected "HOST:PORT" (e.g. "127.0.0.1:9464", "[::1]:9464") or an absolute '
+            f"Unix socket path; got {text!r}"
+        )
+    return host, int(port)
+
+
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -221,6 +252,10 @@ def parse_config(data: dict[str, Any], source: str) -> Config:
         )
     if cfg.store.backend == "postgres" and not cfg.store.dsn.strip():
         raise ConfigError(f"{source}: 'store.dsn' must be set when 'store.backend' is \"postgres\"")
+    try:
+        metrics_address(cfg.daemon.metrics_listen)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: invalid value for 'daemon.metrics_listen': {exc}") from None
     try:
         uid_range(cfg.daemon.session_uid_range)
     except ValueError as exc:

@@ -27,6 +27,9 @@ from ipc.loop import run as run_loop
 from supervisor import __version__
 from supervisor.client import AsyncClient, DaemonUnavailable, RequestError
 from supervisor.config import ConfigError, parse_override
+from supervisor.ctl_history import ImportFileError, follow_logs, print_history, print_logs, read_document
+from supervisor.session import valid_session_id
+from supervisor.top import SORT_KEYS, run_top
 
 __all__ = ["main"]
 
@@ -60,6 +63,11 @@ examples:
   sessionctl attach ID --from 0          replay retained events, then follow
   sessionctl approve ID REQUEST_ID       answer a permission request
   sessionctl --json status ID            one JSON object
+  sessionctl top                         live view; sessionctl --json top --once
+  sessionctl history ID --limit 5        the last five turns, tool calls included
+  sessionctl logs ID -f                  state changes, limits, exits; then follow
+  sessionctl export ID > s.json          and on another daemon:
+  sessionctl import s.json               (same id; --id NEW renames)
 
 exit codes:
   0  done
@@ -101,7 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("id")
     p.add_argument("--reasoning", action="store_true", help=_REASONING_HELP)
     p.add_argument("--from", dest="from_seq", type=int, help="replay retained events from this seq")
-    add("ls", "list sessions")
+    p = add("ls", "list sessions")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the ids, one a line")
     for name, help_text in (
         ("status", "show one session"), ("interrupt", "interrupt the running turn"),
         ("stop", "stop a session's worker"), ("restart", "(re)start a session's worker"),
@@ -122,7 +131,48 @@ def _parser() -> argparse.ArgumentParser:
     add("stats", "daemon statistics")
     p = add("ping", "check the daemon (or a session's worker) answers")
     p.add_argument("id", nargs="?")
+    p = add("top", "live view of the sessions (q quits); --once prints one sample")
+    p.add_argument("--once", action="store_true", help="print one sample and exit (with --json: one object)")
+    p.add_argument("--sort", choices=SORT_KEYS, default="cpu", help="sort key (default: cpu)")
+    p.add_argument("--interval", type=_positive_secs, default=2.0, metavar="SECS",
+                   help="seconds between refreshes (default: 2)")
+    p.add_argument("--sample-secs", type=_positive_secs, default=0.5, metavar="SECS",
+                   help="with --once: seconds between the two samples CPU %% is measured over (default: 0.5)")
+    p = add("history", "the conversation as stored: inputs, replies, tool calls, aborted turns")
+    p.add_argument("id")
+    p.add_argument("--limit", type=_count, metavar="N", help="only the last N turns")
+    p = add("logs", "a session's lifecycle events (state changes, limits, failures) with times")
+    p.add_argument("id")
+    p.add_argument("-f", "--follow", action="store_true", help="then follow new events as they happen")
+    p.add_argument("--limit", type=_count, metavar="N", help="only the last N kept events")
+    p = add("export", "write a session as a JSON document to stdout (for import elsewhere)")
+    p.add_argument("id")
+    p = add("import", "create a session from an export document; prints its id")
+    p.add_argument("file", nargs="?", default="-", help="the export (default: - for stdin)")
+    p.add_argument("--id", dest="session_id", help="import under this id instead of the exported one")
+    p = add("completion", "print a shell completion script")
+    p.add_argument("shell", choices=("bash", "zsh"))
     return parser
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
+
+
+def _positive_secs(text: str) -> float:
+    try:
+        secs = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0.05 <= secs <= 3600:
+        raise argparse.ArgumentTypeError(f"must be between 0.05 and 3600, got {text}")
+    return secs
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -318,7 +368,10 @@ async def _run(args: argparse.Namespace) -> int:
                     raise DaemonUnavailable("connection to sessiond lost")
             case "ls":
                 sessions = await client.list()
-                if as_json:
+                if args.quiet:
+                    for s in sessions:
+                        print(s.id)
+                elif as_json:
                     print(json.dumps({"sessions": to_plain(sessions)}))
                 elif sessions:
                     _print_table(sessions)
@@ -360,6 +413,22 @@ async def _run(args: argparse.Namespace) -> int:
                     print(f"repaired {args.id}: {repaired.kept_records} record(s) kept, "
                           f"{repaired.dropped_records} intact record(s) and "
                           f"{repaired.dropped_bytes} damaged byte(s) dropped; now {repaired.session.state}")
+            case "top":
+                return await run_top(client, once=args.once, as_json=as_json, sort=args.sort,
+                                     interval=args.interval, sample_secs=args.sample_secs)
+            case "history":
+                print_history(await client.history(args.id, args.limit), as_json)
+            case "logs":
+                logs = await client.logs(args.id, args.limit)
+                if args.follow:
+                    return await follow_logs(client, logs, as_json)
+                print_logs(logs, as_json)
+            case "export":
+                document = await client.export(args.id)
+                sys.stdout.buffer.write(document + b"\n")
+                sys.stdout.flush()
+            case "import":
+                return await _import(client, args, as_json)
             case "approve" | "deny":
                 try:
                     await client.answer(args.id, args.request_id, args.command == "approve")
@@ -376,6 +445,28 @@ async def _run(args: argparse.Namespace) -> int:
         return EXIT_OK
     finally:
         await client.close()
+
+
+async def _import(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    if args.session_id is not None and not valid_session_id(args.session_id):
+        print(f"sessionctl: invalid session id {args.session_id!r}: 1-64 characters of "
+              "A-Z a-z 0-9 . _ -, starting with a letter or digit", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        # Well under a frame: the request carries it whole.
+        document = read_document(args.file, 15 * 1024 * 1024)
+    except ImportFileError as exc:
+        print(f"sessionctl: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        info = await client.import_session(document, args.session_id)
+    except RequestError as exc:
+        if exc.code == "not_found":  # not "no such session": nothing was named
+            print(f"sessionctl: {exc.message}", file=sys.stderr)
+            return EXIT_FAILED
+        raise
+    print(json.dumps({"id": info.id}) if as_json else info.id)
+    return EXIT_OK
 
 
 _STOP_TEXT: dict[str, str] = {
@@ -507,7 +598,13 @@ def _unstreamed(reply: str, streamed: str, ended_with_newline: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "completion":  # no daemon needed
+        from supervisor.completion import bash_script, zsh_script
+
+        sys.stdout.write((bash_script if args.shell == "bash" else zsh_script)(parser))
+        return EXIT_OK
     try:
         return run_loop(_run(args))
     except DaemonUnavailable as exc:

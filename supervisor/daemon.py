@@ -45,9 +45,11 @@ from supervisor.config import (
     daemon_socket_path,
     default_state_dir,
     load_config,
+    metrics_address,
     uid_range,
     workspace_root,
 )
+from supervisor import metrics
 from supervisor.manager import SessionManager
 from supervisor.server import ControlServer
 from supervisor.spawner import ZygoteSpawner
@@ -384,15 +386,36 @@ def run_daemon(
         else:
             sock = bind_socket(socket_path, int(cfg.daemon.socket_mode, 8), cfg.daemon.socket_group)
             bound = True
+        metrics_sock: socket.socket | None = None
         try:
+            metrics_sock = bind_metrics(cfg)
             return run_loop(_serve(cfg, config_path, state_dir, socket_path, sock, spawner, identities,
-                                   sandbox_boot))
+                                   sandbox_boot, metrics_sock))
         finally:
             if bound:
                 with contextlib.suppress(FileNotFoundError):
                     socket_path.unlink()
+            if cfg.daemon.metrics_listen.startswith("/") and metrics_sock is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(cfg.daemon.metrics_listen)
     finally:
         spawner.close()
+
+
+def bind_metrics(cfg: Config) -> socket.socket | None:
+    """The listener for `[daemon] metrics_listen`, or None when it is off."""
+    where = metrics_address(cfg.daemon.metrics_listen)
+    if where is None:
+        return None
+    if isinstance(where, str):
+        prepare_socket_path(Path(where))  # as the control socket: no live one replaced
+    try:
+        return metrics.bind_listener(where)
+    except OSError as exc:
+        raise StartupError(
+            f"[daemon] metrics_listen = {cfg.daemon.metrics_listen!r}: cannot listen there: "
+            f"{exc.strerror or exc}"
+        ) from None
 
 
 async def _serve(
@@ -404,6 +427,7 @@ async def _serve(
     spawner: ZygoteSpawner,
     identities: Identities,
     sandbox_boot: m.SandboxBoot | None,
+    metrics_sock: socket.socket | None = None,
 ) -> int:
     loop = asyncio.get_running_loop()
     spawner.attach(loop)
@@ -420,6 +444,14 @@ async def _serve(
     except StoreError as exc:  # the database went away since it was opened
         raise StartupError(f"cannot read the sessions: {exc}") from None
     server = ControlServer(manager)
+    metrics_server: asyncio.AbstractServer | None = None
+    if metrics_sock is not None:
+        recorder = metrics.PrometheusRecorder(lambda: manager.sessions.values(), lambda: len(server.clients),
+                                              cfg.daemon.metrics_top_sessions)
+        manager.use_metrics(recorder)
+        server.metrics = recorder
+        metrics_server = await metrics.serve(metrics_sock, recorder)
+        log.info("metrics on %s ([daemon] metrics_listen)", metrics.address_of(metrics_sock))
     await server.start(sock)
 
     stop = asyncio.Event()
@@ -459,6 +491,8 @@ async def _serve(
              cfg.daemon.shutdown_grace_secs)
     sdnotify.stopping()
     server.stop_accepting()
+    if metrics_server is not None:
+        metrics_server.close()
     await manager.shutdown(cfg.daemon.shutdown_grace_secs)
     server.close_clients()
     for task in background:

@@ -50,6 +50,8 @@ class EventLog:
     # ---------------------------------------------------------------- events
 
     def emit(self, session: Session, event: m.Event) -> None:
+        if isinstance(event, (m.StateChanged, m.LimitExceeded, m.TurnFailed)):
+            session.lifecycle.append((time.time(), event))  # `sessionctl logs`
         frame = self._encoder.encode(event)
         ring = session.ring
         if len(ring) == ring.maxlen:

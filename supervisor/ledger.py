@@ -29,6 +29,7 @@ from ipc import messages as m
 from supervisor.errors import Internal, NoSpace, SessiondError
 from supervisor.events import EventLog
 from supervisor.logtag import tagged
+from supervisor.metrics import NO_METRICS, Recorder
 from supervisor.session import PendingInput, Session, WorkerProc
 from supervisor.states import State, Trigger
 from supervisor.state_store import (
@@ -51,6 +52,7 @@ class TurnLedger:
         # has begun (arm its timeout).
         self.on_unsaved: Callable[[Session, WorkerProc, str], None] = lambda s, w, why: None
         self.on_turn_started: Callable[[Session, int], None] = lambda s, turn: None
+        self.metrics: Recorder = NO_METRICS
 
     def begin(
         self, session: Session, text: str, on_accepted: Callable[[m.Accepted], None] | None = None
@@ -83,6 +85,7 @@ class TurnLedger:
         session.last_active = time.monotonic()
         session.turn_started = time.monotonic()
         self.on_turn_started(session, turn)
+        self.metrics.turn_started(session)
         self._events.set_state(session, Trigger.INPUT, reason=f"turn {turn}")
         return durable
 
@@ -133,12 +136,14 @@ class TurnLedger:
             tagged(log, session.id).warning("Done for turn %d, expected %s", msg.turn, session.current_turn)
             return
         seq = session.seq + 1
+        began = time.monotonic()
         try:
             session.store.append(
                 Commit(turn=msg.turn, reply=msg.reply, record=msg.record,
                        interrupted=msg.interrupted, seq=seq, usage=msg.usage),
                 durable=True,
             )
+            self.metrics.commit(time.monotonic() - began)
         except StoreError as exc:
             # The worker is now ahead of the disk: make it restart from the disk.
             tagged(log, session.id).error("turn %d not persisted: %s", msg.turn, exc)
@@ -210,6 +215,7 @@ class TurnLedger:
             fut.set_result(outcome)
         session.current_turn = None
         session.last_turn_secs = time.monotonic() - session.turn_started
+        self.metrics.turn_ended(session, outcome[0], outcome[1], session.last_turn_secs)
         session.pending_asks.clear()
         session.last_active = time.monotonic()
         for timer in (session.turn_timer, session.kill_timer):

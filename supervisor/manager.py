@@ -36,6 +36,7 @@ from supervisor.events import EventLog
 from supervisor.ledger import TurnLedger, store_failure
 from supervisor.limits import ProcTable
 from supervisor.logtag import tagged
+from supervisor.metrics import Recorder
 from supervisor.overrides import OverrideError, resolve_overrides
 from supervisor.seams import Spawner
 from supervisor.session import Session, Subscriber, valid_session_id
@@ -105,6 +106,21 @@ class SessionManager:
         self.workers.on_spawn_agent = lambda session, worker, msg: self._spawn_task(
             self.subagents.run(session, worker, msg))
         self.ledger.on_turn_started = self.sweeper.arm_turn_timer
+
+    # For supervisor.transfer (import): create's checks, load's restore.
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def restore(self, store: SessionLog, loaded: LoadedSession) -> None:
+        self._restore(store, loaded)
+
+    def check_quota(self, uid: int) -> None:
+        self._check_quota(uid)
+
+    def use_metrics(self, recorder: Recorder) -> None:
+        """Count into `recorder` (the parts hold the no-op one until then)."""
+        self.workers.metrics = self.ledger.metrics = self.sweeper.metrics = recorder
 
     # ================================================================ load
 
@@ -655,6 +671,9 @@ def _check_handler(name: str, settings: SessionSettings) -> None:
         f"handler {name!r} is not allowed here; the operator allows "
         f"{', '.join(allowed) or 'none'} ([agent] allowed_handlers in config.toml)"
     )
+
+
+check_handler = _check_handler  # for supervisor.transfer
 
 
 def _damaged_hint(session: Session) -> str:

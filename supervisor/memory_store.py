@@ -89,6 +89,10 @@ class MemoryLog:
         scan = scan_log(bytes(self._stored.log))
         return boot_state(self._stored.snapshot, [rec for _, _, rec in scan.records])
 
+    def read_history(self) -> tuple[Snapshot | None, list[Record]]:
+        scan = scan_log(bytes(self._stored.log))
+        return self._stored.snapshot, [rec for _, _, rec in scan.records]
+
     def close(self) -> None:
         self._closed = True
 

@@ -279,6 +279,11 @@ class PgSessionLog:
         self._snap_gen = snap.gen
 
     def read_for_boot(self) -> tuple[bytes, list[bytes], int]:
+        return boot_state(*self.read_history())
+
+    def read_history(self) -> tuple[Snapshot | None, list[Record]]:
+        """The snapshot and every record after it (those not yet committed
+        by this writer included), as stored."""
         def op(cur: psycopg.Cursor[Any]) -> tuple[bytes | None, list[bytes]]:
             cur.execute(
                 "SELECT s.snapshot, ARRAY(SELECT frame FROM sessiond_records r "
@@ -291,8 +296,7 @@ class PgSessionLog:
 
         body, frames = self._store.run(op, f"session {self._id}")
         snap = _decode_snapshot(self._id, body)
-        records = [rec for rec in map(_intact, [*map(bytes, frames), *self._pending]) if rec]
-        return boot_state(snap, records)
+        return snap, [rec for rec in map(_intact, [*map(bytes, frames), *self._pending]) if rec]
 
     def close(self) -> None:
         self._closed = True

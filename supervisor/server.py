@@ -43,10 +43,12 @@ import psutil
 from ipc import messages as m
 from ipc.connection import FramedProtocol
 from ipc.errors import FrameTimeout, FrameTooLarge, ProtocolError
-from supervisor import __version__, peer
-from supervisor.errors import BadRequest, SessiondError
+from supervisor import __version__, peer, transfer
+from supervisor.errors import BadRequest, LimitError, SessiondError
 from supervisor.manager import SessionManager
+from supervisor.metrics import NO_METRICS, Recorder
 from supervisor.ratelog import RateLimitedLog
+from supervisor.session import Session
 
 __all__ = ["ControlServer"]
 
@@ -54,7 +56,7 @@ log = logging.getLogger("sessiond.server")
 # What a peer can make us say again and again: at most a burst per uid a minute.
 peer_log = RateLimitedLog(log)
 
-_request_decoder = msgspec.msgpack.Decoder(m.Request)
+_request_decoder = msgspec.msgpack.Decoder(m.AnyRequest)
 _HANDSHAKE_TIMEOUT_SECS = 10.0
 _LAGGED_GRACE_SECS = 1.0
 _LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
@@ -63,7 +65,7 @@ _SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove, m.Repair)
 
 
 class ClientConn:
-    def __init__(self, server: ControlServer, proto: FramedProtocol[m.Request],
+    def __init__(self, server: ControlServer, proto: FramedProtocol[m.AnyRequest],
                  cred: peer.PeerCredentials) -> None:
         self.server = server
         self.proto = proto
@@ -114,6 +116,7 @@ class ClientConn:
         else:
             message = f"bad frame: {exc}"
         self.proto.send(m.Error(code=m.ErrorCode.BAD_REQUEST, message=message))
+        self.server.metrics.request("invalid", m.ErrorCode.BAD_REQUEST)
         if isinstance(exc, (FrameTooLarge, FrameTimeout)):
             # The connection is being closed; one that does not read would
             # keep it (and its buffers) open forever, so it gets a moment.
@@ -151,7 +154,7 @@ class ClientConn:
 
     # ---------------------------------------------------------------- requests
 
-    def on_message(self, msg: m.Request) -> None:
+    def on_message(self, msg: m.AnyRequest) -> None:
         if not self.said_hello:
             self._hello(msg)
         elif isinstance(msg, _SLOW):
@@ -165,22 +168,28 @@ class ClientConn:
                 reply = self._error_reply(msg, exc)
             if reply is not None:
                 self.proto.send(reply)
+            if reply is not None or not isinstance(msg, m.Ping):  # a session's pong counts when it comes
+                self._count(msg, reply)
 
-    def _hello(self, msg: m.Request) -> None:
+    def _count(self, msg: m.AnyRequest, reply: Any) -> None:
+        code = reply.code if isinstance(reply, m.Error) else "ok"
+        self.server.metrics.request(str(type(msg).__struct_config__.tag), code)
+
+    def _hello(self, msg: m.AnyRequest) -> None:
         if not isinstance(msg, m.Hello):
-            self.proto.send(
-                m.Error(code=m.ErrorCode.BAD_REQUEST, message="the first message must be hello")
-            )
+            refusal = m.Error(code=m.ErrorCode.BAD_REQUEST, message="the first message must be hello")
+            self.proto.send(refusal)
             self.proto.close()
+            self._count(msg, refusal)
             return
         if msg.protocol != m.PROTOCOL_VERSION:
-            self.proto.send(
-                m.Error(
-                    code=m.ErrorCode.PROTOCOL_MISMATCH,
-                    message=f"this daemon speaks protocol {m.PROTOCOL_VERSION}, the client {msg.protocol}",
-                )
+            refusal = m.Error(
+                code=m.ErrorCode.PROTOCOL_MISMATCH,
+                message=f"this daemon speaks protocol {m.PROTOCOL_VERSION}, the client {msg.protocol}",
             )
+            self.proto.send(refusal)
             self.proto.close()
+            self._count(msg, refusal)
             return
         self.said_hello = True
         self.error_codes = frozenset(msg.error_codes) & m.NEW_ERROR_CODES
@@ -193,8 +202,9 @@ class ClientConn:
         self.proto.send(
             m.Welcome(protocol=m.PROTOCOL_VERSION, server_version=__version__, pid=os.getpid())
         )
+        self._count(msg, None)
 
-    def _error_reply(self, msg: m.Request, exc: Exception) -> m.Error:
+    def _error_reply(self, msg: m.AnyRequest, exc: Exception) -> m.Error:
         """The answer to a request that raised: its code for our errors,
         `internal` (and the traceback in the log) for anything else."""
         rid = getattr(msg, "id", 0)
@@ -206,15 +216,16 @@ class ClientConn:
         log.error("request %s from %s failed", type(msg).__name__, self.name, exc_info=exc)
         return m.Error(id=rid, code=m.ErrorCode.INTERNAL, message=f"internal error: {exc}")
 
-    async def _answer_later(self, msg: m.Request) -> None:
+    async def _answer_later(self, msg: m.AnyRequest) -> None:
         try:
             reply = await self._handle_later(msg)
         except Exception as exc:
             reply = self._error_reply(msg, exc)
         if reply is not None:
             self.proto.send(reply)
+        self._count(msg, reply)
 
-    def _handle_now(self, msg: m.Request) -> Any:
+    def _handle_now(self, msg: m.AnyRequest) -> Any:
         mgr = self.server.manager
         match msg:
             case m.Ping(id=rid, session=None):
@@ -227,6 +238,7 @@ class ClientConn:
                     reply = (m.Pong(id=rid, session=sid, pid=pid) if err is None
                              else m.Error(id=rid, code=err.code, message=err.message))
                     self.proto.send(reply)
+                    self._count(msg, reply)
 
                 pid = mgr.ping(mgr.get(sid, self.uid), answer)
                 return None
@@ -247,6 +259,30 @@ class ClientConn:
                 return m.SessionList(id=rid, sessions=[mgr.info(s) for s in mgr.visible(self.uid)])
             case m.Stats(id=rid):
                 return self.server.stats(rid)
+            case m.Top(id=rid):
+                return self.server.top(rid, mgr.visible(self.uid))
+            case m.History(id=rid, session=sid, limit=limit):
+                reply = transfer.history(mgr.get(sid, self.uid), limit)
+                reply.id = rid
+                return reply
+            case m.Logs(id=rid, session=sid, limit=limit):
+                session = mgr.get(sid, self.uid)
+                entries = [m.LogEntry(at=at, event=ev) for at, ev in session.lifecycle]
+                if limit is not None:
+                    entries = entries[len(entries) - max(limit, 0):] if limit > 0 else []
+                return m.LogsReply(id=rid, session=sid, entries=entries, last_exit=session.last_exit,
+                                   next_seq=session.seq + 1)
+            case m.Export(id=rid, session=sid):
+                document = transfer.export_document(mgr.get(sid, self.uid))
+                limit = mgr.config.daemon.max_frame_bytes - 4096
+                if len(document) > limit:
+                    raise LimitError(f"the export of {sid} is {len(document)} bytes, more than one "
+                                        f"frame carries ([daemon] max_frame_bytes = "
+                                        f"{mgr.config.daemon.max_frame_bytes})")
+                return m.ExportReply(id=rid, session=sid, document=document)
+            case m.Import(id=rid, document=document, session=sid):
+                session = transfer.import_session(mgr, self.uid, document, sid)
+                return m.Created(id=rid, session=mgr.info(session, with_rss=False))
             case m.Answer(id=rid, session=sid, request_id=request_id, allow=allow):
                 mgr.answer(mgr.get(sid, self.uid), request_id, allow)
                 return m.Ok(id=rid)
@@ -254,7 +290,7 @@ class ClientConn:
                 raise BadRequest("hello was already said")
         raise BadRequest(f"unsupported request {type(msg).__name__}")
 
-    async def _handle_later(self, msg: m.Request) -> Any:
+    async def _handle_later(self, msg: m.AnyRequest) -> Any:
         mgr = self.server.manager
         match msg:
             case m.Create(id=rid, session=sid, handler=handler, settings=settings):
@@ -288,7 +324,7 @@ class ClientConn:
         raise BadRequest(f"unsupported request {type(msg).__name__}")
 
 
-class _ClientProtocol(FramedProtocol[m.Request]):
+class _ClientProtocol(FramedProtocol[m.AnyRequest]):
     def __init__(self, server: ControlServer) -> None:
         super().__init__(
             _request_decoder,
@@ -326,6 +362,7 @@ class ControlServer:
         self.socket_gid: int | None = None
         self.own_uid = os.geteuid()
         self._connections: dict[int, int] = {}  # admitted, by non-exempt uid
+        self.metrics: Recorder = NO_METRICS
 
     def admits(self, cred: peer.PeerCredentials) -> bool:
         """Root, the daemon's own user (someone running the daemon as
@@ -419,6 +456,22 @@ class ControlServer:
     def close_clients(self) -> None:
         for client in list(self.clients):
             client.proto.close()
+
+    def top(self, rid: int, sessions: list[Session]) -> m.TopReply:
+        """`sessionctl top`: every session's info and its worker's CPU time.
+        One psutil call per live worker (~10 µs), at the rate a client asks."""
+        entries = []
+        for s in sessions:
+            info = self.manager.info(s)
+            cpu: float | None = None
+            if info.pid is not None:
+                with contextlib.suppress(psutil.Error):
+                    t = psutil.Process(info.pid).cpu_times()
+                    cpu = t.user + t.system + t.children_user + t.children_system
+            entries.append(m.TopEntry(session=info, cpu_secs=cpu))
+        stats = self.stats(rid)
+        return m.TopReply(id=rid, at=time.time(), uptime_secs=stats.uptime_secs, rss_bytes=stats.rss_bytes,
+                          clients=stats.clients, entries=entries)
 
     def stats(self, rid: int) -> m.StatsReply:
         by_state: dict[str, int] = {}

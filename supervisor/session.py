@@ -87,6 +87,9 @@ class WorkerProc:
     kill_detail: str = ""
 
 
+LIFECYCLE_KEEP = 500
+
+
 @dataclass(slots=True, eq=False)
 class Session:
     id: str
@@ -132,6 +135,10 @@ class Session:
     # DAMAGED with no readable metadata: meta is a stand-in.
     meta_lost: bool = False
     usage: dict[str, int] = field(default_factory=dict)
+    # Lifecycle events with their unix time, for `sessionctl logs` (since
+    # the daemon started; the last exit is persisted apart).
+    lifecycle: collections.deque[tuple[float, m.StateChanged | m.LimitExceeded | m.TurnFailed]] = field(
+        default_factory=lambda: collections.deque(maxlen=LIFECYCLE_KEEP))
 
     @property
     def persisted_state(self) -> str:

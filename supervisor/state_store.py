@@ -266,6 +266,10 @@ class SessionLog(Protocol):
 
     def read_for_boot(self) -> tuple[bytes, list[bytes], int]: ...
 
+    def read_history(self) -> tuple[Snapshot | None, list[Record]]:
+        """The snapshot and the records after it, as stored (read-only)."""
+        ...
+
     def close(self) -> None: ...
 
     def remove(self) -> None: ...
@@ -328,6 +332,9 @@ class DamagedLog:
         raise self._refuse()
 
     def read_for_boot(self) -> tuple[bytes, list[bytes], int]:
+        raise self._refuse()
+
+    def read_history(self) -> tuple[Snapshot | None, list[Record]]:
         raise self._refuse()
 
     def close(self) -> None:

@@ -562,6 +562,14 @@ class SessionStore:
             records.extend(rec for _, _, rec in scan.records)
         return boot_state(snap, records)
 
+    def read_history(self) -> tuple[Snapshot | None, list[Record]]:
+        """The snapshot and every record after it, as stored (history, export)."""
+        snap, why = _read_snapshot(self.path / "snapshot")
+        if why:
+            raise StoreError(f"session {self.path.name}: {why}")
+        return snap, [rec for g in range(self._snap_gen, self.gen + 1)
+                      for _, _, rec in _read_scan(self.path / f"log.{g}").records]
+
     def close(self) -> None:
         for attr in ("_fd", "_fence_fd"):
             fd = getattr(self, attr)

@@ -28,6 +28,7 @@ from supervisor.limits import (
     memory_verdict,
     turn_deadline_left,
 )
+from supervisor.metrics import NO_METRICS, Recorder
 from supervisor.session import Session, WorkerProc
 from supervisor.states import State, Trigger
 from supervisor.workers import WorkerOwner
@@ -54,6 +55,7 @@ class Sweeper:
         self._proc_table = proc_table
         self._hibernate = hibernate
         self.closing = False
+        self.metrics: Recorder = NO_METRICS
 
     async def run(self) -> None:
         """The periodic sweep, as one task for the daemon's life."""
@@ -64,7 +66,9 @@ class Sweeper:
             next_tick = max(next_tick + interval, loop.time())
             await asyncio.sleep(next_tick - loop.time())
             try:
-                self.sweep(time.monotonic())
+                began = time.monotonic()
+                self.sweep(began)
+                self.metrics.sweep(time.monotonic() - began)
             except Exception:
                 log.exception("supervision sweep failed; carrying on")
 

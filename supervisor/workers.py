@@ -32,6 +32,7 @@ from supervisor.events import EventLog
 from supervisor.ledger import TurnLedger
 from supervisor.limits import ProcTable, SessionMemory
 from supervisor.logtag import tagged
+from supervisor.metrics import NO_METRICS, Recorder
 from supervisor.seams import Spawner, SpawnerDied
 from supervisor.session import Session, WorkerProc
 from supervisor.states import LIVE, RestartPolicy, State, Trigger
@@ -71,6 +72,7 @@ class WorkerOwner:
         # What the daemon found at start for confining tools (None: off).
         self.sandbox: m.SandboxBoot | None = None
         # Set by the daemon's core.
+        self.metrics: Recorder = NO_METRICS
         self.make_room: Callable[[Session], Awaitable[None]] = _no_room_needed
         self.on_spawn_agent: Callable[[Session, WorkerProc, m.SpawnAgent], None] = lambda s, w, msg: None
         spawner.on_exit = self.on_exit
@@ -190,6 +192,7 @@ class WorkerOwner:
                 if session.pending_input is not None:
                     self._ledger.streaming(session)
                 if turn == session.current_turn:
+                    self.metrics.delta(session)
                     events.emit(
                         session,
                         m.TextDelta(session=session.id, seq=events.next_seq(session), turn=turn, text=text),
@@ -220,6 +223,7 @@ class WorkerOwner:
                 if answer is not None:
                     answer(None)
             case m.WorkerNotice(turn=turn, kind=kind, data=data):
+                self.metrics.notice(kind, data)
                 events.emit(
                     session,
                     m.Notice(session=session.id, seq=events.next_seq(session), turn=turn, kind=kind, data=data),
@@ -279,6 +283,7 @@ class WorkerOwner:
             self.spawner.kill_tree(pid, session.memory.escapees())
         self._proc_table.forget(pid)
         reason = _classify(worker, code)
+        self.metrics.worker_exit(reason)
         info = m.ExitInfo(
             reason=reason, code=code, signal=sig, at=time.time(),
             detail=detail or worker.expected or worker.kill_detail or worker.boot_error,
@@ -387,6 +392,7 @@ class WorkerOwner:
                 )
                 return
             session.restarts += 1
+            self.metrics.restart()
             self._events.write_mark(session, durable=False)
             self._events.set_state(session, Trigger.SPAWN, reason=f"restart #{session.restarts}")
             try:

@@ -98,3 +98,22 @@ def test_bad_session_uid_range_and_handler_patterns_name_the_key() -> None:
     with pytest.raises(ConfigError, match="agent.allowed_handlers"):
         parse_config({"agent": {"allowed_handlers": ["../x:y"]}}, "c.toml")
     assert parse_config({"daemon": {"session_uid_range": ""}}, "c.toml").daemon.session_uid_range == ""
+
+
+@pytest.mark.pure
+def test_metrics_listen_takes_host_port_or_a_socket_path_and_names_the_key() -> None:
+    from supervisor.config import metrics_address
+
+    assert Config().daemon.metrics_listen == "" and metrics_address("") is None
+    assert metrics_address("127.0.0.1:9464") == ("127.0.0.1", 9464)
+    assert metrics_address("[::1]:0") == ("::1", 0)
+    assert metrics_address("localhost:9464") == ("localhost", 9464)
+    assert metrics_address("/run/sessiond/metrics.sock") == "/run/sessiond/metrics.sock"
+    for good in ("0.0.0.0:9464", "[::]:9464", "/tmp/m.sock"):
+        assert parse_config({"daemon": {"metrics_listen": good}}, "c.toml").daemon.metrics_listen == good
+    for bad in ("9464", "127.0.0.1", "127.0.0.1:", ":9464", "127.0.0.1:99999", "host:port",
+                "::1:9464", "a b:1", "relative/path.sock", "/" + "x" * 120, "http://127.0.0.1:9464"):
+        with pytest.raises(ConfigError, match=r"c\.toml: invalid value for 'daemon\.metrics_listen'"):
+            parse_config({"daemon": {"metrics_listen": bad}}, "c.toml")
+    assert "metrics_listen = \"\"" in default_toml()
+    assert "# Prometheus metrics at http://HOST:PORT/metrics" in default_toml()
