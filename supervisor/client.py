@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from ipc import messages as m
+from ipc import operator as op
 from ipc.connection import FramedProtocol
 from ipc.errors import ProtocolError
 from ipc.loop import new_event_loop
@@ -51,7 +52,7 @@ __all__ = [
     "TurnFailedError",
 ]
 
-_reply_decoder = msgspec.msgpack.Decoder(m.AnyReply)
+_reply_decoder = msgspec.msgpack.Decoder(op.AnyReply)
 R = TypeVar("R")
 
 
@@ -78,7 +79,7 @@ _END = object()
 
 
 class AsyncClient:
-    def __init__(self, proto: FramedProtocol[m.AnyReply]) -> None:
+    def __init__(self, proto: FramedProtocol[op.AnyReply]) -> None:
         self._proto = proto
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any]] = {}
@@ -105,10 +106,10 @@ class AsyncClient:
         client: AsyncClient | None = None
         # The daemon may answer (a refusal) and close before our Hello, even
         # before create_unix_connection returns: keep that for the client.
-        early: list[m.AnyReply] = []
+        early: list[op.AnyReply] = []
         early_close: list[BaseException | None] = []
 
-        def on_message(msg: m.AnyReply) -> None:
+        def on_message(msg: op.AnyReply) -> None:
             if client is None:
                 early.append(msg)
             else:
@@ -170,7 +171,7 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _dispatch(self, msg: m.AnyReply) -> None:
+    def _dispatch(self, msg: op.AnyReply) -> None:
         if isinstance(msg, m.EVENT_TYPES):
             for q in self._streams.get(getattr(msg, "session", ""), ()):
                 q.put_nowait(msg)
@@ -297,25 +298,25 @@ class AsyncClient:
     async def stats(self) -> StatsReply:
         return await self._request(m.Stats(id=self._next_id()), m.StatsReply)
 
-    async def history(self, session: str, limit: int | None = None) -> m.HistoryReply:
-        return await self._request(m.History(id=self._next_id(), session=session, limit=limit),
-                                   m.HistoryReply)
+    async def history(self, session: str, limit: int | None = None) -> op.HistoryReply:
+        return await self._request(op.History(id=self._next_id(), session=session, limit=limit),
+                                   op.HistoryReply)
 
-    async def logs(self, session: str, limit: int | None = None) -> m.LogsReply:
-        return await self._request(m.Logs(id=self._next_id(), session=session, limit=limit), m.LogsReply)
+    async def logs(self, session: str, limit: int | None = None) -> op.LogsReply:
+        return await self._request(op.Logs(id=self._next_id(), session=session, limit=limit), op.LogsReply)
 
     async def export(self, session: str) -> bytes:
         """The session as a JSON document (bytes), for `import_session`."""
-        reply = await self._request(m.Export(id=self._next_id(), session=session), m.ExportReply)
+        reply = await self._request(op.Export(id=self._next_id(), session=session), op.ExportReply)
         return reply.document
 
     async def import_session(self, document: bytes, session: str | None = None) -> SessionInfo:
         reply = await self._request(
-            m.Import(id=self._next_id(), document=document, session=session), m.Created)
+            op.Import(id=self._next_id(), document=document, session=session), m.Created)
         return reply.session
 
-    async def top(self) -> m.TopReply:
-        return await self._request(m.Top(id=self._next_id()), m.TopReply)
+    async def top(self) -> op.TopReply:
+        return await self._request(op.Top(id=self._next_id()), op.TopReply)
 
     async def ping(self, session: str | None = None) -> m.Pong:
         return await self._request(m.Ping(id=self._next_id(), session=session), m.Pong)
@@ -434,12 +435,12 @@ class Client:
         self._run(self._client.answer(session, request_id, allow))
 
 
-    def history(self, session: str, limit: int | None = None) -> m.HistoryReply:
-        result: m.HistoryReply = self._run(self._client.history(session, limit))
+    def history(self, session: str, limit: int | None = None) -> op.HistoryReply:
+        result: op.HistoryReply = self._run(self._client.history(session, limit))
         return result
 
-    def logs(self, session: str, limit: int | None = None) -> m.LogsReply:
-        result: m.LogsReply = self._run(self._client.logs(session, limit))
+    def logs(self, session: str, limit: int | None = None) -> op.LogsReply:
+        result: op.LogsReply = self._run(self._client.logs(session, limit))
         return result
 
     def export(self, session: str) -> bytes:
@@ -450,6 +451,6 @@ class Client:
         result: SessionInfo = self._run(self._client.import_session(document, session))
         return result
 
-    def top(self) -> m.TopReply:
-        result: m.TopReply = self._run(self._client.top())
+    def top(self) -> op.TopReply:
+        result: op.TopReply = self._run(self._client.top())
         return result

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from ipc import messages as m
+from ipc import operator as op
 from supervisor.client import AsyncClient, DaemonUnavailable
 
 __all__ = ["follow_logs", "print_history", "print_logs", "read_document", "ImportFileError"]
@@ -40,7 +41,7 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def print_history(reply: m.HistoryReply, as_json: bool) -> None:
+def print_history(reply: op.HistoryReply, as_json: bool) -> None:
     if as_json:
         print(json.dumps({
             "session": reply.session, "earlier_turns": reply.earlier_turns,
@@ -92,7 +93,7 @@ def _entry_json(at: float, ev: Any) -> str:
     return json.dumps({"at": at, **_plain(ev)})
 
 
-def print_logs(reply: m.LogsReply, as_json: bool) -> None:
+def print_logs(reply: op.LogsReply, as_json: bool) -> None:
     if as_json:
         e = reply.last_exit
         print(json.dumps({
@@ -111,7 +112,7 @@ def print_logs(reply: m.LogsReply, as_json: bool) -> None:
         print(f"last exit: {_when(e.at)}  {e.reason} ({how}){': ' + e.detail if e.detail else ''}")
 
 
-async def follow_logs(client: AsyncClient, reply: m.LogsReply, as_json: bool) -> int:
+async def follow_logs(client: AsyncClient, reply: op.LogsReply, as_json: bool) -> int:
     """`logs -f`: the kept entries, then lifecycle events as they happen
     (timed on arrival), until the session is deleted."""
     if as_json:

@@ -41,6 +41,7 @@ import msgspec
 import psutil
 
 from ipc import messages as m
+from ipc import operator as op
 from ipc.connection import FramedProtocol
 from ipc.errors import FrameTimeout, FrameTooLarge, ProtocolError
 from supervisor import __version__, peer, transfer
@@ -56,7 +57,7 @@ log = logging.getLogger("sessiond.server")
 # What a peer can make us say again and again: at most a burst per uid a minute.
 peer_log = RateLimitedLog(log)
 
-_request_decoder = msgspec.msgpack.Decoder(m.AnyRequest)
+_request_decoder = msgspec.msgpack.Decoder(op.AnyRequest)
 _HANDSHAKE_TIMEOUT_SECS = 10.0
 _LAGGED_GRACE_SECS = 1.0
 _LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
@@ -65,7 +66,7 @@ _SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove, m.Repair)
 
 
 class ClientConn:
-    def __init__(self, server: ControlServer, proto: FramedProtocol[m.AnyRequest],
+    def __init__(self, server: ControlServer, proto: FramedProtocol[op.AnyRequest],
                  cred: peer.PeerCredentials) -> None:
         self.server = server
         self.proto = proto
@@ -154,7 +155,7 @@ class ClientConn:
 
     # ---------------------------------------------------------------- requests
 
-    def on_message(self, msg: m.AnyRequest) -> None:
+    def on_message(self, msg: op.AnyRequest) -> None:
         if not self.said_hello:
             self._hello(msg)
         elif isinstance(msg, _SLOW):
@@ -171,11 +172,11 @@ class ClientConn:
             if reply is not None or not isinstance(msg, m.Ping):  # a session's pong counts when it comes
                 self._count(msg, reply)
 
-    def _count(self, msg: m.AnyRequest, reply: Any) -> None:
+    def _count(self, msg: op.AnyRequest, reply: Any) -> None:
         code = reply.code if isinstance(reply, m.Error) else "ok"
         self.server.metrics.request(str(type(msg).__struct_config__.tag), code)
 
-    def _hello(self, msg: m.AnyRequest) -> None:
+    def _hello(self, msg: op.AnyRequest) -> None:
         if not isinstance(msg, m.Hello):
             refusal = m.Error(code=m.ErrorCode.BAD_REQUEST, message="the first message must be hello")
             self.proto.send(refusal)
@@ -204,7 +205,7 @@ class ClientConn:
         )
         self._count(msg, None)
 
-    def _error_reply(self, msg: m.AnyRequest, exc: Exception) -> m.Error:
+    def _error_reply(self, msg: op.AnyRequest, exc: Exception) -> m.Error:
         """The answer to a request that raised: its code for our errors,
         `internal` (and the traceback in the log) for anything else."""
         rid = getattr(msg, "id", 0)
@@ -216,7 +217,7 @@ class ClientConn:
         log.error("request %s from %s failed", type(msg).__name__, self.name, exc_info=exc)
         return m.Error(id=rid, code=m.ErrorCode.INTERNAL, message=f"internal error: {exc}")
 
-    async def _answer_later(self, msg: m.AnyRequest) -> None:
+    async def _answer_later(self, msg: op.AnyRequest) -> None:
         try:
             reply = await self._handle_later(msg)
         except Exception as exc:
@@ -225,7 +226,7 @@ class ClientConn:
             self.proto.send(reply)
         self._count(msg, reply)
 
-    def _handle_now(self, msg: m.AnyRequest) -> Any:
+    def _handle_now(self, msg: op.AnyRequest) -> Any:
         mgr = self.server.manager
         match msg:
             case m.Ping(id=rid, session=None):
@@ -259,28 +260,28 @@ class ClientConn:
                 return m.SessionList(id=rid, sessions=[mgr.info(s) for s in mgr.visible(self.uid)])
             case m.Stats(id=rid):
                 return self.server.stats(rid)
-            case m.Top(id=rid):
+            case op.Top(id=rid):
                 return self.server.top(rid, mgr.visible(self.uid))
-            case m.History(id=rid, session=sid, limit=limit):
+            case op.History(id=rid, session=sid, limit=limit):
                 reply = transfer.history(mgr.get(sid, self.uid), limit)
                 reply.id = rid
                 return reply
-            case m.Logs(id=rid, session=sid, limit=limit):
+            case op.Logs(id=rid, session=sid, limit=limit):
                 session = mgr.get(sid, self.uid)
-                entries = [m.LogEntry(at=at, event=ev) for at, ev in session.lifecycle]
+                entries = [op.LogEntry(at=at, event=ev) for at, ev in session.lifecycle]
                 if limit is not None:
                     entries = entries[len(entries) - max(limit, 0):] if limit > 0 else []
-                return m.LogsReply(id=rid, session=sid, entries=entries, last_exit=session.last_exit,
+                return op.LogsReply(id=rid, session=sid, entries=entries, last_exit=session.last_exit,
                                    next_seq=session.seq + 1)
-            case m.Export(id=rid, session=sid):
+            case op.Export(id=rid, session=sid):
                 document = transfer.export_document(mgr.get(sid, self.uid))
                 limit = mgr.config.daemon.max_frame_bytes - 4096
                 if len(document) > limit:
                     raise LimitError(f"the export of {sid} is {len(document)} bytes, more than one "
                                         f"frame carries ([daemon] max_frame_bytes = "
                                         f"{mgr.config.daemon.max_frame_bytes})")
-                return m.ExportReply(id=rid, session=sid, document=document)
-            case m.Import(id=rid, document=document, session=sid):
+                return op.ExportReply(id=rid, session=sid, document=document)
+            case op.Import(id=rid, document=document, session=sid):
                 session = transfer.import_session(mgr, self.uid, document, sid)
                 return m.Created(id=rid, session=mgr.info(session, with_rss=False))
             case m.Answer(id=rid, session=sid, request_id=request_id, allow=allow):
@@ -290,7 +291,7 @@ class ClientConn:
                 raise BadRequest("hello was already said")
         raise BadRequest(f"unsupported request {type(msg).__name__}")
 
-    async def _handle_later(self, msg: m.AnyRequest) -> Any:
+    async def _handle_later(self, msg: op.AnyRequest) -> Any:
         mgr = self.server.manager
         match msg:
             case m.Create(id=rid, session=sid, handler=handler, settings=settings):
@@ -324,7 +325,7 @@ class ClientConn:
         raise BadRequest(f"unsupported request {type(msg).__name__}")
 
 
-class _ClientProtocol(FramedProtocol[m.AnyRequest]):
+class _ClientProtocol(FramedProtocol[op.AnyRequest]):
     def __init__(self, server: ControlServer) -> None:
         super().__init__(
             _request_decoder,
@@ -457,7 +458,7 @@ class ControlServer:
         for client in list(self.clients):
             client.proto.close()
 
-    def top(self, rid: int, sessions: list[Session]) -> m.TopReply:
+    def top(self, rid: int, sessions: list[Session]) -> op.TopReply:
         """`sessionctl top`: every session's info and its worker's CPU time.
         One psutil call per live worker (~10 µs), at the rate a client asks."""
         entries = []
@@ -468,9 +469,9 @@ class ControlServer:
                 with contextlib.suppress(psutil.Error):
                     t = psutil.Process(info.pid).cpu_times()
                     cpu = t.user + t.system + t.children_user + t.children_system
-            entries.append(m.TopEntry(session=info, cpu_secs=cpu))
+            entries.append(op.TopEntry(session=info, cpu_secs=cpu))
         stats = self.stats(rid)
-        return m.TopReply(id=rid, at=time.time(), uptime_secs=stats.uptime_secs, rss_bytes=stats.rss_bytes,
+        return op.TopReply(id=rid, at=time.time(), uptime_secs=stats.uptime_secs, rss_bytes=stats.rss_bytes,
                           clients=stats.clients, entries=entries)
 
     def stats(self, rid: int) -> m.StatsReply:

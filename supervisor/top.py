@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ipc import messages as m
+from ipc import operator as op
 from supervisor.client import AsyncClient
 
 __all__ = ["Row", "SORT_KEYS", "render", "rows_from", "run_top", "snapshot_json", "totals"]
@@ -60,7 +61,7 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 2)
 
 
-def rows_from(now: m.TopReply, before: m.TopReply | None) -> list[Row]:
+def rows_from(now: op.TopReply, before: op.TopReply | None) -> list[Row]:
     """Rows of a sample; CPU % against the earlier sample (same worker pid)."""
     earlier: dict[tuple[str, int | None], float] = {}
     if before is not None:
@@ -98,7 +99,7 @@ def sort_rows(rows: list[Row], key: str) -> list[Row]:
     return sorted(rows, key=lambda r: (value(r), r.id), reverse=True)
 
 
-def totals(rows: list[Row], reply: m.TopReply) -> dict[str, Any]:
+def totals(rows: list[Row], reply: op.TopReply) -> dict[str, Any]:
     by_state: dict[str, int] = {}
     for r in rows:
         by_state[r.state] = by_state.get(r.state, 0) + 1
@@ -112,7 +113,7 @@ def totals(rows: list[Row], reply: m.TopReply) -> dict[str, Any]:
     }
 
 
-def snapshot_json(rows: list[Row], reply: m.TopReply, sort: str) -> str:
+def snapshot_json(rows: list[Row], reply: op.TopReply, sort: str) -> str:
     """`top --once --json`: {"at", "sort", "sessions": [...], "totals": {...}}."""
     return json.dumps({"at": reply.at, "sort": sort, "sessions": [r.as_json() for r in sort_rows(rows, sort)],
                        "totals": totals(rows, reply)})
@@ -160,7 +161,7 @@ _COLUMNS = (("STATE", 11, False), ("PID", 7, True), ("RSS", 6, True), ("CPU%", 5
             ("RST", 3, True), ("TURNS", 5, True), ("LAST EXIT", 16, False), ("AGE", 5, True))
 
 
-def render(rows: list[Row], reply: m.TopReply, sort: str, width: int, height: int) -> list[str]:
+def render(rows: list[Row], reply: op.TopReply, sort: str, width: int, height: int) -> list[str]:
     """The screen as lines, none longer than `width`, at most `height`."""
     t = totals(rows, reply)
     states = ", ".join(f"{n} {k}" for k, n in sorted(t["by_state"].items())) or "none"
@@ -237,7 +238,7 @@ async def _live(client: AsyncClient, sort: str, interval: float) -> int:
         screen.nodelay(True)
         with _suppress_curses_error():
             curses.curs_set(0)
-        before: m.TopReply | None = None
+        before: op.TopReply | None = None
         while True:
             reply = await client.top()
             rows = rows_from(reply, before)

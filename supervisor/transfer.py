@@ -26,6 +26,7 @@ import msgspec
 from msgspec import Meta as Bound
 
 from ipc import messages as m
+from ipc import operator as op
 from supervisor.errors import BadRequest, Conflict
 from supervisor.ledger import store_failure
 from supervisor.logtag import tagged
@@ -109,7 +110,7 @@ def _read(session: Session) -> tuple[Snapshot | None, list[Record]]:
 # ---------------------------------------------------------------- history
 
 
-def history(session: Session, limit: int | None, max_bytes: int = 8 << 20) -> m.HistoryReply:
+def history(session: Session, limit: int | None, max_bytes: int = 8 << 20) -> op.HistoryReply:
     """The turns the log holds (the last `limit` of them), with the tool
     calls the agent handler recorded, and the running turn as "open".
     The newest turns that fit in `max_bytes` (one frame must carry the
@@ -117,11 +118,11 @@ def history(session: Session, limit: int | None, max_bytes: int = 8 << 20) -> m.
     if limit is not None and limit < 0:
         raise BadRequest("--limit must be 0 or more")
     snap, records = _read(session)
-    turns: dict[int, m.HistoryTurn] = {}
+    turns: dict[int, op.HistoryTurn] = {}
     for rec in records:
         match rec:
             case InputRecord(turn=turn, text=text, at=at):
-                turns[turn] = m.HistoryTurn(turn=turn, input=text, at=at)
+                turns[turn] = op.HistoryTurn(turn=turn, input=text, at=at)
             case Commit(turn=turn) if turn in turns:
                 t = turns[turn]
                 t.outcome, t.reply, t.interrupted, t.usage = "done", rec.reply, rec.interrupted, rec.usage
@@ -133,7 +134,7 @@ def history(session: Session, limit: int | None, max_bytes: int = 8 << 20) -> m.
     ordered = sorted(turns.values(), key=lambda t: t.turn)
     if limit is not None:
         ordered = ordered[len(ordered) - limit:] if limit else []
-    kept: list[m.HistoryTurn] = []
+    kept: list[op.HistoryTurn] = []
     budget = max_bytes
     for t in reversed(ordered):
         budget -= len(_encoder.encode(t))
@@ -148,7 +149,7 @@ def history(session: Session, limit: int | None, max_bytes: int = 8 << 20) -> m.
             earlier = [msg for msg in state["messages"] if isinstance(msg, dict)]
             if len(_encoder.encode(earlier)) > budget:
                 earlier = []  # the turns came first; `history --json` of the export has them all
-    return m.HistoryReply(id=0, session=session.id, earlier_turns=snap.turns if snap else 0,
+    return op.HistoryReply(id=0, session=session.id, earlier_turns=snap.turns if snap else 0,
                           earlier_messages=earlier, turns=kept, omitted_turns=len(ordered) - len(kept))
 
 

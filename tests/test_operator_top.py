@@ -8,12 +8,13 @@ import json
 import pytest
 
 from ipc import messages as m
+from ipc import operator as op
 from supervisor.top import SORT_KEYS, render, rows_from, sort_rows
 
 
-def reply(at: float, *entries: tuple[str, str, int | None, float | None], created: float = 1000.0) -> m.TopReply:
-    return m.TopReply(id=1, at=at, uptime_secs=3725, rss_bytes=40 << 20, clients=2, entries=[
-        m.TopEntry(session=m.SessionInfo(
+def reply(at: float, *entries: tuple[str, str, int | None, float | None], created: float = 1000.0) -> op.TopReply:
+    return op.TopReply(id=1, at=at, uptime_secs=3725, rss_bytes=40 << 20, clients=2, entries=[
+        op.TopEntry(session=m.SessionInfo(
             id=sid, state=state, handler="echo", pid=pid, rss_bytes=(pid or 0) << 10, turns=7, restarts=1,
             created_at=created, last_exit=m.ExitInfo(reason="killed_memory", signal=9, at=at - 5)),
             cpu_secs=cpu)

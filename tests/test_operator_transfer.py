@@ -18,6 +18,7 @@ import pytest
 from fakellm import FakeLLM, Reply, text_stream, tool_call_stream
 from harness import Daemon, env_for_children, wait_for
 from ipc import messages as m
+from ipc import operator as op
 from test_agent_e2e import agent_config
 
 pytestmark = pytest.mark.process
@@ -294,10 +295,10 @@ def test_another_user_sees_none_of_it_and_owns_what_it_imports(make_daemon) -> N
         mine = c.create(session="roots").id
         c.send_text(mine, "secret")
     document = d.ctl("export", mine).stdout.encode()
-    decoder = msgspec.msgpack.Decoder(m.AnyReply)
-    requests = [m.History(id=1, session=mine), m.Logs(id=2, session=mine), m.Export(id=3, session=mine),
-                m.Top(id=4), m.Import(id=5, document=document, session="theirs"), m.Top(id=6),
-                m.History(id=7, session="theirs", limit=-1)]
+    decoder = msgspec.msgpack.Decoder(op.AnyReply)
+    requests = [op.History(id=1, session=mine), op.Logs(id=2, session=mine), op.Export(id=3, session=mine),
+                op.Top(id=4), op.Import(id=5, document=document, session="theirs"), op.Top(id=6),
+                op.History(id=7, session="theirs", limit=-1)]
 
     def talk() -> list[bytes]:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -315,9 +316,9 @@ def test_another_user_sees_none_of_it_and_owns_what_it_imports(make_daemon) -> N
     assert isinstance(welcome, m.Welcome)
     for reply in (history, logs, export):
         assert isinstance(reply, m.Error) and reply.code == "not_found"
-    assert isinstance(top, m.TopReply) and top.entries == []
+    assert isinstance(top, op.TopReply) and top.entries == []
     assert isinstance(imported, m.Created) and imported.session.owner_uid == nobody
-    assert isinstance(top_after, m.TopReply) and [e.session.id for e in top_after.entries] == ["theirs"]
+    assert isinstance(top_after, op.TopReply) and [e.session.id for e in top_after.entries] == ["theirs"]
     assert isinstance(bad_limit, m.Error) and bad_limit.code == "bad_request"
     with d.client() as c:
         assert c.status("theirs").owner_uid == nobody

@@ -1,0 +1,138 @@
+"""Control requests and replies added after protocol 1: history, logs,
+export, import and top (issue 14).
+
+Kept apart from `ipc.messages` (the protocol-1 set, which every peer
+speaks); a daemon that predates these answers `bad_request`, since their
+tags do not decode there.  `AnyRequest` and `AnyReply` are the unions the
+daemon and sessionctl decode: protocol 1's and these.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ipc.messages import (
+    ExitInfo,
+    LimitExceeded,
+    Reply,
+    Request,
+    SessionInfo,
+    StateChanged,
+    TurnFailed,
+    _Msg,
+)
+
+__all__ = [
+    "History", "HistoryTurn", "HistoryReply", "Logs", "LogEntry", "LogsReply", "Export",
+    "ExportReply", "Import", "Top", "TopEntry", "TopReply", "AnyRequest", "AnyReply",
+]
+
+class History(_Msg, tag="history"):
+    """The conversation as stored.  Replied to with `HistoryReply`."""
+
+    id: int
+    session: str
+    limit: int | None = None  # the last N turns; None = all the log holds
+
+
+class HistoryTurn(_Msg, tag="turn"):
+    turn: int
+    input: str
+    at: float = 0.0  # unix time the input was accepted; 0 = not recorded
+    # done, aborted, or open (the turn is running now)
+    outcome: str = "open"
+    reply: str = ""
+    reason: str = ""  # why it was aborted
+    interrupted: bool = False
+    # {"name", "arguments"} per call, {"name"?, "output"} per result, in order
+    # (as the agent handler records them; other handlers record none).
+    tool_calls: list[dict[str, Any]] = []
+    tool_results: list[dict[str, Any]] = []
+    usage: dict[str, int] = {}
+
+
+class HistoryReply(_Msg, tag="history"):
+    id: int
+    session: str
+    # Turns folded into the last snapshot: their inputs are no longer
+    # stored one by one (the handler's state holds what it keeps of them).
+    earlier_turns: int = 0
+    # The agent handler's conversation as of that snapshot (OpenAI-format
+    # messages), when the handler is the agent; else empty.
+    earlier_messages: list[dict[str, Any]] = []
+    turns: list[HistoryTurn] = []
+    # Older turns of the log left out so that the reply fits in a frame.
+    omitted_turns: int = 0
+
+
+class Logs(_Msg, tag="logs"):
+    """The session's lifecycle events the daemon kept (state changes, limit
+    hits, failed turns), with times.  Replied to with `LogsReply`."""
+
+    id: int
+    session: str
+    limit: int | None = None
+
+
+class LogEntry(_Msg, tag="log"):
+    at: float  # unix time
+    event: StateChanged | LimitExceeded | TurnFailed
+
+
+class LogsReply(_Msg, tag="logs"):
+    id: int
+    session: str
+    entries: list[LogEntry] = []
+    last_exit: ExitInfo | None = None
+    next_seq: int = 0  # attach from here to follow
+
+
+class Export(_Msg, tag="export"):
+    """The session as a self-contained JSON document (`ExportReply.document`)
+    for `Import` into another daemon."""
+
+    id: int
+    session: str
+
+
+class ExportReply(_Msg, tag="exported"):
+    id: int
+    session: str
+    document: bytes  # JSON (supervisor.transfer.ExportDocument)
+
+
+class Import(_Msg, tag="import"):
+    """Create a session from an exported document.  The document is
+    validated as a hostile input; `session` renames it."""
+
+    id: int
+    document: bytes
+    session: str | None = None
+
+
+class Top(_Msg, tag="top"):
+    """Every visible session with its counters and CPU time, in one reply."""
+
+    id: int
+
+
+class TopEntry(_Msg, tag="top_entry"):
+    session: SessionInfo
+    # CPU seconds (user + system) of the worker and its reaped children;
+    # None without a live worker.
+    cpu_secs: float | None = None
+
+
+class TopReply(_Msg, tag="top"):
+    id: int
+    at: float  # unix time of the sample
+    uptime_secs: float
+    rss_bytes: int  # the daemon's
+    clients: int
+    entries: list[TopEntry] = []
+
+
+# The unions as the daemon and sessionctl decode them: the protocol 1 ones
+# and the requests/replies added since.
+AnyRequest = Request | History | Logs | Export | Import | Top
+AnyReply = Reply | HistoryReply | LogsReply | ExportReply | TopReply
