@@ -74,6 +74,10 @@ class DaemonSettings(ConfigSection):
     # this says so.  Without it and with session_uid_range = "", the daemon
     # refuses to start.
     allow_root_tools: bool = False
+    # auto: a cgroup v2 per session where the daemon's own cgroup is
+    # delegated to it (systemd Delegate=yes): cgroup.kill, memory.max,
+    # pids.max enforced by the kernel; off: never (see README, Security).
+    cgroups: Literal["auto", "off"] = "auto"
     # Sessions (sub-agents included) and connections one non-admin uid may hold.
     max_sessions_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 128
     max_connections_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 64

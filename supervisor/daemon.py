@@ -39,6 +39,8 @@ from ipc import messages as m
 from ipc.loop import run as run_loop
 from ipc.linux import set_dumpable
 from supervisor import __version__, sandbox, sdnotify
+from supervisor.cgroups import Cgroups
+from supervisor.cgroups import detect as cgroup_detect
 from supervisor.config import (
     Config,
     ConfigError,
@@ -241,6 +243,23 @@ def resolve_identities(cfg: Config) -> Identities:
     return Identities(None, uids)
 
 
+def _cgroups(cfg: Config) -> Cgroups | None:
+    """A cgroup per session where ours is delegated; else say what holds instead."""
+    found, why = cgroup_detect(cfg.daemon.cgroups)
+    if found is not None:
+        try:
+            found.setup()
+        except OSError as exc:
+            why = f"cannot set up {found.root}: {exc.strerror or exc}"
+            found = None
+    if found is None:
+        log.info("no cgroup per session: %s; processes are contained by the tool host and the zygote, "
+                 "and limits enforced by rlimits and the memory sweep", why)
+        return None
+    log.info("sessions get %s", found.describe())
+    return found
+
+
 def _probe_sandbox(cfg: Config, identities: Identities, state_dir: Path, socket_path: Path,
                    config_path: Path | None) -> m.SandboxBoot | None:
     """What confines tools here, for the uid they will run as; every daemon
@@ -376,6 +395,7 @@ def run_daemon(
         os.chmod(state_dir, 0o711)  # workers pass through to their workspace; never list it
     check_workspaces_reachable(workspace_root(cfg, state_dir), identities)
     sandbox_boot = _probe_sandbox(cfg, identities, state_dir, socket_path, config_path)
+    cgroups = _cgroups(cfg)  # before the zygote: it is forked into the daemon's leaf
 
     _check_store_driver(cfg)
     spawner = ZygoteSpawner()
@@ -390,7 +410,7 @@ def run_daemon(
         try:
             metrics_sock = bind_metrics(cfg)
             return run_loop(_serve(cfg, config_path, state_dir, socket_path, sock, spawner, identities,
-                                   sandbox_boot, metrics_sock))
+                                   sandbox_boot, cgroups, metrics_sock))
         finally:
             if bound:
                 with contextlib.suppress(FileNotFoundError):
@@ -427,6 +447,7 @@ async def _serve(
     spawner: ZygoteSpawner,
     identities: Identities,
     sandbox_boot: m.SandboxBoot | None,
+    cgroups: Cgroups | None,
     metrics_sock: socket.socket | None = None,
 ) -> int:
     loop = asyncio.get_running_loop()
@@ -437,7 +458,7 @@ async def _serve(
     store = _open_store(cfg)
     manager = SessionManager(
         cfg, state_dir, spawner, run_as=identities.run_as, session_uids=identities.session_uids,
-        sandbox=sandbox_boot, store=store,
+        sandbox=sandbox_boot, cgroups=cgroups, store=store,
     )
     try:
         manager.load_all()

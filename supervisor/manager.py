@@ -30,6 +30,7 @@ import msgspec
 
 from ipc import messages as m
 from ipc.settings import SessionSettings
+from supervisor.cgroups import Cgroups
 from supervisor.config import Config, valid_handler_name
 from supervisor.errors import BadRequest, Capacity, Conflict, Internal, NotFound, SessiondError
 from supervisor.events import EventLog
@@ -39,7 +40,7 @@ from supervisor.logtag import tagged
 from supervisor.metrics import Recorder
 from supervisor.overrides import OverrideError, resolve_overrides
 from supervisor.seams import Spawner
-from supervisor.session import Session, Subscriber, valid_session_id
+from supervisor.session import Session, Subscriber, WorkerProc, valid_session_id
 from supervisor.states import LIVE, State, Trigger
 from supervisor.state_store import (
     Abort,
@@ -77,6 +78,7 @@ class SessionManager:
         session_uids: range | None = None,
         store: StateStore | None = None,
         sandbox: m.SandboxBoot | None = None,
+        cgroups: Cgroups | None = None,
     ) -> None:
         self.config = config
         self.state_dir = state_dir
@@ -102,6 +104,7 @@ class SessionManager:
                                self._hibernate_soon)
         self.subagents = Subagents(self, self.sessions)
         self.workers.sandbox = sandbox
+        self.workers.cgroups = cgroups
         self.workers.make_room = self._make_room
         self.workers.on_spawn_agent = lambda session, worker, msg: self._spawn_task(
             self.subagents.run(session, worker, msg))
@@ -233,8 +236,17 @@ class SessionManager:
             created_at=session.meta.created_at, last_exit=session.last_exit, seq=session.seq,
             parent=session.meta.parent, children=list(session.children),
             owner_uid=session.meta.owner_uid, error=session.error, usage=dict(session.usage),
-            sandbox=worker.sandbox if pid is not None and worker is not None else {},
+            sandbox=self._sandbox_report(worker) if pid is not None and worker is not None else {},
         )
+
+    def _sandbox_report(self, worker: WorkerProc) -> dict[str, Any]:
+        """The worker's own report, plus the cgroup the daemon put it in."""
+        cgroups = self.workers.cgroups
+        if cgroups is None:
+            return worker.sandbox
+        active = [*worker.sandbox.get("active", []), *(f"cgroup-{c}" for c in sorted(cgroups.controllers)),
+                  "cgroup-kill"]
+        return {**worker.sandbox, "active": active}
 
     def live_workers(self) -> int:
         return sum(1 for s in self.sessions.values() if s.worker is not None)
@@ -633,6 +645,9 @@ class SessionManager:
                 worker.last_heartbeat, now + old.agent.worker.heartbeat_interval_secs
             )
             worker.conn.send(m.Reconfigure(settings=_message_settings.encode(session.settings)))
+            if self.workers.cgroups is not None:
+                limits = session.settings.agent.limits
+                self.workers.cgroups.limit(session.id, limits.max_memory_mb, limits.max_processes)
             self.sweeper.retime_turn(session)
 
     async def shutdown(self, grace: float) -> None:

@@ -126,6 +126,9 @@ class Sweeper:
         limit = session.settings.agent.limits.max_processes
         if limit is None or "rlimit-nproc" in worker.sandbox.get("active", ()):
             return False
+        cgroups = self._workers.cgroups
+        if cgroups is not None and "pids" in cgroups.controllers:
+            return False  # pids.max
         count = 1 + len(session.memory.pids)
         if count <= limit:
             return False

@@ -26,6 +26,7 @@ from ipc import messages as m
 from ipc.connection import FramedProtocol
 from ipc.contract import EXIT_BOOT_FAILED, ExitReason, LimitKind
 from ipc.errors import ProtocolError
+from supervisor.cgroups import Cgroups
 from supervisor.config import Config
 from supervisor.errors import Capacity, Conflict, Internal, SessiondError
 from supervisor.events import EventLog
@@ -71,6 +72,8 @@ class WorkerOwner:
         self.closing = False
         # What the daemon found at start for confining tools (None: off).
         self.sandbox: m.SandboxBoot | None = None
+        # A cgroup per session, when the daemon has a delegated cgroup v2.
+        self.cgroups: Cgroups | None = None
         # Set by the daemon's core.
         self.metrics: Recorder = NO_METRICS
         self.make_room: Callable[[Session], Awaitable[None]] = _no_room_needed
@@ -122,6 +125,13 @@ class WorkerOwner:
         await loop.create_unix_connection(lambda: proto, sock=sock)
         workspace = self._workspaces.prepare(session)
         run_as = self._workspaces.run_as(session)
+        if self.cgroups is not None:
+            # Before Boot: no code of the session has run yet.
+            limits = session.settings.agent.limits
+            try:
+                self.cgroups.attach(session.id, pid, limits.max_memory_mb, limits.max_processes)
+            except OSError as exc:
+                tagged(log, session.id).warning("cannot put worker %d in its cgroup: %s", pid, exc)
         proto.send(
             m.Boot(
                 session=session.id, handler=session.meta.handler,
@@ -256,6 +266,8 @@ class WorkerOwner:
         tagged(log, session.id).warning("%s: %s; killing worker %d and its processes",
                                         reason, detail, worker.pid)
         self.spawner.kill_tree(worker.pid, session.memory.escapees())
+        if self.cgroups is not None:
+            self.cgroups.kill(session.id)
 
     def kill_discarded(self, session: Session) -> None:
         """A session that is being thrown away (its create failed)."""
@@ -281,6 +293,8 @@ class WorkerOwner:
             # that left the group but were seen as its descendants.  (An
             # expected exit is tidied up by terminate, after a grace.)
             self.spawner.kill_tree(pid, session.memory.escapees())
+            if self.cgroups is not None:
+                self.cgroups.release(session.id)
         self._proc_table.forget(pid)
         reason = _classify(worker, code)
         self.metrics.worker_exit(reason)
@@ -329,18 +343,34 @@ class WorkerOwner:
         self.spawner.kill_tree(worker.pid, session.memory.escapees(), signal.SIGTERM)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(worker.exited), grace)
-        while loop.time() < deadline and self.spawner.tree_alive(worker.pid, session.memory.escapees()):
+        while loop.time() < deadline and self._alive(session, worker):
             await asyncio.sleep(0.02)
-        if self.spawner.tree_alive(worker.pid, session.memory.escapees()):
+        if self._alive(session, worker):
             tagged(log, session.id).warning("processes still running %.1fs after SIGTERM; killing them",
                                             grace)
             if not worker.exited.done():
                 # Children started during the grace: their handles too.
                 session.memory.measure(self._proc_table, worker.pid)
         self.spawner.kill_tree(worker.pid, session.memory.escapees())
+        if self.cgroups is not None:
+            self.cgroups.kill(session.id)
         if not worker.exited.done():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(worker.exited), 10.0)
+        if self.cgroups is not None:
+            # cgroup.kill is asynchronous: a cgroup goes only once empty.
+            for _ in range(50):
+                if not self.cgroups.pids(session.id):
+                    break
+                await asyncio.sleep(0.02)
+            self.cgroups.release(session.id)
+
+    def _alive(self, session: Session, worker: WorkerProc) -> bool:
+        """Anything of the session still running: its tree, the escapees
+        seen, and (with cgroups) whatever is in its cgroup."""
+        if self.spawner.tree_alive(worker.pid, session.memory.escapees()):
+            return True
+        return self.cgroups is not None and bool(self.cgroups.pids(session.id))
 
     # ---------------------------------------------------------------- restarts
 
