@@ -176,7 +176,8 @@ restart_backoff_initial_ms = 10
     with d.client() as c:
         sid = c.create().id
         for _ in range(3):
-            pid = wait_for(lambda: c.status(sid).pid, 10, "a live worker")
+            # Booted (idle), not just forked: a kill before Ready is a boot failure.
+            pid = wait_for(lambda: (s := c.status(sid)).state == "idle" and s.pid, 10, "a booted worker")
             os.kill(pid, signal.SIGKILL)
             wait_for(lambda: c.status(sid).pid != pid, 10, "the worker to go")
         wait_for(lambda: c.status(sid).state == "failed", 10, "failed state")
