@@ -276,6 +276,9 @@ class StatsReply(_Msg, tag="stats"):
     live_workers: int
     clients: int
     rss_bytes: int
+    # What confines sessions on this host: {"mode", "namespaces",
+    # "landlock_abi", "seccomp", "cgroups", and "why_not" per missing one}.
+    sandbox: dict[str, Any] = {}
 
 
 class Pong(_Msg, tag="pong"):
@@ -416,6 +419,7 @@ class SandboxBoot(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True)
     namespaces: bool = False
     bwrap: str = ""
     why_not: str = ""  # why not, when namespaces is False
+    landlock_abi: int = 0
     # Daemon paths no tool may see even under a read-only system tree
     # (its config, state and socket directories).
     hide: list[str] = []

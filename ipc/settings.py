@@ -200,7 +200,7 @@ class SandboxSettings(ConfigSection):
     # session's own (needs namespaces; else treated as none); full: the host's.
     network: NetworkPolicy = "none"
     # Extra read-only paths tools may see (a toolchain under /opt, say).
-    read_paths: list[str] = msgspec.field(default_factory=list)
+    read_paths: list[Annotated[str, Meta(pattern=r"^/")]] = msgspec.field(default_factory=list)
     # Size of the private /tmp (a tmpfs, with namespaces).
     tmp_size_mb: Annotated[int, Meta(ge=1, le=1 << 20)] = 256
 

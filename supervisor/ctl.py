@@ -175,6 +175,16 @@ def _positive_secs(text: str) -> float:
     return secs
 
 
+def _sandbox_line(sb: dict[str, Any]) -> str:
+    if sb.get("mode") == "off":
+        return "sandbox: off (sandbox.mode = off)"
+    have = [name for name, on in (("namespaces", sb.get("namespaces")),
+                                  (f"Landlock ABI {sb.get('landlock_abi')}", sb.get("landlock_abi")),
+                                  ("seccomp", sb.get("seccomp")), ("cgroups", sb.get("cgroups"))) if on]
+    missing = "; ".join(f"no {k}: {v}" for k, v in sb.get("why_not", {}).items())
+    return f"sandbox ({sb.get('mode')}): {', '.join(have) or 'nothing'}" + (f"; {missing}" if missing else "")
+
+
 def _fmt_bytes(n: int | None) -> str:
     if n is None:
         return "-"
@@ -390,6 +400,8 @@ async def _run(args: argparse.Namespace) -> int:
                     states = ", ".join(f"{n} {k}" for k, n in sorted(stats.by_state.items()))
                     print(f"{stats.sessions} sessions ({states or 'none'}), {stats.live_workers} live "
                           f"workers, {stats.clients} clients")
+                    if stats.sandbox:
+                        print(_sandbox_line(stats.sandbox))
             case "ping":
                 t0 = time.perf_counter()
                 pong = await client.ping(args.id)

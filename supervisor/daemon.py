@@ -243,7 +243,7 @@ def resolve_identities(cfg: Config) -> Identities:
     return Identities(None, uids)
 
 
-def _cgroups(cfg: Config) -> Cgroups | None:
+def _cgroups(cfg: Config) -> tuple[Cgroups | None, str]:
     """A cgroup per session where ours is delegated; else say what holds instead."""
     found, why = cgroup_detect(cfg.daemon.cgroups)
     if found is not None:
@@ -255,9 +255,9 @@ def _cgroups(cfg: Config) -> Cgroups | None:
     if found is None:
         log.info("no cgroup per session: %s; processes are contained by the tool host and the zygote, "
                  "and limits enforced by rlimits and the memory sweep", why)
-        return None
+        return None, why
     log.info("sessions get %s", found.describe())
-    return found
+    return found, ""
 
 
 def _probe_sandbox(cfg: Config, identities: Identities, state_dir: Path, socket_path: Path,
@@ -447,7 +447,7 @@ async def _serve(
     spawner: ZygoteSpawner,
     identities: Identities,
     sandbox_boot: m.SandboxBoot | None,
-    cgroups: Cgroups | None,
+    cgroups: tuple[Cgroups | None, str],
     metrics_sock: socket.socket | None = None,
 ) -> int:
     loop = asyncio.get_running_loop()
@@ -458,8 +458,9 @@ async def _serve(
     store = _open_store(cfg)
     manager = SessionManager(
         cfg, state_dir, spawner, run_as=identities.run_as, session_uids=identities.session_uids,
-        sandbox=sandbox_boot, cgroups=cgroups, store=store,
+        sandbox=sandbox_boot, cgroups=cgroups[0], store=store,
     )
+    manager.workers.cgroups_why = cgroups[1]
     try:
         manager.load_all()
     except StoreError as exc:  # the database went away since it was opened

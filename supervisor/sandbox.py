@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from ipc import messages as m
 from ipc.settings import SandboxSettings
@@ -94,6 +95,23 @@ def probe(settings: SandboxSettings, uid: int | None, gid: int | None,
     if missing:
         log.warning("sandbox: weaker than it could be: %s (see README, Security)", "; ".join(missing))
     return m.SandboxBoot(
-        namespaces=not why_not, bwrap=bwrap, why_not=why_not,
+        namespaces=not why_not, bwrap=bwrap, why_not=why_not, landlock_abi=abi,
         hide=sorted({str(p) for p in hide}),
     )
+
+
+def summary(mode: str, boot: m.SandboxBoot | None, cgroups: str, cgroups_why: str) -> dict[str, Any]:
+    """The daemon-wide part of `stats`: what this host gives every session."""
+    if boot is None:
+        return {"mode": "off"}
+    why: dict[str, str] = {}
+    if not boot.namespaces:
+        why["namespaces"] = boot.why_not
+    if not boot.landlock_abi:
+        why["landlock"] = "not in this kernel"
+    if platform.machine() not in ("x86_64", "amd64"):
+        why["seccomp"] = f"no syscall table for {platform.machine()}"
+    if not cgroups:
+        why["cgroups"] = cgroups_why
+    return {"mode": mode, "namespaces": boot.namespaces, "landlock_abi": boot.landlock_abi,
+            "seccomp": "seccomp" not in why, "cgroups": cgroups, "why_not": why}

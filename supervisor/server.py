@@ -44,7 +44,7 @@ from ipc import messages as m
 from ipc import operator as op
 from ipc.connection import FramedProtocol
 from ipc.errors import FrameTimeout, FrameTooLarge, ProtocolError
-from supervisor import __version__, peer, transfer
+from supervisor import __version__, peer, sandbox, transfer
 from supervisor.errors import BadRequest, LimitError, SessiondError
 from supervisor.manager import SessionManager
 from supervisor.metrics import NO_METRICS, Recorder
@@ -485,8 +485,13 @@ class ControlServer:
             id=rid, pid=os.getpid(), version=__version__,
             uptime_secs=time.monotonic() - self.started, sessions=len(self.manager.sessions),
             by_state=by_state, live_workers=self.manager.live_workers(), clients=len(self.clients),
-            rss_bytes=rss,
+            rss_bytes=rss, sandbox=self._sandbox_summary(),
         )
+
+    def _sandbox_summary(self) -> dict[str, Any]:
+        workers = self.manager.workers
+        cgroups = workers.cgroups.describe() if workers.cgroups is not None else ""
+        return sandbox.summary(self.manager.config.sandbox.mode, workers.sandbox, cgroups, workers.cgroups_why)
 
 
 def _printable(name: str) -> str:

@@ -74,6 +74,7 @@ class WorkerOwner:
         self.sandbox: m.SandboxBoot | None = None
         # A cgroup per session, when the daemon has a delegated cgroup v2.
         self.cgroups: Cgroups | None = None
+        self.cgroups_why = "not probed"  # why there is none, for stats
         # Set by the daemon's core.
         self.metrics: Recorder = NO_METRICS
         self.make_room: Callable[[Session], Awaitable[None]] = _no_room_needed

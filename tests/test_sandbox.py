@@ -20,6 +20,7 @@ were active is printed for each set-up.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -320,6 +321,12 @@ def test_a_per_session_override_may_only_narrow_the_network(make_daemon, llm: Fa
     with d.client() as c:
         (sid,) = [s.id for s in c.list()]
         assert c.status(sid).sandbox["network"] == "none"
+    # Daemon-wide: what this host gives every session, and why not the rest.
+    stats = json.loads(d.ctl("--json", "stats").stdout)["sandbox"]
+    assert stats["mode"] == "auto" and stats["namespaces"] is True and stats["seccomp"] is True
+    assert stats["landlock_abi"] >= 1 and "cgroups" in stats["why_not"], stats
+    text = d.ctl("stats").stdout
+    assert "sandbox (auto): namespaces, Landlock ABI" in text and "no cgroups:" in text, text
 
 
 def test_required_refuses_to_start_where_namespaces_cannot_be_made(tmp_path: Path) -> None:
