@@ -69,6 +69,18 @@ def trusting(config: str) -> str:
     return tomli_w.dumps(data)
 
 
+# A daemon that notices quickly: heartbeats, restarts, the memory sweep, stops.
+FAST_SWEEP = """
+[agent.worker]
+heartbeat_interval_secs = 0.2
+restart_backoff_initial_ms = 20
+[agent.limits]
+memory_poll_interval_ms = 50
+[daemon]
+stop_grace_secs = 1.0
+"""
+
+
 class Daemon:
     def __init__(
         self, root: Path, config: str = "", extra_args: list[str] | None = None, trust: bool = True

@@ -16,21 +16,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import Daemon, wait_for
+from harness import FAST_SWEEP, Daemon, wait_for
 from ipc import messages as m
 from supervisor.client import RequestError
 
 pytestmark = pytest.mark.process
 
-FAST = """
-[agent.worker]
-heartbeat_interval_secs = 0.2
-restart_backoff_initial_ms = 20
-[agent.limits]
-memory_poll_interval_ms = 50
-[daemon]
-stop_grace_secs = 1.0
-"""
+FAST = FAST_SWEEP
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

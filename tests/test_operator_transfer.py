@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fakellm import FakeLLM, Reply, text_stream, tool_call_stream
-from harness import Daemon, env_for_children, wait_for
+from harness import FAST_SWEEP, Daemon, env_for_children, wait_for
 from ipc import messages as m
 from ipc import operator as op
 from test_agent_e2e import agent_config
@@ -144,15 +144,7 @@ def test_import_treats_the_document_as_hostile(make_daemon, tmp_path: Path) -> N
 
 
 def test_logs_tell_the_lifecycle_with_exit_reasons_and_follow(make_daemon) -> None:
-    d = make_daemon("""
-[agent.worker]
-heartbeat_interval_secs = 0.2
-restart_backoff_initial_ms = 20
-[agent.limits]
-memory_poll_interval_ms = 50
-[daemon]
-stop_grace_secs = 1.0
-""")
+    d = make_daemon(FAST_SWEEP)
     with d.client() as c:
         sid = c.create(handler="fixture_handlers:leaky", settings={"agent.limits.max_memory_mb": 96}).id
         events = list(c.send(sid, "400"))
