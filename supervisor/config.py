@@ -128,9 +128,27 @@ class StoreSettings(ConfigSection):
     retry_secs: Annotated[float, Meta(ge=0, le=600)] = 5.0
 
 
+class ClusterSettings(ConfigSection):
+    # Where sessions' workers run: "off" (this machine, the zygote) or "ray"
+    # (node hosts on a Ray cluster; needs the `cluster` extra and
+    # [store] backend = "postgres").  Taken at start, not on reload.
+    backend: Literal["off", "ray"] = "off"
+    # The Ray cluster to join ("HOST:PORT" of its head's GCS, as `ray start
+    # --head` prints it); empty: the RAY_ADDRESS environment variable, else
+    # a cluster already running on this machine.
+    address: str = ""
+    # The custom resource that counts worker slots on a node: a node takes
+    # sessions only if it was started with it (`ray start --resources
+    # '{"sessiond_slots": 50}'`), and at most that many at once.
+    resource: str = "sessiond_slots"
+    # The Ray namespace of the node-host actors: fronts of one deployment share it.
+    namespace: str = "sessiond"
+
+
 class Config(SessionSettings):
     daemon: DaemonSettings = msgspec.field(default_factory=DaemonSettings)
     store: StoreSettings = msgspec.field(default_factory=StoreSettings)
+    cluster: ClusterSettings = msgspec.field(default_factory=ClusterSettings)
 
     def session_settings(self) -> SessionSettings:
         return SessionSettings(
@@ -256,6 +274,11 @@ def parse_config(data: dict[str, Any], source: str) -> Config:
         )
     if cfg.store.backend == "postgres" and not cfg.store.dsn.strip():
         raise ConfigError(f"{source}: 'store.dsn' must be set when 'store.backend' is \"postgres\"")
+    if cfg.cluster.backend == "ray" and cfg.store.backend != "postgres":
+        raise ConfigError(
+            f"{source}: 'cluster.backend' = \"ray\" needs 'store.backend' = \"postgres\" (with "
+            "'store.dsn'): sessions move between machines, so their state cannot stay in one "
+            "machine's files")
     try:
         metrics_address(cfg.daemon.metrics_listen)
     except ValueError as exc:

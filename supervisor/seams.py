@@ -2,10 +2,11 @@
 
 `Spawner`: start a worker for a session and hand back its pid and a framed
 connection's socket, signal it, kill its whole tree, say whether anything of
-the tree is left, and report exits (code or signal, decoded once) through
-`on_exit`.  The zygote (`supervisor.spawner.ZygoteSpawner`) is the first
-implementation; `tests/test_spawner_contract.py` is the suite every
-implementation must pass.  The state store's seam is
+the tree is left, report exits (code or signal, decoded once) through
+`on_exit`, and say where a worker runs (`placement`).  The zygote
+(`supervisor.spawner.ZygoteSpawner`) is the first implementation, Ray node
+hosts (`supervisor.ray_spawner`) the second; `tests/test_spawner_contract.py`
+is the suite every implementation must pass.  The state store's seam is
 `supervisor.state_store.StateStore`.
 """
 
@@ -56,5 +57,12 @@ class Spawner(Protocol):
         ...
 
     def tree_alive(self, pid: int, others: Iterable[PidFd] = ()) -> bool: ...
+
+    def placement(self, pid: int) -> tuple[int, str | None]:
+        """Where a worker runs: its pid on its machine and that machine's
+        address (None: this one).  A spawner whose workers run elsewhere
+        hands out pids that are handles of its own, never a number of this
+        machine's, so nothing here acts on a stranger by that number."""
+        ...
 
     def close(self) -> None: ...

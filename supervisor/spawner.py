@@ -133,6 +133,11 @@ class ZygoteSpawner:
         self._sock, self._pid = parent, pid
         self._started_at = time.monotonic()
 
+    def start_by_exec(self) -> None:
+        """Start the zygote by exec rather than fork: for a process that has
+        threads already (a Ray node host), where forking is what we avoid."""
+        self._restart_by_exec()
+
     def _restart_by_exec(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fd = child.fileno()
@@ -323,6 +328,9 @@ class ZygoteSpawner:
         if worker is not None and worker.send_group(0):
             return True
         return any(not o.exited() for o in others)
+
+    def placement(self, pid: int) -> tuple[int, str | None]:
+        return pid, None  # this machine
 
     def _retire(self, pid: int) -> None:
         """The worker was reaped.  Its pidfd still names its process group,

@@ -137,6 +137,9 @@ class FakeSpawner:
         worker = self.workers.get(pid)
         return worker is not None and worker.alive
 
+    def placement(self, pid: int) -> tuple[int, str | None]:
+        return pid, None
+
     def close(self) -> None:
         self.closed = True
         for worker in self.workers.values():

@@ -1,0 +1,178 @@
+"""The node host: the one Ray actor per machine that runs our workers there.
+
+Cluster mode (`[cluster] backend = "ray"`) puts sessions' workers on other
+machines without a Ray actor per session (one costs ~40 MiB; a worker ~4
+MiB).  Each machine gets one node host, a detached, named async actor
+pinned to its node.  It starts a zygote by exec (`python -P -m
+session_worker.zygote`, as `ZygoteSpawner` restarts one): never by fork, as
+a Ray actor process has threads.  From there everything is what one machine
+does: the zygote forks workers, reaps them, and reports exits; the node
+host holds each worker's pidfd and signals its process group through it.
+
+What crosses machines is Ray's only, never a socket protocol of ours:
+
+    front (RaySpawner)                       node host (this actor)
+      spawn()           ── actor call ──►    zygote forks a worker
+      send(pid, bytes)  ── actor call ──►    written to the worker's socket
+      frames(pid)       ◄─ streaming ───     bytes the worker wrote, then
+                           generator         ("exit", code, signal, detail)
+                                             and ("gone",) once its group is empty
+      signal / kill_tree ─ actor call ──►    pidfd_send_signal on the node
+
+The bytes are the worker protocol's frames, uninterpreted here: the front
+frames and checks them as it does a local worker's.  A worker whose frames
+stream is abandoned (its front went away and Ray cancelled the call) is
+killed: nothing of a session runs on without a front to answer to.
+
+Runs in the node host's actor process, in the actor's one event-loop thread
+(the zygote is tied to that thread by PDEATHSIG, which is per thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from collections.abc import AsyncIterator
+
+from supervisor.spawner import ZygoteSpawner
+
+__all__ = ["ExitItem", "Frame", "NodeHost"]
+
+log = logging.getLogger("sessiond.nodehost")
+
+_SIGKILL = signal.SIGKILL
+_READ_BYTES = 1 << 16
+# How often to look whether an exited worker's process group is empty.
+_GONE_POLL_SECS = 0.05
+
+# What `frames` yields: a chunk of the worker's bytes, its exit
+# ("exit", code, signal, detail), then ("gone",).
+ExitItem = tuple[str, int | None, int | None, str]
+Frame = bytes | ExitItem | tuple[str]
+
+
+class _Worker:
+    __slots__ = ("exit", "sock")
+
+    def __init__(self, sock: socket.socket, exit: asyncio.Future[tuple[int | None, int | None, str]]) -> None:
+        self.sock = sock
+        self.exit = exit
+
+
+class NodeHost:
+    """One per machine; its methods are Ray actor calls from fronts."""
+
+    def __init__(self) -> None:
+        self._spawner: ZygoteSpawner | None = None
+        self._workers: dict[int, _Worker] = {}
+        # Exits that came before the spawn call registered the worker.
+        self._exits: dict[int, asyncio.Future[tuple[int | None, int | None, str]]] = {}
+
+    def _zygote(self) -> ZygoteSpawner:
+        if self._spawner is None:
+            spawner = ZygoteSpawner()
+            spawner.on_exit = lambda pid, code, sig: self._exited(pid, code, sig, "")
+            spawner.on_zygote_lost = self._zygote_lost
+            spawner.start_by_exec()
+            spawner.attach(asyncio.get_running_loop())
+            self._spawner = spawner
+        return self._spawner
+
+    def _exit_future(self, pid: int) -> asyncio.Future[tuple[int | None, int | None, str]]:
+        fut = self._exits.get(pid)
+        if fut is None:
+            fut = self._exits[pid] = asyncio.get_running_loop().create_future()
+        return fut
+
+    def _exited(self, pid: int, code: int | None, sig: int | None, detail: str) -> None:
+        fut = self._exit_future(pid)
+        if not fut.done():
+            fut.set_result((code, sig, detail))
+
+    def _zygote_lost(self) -> None:
+        # Its workers died with it (PDEATHSIG), unreported: say so for each.
+        for pid in list(self._workers):
+            self._exited(pid, None, _SIGKILL, "the zygote on its node died")
+
+    async def where(self) -> tuple[str, int]:
+        """This node's address as Ray reports it, and the host's pid."""
+        import ray
+
+        return ray.util.get_node_ip_address(), os.getpid()
+
+    async def spawn(self) -> int:
+        """A new worker; its pid on this node.  Raises SpawnerDied (the
+        zygote died and is being restarted): the caller gets it wrapped."""
+        spawner = self._zygote()
+        pid, sock = await spawner.request()
+        sock.setblocking(False)
+        self._workers[pid] = _Worker(sock, self._exit_future(pid))
+        return pid
+
+    async def send(self, pid: int, data: bytes) -> bool:
+        """Write the front's bytes to the worker; False once it cannot take them."""
+        worker = self._workers.get(pid)
+        if worker is None or not isinstance(data, bytes):
+            return False
+        try:
+            await asyncio.get_running_loop().sock_sendall(worker.sock, data)
+        except OSError:
+            return False
+        return True
+
+    async def frames(self, pid: int) -> AsyncIterator[Frame]:
+        """The worker's bytes as it writes them, then its exit, then
+        ("gone",) once nothing of its process group is left."""
+        worker = self._workers.get(pid)
+        if worker is None:
+            yield ("exit", None, None, f"no worker {pid} on this node")
+            yield ("gone",)
+            return
+        loop = asyncio.get_running_loop()
+        finished = False
+        try:
+            while True:
+                try:
+                    data = await loop.sock_recv(worker.sock, _READ_BYTES)
+                except OSError:
+                    data = b""
+                if not data:
+                    break
+                yield data
+            code, sig, detail = await worker.exit
+            yield ("exit", code, sig, detail)
+            while self._spawner is not None and self._spawner.tree_alive(pid):
+                await asyncio.sleep(_GONE_POLL_SECS)
+            finished = True
+            yield ("gone",)
+        finally:
+            if not finished and self._spawner is not None:
+                self._spawner.kill_tree(pid)  # abandoned by its front
+            worker.sock.close()
+            self._workers.pop(pid, None)
+            self._exits.pop(pid, None)
+
+    async def signal(self, pid: int, sig: int) -> None:
+        if self._spawner is not None and pid in self._workers and isinstance(sig, int):
+            with contextlib.suppress(ValueError, OSError):
+                self._spawner.signal(pid, sig)
+
+    async def kill_tree(self, pid: int, sig: int = _SIGKILL) -> None:
+        if self._spawner is not None and pid in self._workers and isinstance(sig, int):
+            with contextlib.suppress(ValueError, OSError):
+                self._spawner.kill_tree(pid, (), sig)
+
+    async def workers(self) -> list[int]:
+        return list(self._workers)
+
+    async def close(self) -> None:
+        """Stop the zygote (it kills its workers) and forget everything."""
+        if self._spawner is not None:
+            self._spawner.close()
+            self._spawner = None
+        for pid in list(self._workers):
+            self._exited(pid, None, _SIGKILL, "its node host was closed")

@@ -1,0 +1,341 @@
+"""The `Spawner` seam over Ray: workers on node hosts of a Ray cluster.
+
+Cluster mode's front half (`[cluster] backend = "ray"`); the node half is
+`supervisor.nodehost`.  The daemon's `WorkerOwner` is unchanged: it gets,
+for each worker, a pid and a local socket it speaks framed msgpack on, as
+from the zygote.  Here that socket is one end of a local socketpair; two
+bridge tasks pump the other end's bytes through Ray:
+
+    WorkerOwner ══ socketpair ══ bridge ── host.send(pid, bytes) ──►  worker
+                                        ◄─ host.frames(pid) ───────  (streaming generator)
+
+Placement: each worker holds a one-bundle placement group of the
+configured custom resource (`[cluster] resource`, one slot); Ray chooses
+the node, so capacity is Ray's bookkeeping, not ours, and no Ray actor
+(~40 MiB) exists per session: the node's one node host forks the worker.
+The group is removed once the worker's process group is empty, which
+gives the slot back.
+
+Pids: the pid WorkerOwner sees is a handle of this front's (above any real
+pid_max), never the number on the worker's node, so nothing on the front's
+machine (the memory sweep's /proc reads, cgroups, pidfds) can act on a
+stranger that has that number here.  `placement(pid)` gives the real pid
+and the node's address for `status`.
+
+Exits: the frames stream ends with the worker's exit (code or signal, as
+its zygote decoded it), classified by WorkerOwner as any other.  A stream
+that breaks (the node host's actor or its whole node died) is a lost
+worker: `on_worker_lost(pid, why)`, which the daemon reports as `crashed`
+with the node named.  Kills and signals are actor calls that the node host
+carries out through its pidfds; `tree_alive` is what the stream last said
+(the node host says "gone" once the worker's group is empty).
+
+Every value from a node host is checked before use: a stream item that is
+not bytes or a well-formed exit ends that worker as lost.
+
+Runs in the daemon's loop; `connect()` (ray.init, which starts threads)
+runs before it, in a daemon that forks nothing afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import signal
+import socket
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from supervisor.config import ClusterSettings
+from supervisor.pidfd import PidFd
+from supervisor.seams import SpawnerDied
+
+__all__ = ["RaySpawner"]
+
+log = logging.getLogger("sessiond.cluster")
+
+_SIGKILL = signal.SIGKILL  # (the spawner has a method named `signal`)
+# Above the largest pid_max Linux allows (2**22): never a pid of this machine.
+_FRONT_PIDS_START = 1 << 30
+_READ_BYTES = 1 << 16
+# How long a worker may wait for a free slot somewhere before `request` fails.
+PLACE_TIMEOUT_SECS = 15.0
+_HOST_NAME = "sessiond-nodehost-{node_id}"
+_actor_class: Any = None  # ray.remote(NodeHost), made once
+
+
+class _Remote:
+    """A worker on a node host, seen from the front."""
+
+    __slots__ = ("bridge", "exited", "gone", "group", "host", "ip", "node_pid", "sock")
+
+    def __init__(self, host: Any, ip: str, node_pid: int, sock: socket.socket, group: Any) -> None:
+        self.host = host
+        self.ip = ip
+        self.node_pid = node_pid
+        self.sock = sock  # our end of the bridge
+        self.group = group  # its placement group: its slot
+        self.exited = False
+        self.gone = False
+        self.bridge: list[asyncio.Task[None]] = []
+
+
+class RaySpawner:
+    def __init__(self, settings: ClusterSettings) -> None:
+        self.on_exit: Callable[[int, int | None, int | None], None] = lambda pid, code, sig: None
+        self.on_zygote_lost: Callable[[], None] = lambda: None
+        # A worker lost with its node or node host: (pid, why).  The daemon
+        # reports it as a crash naming the node.
+        self.on_worker_lost: Callable[[int, str], None] = lambda pid, why: self.on_exit(pid, None, _SIGKILL)
+        self._settings = settings
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pids = itertools.count(_FRONT_PIDS_START)
+        self._workers: dict[int, _Remote] = {}
+        self._hosts: dict[str, Any] = {}  # node id -> node host actor handle
+        self._ips: dict[str, str] = {}  # node id -> its address as Ray reports it
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closing = False
+
+    # ---------------------------------------------------------------- set-up
+
+    def connect(self) -> None:
+        """Join the Ray cluster (before the daemon's loop: ray.init blocks
+        and starts threads).  Raises SpawnerDied saying what is wrong."""
+        try:
+            import ray
+        except ImportError:
+            raise SpawnerDied("[cluster] backend = \"ray\" needs Ray, which is not installed: "
+                              "pip install 'sessiond[cluster]'") from None
+        if ray.is_initialized():
+            return
+        try:
+            ray.init(
+                address=self._settings.address or "auto", namespace=self._settings.namespace,
+                log_to_driver=False, configure_logging=False, include_dashboard=False,
+            )
+        except Exception as exc:  # ConnectionError, or whatever ray.init raises
+            raise SpawnerDied(f"cannot join the Ray cluster at "
+                              f"{self._settings.address or 'RAY_ADDRESS or this machine'}: {exc}") from None
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    @property
+    def zygote_pid(self) -> int:
+        return 0  # the zygotes are on the nodes
+
+    def keep_spares(self, count: int) -> None:
+        pass  # spares are per node host; not offered yet
+
+    def placement(self, pid: int) -> tuple[int, str | None]:
+        remote = self._workers.get(pid)
+        return (remote.node_pid, remote.ip) if remote is not None else (pid, None)
+
+    # ---------------------------------------------------------------- spawning
+
+    def request(self) -> asyncio.Future[tuple[int, socket.socket]]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[tuple[int, socket.socket]] = loop.create_future()
+        if self._closing:
+            fut.set_exception(SpawnerDied("the spawner is closed"))
+            return fut
+        self._spawn_task(self._place(fut))
+        return fut
+
+    async def _place(self, fut: asyncio.Future[tuple[int, socket.socket]]) -> None:
+        from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+        resource = self._settings.resource
+        group = placement_group([{resource: 1}], strategy="STRICT_PACK")
+        placed = False
+        try:
+            try:
+                await asyncio.wait_for(group.ready(), PLACE_TIMEOUT_SECS)
+            except asyncio.TimeoutError:
+                raise SpawnerDied(f"no node of the Ray cluster has a free {resource!r} slot "
+                                  f"(waited {PLACE_TIMEOUT_SECS:g}s): start nodes with "
+                                  f"--resources '{{\"{resource}\": N}}' or free some") from None
+            node_id = placement_group_table(group)["bundles_to_node_id"][0]
+            if not isinstance(node_id, str):
+                raise SpawnerDied(f"Ray placed the worker on an unnamed node ({node_id!r})")
+            host = self._host(node_id)
+            try:
+                node_pid = await host.spawn.remote()
+            except Exception as exc:
+                raise SpawnerDied(f"the node host on {self._ips.get(node_id, node_id)} cannot "
+                                  f"start a worker: {exc}") from None
+            if not isinstance(node_pid, int) or isinstance(node_pid, bool) or node_pid <= 0:
+                raise SpawnerDied(f"the node host on {self._ips[node_id]} answered {node_pid!r}, not a pid")
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            ours.setblocking(False)
+            theirs.setblocking(False)
+            pid = next(self._pids)
+            remote = _Remote(host, self._ips[node_id], node_pid, theirs, group)
+            self._workers[pid] = remote
+            placed = True
+            remote.bridge = [self._spawn_task(self._to_worker(pid, remote)),
+                             self._spawn_task(self._from_worker(pid, remote))]
+            if fut.done() or self._closing:  # nobody waits for it any more
+                ours.close()
+                self.kill_tree(pid)
+            else:
+                fut.set_result((pid, ours))
+        except BaseException as exc:
+            if not placed:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(group)
+            if not fut.done():
+                fut.set_exception(exc if isinstance(exc, SpawnerDied)
+                                  else SpawnerDied(f"cannot place a worker: {exc}"))
+            if not isinstance(exc, Exception):
+                raise
+
+    def _host(self, node_id: str) -> Any:
+        """The node host of that node: found by name, or created there
+        (detached: it outlives this front; pinned: it is that machine's)."""
+        host = self._hosts.get(node_id)
+        if host is not None:
+            return host
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from supervisor.nodehost import NodeHost
+
+        for node in ray.nodes():
+            if node.get("NodeID") == node_id and isinstance(node.get("NodeManagerAddress"), str):
+                self._ips[node_id] = node["NodeManagerAddress"]
+        self._ips.setdefault(node_id, node_id[:12])
+        global _actor_class
+        if _actor_class is None:
+            _actor_class = ray.remote(NodeHost)
+        host = _actor_class.options(
+            name=_HOST_NAME.format(node_id=node_id), namespace=self._settings.namespace,
+            get_if_exists=True, lifetime="detached", max_restarts=-1, num_cpus=0,
+            max_concurrency=10_000,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote()
+        self._hosts[node_id] = host
+        return host
+
+    # ---------------------------------------------------------------- the bridge
+
+    async def _to_worker(self, pid: int, remote: _Remote) -> None:
+        """What WorkerOwner writes, to the worker, in order: one call in
+        flight at a time, carrying whatever piled up meanwhile."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                data = await loop.sock_recv(remote.sock, _READ_BYTES)
+            except OSError:
+                data = b""
+            if not data:
+                return  # WorkerOwner closed the connection
+            try:
+                if not await remote.host.send.remote(remote.node_pid, data):
+                    return  # the worker is gone; its exit comes on the stream
+            except Exception:
+                return  # the host is gone; the stream says how
+
+    async def _from_worker(self, pid: int, remote: _Remote) -> None:
+        loop = asyncio.get_running_loop()
+        why = ""
+        try:
+            async for ref in remote.host.frames.remote(remote.node_pid):
+                item = await ref
+                if isinstance(item, bytes):
+                    if not remote.exited:
+                        with contextlib.suppress(OSError):
+                            await loop.sock_sendall(remote.sock, item)
+                    continue
+                exit_ = _checked_exit(item)
+                if exit_ is not None and not remote.exited:
+                    remote.exited = True
+                    with contextlib.suppress(OSError):
+                        remote.sock.shutdown(socket.SHUT_WR)  # the frames before it, then EOF
+                    code, sig, detail = exit_
+                    if detail:  # the node host knows more than a status: say it
+                        self.on_worker_lost(pid, detail)
+                    else:
+                        self.on_exit(pid, code, sig)
+                elif item == ("gone",) and remote.exited:
+                    return
+                elif exit_ is None:
+                    why = f"its node host sent {type(item).__name__}, not a frame"
+                    return
+            why = "its node host ended the stream without an exit"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            why = f"node {remote.ip} lost ({type(exc).__name__})"
+        finally:
+            if why and not remote.exited:
+                remote.exited = True
+                log.warning("worker %d on %s: %s", remote.node_pid, remote.ip, why)
+                self.on_worker_lost(pid, why)
+            remote.gone = True
+            self._forget(pid, remote)
+
+    def _forget(self, pid: int, remote: _Remote) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        if self._workers.get(pid) is remote:
+            del self._workers[pid]
+        for task in remote.bridge:
+            if task is not asyncio.current_task():
+                task.cancel()
+        remote.sock.close()
+        with contextlib.suppress(Exception):
+            remove_placement_group(remote.group)  # its slot, back to Ray
+
+    def _spawn_task(self, coro: Any) -> asyncio.Task[Any]:
+        assert self._loop is not None, "attach() first"
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ---------------------------------------------------------------- signals
+
+    def signal(self, pid: int, sig: int) -> None:
+        remote = self._workers.get(pid)
+        if remote is not None and not remote.gone:
+            remote.host.signal.remote(remote.node_pid, int(sig))
+
+    def kill_tree(self, pid: int, others: Iterable[PidFd] = (), sig: int = _SIGKILL) -> None:
+        # `others` are pidfds of this machine; a remote worker's descendants
+        # are the node's to find (its zygote hunts the strays of a kill).
+        remote = self._workers.get(pid)
+        if remote is not None and not remote.gone:
+            remote.host.kill_tree.remote(remote.node_pid, int(sig))
+
+    def tree_alive(self, pid: int, others: Iterable[PidFd] = ()) -> bool:
+        remote = self._workers.get(pid)
+        return remote is not None and not remote.gone
+
+    def close(self) -> None:
+        """Kill every worker of ours and give their slots back."""
+        self._closing = True
+        for pid, remote in list(self._workers.items()):
+            if not remote.gone:
+                with contextlib.suppress(Exception):
+                    remote.host.kill_tree.remote(remote.node_pid, _SIGKILL)
+            remote.gone = True
+            self._forget(pid, remote)
+        for task in list(self._tasks):
+            task.cancel()
+
+
+def _checked_exit(item: object) -> tuple[int | None, int | None, str] | None:
+    """("exit", code, signal, detail) from a node host, or None if it is not one."""
+    if not (isinstance(item, tuple) and len(item) == 4 and item[0] == "exit"):
+        return None
+    _, code, sig, detail = item
+    for value in (code, sig):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or not -(1 << 31) <= value < 1 << 31):
+            return None
+    if not isinstance(detail, str):
+        return None
+    return code, sig, detail[:500]

@@ -1,0 +1,144 @@
+"""A real local Ray cluster for the tests: a head and two worker nodes.
+
+Each node is its own `ray start --block` process (its own raylet, object
+store and workers) with its own loopback address (127.0.0.10 for the head,
+127.0.0.11 and .12 for the nodes), in a process group of its own, so a test
+can kill one node's raylet and teardown can kill each node whole (never
+`ray stop`, which stops every Ray on the machine).  Only the two worker
+nodes have session slots (`sessiond_slots`), two each, so a handful of
+sessions lands on both.  The head checks nodes' health every 0.5 s, so a
+killed node is noticed in seconds.
+
+Started once per test run (session-scoped fixture).  No Ray installed: the
+test fails saying what to install; it is never skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+__all__ = ["HEALTH_ENV", "NODE_IPS", "RayCluster", "ray_cluster"]
+
+_INSTALL_HINT = "Ray is not installed: pip install -e '.[cluster]' (make test does)"
+HEAD_IP = "127.0.0.10"
+NODE_IPS = ("127.0.0.11", "127.0.0.12")
+SLOTS = 2
+# Ray's own settings (RAY_<name>), read by the head's GCS: how soon a dead
+# node is declared dead.  The README's "Running on a cluster" names them.
+HEALTH_ENV = {
+    "RAY_health_check_initial_delay_ms": "0",
+    "RAY_health_check_period_ms": "500",
+    "RAY_health_check_timeout_ms": "500",
+    "RAY_health_check_failure_threshold": "3",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RayCluster:
+    def __init__(self) -> None:
+        self.ray = Path(sys.executable).parent / "ray"
+        if not self.ray.exists():
+            found = shutil.which("ray")
+            if found is None:
+                pytest.fail(_INSTALL_HINT, pytrace=False)
+            self.ray = Path(found)
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            pytest.fail(_INSTALL_HINT, pytrace=False)
+        # Short: Ray puts Unix sockets below it.
+        self.root = Path(tempfile.mkdtemp(prefix="sdray-", dir="/tmp"))
+        self.port = _free_port()
+        self.address = f"{HEAD_IP}:{self.port}"
+        self.nodes: dict[str, subprocess.Popen[bytes]] = {}
+        try:
+            self._start(HEAD_IP, "--head", f"--port={self.port}", "--include-dashboard=false")
+            for ip in NODE_IPS:
+                self._start(ip, f"--address={self.address}",
+                            f"--resources={{\"sessiond_slots\": {SLOTS}}}")
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, ip: str, *args: str) -> None:
+        log = self.root / f"{ip}.log"
+        env = {**os.environ, **HEALTH_ENV, "RAY_USAGE_STATS_ENABLED": "0"}
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [str(self.ray), "start", "--block", f"--node-ip-address={ip}", "--num-cpus=1",
+                 "--object-store-memory=80000000", "--disable-usage-stats",
+                 f"--temp-dir={self.root}", *args],
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )
+        self.nodes[ip] = proc
+        deadline = time.monotonic() + 60
+        while b"Ray runtime started" not in log.read_bytes():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start on {ip} failed:\n{log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.1)
+
+    def raylet(self, ip: str) -> psutil.Process:
+        for child in psutil.Process(self.nodes[ip].pid).children(recursive=True):
+            if child.name() == "raylet" or "raylet" in " ".join(child.cmdline()[:1]):
+                return child
+        raise AssertionError(f"no raylet for {ip}")
+
+    def kill_node(self, ip: str) -> None:
+        """What a machine's crash does to its Ray: the raylet dies at once
+        (its workers follow), then the rest of that node."""
+        self.raylet(ip).kill()
+        self._kill_group(self.nodes[ip])
+
+    def _kill_group(self, proc: subprocess.Popen[bytes]) -> None:
+        try:
+            members = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            members = []
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            for p in members:
+                try:
+                    p.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                continue
+            gone, alive = psutil.wait_procs(members, timeout=5)
+            if not alive:
+                return
+
+    def close(self) -> None:
+        for ip in reversed(list(self.nodes)):
+            self._kill_group(self.nodes[ip])
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[RayCluster]:
+    cluster = RayCluster()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
