@@ -236,6 +236,9 @@ class SessionInfo(_Msg, tag="session"):
     usage: dict[str, int] = {}
     # The live worker's sandbox, as its Ready reported it (see Ready.sandbox).
     sandbox: dict[str, Any] = {}
+    # Cluster mode: the address of the node its worker runs on, as Ray
+    # reports it (pid is then that node's); None on one machine or unplaced.
+    node: str | None = None
 
 
 class Created(_Msg, tag="created"):

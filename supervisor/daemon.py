@@ -31,14 +31,14 @@ import stat
 import sys
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import setproctitle
 
 from ipc import messages as m
 from ipc.loop import run as run_loop
 from ipc.linux import set_dumpable
-from supervisor import __version__, sandbox, sdnotify
+from supervisor import __version__, sandbox, sdnotify, seams
 from supervisor.cgroups import Cgroups
 from supervisor.cgroups import detect as cgroup_detect
 from supervisor.config import (
@@ -51,8 +51,9 @@ from supervisor.config import (
     uid_range,
     workspace_root,
 )
-from supervisor import metrics
+from supervisor import cluster, metrics
 from supervisor.manager import SessionManager
+from supervisor.ray_spawner import RaySpawner  # (imports Ray only when used)
 from supervisor.server import ControlServer
 from supervisor.spawner import ZygoteSpawner
 from supervisor.state_store import StateStore, StoreError
@@ -60,6 +61,12 @@ from supervisor.state_store import StateStore, StoreError
 __all__ = ["StartupError", "run_daemon"]
 
 log = logging.getLogger("sessiond")
+
+
+class Spawner(seams.Spawner, Protocol):
+    """What the daemon itself needs of its spawner, beyond the seam."""
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None: ...
 
 
 class StartupError(Exception):
@@ -395,11 +402,21 @@ def run_daemon(
         os.chmod(state_dir, 0o711)  # workers pass through to their workspace; never list it
     check_workspaces_reachable(workspace_root(cfg, state_dir), identities)
     sandbox_boot = _probe_sandbox(cfg, identities, state_dir, socket_path, config_path)
-    cgroups = _cgroups(cfg)  # before the zygote: it is forked into the daemon's leaf
+    clustered = cfg.cluster.backend == "ray"
+    # Before the zygote: it is forked into the daemon's leaf.  In cluster
+    # mode the workers are on other machines: no cgroup here is theirs.
+    cgroups = _cgroups(cfg) if not clustered else (None, "cluster mode: workers run on Ray node hosts")
 
     _check_store_driver(cfg)
-    spawner = ZygoteSpawner()
-    spawner.start()  # before any loop or thread exists
+    spawner: Spawner
+    if clustered:
+        try:
+            spawner = cluster.join(cfg)
+        except cluster.ClusterUnavailable as exc:
+            raise StartupError(str(exc)) from None
+    else:
+        spawner = ZygoteSpawner()
+        spawner.start()  # before any loop or thread exists
     try:
         if inherited is not None:
             sock, bound = inherited, False
@@ -444,7 +461,7 @@ async def _serve(
     state_dir: Path,
     socket_path: Path,
     sock: socket.socket,
-    spawner: ZygoteSpawner,
+    spawner: Spawner,
     identities: Identities,
     sandbox_boot: m.SandboxBoot | None,
     cgroups: tuple[Cgroups | None, str],
@@ -461,6 +478,8 @@ async def _serve(
         sandbox=sandbox_boot, cgroups=cgroups[0], store=store,
     )
     manager.workers.cgroups_why = cgroups[1]
+    if isinstance(spawner, RaySpawner):
+        cluster.wire(spawner, manager)
     try:
         manager.load_all()
     except StoreError as exc:  # the database went away since it was opened

@@ -230,8 +230,9 @@ class SessionManager:
             # The last sweep's figure (at most one poll interval old); a worker
             # not swept yet is measured now.
             rss = session.memory.rss_bytes or session.memory.measure(self.proc_table, pid)
+        node_pid, node = self.spawner.placement(pid) if pid is not None else (None, None)
         return m.SessionInfo(
-            id=session.id, state=session.state.value, handler=session.meta.handler, pid=pid,
+            id=session.id, state=session.state.value, handler=session.meta.handler, pid=node_pid, node=node,
             rss_bytes=rss, restarts=session.restarts, turns=session.turns,
             created_at=session.meta.created_at, last_exit=session.last_exit, seq=session.seq,
             parent=session.meta.parent, children=list(session.children),

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 from collections.abc import AsyncIterator
@@ -97,12 +96,6 @@ class NodeHost:
         # Its workers died with it (PDEATHSIG), unreported: say so for each.
         for pid in list(self._workers):
             self._exited(pid, None, _SIGKILL, "the zygote on its node died")
-
-    async def where(self) -> tuple[str, int]:
-        """This node's address as Ray reports it, and the host's pid."""
-        import ray
-
-        return ray.util.get_node_ip_address(), os.getpid()
 
     async def spawn(self) -> int:
         """A new worker; its pid on this node.  Raises SpawnerDied (the

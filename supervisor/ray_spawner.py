@@ -26,7 +26,8 @@ Exits: the frames stream ends with the worker's exit (code or signal, as
 its zygote decoded it), classified by WorkerOwner as any other.  A stream
 that breaks (the node host's actor or its whole node died) is a lost
 worker: `on_worker_lost(pid, why)`, which the daemon reports as `crashed`
-with the node named.  Kills and signals are actor calls that the node host
+with a detail that starts "node_lost:" and names the node (so a turn it
+was running fails with that reason).  Kills and signals are actor calls that the node host
 carries out through its pidfds; `tree_alive` is what the stream last said
 (the node host says "gone" once the worker's group is empty).
 
@@ -203,7 +204,7 @@ class RaySpawner:
 
         from supervisor.nodehost import NodeHost
 
-        for node in ray.nodes():
+        for node in ray.nodes():  # type: ignore[no-untyped-call]
             if node.get("NodeID") == node_id and isinstance(node.get("NodeManagerAddress"), str):
                 self._ips[node_id] = node["NodeManagerAddress"]
         self._ips.setdefault(node_id, node_id[:12])
@@ -268,7 +269,7 @@ class RaySpawner:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            why = f"node {remote.ip} lost ({type(exc).__name__})"
+            why = f"node_lost: node {remote.ip} is gone from the Ray cluster ({type(exc).__name__})"
         finally:
             if why and not remote.exited:
                 remote.exited = True

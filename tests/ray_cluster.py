@@ -71,14 +71,18 @@ class RayCluster:
         try:
             self._start(HEAD_IP, "--head", f"--port={self.port}", "--include-dashboard=false")
             for ip in NODE_IPS:
-                self._start(ip, f"--address={self.address}",
-                            f"--resources={{\"sessiond_slots\": {SLOTS}}}")
+                self.start_node(ip)
         except BaseException:
             self.close()
             raise
 
+    def start_node(self, ip: str) -> None:
+        """A worker node with session slots (again, after `kill_node`)."""
+        self._start(ip, f"--address={self.address}", f"--resources={{\"sessiond_slots\": {SLOTS}}}")
+
     def _start(self, ip: str, *args: str) -> None:
         log = self.root / f"{ip}.log"
+        log.unlink(missing_ok=True)
         env = {**os.environ, **HEALTH_ENV, "RAY_USAGE_STATS_ENABLED": "0"}
         with open(log, "wb") as out:
             proc = subprocess.Popen(

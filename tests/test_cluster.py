@@ -1,0 +1,89 @@
+"""Cluster mode for real: a daemon whose workers run on node hosts of a
+local Ray cluster (tests/ray_cluster.py: a head and two worker nodes on
+127.0.0.11 and .12, two session slots each), with its state in a real
+PostgreSQL (tests/pg_server.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import tomli_w
+
+from conftest import FAST_CONFIG
+from harness import wait_for
+from pg_server import PgServer
+from ray_cluster import NODE_IPS, RayCluster
+from supervisor.config import ConfigError, parse_config
+
+
+def cluster_config(cluster: RayCluster, dsn: str) -> str:
+    return FAST_CONFIG + "\n" + tomli_w.dumps({
+        "store": {"backend": "postgres", "dsn": dsn},
+        "cluster": {"backend": "ray", "address": cluster.address},
+    })
+
+
+@pytest.mark.pure
+def test_cluster_mode_needs_the_postgres_store() -> None:
+    with pytest.raises(ConfigError, match=r"'cluster.backend' = \"ray\" needs 'store.backend' = \"postgres\""):
+        parse_config({"cluster": {"backend": "ray"}}, "c.toml")
+    assert parse_config({}, "c.toml").cluster.backend == "off"
+
+
+@pytest.mark.process
+def test_sessions_run_on_both_nodes_and_survive_a_worker_kill(
+    make_daemon, ray_cluster: RayCluster, pg_server: PgServer
+) -> None:
+    d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
+    with d.client() as c:
+        sids = [c.create(handler="echo").id for _ in range(3)]  # 2 slots a node: both are used
+        assert {c.status(s).node for s in sids} == set(NODE_IPS)
+        for sid in sids:
+            assert c.send_text(sid, "a") == "1: a"
+        victim = c.status(sids[0])
+        assert victim.pid is not None and victim.node in NODE_IPS
+        os.kill(victim.pid, signal.SIGKILL)  # its node's pid (every node is this machine here)
+        wait_for(lambda: c.status(sids[0]).state == "idle" and c.status(sids[0]).restarts == 1, 20,
+                 "the killed worker to restart on a node host")
+        after = c.status(sids[0])
+        assert after.last_exit is not None and after.last_exit.reason == "crashed"
+        assert after.last_exit.signal == signal.SIGKILL and after.node in NODE_IPS
+        assert c.send_text(sids[0], "b") == "2: b"
+    listed = json.loads(d.ctl("--json", "ls").stdout)["sessions"]
+    assert {s["node"] for s in listed} == set(NODE_IPS)
+    assert "cluster mode" in d.log
+
+
+@pytest.mark.process
+def test_a_lost_node_s_sessions_come_back_on_the_other_with_every_turn(
+    make_daemon, ray_cluster: RayCluster, pg_server: PgServer
+) -> None:
+    d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
+    with d.client() as c:
+        sids = [c.create(handler="echo").id for _ in range(2)]
+        for sid in sids:
+            assert c.send_text(sid, "a") == "1: a"
+            assert c.send_text(sid, "b") == "2: b"
+        lost = c.status(sids[0]).node
+        assert lost in NODE_IPS
+        other = next(ip for ip in NODE_IPS if ip != lost)
+        on_lost = [s for s in sids if c.status(s).node == lost]
+        began = time.monotonic()
+        ray_cluster.kill_node(lost)
+        try:
+            for sid in on_lost:
+                wait_for(lambda: c.status(sid).state == "idle" and c.status(sid).node == other, 60,
+                         f"session {sid} to come back on {other}")
+            print(f"\nrecovery after a node kill: {time.monotonic() - began:.1f}s")
+            for sid in on_lost:
+                st = c.status(sid)
+                assert st.last_exit is not None and st.last_exit.reason == "crashed"
+                assert "node_lost" in st.last_exit.detail and lost in st.last_exit.detail
+            for sid in sids:
+                assert c.send_text(sid, "c") == "3: c"  # every acknowledged turn is there
+        finally:
+            ray_cluster.start_node(lost)  # whole again for whatever runs next
