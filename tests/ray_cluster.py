@@ -70,17 +70,21 @@ class RayCluster:
         self.nodes: dict[str, subprocess.Popen[bytes]] = {}
         try:
             self._start(HEAD_IP, "--head", f"--port={self.port}", "--include-dashboard=false")
-            for ip in NODE_IPS:
-                self.start_node(ip)
+            self.start_node(*NODE_IPS)
         except BaseException:
             self.close()
             raise
 
-    def start_node(self, ip: str) -> None:
-        """A worker node with session slots (again, after `kill_node`)."""
-        self._start(ip, f"--address={self.address}", f"--resources={{\"sessiond_slots\": {SLOTS}}}")
+    def start_node(self, *ips: str) -> None:
+        """Worker nodes with session slots (again, after `kill_node`), one
+        after the other: two starting at once on one host time out."""
+        for ip in ips:
+            self._start(ip, f"--address={self.address}", f"--resources={{\"sessiond_slots\": {SLOTS}}}")
 
     def _start(self, ip: str, *args: str) -> None:
+        self._wait_started(ip, self._launch(ip, *args))
+
+    def _launch(self, ip: str, *args: str) -> Path:
         log = self.root / f"{ip}.log"
         log.unlink(missing_ok=True)
         env = {**os.environ, **HEALTH_ENV, "RAY_USAGE_STATS_ENABLED": "0"}
@@ -92,6 +96,10 @@ class RayCluster:
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )
         self.nodes[ip] = proc
+        return log
+
+    def _wait_started(self, ip: str, log: Path) -> None:
+        proc = self.nodes[ip]
         deadline = time.monotonic() + 60
         while b"Ray runtime started" not in log.read_bytes():
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -111,27 +119,23 @@ class RayCluster:
         self._kill_group(self.nodes[ip])
 
     def _kill_group(self, proc: subprocess.Popen[bytes]) -> None:
+        """SIGKILL to the node's group and every descendant (some leave
+        the group): a node's processes die as a machine's do, at once."""
         try:
             members = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         except psutil.NoSuchProcess:
             members = []
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for p in members:
             try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
+                p.kill()
+            except psutil.NoSuchProcess:
                 pass
-            for p in members:
-                try:
-                    p.send_signal(sig)
-                except psutil.NoSuchProcess:
-                    pass
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                continue
-            gone, alive = psutil.wait_procs(members, timeout=5)
-            if not alive:
-                return
+        proc.wait(timeout=30)
+        psutil.wait_procs(members, timeout=30)
 
     def close(self) -> None:
         for ip in reversed(list(self.nodes)):
