@@ -7,6 +7,7 @@ changes between one machine and many is in one place:
 - no local zygote: every worker runs on a node host (`supervisor.nodehost`);
 - no cgroups on the front: the workers are not on this machine (the node's
   zygote, the worker's own rlimits and sandbox still confine them);
+- the memory sweep reads remote workers' figures from their node hosts;
 - a worker lost with its node is a crash that names the node.
 
 Runs in the daemon.
@@ -48,5 +49,7 @@ def join(cfg: Config) -> RaySpawner:
 
 
 def wire(spawner: RaySpawner, manager: SessionManager) -> None:
-    """A worker lost with its node: a crash whose detail names the node."""
+    """Remote workers' memory as their nodes measure it, for the sweep; a
+    worker lost with its node: a crash whose detail names the node."""
+    manager.proc_table.remote = spawner.reported_rss
     spawner.on_worker_lost = lambda pid, why: manager.workers.on_exit(pid, None, signal.SIGKILL, detail=why)

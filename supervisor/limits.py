@@ -12,6 +12,11 @@ A descendant stays counted after it re-parents (a tool that double-forks
 lands on the zygote, our subreaper): once seen as a session's, a pid is
 tracked until it exits, and it is killed with the session.
 
+A worker on another machine (cluster mode) has a pid of REMOTE_PIDS or
+above, a handle of its spawner's that names no process here: the table
+reads nothing of this machine for it, and gives what its node measured of
+the worker's whole tree (`remote`), with no children of its own.
+
 Kept-open /proc files are safe against pid reuse: they stay bound to the
 process they were opened for and fail with ESRCH once it is gone.  Kills
 must be too: a descendant gets a pidfd when first seen (`ProcTable.pidfd`),
@@ -22,12 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from supervisor.pidfd import PidFd
 
 __all__ = [
     "HEARTBEATS_MISSED",
+    "REMOTE_PIDS",
     "MemoryVerdict",
     "ProcTable",
     "SessionMemory",
@@ -39,16 +46,20 @@ __all__ = [
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 MIB = 1024 * 1024
+# Above the largest pid_max Linux allows (2**22): never a pid of this machine.
+REMOTE_PIDS = 1 << 30
 
 
 class ProcTable:
     """Open /proc files by pid.  Runs in the daemon."""
 
-    __slots__ = ("_children", "_statm")
+    __slots__ = ("_children", "_statm", "remote")
 
     def __init__(self) -> None:
         self._statm: dict[int, int] = {}
         self._children: dict[int, int] = {}
+        # A remote worker's tree's memory as its node last reported it.
+        self.remote: Callable[[int], int | None] = lambda pid: None
 
     def _read(self, table: dict[int, int], pid: int, path: str) -> bytes | None:
         """The file's content; None once the process is gone (ESRCH)."""
@@ -66,6 +77,8 @@ class ProcTable:
             return None
 
     def rss(self, pid: int) -> int | None:
+        if pid >= REMOTE_PIDS:
+            return self.remote(pid)
         data = self._read(self._statm, pid, f"/proc/{pid}/statm")
         if not data:  # gone, or a zombie's empty statm
             return None
@@ -77,7 +90,10 @@ class ProcTable:
     def pss(self, pid: int) -> int | None:
         """Proportional set size (smaps_rollup): shared pages divided among
         their sharers.  None when the kernel will not tell us (a non-root
-        daemon and a non-dumpable worker) or the process is gone."""
+        daemon and a non-dumpable worker) or the process is gone.  A remote
+        worker: its node's RSS figure (no finer one is reported)."""
+        if pid >= REMOTE_PIDS:
+            return self.remote(pid)
         try:
             with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
                 data = f.read()
@@ -94,6 +110,8 @@ class ProcTable:
     def children(self, pid: int) -> list[int]:
         # Empty is the common case (no children), not a sign of exit: the
         # file stays open for the next sweep.
+        if pid >= REMOTE_PIDS:
+            return []
         data = self._read(self._children, pid, f"/proc/{pid}/task/{pid}/children")
         return [int(x) for x in data.split()] if data else []
 
@@ -104,7 +122,7 @@ class ProcTable:
         process it was opened for was not reaped meanwhile, and then that
         process held the number all along: the pidfd is its."""
         statm = self._statm.get(pid)
-        if statm is None:
+        if statm is None or pid >= REMOTE_PIDS:
             return None
         try:
             fd = os.pidfd_open(pid)

@@ -7,16 +7,20 @@ pinned to its node.  It starts a zygote by exec (`python -P -m
 session_worker.zygote`, as `ZygoteSpawner` restarts one): never by fork, as
 a Ray actor process has threads.  From there everything is what one machine
 does: the zygote forks workers, reaps them, and reports exits; the node
-host holds each worker's pidfd and signals its process group through it.
+host holds each worker's pidfd and signals its process group through it,
+and measures each worker's tree (RSS of it and its descendants, with
+pidfds for those that leave its group) as the daemon's sweep does on one
+machine.  The figures go to the front, whose sweep decides on caps.
 
 What crosses machines is Ray's only, never a socket protocol of ours:
 
     front (RaySpawner)                       node host (this actor)
       spawn()           ── actor call ──►    zygote forks a worker
       send(pid, bytes)  ── actor call ──►    written to the worker's socket
-      frames(pid)       ◄─ streaming ───     bytes the worker wrote, then
-                           generator         ("exit", code, signal, detail)
-                                             and ("gone",) once its group is empty
+      frames(pid)       ◄─ streaming ───     bytes the worker wrote, ("rss", n)
+                           generator         when its tree's memory changes, then
+                                             ("exit", code, signal, detail) and
+                                             ("gone",) once nothing of it is left
       signal / kill_tree ─ actor call ──►    pidfd_send_signal on the node
 
 The bytes are the worker protocol's frames, uninterpreted here: the front
@@ -37,6 +41,7 @@ import signal
 import socket
 from collections.abc import AsyncIterator
 
+from supervisor.limits import ProcTable, SessionMemory
 from supervisor.spawner import ZygoteSpawner
 
 __all__ = ["ExitItem", "Frame", "NodeHost"]
@@ -47,19 +52,26 @@ _SIGKILL = signal.SIGKILL
 _READ_BYTES = 1 << 16
 # How often to look whether an exited worker's process group is empty.
 _GONE_POLL_SECS = 0.05
+# How often each worker's tree is measured, and by how much its RSS must
+# change to be reported to the front (each report is a stream item).
+_MEASURE_SECS = 0.1
+_REPORT_STEP_BYTES = 1 << 20
 
-# What `frames` yields: a chunk of the worker's bytes, its exit
-# ("exit", code, signal, detail), then ("gone",).
+# What `frames` yields: a chunk of the worker's bytes, ("rss", bytes) of its
+# tree, its exit ("exit", code, signal, detail), then ("gone",).
 ExitItem = tuple[str, int | None, int | None, str]
-Frame = bytes | ExitItem | tuple[str]
+Frame = bytes | ExitItem | tuple[str, int] | tuple[str]
 
 
 class _Worker:
-    __slots__ = ("exit", "sock")
+    __slots__ = ("exit", "memory", "sock")
 
     def __init__(self, sock: socket.socket, exit: asyncio.Future[tuple[int | None, int | None, str]]) -> None:
         self.sock = sock
         self.exit = exit
+        # Its descendants as measured here, and pidfds for those that left
+        # its process group: a kill reaches them through these.
+        self.memory = SessionMemory()
 
 
 class NodeHost:
@@ -68,6 +80,7 @@ class NodeHost:
     def __init__(self) -> None:
         self._spawner: ZygoteSpawner | None = None
         self._workers: dict[int, _Worker] = {}
+        self._procs = ProcTable()
         # Exits that came before the spawn call registered the worker.
         self._exits: dict[int, asyncio.Future[tuple[int | None, int | None, str]]] = {}
 
@@ -118,36 +131,63 @@ class NodeHost:
         return True
 
     async def frames(self, pid: int) -> AsyncIterator[Frame]:
-        """The worker's bytes as it writes them, then its exit, then
-        ("gone",) once nothing of its process group is left."""
+        """The worker's bytes as it writes them, its tree's RSS when that
+        changes, then its exit, then ("gone",) once nothing of it is left."""
         worker = self._workers.get(pid)
         if worker is None:
             yield ("exit", None, None, f"no worker {pid} on this node")
             yield ("gone",)
             return
+        out: asyncio.Queue[Frame] = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(self._read(pid, worker, out)),
+                 loop.create_task(self._measure(pid, worker, out))]
         finished = False
         try:
             while True:
-                try:
-                    data = await loop.sock_recv(worker.sock, _READ_BYTES)
-                except OSError:
-                    data = b""
-                if not data:
-                    break
-                yield data
-            code, sig, detail = await worker.exit
-            yield ("exit", code, sig, detail)
-            while self._spawner is not None and self._spawner.tree_alive(pid):
-                await asyncio.sleep(_GONE_POLL_SECS)
-            finished = True
-            yield ("gone",)
+                item = await out.get()
+                yield item
+                if item == ("gone",):
+                    finished = True
+                    return
         finally:
+            for task in tasks:
+                task.cancel()
             if not finished and self._spawner is not None:
-                self._spawner.kill_tree(pid)  # abandoned by its front
+                self._spawner.kill_tree(pid, worker.memory.escapees())  # abandoned by its front
             worker.sock.close()
+            worker.memory.close()
+            for gone in (pid, *worker.memory.pids):
+                self._procs.forget(gone)
             self._workers.pop(pid, None)
             self._exits.pop(pid, None)
+
+    async def _read(self, pid: int, worker: _Worker, out: asyncio.Queue[Frame]) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                data = await loop.sock_recv(worker.sock, _READ_BYTES)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            out.put_nowait(data)
+        code, sig, detail = await worker.exit
+        out.put_nowait(("exit", code, sig, detail))
+        while self._spawner is not None and self._spawner.tree_alive(pid, worker.memory.escapees()):
+            await asyncio.sleep(_GONE_POLL_SECS)
+        out.put_nowait(("gone",))
+
+    async def _measure(self, pid: int, worker: _Worker, out: asyncio.Queue[Frame]) -> None:
+        """The sweep's measure, done where the processes are; the front
+        decides what a figure means (caps are per session, and reloadable)."""
+        last = -1
+        while not worker.exit.done():
+            rss = worker.memory.measure(self._procs, pid)
+            if abs(rss - last) >= _REPORT_STEP_BYTES:
+                out.put_nowait(("rss", rss))
+                last = rss
+            await asyncio.sleep(_MEASURE_SECS)
 
     async def signal(self, pid: int, sig: int) -> None:
         if self._spawner is not None and pid in self._workers and isinstance(sig, int):
@@ -157,7 +197,7 @@ class NodeHost:
     async def kill_tree(self, pid: int, sig: int = _SIGKILL) -> None:
         if self._spawner is not None and pid in self._workers and isinstance(sig, int):
             with contextlib.suppress(ValueError, OSError):
-                self._spawner.kill_tree(pid, (), sig)
+                self._spawner.kill_tree(pid, self._workers[pid].memory.escapees(), sig)
 
     async def workers(self) -> list[int]:
         return list(self._workers)

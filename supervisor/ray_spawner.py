@@ -22,6 +22,11 @@ machine (the memory sweep's /proc reads, cgroups, pidfds) can act on a
 stranger that has that number here.  `placement(pid)` gives the real pid
 and the node's address for `status`.
 
+Memory: the node host measures each worker's tree (RSS, as the sweep does
+on one machine) and sends the figure on the same stream when it changes;
+`reported_rss` feeds it to the daemon's sweep (`ProcTable.remote`), which
+decides caps as on one machine and kills through `kill_tree`.
+
 Exits: the frames stream ends with the worker's exit (code or signal, as
 its zygote decoded it), classified by WorkerOwner as any other.  A stream
 that breaks (the node host's actor or its whole node died) is a lost
@@ -50,6 +55,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from supervisor.config import ClusterSettings
+from supervisor.limits import REMOTE_PIDS
 from supervisor.pidfd import PidFd
 from supervisor.seams import SpawnerDied
 
@@ -58,8 +64,6 @@ __all__ = ["RaySpawner"]
 log = logging.getLogger("sessiond.cluster")
 
 _SIGKILL = signal.SIGKILL  # (the spawner has a method named `signal`)
-# Above the largest pid_max Linux allows (2**22): never a pid of this machine.
-_FRONT_PIDS_START = 1 << 30
 _READ_BYTES = 1 << 16
 # How long a worker may wait for a free slot somewhere before `request` fails.
 PLACE_TIMEOUT_SECS = 15.0
@@ -70,7 +74,7 @@ _actor_class: Any = None  # ray.remote(NodeHost), made once
 class _Remote:
     """A worker on a node host, seen from the front."""
 
-    __slots__ = ("bridge", "exited", "gone", "group", "host", "ip", "node_pid", "sock")
+    __slots__ = ("bridge", "exited", "gone", "group", "host", "ip", "node_pid", "rss", "sock")
 
     def __init__(self, host: Any, ip: str, node_pid: int, sock: socket.socket, group: Any) -> None:
         self.host = host
@@ -80,6 +84,7 @@ class _Remote:
         self.group = group  # its placement group: its slot
         self.exited = False
         self.gone = False
+        self.rss: int | None = None  # its tree's RSS, as its node host last measured it
         self.bridge: list[asyncio.Task[None]] = []
 
 
@@ -92,7 +97,7 @@ class RaySpawner:
         self.on_worker_lost: Callable[[int, str], None] = lambda pid, why: self.on_exit(pid, None, _SIGKILL)
         self._settings = settings
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pids = itertools.count(_FRONT_PIDS_START)
+        self._pids = itertools.count(REMOTE_PIDS)
         self._workers: dict[int, _Remote] = {}
         self._hosts: dict[str, Any] = {}  # node id -> node host actor handle
         self._ips: dict[str, str] = {}  # node id -> its address as Ray reports it
@@ -133,6 +138,12 @@ class RaySpawner:
     def placement(self, pid: int) -> tuple[int, str | None]:
         remote = self._workers.get(pid)
         return (remote.node_pid, remote.ip) if remote is not None else (pid, None)
+
+    def reported_rss(self, pid: int) -> int | None:
+        """The RSS of a worker and its descendants as its node host last
+        measured it (`ProcTable.remote`: what the memory sweep sees)."""
+        remote = self._workers.get(pid)
+        return remote.rss if remote is not None and not remote.exited else None
 
     # ---------------------------------------------------------------- spawning
 
@@ -250,6 +261,10 @@ class RaySpawner:
                         with contextlib.suppress(OSError):
                             await loop.sock_sendall(remote.sock, item)
                     continue
+                rss = _checked_rss(item)
+                if rss is not None:
+                    remote.rss = rss
+                    continue
                 exit_ = _checked_exit(item)
                 if exit_ is not None and not remote.exited:
                     remote.exited = True
@@ -326,6 +341,15 @@ class RaySpawner:
             self._forget(pid, remote)
         for task in list(self._tasks):
             task.cancel()
+
+
+def _checked_rss(item: object) -> int | None:
+    """("rss", bytes) from a node host, or None if it is not one."""
+    if isinstance(item, tuple) and len(item) == 2 and item[0] == "rss":
+        value = item[1]
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 50:
+            return value
+    return None
 
 
 def _checked_exit(item: object) -> tuple[int | None, int | None, str] | None:

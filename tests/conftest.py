@@ -8,7 +8,6 @@ import pytest
 from fakellm import FakeLLM
 from harness import Daemon
 from pg_server import pg_server  # noqa: F401 (a session-scoped fixture: one server a run)
-from ray_cluster import ray_cluster  # noqa: F401 (session-scoped too: one Ray cluster a run)
 
 FAST_CONFIG = """
 [agent.worker]

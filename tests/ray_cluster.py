@@ -9,7 +9,8 @@ nodes have session slots (`sessiond_slots`), two each, so a handful of
 sessions lands on both.  The head checks nodes' health every 0.5 s, so a
 killed node is noticed in seconds.
 
-Started once per test run (session-scoped fixture).  No Ray installed: the
+Started once per test run, by tests/test_cluster.py (all the Ray tests
+are there) and stopped when that module is done.  No Ray installed: the
 test fails saying what to install; it is never skipped.
 """
 
@@ -23,13 +24,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-__all__ = ["HEALTH_ENV", "NODE_IPS", "RayCluster", "ray_cluster"]
+from harness import env_for_children
+
+__all__ = ["HEALTH_ENV", "NODE_IPS", "RayCluster"]
 
 _INSTALL_HINT = "Ray is not installed: pip install -e '.[cluster]' (make test does)"
 HEAD_IP = "127.0.0.10"
@@ -87,7 +89,9 @@ class RayCluster:
     def _launch(self, ip: str, *args: str) -> Path:
         log = self.root / f"{ip}.log"
         log.unlink(missing_ok=True)
-        env = {**os.environ, **HEALTH_ENV, "RAY_USAGE_STATS_ENABLED": "0"}
+        # The tests' handlers (tests/fixture_handlers.py) are importable on
+        # every node, as an operator's own handlers must be installed there.
+        env = {**env_for_children(), **HEALTH_ENV, "RAY_USAGE_STATS_ENABLED": "0"}
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [str(self.ray), "start", "--block", f"--node-ip-address={ip}", "--num-cpus=1",
@@ -141,12 +145,3 @@ class RayCluster:
         for ip in reversed(list(self.nodes)):
             self._kill_group(self.nodes[ip])
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[RayCluster]:
-    cluster = RayCluster()
-    try:
-        yield cluster
-    finally:
-        cluster.close()

@@ -5,19 +5,66 @@ PostgreSQL (tests/pg_server.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import tomli_w
 
 from conftest import FAST_CONFIG
-from harness import wait_for
+from harness import env_for_children, wait_for
+from ipc import messages as m
 from pg_server import PgServer
 from ray_cluster import NODE_IPS, RayCluster
 from supervisor.config import ConfigError, parse_config
+from test_spawner_contract import CHECKS, Check
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[RayCluster]:
+    """One cluster for this module's tests, gone once they are done: an
+    idle Ray costs the rest of the run a share of its two cores."""
+    cluster = RayCluster()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def ray_contract(ray_cluster: RayCluster) -> dict[str, dict[str, Any]]:
+    """The suite against the Ray spawner, run once in a child process
+    (tests/ray_contract_child.py: joining Ray starts threads, and this
+    process must stay single-threaded for the zygote's run): check -> result."""
+    child = Path(__file__).parent / "ray_contract_child.py"
+    done = subprocess.run([sys.executable, str(child), ray_cluster.address], capture_output=True,
+                          text=True, timeout=300, env=env_for_children())
+    results = {}
+    for line in done.stdout.splitlines():
+        with contextlib.suppress(ValueError):
+            result = json.loads(line)
+            results[result["check"]] = result
+    assert results, f"the Ray contract run reported nothing ({done.returncode}):\n{done.stderr[-4000:]}"
+    return results
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.strip("_"))
+def test_ray_spawner_contract(check: Check, ray_contract: dict[str, dict[str, Any]]) -> None:
+    """Workers on node hosts of a real local Ray cluster (tests/ray_cluster.py)."""
+    result = ray_contract.get(check.__name__.strip("_"))
+    assert result is not None, "the Ray contract run did not get to this check"
+    assert result["ok"], result["error"]
+
+
 
 
 def cluster_config(cluster: RayCluster, dsn: str) -> str:
@@ -87,3 +134,20 @@ def test_a_lost_node_s_sessions_come_back_on_the_other_with_every_turn(
                 assert c.send_text(sid, "c") == "3: c"  # every acknowledged turn is there
         finally:
             ray_cluster.start_node(lost)  # whole again for whatever runs next
+
+
+@pytest.mark.process
+def test_a_memory_cap_is_enforced_on_a_remote_worker(
+    make_daemon, ray_cluster: RayCluster, pg_server: PgServer
+) -> None:
+    """The node host measures the worker's tree; the front's sweep decides
+    and kills through the node host; the exit is killed_memory."""
+    d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
+    with d.client() as c:
+        sid = c.create(handler="fixture_handlers:leaky", settings={"agent.limits.max_memory_mb": 96}).id
+        wait_for(lambda: (c.status(sid).rss_bytes or 0) > 0, 10, "the node host's first figure")
+        events = list(c.send(sid, "400"))
+        assert isinstance(events[-1], m.TurnFailed) and "killed_memory" in events[-1].reason
+        wait_for(lambda: c.status(sid).state == "idle" and c.status(sid).restarts == 1, 20,
+                 "the restart after the memory kill")
+        assert c.status(sid).last_exit.reason == "killed_memory"

@@ -1,7 +1,7 @@
 """The `Spawner` seam's contract, run against every implementation: the
-zygote (real forks: process tier), the in-process fake that the core's
-component tests stand on, and the Ray spawner (workers on node hosts of a
-real local Ray cluster, tests/ray_cluster.py).
+zygote (real forks: process tier) and the in-process fake that the core's
+component tests stand on; tests/test_cluster.py runs it against the Ray
+spawner (workers on node hosts of a real local Ray cluster).
 
 What every spawner promises: a requested worker speaks the worker protocol
 over the socket it hands back; every exit is reported once through
@@ -12,23 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 
 from fakespawner import FakeSpawner
-from harness import env_for_children
-from ray_cluster import RayCluster
 from ipc import messages as m
 from ipc.connection import FramedProtocol
 from ipc.settings import SessionSettings
@@ -156,32 +150,6 @@ CHECKS: list[Check] = [
     _each_worker_is_its_own,
     _a_closed_spawner_refuses,
 ]
-
-
-@pytest.fixture(scope="session")
-def ray_contract(ray_cluster: RayCluster) -> dict[str, dict[str, Any]]:
-    """The suite against the Ray spawner, run once in a child process
-    (tests/ray_contract_child.py: joining Ray starts threads, and this
-    process must stay single-threaded for the zygote's run): check -> result."""
-    child = Path(__file__).parent / "ray_contract_child.py"
-    done = subprocess.run([sys.executable, str(child), ray_cluster.address], capture_output=True,
-                          text=True, timeout=300, env=env_for_children())
-    results = {}
-    for line in done.stdout.splitlines():
-        with contextlib.suppress(ValueError):
-            result = json.loads(line)
-            results[result["check"]] = result
-    assert results, f"the Ray contract run reported nothing ({done.returncode}):\n{done.stderr[-4000:]}"
-    return results
-
-
-@pytest.mark.process
-@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.strip("_"))
-def test_ray_spawner_contract(check: Check, ray_contract: dict[str, dict[str, Any]]) -> None:
-    """Workers on node hosts of a real local Ray cluster (tests/ray_cluster.py)."""
-    result = ray_contract.get(check.__name__.strip("_"))
-    assert result is not None, "the Ray contract run did not get to this check"
-    assert result["ok"], result["error"]
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.strip("_"))
