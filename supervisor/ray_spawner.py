@@ -67,6 +67,7 @@ _SIGKILL = signal.SIGKILL  # (the spawner has a method named `signal`)
 _READ_BYTES = 1 << 16
 # How long a worker may wait for a free slot somewhere before `request` fails.
 PLACE_TIMEOUT_SECS = 15.0
+_PLACE_RETRY_SECS = 0.25
 _HOST_NAME = "sessiond-nodehost-{node_id}"
 _actor_class: Any = None  # ray.remote(NodeHost), made once
 
@@ -157,51 +158,73 @@ class RaySpawner:
         return fut
 
     async def _place(self, fut: asyncio.Future[tuple[int, socket.socket]]) -> None:
-        from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-
-        resource = self._settings.resource
-        group = placement_group([{resource: 1}], strategy="STRICT_PACK")
-        placed = False
         try:
-            try:
-                await asyncio.wait_for(group.ready(), PLACE_TIMEOUT_SECS)
-            except asyncio.TimeoutError:
-                raise SpawnerDied(f"no node of the Ray cluster has a free {resource!r} slot "
-                                  f"(waited {PLACE_TIMEOUT_SECS:g}s): start nodes with "
-                                  f"--resources '{{\"{resource}\": N}}' or free some") from None
-            node_id = placement_group_table(group)["bundles_to_node_id"][0]
-            if not isinstance(node_id, str):
-                raise SpawnerDied(f"Ray placed the worker on an unnamed node ({node_id!r})")
-            host = self._host(node_id)
-            try:
-                node_pid = await host.spawn.remote()
-            except Exception as exc:
-                raise SpawnerDied(f"the node host on {self._ips.get(node_id, node_id)} cannot "
-                                  f"start a worker: {exc}") from None
-            if not isinstance(node_pid, int) or isinstance(node_pid, bool) or node_pid <= 0:
-                raise SpawnerDied(f"the node host on {self._ips[node_id]} answered {node_pid!r}, not a pid")
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            ours.setblocking(False)
-            theirs.setblocking(False)
-            pid = next(self._pids)
-            remote = _Remote(host, self._ips[node_id], node_pid, theirs, group)
-            self._workers[pid] = remote
-            placed = True
-            remote.bridge = [self._spawn_task(self._to_worker(pid, remote)),
-                             self._spawn_task(self._from_worker(pid, remote))]
-            if fut.done() or self._closing:  # nobody waits for it any more
-                ours.close()
-                self.kill_tree(pid)
-            else:
-                fut.set_result((pid, ours))
+            group, node_id, host, node_pid = await self._spawn_somewhere()
         except BaseException as exc:
-            if not placed:
-                with contextlib.suppress(Exception):
-                    remove_placement_group(group)
             if not fut.done():
                 fut.set_exception(exc if isinstance(exc, SpawnerDied)
                                   else SpawnerDied(f"cannot place a worker: {exc}"))
             if not isinstance(exc, Exception):
+                raise
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.setblocking(False)
+        theirs.setblocking(False)
+        pid = next(self._pids)
+        remote = _Remote(host, self._ips[node_id], node_pid, theirs, group)
+        self._workers[pid] = remote
+        remote.bridge = [self._spawn_task(self._to_worker(pid, remote)),
+                         self._spawn_task(self._from_worker(pid, remote))]
+        if fut.done() or self._closing:  # nobody waits for it any more
+            ours.close()
+            self.kill_tree(pid)
+        else:
+            fut.set_result((pid, ours))
+
+    async def _spawn_somewhere(self) -> tuple[Any, str, Any, int]:
+        """A slot from Ray, then a worker from that node's host: (its
+        placement group, node id, node host, pid there).  A node host that
+        cannot be reached is most often on a node that died and that Ray
+        has not yet declared dead (it still places slots there): give the
+        slot back and ask again, until PLACE_TIMEOUT_SECS."""
+        from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+        resource = self._settings.resource
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PLACE_TIMEOUT_SECS
+        while True:
+            group = placement_group([{resource: 1}], strategy="STRICT_PACK")
+            try:
+                try:
+                    await asyncio.wait_for(group.ready(), max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    raise SpawnerDied(f"no node of the Ray cluster has a free {resource!r} slot "
+                                      f"(waited {PLACE_TIMEOUT_SECS:g}s): start nodes with "
+                                      f"--resources '{{\"{resource}\": N}}' or free some") from None
+                node_id = placement_group_table(group)["bundles_to_node_id"][0]
+                if not isinstance(node_id, str):
+                    raise SpawnerDied(f"Ray placed the worker on an unnamed node ({node_id!r})")
+                host = self._host(node_id)
+                try:
+                    node_pid = await host.spawn.remote()
+                except Exception as exc:
+                    self._hosts.pop(node_id, None)
+                    if loop.time() + _PLACE_RETRY_SECS >= deadline:
+                        raise SpawnerDied(f"the node host on {self._ips.get(node_id, node_id)} cannot "
+                                          f"start a worker: {exc}") from None
+                    log.warning("the node host on %s cannot start a worker (%s); placing it again",
+                                self._ips.get(node_id, node_id), type(exc).__name__)
+                    with contextlib.suppress(Exception):
+                        remove_placement_group(group)
+                    await asyncio.sleep(_PLACE_RETRY_SECS)
+                    continue
+                if not isinstance(node_pid, int) or isinstance(node_pid, bool) or node_pid <= 0:
+                    raise SpawnerDied(f"the node host on {self._ips[node_id]} answered {node_pid!r}, "
+                                      "not a pid")
+                return group, node_id, host, node_pid
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(group)
                 raise
 
     def _host(self, node_id: str) -> Any:

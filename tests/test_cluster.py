@@ -128,7 +128,10 @@ def test_a_lost_node_s_sessions_come_back_on_the_other_with_every_turn(
             print(f"\nrecovery after a node kill: {time.monotonic() - began:.1f}s")
             for sid in on_lost:
                 st = c.status(sid)
-                assert st.last_exit is not None and st.last_exit.reason == "crashed"
+                # Crashed, or killed_heartbeat when its silence (0.6 s here)
+                # was noticed before Ray declared the node dead: either way
+                # the detail says what happened.
+                assert st.last_exit is not None and st.last_exit.reason in ("crashed", "killed_heartbeat")
                 assert "node_lost" in st.last_exit.detail and lost in st.last_exit.detail
             for sid in sids:
                 assert c.send_text(sid, "c") == "3: c"  # every acknowledged turn is there
