@@ -143,6 +143,9 @@ class ClusterSettings(ConfigSection):
     resource: str = "sessiond_slots"
     # The Ray namespace of the node-host actors: fronts of one deployment share it.
     namespace: str = "sessiond"
+    # A node host kills a front's workers once that front has not renewed
+    # its lease for this long (it died, or cannot reach the node).
+    front_lease_secs: Annotated[float, Meta(ge=1, le=600)] = 10.0
 
 
 class Config(SessionSettings):

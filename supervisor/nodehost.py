@@ -24,9 +24,10 @@ What crosses machines is Ray's only, never a socket protocol of ours:
       signal / kill_tree ─ actor call ──►    pidfd_send_signal on the node
 
 The bytes are the worker protocol's frames, uninterpreted here: the front
-frames and checks them as it does a local worker's.  A worker whose frames
-stream is abandoned (its front went away and Ray cancelled the call) is
-killed: nothing of a session runs on without a front to answer to.
+frames and checks them as it does a local worker's.  Nothing of a session
+runs on without a front to answer to: each front renews a lease here (Ray
+does not cancel a dead caller's streaming call), and the workers of a
+front whose lease ran out are killed, as are those whose stream ends early.
 
 Runs in the node host's actor process, in the actor's one event-loop thread
 (the zygote is tied to that thread by PDEATHSIG, which is per thread).
@@ -39,6 +40,7 @@ import contextlib
 import logging
 import signal
 import socket
+import time
 from collections.abc import AsyncIterator
 
 from supervisor.limits import ProcTable, SessionMemory
@@ -56,6 +58,8 @@ _GONE_POLL_SECS = 0.05
 # change to be reported to the front (each report is a stream item).
 _MEASURE_SECS = 0.1
 _REPORT_STEP_BYTES = 1 << 20
+# How often fronts' leases are checked.
+_LEASE_CHECK_SECS = 0.5
 
 # What `frames` yields: a chunk of the worker's bytes, ("rss", bytes) of its
 # tree, its exit ("exit", code, signal, detail), then ("gone",).
@@ -64,11 +68,13 @@ Frame = bytes | ExitItem | tuple[str, int] | tuple[str]
 
 
 class _Worker:
-    __slots__ = ("exit", "memory", "sock")
+    __slots__ = ("exit", "front", "memory", "sock")
 
-    def __init__(self, sock: socket.socket, exit: asyncio.Future[tuple[int | None, int | None, str]]) -> None:
+    def __init__(self, sock: socket.socket, exit: asyncio.Future[tuple[int | None, int | None, str]],
+                 front: str) -> None:
         self.sock = sock
         self.exit = exit
+        self.front = front  # the front that holds it (by its lease)
         # Its descendants as measured here, and pidfds for those that left
         # its process group: a kill reaches them through these.
         self.memory = SessionMemory()
@@ -81,6 +87,8 @@ class NodeHost:
         self._spawner: ZygoteSpawner | None = None
         self._workers: dict[int, _Worker] = {}
         self._procs = ProcTable()
+        self._leases: dict[str, float] = {}  # front -> time.monotonic() its lease ends
+        self._watchdog: asyncio.Task[None] | None = None
         # Exits that came before the spawn call registered the worker.
         self._exits: dict[int, asyncio.Future[tuple[int | None, int | None, str]]] = {}
 
@@ -110,14 +118,40 @@ class NodeHost:
         for pid in list(self._workers):
             self._exited(pid, None, _SIGKILL, "the zygote on its node died")
 
-    async def spawn(self) -> int:
-        """A new worker; its pid on this node.  Raises SpawnerDied (the
-        zygote died and is being restarted): the caller gets it wrapped."""
+    async def spawn(self, front: str, lease_secs: float) -> int:
+        """A new worker for `front`, which holds it by a lease; its pid on
+        this node.  Raises SpawnerDied (the zygote died and is being
+        restarted): the caller gets it wrapped."""
+        if not isinstance(front, str) or not front or len(front) > 64:
+            raise ValueError("a front names itself")
+        await self.lease(front, lease_secs)
         spawner = self._zygote()
         pid, sock = await spawner.request()
         sock.setblocking(False)
-        self._workers[pid] = _Worker(sock, self._exit_future(pid))
+        self._workers[pid] = _Worker(sock, self._exit_future(pid), front)
         return pid
+
+    async def lease(self, front: str, secs: float) -> None:
+        """`front` is alive for `secs` more: its workers stay.  A front
+        that stops renewing (it died, or cannot reach us) loses its
+        workers when its lease runs out; Ray would not tell us."""
+        if isinstance(front, str) and isinstance(secs, (int, float)) and not isinstance(secs, bool):
+            self._leases[front] = time.monotonic() + min(max(float(secs), 1.0), 600.0)
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch_leases())
+
+    async def _watch_leases(self) -> None:
+        while True:
+            await asyncio.sleep(_LEASE_CHECK_SECS)
+            now = time.monotonic()
+            for pid, worker in list(self._workers.items()):
+                if self._leases.get(worker.front, 0.0) < now and not worker.exit.done():
+                    log.warning("worker %d: its front %s stopped renewing its lease; killing it",
+                                pid, worker.front)
+                    if self._spawner is not None:
+                        self._spawner.kill_tree(pid, worker.memory.escapees())
+            for front in [f for f, until in self._leases.items() if until < now - 600]:
+                del self._leases[front]
 
     async def send(self, pid: int, data: bytes) -> bool:
         """Write the front's bytes to the worker; False once it cannot take them."""

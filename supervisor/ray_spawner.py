@@ -27,6 +27,11 @@ on one machine) and sends the figure on the same stream when it changes;
 `reported_rss` feeds it to the daemon's sweep (`ProcTable.remote`), which
 decides caps as on one machine and kills through `kill_tree`.
 
+Leases: a node host keeps a front's workers only while that front renews
+its lease (`[cluster] front_lease_secs`), so a front that dies does not
+leave workers running on the nodes: Ray does not cancel a dead caller's
+streaming call, and an idle worker's stream would never notice.
+
 Exits: the frames stream ends with the worker's exit (code or signal, as
 its zygote decoded it), classified by WorkerOwner as any other.  A stream
 that breaks (the node host's actor or its whole node died) is a lost
@@ -51,6 +56,7 @@ import itertools
 import logging
 import signal
 import socket
+import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -104,6 +110,8 @@ class RaySpawner:
         self._ips: dict[str, str] = {}  # node id -> its address as Ray reports it
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
+        # Who this front is to node hosts, for its lease on its workers.
+        self._front = f"{socket.gethostname()[:40]}-{uuid.uuid4().hex[:16]}"
 
     # ---------------------------------------------------------------- set-up
 
@@ -128,6 +136,17 @@ class RaySpawner:
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._spawn_task(self._renew_leases())
+
+    async def _renew_leases(self) -> None:
+        """Tell every node host that runs a worker of ours that we are
+        alive, a few times per lease (a lost renewal is not yet a loss)."""
+        secs = self._settings.front_lease_secs
+        while not self._closing:
+            await asyncio.sleep(secs / 4)
+            for host in {id(r.host): r.host for r in self._workers.values() if not r.gone}.values():
+                with contextlib.suppress(Exception):
+                    host.lease.remote(self._front, secs)
 
     @property
     def zygote_pid(self) -> int:
@@ -206,7 +225,7 @@ class RaySpawner:
                     raise SpawnerDied(f"Ray placed the worker on an unnamed node ({node_id!r})")
                 host = self._host(node_id)
                 try:
-                    node_pid = await host.spawn.remote()
+                    node_pid = await host.spawn.remote(self._front, self._settings.front_lease_secs)
                 except Exception as exc:
                     self._hosts.pop(node_id, None)
                     if loop.time() + _PLACE_RETRY_SECS >= deadline:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import tomli_w
 
@@ -70,7 +71,7 @@ def test_ray_spawner_contract(check: Check, ray_contract: dict[str, dict[str, An
 def cluster_config(cluster: RayCluster, dsn: str) -> str:
     return FAST_CONFIG + "\n" + tomli_w.dumps({
         "store": {"backend": "postgres", "dsn": dsn},
-        "cluster": {"backend": "ray", "address": cluster.address},
+        "cluster": {"backend": "ray", "address": cluster.address, "front_lease_secs": 2.0},
     })
 
 
@@ -103,6 +104,27 @@ def test_sessions_run_on_both_nodes_and_survive_a_worker_kill(
     listed = json.loads(d.ctl("--json", "ls").stdout)["sessions"]
     assert {s["node"] for s in listed} == set(NODE_IPS)
     assert "cluster mode" in d.log
+
+
+@pytest.mark.process
+def test_a_front_that_dies_leaves_no_worker_behind(
+    make_daemon, ray_cluster: RayCluster, pg_server: PgServer
+) -> None:
+    """Its lease on the node host runs out; the next front loads the
+    session from PostgreSQL and runs it on a new worker."""
+    d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
+    with d.client() as c:
+        sid = c.create(handler="echo").id
+        assert c.send_text(sid, "a") == "1: a"
+        pid = c.status(sid).pid
+    assert pid is not None
+    worker = psutil.Process(pid)  # every node is this machine here
+    d.kill()
+    wait_for(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 20,
+             "the node host to kill the dead front's worker")
+    d.start()
+    with d.client() as c:
+        assert c.send_text(sid, "b") == "2: b"
 
 
 @pytest.mark.process
