@@ -11,9 +11,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
-	@# The `cluster` extra (PostgreSQL driver): its tests run in `make test`.
+	@# The `cluster` extra (PostgreSQL driver, Ray): its tests run in `make test`.
 	$(PY) -m pip install -q -e '.[test,cluster]' || { \
-	  echo "make: could not install the 'cluster' extra (psycopg[binary], the PostgreSQL driver):" \
+	  echo "make: could not install the 'cluster' extra (psycopg[binary], the PostgreSQL driver; ray):" \
 	       "check that a package index is reachable (pip config list), then run make again" >&2; \
 	  exit 1; }
 	touch $@

@@ -32,6 +32,10 @@ VENV = Path(sys.prefix)
 NOT_RUN = {
     "sudo systemd/install.sh": "installs into / as root; tests/test_systemd_units.py stages it into a temp root",
     "sudo systemctl enable --now sessiond.socket": "needs systemd as PID 1",
+    "RAY_health_check_period_ms=1000 RAY_health_check_failure_threshold=3 ray start --head --port=6379 "
+    "--disable-usage-stats": "starts Ray for good; tests/ray_cluster.py starts the same on loopback addresses",
+    "ray start --address=HEAD:6379 --resources='{\"sessiond_slots\": 50}' --disable-usage-stats":
+        "needs a Ray head; tests/ray_cluster.py starts nodes so",
 }
 # TOML blocks that only a real provider key could check: none today (an unset
 # api_key_env variable is a warning, not an error). Name them here by their
