@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -131,19 +132,33 @@ def test_a_front_that_dies_leaves_no_worker_behind(
 def test_a_lost_node_s_sessions_come_back_on_the_other_with_every_turn(
     make_daemon, ray_cluster: RayCluster, pg_server: PgServer
 ) -> None:
+    """Kill the node that runs a turn: the turn fails naming node_lost, the
+    sessions it held run again on the other node with every acknowledged turn."""
     d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
     with d.client() as c:
-        sids = [c.create(handler="echo").id for _ in range(2)]
-        for sid in sids:
-            assert c.send_text(sid, "a") == "1: a"
-            assert c.send_text(sid, "b") == "2: b"
-        lost = c.status(sids[0]).node
+        echo = c.create(handler="echo").id
+        slow = c.create(handler="fixture_handlers:slow").id  # input N: N ticks of 20 ms
+        assert c.send_text(echo, "a") == "1: a"
+        assert c.send_text(echo, "b") == "2: b"
+        assert c.send_text(slow, "1") == "tick 0\n"
+        lost = c.status(slow).node
         assert lost in NODE_IPS
         other = next(ip for ip in NODE_IPS if ip != lost)
-        on_lost = [s for s in sids if c.status(s).node == lost]
+        on_lost = [s for s in (echo, slow) if c.status(s).node == lost]
+        running: list[Any] = []
+
+        def long_turn() -> None:
+            with d.client() as c2:
+                running.extend(c2.send(slow, "3000"))
+
+        turn = threading.Thread(target=long_turn)
+        turn.start()
+        wait_for(lambda: c.status(slow).state == "running", 10, "the long turn to run")
         began = time.monotonic()
         ray_cluster.kill_node(lost)
         try:
+            turn.join(60)
+            assert isinstance(running[-1], m.TurnFailed) and "node_lost" in running[-1].reason
             for sid in on_lost:
                 wait_for(lambda: c.status(sid).state == "idle" and c.status(sid).node == other, 60,
                          f"session {sid} to come back on {other}")
@@ -155,9 +170,10 @@ def test_a_lost_node_s_sessions_come_back_on_the_other_with_every_turn(
                 # the detail says what happened.
                 assert st.last_exit is not None and st.last_exit.reason in ("crashed", "killed_heartbeat")
                 assert "node_lost" in st.last_exit.detail and lost in st.last_exit.detail
-            for sid in sids:
-                assert c.send_text(sid, "c") == "3: c"  # every acknowledged turn is there
+            assert c.send_text(echo, "c") == "3: c"  # every acknowledged turn is there
+            assert c.send_text(slow, "1") == "tick 0\n"
         finally:
+            turn.join(60)
             ray_cluster.start_node(lost)  # whole again for whatever runs next
 
 
