@@ -233,6 +233,8 @@ def _print_status(s: m.SessionInfo) -> None:
         ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.created_at))),
         ("last exit", exit_text), ("seq", s.seq),
     ]
+    if s.node:
+        fields.append(("node", s.node))  # cluster mode: where its worker runs
     if s.error:
         fields.append(("error", s.error))
     if s.parent:

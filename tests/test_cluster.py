@@ -104,6 +104,9 @@ def test_sessions_run_on_both_nodes_and_survive_a_worker_kill(
         assert c.send_text(sids[0], "b") == "2: b"
     listed = json.loads(d.ctl("--json", "ls").stdout)["sessions"]
     assert {s["node"] for s in listed} == set(NODE_IPS)
+    status = json.loads(d.ctl("--json", "status", sids[1]).stdout)
+    assert status["node"] in NODE_IPS and isinstance(status["pid"], int)
+    assert f"node:      {status['node']}\n" in d.ctl("status", sids[1]).stdout
     assert "cluster mode" in d.log
 
 
