@@ -326,7 +326,9 @@ class RaySpawner:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            why = f"node_lost: node {remote.ip} is gone from the Ray cluster ({type(exc).__name__})"
+            # Its node died, or its node host did (and its zygote and
+            # workers with it): Ray says which only by the error's type.
+            why = f"node_lost: lost the node host on {remote.ip} ({type(exc).__name__})"
         finally:
             if why and not remote.exited:
                 remote.exited = True
