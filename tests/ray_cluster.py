@@ -54,7 +54,8 @@ def _free_port() -> int:
 
 
 class RayCluster:
-    def __init__(self) -> None:
+    def __init__(self, slots: int = SLOTS) -> None:
+        self.slots = slots
         self.ray = Path(sys.executable).parent / "ray"
         if not self.ray.exists():
             found = shutil.which("ray")
@@ -81,7 +82,7 @@ class RayCluster:
         """Worker nodes with session slots (again, after `kill_node`), one
         after the other: two starting at once on one host time out."""
         for ip in ips:
-            self._start(ip, f"--address={self.address}", f"--resources={{\"sessiond_slots\": {SLOTS}}}")
+            self._start(ip, f"--address={self.address}", f"--resources={{\"sessiond_slots\": {self.slots}}}")
 
     def _start(self, ip: str, *args: str) -> None:
         self._wait_started(ip, self._launch(ip, *args))

@@ -1,0 +1,143 @@
+"""Cluster mode's cost per session, against one machine, side by side.
+
+    .venv/bin/python bench/cluster.py [--n 40] [--json]
+
+Starts a real local Ray cluster (tests/ray_cluster.py: a head and two
+worker nodes on loopback addresses, with 50 slots each) and a real
+PostgreSQL (tests/pg_server.py), then three daemons:
+
+- `one machine`: the zygote and the file store (the default);
+- `one machine + pg`: the zygote and the PostgreSQL store (what the store
+  alone costs);
+- `cluster`: workers on Ray node hosts and the PostgreSQL store.
+
+In interleaved rounds (one of each per round, so the machine's noise hits
+all three alike), each daemon gets: create -> ready (an echo session,
+removed again), a session ping (daemon -> worker -> daemon), and a durable
+echo turn.  Then the recovery time after a node is killed (its raylet and
+everything on it, SIGKILL) with the health-check settings of
+tests/ray_cluster.py (0.5 s x 3): from the kill to a session that was on
+it answering a turn from the other node.
+
+Everything is on this one machine: the "remote" workers are local
+processes, so the cluster figures are Ray's overhead, not a network's.
+
+Goals (issue 15): create -> ready <= 3x, ping <= 3x, durable echo turn
+<= 2x of one machine with a local PostgreSQL; recovery <= 10 s.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_BENCH = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
+sys.path.insert(0, str(_BENCH.parent))
+sys.path.insert(1, str(_BENCH.parent / "tests"))
+
+import time  # noqa: E402
+
+import tomli_w  # noqa: E402
+
+from bench import _common as c  # noqa: E402
+
+c.setup_path()
+
+from pg_server import PgServer  # noqa: E402
+from ray_cluster import HEALTH_ENV, NODE_IPS, RayCluster  # noqa: E402
+
+from supervisor.client import Client  # noqa: E402
+
+BASE = """
+[agent.limits]
+max_concurrent_sessions = 200
+[agent.worker]
+heartbeat_interval_secs = 1.0
+"""
+
+
+def _timed(fn: object) -> int:
+    began = time.perf_counter_ns()
+    fn()  # type: ignore[operator]
+    return time.perf_counter_ns() - began
+
+
+def main() -> int:
+    p = c.arg_parser(__doc__ or "")
+    p.add_argument("--n", type=int, default=40, help="rounds (default 40)")
+    args = p.parse_args()
+    report = c.Report("cluster", args.json)
+    report.say("starting PostgreSQL and a 3-node Ray cluster ...")
+    pg = PgServer()
+    c.on_exit(pg.close)
+    cluster = RayCluster(slots=50)
+    c.on_exit(cluster.close)
+    setups = {
+        "one machine": BASE,
+        "one machine + pg": BASE + tomli_w.dumps({"store": {"backend": "postgres", "dsn": pg.fresh_dsn()}}),
+        "cluster": BASE + tomli_w.dumps({
+            "store": {"backend": "postgres", "dsn": pg.fresh_dsn()},
+            "cluster": {"backend": "ray", "address": cluster.address},
+        }),
+    }
+    daemons = {name: c.BenchDaemon(config, tag="sdc").start(timeout=60) for name, config in setups.items()}
+    clients = {name: Client(d.socket) for name, d in daemons.items()}
+    sids = {name: cl.create(handler="echo").id for name, cl in clients.items()}
+    samples: dict[str, dict[str, list[int]]] = {name: {"create": [], "ping": [], "turn": []} for name in setups}
+    for name, cl in clients.items():  # warm up: the node hosts are made by the first create
+        cl.remove(cl.create(handler="echo").id)
+        cl.send_text(sids[name], "warm")
+    for _ in range(args.n):
+        for name, cl in clients.items():
+            made: list[str] = []
+            samples[name]["create"].append(_timed(lambda: made.append(cl.create(handler="echo").id)))
+            cl.remove(made[0])
+            samples[name]["ping"].append(_timed(lambda: cl.ping(sids[name])))
+            samples[name]["turn"].append(_timed(lambda: cl.send_text(sids[name], "x")))
+    rows = []
+    medians: dict[str, dict[str, float]] = {}
+    for name in setups:
+        medians[name] = {}
+        row = [name]
+        for what in ("create", "ping", "turn"):
+            s = c.summarize(samples[name][what])
+            medians[name][what] = s["median_us"]
+            row.append(c.fmt_us(medians[name][what]))
+        rows.append(row)
+    report.table(["", "create -> ready", "session ping", "durable echo turn"], rows)
+    report.figures["medians_us"] = medians
+
+    # Recovery after a node kill.
+    cl = clients["cluster"]
+    victim = cl.status(sids["cluster"]).node
+    other = next(ip for ip in NODE_IPS if ip != victim)
+    began = time.monotonic()
+    cluster.kill_node(victim)
+    while True:
+        st = cl.status(sids["cluster"])
+        if st.state == "idle" and st.node == other:
+            break
+        if time.monotonic() - began > 60:
+            raise RuntimeError("the session did not come back within 60 s")
+        time.sleep(0.02)
+    cl.send_text(sids["cluster"], "after")
+    recovery = time.monotonic() - began
+    report.say(f"recovery after a node kill (health check {HEALTH_ENV['RAY_health_check_period_ms']} ms x "
+               f"{HEALTH_ENV['RAY_health_check_failure_threshold']}): {recovery:.2f} s")
+    report.figures["recovery_secs"] = recovery
+    for cl_ in clients.values():
+        cl_.close()
+
+    base, clus = medians["one machine + pg"], medians["cluster"]
+    report.goal("create->ready <= 3x one machine with pg", clus["create"] / base["create"], 3.0,
+                f"{clus['create'] / base['create']:.2f}x")
+    report.goal("session ping <= 3x", clus["ping"] / base["ping"], 3.0, f"{clus['ping'] / base['ping']:.2f}x")
+    report.goal("durable echo turn <= 2x", clus["turn"] / base["turn"], 2.0,
+                f"{clus['turn'] / base['turn']:.2f}x")
+    report.goal("recovery after a node kill <= 10 s", recovery, 10.0, f"{recovery:.2f} s")
+    return report.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
