@@ -74,6 +74,8 @@ _READ_BYTES = 1 << 16
 # How long a worker may wait for a free slot somewhere before `request` fails.
 PLACE_TIMEOUT_SECS = 15.0
 _PLACE_RETRY_SECS = 0.25
+# How long joining waits for the Ray head's port to answer at all.
+_CONNECT_TIMEOUT_SECS = 5.0
 _HOST_NAME = "sessiond-nodehost-{node_id}"
 _actor_class: Any = None  # ray.remote(NodeHost), made once
 
@@ -125,6 +127,7 @@ class RaySpawner:
                               "pip install 'sessiond[cluster]'") from None
         if ray.is_initialized():
             return
+        _check_reachable(self._settings.address)
         try:
             ray.init(
                 address=self._settings.address or "auto", namespace=self._settings.namespace,
@@ -385,6 +388,18 @@ class RaySpawner:
             self._forget(pid, remote)
         for task in list(self._tasks):
             task.cancel()
+
+
+def _check_reachable(address: str) -> None:
+    """ray.init retries an unreachable head for minutes, saying so only in
+    its own log lines: try the head's port first, and say it in one line."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or address.startswith(("ray://", "auto")):
+        return  # "auto", empty, or a form Ray resolves itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT_SECS).close()
+    except OSError as exc:
+        raise SpawnerDied(f"cannot reach the Ray head at {address}: {exc.strerror or exc}") from None
 
 
 def _checked_rss(item: object) -> int | None:

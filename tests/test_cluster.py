@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -195,3 +196,18 @@ def test_a_memory_cap_is_enforced_on_a_remote_worker(
         wait_for(lambda: c.status(sid).state == "idle" and c.status(sid).restarts == 1, 20,
                  "the restart after the memory kill")
         assert c.status(sid).last_exit.reason == "killed_memory"
+
+
+@pytest.mark.process
+def test_a_cluster_that_cannot_be_reached_stops_the_start_saying_so(make_daemon, tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = FAST_CONFIG + "\n" + tomli_w.dumps({
+        "store": {"backend": "postgres", "dsn": f"host={tmp_path} dbname=x"},
+        "cluster": {"backend": "ray", "address": f"127.0.0.1:{port}"},
+    })
+    d = make_daemon(config, start=False)
+    with pytest.raises(AssertionError, match="exited with 1"):
+        d.start()
+    assert f"cannot reach the Ray head at 127.0.0.1:{port}" in d.log
