@@ -41,6 +41,7 @@ import shutil
 import struct
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +111,25 @@ def _write_error(what: str, exc: OSError) -> StoreError:
     if exc.errno in _FULL_ERRNOS:
         return StoreFull(f"cannot write {what}: {exc.strerror}; free some space in the state directory")
     return StoreError(f"cannot write {what}: {exc.strerror}")
+
+
+def _bench_fdatasync() -> Callable[[int], None]:
+    """`os.fdatasync`, or, for benchmarks only (bench/load.py), one that
+    first sleeps SESSIOND_BENCH_FSYNC_DELAY_MS: a stand-in for a disk whose
+    flush is slow (network block storage).  Not a setting: never set it
+    in production."""
+    delay = float(os.environ.get("SESSIOND_BENCH_FSYNC_DELAY_MS") or 0) / 1000
+    if delay <= 0:
+        return os.fdatasync
+
+    def slow(fd: int) -> None:
+        time.sleep(delay)
+        os.fdatasync(fd)
+
+    return slow
+
+
+_fdatasync = _bench_fdatasync()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -405,7 +425,7 @@ class SessionStore:
     def make_durable(self) -> None:
         """fsync the log and the directory entries that lead to it."""
         try:
-            os.fdatasync(self._fd)
+            _fdatasync(self._fd)
             _fsync_dir(self.path)
             _fsync_dir(self.path.parent)
         except OSError as exc:
@@ -485,7 +505,7 @@ class SessionStore:
         try:
             _write_all(self._fd, frame)
             if durable:
-                os.fdatasync(self._fd)
+                _fdatasync(self._fd)
         except OSError as exc:
             # Cut back what may have landed, so the log ends on a whole record.
             with contextlib.suppress(OSError):
@@ -501,7 +521,7 @@ class SessionStore:
         was saved."""
         try:
             self._check_fence()
-            os.fdatasync(self._fd)
+            _fdatasync(self._fd)
         except (OSError, Fenced) as exc:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, self._synced)
