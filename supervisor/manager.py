@@ -635,6 +635,7 @@ class SessionManager:
             task.cancel()
         for session in self.sessions.values():
             session.store.close()
+        self.store.close()
         self.proc_table.close()
 
 

@@ -11,6 +11,7 @@ the disk; everything is lost with the process.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 
@@ -71,6 +72,21 @@ class MemoryLog:
     def sync(self) -> None:
         self._check()
         self._stored.synced = len(self._stored.log)
+
+    def sync_soon(self) -> asyncio.Future[None]:
+        """Completes on a later turn of the loop, as a group commit does."""
+        self._check()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        stored, target = self._stored, len(self._stored.log)
+
+        def done() -> None:
+            if not fut.done():
+                stored.synced = max(stored.synced, min(target, len(stored.log)))
+                fut.set_result(None)
+
+        loop.call_soon(done)
+        return fut
 
     def make_durable(self) -> None:
         self._check()
@@ -145,6 +161,9 @@ class InMemoryStateStore:
 
     def remove(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
+
+    def close(self) -> None:
+        pass
 
     def repair(self, session_id: str, mode: RepairMode) -> RepairResult:
         stored = self.sessions[session_id]
