@@ -300,6 +300,26 @@ class Journal:
         else:
             self._run()
 
+    def abandon(self) -> None:
+        """For tests of a crash: stop without syncing anything more; what
+        was not durable stays in the file, as the page cache would leave it."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+        os.close(self._fd)
+        self._fd = -1
+
+    @property
+    def synced_bytes(self) -> int:
+        """How much of the current journal file is durable (for tests)."""
+        return self._synced - self._base
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
     # ---------------------------------------------------------------- the writer thread
 
     def _run(self) -> None:

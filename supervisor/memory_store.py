@@ -15,6 +15,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from supervisor.journal import write_error
 from supervisor.logtag import tagged
 from supervisor.state_store import (
     Fenced,
@@ -46,7 +47,8 @@ class _Stored:
 
 class MemoryLog:
     def __init__(self, session_id: str, stored: _Stored, generation: int,
-                 sessions: dict[str, _Stored]) -> None:
+                 sessions: dict[str, _Stored], owner: InMemoryStateStore | None = None) -> None:
+        self._owner = owner
         self._sessions = sessions
         self._id = session_id
         self._stored = stored
@@ -81,9 +83,15 @@ class MemoryLog:
         stored, target = self._stored, len(self._stored.log)
 
         def done() -> None:
-            if not fut.done():
-                stored.synced = max(stored.synced, min(target, len(stored.log)))
-                fut.set_result(None)
+            if fut.done():
+                return
+            failure = self._owner.flush_error if self._owner is not None else None
+            if failure is not None:
+                del stored.log[stored.synced :]
+                fut.set_exception(write_error(f"session {self._id}", failure))
+                return
+            stored.synced = max(stored.synced, min(target, len(stored.log)))
+            fut.set_result(None)
 
         loop.call_soon(done)
         return fut
@@ -117,13 +125,15 @@ class MemoryLog:
 class InMemoryStateStore:
     def __init__(self) -> None:
         self.sessions: dict[str, _Stored] = {}
+        # For tests: every group commit (sync_soon) fails with this.
+        self.flush_error: OSError | None = None
 
     def create(self, meta: Meta, durable: bool = True) -> MemoryLog:
         if meta.id in self.sessions:
             raise FileExistsError(meta.id)
         stored = _Stored(fence=1)
         self.sessions[meta.id] = stored
-        handle = MemoryLog(meta.id, stored, 1, self.sessions)
+        handle = MemoryLog(meta.id, stored, 1, self.sessions, self)
         handle.append(meta, durable=False)
         if durable:
             handle.make_durable()
@@ -154,7 +164,7 @@ class InMemoryStateStore:
                 loaded.apply(rec)
         if loaded is None:
             raise StoreDamaged(session_id, "no metadata record", repairable=False)
-        return MemoryLog(session_id, stored, stored.fence, self.sessions), loaded
+        return MemoryLog(session_id, stored, stored.fence, self.sessions, self), loaded
 
     def ids(self) -> list[str]:
         return sorted(self.sessions)

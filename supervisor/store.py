@@ -207,7 +207,7 @@ class SessionStore:
         self._snap_gen = snap_gen  # the current snapshot continues at this log
         self._base_gen = base_gen  # oldest log kept (the fallback's)
         self._fd = -1
-        self._size = self._synced = 0
+        self._size = self._synced = self._opened = 0
         self._fence_fd, self._generation = fence if fence is not None else _take_fence(path)
         try:
             self._open_log()
@@ -343,7 +343,7 @@ class SessionStore:
             self._fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise _write_error(f"{self.path.name}/log.{self.gen}", exc) from exc
-        self._size = self._synced = os.fstat(self._fd).st_size
+        self._size = self._synced = self._opened = os.fstat(self._fd).st_size
 
     def append(self, record: Record, durable: bool) -> None:
         self._check_fence()
