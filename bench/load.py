@@ -115,6 +115,22 @@ async def _control(client: AsyncClient, busy: str, until: float) -> dict[str, li
     return out
 
 
+def _worker_pids(d: c.BenchDaemon) -> list[int]:
+    import psutil
+
+    try:
+        return [p.pid for p in psutil.Process(d.zygote_pid()).children()]
+    except (psutil.Error, RuntimeError):
+        return []
+
+
+def _cpu(daemon: int, load: int, workers: list[int]) -> dict[str, int]:
+    """ns on a CPU so far: the daemon (all its threads), the load generator,
+    all workers together."""
+    return {"daemon": c.sched_ns(daemon)[0], "client": c.sched_ns(load)[0],
+            "workers": sum(c.sched_ns(w)[0] for w in workers)}
+
+
 async def _level(d: c.BenchDaemon, client: AsyncClient, sids: list[str], secs: float) -> dict[str, Any]:
     outfile = d.dir / f"load-{len(sids)}.json"
     proc = await asyncio.create_subprocess_exec(
@@ -124,23 +140,32 @@ async def _level(d: c.BenchDaemon, client: AsyncClient, sids: list[str], secs: f
     c.on_exit(lambda: proc.returncode is None and proc.kill())
     # Control requests while the load runs (after its warm-up and connects).
     await asyncio.sleep(WARMUP_SECS + 0.3)
+    workers = _worker_pids(d)
+    cpu0 = _cpu(d.pid, proc.pid, workers)
+    t0 = time.monotonic()
     control = await _control(client, sids[0], time.monotonic() + secs - 0.6)
+    cpu1 = _cpu(d.pid, proc.pid, workers)
+    wall = time.monotonic() - t0
     rc = await proc.wait()
     if rc != 0:
         raise RuntimeError(f"load generator exited {rc}:\n{d.log()[-3000:]}")
     res = json.loads(outfile.read_text())
     turns = c.summarize(res["lat_ns"])
+    rate = res["turns"] / res["secs"]
     return {
         "n": len(sids),
-        "turns_per_sec": res["turns"] / res["secs"],
+        # CPU per durable turn, µs, over the control window (both cores count).
+        "cpu_us_per_turn": {k: (cpu1[k] - cpu0[k]) / 1000 / max(rate * wall, 1) for k in cpu0},
+        "turns_per_sec": rate,
         "turn": turns,
         "control": {k: c.summarize(v) for k, v in control.items()},
     }
 
 
-async def _run_mode(ns: list[int], secs: float, fsync_delay_ms: float) -> dict[str, Any]:
+async def _run_mode(ns: list[int], secs: float, fsync_delay_ms: float, profile: str | None = None) -> dict[str, Any]:
     env = {"SESSIOND_BENCH_FSYNC_DELAY_MS": str(fsync_delay_ms)} if fsync_delay_ms else {}
-    d = c.BenchDaemon(CONFIG, tag="load", env=env).start()
+    flags = ["-m", "cProfile", "-o", profile] if profile else []
+    d = c.BenchDaemon(CONFIG, tag="load", env=env, python_flags=flags).start()
     try:
         client = await AsyncClient.connect(str(d.socket), client_name="bench-control")
         idle = []
@@ -183,9 +208,11 @@ def _print(rep: c.Report, mode: dict[str, Any]) -> None:
             c.fmt_us(ctl["ping"]["median_us"]), c.fmt_us(ctl["ping"]["p99_us"]),
             c.fmt_us(ctl["status"]["median_us"]), c.fmt_us(ctl["status"]["p99_us"]),
             c.fmt_us(ctl["ls"]["median_us"]), c.fmt_us(ctl["ls"]["p99_us"]),
+            " / ".join(f"{lv['cpu_us_per_turn'][k]:.0f}" for k in ("daemon", "workers", "client")),
         ])
     rep.table(["sessions", "turns/s", f"vs N={mode['levels'][0]['n']}", "turn p50", "turn p99",
-               "ping p50", "ping p99", "status p50", "status p99", "ls p50", "ls p99"], rows)
+               "ping p50", "ping p99", "status p50", "status p99", "ls p50", "ls p99",
+               "CPU µs/turn daemon / workers / client"], rows)
 
 
 def main() -> int:
@@ -194,13 +221,15 @@ def main() -> int:
     p = c.arg_parser(__doc__.split("\n\n")[0])
     p.add_argument("--ns", default="1,10,50,200", help="session counts (default 1,10,50,200)")
     p.add_argument("--secs", type=float, default=4.0, help="seconds measured per count (default 4)")
+    p.add_argument("--profile", metavar="FILE", help="run the (real-disk) daemon under cProfile, "
+                   "stats written to FILE at its exit")
     p.add_argument("--slow-ms", type=float, default=3.0,
                    help="also run with this fsync delay, ms (default 3; 0: skip)")
     args = p.parse_args()
     ns = sorted({int(x) for x in args.ns.split(",")})
     rep = c.Report("load", args.json)
     c.quiet_gc()
-    modes = [loop_run(_run_mode(ns, args.secs, 0.0))]
+    modes = [loop_run(_run_mode(ns, args.secs, 0.0, args.profile and str(Path(args.profile).resolve())))]
     if args.slow_ms:
         modes.append(loop_run(_run_mode(ns, args.secs, args.slow_ms)))
     rep.figures["modes"] = modes

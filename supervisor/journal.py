@@ -57,6 +57,8 @@ import threading
 import time
 import zlib
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -161,9 +163,11 @@ class Journal:
         self._cond = threading.Condition()
         self._want = self._asked = 0
         self._epoch = 0
-        self._retire: list[tuple[int, Path, set[Path]]] = []
+        # Work for the writer thread, run in order before the next flush.
+        self._jobs: list[Callable[[], None]] = []
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._background: ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---------------------------------------------------------------- the loop's side
@@ -209,10 +213,7 @@ class Journal:
             fut.set_result(None)
             return fut
         self._waiters.append((self._end, fut))
-        if self._thread is None:
-            self._loop = loop
-            self._thread = threading.Thread(target=self._run, name="sessiond-journal", daemon=True)
-            self._thread.start()
+        self._start(loop)
         with self._cond:
             if self._end > self._want:
                 self._want = self._end
@@ -281,17 +282,21 @@ class Journal:
             log.warning("journal checkpoint postponed: %s", exc)
             return
         with self._cond:
-            self._retire.append((self._fd, self._path, self._dirty))
+            old = (self._fd, self._path, self._dirty)
+            self._jobs.append(lambda: self._retire_journal(*old))
             self._fd, self._path, self._dirty = fd, path, set()
             self._base = self._end
             self._cond.notify()
 
     def close(self) -> None:
-        """Sync, checkpoint every log, stop the thread, delete the journal."""
+        """Sync, checkpoint every log, stop the threads, delete the journal."""
+        if self._background is not None:
+            self._background.shutdown(wait=True)
         with contextlib.suppress(StoreError):
             self.sync_now()
         with self._cond:
-            self._retire.append((self._fd, self._path, self._dirty))
+            old = (self._fd, self._path, self._dirty)
+            self._jobs.append(lambda: self._retire_journal(*old))
             self._fd, self._dirty = -1, set()
             self._closing = True
             self._cond.notify()
@@ -300,9 +305,52 @@ class Journal:
         else:
             self._run()
 
+    def log_created(self, sid: str, log_gen: int, fence: int) -> None:
+        """Journal that `log.<log_gen>` of `sid` now exists: replay creates
+        it if a crash lost its directory entry (else replay never creates
+        a log).  Not durable by itself: the next flush carries it, before
+        any record of that log."""
+        self.write(_NoTail(), sid, log_gen, 0, fence, b"", None)
+
+    def in_background(self, job: Callable[[], None], then: Callable[[OSError | None], None]) -> None:
+        """Run `job` in a second thread (snapshots: their fsyncs stay off
+        the loop and out of the way of the flushes), then `then(error)` on
+        the loop.  Without a running loop (tools, tests): here and now."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+
+        def run() -> None:
+            err: OSError | None = None
+            try:
+                job()
+            except OSError as exc:
+                err = exc
+            if loop is None:
+                then(err)
+                return
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(then, err)
+
+        if loop is None:
+            run()
+            return
+        if self._background is None:
+            self._background = ThreadPoolExecutor(1, thread_name_prefix="sessiond-snapshot")
+        self._background.submit(run)
+
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._thread is None:
+            self._loop = loop
+            self._thread = threading.Thread(target=self._run, name="sessiond-journal", daemon=True)
+            self._thread.start()
+
     def abandon(self) -> None:
         """For tests of a crash: stop without syncing anything more; what
         was not durable stays in the file, as the page cache would leave it."""
+        if self._background is not None:
+            self._background.shutdown(wait=True)
         with self._cond:
             self._closing = True
             self._cond.notify()
@@ -325,10 +373,10 @@ class Journal:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._retire and self._want <= self._asked and not self._closing:
+                while not self._jobs and self._want <= self._asked and not self._closing:
                     self._cond.wait()
-                if self._retire:
-                    job = self._retire.pop(0)
+                if self._jobs:
+                    job = self._jobs.pop(0)
                 elif self._closing:
                     return
                 else:
@@ -336,7 +384,7 @@ class Journal:
                     self._asked = target
                     job = None
             if job is not None:
-                self._retire_journal(*job)
+                job()
                 continue
             err: OSError | None = None
             try:
@@ -452,13 +500,16 @@ def replay(jdir: Path, root: Path) -> int:
 
 def _replay_log(sdir: Path, gen: int, recs: list[_JRec]) -> int:
     log_path = sdir / f"log.{gen}"
+    # Created here only if the journal says it was (log_created) and nothing
+    # newer exists: else a missing log was folded into a snapshot and
+    # deleted, or removed by hand, and stays missing.
+    newest = max((int(p.name[4:]) for p in sdir.glob("log.*") if p.name[4:].isdigit()), default=-1)
+    create = any(not r.frame for r in recs) and gen >= newest and sdir.is_dir()
     try:
-        # Never created here: a log's directory entry is durable before its
-        # first record (create and rotation fsync the directory), so a
-        # missing log was folded into a snapshot and deleted, or removed.
-        fd = os.open(log_path, os.O_WRONLY | os.O_CLOEXEC)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
     except FileNotFoundError:
         return 0
+    recs = [r for r in recs if r.frame]
     written = 0
     try:
         size = os.fstat(fd).st_size
@@ -477,4 +528,6 @@ def _replay_log(sdir: Path, gen: int, recs: list[_JRec]) -> int:
             os.fsync(fd)
     finally:
         os.close(fd)
+    if create:
+        _fsync_path(sdir, directory=True)
     return written

@@ -11,7 +11,7 @@ import pytest
 
 from supervisor import journal as journal_mod
 from supervisor.client import AsyncClient
-from supervisor.state_store import Commit, Meta
+from supervisor.state_store import Commit, Meta, Snapshot
 from supervisor.store import FileStateStore, SessionStore
 from tests.harness import Daemon, wait_for
 
@@ -141,3 +141,30 @@ def test_sigkill_in_the_middle_of_batches_loses_no_acknowledged_turn(make_daemon
             turns = c.status(sid).turns
             assert turns >= n, (sid, n)
             assert c.send_text(sid, "y") == f"{turns + 1}: y"
+
+
+@pytest.mark.component
+def test_a_snapshot_written_off_the_loop_is_consistent_before_and_after_it_lands(tmp_path: Path) -> None:
+    store = FileStateStore(tmp_path)
+    h = store.create(_meta("s1"))
+
+    async def main() -> tuple[bytes, list[bytes], int]:
+        for t in range(1, 4):
+            h.append(_commit(t, bytes([t])), durable=False)
+        await h.sync_soon()
+        h.write_snapshot(Snapshot(gen=0, meta=_meta("s1"), turns=3, seq=3, handler_state=b"S1"))
+        before = h.read_for_boot()  # whichever snapshot is on disk, with its logs
+        assert before in ((b"S1", [], 3), (b"", [b"\x01", b"\x02", b"\x03"], 3))
+        h.append(_commit(4, b"\x04"), durable=False)
+        await h.sync_soon()
+        assert h.read_for_boot() in ((b"S1", [b"\x04"], 4), (b"", [b"\x01", b"\x02", b"\x03", b"\x04"], 4))
+        deadline = asyncio.get_running_loop().time() + 10
+        while h._snapshotting:  # landed, and its completion ran on the loop
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.001)
+        return h.read_for_boot()
+
+    assert asyncio.run(main()) == (b"S1", [b"\x04"], 4)
+    _power_loss(store, [h])
+    h2, loaded = FileStateStore(tmp_path).load("s1")
+    assert h2.read_for_boot() == (b"S1", [b"\x04"], 4) and loaded.turns == 3 and loaded.seq == 4
