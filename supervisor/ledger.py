@@ -96,16 +96,20 @@ class TurnLedger:
 
     def streaming(self, session: Session) -> None:
         """The turn is streaming: its client wants Accepted (and the text)
-        now, not after the quick-turn window."""
+        now, not after the quick-turn window.  Asked once this batch of
+        worker messages is handled: a Done in the same batch makes the
+        commit's flush cover the input (one flush, not two in a row)."""
         pending = session.pending_input
         if pending is not None and pending.timer is not None:
-            self._flush_input(session, pending)
+            pending.timer.cancel()
+            pending.timer = None
+            asyncio.get_running_loop().call_soon(self._flush_input, session, pending)
 
     def _flush_input(self, session: Session, pending: PendingInput) -> None:
         if pending.timer is not None:
             pending.timer.cancel()
             pending.timer = None
-        if session.pending_input is pending and not pending.flushing:
+        if session.pending_input is pending and not pending.flushing and session.committing is None:
             pending.flushing = True
             self._when_durable(session, lambda err: self._input_saved(session, err))
 
@@ -186,9 +190,12 @@ class TurnLedger:
 
     def _commit_failed(self, session: Session, worker: WorkerProc, msg: m.Done, exc: StoreError) -> None:
         # The worker is now ahead of the disk: make it restart from the disk.
+        # (Its successor, if it died during the flush, booted from a log
+        # that held the commit: it is ahead too.)
         tagged(log, session.id).error("turn %d not persisted: %s", msg.turn, exc)
         self.end(session, failed=f"the turn could not be saved: {exc}")
-        self.on_unsaved(session, worker, "its turn could not be saved")
+        if session.worker is not None:
+            self.on_unsaved(session, session.worker, "its turn could not be saved")
 
     def _committed(self, session: Session, worker: WorkerProc, msg: m.Done, exc: StoreError | None) -> None:
         """The flush that covers the commit is done (or failed)."""

