@@ -26,7 +26,7 @@ test-fast: $(VENV)/.installed
 typecheck: $(VENV)/.installed
 	$(PY) -m mypy
 
-BENCHES := spawn ipc memory limits restart persist agent hostile
+BENCHES := spawn ipc memory limits restart persist agent hostile load fsync_batch idle
 
 bench: $(VENV)/.installed
 	for b in $(BENCHES); do $(PY) bench/$$b.py || exit 1; done

@@ -9,10 +9,14 @@ Layout under `<state_dir>/sessions/<id>/`:
     snapshot.prev  the snapshot it replaced, kept with its log as a fallback
 
 Only the daemon writes here (workers send what a turn produced; the daemon
-appends it).  Writing a turn costs O(the turn): one append and one fsync.
+appends it).  Writing a turn costs O(the turn): one append here, and the
+same frame in the daemon-wide journal (supervisor.journal), whose group
+commit makes it durable; the logs themselves are fsync'd at the journal's
+checkpoints.  A `SessionStore` opened without a journal (tools, tests of
+one session) fdatasyncs its own log instead.
 Every `snapshot_every_turns` turns the worker sends its handler's whole
-state; the daemon writes `snapshot` (temp file, fsync, rename, fsync dir)
-and opens `log.<gen+1>`.  The previous snapshot and its log are kept until
+state; the daemon opens `log.<gen+1>` and writes `snapshot` (temp file,
+fsync, rename, fsync dir; with a journal, in a background thread).  The previous snapshot and its log are kept until
 the next snapshot is durable, so a snapshot that fails its checksum falls
 back to the previous generation (older snapshot, more log) instead of losing
 the session.  Restoring reads at most one snapshot and two short logs.
