@@ -96,6 +96,16 @@ class MemoryLog:
         loop.call_soon(done)
         return fut
 
+    def make_durable_soon(self) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        try:
+            self.make_durable()
+        except StoreError as exc:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(None)
+        return fut
+
     def make_durable(self) -> None:
         self._check()
         self._stored.synced = len(self._stored.log)

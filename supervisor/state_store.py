@@ -269,6 +269,11 @@ class SessionLog(Protocol):
         """After `StateStore.create(durable=False)`: the session exists for sure."""
         ...
 
+    def make_durable_soon(self) -> asyncio.Future[None]:
+        """`make_durable` without blocking the daemon's loop (in the daemon's
+        loop only); fails with `StoreError`."""
+        ...
+
     def write_snapshot(self, snap: Snapshot) -> None:
         """Replace what precedes with `snap` (its `gen` is set by the store)."""
         ...
@@ -338,6 +343,9 @@ class DamagedLog:
         raise self._refuse()
 
     def make_durable(self) -> None:
+        raise self._refuse()
+
+    def make_durable_soon(self) -> asyncio.Future[None]:
         raise self._refuse()
 
     def write_snapshot(self, snap: Snapshot) -> None:

@@ -175,16 +175,18 @@ def _meta_from_log(path: Path) -> Meta | None:
     return _meta_in(_read_scan(path))
 
 
-def _take_fence(path: Path) -> tuple[int, int]:
+def _take_fence(path: Path, sync: bool = True) -> tuple[int, int]:
     """A new fencing generation for `path`, durable before its writer writes
     anything, so that a writer holding an older one is refused from now on.
-    Returns the kept-open fence file and the generation."""
+    Returns the kept-open fence file and the generation.  sync=False: a new
+    session's, made durable by `make_durable` before the session exists."""
     fd = os.open(path / "fence", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         raw = os.pread(fd, _FENCE.size, 0)
         generation = (_FENCE.unpack(raw)[0] if len(raw) == _FENCE.size else 0) + 1
         os.pwrite(fd, _FENCE.pack(generation), 0)
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     except OSError as exc:
         os.close(fd)
         raise _write_error(f"{path.name}/fence", exc) from exc
@@ -201,7 +203,8 @@ class SessionStore:
     """One session's files, held by its one writer.  Runs in the daemon only."""
 
     def __init__(self, path: Path, gen: int, snap_gen: int = 0, base_gen: int = 0,
-                 fence: tuple[int, int] | None = None, journal: Journal | None = None) -> None:
+                 fence: tuple[int, int] | None = None, journal: Journal | None = None,
+                 new: bool = False) -> None:
         self.path = path
         # With a journal (the daemon's), appends are made durable by the
         # journal's group commit; without one (tools, tests of one session),
@@ -214,7 +217,7 @@ class SessionStore:
         self._size = self._synced = self._opened = 0
         self._log_path = path / f"log.{gen}"
         self._snapshotting = False
-        self._fence_fd, self._generation = fence if fence is not None else _take_fence(path)
+        self._fence_fd, self._generation = fence if fence is not None else _take_fence(path, sync=not new)
         try:
             self._open_log()
         except BaseException:
@@ -254,7 +257,7 @@ class SessionStore:
         except OSError as exc:
             raise _write_error(str(path), exc) from exc
         try:
-            store = cls(path, 0, journal=journal)
+            store = cls(path, 0, journal=journal, new=True)
             store.append(meta, durable=False)
             if durable:
                 store.make_durable()
@@ -267,6 +270,7 @@ class SessionStore:
         """fsync the log (or the journal that holds it) and the directory
         entries that lead to it."""
         try:
+            os.fsync(self._fence_fd)
             if self._journal is not None:
                 # Also makes a tombstone of an earlier session of this id
                 # durable before this one exists (see supervisor.journal).
@@ -280,6 +284,46 @@ class SessionStore:
         # Else a later failed sync() would cut the log back past the
         # metadata record that this fsync made durable.
         self._synced = self._size
+
+    def make_durable_soon(self) -> asyncio.Future[None]:
+        """`make_durable` without blocking the loop: the journal's flush
+        and, in the background thread, the fence and directory fsyncs."""
+        journal = self._journal
+        loop = asyncio.get_running_loop()
+        if journal is None:
+            fut: asyncio.Future[None] = loop.create_future()
+            try:
+                self.make_durable()
+            except StoreError as exc:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
+            return fut
+        return loop.create_task(self._durable(loop, journal))
+
+    async def _durable(self, loop: asyncio.AbstractEventLoop, journal: Journal) -> None:
+        files: asyncio.Future[None] = loop.create_future()
+        fence_fd, path = self._fence_fd, self.path
+
+        def fsyncs() -> None:
+            os.fsync(fence_fd)
+            _fsync_dir(path)
+            _fsync_dir(path.parent)
+
+        def then(err: OSError | None) -> None:
+            if files.done():
+                return
+            if err is not None:
+                files.set_exception(_write_error(str(path), err))
+            else:
+                files.set_result(None)
+
+        flush = journal.sync_soon()
+        journal.in_background(fsyncs, then)
+        try:
+            await flush
+        finally:
+            await files  # both done before the create is answered, either way
 
     @classmethod
     def load(cls, path: Path, journal: Journal | None = None) -> tuple[SessionStore, LoadedSession]:
