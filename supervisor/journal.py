@@ -266,6 +266,9 @@ class Journal:
             keep = max(0, self._synced - self._base)
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, keep)
+                # Else records a flush may have made durable before the
+                # failure could come back from the disk after a crash.
+                os.fsync(self._fd)
             self._end = self._base + keep
             self._want = self._asked = self._end
         tails = {id(t): t for _, t, _, _ in self._pending}
@@ -310,12 +313,13 @@ class Journal:
             self._run()
         os.close(self._efd)
 
-    def log_created(self, sid: str, log_gen: int, fence: int) -> None:
+    def log_created(self, sid: str, log_gen: int, fence: int, log_path: Path) -> None:
         """Journal that `log.<log_gen>` of `sid` now exists: replay creates
         it if a crash lost its directory entry (else replay never creates
         a log).  Not durable by itself: the next flush carries it, before
-        any record of that log."""
-        self.write(_NoTail(), sid, log_gen, 0, fence, b"", None)
+        any record of that log.  (Noted as written, so that a checkpoint
+        fsyncs its directory before the journal that says so goes.)"""
+        self.write(_NoTail(), sid, log_gen, 0, fence, b"", log_path)
 
     def in_background(self, job: Callable[[], None], then: Callable[[OSError | None], None]) -> None:
         """Run `job` in a second thread (snapshots: their fsyncs stay off

@@ -494,7 +494,7 @@ class SessionStore:
         # The next log's directory entry is not durable yet: the journal
         # notes its creation, so replay can make it again.
         os.close(os.open(path / f"log.{snap.gen}", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
-        self._journal.log_created(path.name, snap.gen, self._generation)
+        self._journal.log_created(path.name, snap.gen, self._generation, path / f"log.{snap.gen}")
         self._next_log()
         self._snapshotting = True
         self._journal.in_background(lambda: _snapshot_files(path, data, snap.gen),

@@ -354,3 +354,18 @@ def test_a_failed_flush_fails_exactly_the_waiting_appends(ad: Adapter) -> None:
     ad.crash()
     assert ad.store.load("a")[0].read_for_boot()[1] == [b"\x01", b"\x04"]
     assert ad.store.load("b")[0].read_for_boot()[1] == []
+
+
+def test_make_durable_soon_makes_a_create_survive(ad: Adapter) -> None:
+    h = ad.store.create(meta("late"), durable=False)
+    h.append(commit(1, b"\x01", 1), durable=False)
+
+    async def main() -> None:
+        await h.make_durable_soon()
+        await h.sync_soon()
+
+    asyncio.run(main())
+    ad.crash()
+    assert "late" in ad.store.ids()
+    h2, loaded = ad.store.load("late")
+    assert loaded.meta.id == "late" and h2.read_for_boot()[1] == [b"\x01"]
