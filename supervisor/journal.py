@@ -202,6 +202,17 @@ class Journal:
         if log_path is not None:
             self._dirty.add(log_path)
 
+    def settle(self, session_dir: Path) -> None:
+        """Before a session takes a new fence generation: fsync its logs that
+        this journal still covers, since replay skips records written under
+        an older generation (they would be lost to a crash otherwise)."""
+        logs = [p for p in self._dirty if p.parent == session_dir]
+        for log_path in logs:
+            with contextlib.suppress(FileNotFoundError):
+                _fsync_path(log_path)
+        if logs:
+            _fsync_path(session_dir, directory=True)
+
     def forget(self, sid: str) -> None:
         """A tombstone: records of `sid` before it are never replayed (a
         session of the same id created later must not receive them)."""

@@ -330,7 +330,8 @@ class SessionStore:
         """Open for writing and read back.  `StoreDamaged` leaves every file
         as it was; a torn tail is cut, a bad snapshot falls back."""
         plan = _plan(path)
-        # Fenced before anything changes: an older writer is refused from here on.
+        if journal is not None:  # then fenced: an older writer is refused from here on
+            journal.settle(path)
         fence = _take_fence(path)
         try:
             return cls._load(path, plan, fence, journal)

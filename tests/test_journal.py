@@ -170,3 +170,39 @@ def test_a_snapshot_written_off_the_loop_is_consistent_before_and_after_it_lands
     _power_loss(store, [h])
     h2, loaded = FileStateStore(tmp_path).load("s1")
     assert h2.read_for_boot() == (b"S1", [b"\x04"], 4) and loaded.turns == 3 and loaded.seq == 4
+
+
+@pytest.mark.component
+def test_records_of_a_superseded_writer_survive_a_crash_after_the_reload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Replay skips records of an older fence generation: a reload must make
+    # them durable in the log itself first.  What an fsync made durable is
+    # recorded, and the power loss keeps exactly that of log.0.
+    durable: dict[Path, int] = {}
+    real = journal_mod._fsync_path
+
+    def recording(path: Path, directory: bool = False) -> None:
+        real(path, directory)
+        if not directory:
+            durable[path] = path.stat().st_size
+
+    monkeypatch.setattr(journal_mod, "_fsync_path", recording)
+    store = FileStateStore(tmp_path)
+    h1 = store.create(_meta("s1"))
+    h1.append(_commit(1, b"\x01"), durable=True)
+    h2, _ = store.load("s1")
+    h2.append(_commit(2, b"\x02"), durable=True)
+    h1.close()
+    log0 = tmp_path / "s1" / "log.0"
+    j = store._journal
+    assert j is not None
+    keep = j.synced_bytes
+    h2.close()
+    j.abandon()
+    with open(j.path, "r+b") as f:
+        f.truncate(keep)
+    with open(log0, "r+b") as f:
+        f.truncate(durable.get(log0, 0))
+    h3, loaded = FileStateStore(tmp_path).load("s1")
+    assert h3.read_for_boot()[1] == [b"\x01", b"\x02"] and loaded.seq == 2
