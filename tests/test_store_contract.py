@@ -206,6 +206,19 @@ class PgAdapter(Adapter):
         self.handles.clear()
         self.server.crash()
 
+    def fail_flushes(self, errno_: int) -> object:
+        # The server itself refuses, as a full disk makes it: SQLSTATE 53100.
+        assert errno_ == errno.ENOSPC
+        self._sql("CREATE FUNCTION sessiond_test_full() RETURNS trigger LANGUAGE plpgsql AS "
+                  "$$ BEGIN RAISE EXCEPTION 'no space left' USING ERRCODE = 'disk_full'; END $$")
+        self._sql("CREATE TRIGGER sessiond_test_full BEFORE INSERT ON sessiond_records "
+                  "FOR EACH STATEMENT EXECUTE FUNCTION sessiond_test_full()")
+        return None
+
+    def heal(self, token: object) -> None:
+        self._sql("DROP TRIGGER sessiond_test_full ON sessiond_records")
+        self._sql("DROP FUNCTION sessiond_test_full()")
+
     _LAST = "(SELECT pos FROM sessiond_records WHERE session = %s ORDER BY pos DESC LIMIT 1 OFFSET {})"
 
     def tear_tail(self, session_id: str, keep: int) -> None:
