@@ -117,7 +117,8 @@ class BenchDaemon:
 
     def __init__(self, config: str = "", *, launcher: Path | None = None,
                  launcher_args: Sequence[str] = (), python_flags: Sequence[str] = (),
-                 tag: str = "sd") -> None:
+                 tag: str = "sd", env: dict[str, str] | None = None) -> None:
+        self.env = dict(env or {})
         self.dir = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir="/tmp"))
         self.socket = self.dir / "s.sock"
         self.state_dir = self.dir / "state"
@@ -143,7 +144,7 @@ class BenchDaemon:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=child_env(), cwd=str(self.dir), start_new_session=True,
+                env=child_env(self.env), cwd=str(self.dir), start_new_session=True,
             )
         self.seen.add(self.proc.pid)
         deadline = time.monotonic() + timeout

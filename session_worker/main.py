@@ -30,7 +30,7 @@ import msgspec
 import setproctitle
 
 from ipc import messages as m
-from ipc.contract import EXIT_BOOT_FAILED
+from ipc.contract import EXIT_BOOT_FAILED, IDLE_HEARTBEAT_FACTOR
 from ipc.connection import FramedProtocol
 from ipc.errors import ProtocolError
 from ipc.loop import run as run_loop
@@ -118,6 +118,7 @@ class Worker:
         self._ids = itertools.count(1)
         self.stopping = asyncio.get_running_loop().create_future()
         self.sandbox_report: dict[str, Any] = {}
+        self._beat_timer: asyncio.TimerHandle | None = None
 
     def send(self, msg: Any) -> None:
         self.conn.send(msg)
@@ -154,6 +155,7 @@ class Worker:
                     self.send(m.Failed(turn=turn, reason="a turn is already running"))
                     return
                 self.turn_task = asyncio.get_running_loop().create_task(self.run_turn(turn, text))
+                self.beat()  # at once, and at the full pace while the turn runs
             case m.InterruptTurn():
                 if self.turn_task is not None and not self.turn_task.done():
                     self.turn_task.cancel()
@@ -221,10 +223,16 @@ class Worker:
             )
         )
 
-    async def heartbeat(self) -> None:
-        while True:
-            self.send(m.Heartbeat())
-            await asyncio.sleep(self.settings.agent.worker.heartbeat_interval_secs)
+    def beat(self) -> None:
+        """Heartbeat, and arm the next: a timer, not a task (an idle worker's
+        one wakeup); slower while no turn runs (IDLE_HEARTBEAT_FACTOR)."""
+        if self._beat_timer is not None:
+            self._beat_timer.cancel()
+        self.send(m.Heartbeat())
+        interval = self.settings.agent.worker.heartbeat_interval_secs
+        if self.turn_task is None or self.turn_task.done():
+            interval *= IDLE_HEARTBEAT_FACTOR
+        self._beat_timer = asyncio.get_running_loop().call_later(interval, self.beat)
 
     def request_stop(self) -> None:
         if not self.stopping.done():
@@ -235,7 +243,7 @@ class Worker:
         # The daemon's stop sends SIGTERM to our whole process group (tools
         # included); for us it means the same as Shutdown: finish tidily.
         loop.add_signal_handler(signal.SIGTERM, self.request_stop)
-        hb = loop.create_task(self.heartbeat())
+        self.beat()
         try:
             await asyncio.wait(
                 [self.stopping, self.conn.closed], return_when=asyncio.FIRST_COMPLETED
@@ -247,7 +255,8 @@ class Worker:
                 with contextlib.suppress(BaseException):
                     await task
         finally:
-            hb.cancel()
+            if self._beat_timer is not None:
+                self._beat_timer.cancel()
             if self.handler is not None:
                 with contextlib.suppress(Exception):
                     await self.handler.aclose()

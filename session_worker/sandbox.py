@@ -42,7 +42,7 @@ from ipc import messages as m
 from ipc.settings import SessionSettings
 from session_worker import _seccomp
 
-__all__ = ["HostCommand", "Plan", "SandboxError", "ToolHost", "configure", "current"]
+__all__ = ["CommandError", "HostCommand", "Plan", "SandboxError", "ToolHost", "configure", "current"]
 
 log = logging.getLogger("sessiond.sandbox")
 
@@ -67,6 +67,14 @@ _START_TIMEOUT_SECS = 10.0
 
 class SandboxError(Exception):
     """The tool host could not be started or has gone away."""
+
+
+class CommandError(SandboxError):
+    """The host is up but could not start this command."""
+
+
+class _NotSent(SandboxError):
+    """The host was gone before it took the order: safe to start it again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +251,8 @@ class HostCommand:
 
     @property
     def returncode(self) -> int | None:
-        return self.exited.result() if self.exited.done() and not self.exited.cancelled() else None
+        done = self.exited.done() and not self.exited.cancelled() and self.exited.exception() is None
+        return self.exited.result() if done else None
 
 
 class ToolHost:
@@ -333,7 +342,7 @@ class ToolHost:
                     fut = self._pending.pop(oid, None)
                     if fut is not None and not fut.done():
                         if "error" in msg:
-                            fut.set_exception(SandboxError(f"cannot start the command: {msg['error']}"))
+                            fut.set_exception(CommandError(f"cannot start the command: {msg['error']}"))
                         else:
                             fut.set_result(msg["pid"])
                 elif "exit" in msg:
@@ -347,26 +356,52 @@ class ToolHost:
             for fut in [*self._pending.values(), *self._exits.values()]:
                 if not fut.done():
                     fut.set_exception(lost)
+                    fut.exception()  # whoever waits sees it; nobody need
             self._pending.clear()
             self._exits.clear()
 
     async def spawn(self, argv: list[str], env: dict[str, str], outfd: int) -> HostCommand:
-        """Start `argv` in the workspace with stdout and stderr on `outfd`."""
+        """Start `argv` in the workspace with stdout and stderr on `outfd`.
+
+        A host found dead before it took the order (a tool may kill its
+        parent) is started again, once.  Once the order is out, never: the
+        command may have run, so a host lost then is the command's result
+        (its `exited` fails), not a reason to run it twice."""
+        try:
+            return await self._spawn(argv, env, outfd)
+        except _NotSent:
+            self.close()
+            try:
+                return await self._spawn(argv, env, outfd)
+            except _NotSent as exc:
+                raise SandboxError(str(exc)) from None
+
+    async def _spawn(self, argv: list[str], env: dict[str, str], outfd: int) -> HostCommand:
         sock = await self._ensure()
         loop = asyncio.get_running_loop()
         oid = next(self._ids)
         started: asyncio.Future[int] = loop.create_future()
         exited: asyncio.Future[int] = loop.create_future()
-        self._pending[oid] = started
-        self._exits[oid] = exited
         order = {"op": "run", "id": oid, "argv": argv, "cwd": str(self.plan.workspace), "env": env}
         try:
             socket.send_fds(sock, [json.dumps(order).encode()], [outfd])
         except OSError as exc:
-            self._pending.pop(oid, None)
+            raise _NotSent(f"the tool host is gone: {exc}") from None
+        if self._reader is None or self._reader.done():
+            # It died after taking the order, and the reader has already
+            # failed everything it knew of: this command too.
+            exited.set_exception(SandboxError("the tool host exited"))
+            exited.exception()
+            return HostCommand(oid, 0, exited)
+        self._pending[oid] = started
+        self._exits[oid] = exited
+        try:
+            pid = await asyncio.shield(started)
+        except CommandError:
             self._exits.pop(oid, None)
-            raise SandboxError(f"the tool host is gone: {exc}") from None
-        pid = await started
+            raise
+        except SandboxError:
+            return HostCommand(oid, 0, exited)  # lost with the host; exited says so
         return HostCommand(oid, pid, exited)
 
     def kill(self, command: HostCommand) -> None:

@@ -8,12 +8,16 @@ promises true live here and only here:
 * a turn that ends without a commit (its worker died, it failed) gets an
   `Abort` record and a `TurnFailed` event naming the cause.
 
-Group commit: the worker starts on an input before it is durable.  A session
-whose last turn was quick (echo, a calculator) will likely end this one
-within `_GROUP_COMMIT_SECS` too, and the turn's commit then makes the input
-durable with the same fsync; otherwise (an LLM call) the input is fsync'd
-at once, so that `Accepted`, and the client's first token behind it, are not
-held back.  `Accepted` always waits for the fsync that covers the input.
+Group commit: the worker starts on an input before it is durable, and the
+input and the turn's commit are made durable by the store's group commit
+(`sync_soon`: one fdatasync, off the loop, for whatever every session has
+pending), so neither the loop nor other sessions wait for a disk flush.
+A session whose turns are quick (echo) asks for no flush of its input:
+the commit's flush, within `_QUICK_TURN_SECS`, covers both.
+`Accepted` always waits for the flush that covers the input, `TurnDone`
+for the one that covers the commit; until then the turn is still running
+(`session.committing` names it, so a worker death meanwhile does not
+abort a turn whose commit is already written).
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ __all__ = ["TurnLedger", "store_failure"]
 
 log = logging.getLogger("sessiond.manager")
 
-# A turn that ends this soon after its input commits both with one fsync.
-_GROUP_COMMIT_SECS = 0.002
+# A session whose last turn took less than this (echo, a calculator) likely
+# ends this one as quickly: its input waits that long for the commit's flush
+# instead of taking a flush of its own (one fdatasync per turn, not two).
+_QUICK_TURN_SECS = 0.002
 
 
 class TurnLedger:
@@ -74,11 +80,13 @@ class TurnLedger:
         loop = asyncio.get_running_loop()
         accepted = m.Accepted(id=0, session=session.id, turn=turn, seq=session.seq)
         durable: asyncio.Future[m.Accepted] = loop.create_future()
-        if session.last_turn_secs < _GROUP_COMMIT_SECS:
-            sync: asyncio.Handle = loop.call_later(_GROUP_COMMIT_SECS, self.sync_input, session)
+        pending = session.pending_input = PendingInput(accepted, durable, on_accepted)
+        if session.last_turn_secs < _QUICK_TURN_SECS:
+            # Its commit will likely come within the window and carry the
+            # input in the same flush; if not, the timer asks for it.
+            pending.timer = loop.call_later(_QUICK_TURN_SECS, self._flush_input, session, pending)
         else:
-            sync = loop.call_soon(self.sync_input, session)
-        session.pending_input = PendingInput(accepted, durable, on_accepted, sync)
+            self._flush_input(session, pending)
         session.turns = turn
         session.current_turn = turn
         session.current_input = text
@@ -91,28 +99,59 @@ class TurnLedger:
 
     def streaming(self, session: Session) -> None:
         """The turn is streaming: its client wants Accepted (and the text)
-        now, not after the group-commit window.  Sync once this batch of
-        worker messages is handled: a Done in the same batch still covers
-        the input with its own fsync."""
+        now, not after the quick-turn window.  Asked once this batch of
+        worker messages is handled: a Done in the same batch makes the
+        commit's flush cover the input (one flush, not two in a row)."""
         pending = session.pending_input
-        if pending is not None and not pending.streaming:
-            pending.streaming = True
+        if pending is not None and pending.timer is not None:
             pending.timer.cancel()
-            pending.timer = asyncio.get_running_loop().call_soon(self.sync_input, session)
+            pending.timer = None
+            asyncio.get_running_loop().call_soon(self._flush_input, session, pending)
 
-    def sync_input(self, session: Session) -> None:
-        """The turn is still running: make its input durable on its own."""
-        pending = session.pending_input
-        if pending is None:
-            return
+    def _flush_input(self, session: Session, pending: PendingInput) -> None:
+        if pending.timer is not None:
+            pending.timer.cancel()
+            pending.timer = None
+        if session.pending_input is pending and not pending.flushing and session.committing is None:
+            pending.flushing = True
+            self._when_durable(session, lambda err: self._input_saved(session, err))
+
+    def _when_durable(self, session: Session, then: Callable[[StoreError | None], None]) -> None:
+        """`then(None)` once every append of `session` so far is durable,
+        `then(error)` if that failed (the store cut them back)."""
         try:
-            session.store.sync()
+            fut = session.store.sync_soon()
         except StoreError as exc:
+            then(exc)
+            return
+
+        def done(f: asyncio.Future[None]) -> None:
+            exc = f.exception()
+            then(exc if isinstance(exc, StoreError) or exc is None else StoreError(str(exc)))
+
+        fut.add_done_callback(done)
+
+    def _input_saved(self, session: Session, exc: StoreError | None) -> None:
+        pending = session.pending_input
+        if pending is None or pending.accepted.turn != session.current_turn:
+            return  # covered by a later flush (the commit's), or the turn is over
+        if exc is not None:
             if session.worker is not None:
                 # It has an input the log does not: it must restart from the log.
                 tagged(log, session.id).error("input not saved (%s)", exc)
                 self.on_unsaved(session, session.worker, "its input could not be saved")
             self._input_durable(session, store_failure("input not accepted: ", exc))
+            return
+        self._input_durable(session)
+
+    def sync_input(self, session: Session) -> None:
+        """Make the pending input durable here and now (blocking)."""
+        if session.pending_input is None:
+            return
+        try:
+            session.store.sync()
+        except StoreError as exc:
+            self._input_saved(session, exc)
             return
         self._input_durable(session)
 
@@ -122,7 +161,8 @@ class TurnLedger:
         pending, session.pending_input = session.pending_input, None
         if pending is None:
             return
-        pending.timer.cancel()
+        if pending.timer is not None:
+            pending.timer.cancel()
         if error is not None:
             pending.durable.set_exception(error)
             pending.durable.exception()  # retrieved by whoever awaits, if anyone
@@ -135,28 +175,50 @@ class TurnLedger:
         if msg.turn != session.current_turn:
             tagged(log, session.id).warning("Done for turn %d, expected %s", msg.turn, session.current_turn)
             return
+        if session.committing is not None:
+            tagged(log, session.id).warning("a second Done for turn %d", msg.turn)
+            return
         seq = session.seq + 1
         began = time.monotonic()
         try:
             session.store.append(
                 Commit(turn=msg.turn, reply=msg.reply, record=msg.record,
                        interrupted=msg.interrupted, seq=seq, usage=msg.usage),
-                durable=True,
+                durable=False,
             )
             self.metrics.commit(time.monotonic() - began)
         except StoreError as exc:
-            # The worker is now ahead of the disk: make it restart from the disk.
-            tagged(log, session.id).error("turn %d not persisted: %s", msg.turn, exc)
-            self.end(session, failed=f"the turn could not be saved: {exc}")
-            self.on_unsaved(session, worker, "its turn could not be saved")
+            self._commit_failed(session, worker, msg, exc)
             return
-        self._input_durable(session)  # the commit's fsync covered the input
+        session.committing = msg.turn
+        self._when_durable(session, lambda err: self._committed(session, worker, msg, err))
+
+    def _commit_failed(self, session: Session, worker: WorkerProc, msg: m.Done, exc: StoreError) -> None:
+        # The worker is now ahead of the disk: make it restart from the disk.
+        # (Its successor, if it died during the flush, booted from a log
+        # that held the commit: it is ahead too.)
+        tagged(log, session.id).error("turn %d not persisted: %s", msg.turn, exc)
+        self.end(session, failed=f"the turn could not be saved: {exc}")
+        if session.worker is not None:
+            self.on_unsaved(session, session.worker, "its turn could not be saved")
+
+    def _committed(self, session: Session, worker: WorkerProc, msg: m.Done, exc: StoreError | None) -> None:
+        """The flush that covers the commit is done (or failed)."""
+        if session.committing != msg.turn or session.current_turn != msg.turn:
+            return  # the session was removed or its turn ended otherwise meanwhile
+        session.committing = None
+        if exc is not None:
+            self._commit_failed(session, worker, msg, exc)
+            return
+        self._input_durable(session)  # the commit's flush covered the input
         add_usage(session.usage, msg.usage)
         if msg.snapshot:
             self._snapshot(session, msg.snapshot)
         self._turn_over(session, (True, msg.reply))
         session.current_input = ""
-        self._events.next_seq(session)  # == seq
+        # Events sent during the flush (a notice, a limit) took seqs after
+        # the Commit record's: TurnDone takes the next one, in order.
+        seq = self._events.next_seq(session)
         self._events.emit(
             session,
             m.TurnDone(session=session.id, seq=seq, turn=msg.turn, reply=msg.reply,
@@ -192,6 +254,10 @@ class TurnLedger:
         """The running turn ends without a commit (if one runs)."""
         turn = session.current_turn
         if turn is None:
+            return
+        if session.committing == turn:
+            # Its commit is written and being flushed: the turn ends when
+            # the flush does (TurnDone), or fails (then it is aborted).
             return
         seq = session.seq + 1
         try:

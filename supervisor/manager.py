@@ -348,7 +348,7 @@ class SessionManager:
             parent.children.append(session_id)
         try:
             async with session.lock:
-                await self.workers.start(session, pending, during_boot=store.make_durable)
+                await self.workers.start(session, pending, during_boot=store.make_durable_soon)
         except StoreError as exc:
             self._discard(session)
             raise store_failure(f"session {session_id!r} could not be saved: ", exc) from None
@@ -670,6 +670,7 @@ class SessionManager:
             task.cancel()
         for session in self.sessions.values():
             session.store.close()
+        self.store.close()
         self.proc_table.close()
 
 

@@ -11,9 +11,11 @@ the disk; everything is lost with the process.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from supervisor.journal import write_error
 from supervisor.logtag import tagged
 from supervisor.state_store import (
     Fenced,
@@ -45,7 +47,8 @@ class _Stored:
 
 class MemoryLog:
     def __init__(self, session_id: str, stored: _Stored, generation: int,
-                 sessions: dict[str, _Stored]) -> None:
+                 sessions: dict[str, _Stored], owner: InMemoryStateStore | None = None) -> None:
+        self._owner = owner
         self._sessions = sessions
         self._id = session_id
         self._stored = stored
@@ -71,6 +74,37 @@ class MemoryLog:
     def sync(self) -> None:
         self._check()
         self._stored.synced = len(self._stored.log)
+
+    def sync_soon(self) -> asyncio.Future[None]:
+        """Completes on a later turn of the loop, as a group commit does."""
+        self._check()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        stored, target = self._stored, len(self._stored.log)
+
+        def done() -> None:
+            if fut.done():
+                return
+            failure = self._owner.flush_error if self._owner is not None else None
+            if failure is not None:
+                del stored.log[stored.synced :]
+                fut.set_exception(write_error(f"session {self._id}", failure))
+                return
+            stored.synced = max(stored.synced, min(target, len(stored.log)))
+            fut.set_result(None)
+
+        loop.call_soon(done)
+        return fut
+
+    def make_durable_soon(self) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        try:
+            self.make_durable()
+        except StoreError as exc:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(None)
+        return fut
 
     def make_durable(self) -> None:
         self._check()
@@ -105,13 +139,15 @@ class MemoryLog:
 class InMemoryStateStore:
     def __init__(self) -> None:
         self.sessions: dict[str, _Stored] = {}
+        # For tests: every group commit (sync_soon) fails with this.
+        self.flush_error: OSError | None = None
 
     def create(self, meta: Meta, durable: bool = True) -> MemoryLog:
         if meta.id in self.sessions:
             raise FileExistsError(meta.id)
         stored = _Stored(fence=1)
         self.sessions[meta.id] = stored
-        handle = MemoryLog(meta.id, stored, 1, self.sessions)
+        handle = MemoryLog(meta.id, stored, 1, self.sessions, self)
         handle.append(meta, durable=False)
         if durable:
             handle.make_durable()
@@ -142,13 +178,16 @@ class InMemoryStateStore:
                 loaded.apply(rec)
         if loaded is None:
             raise StoreDamaged(session_id, "no metadata record", repairable=False)
-        return MemoryLog(session_id, stored, stored.fence, self.sessions), loaded
+        return MemoryLog(session_id, stored, stored.fence, self.sessions, self), loaded
 
     def ids(self) -> list[str]:
         return sorted(self.sessions)
 
     def remove(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
+
+    def close(self) -> None:
+        pass
 
     def repair(self, session_id: str, mode: RepairMode) -> RepairResult:
         stored = self.sessions[session_id]

@@ -41,6 +41,7 @@ intact ones raise `StoreDamaged` until `repair()`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -187,6 +188,17 @@ class _Rows:
         return next((r for _, r in self.records if isinstance(r, Meta)), None)
 
 
+def _settled(op: Callable[[], None]) -> asyncio.Future[None]:
+    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    try:
+        op()
+    except StoreError as exc:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(None)
+    return fut
+
+
 class PgSessionLog:
     """One session's rows, held by its one writer.  Runs in the daemon only."""
 
@@ -259,6 +271,15 @@ class PgSessionLog:
         # `create` commits its row durably at once (one round trip either
         # way); what is left is to refuse a handle that lost its session.
         self.sync()
+
+    # The file store groups these into one flush off the loop; this store
+    # still makes its one round trip on the loop (psycopg's connection is
+    # not for concurrent use), and hands back a settled future.
+    def sync_soon(self) -> asyncio.Future[None]:
+        return _settled(self.sync)
+
+    def make_durable_soon(self) -> asyncio.Future[None]:
+        return _settled(self.make_durable)
 
     def write_snapshot(self, snap: Snapshot) -> None:
         """The snapshot and the end of every record before it, in one

@@ -64,8 +64,8 @@ class PendingInput:
     accepted: m.Accepted
     durable: asyncio.Future[m.Accepted]
     on_accepted: Callable[[m.Accepted], None] | None
-    timer: asyncio.Handle
-    streaming: bool = False
+    timer: asyncio.TimerHandle | None = None  # asks for its flush if the turn is slow
+    flushing: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -120,6 +120,8 @@ class Session:
     children: list[str] = field(default_factory=list)
     memory: SessionMemory = field(default_factory=SessionMemory)
     pending_input: PendingInput | None = None
+    # The turn whose Commit is written and waiting for its flush (ledger).
+    committing: int | None = None
     # Permission requests of the running turn awaiting a client's answer.
     pending_asks: set[str] = field(default_factory=set)
     # Resolved with (ok, reply or reason) when that turn ends; used to run

@@ -5,7 +5,7 @@
     ├── load(id)               -> (SessionLog, LoadedSession)   (fenced)
     ├── ids() / remove(id) / repair(id, mode)
     SessionLog                 one per session, held by its one writer
-    ├── append(record, durable) / sync() / make_durable()
+    ├── append(record, durable) / sync() / sync_soon() / make_durable()
     ├── write_snapshot(snap) / read_for_boot()
     └── close() / remove()
 
@@ -13,7 +13,8 @@ The promises every implementation keeps (tests/test_store_contract.py runs
 the same suite over each; a PostgreSQL store must pass it unchanged):
 
 * `append(durable=True)` returns only once the record survives a crash;
-  `append(durable=False)` followed by `sync()` likewise.  A record appended
+  `append(durable=False)` followed by `sync()` likewise, or by `sync_soon()`
+  once its future has completed (a group commit off the loop).  A record appended
   but not synced may be lost by a crash, never half-kept.
 * A torn tail (the last record incomplete or failing its checksum, nothing
   valid after it) is dropped on load with a warning.  Damage followed by
@@ -37,6 +38,7 @@ Errors:
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -256,8 +258,20 @@ class SessionLog(Protocol):
         is discarded (never kept without anyone being told it was saved)."""
         ...
 
+    def sync_soon(self) -> asyncio.Future[None]:
+        """`sync()` without blocking the daemon's loop: the future completes
+        once every append so far is durable, or fails with `StoreError`
+        (every append not yet durable discarded, as by a failed `sync`).
+        Stores group these: one flush for whatever every session has pending."""
+        ...
+
     def make_durable(self) -> None:
         """After `StateStore.create(durable=False)`: the session exists for sure."""
+        ...
+
+    def make_durable_soon(self) -> asyncio.Future[None]:
+        """`make_durable` without blocking the daemon's loop (in the daemon's
+        loop only); fails with `StoreError`."""
         ...
 
     def write_snapshot(self, snap: Snapshot) -> None:
@@ -299,6 +313,10 @@ class StateStore(Protocol):
         """Rewrite a damaged session atomically so that it loads again."""
         ...
 
+    def close(self) -> None:
+        """The daemon is done with the store (every handle closed)."""
+        ...
+
 
 class DamagedLog:
     """Stands in for the log of a session that could not be loaded, so the
@@ -325,7 +343,13 @@ class DamagedLog:
     def sync(self) -> None:
         raise self._refuse()
 
+    def sync_soon(self) -> asyncio.Future[None]:
+        raise self._refuse()
+
     def make_durable(self) -> None:
+        raise self._refuse()
+
+    def make_durable_soon(self) -> asyncio.Future[None]:
         raise self._refuse()
 
     def write_snapshot(self, snap: Snapshot) -> None:

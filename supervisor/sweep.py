@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from ipc import messages as m
-from ipc.contract import ExitReason, LimitKind
+from ipc.contract import IDLE_HEARTBEAT_FACTOR, ExitReason, LimitKind
 from supervisor.config import Config
 from supervisor.events import EventLog
 from supervisor.limits import (
@@ -37,6 +37,9 @@ __all__ = ["Sweeper"]
 
 log = logging.getLogger("sessiond.manager")
 
+# A quiet session's memory is read every this many sweeps (see _quiet).
+QUIET_EVERY = 10
+
 
 class Sweeper:
     def __init__(
@@ -56,6 +59,7 @@ class Sweeper:
         self._hibernate = hibernate
         self.closing = False
         self.metrics: Recorder = NO_METRICS
+        self._tick = 0
 
     async def run(self) -> None:
         """The periodic sweep, as one task for the daemon's life."""
@@ -73,21 +77,41 @@ class Sweeper:
                 log.exception("supervision sweep failed; carrying on")
 
     def sweep(self, now: float) -> None:
+        self._tick += 1
+        # Every QUIET_EVERY-th sweep also closes the /proc files of
+        # processes no session holds any more, so it must see them all.
+        tidy = self._tick % QUIET_EVERY == 0
         seen: set[int] = set()
-        # Sessions in a turn first: they are the ones whose memory grows,
-        # so their figures are the freshest when a cap is crossed.
-        ordered = sorted(self._sessions.values(), key=lambda s: s.current_turn is None)
-        for session in ordered:
+        for session in list(self._sessions.values()):
             worker = session.worker
             if worker is None or worker.kill_reason is not None or worker.exited.done():
                 continue
-            seen.add(worker.pid)
-            self._check(session, worker, now)
-            seen.update(session.memory.pids)
-        self._proc_table.keep_only(seen)
+            if not self._quiet(session):
+                self._check(session, worker, now)
+            if tidy:
+                seen.add(worker.pid)
+                seen.update(session.memory.pids)
+        if tidy:
+            self._proc_table.keep_only(seen)
         self._events.trim()
 
+    def _quiet(self, session: Session) -> bool:
+        """No turn running and no process of its own seen: nothing in the
+        session runs code that could allocate (a handler's background task
+        aside) and its worker beats slowly, so it is checked (memory,
+        heartbeat, idleness) every QUIET_EVERY-th sweep, its turn spread by
+        a per-session offset.  1,000 idle sessions then cost a tenth."""
+        if session.current_turn is not None or session.memory.pids:
+            return False
+        return (self._tick + hash(session.id)) % QUIET_EVERY != 0
+
     def _check(self, session: Session, worker: WorkerProc, now: float) -> None:
+        self._check_memory(session, worker)
+        if worker.kill_reason is not None:
+            return
+        self._check_liveness(session, worker, now)
+
+    def _check_memory(self, session: Session, worker: WorkerProc) -> None:
         limits = session.settings.agent.limits
         rss = session.memory.measure(self._proc_table, worker.pid)
         bound = min(limits.max_memory_mb, limits.memory_high_mb or limits.max_memory_mb) * MIB
@@ -108,7 +132,11 @@ class Sweeper:
             worker.conn.send(m.MemoryHigh(rss_bytes=rss, limit_bytes=limits.memory_high_mb * MIB))
         elif verdict.high_cleared:
             session.memory.high = False
+
+    def _check_liveness(self, session: Session, worker: WorkerProc, now: float) -> None:
         hb = session.settings.agent.worker.heartbeat_interval_secs
+        if session.current_turn is None:
+            hb *= IDLE_HEARTBEAT_FACTOR  # the worker beats more slowly too
         if heartbeat_overdue(now, worker.last_heartbeat, hb, worker.booted):
             silent = now - worker.last_heartbeat
             self._events.emit_limit(session, LimitKind.HEARTBEAT, silent, HEARTBEATS_MISSED * hb)
@@ -140,6 +168,10 @@ class Sweeper:
     # ---------------------------------------------------------------- turn timeouts
 
     def arm_turn_timer(self, session: Session, turn: int) -> None:
+        if session.worker is not None:
+            # The worker beats at once on its input and then at the full
+            # pace; the shorter allowance counts from now.
+            session.worker.last_heartbeat = time.monotonic()
         session.turn_timer = asyncio.get_running_loop().call_later(
             session.settings.agent.turn_timeout_secs, self._on_turn_timeout, session, turn
         )

@@ -89,7 +89,7 @@ class WorkerOwner:
         self,
         session: Session,
         pending: Pending | None = None,
-        during_boot: Callable[[], None] | None = None,
+        during_boot: Callable[[], Awaitable[None] | None] | None = None,
     ) -> None:
         """Spawn (or take the worker already ordered), boot and wait for
         Ready; `during_boot` runs while the worker boots.  Caller holds
@@ -147,7 +147,9 @@ class WorkerOwner:
         if during_boot is not None:
             proto.flush()  # Boot goes out first, then our own work
             try:
-                during_boot()
+                durable = during_boot()
+                if durable is not None:
+                    await durable  # its fsyncs run off the loop, beside the boot
             except BaseException:
                 worker.expected = "discarded"
                 self.spawner.kill_tree(pid)

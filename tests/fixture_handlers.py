@@ -298,3 +298,32 @@ def hang_at_boot(init: HandlerInit) -> Any:
 
     time.sleep(HANG_SECS)
     raise AssertionError("unreachable")
+
+
+class AfterTurn(_Base):
+    """Input "freeze": after replying, block the event loop (between turns).
+    Input "grow N": after replying, a background task allocates N MiB (touching
+    every page) and holds it, while no turn runs."""
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        loop = asyncio.get_running_loop()
+        if text == "freeze":
+            import time
+
+            loop.call_later(0.05, time.sleep, HANG_SECS)
+        elif text.startswith("grow "):
+            size = int(text.split()[1]) << 20
+
+            async def grow() -> None:
+                await asyncio.sleep(0.05)
+                self.held = bytearray(size)
+                for i in range(0, size, 4096):
+                    self.held[i] = 1
+
+            self.task = loop.create_task(grow())
+        self.turns += 1
+        return TurnResult("ok", record=1)
+
+
+def after_turn(init: HandlerInit) -> AfterTurn:
+    return AfterTurn(init)

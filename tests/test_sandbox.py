@@ -340,3 +340,18 @@ def test_required_refuses_to_start_where_namespaces_cannot_be_made(tmp_path: Pat
     r = subprocess.run(d.cmd, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "sandbox.mode = required" in r.stderr and "bubblewrap" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("setup", ["root-uid-per-session", "landlock-only"])
+def test_a_tool_that_kills_its_host_costs_only_that_command(
+    make_daemon, llm: FakeLLM, open_root: Path, setup: str
+) -> None:
+    d = make(make_daemon, llm, open_root, setup)
+    with d.client() as c:
+        sid = c.create(session="parricide").id
+    out = run_tool(d, llm, sid, "echo before; kill -9 $PPID; sleep 2; echo unreachable", {})
+    assert "before" in out and "tool host exited" in out, out
+    out = run_tool(d, llm, sid, "echo after", {})
+    assert "after" in out and "[exit code: 0]" in out, out
+    with d.client() as c:
+        assert c.status(sid).last_exit is None  # the worker never noticed more than that

@@ -9,6 +9,9 @@ adding an adapter to ADAPTERS: the tests themselves stay as they are.
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +31,7 @@ from supervisor.state_store import (
     Snapshot,
     StateStore,
     StoreDamaged,
+    StoreFull,
 )
 from supervisor.store import FileStateStore, SessionStore
 
@@ -49,13 +53,23 @@ class Adapter:
         """Flip a byte inside the second-to-last record."""
         raise NotImplementedError
 
+    def fail_flushes(self, errno_: int) -> object:
+        """Every flush fails with `errno_` until `heal(token)`."""
+        raise NotImplementedError
+
+    def heal(self, token: object) -> None:
+        raise NotImplementedError
+
 
 class FileAdapter(Adapter):
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.file_store = FileStateStore(root)
-        self.store = self.file_store
         self.handles: list[SessionStore] = []
+        self._open()
+
+    def _open(self) -> None:
+        self.file_store = FileStateStore(self.root)
+        self.store = self.file_store
         real_create, real_load = self.file_store.create, self.file_store.load
 
         def create(meta: Meta, durable: bool = True) -> SessionStore:
@@ -72,13 +86,35 @@ class FileAdapter(Adapter):
         self.file_store.load = load  # type: ignore[method-assign, assignment]
 
     def crash(self) -> None:
-        # The page cache is gone: every log ends where its writer last synced.
+        # The page cache is gone: the journal ends where it was last
+        # fdatasync'd, and every log loses all this writer appended to it
+        # (only the journal was flushed for those records).  The next
+        # store replays the journal into the logs.
+        journal = self.file_store._journal
+        synced = journal.synced_bytes if journal is not None else 0
         for h in self.handles:
             if h._fd >= 0:
                 with open(h.path / f"log.{h.gen}", "r+b") as f:
-                    f.truncate(h._synced)
+                    f.truncate(h._opened if journal is not None else h._synced)
             h.close()
         self.handles.clear()
+        if journal is not None:
+            journal.abandon()
+            with open(journal.path, "r+b") as f:
+                f.truncate(synced)
+        self._open()
+
+    def fail_flushes(self, errno_: int) -> object:
+        real = os.fdatasync
+
+        def failing(fd: int) -> None:
+            raise OSError(errno_, os.strerror(errno_))
+
+        os.fdatasync = failing
+        return real
+
+    def heal(self, token: object) -> None:
+        os.fdatasync = token  # type: ignore[assignment]
 
     def _last_log(self, session_id: str) -> Path:
         logs = sorted((self.root / session_id).glob("log.*"), key=lambda p: int(p.name[4:]))
@@ -110,6 +146,13 @@ class MemoryAdapter(Adapter):
 
     def crash(self) -> None:
         self.mem.crash()
+
+    def fail_flushes(self, errno_: int) -> object:
+        self.mem.flush_error = OSError(errno_, os.strerror(errno_))
+        return None
+
+    def heal(self, token: object) -> None:
+        self.mem.flush_error = None
 
     def _offsets(self, data: bytes) -> list[int]:
         return FileAdapter._offsets(self, data)  # type: ignore[arg-type]
@@ -163,6 +206,19 @@ class PgAdapter(Adapter):
         self.handles.clear()
         self.server.crash()
 
+    def fail_flushes(self, errno_: int) -> object:
+        # The server itself refuses, as a full disk makes it: SQLSTATE 53100.
+        assert errno_ == errno.ENOSPC
+        self._sql("CREATE FUNCTION sessiond_test_full() RETURNS trigger LANGUAGE plpgsql AS "
+                  "$$ BEGIN RAISE EXCEPTION 'no space left' USING ERRCODE = 'disk_full'; END $$")
+        self._sql("CREATE TRIGGER sessiond_test_full BEFORE INSERT ON sessiond_records "
+                  "FOR EACH STATEMENT EXECUTE FUNCTION sessiond_test_full()")
+        return None
+
+    def heal(self, token: object) -> None:
+        self._sql("DROP TRIGGER sessiond_test_full ON sessiond_records")
+        self._sql("DROP FUNCTION sessiond_test_full()")
+
     _LAST = "(SELECT pos FROM sessiond_records WHERE session = %s ORDER BY pos DESC LIMIT 1 OFFSET {})"
 
     def tear_tail(self, session_id: str, keep: int) -> None:
@@ -190,6 +246,7 @@ def ad(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Adapter]:
     if isinstance(adapter, FileAdapter):
         for h in adapter.handles:
             h.close()
+        adapter.file_store.close()
     if isinstance(adapter, PgAdapter):
         adapter.pg.close()
 
@@ -324,3 +381,64 @@ def test_file_store_fence_check_costs_microseconds(tmp_path: Path) -> None:
     h.close()
     print(f"fence check: {per_call_us:.2f} us per append")
     assert per_call_us < 50  # ~1-3 us here; an fsync costs ms
+
+
+# ---------------------------------------------------------------- group commit (sync_soon)
+
+
+def test_group_commit_acknowledges_every_session_only_once_durable(ad: Adapter) -> None:
+    handles = [ad.store.create(meta(f"g{i}")) for i in range(20)]
+
+    async def main() -> list[bool]:
+        futs = []
+        for turn in range(1, 4):
+            for i, h in enumerate(handles):
+                h.append(commit(turn, bytes([i, turn]), turn), durable=False)
+                futs.append(h.sync_soon())
+        done = await asyncio.gather(*futs)
+        return [d is None for d in done]
+
+    assert all(asyncio.run(main()))
+    ad.crash()
+    for i in range(20):
+        h, loaded = ad.store.load(f"g{i}")
+        assert h.read_for_boot()[1] == [bytes([i, t]) for t in range(1, 4)] and loaded.seq == 3
+
+
+def test_a_failed_flush_fails_exactly_the_waiting_appends(ad: Adapter) -> None:
+    a, b = ad.store.create(meta("a")), ad.store.create(meta("b"))
+    a.append(commit(1, b"\x01", 1), durable=True)
+
+    async def main() -> list[BaseException | None]:
+        b.append(commit(1, b"\x02", 1), durable=False)
+        a.append(commit(2, b"\x03", 2), durable=False)
+        token = ad.fail_flushes(errno.ENOSPC)
+        try:
+            results = await asyncio.gather(b.sync_soon(), a.sync_soon(), return_exceptions=True)
+        finally:
+            ad.heal(token)
+        # The store works again once the disk does.
+        a.append(commit(2, b"\x04", 2), durable=False)
+        await a.sync_soon()
+        return [r if isinstance(r, BaseException) else None for r in results]
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, StoreFull) for r in results), results
+    ad.crash()
+    assert ad.store.load("a")[0].read_for_boot()[1] == [b"\x01", b"\x04"]
+    assert ad.store.load("b")[0].read_for_boot()[1] == []
+
+
+def test_make_durable_soon_makes_a_create_survive(ad: Adapter) -> None:
+    h = ad.store.create(meta("late"), durable=False)
+    h.append(commit(1, b"\x01", 1), durable=False)
+
+    async def main() -> None:
+        await h.make_durable_soon()
+        await h.sync_soon()
+
+    asyncio.run(main())
+    ad.crash()
+    assert "late" in ad.store.ids()
+    h2, loaded = ad.store.load("late")
+    assert loaded.meta.id == "late" and h2.read_for_boot()[1] == [b"\x01"]

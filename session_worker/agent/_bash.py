@@ -114,13 +114,22 @@ class _Hosted:
 
     def __init__(self, host: sandbox.ToolHost, command: sandbox.HostCommand) -> None:
         self.host, self.command = host, command
+        self.lost = ""  # why the host went away while the command ran
 
     @property
     def returncode(self) -> int | None:
+        if self.lost:
+            return -signal.SIGKILL
         return self.command.returncode
 
     async def wait(self) -> int:
-        return await asyncio.shield(self.command.exited)
+        try:
+            return await asyncio.shield(self.command.exited)
+        except sandbox.SandboxError as exc:
+            # A tool killed the host (its parent), or the host died: its
+            # namespace, and the command, went with it.
+            self.lost = str(exc)
+            return -signal.SIGKILL
 
     def kill(self) -> None:
         self.host.kill(self.command)
@@ -206,6 +215,8 @@ async def run_bash(command: str, workspace: Path, timeout_secs: float, limit: in
     output = cap.text()
     if timed_out:
         status = f"[timed out after {timeout_secs:g} s; the command and its children were killed]"
+    elif isinstance(proc, _Hosted) and proc.lost:
+        status = f"[{proc.lost} while the command ran; the next command starts a new one]"
     elif proc.returncode is not None and proc.returncode < 0:
         status = f"[killed by signal {-proc.returncode}]"
     else:

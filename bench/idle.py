@@ -1,0 +1,123 @@
+"""What N idle sessions cost: create throughput, then CPU while nothing happens,
+and `sessionctl --json ls`.
+
+    .venv/bin/python bench/idle.py [--n 1000] [--idle-secs 10] [--profile FILE] [--json]
+
+- create: N echo sessions, 16 creates in flight (`AsyncClient.create`), the
+  rate over the whole batch;
+- idle: with every session idle, the daemon's CPU (all its threads) and all
+  workers' CPU together over --idle-secs, as % of one core, from
+  /proc/PID/task/*/schedstat; the default 100 ms memory poll;
+- ls: `sessionctl --json ls` as a user runs it (a new process: interpreter
+  start included), median of 5, beside `sessionctl --json ping` (the same
+  process start, no sessions listed) as its baseline.
+
+Goals (issue 12): daemon <= 5% of a core, workers together <= 2%, ls <= 50 ms,
+create >= 500 sessions/s.  With --profile the daemon runs under cProfile
+(stats written at its exit), to see what an idle daemon spends its time on.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_BENCH = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
+sys.path.insert(0, str(_BENCH.parent))
+
+import asyncio  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+from bench import _common as c  # noqa: E402
+
+c.setup_path()
+
+from ipc.loop import run as loop_run  # noqa: E402
+from supervisor.client import AsyncClient  # noqa: E402
+
+CONFIG = """
+[agent.limits]
+max_concurrent_sessions = 5000
+"""
+
+
+async def _create(d: c.BenchDaemon, n: int) -> tuple[float, list[str]]:
+    client = await AsyncClient.connect(str(d.socket), client_name="bench-idle")
+    sem = asyncio.Semaphore(16)
+    sids: list[str] = []
+
+    async def make() -> None:
+        async with sem:
+            sids.append((await client.create(handler="echo")).id)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(make() for _ in range(n)))
+    rate = n / (time.perf_counter() - t0)
+    await client.close()
+    return rate, sids
+
+
+def _ctl(d: c.BenchDaemon, *args: str) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "supervisor.ctl", "--socket", str(d.socket), "--json", *args],
+                   check=True, stdout=subprocess.DEVNULL, env=c.child_env())
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    p = c.arg_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, default=1000)
+    p.add_argument("--idle-secs", type=float, default=10.0)
+    p.add_argument("--profile", metavar="FILE")
+    p.add_argument("--daemon-repo", metavar="DIR", help="run another checkout's daemon (a baseline)")
+    args = p.parse_args()
+    rep = c.Report("idle", args.json)
+    flags = ["-m", "cProfile", "-o", str(Path(args.profile).resolve())] if args.profile else []
+    env = {"PYTHONPATH": args.daemon_repo} if args.daemon_repo else {}
+    d = c.BenchDaemon(CONFIG, tag="idle", python_flags=flags, env=env).start()
+    try:
+        rate, sids = loop_run(_create(d, args.n))
+        d.remember()
+        import psutil
+
+        workers = [p.pid for p in psutil.Process(d.zygote_pid()).children()]
+        time.sleep(1.0)  # let the creates' aftermath (first heartbeats, sweeps) pass
+        d0, w0 = c.sched_ns(d.pid)[0], sum(c.sched_ns(w)[0] for w in workers)
+        t0 = time.monotonic()
+        time.sleep(args.idle_secs)
+        wall = time.monotonic() - t0
+        d1, w1 = c.sched_ns(d.pid)[0], sum(c.sched_ns(w)[0] for w in workers)
+        daemon_pct = (d1 - d0) / 1e9 / wall * 100
+        workers_pct = (w1 - w0) / 1e9 / wall * 100
+        ls, ping = [], []
+        for _ in range(5):
+            ls.append(_ctl(d, "ls"))
+            ping.append(_ctl(d, "ping"))
+        ls_ms = sorted(ls)[2] * 1000
+        ping_ms = sorted(ping)[2] * 1000
+    finally:
+        d.cleanup()
+    fig: dict[str, Any] = {"n": args.n, "create_per_sec": rate, "daemon_cpu_pct": daemon_pct,
+                           "workers_cpu_pct": workers_pct, "ls_ms": ls_ms, "ping_ms": ping_ms,
+                           "workers": len(workers)}
+    rep.figures.update(fig)
+    rep.table(["sessions", "create/s (16 in flight)", "daemon CPU, idle", "workers CPU, idle",
+               "ctl --json ls", "ctl --json ping"],
+              [[str(args.n), f"{rate:.0f}", f"{daemon_pct:.1f}%", f"{workers_pct:.1f}%",
+                f"{ls_ms:.0f} ms", f"{ping_ms:.0f} ms"]])
+    rep.goal("idle_daemon_cpu", daemon_pct, 5.0, f"{args.n} idle sessions: daemon {daemon_pct:.1f}% of a core "
+             "(goal <= 5%)")
+    rep.goal("idle_workers_cpu", workers_pct, 2.0, f"{args.n} idle workers together {workers_pct:.1f}% "
+             "(goal <= 2%)")
+    rep.goal("idle_ls_ms", ls_ms, 50.0, f"`sessionctl --json ls` of {args.n}: {ls_ms:.0f} ms, a ping from the "
+             f"same command {ping_ms:.0f} ms (goal <= 50 ms)")
+    rep.goal("create_rate", rate, 500.0, f"create {rate:.0f} sessions/s with 16 in flight (goal >= 500)",
+             higher_is_better=True)
+    return rep.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

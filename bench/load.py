@@ -1,0 +1,316 @@
+"""Many sessions at once: durable turns/s, turn latency, and how long a
+control request waits behind them.
+
+    .venv/bin/python bench/load.py [--ns 1,10,50,200] [--secs 4] [--slow-ms 3] [--json]
+
+For each N in --ns, N echo sessions send 100-byte inputs back to back
+(`AsyncClient.send_text`, one connection each, all in one load-generator
+process on uvloop, the daemon's Python client as a user would run it) for
+--secs seconds after a short warm-up.  Meanwhile this process, on its own
+connection, sends control requests one after another with a 2 ms gap:
+daemon `ping`, `status` of one busy session, `ls`.  Printed per N:
+total durable turns/s (a turn counts once TurnDone arrived: its input and
+its commit are on disk), turn p50/p99, and each control request's p50/p99.
+
+The baseline is N = 1 in the same run (and an idle-daemon ping before the
+load), so the goals are ratios: with 50 sessions the total is >= 3x the
+one-session figure; ping p99 <= 2 ms.  With --baseline DIR (another
+checkout, e.g. `git worktree add /tmp/base <commit>`) that checkout's
+daemon runs beside this one, level by level, and a last table gives the
+ratios between the two.
+
+Slow disk: with --slow-ms X (default 3; 0 skips it) the whole table is
+measured again with the daemon started with SESSIOND_BENCH_FSYNC_DELAY_MS=X,
+which makes the file store sleep X ms before every fdatasync/fsync of a log,
+a stand-in for network block storage (bench-only: see supervisor/store.py).
+A daemon that fsyncs once per turn caps at ~1000/X turns/s whatever N; one
+that groups commits scales with the batch.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_BENCH = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
+sys.path.insert(0, str(_BENCH.parent))
+
+import asyncio  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+from bench import _common as c  # noqa: E402
+
+c.setup_path()
+
+from ipc.loop import run as loop_run  # noqa: E402
+from supervisor.client import AsyncClient  # noqa: E402
+
+TEXT = ("0123456789" * 10)[:100]
+WARMUP_SECS = 0.5
+CONTROL_GAP_SECS = 0.002
+RENICE = 0
+CONFIG = """
+[agent.limits]
+max_concurrent_sessions = 1000
+"""
+
+
+# ---------------------------------------------------------------- the load generator (a child process)
+
+
+async def _load(sock: str, sids: list[str], secs: float) -> dict[str, Any]:
+    clients = [await AsyncClient.connect(sock, client_name="bench-load") for _ in sids]
+    lat: list[int] = []
+    count = 0
+    start = time.monotonic()
+    measure_from = start + WARMUP_SECS
+    stop_at = measure_from + secs
+
+    async def one(client: AsyncClient, sid: str) -> None:
+        nonlocal count
+        while True:
+            t0 = time.monotonic_ns()
+            await client.send_text(sid, TEXT)
+            now = time.monotonic()
+            if now >= stop_at:
+                return
+            if now >= measure_from:
+                lat.append(time.monotonic_ns() - t0)
+                count += 1
+
+    await asyncio.gather(*(one(cl, sid) for cl, sid in zip(clients, sids)))
+    for cl in clients:
+        await cl.close()
+    return {"turns": count, "secs": secs, "lat_ns": lat}
+
+
+def _load_main(argv: list[str]) -> int:
+    sock, secs, out = argv[0], float(argv[1]), argv[2]
+    sids = argv[3].split(",")
+    result = loop_run(_load(sock, sids, secs))
+    Path(out).write_text(json.dumps(result))
+    return 0
+
+
+# ---------------------------------------------------------------- control latency (this process)
+
+
+async def _control(client: AsyncClient, busy: str, until: float) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {"ping": [], "status": [], "ls": []}
+    kinds = list(out)
+    i = 0
+    while time.monotonic() < until:
+        kind = kinds[i % len(kinds)]
+        i += 1
+        t0 = time.monotonic_ns()
+        if kind == "ping":
+            await client.ping()
+        elif kind == "status":
+            await client.status(busy)
+        else:
+            await client.list()
+        out[kind].append(time.monotonic_ns() - t0)
+        await asyncio.sleep(CONTROL_GAP_SECS)
+    return out
+
+
+def _worker_pids(d: c.BenchDaemon) -> list[int]:
+    import psutil
+
+    try:
+        return [p.pid for p in psutil.Process(d.zygote_pid()).children()]
+    except (psutil.Error, RuntimeError):
+        return []
+
+
+def _cpu(daemon: int, load: int, workers: list[int]) -> dict[str, int]:
+    """ns on a CPU so far: the daemon (all its threads), the load generator,
+    all workers together."""
+    run, wait = c.sched_ns(daemon)
+    return {"daemon": run, "client": c.sched_ns(load)[0],
+            "workers": sum(c.sched_ns(w)[0] for w in workers),
+            "daemon_runq": wait}
+
+
+async def _level(d: c.BenchDaemon, client: AsyncClient, sids: list[str], secs: float) -> dict[str, Any]:
+    outfile = d.dir / f"load-{len(sids)}.json"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--_load", str(d.socket), str(secs), str(outfile), ",".join(sids),
+        env=c.child_env(), stdin=subprocess.DEVNULL,
+    )
+    c.on_exit(lambda: proc.returncode is None and proc.kill())
+    # Control requests while the load runs (after its warm-up and connects).
+    await asyncio.sleep(WARMUP_SECS + 0.3)
+    workers = _worker_pids(d)
+    if RENICE:
+        # An experiment (--renice): the daemon first when CPUs are short.
+        for pid in [*workers, proc.pid]:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, pid, RENICE)
+    cpu0 = _cpu(d.pid, proc.pid, workers)
+    t0 = time.monotonic()
+    control = await _control(client, sids[0], time.monotonic() + secs - 0.6)
+    cpu1 = _cpu(d.pid, proc.pid, workers)
+    wall = time.monotonic() - t0
+    rc = await proc.wait()
+    if rc != 0:
+        raise RuntimeError(f"load generator exited {rc}:\n{d.log()[-3000:]}")
+    res = json.loads(outfile.read_text())
+    turns = c.summarize(res["lat_ns"])
+    rate = res["turns"] / res["secs"]
+    return {
+        "n": len(sids),
+        # CPU per durable turn, µs, over the control window (both cores count).
+        "cpu_us_per_turn": {k: (cpu1[k] - cpu0[k]) / 1000 / max(rate * wall, 1) for k in cpu0},
+        "turns_per_sec": rate,
+        "turn": turns,
+        "control": {k: c.summarize(v) for k, v in control.items()},
+    }
+
+
+class _Build:
+    """One daemon under test: this checkout, or --baseline's (another
+    checkout of sessiond, e.g. a `git worktree` of the commit before)."""
+
+    def __init__(self, label: str, repo: str | None, env: dict[str, str], flags: list[str]) -> None:
+        self.label = label
+        extra = dict(env)
+        if repo is not None:
+            extra["PYTHONPATH"] = repo
+        self.d = c.BenchDaemon(CONFIG, tag="load", env=extra, python_flags=flags)
+        self.sids: list[str] = []
+        self.idle: dict[str, float] = {}
+        self.levels: list[dict[str, Any]] = []
+
+    async def start(self) -> AsyncClient:
+        self.d.start()
+        client = await AsyncClient.connect(str(self.d.socket), client_name="bench-control")
+        idle = []
+        for _ in range(300):
+            t0 = time.monotonic_ns()
+            await client.ping()
+            idle.append(time.monotonic_ns() - t0)
+        self.idle = c.summarize(idle)
+        return client
+
+    async def grow(self, client: AsyncClient, n: int) -> None:
+        sem = asyncio.Semaphore(16)
+
+        async def make() -> None:
+            async with sem:
+                self.sids.append((await client.create(handler="echo")).id)
+
+        await asyncio.gather(*(make() for _ in range(n - len(self.sids))))
+        self.d.remember()
+
+
+async def _run_mode(ns: list[int], secs: float, fsync_delay_ms: float, baseline: str | None,
+                    profile: str | None = None) -> list[dict[str, Any]]:
+    """Every N on every build, interleaved (base N=1, this N=1, base N=10...)."""
+    env = {"SESSIOND_BENCH_FSYNC_DELAY_MS": str(fsync_delay_ms)} if fsync_delay_ms else {}
+    flags = ["-m", "cProfile", "-o", profile] if profile else []
+    builds = ([_Build("baseline", baseline, env, [])] if baseline else []) + [_Build("this", None, env, flags)]
+    try:
+        clients = [await b.start() for b in builds]
+        for n in ns:
+            for b, client in zip(builds, clients):
+                await b.grow(client, n)
+                b.levels.append(await _level(b.d, client, sorted(b.sids)[:n], secs))
+        for client in clients:
+            await client.close()
+    finally:
+        for b in builds:
+            b.d.cleanup()
+    return [{"build": b.label, "fsync_delay_ms": fsync_delay_ms, "idle_ping": b.idle, "levels": b.levels}
+            for b in builds]
+
+
+def _print(rep: c.Report, mode: dict[str, Any]) -> None:
+    slow = mode["fsync_delay_ms"]
+    rep.say()
+    rep.say(f"== {mode['build']}, {'fsync +' + str(slow) + ' ms (SESSIOND_BENCH_FSYNC_DELAY_MS)' if slow else 'real disk'}: "
+            f"idle daemon ping p50 {c.fmt_us(mode['idle_ping']['median_us'])}, "
+            f"p99 {c.fmt_us(mode['idle_ping']['p99_us'])}")
+    base = mode["levels"][0]["turns_per_sec"] or 1.0
+    rows = []
+    for lv in mode["levels"]:
+        ctl = lv["control"]
+        rows.append([
+            str(lv["n"]), f"{lv['turns_per_sec']:.0f}", f"{lv['turns_per_sec'] / base:.2f}x",
+            c.fmt_us(lv["turn"]["median_us"]), c.fmt_us(lv["turn"]["p99_us"]),
+            c.fmt_us(ctl["ping"]["median_us"]), c.fmt_us(ctl["ping"]["p99_us"]),
+            c.fmt_us(ctl["status"]["median_us"]), c.fmt_us(ctl["status"]["p99_us"]),
+            c.fmt_us(ctl["ls"]["median_us"]), c.fmt_us(ctl["ls"]["p99_us"]),
+            " / ".join(f"{lv['cpu_us_per_turn'][k]:.0f}" for k in ("daemon", "workers", "client")),
+            f"{lv['cpu_us_per_turn']['daemon_runq']:.0f}",
+        ])
+    rep.table(["sessions", "turns/s", f"vs N={mode['levels'][0]['n']}", "turn p50", "turn p99",
+               "ping p50", "ping p99", "status p50", "status p99", "ls p50", "ls p99",
+               "CPU µs/turn daemon / workers / client", "daemon runq µs/turn"], rows)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--_load":
+        return _load_main(sys.argv[2:])
+    p = c.arg_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--ns", default="1,10,50,200", help="session counts (default 1,10,50,200)")
+    p.add_argument("--secs", type=float, default=4.0, help="seconds measured per count (default 4)")
+    p.add_argument("--profile", metavar="FILE", help="run the (real-disk) daemon under cProfile, "
+                   "stats written to FILE at its exit")
+    p.add_argument("--baseline", metavar="DIR", help="also run another checkout's daemon (e.g. `git "
+                   "worktree add /tmp/base COMMIT`), interleaved with this one, level by level")
+    p.add_argument("--slow-ms", type=float, default=3.0,
+                   help="also run with this fsync delay, ms (default 3; 0: skip)")
+    p.add_argument("--renice", type=int, default=0, metavar="N",
+                   help="experiment: run workers and the load generator at nice N (default 0: as started)")
+    args = p.parse_args()
+    global RENICE
+    RENICE = args.renice
+    ns = sorted({int(x) for x in args.ns.split(",")})
+    rep = c.Report("load", args.json)
+    c.quiet_gc()
+    profile = str(Path(args.profile).resolve()) if args.profile else None
+    real_modes = loop_run(_run_mode(ns, args.secs, 0.0, args.baseline, profile))
+    slow_modes = loop_run(_run_mode(ns, args.secs, args.slow_ms, args.baseline)) if args.slow_ms else []
+    modes = real_modes + slow_modes
+    rep.figures["modes"] = modes
+    for mode in modes:
+        _print(rep, mode)
+    if args.baseline:
+        rows = []
+        for a, b in zip(modes[0::2], modes[1::2]):
+            for la, lb in zip(a["levels"], b["levels"]):
+                rows.append([f"{'+' + str(a['fsync_delay_ms']) + ' ms' if a['fsync_delay_ms'] else 'real'}",
+                             str(la["n"]), f"{lb['turns_per_sec'] / max(la['turns_per_sec'], 1e-9):.2f}x",
+                             f"{la['control']['ping']['p99_us'] / max(lb['control']['ping']['p99_us'], 1e-9):.1f}x"])
+        rep.say()
+        rep.say("this build against the baseline, same run:")
+        rep.table(["disk", "sessions", "turns/s ratio", "ping p99 better by"], rows)
+    real = real_modes[-1]["levels"]
+    by_n = {lv["n"]: lv for lv in real}
+    if 1 in by_n and 50 in by_n:
+        ratio = by_n[50]["turns_per_sec"] / max(by_n[1]["turns_per_sec"], 1e-9)
+        rep.goal("load_50_vs_1", ratio, 3.0, f"50 sessions {ratio:.2f}x one session's turns/s (goal >= 3x)",
+                 higher_is_better=True)
+        p99 = by_n[50]["control"]["ping"]["p99_us"]
+        rep.goal("load_50_ping_p99", p99, 2000.0, f"daemon ping p99 with 50 sessions busy {c.fmt_us(p99)} "
+                 "(goal <= 2 ms)")
+    if slow_modes:
+        slow = {lv["n"]: lv for lv in slow_modes[-1]["levels"]}
+        top = max(slow)
+        cap = 1000.0 / slow_modes[-1]["fsync_delay_ms"]
+        got = slow[top]["turns_per_sec"]
+        rep.goal("load_slow_fsync_scales", got / cap, 2.0,
+                 f"slow fsync, {top} sessions: {got:.0f} turns/s = {got / cap:.1f}x the one-fsync-per-turn "
+                 f"cap of {cap:.0f}/s (goal >= 2x: throughput scales with the batch)", higher_is_better=True)
+    return rep.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

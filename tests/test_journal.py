@@ -1,0 +1,208 @@
+"""The file store's daemon-wide journal (supervisor/journal.py): what a crash
+leaves of it and what replay makes of that, checkpoints, tombstones, locks,
+and a daemon SIGKILLed in the middle of many sessions' batches."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from supervisor import journal as journal_mod
+from supervisor.client import AsyncClient
+from supervisor.state_store import Commit, Meta, Snapshot
+from supervisor.store import FileStateStore, SessionStore
+from harness import Daemon, wait_for
+
+
+def _meta(sid: str) -> Meta:
+    return Meta(id=sid, handler="echo", created_at=1.0)
+
+
+def _commit(turn: int, record: bytes) -> Commit:
+    return Commit(turn=turn, reply=f"r{turn}", record=record, seq=turn)
+
+
+def _power_loss(store: FileStateStore, handles: list[SessionStore], journal_bytes: int | None = None) -> None:
+    """Logs lose what this writer appended (only the journal was flushed);
+    the journal keeps what was fdatasync'd, or `journal_bytes` of it."""
+    j = store._journal
+    assert j is not None
+    keep = j.synced_bytes if journal_bytes is None else journal_bytes
+    for h in handles:
+        with open(h.path / f"log.{h.gen}", "r+b") as f:
+            f.truncate(h._opened)
+        h.close()
+    j.abandon()
+    with open(j.path, "r+b") as f:
+        f.truncate(keep)
+
+
+@pytest.mark.component
+def test_a_torn_journal_tail_loses_only_the_torn_record(tmp_path: Path) -> None:
+    store = FileStateStore(tmp_path)
+    h = store.create(_meta("s1"))
+    h.append(_commit(1, b"\x01"), durable=True)
+    h.append(_commit(2, b"\x02"), durable=True)
+    j = store._journal
+    assert j is not None
+    whole = j.synced_bytes
+    h.append(_commit(3, b"\x03"), durable=True)
+    torn = whole + (j.synced_bytes - whole) // 2  # half of the last record
+    _power_loss(store, [h], journal_bytes=torn)
+    h2, loaded = FileStateStore(tmp_path).load("s1")
+    assert h2.read_for_boot()[1] == [b"\x01", b"\x02"] and loaded.seq == 2
+    assert not list((tmp_path / ".journal").glob("*.wal"))[1:]  # replayed ones deleted
+
+
+@pytest.mark.component
+def test_a_removed_sessions_records_never_reach_a_new_one_of_its_id(tmp_path: Path) -> None:
+    store = FileStateStore(tmp_path)
+    old = store.create(_meta("x"))
+    for t in range(1, 6):
+        old.append(_commit(t, b"old"), durable=True)
+    old.remove()
+    new = store.create(_meta("x"))
+    new.append(_commit(1, b"new"), durable=True)
+    _power_loss(store, [new])
+    h, loaded = FileStateStore(tmp_path).load("x")
+    assert h.read_for_boot()[1] == [b"new"] and loaded.turns == 0 and loaded.seq == 1
+
+
+@pytest.mark.component
+def test_a_live_journal_is_not_replayed_by_another_store(tmp_path: Path) -> None:
+    first = FileStateStore(tmp_path)
+    h = first.create(_meta("s1"))
+    h.append(_commit(1, b"\x01"), durable=True)
+    second = FileStateStore(tmp_path)
+    assert second.ids() == ["s1"]
+    assert first._journal is not None and first._journal.path.exists()  # still first's
+    first.close()
+    second.close()
+
+
+@pytest.mark.component
+def test_a_checkpoint_makes_logs_durable_and_retires_the_journal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(journal_mod, "_CHECKPOINT_BYTES", 2000)
+    store = FileStateStore(tmp_path)
+    handles = [store.create(_meta(f"s{i}")) for i in range(4)]
+
+    async def main() -> None:
+        for turn in range(1, 30):
+            for h in handles:
+                h.append(_commit(turn, bytes([turn])), durable=False)
+            await asyncio.gather(*(h.sync_soon() for h in handles))
+
+    asyncio.run(main())
+    j = store._journal
+    assert j is not None
+
+    def retired() -> bool:
+        return [p.name for p in (tmp_path / ".journal").glob("*.wal")] == [j.path.name]
+
+    # The writer thread deletes a retired journal after syncing its logs.
+    wait_for(retired, timeout=10, what="the retired journal deleted")
+    store.close()
+    assert not list((tmp_path / ".journal").glob("*.wal"))
+    reopened = FileStateStore(tmp_path)
+    for i in range(4):
+        assert reopened.load(f"s{i}")[0].read_for_boot()[1] == [bytes([t]) for t in range(1, 30)]
+
+
+@pytest.mark.process
+def test_sigkill_in_the_middle_of_batches_loses_no_acknowledged_turn(make_daemon) -> None:
+    d: Daemon = make_daemon()
+    acked: dict[str, int] = {}
+
+    async def load() -> None:
+        client = await AsyncClient.connect(str(d.socket))
+        sids = [(await client.create(handler="echo")).id for _ in range(12)]
+        for sid in sids:
+            acked[sid] = 0
+
+        async def one(sid: str) -> None:
+            while True:
+                reply = await client.send_text(sid, "x")
+                acked[sid] = int(reply.split(":")[0])
+
+        tasks = [asyncio.ensure_future(one(sid)) for sid in sids]
+        while sum(acked.values()) < 300:
+            await asyncio.sleep(0.01)
+        d.kill()  # SIGKILL, with batches in flight
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(load())
+    d.start()
+    with d.client() as c:
+        for sid, n in acked.items():
+            assert c.status(sid).turns >= n, (sid, n)
+            # Echo numbers a reply by the turns committed before it, as
+            # restored from the store: every acknowledged one is there.
+            committed = int(c.send_text(sid, "y").split(":")[0]) - 1
+            assert committed >= n, (sid, committed, n)
+
+
+@pytest.mark.component
+def test_a_snapshot_written_off_the_loop_is_consistent_before_and_after_it_lands(tmp_path: Path) -> None:
+    store = FileStateStore(tmp_path)
+    h = store.create(_meta("s1"))
+
+    async def main() -> tuple[bytes, list[bytes], int]:
+        for t in range(1, 4):
+            h.append(_commit(t, bytes([t])), durable=False)
+        await h.sync_soon()
+        h.write_snapshot(Snapshot(gen=0, meta=_meta("s1"), turns=3, seq=3, handler_state=b"S1"))
+        before = h.read_for_boot()  # whichever snapshot is on disk, with its logs
+        assert before in ((b"S1", [], 3), (b"", [b"\x01", b"\x02", b"\x03"], 3))
+        h.append(_commit(4, b"\x04"), durable=False)
+        await h.sync_soon()
+        assert h.read_for_boot() in ((b"S1", [b"\x04"], 4), (b"", [b"\x01", b"\x02", b"\x03", b"\x04"], 4))
+        deadline = asyncio.get_running_loop().time() + 10
+        while h._snapshotting:  # landed, and its completion ran on the loop
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.001)
+        return h.read_for_boot()
+
+    assert asyncio.run(main()) == (b"S1", [b"\x04"], 4)
+    _power_loss(store, [h])
+    h2, loaded = FileStateStore(tmp_path).load("s1")
+    assert h2.read_for_boot() == (b"S1", [b"\x04"], 4) and loaded.turns == 3 and loaded.seq == 4
+
+
+@pytest.mark.component
+def test_records_of_a_superseded_writer_survive_a_crash_after_the_reload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Replay skips records of an older fence generation: a reload must make
+    # them durable in the log itself first.  What an fsync made durable is
+    # recorded, and the power loss keeps exactly that of log.0.
+    durable: dict[Path, int] = {}
+    real = journal_mod._fsync_path
+
+    def recording(path: Path, directory: bool = False) -> None:
+        real(path, directory)
+        if not directory:
+            durable[path] = path.stat().st_size
+
+    monkeypatch.setattr(journal_mod, "_fsync_path", recording)
+    store = FileStateStore(tmp_path)
+    h1 = store.create(_meta("s1"))
+    h1.append(_commit(1, b"\x01"), durable=True)
+    h2, _ = store.load("s1")
+    h2.append(_commit(2, b"\x02"), durable=True)
+    h1.close()
+    log0 = tmp_path / "s1" / "log.0"
+    j = store._journal
+    assert j is not None
+    keep = j.synced_bytes
+    h2.close()
+    j.abandon()
+    with open(j.path, "r+b") as f:
+        f.truncate(keep)
+    with open(log0, "r+b") as f:
+        f.truncate(durable.get(log0, 0))
+    h3, loaded = FileStateStore(tmp_path).load("s1")
+    assert h3.read_for_boot()[1] == [b"\x01", b"\x02"] and loaded.seq == 2
