@@ -57,8 +57,9 @@ def _escapees() -> list[psutil.Process]:
 
 
 def test_each_session_lives_in_its_own_cgroup_and_dies_whole(
-    make_daemon, llm: FakeLLM, delegated: Path, monkeypatch: pytest.MonkeyPatch
+    delegated: Path, make_daemon, llm: FakeLLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # `delegated` first: set up before the daemon, torn down after it.
     monkeypatch.setenv("SESSIOND_TEST_KEY", "k")
     # The sandbox off: what contains the escapee here is the cgroup alone.
     d = make_daemon(agent_config(llm, '[sandbox]\nmode = "off"\n'), start=False)
