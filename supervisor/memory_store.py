@@ -28,6 +28,7 @@ from supervisor.state_store import (
     StoreDamaged,
     StoreError,
     boot_state,
+    settled,
 )
 from supervisor.store import describe_damage, frame_record, scan_log
 
@@ -97,14 +98,7 @@ class MemoryLog:
         return fut
 
     def make_durable_soon(self) -> asyncio.Future[None]:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        try:
-            self.make_durable()
-        except StoreError as exc:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(None)
-        return fut
+        return settled(self.make_durable)
 
     def make_durable(self) -> None:
         self._check()

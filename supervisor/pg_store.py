@@ -66,6 +66,7 @@ from supervisor.state_store import (
     StoreError,
     StoreFull,
     boot_state,
+    settled,
 )
 from supervisor.store import frame_record, scan_log
 
@@ -188,17 +189,6 @@ class _Rows:
         return next((r for _, r in self.records if isinstance(r, Meta)), None)
 
 
-def _settled(op: Callable[[], None]) -> asyncio.Future[None]:
-    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    try:
-        op()
-    except StoreError as exc:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(None)
-    return fut
-
-
 class PgSessionLog:
     """One session's rows, held by its one writer.  Runs in the daemon only."""
 
@@ -276,10 +266,10 @@ class PgSessionLog:
     # still makes its one round trip on the loop (psycopg's connection is
     # not for concurrent use), and hands back a settled future.
     def sync_soon(self) -> asyncio.Future[None]:
-        return _settled(self.sync)
+        return settled(self.sync)
 
     def make_durable_soon(self) -> asyncio.Future[None]:
-        return _settled(self.make_durable)
+        return settled(self.make_durable)
 
     def write_snapshot(self, snap: Snapshot) -> None:
         """The snapshot and the end of every record before it, in one

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -316,6 +317,19 @@ class StateStore(Protocol):
     def close(self) -> None:
         """The daemon is done with the store (every handle closed)."""
         ...
+
+
+def settled(op: Callable[[], None]) -> asyncio.Future[None]:
+    """`op` run now, as a future already done (or failed with its
+    `StoreError`): a `*_soon` for a store whose work is done inline."""
+    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    try:
+        op()
+    except StoreError as exc:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(None)
+    return fut
 
 
 class DamagedLog:

@@ -81,6 +81,7 @@ from supervisor.state_store import (
     StoreError,
     StoreFull,
     boot_state,
+    settled,
 )
 
 __all__ = [
@@ -278,14 +279,7 @@ class SessionStore:
         journal = self._journal
         loop = asyncio.get_running_loop()
         if journal is None:
-            fut: asyncio.Future[None] = loop.create_future()
-            try:
-                self.make_durable()
-            except StoreError as exc:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(None)
-            return fut
+            return settled(self.make_durable)
         return loop.create_task(self._durable(loop, journal))
 
     async def _durable(self, loop: asyncio.AbstractEventLoop, journal: Journal) -> None:
