@@ -91,6 +91,7 @@ class Plan:
     nproc: int | None = None
     tmp_size_mb: int = 256
     why_no_seccomp: str = ""  # empty: this machine has a syscall table
+    landlock_abi: int = 0  # the kernel's, as the daemon found it (0: none)
     python: str = field(default_factory=lambda: host_python())
 
     @property
@@ -155,8 +156,12 @@ class Plan:
 
     def describe(self) -> dict[str, Any]:
         """For the log and the worker's Ready: what is on and what is not."""
-        active = ["tool-host", "no_new_privs", "rlimit-nproc" if self.nproc else "", "landlock"]
+        active = ["tool-host", "no_new_privs", "rlimit-nproc" if self.nproc else ""]
         inactive: dict[str, str] = {}
+        if self.landlock_abi:
+            active.append("landlock")
+        else:
+            inactive["landlock"] = "not in this kernel (or not enabled: lsm=landlock)"
         if self.namespaces:
             active.append("namespaces")
         else:
@@ -226,18 +231,23 @@ def plan_for(boot: m.SandboxBoot | None, settings: SessionSettings, workspace: P
     """The plan for this worker, or None when sandbox.mode is off."""
     if boot is None or settings.sandbox.mode == "off":
         return None
+    namespaces = boot.namespaces and settings.sandbox.namespaces != "off"
+    why_no_namespaces = "sandbox.namespaces = off" if settings.sandbox.namespaces == "off" else boot.why_not
     network = settings.sandbox.network
     why_no_seccomp = _seccomp.unsupported()
     limit = settings.agent.limits.max_processes
     # RLIMIT_NPROC counts per user and user namespace: per session with a
     # uid of its own or a user namespace of its own, else it would count
     # every session's processes (then the memory sweep's count enforces it).
-    nproc = limit if (per_session_uid or boot.namespaces) else None
+    # Root's processes are never held by RLIMIT_NPROC (allow_root_tools).
+    own_count = (per_session_uid or namespaces) and os.geteuid() != 0
+    nproc = limit if own_count else None
     return Plan(
-        workspace=workspace, network=network, namespaces=boot.namespaces,
-        bwrap=boot.bwrap, why_no_namespaces=boot.why_not, hide=tuple(boot.hide),
+        workspace=workspace, network=network, namespaces=namespaces,
+        bwrap=boot.bwrap, why_no_namespaces=why_no_namespaces, hide=tuple(boot.hide),
         read_paths=tuple(settings.sandbox.read_paths), nproc=nproc,
         tmp_size_mb=settings.sandbox.tmp_size_mb, why_no_seccomp=why_no_seccomp,
+        landlock_abi=boot.landlock_abi,
     )
 
 

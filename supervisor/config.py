@@ -156,7 +156,7 @@ class Config(SessionSettings):
     def session_settings(self) -> SessionSettings:
         return SessionSettings(
             agent=self.agent, provider=self.provider, tools=self.tools,
-            permissions=self.permissions,
+            permissions=self.permissions, sandbox=self.sandbox,
         )
 
 

@@ -268,7 +268,7 @@ def _cgroups(cfg: Config) -> tuple[Cgroups | None, str]:
 
 
 def _probe_sandbox(cfg: Config, identities: Identities, state_dir: Path, socket_path: Path,
-                   config_path: Path | None) -> m.SandboxBoot | None:
+                   config_path: Path | None) -> m.SandboxBoot:
     """What confines tools here, for the uid they will run as; every daemon
     path goes on the list no sandbox may show."""
     who = identities.run_as
@@ -603,6 +603,9 @@ def _reload(manager: SessionManager, config_path: Path | None) -> None:
     else:
         if cfg.store != manager.config.store:
             log.warning("[store] changed: it takes effect at the next start, not on reload")
+        if cfg.sandbox != manager.config.sandbox:
+            log.info("[sandbox] changed: workers started from now on use it (a live session's on its "
+                     "next worker); mode = \"required\" is checked at the next start")
         manager.reload(cfg)
         manager.spawner.keep_spares(cfg.daemon.spare_workers)
         sdnotify.configure_logging(cfg.daemon.log_level.upper())

@@ -62,19 +62,20 @@ def _try_bwrap(bwrap: str, uid: int | None, gid: int | None) -> str:
 
 
 def probe(settings: SandboxSettings, uid: int | None, gid: int | None,
-          hide: list[Path]) -> m.SandboxBoot | None:
-    """Probe, log what sessions will get, and refuse when `required` is unmet."""
+          hide: list[Path]) -> m.SandboxBoot:
+    """What this host can do, whatever the settings say now (a reload may
+    turn the sandbox on: workers then use this); logged for the settings
+    of the start, and refused when they say `required` and it is unmet."""
+    bwrap = shutil.which("bwrap") or ""
+    why_not = _try_bwrap(bwrap, uid, gid) if bwrap else "bubblewrap (bwrap) is not installed"
+    boot = m.SandboxBoot(namespaces=not why_not, bwrap=bwrap, why_not=why_not, landlock_abi=landlock_abi(),
+                         hide=sorted({str(p) for p in hide}))
     if settings.mode == "off":
         log.warning("sandbox.mode = off: tools run as the worker's user, unconfined")
-        return None
-    bwrap = shutil.which("bwrap") or ""
+        return boot
     if settings.namespaces == "off":
         why_not = "sandbox.namespaces = off"
-    elif not bwrap:
-        why_not = "bubblewrap (bwrap) is not installed"
-    else:
-        why_not = _try_bwrap(bwrap, uid, gid)
-    abi = landlock_abi()
+    abi = boot.landlock_abi
     seccomp_ok = platform.machine() in ("x86_64", "amd64")
     missing = []
     if why_not and settings.namespaces != "off":
@@ -93,25 +94,27 @@ def probe(settings: SandboxSettings, uid: int | None, gid: int | None,
     log.info("sandbox: tools run confined by %s; network %s%s", ", ".join(have + ["no_new_privs"]),
              settings.network, "" if not missing else "; missing: " + "; ".join(missing))
     if missing:
-        log.warning("sandbox: weaker than it could be: %s (see README, Security)", "; ".join(missing))
-    return m.SandboxBoot(
-        namespaces=not why_not, bwrap=bwrap, why_not=why_not, landlock_abi=abi,
-        hide=sorted({str(p) for p in hide}),
-    )
+        hint = (" ([sandbox] namespaces = \"off\" says that is meant)"
+                if why_not and settings.namespaces != "off" else "")
+        log.warning("sandbox: weaker than it could be: %s%s; see README, Security",
+                    "; ".join(missing), hint)
+    return boot
 
 
-def summary(mode: str, boot: m.SandboxBoot | None, cgroups: str, cgroups_why: str) -> dict[str, Any]:
+def summary(settings: SandboxSettings, boot: m.SandboxBoot | None, cgroups: str,
+            cgroups_why: str) -> dict[str, Any]:
     """The daemon-wide part of `stats`: what this host gives every session."""
-    if boot is None:
+    if boot is None or settings.mode == "off":
         return {"mode": "off"}
+    namespaces = boot.namespaces and settings.namespaces != "off"
     why: dict[str, str] = {}
-    if not boot.namespaces:
-        why["namespaces"] = boot.why_not
+    if not namespaces:
+        why["namespaces"] = "sandbox.namespaces = off" if settings.namespaces == "off" else boot.why_not
     if not boot.landlock_abi:
         why["landlock"] = "not in this kernel"
     if platform.machine() not in ("x86_64", "amd64"):
         why["seccomp"] = f"no syscall table for {platform.machine()}"
     if not cgroups:
         why["cgroups"] = cgroups_why
-    return {"mode": mode, "namespaces": boot.namespaces, "landlock_abi": boot.landlock_abi,
+    return {"mode": settings.mode, "namespaces": namespaces, "landlock_abi": boot.landlock_abi,
             "seccomp": "seccomp" not in why, "cgroups": cgroups, "why_not": why}

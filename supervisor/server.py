@@ -491,7 +491,7 @@ class ControlServer:
     def _sandbox_summary(self) -> dict[str, Any]:
         workers = self.manager.workers
         cgroups = workers.cgroups.describe() if workers.cgroups is not None else ""
-        return sandbox.summary(self.manager.config.sandbox.mode, workers.sandbox, cgroups, workers.cgroups_why)
+        return sandbox.summary(self.manager.config.sandbox, workers.sandbox, cgroups, workers.cgroups_why)
 
 
 def _printable(name: str) -> str:

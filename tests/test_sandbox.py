@@ -127,12 +127,15 @@ SETUPS = {
     "landlock-only": ('namespaces = "off"', True),
     "control-sandbox-off": ('mode = "off"', True),
 }
+# Root's own tools ([daemon] allow_root_tools, as the harness's trusting
+# config sets): namespaces, but RLIMIT_NPROC never holds root.
+ROOT_TOOLS = "root-tools"
 
 
 def make(make_daemon, llm: FakeLLM, open_root: Path, setup: str, limits: str = ""):
-    sandbox, as_nobody = SETUPS[setup]
+    sandbox, as_nobody = SETUPS.get(setup, ("", False))
     extra = f"[sandbox]\n{sandbox}\n[agent.limits]\nmemory_poll_interval_ms = 50\n{limits}"
-    d = make_daemon(agent_config(llm, extra), start=False, root=open_root / "d", trust=False)
+    d = make_daemon(agent_config(llm, extra), start=False, root=open_root / "d", trust=setup == ROOT_TOOLS)
     if as_nobody:
         d.run_as_user(NOBODY, NOBODY)
     d.start()
@@ -216,7 +219,7 @@ def test_a_hostile_tool_reaches_nothing_outside_its_session(
         assert c.send_text(victim, "are you there?") == "still here"
 
 
-@pytest.mark.parametrize("setup", ["root-uid-per-session", "user-namespaces", "landlock-only"])
+@pytest.mark.parametrize("setup", ["root-uid-per-session", "user-namespaces", "landlock-only", ROOT_TOOLS])
 def test_a_fork_bomb_stays_inside_its_session(
     make_daemon, llm: FakeLLM, open_root: Path, setup: str
 ) -> None:
@@ -225,9 +228,9 @@ def test_a_fork_bomb_stays_inside_its_session(
         other = c.create(session="other", handler="echo").id
         bomber = c.create(session="bomber").id
     bomb = (
-        'python3 -c "\nimport os, time\nn = 0\nfor _ in range(2000):\n'
+        'python3 -c "\nimport os, signal\nn = 0\nfor _ in range(2000):\n'
         "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
-        "    if pid == 0:\n        time.sleep(60)\n        os._exit(0)\n    n += 1\n"
+        "    if pid == 0:\n        signal.pause()\n        os._exit(0)\n    n += 1\n"
         "print('FORKED', n)\n\"; echo BOMB-DONE"
     )
     llm.script(tool_call_stream(("b", "bash", {"command": bomb})), text_stream("bombed"))
@@ -236,9 +239,9 @@ def test_a_fork_bomb_stays_inside_its_session(
         # Meanwhile, and after, the other session answers.
         assert c.send_text(other, "ping") == "1: ping"
     last = events[-1]
-    if setup == "landlock-only":
-        # One uid for every session and no user namespace: the kernel cannot
-        # count per session, so the sweep counts and kills the session.
+    if setup in ("landlock-only", ROOT_TOOLS):
+        # One uid for every session and no user namespace, or root: the
+        # kernel cannot count per session, so the sweep counts and kills.
         assert isinstance(last, m.TurnFailed) or any(
             isinstance(e, m.LimitExceeded) and e.kind == "processes" for e in events), events
         with d.client() as c:
@@ -272,7 +275,7 @@ def test_memory_past_the_cap_kills_the_session_and_spares_the_others(
     with d.client() as c:
         other = c.create(session="other", handler="echo").id
         hog = c.create(session="hog").id
-    grab = 'python3 -c "import time; b = b\'x\' * (400 << 20); time.sleep(30)"; echo UNREACHED'
+    grab = 'python3 -c "import signal; b = b\'x\' * (400 << 20); signal.pause()"; echo UNREACHED'
     llm.script(tool_call_stream(("g", "bash", {"command": grab})), text_stream("hogged"))
     with d.client() as c:
         events = list(c.send(hog, "go"))
@@ -316,11 +319,12 @@ def test_a_per_session_override_may_only_narrow_the_network(make_daemon, llm: Fa
     assert r.returncode == 2 and "sandbox.network" in r.stderr and "loopback" in r.stderr, r
     r = d.ctl("create", "--set", 'sandbox.mode="off"')
     assert r.returncode == 2 and "sandbox.mode" in r.stderr, r
-    r = d.ctl("--json", "create", "--set", 'sandbox.network="none"')
+    r = d.ctl("--json", "create", "--id", "narrowed", "--set", 'sandbox.network="none"')
     assert r.returncode == 0, r
     with d.client() as c:
-        (sid,) = [s.id for s in c.list()]
-        assert c.status(sid).sandbox["network"] == "none"
+        assert c.status("narrowed").sandbox["network"] == "none"
+        # Without an override, the operator's policy is the session's.
+        assert c.status(c.create(session="plain").id).sandbox["network"] == "loopback"
     # Daemon-wide: what this host gives every session, and why not the rest.
     stats = json.loads(d.ctl("--json", "stats").stdout)["sandbox"]
     assert stats["mode"] == "auto" and stats["namespaces"] is True and stats["seccomp"] is True
@@ -355,3 +359,29 @@ def test_a_tool_that_kills_its_host_costs_only_that_command(
     assert "after" in out and "[exit code: 0]" in out, out
     with d.client() as c:
         assert c.status(sid).last_exit is None  # the worker never noticed more than that
+
+
+def test_pages_forks_share_count_once_against_the_cap(make_daemon, llm: FakeLLM, open_root: Path) -> None:
+    """Ten processes sharing one parent's 40 MiB copy-on-write: ~480 MiB of
+    RSS summed, ~50 MiB of PSS.  Summing RSS killed such a session; the cap
+    counts PSS once the RSS sum is over it."""
+    d = make(make_daemon, llm, open_root, "root-uid-per-session", "max_memory_mb = 200\n")
+    with d.client() as c:
+        sid = c.create(session="forker").id
+        pid = c.status(sid).pid
+    forker = ("import os, signal\nb = b'x' * (40 << 20)\nfor _ in range(9):\n"
+              "    if os.fork() == 0:\n        break\nsignal.pause()")
+    out = run_tool(d, llm, sid, f'(python3 -c "{forker}" > /dev/null 2>&1 &) ; echo STARTED', {})
+    assert "STARTED" in out, out
+
+    def forks() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["cmdline"]) if "(40 << 20)" in " ".join(p.info["cmdline"] or [])]
+
+    cap = 200 << 20
+    wait_for(lambda: len(forks()) == 10 and sum(p.memory_info().rss for p in forks()) > cap, 10,
+             "ten forks whose RSS sums past the cap")
+    with d.client() as c:
+        wait_for(lambda: (c.status(sid).rss_bytes or 0) < cap, 10, "the sweep to count their PSS")
+        assert c.status(sid).last_exit is None and c.status(sid).pid == pid
+        c.remove(sid)
+    wait_for(lambda: not forks(), 10, "the forks to go with their session")

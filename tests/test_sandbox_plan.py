@@ -115,3 +115,17 @@ def test_a_session_may_narrow_the_network_and_nothing_else_of_the_sandbox() -> N
     for key, value in (("mode", "off"), ("namespaces", "off"), ("read_paths", ["/"])):
         with pytest.raises(OverrideError, match=f"sandbox.{key}"):
             resolve_overrides(base, {f"sandbox.{key}": value})
+
+
+def test_what_a_plan_reports_follows_what_the_daemon_found(tmp_path: Path) -> None:
+    settings = SessionSettings()
+    without = sandbox.plan_for(m.SandboxBoot(namespaces=False, why_not="no bwrap"), settings, tmp_path, False)
+    assert without is not None
+    report = without.describe()
+    assert "landlock" in report["inactive"] and report["inactive"]["namespaces"] == "no bwrap"
+    found = sandbox.plan_for(m.SandboxBoot(namespaces=True, landlock_abi=6), settings, tmp_path, False)
+    assert found is not None and {"landlock", "namespaces"} <= set(found.describe()["active"])
+    off = SessionSettings(sandbox=SandboxSettings(namespaces="off"))
+    chosen = sandbox.plan_for(m.SandboxBoot(namespaces=True, landlock_abi=6), off, tmp_path, False)
+    assert chosen is not None and not chosen.namespaces
+    assert chosen.describe()["inactive"]["namespaces"] == "sandbox.namespaces = off"

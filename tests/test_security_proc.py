@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from fakellm import FakeLLM, text_stream, tool_call_stream
-from harness import Daemon, env_for_children, run_as, wait_for
+from harness import FAST_SWEEP, Daemon, env_for_children, run_as, wait_for
 from test_agent_e2e import agent_config as e2e_agent_config
 from ipc import messages as m
 
@@ -142,16 +142,7 @@ def test_an_unprivileged_daemon_still_measures_non_dumpable_workers(
     """Non-dumpable workers' /proc files belong to root: the daemon, not
     root, must still read their statm and task/children (mode 0444), or
     memory caps would silently stop working."""
-    config = """
-[agent.worker]
-heartbeat_interval_secs = 0.2
-restart_backoff_initial_ms = 20
-[agent.limits]
-memory_poll_interval_ms = 50
-[daemon]
-stop_grace_secs = 1.0
-"""
-    d = make_daemon(config, start=False, root=shared_root)
+    d = make_daemon(FAST_SWEEP, start=False, root=shared_root)
     d.run_as_user(NOBODY, NOBODY)
     d.start()
     with d.client() as c:

@@ -477,7 +477,12 @@ def test_a_frame_completed_in_slow_pieces_within_the_timeout_is_served(make_daem
         for i in range(4):
             frame = encode_frame(m.Ping(id=i + 1))
             s.sendall(frame[:3])
-            time.sleep(0.6)  # deliberately slower than half the timeout, per frame
+            # Hold the frame unfinished for longer than half the timeout:
+            # the daemon must neither answer nor hang up meanwhile.
+            s.settimeout(0.6)
+            with pytest.raises(TimeoutError):
+                s.recv(1)
+            s.settimeout(10)
             s.sendall(frame[3:])
             reply = read_frame(s)
             assert isinstance(reply, m.Pong) and reply.id == i + 1
