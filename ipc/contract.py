@@ -19,6 +19,11 @@ EXIT_BOOT_FAILED = 3
 IDLE_HEARTBEAT_FACTOR = 10
 
 
+# The machines session_worker._seccomp has a syscall table for: the daemon
+# says seccomp is missing elsewhere, the worker runs without it.
+SECCOMP_MACHINES = ("x86_64", "amd64")
+
+
 class ExitReason(enum.StrEnum):
     """Why a worker's process ended, decided once per exit (ExitInfo.reason)."""
 

@@ -26,6 +26,8 @@ import errno
 import platform
 import struct
 
+from ipc.contract import SECCOMP_MACHINES
+
 __all__ = ["UnsupportedArch", "build", "denied_syscalls", "unsupported"]
 
 # linux/audit.h
@@ -76,7 +78,7 @@ class UnsupportedArch(Exception):
 def unsupported(machine: str | None = None) -> str:
     """Why there is no filter for this machine, or '' when there is one."""
     machine = machine or platform.machine()
-    return "" if machine in ("x86_64", "amd64") else f"no seccomp syscall table for {machine}"
+    return "" if machine in SECCOMP_MACHINES else f"no seccomp syscall table for {machine}"
 
 
 def denied_syscalls() -> list[str]:

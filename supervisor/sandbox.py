@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ipc import messages as m
+from ipc.contract import SECCOMP_MACHINES
 from ipc.settings import SandboxSettings
 
 __all__ = ["SandboxUnavailable", "landlock_abi", "probe"]
@@ -76,7 +77,7 @@ def probe(settings: SandboxSettings, uid: int | None, gid: int | None,
     if settings.namespaces == "off":
         why_not = "sandbox.namespaces = off"
     abi = boot.landlock_abi
-    seccomp_ok = platform.machine() in ("x86_64", "amd64")
+    seccomp_ok = platform.machine() in SECCOMP_MACHINES
     missing = []
     if why_not and settings.namespaces != "off":
         missing.append(f"namespaces ({why_not})")
@@ -112,7 +113,7 @@ def summary(settings: SandboxSettings, boot: m.SandboxBoot | None, cgroups: str,
         why["namespaces"] = "sandbox.namespaces = off" if settings.namespaces == "off" else boot.why_not
     if not boot.landlock_abi:
         why["landlock"] = "not in this kernel"
-    if platform.machine() not in ("x86_64", "amd64"):
+    if platform.machine() not in SECCOMP_MACHINES:
         why["seccomp"] = f"no syscall table for {platform.machine()}"
     if not cgroups:
         why["cgroups"] = cgroups_why
