@@ -10,19 +10,25 @@ Tables (created and migrated by the store itself, see `_MIGRATIONS`):
                        each frame `u32 length | u32 crc32 | msgpack` as in
                        the file store's log
 
-Runs in the daemon's loop thread, synchronously, as the `SessionLog`
-protocol is: a call returns once its round trip has, so the loop waits for
-it as it waits for the file store's fsync.  What keeps that short:
-* `append(durable=False)` is kept in memory, no round trip; the next
-  durable append or `sync()` sends everything in one statement;
-* that statement is the fencing check, the position claim and the insert
-  at once (`_COMMIT`): one round trip, one transaction (autocommit), and
-  the server's COMMIT waits for its WAL flush (synchronous_commit is forced
-  on), so it is durable when the call returns;
+Commits go through the group commit (supervisor.pg_batch): `sync_soon`
+hands the session's appended frames to a writer thread with a connection
+of its own, which sends whatever every session has pending as one
+statement (one round trip, one transaction, one WAL flush) and completes
+each session's future on the loop with its own outcome.  The synchronous
+`sync()` (and `append(durable=True)`) goes the same way and waits; so the
+records of a session land in the order they were appended.  What keeps each
+commit safe:
+* the statement is the fencing check, the position claim and the insert
+  at once, per session; the server's COMMIT waits for its WAL flush
+  (synchronous_commit is forced on), so it is durable when it returns;
 * a lost connection is retried with bounded backoff (`retry_secs` in all),
   then reported as `StoreError`; a commit is idempotent because it names
   the position it starts at, so a retry after an unknown outcome cannot
   write a record twice.
+
+Loads, creates, snapshots and reads run on the loop's own connection,
+synchronously (a round trip each, as the `SessionLog` protocol has them);
+a snapshot or a read first waits for the session's commits in flight.
 
 Fencing: `load()` bumps `gen` in the transaction that reads the session
 back (the row is locked FOR UPDATE first, so no commit can slip between the
@@ -43,17 +49,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+import os
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import msgspec
 import psycopg
-from psycopg import errors as pgerr
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from supervisor.logtag import tagged
+from supervisor.pg_batch import CommitWriter, Diverged, Request
+from supervisor.pg_link import PgLink, safe_dsn
+from supervisor.pg_link import store_error as _store_error  # noqa: F401 (tests)
 from supervisor.state_store import (
     Fenced,
     LoadedSession,
@@ -136,20 +144,9 @@ WITH s AS (
 INSERT INTO sessiond_records (session, pos, frame) SELECT s.id, 0, %(frame)s FROM s
 """
 
-# Connection defaults a DSN may override: fail fast instead of hanging the
-# loop on a dead peer (tcp_user_timeout: unacknowledged data, in ms).
-_DSN_DEFAULTS = {"connect_timeout": "5", "tcp_user_timeout": "5000", "keepalives_idle": "10",
-                 "application_name": "sessiond"}
-
-
-def safe_dsn(dsn: str) -> str:
-    """The DSN as it may be logged: without its password."""
-    try:
-        params = conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError:
-        return "(an unparsable dsn)"
-    params.pop("password", None)
-    return make_conninfo(**{k: str(v) for k, v in params.items() if v is not None})
+# For benchmarks only (bench/pg_batch.py): SESSIOND_BENCH_PG_BATCH=0 makes
+# the daemon's store commit without group commit, to compare.  Not a setting.
+BATCH_BY_DEFAULT = os.environ.get("SESSIOND_BENCH_PG_BATCH", "1") != "0"
 
 
 def _intact(frame: bytes) -> Record | None:
@@ -190,17 +187,25 @@ class _Rows:
 
 
 class PgSessionLog:
-    """One session's rows, held by its one writer.  Runs in the daemon only."""
+    """One session's rows, held by its one writer.  Runs in the daemon only
+    (its loop thread; the writer thread only reads the fields of a
+    `Request` and writes `failed_epoch`/`failed_error`)."""
 
     def __init__(self, store: PgStateStore, session_id: str, generation: int, next_pos: int,
                  snap_gen: int) -> None:
         self._store = store
         self._id = session_id
         self._generation = generation
-        self._next_pos = next_pos
+        self._next_pos = next_pos  # where the next commit starts: after every one sent
         self._snap_gen = snap_gen
         self._pending: list[bytes] = []  # appended, not yet sent
         self._closed = False
+        # Group commit (supervisor.pg_batch): requests sent and not yet
+        # taken in, oldest first; the epoch starts anew after a failure.
+        self._inflight: deque[Request] = deque()
+        self._epoch = 0
+        self.failed_epoch = -1
+        self.failed_error: StoreError | None = None
 
     @property
     def generation(self) -> int:
@@ -225,7 +230,8 @@ class PgSessionLog:
                              f"{self._next_pos}; refusing to write")
 
     def _send(self, frames: list[bytes]) -> None:
-        """Commit `frames` after everything already sent: one statement."""
+        """Without group commit: commit `frames` after everything already
+        sent, one statement on the loop's own connection."""
         start, end = self._next_pos, self._next_pos + len(frames)
 
         def op(cur: psycopg.Cursor[Any]) -> None:
@@ -244,9 +250,16 @@ class PgSessionLog:
             self.sync()
 
     def sync(self) -> None:
-        """Send what was appended; on failure it is dropped, never kept
-        without anyone being told it was saved."""
+        """Send what was appended, and wait; on failure it is dropped,
+        never kept without anyone being told it was saved."""
         self._check_open()
+        writer = self._store.writer
+        if writer is not None:
+            req = self._submit(writer, _running_loop())
+            self._drain()
+            if req.error is not None:
+                raise req.error
+            return
         frames, self._pending = self._pending, []
         if frames:
             self._send(frames)
@@ -262,20 +275,71 @@ class PgSessionLog:
         # way); what is left is to refuse a handle that lost its session.
         self.sync()
 
-    # The file store groups these into one flush off the loop; this store
-    # still makes its one round trip on the loop (psycopg's connection is
-    # not for concurrent use), and hands back a settled future.
     def sync_soon(self) -> asyncio.Future[None]:
-        return settled(self.sync)
+        """Every append so far, by the group commit: the future completes
+        (on this loop) once the writer thread's statement that carried them
+        has; it fails with this session's own outcome."""
+        writer = self._store.writer
+        if writer is None:
+            return settled(self.sync)
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._submit(writer, loop).futures.append(fut)
+        return fut
 
     def make_durable_soon(self) -> asyncio.Future[None]:
-        return settled(self.make_durable)
+        return self.sync_soon()
+
+    # ---------------------------------------------------------------- group commit, loop side
+
+    def _submit(self, writer: CommitWriter, loop: asyncio.AbstractEventLoop | None) -> Request:
+        """The request that makes every append so far durable: the pending
+        frames sent, else the last one in flight, else a fence check."""
+        self.settle()
+        if not self._pending and self._inflight:
+            return self._inflight[-1]
+        frames, self._pending = self._pending, []
+        req = Request(self, self._id, self._generation, self._next_pos, frames, self._epoch, loop)
+        writer.submit(req)
+        self._next_pos = req.end
+        self._inflight.append(req)
+        return req
+
+    def settle(self) -> None:
+        """Take in the outcome of every finished request, in order.  After
+        a failure, everything sent after it is doomed (the writer fails it
+        unsent): the log is back where the failed request began, in a new
+        epoch."""
+        while self._inflight and self._inflight[0].done.is_set():
+            req = self._inflight.popleft()
+            if req.settled:
+                continue
+            req.settled = True
+            if req.error is None:
+                continue
+            for doomed in self._inflight:
+                doomed.settled = True
+            self._inflight.clear()
+            self._pending = []
+            self._epoch += 1
+            self._next_pos = req.error.log_end if isinstance(req.error, Diverged) else req.start
+
+    def _drain(self) -> None:
+        """Wait (blocking) for every request in flight, and take them in:
+        before a synchronous write or read, which must follow them."""
+        for req in list(self._inflight):
+            req.done.wait()
+        self.settle()
+
+    # ---------------------------------------------------------------- the rest
 
     def write_snapshot(self, snap: Snapshot) -> None:
         """The snapshot and the end of every record before it, in one
         statement.  Records appended and not synced precede it: its state
         covers them, so they are dropped with the rest."""
         self._check_open()
+        self._drain()
         snap.gen = self._snap_gen + 1
         body = _snap_encoder.encode(snap)
 
@@ -295,6 +359,8 @@ class PgSessionLog:
     def read_history(self) -> tuple[Snapshot | None, list[Record]]:
         """The snapshot and every record after it (those not yet committed
         by this writer included), as stored."""
+        self._drain()
+
         def op(cur: psycopg.Cursor[Any]) -> tuple[bytes | None, list[bytes]]:
             cur.execute(
                 "SELECT s.snapshot, ARRAY(SELECT frame FROM sessiond_records r "
@@ -316,6 +382,7 @@ class PgSessionLog:
     def remove(self) -> None:
         """Delete the session, unless a newer writer holds it."""
         self.close()
+        self._drain()
 
         def op(cur: psycopg.Cursor[Any]) -> None:
             cur.execute("DELETE FROM sessiond_sessions WHERE id = %s AND gen = %s",
@@ -327,6 +394,13 @@ class PgSessionLog:
                     raise Fenced(self._id, self._generation, row[0])
 
         self._store.run(op, f"session {self._id}")
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _decode_snapshot(session_id: str, body: bytes | None) -> Snapshot | None:
@@ -352,94 +426,38 @@ def _describe(rows: _Rows) -> str:
 
 class PgStateStore:
     """`StateStore` over one PostgreSQL database.  Opening it connects,
-    creates or migrates the schema, and fails with `StoreError` saying why."""
+    creates or migrates the schema, and fails with `StoreError` saying why.
+    `batch=False`: no group commit, every commit a round trip of its own on
+    the caller's thread (the path before group commit; benches compare)."""
 
-    def __init__(self, dsn: str, retry_secs: float = 5.0) -> None:
-        self._dsn = dsn
-        self._where = safe_dsn(dsn)
-        self._retry_secs = retry_secs
-        self._conn: psycopg.Connection[Any] | None = None
+    def __init__(self, dsn: str, retry_secs: float = 5.0, batch: bool | None = None) -> None:
+        self._link = PgLink(dsn, retry_secs)
+        if batch is None:
+            batch = BATCH_BY_DEFAULT
+        self.writer = CommitWriter(dsn, retry_secs) if batch else None
         self.run(self._migrate, "the schema")
 
     @property
     def where(self) -> str:
         """The database, as it may be logged (no password)."""
-        return self._where
+        return self._link.where
 
     # ---------------------------------------------------------------- plumbing
 
-    def _connect(self) -> psycopg.Connection[Any]:
-        params = {**_DSN_DEFAULTS, **conninfo_to_dict(self._dsn)}
-        host = str(params.get("host") or "")
-        if not host or host.startswith("/"):
-            params.pop("tcp_user_timeout")  # a Unix socket: no TCP
-        conn = psycopg.connect(make_conninfo(**{k: str(v) for k, v in params.items()}),
-                               autocommit=True)
-        try:
-            self._prepare(conn)
-        except BaseException:
-            conn.close()
-            raise
-        return conn
-
-    def _prepare(self, conn: psycopg.Connection[Any]) -> None:
-        with conn.cursor() as cur:
-            cur.execute("SHOW synchronous_commit")
-            row = cur.fetchone()
-            if row is not None and row[0] == "off":
-                # A commit must be on disk when it returns: that is the promise.
-                cur.execute("SET synchronous_commit = on")
-            # A takeover holds a session's row for a moment; anything longer
-            # is a stuck peer, and the loop must not wait on it.
-            cur.execute("SET lock_timeout = '5s'")
-            cur.execute("SHOW fsync")
-            row = cur.fetchone()
-            if row is not None and row[0] == "off":
-                log.warning("the PostgreSQL server at %s runs with fsync = off: a crash of its "
-                            "machine can lose acknowledged turns", self._where)
-
     def run(self, op: Callable[[psycopg.Cursor[Any]], _T], what: str) -> _T:
-        """Run `op` with a cursor; a lost connection is re-made and `op`
-        run again (each op is safe to repeat) until `retry_secs` have gone
-        by.  Every database error leaves here as a `StoreError`."""
-        deadline = time.monotonic() + self._retry_secs
-        delay = 0.05
-        while True:
-            try:
-                if self._conn is None or self._conn.closed:
-                    self._conn = self._connect()
-                with self._conn.cursor() as cur:
-                    return op(cur)
-            except psycopg.OperationalError as exc:
-                if self._conn is not None and not (self._conn.closed or self._conn.broken):
-                    raise _store_error(what, exc) from exc  # the server refused, the link is fine
-                self._drop()
-                if time.monotonic() + delay > deadline:
-                    raise StoreError(f"cannot write {what}: the PostgreSQL server at {self._where} "
-                                     f"cannot be reached ({_first_line(exc)}); gave up after "
-                                     f"{self._retry_secs:g}s") from exc
-                log.warning("PostgreSQL connection lost (%s); retrying in %.2fs", _first_line(exc), delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-            except psycopg.Error as exc:
-                raise _store_error(what, exc) from exc
+        """`op` on the loop's connection (see supervisor.pg_link.PgLink.run)."""
+        return self._link.run(op, what)
 
     @contextmanager
     def _transaction(self) -> Iterator[None]:
-        assert self._conn is not None
-        with self._conn.transaction():
+        with self._link.conn.transaction():
             yield
 
-    def _drop(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            except psycopg.Error:
-                pass
-            self._conn = None
-
     def close(self) -> None:
-        self._drop()
+        """Land the commits in flight, then close both connections."""
+        if self.writer is not None:
+            self.writer.close()
+        self._link.close()
 
     def _migrate(self, cur: psycopg.Cursor[Any]) -> None:
         with self._transaction():
@@ -450,11 +468,11 @@ class PgStateStore:
             version = row[0] if row is not None else 0
             if version > SCHEMA_VERSION:
                 raise StoreError(
-                    f"the database at {self._where} holds sessiond schema version {version}, newer than "
+                    f"the database at {self.where} holds sessiond schema version {version}, newer than "
                     f"this sessiond knows ({SCHEMA_VERSION}): upgrade sessiond, or use another database")
             for number, ddl in enumerate(_MIGRATIONS[version:], start=version + 1):
                 cur.execute(ddl.encode())
-                log.info("PostgreSQL store at %s: schema migrated to version %d", self._where, number)
+                log.info("PostgreSQL store at %s: schema migrated to version %d", self.where, number)
             if row is None:
                 cur.execute("INSERT INTO sessiond_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
             elif version != SCHEMA_VERSION:
@@ -562,17 +580,3 @@ class PgStateStore:
                                     sum(n for _, n in rows.bad))
 
         return self.run(op, f"session {session_id}")
-
-
-# ---------------------------------------------------------------- errors
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
-def _store_error(what: str, exc: psycopg.Error) -> StoreError:
-    """A database error as ours: `StoreFull` when the server is out of space."""
-    if isinstance(exc, (pgerr.DiskFull, pgerr.OutOfMemory, pgerr.ProgramLimitExceeded)):
-        return StoreFull(f"cannot write {what}: the PostgreSQL server is out of space ({_first_line(exc)})")
-    return StoreError(f"cannot write {what}: PostgreSQL said: {_first_line(exc)}")

@@ -5,6 +5,7 @@ running on it.  Every test uses the real server of tests/pg_server.py."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -20,8 +21,9 @@ from harness import wait_for
 from pg_server import PgServer
 from supervisor.client import RequestError, TurnFailedError
 from supervisor.config import ConfigError, parse_config
+from supervisor import pg_batch
 from supervisor.pg_store import SCHEMA_VERSION, PgSessionLog, PgStateStore, safe_dsn
-from supervisor.state_store import Commit, Fenced, InputRecord, Meta, StoreError
+from supervisor.state_store import Commit, Fenced, InputRecord, Meta, StoreError, StoreFull
 from supervisor.store import frame_record
 
 
@@ -104,7 +106,7 @@ def test_a_commit_that_waited_for_a_takeover_is_refused(dsn: str, stores: list[P
 
         thread = threading.Thread(target=write)
         thread.start()
-        wait_for(lambda: sql(dsn, "SELECT 1 FROM pg_stat_activity WHERE application_name = 'sessiond' "
+        wait_for(lambda: sql(dsn, "SELECT 1 FROM pg_stat_activity WHERE application_name LIKE 'sessiond%%' "
                                   "AND wait_event_type = 'Lock'"), 10, "the commit to wait for the row lock")
         takeover.commit()
     thread.join(10)
@@ -122,9 +124,10 @@ def test_a_lost_connection_is_remade_and_the_commit_lands_once(
     store = PgStateStore(dsn)
     stores.append(store)
     writer = store.create(meta())
-    sql(dsn, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'sessiond'")
-    writer.append(commit(1, 1), durable=True)
-    assert log_rows(dsn)[1:] == [frame_record(commit(1, 1))]
+    writer.append(commit(1, 1), durable=True)  # both connections made
+    sql(dsn, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name LIKE 'sessiond%%'")
+    writer.append(commit(2, 2), durable=True)
+    assert log_rows(dsn)[1:] == [frame_record(commit(1, 1)), frame_record(commit(2, 2))]
     assert "PostgreSQL connection lost" in caplog.text
 
 
@@ -160,6 +163,187 @@ def test_a_server_that_stays_away_is_a_store_error_and_then_comes_back(
         pg_server.start()
     writer.append(commit(2, 2), durable=True)  # the failed record was dropped, not kept
     assert log_rows(dsn)[1:] == [frame_record(commit(2, 2))]
+
+
+# ---------------------------------------------------------------- group commit
+
+
+def writer_waits_for_a_lock(dsn: str) -> None:
+    wait_for(lambda: sql(dsn, "SELECT 1 FROM pg_stat_activity WHERE application_name = 'sessiond-commits' "
+                              "AND wait_event_type = 'Lock'"), 10, "the commit writer to wait for a row lock")
+
+
+def hold_row(conn: psycopg.Connection[object], sid: str) -> None:
+    """Lock a session's row in `conn`'s open transaction: the writer's
+    statement that touches it waits, and what is submitted meanwhile queues."""
+    conn.execute(b"SELECT 1 FROM sessiond_sessions WHERE id = %s FOR UPDATE", (sid,))
+
+
+@pytest.mark.component
+def test_one_statement_lands_every_session_but_the_fenced_one(dsn: str, stores: list[PgStateStore]) -> None:
+    store, other = PgStateStore(dsn), PgStateStore(dsn, batch=False)
+    stores += [store, other]
+    logs = [store.create(meta(f"s{i}")) for i in range(6)]
+    assert store.writer is not None
+    other.load("s3")  # another daemon took s3 over
+
+    async def main() -> list[BaseException | None]:
+        with psycopg.connect(dsn) as blocker:
+            hold_row(blocker, "s0")
+            logs[0].append(commit(1, 1), durable=False)
+            first = logs[0].sync_soon()  # the writer's statement waits for s0's row ...
+            writer_waits_for_a_lock(dsn)
+            futs = []
+            for i, log in enumerate(logs[1:], start=1):  # ... while these queue
+                log.append(InputRecord(turn=1, text=f"in{i}", seq=1), durable=False)
+                futs.append(log.sync_soon())
+                log.append(commit(1, 2), durable=False)
+                futs.append(log.sync_soon())
+            batches = store.writer.batches
+            blocker.commit()
+        results = await asyncio.gather(first, *futs, return_exceptions=True)
+        assert store.writer.batches == batches + 2, "the queued commits went in one statement"
+        return [r if isinstance(r, BaseException) else None for r in results]
+
+    results = asyncio.run(main())
+    fenced = results[1 + 2 * 2: 1 + 2 * 3]  # s3's input and commit
+    assert all(isinstance(r, Fenced) for r in fenced), results
+    assert [r for i, r in enumerate(results) if not 5 <= i <= 6] == [None] * 9, results
+    for i in (1, 2, 4, 5):
+        assert log_rows(dsn, f"s{i}")[1:] == [frame_record(InputRecord(turn=1, text=f"in{i}", seq=1)),
+                                              frame_record(commit(1, 2))]
+    assert log_rows(dsn, "s3")[1:] == []
+    with pytest.raises(Fenced):  # and it stays refused, synchronously too
+        logs[3].append(commit(2, 3), durable=True)
+    logs[4].append(commit(2, 3), durable=True)  # the others go on
+    assert len(log_rows(dsn, "s4")) == 4
+
+
+@pytest.mark.component
+def test_a_connection_killed_mid_batch_lands_each_commit_once(
+    dsn: str, stores: list[PgStateStore], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = PgStateStore(dsn)
+    stores.append(store)
+    logs = [store.create(meta(f"s{i}")) for i in range(4)]
+
+    async def main() -> list[object]:
+        # The writer's backend killed while its statement waits for a lock.
+        with psycopg.connect(dsn) as blocker:
+            hold_row(blocker, "s0")
+            futs = []
+            for log in logs:
+                log.append(commit(1, 1), durable=False)
+                futs.append(log.sync_soon())
+            writer_waits_for_a_lock(dsn)
+            sql(dsn, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                     "WHERE application_name = 'sessiond-commits'")
+            blocker.commit()
+        first = await asyncio.gather(*futs, return_exceptions=True)
+        # Then a statement that lands but whose reply is lost: the retry
+        # finds every commit of it landed and writes none twice.
+        real = pg_batch._commit
+        calls = []
+
+        def lands_then_link_drops(cur: psycopg.Cursor[object], entries: list[object]) -> object:
+            out = real(cur, entries)  # type: ignore[arg-type]
+            calls.append(len(entries))
+            if len(calls) == 1:
+                cur.connection.close()
+                raise psycopg.OperationalError("server closed the connection unexpectedly")
+            return out
+
+        monkeypatch.setattr(pg_batch, "_commit", lands_then_link_drops)
+        futs = []
+        for log in logs:
+            log.append(commit(2, 2), durable=False)
+            futs.append(log.sync_soon())
+        second = await asyncio.gather(*futs, return_exceptions=True)
+        return [*first, *second, len(calls)]
+
+    *results, attempts = asyncio.run(main())
+    assert results == [None] * 8, results
+    assert attempts >= 2, "the lost reply was retried"
+    for i in range(4):
+        assert log_rows(dsn, f"s{i}")[1:] == [frame_record(commit(1, 1)), frame_record(commit(2, 2))]
+    assert "PostgreSQL connection lost" in caplog.text
+
+
+@pytest.mark.component
+def test_a_server_stopped_mid_batch_fails_exactly_the_waiting_commits(
+    pg_server: PgServer, dsn: str, stores: list[PgStateStore]
+) -> None:
+    store = PgStateStore(dsn, retry_secs=0.5)
+    stores.append(store)
+    a, b, c = (store.create(meta(sid)) for sid in "abc")
+    a.append(commit(1, 1), durable=True)  # durable before: stays
+    stopped = False
+
+    async def main() -> list[BaseException | None]:
+        nonlocal stopped
+        blocker = psycopg.connect(dsn)
+        try:
+            hold_row(blocker, "a")
+            futs = []
+            for log in (a, b):
+                log.append(commit(2, 2), durable=False)
+                futs.append(log.sync_soon())
+            writer_waits_for_a_lock(dsn)
+            await asyncio.to_thread(pg_server.stop)
+            stopped = True
+            c.append(commit(1, 1), durable=False)  # queued during the outage: it waited too
+            futs.append(c.sync_soon())
+            results = await asyncio.gather(*futs, return_exceptions=True)
+        finally:
+            blocker.close()
+        return [r if isinstance(r, BaseException) else None for r in results]
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        if stopped:
+            pg_server.start()
+    assert all(isinstance(r, StoreError) and "cannot be reached" in str(r) for r in results), results
+    assert log_rows(dsn, "a")[1:] == [frame_record(commit(1, 1))]
+    assert log_rows(dsn, "b")[1:] == [] and log_rows(dsn, "c")[1:] == []
+    for log in (a, b, c):  # the failed ones were dropped; the next ones land after what is durable
+        log.append(commit(3, 3), durable=True)
+    assert log_rows(dsn, "a")[1:] == [frame_record(commit(1, 1)), frame_record(commit(3, 3))]
+    assert log_rows(dsn, "b")[1:] == [frame_record(commit(3, 3))]
+
+
+@pytest.mark.component
+def test_a_server_out_of_space_fails_only_the_waiting_commits_with_store_full(
+    dsn: str, stores: list[PgStateStore]
+) -> None:
+    store = PgStateStore(dsn)
+    stores.append(store)
+    a, b, z = store.create(meta("a")), store.create(meta("b")), store.create(meta("z"))
+    a.append(commit(1, 1), durable=True)
+    sql(dsn, "CREATE FUNCTION full_for_b() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+             "IF NEW.session = 'b' THEN RAISE EXCEPTION 'no space' USING ERRCODE = 'disk_full'; END IF; "
+             "RETURN NEW; END $$")
+    sql(dsn, "CREATE TRIGGER full_for_b BEFORE INSERT ON sessiond_records FOR EACH ROW "
+             "EXECUTE FUNCTION full_for_b()")
+
+    async def main() -> list[BaseException | None]:
+        with psycopg.connect(dsn) as blocker:
+            hold_row(blocker, "z")
+            z.append(commit(1, 1), durable=False)
+            futs = [z.sync_soon()]
+            writer_waits_for_a_lock(dsn)
+            for log in (a, b):  # queued: one statement for both
+                log.append(commit(2, 2), durable=False)
+                futs.append(log.sync_soon())
+            blocker.commit()
+        done = await asyncio.gather(*futs, return_exceptions=True)
+        return [r if isinstance(r, BaseException) else None for r in done]
+
+    results = asyncio.run(main())
+    # The statement failed as a whole; tried one by one, only b's fails.
+    assert results[:2] == [None, None] and isinstance(results[2], StoreFull), results
+    assert log_rows(dsn, "a")[1:] == [frame_record(commit(1, 1)), frame_record(commit(2, 2))]
+    assert log_rows(dsn, "b")[1:] == []
 
 
 # ---------------------------------------------------------------- schema
