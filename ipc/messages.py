@@ -230,7 +230,8 @@ class SessionInfo(_Msg, tag="session"):
     parent: str | None = None
     children: list[str] = []
     owner_uid: int = 0
-    # Why the session is "damaged" (its stored state failed to load); None otherwise.
+    # Why the session is "damaged" (its stored state failed to load), or
+    # "stopped" because another daemon took it over; None otherwise.
     error: str | None = None
     # Token totals of the session's committed turns (TurnDone.usage summed).
     usage: dict[str, int] = {}

@@ -51,7 +51,7 @@ from supervisor.config import (
     uid_range,
     workspace_root,
 )
-from supervisor import cluster, metrics
+from supervisor import cluster, fencing, metrics
 from supervisor.manager import SessionManager
 from supervisor.ray_spawner import RaySpawner  # (imports Ray only when used)
 from supervisor.server import ControlServer
@@ -478,6 +478,7 @@ async def _serve(
         sandbox=sandbox_boot, cgroups=cgroups[0], store=store,
     )
     manager.workers.cgroups_why = cgroups[1]
+    fencing.wire(manager)
     if isinstance(spawner, RaySpawner):
         cluster.wire(spawner, manager)
     try:

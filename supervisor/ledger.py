@@ -37,7 +37,7 @@ from supervisor.metrics import NO_METRICS, Recorder
 from supervisor.session import PendingInput, Session, WorkerProc
 from supervisor.states import State, Trigger
 from supervisor.state_store import (
-    Abort, Commit, InputRecord, Mark, Snapshot, StoreError, StoreFull, add_usage,
+    Abort, Commit, Fenced, InputRecord, Mark, Snapshot, StoreError, StoreFull, add_usage,
 )
 
 __all__ = ["TurnLedger", "store_failure"]
@@ -57,6 +57,8 @@ class TurnLedger:
         # the disk (kill it; it restarts from the log), and with a turn that
         # has begun (arm its timeout).
         self.on_unsaved: Callable[[Session, WorkerProc, str], None] = lambda s, w, why: None
+        # ... and with a session that another daemon took over (supervisor.fencing).
+        self.on_fenced: Callable[[Session, Fenced], None] = self._unsaved
         self.on_turn_started: Callable[[Session, int], None] = lambda s, turn: None
         self.metrics: Recorder = NO_METRICS
 
@@ -136,7 +138,9 @@ class TurnLedger:
         if pending is None or pending.accepted.turn != session.current_turn:
             return  # covered by a later flush (the commit's), or the turn is over
         if exc is not None:
-            if session.worker is not None:
+            if isinstance(exc, Fenced):
+                self.on_fenced(session, exc)
+            elif session.worker is not None:
                 # It has an input the log does not: it must restart from the log.
                 tagged(log, session.id).error("input not saved (%s)", exc)
                 self.on_unsaved(session, session.worker, "its input could not be saved")
@@ -199,8 +203,14 @@ class TurnLedger:
         # that held the commit: it is ahead too.)
         tagged(log, session.id).error("turn %d not persisted: %s", msg.turn, exc)
         self.end(session, failed=f"the turn could not be saved: {exc}")
-        if session.worker is not None:
+        if isinstance(exc, Fenced):
+            self.on_fenced(session, exc)
+        elif session.worker is not None:
             self.on_unsaved(session, session.worker, "its turn could not be saved")
+
+    def _unsaved(self, session: Session, exc: Fenced) -> None:
+        if session.worker is not None:
+            self.on_unsaved(session, session.worker, str(exc))
 
     def _committed(self, session: Session, worker: WorkerProc, msg: m.Done, exc: StoreError | None) -> None:
         """The flush that covers the commit is done (or failed)."""

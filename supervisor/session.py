@@ -132,7 +132,8 @@ class Session:
     last_turn_secs: float = float("inf")  # how long the last turn took
     turn_timer: asyncio.TimerHandle | None = None
     kill_timer: asyncio.TimerHandle | None = None
-    # Why its stored state failed to load (state DAMAGED); None otherwise.
+    # Why its stored state failed to load (state DAMAGED), or that another
+    # daemon holds it (supervisor.fencing); None otherwise.
     error: str | None = None
     # DAMAGED with no readable metadata: meta is a stand-in.
     meta_lost: bool = False

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 
 import msgspec
+import psutil
 import psycopg
 import pytest
 import tomli_w
@@ -418,11 +419,88 @@ def test_a_second_daemon_takes_a_session_over_and_the_first_cannot_write(make_da
     with first.client() as c:
         with pytest.raises((RequestError, TurnFailedError), match="generation"):
             c.send_text(sid, "stale")
+        # Not a crash to restart: held elsewhere, so stopped here, saying so.
+        wait_for(lambda: c.status(sid).state == "stopped", 10, "the first daemon to stop the session")
+        assert "held by another daemon" in (c.status(sid).error or "")
     with second.client() as c:
         assert c.send_text(sid, "b") == "2: b"
     decoded = [msgspec.msgpack.decode(f[8:]) for f in log_rows(dsn, sid)]
     assert [r["text"] for r in decoded if r["r"] == "input"] == ["a", "b"]
     assert "generation" in first.log
+
+
+def records(dsn: str, sid: str) -> list[tuple[int, dict[str, object]]]:
+    rows = sql(dsn, "SELECT pos, frame FROM sessiond_records WHERE session = %s ORDER BY pos", sid)
+    return [(int(pos), msgspec.msgpack.decode(bytes(frame)[8:])) for pos, frame in rows]  # type: ignore[call-overload]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.process
+def test_a_frozen_daemon_resumed_after_a_takeover_is_refused_and_stops_its_worker(make_daemon, dsn: str) -> None:
+    """The stale writer: a daemon frozen (SIGSTOP) in the middle of a turn
+    while a second daemon takes the session over and runs turns; resumed
+    (SIGCONT), its turn ends and its commit is refused, its worker is
+    stopped (not restarted: the session is held elsewhere), and the log has
+    the second daemon's records only, in order."""
+    # Long heartbeats: resumed, the first daemon must meet the stale turn's
+    # commit, not a heartbeat timeout of the worker it did not hear from.
+    first = make_daemon(pg_config(dsn).replace("heartbeat_interval_secs = 0.2", "heartbeat_interval_secs = 60"))
+    with first.client() as c:
+        sid = c.create(handler="fixture_handlers:slow").id  # input N: N ticks of 20 ms
+        assert c.send_text(sid, "2") == "tick 0\ntick 1\n"
+    outcome: list[object] = []
+
+    def stale_turn() -> None:
+        try:
+            with first.client() as c:
+                outcome.append(c.send_text(sid, "100000"))
+        except Exception as exc:  # noqa: BLE001 (handed to the test's thread)
+            outcome.append(exc)
+
+    thread = threading.Thread(target=stale_turn)
+    thread.start()
+    with first.client() as c:
+        wait_for(lambda: c.status(sid).state == "running", 10, "the long turn to run")
+        wait_for(lambda: [r["r"] for _, r in records(dsn, sid)][-1] == "input", 10, "its input to be durable")
+        stale_pid = c.status(sid).pid
+    assert stale_pid is not None
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        second = make_daemon(pg_config(dsn))  # its start loads the session: the takeover
+        with second.client() as c:
+            assert c.send_text(sid, "1") == "tick 0\n"
+            assert c.send_text(sid, "2") == "tick 0\ntick 1\n"
+        took_over_at = len(records(dsn, sid))
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    with first.client() as c:
+        c.interrupt(sid)  # the stale turn ends: its worker's reply is the stale commit
+        wait_for(lambda: c.status(sid).state == "stopped", 10, "the first daemon to stop the session")
+        st = c.status(sid)
+        assert st.pid is None and st.error is not None and "held by another daemon" in st.error, st
+        assert st.last_exit is not None and st.last_exit.reason == "stopped", st.last_exit
+    thread.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], TurnFailedError), outcome
+    assert "generation" in str(outcome[0])
+    wait_for(lambda: gone(stale_pid), 10, "the stale worker to be gone")
+    with first.client() as c:  # and it stays stopped: no restart of a session held elsewhere
+        assert c.status(sid).state == "stopped" and c.status(sid).pid is None
+    assert "held by another daemon" in first.log
+    rows = records(dsn, sid)
+    assert len(rows) == took_over_at, "nothing of the stale writer landed"
+    assert [pos for pos, _ in rows] == list(range(len(rows)))
+    turns = [(r["r"], r["turn"]) for _, r in rows if r["r"] in ("input", "commit", "abort")]
+    assert turns == [("input", 1), ("commit", 1), ("input", 2), ("abort", 2),  # the second daemon's abort
+                     ("input", 3), ("commit", 3), ("input", 4), ("commit", 4)], turns
+    with second.client() as c:  # the second daemon holds it and goes on
+        assert c.send_text(sid, "1") == "tick 0\n"
+        assert c.status(sid).turns == 5
 
 
 @pytest.mark.process
