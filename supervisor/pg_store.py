@@ -26,6 +26,11 @@ commit safe:
   the position it starts at, so a retry after an unknown outcome cannot
   write a record twice.
 
+`PgStateStore(batch=False)` (SESSIOND_BENCH_PG_BATCH=0 for the daemon, in
+benches only) keeps the path before group commit, for comparison: each
+commit is its own statement on the loop's connection, and `sync_soon`
+returns a settled future.
+
 Loads, creates, snapshots and reads run on the loop's own connection,
 synchronously (a round trip each, as the `SessionLog` protocol has them);
 a snapshot or a read first waits for the session's commits in flight.

@@ -180,6 +180,30 @@ def hold_row(conn: psycopg.Connection[object], sid: str) -> None:
     conn.execute(b"SELECT 1 FROM sessiond_sessions WHERE id = %s FOR UPDATE", (sid,))
 
 
+class _Log:
+    def __init__(self) -> None:
+        self.failed_epoch, self.failed_error = -1, None
+
+    def settle(self) -> None:
+        pass
+
+
+@pytest.mark.pure
+def test_a_batch_merges_each_sessions_requests_and_holds_back_what_cannot_go() -> None:
+    a, b = _Log(), _Log()
+    b.failed_epoch, b.failed_error = 0, StoreError("b's disk")
+
+    def req(log: _Log, sid: str, start: int, n: int, epoch: int = 0) -> pg_batch.Request:
+        return pg_batch.Request(log, sid, 1, start, [b"f"] * n, epoch, None)  # type: ignore[arg-type]
+
+    a1, a2, b1, b2, a_gap = req(a, "a", 1, 2), req(a, "a", 3, 1), req(b, "b", 5, 1), req(b, "b", 5, 1, epoch=1), \
+        req(a, "a", 9, 1)
+    entries, doomed, later = pg_batch._plan([a1, b1, a2, b2, a_gap])
+    assert [(e.sid, e.start, e.end, e.reqs) for e in entries] == [("a", 1, 4, [a1, a2]), ("b", 5, 6, [b2])]
+    assert doomed == [(b1, b.failed_error)]  # its epoch failed: unsent
+    assert later == [a_gap]  # does not follow a2: the next statement
+
+
 @pytest.mark.component
 def test_one_statement_lands_every_session_but_the_fenced_one(dsn: str, stores: list[PgStateStore]) -> None:
     store, other = PgStateStore(dsn), PgStateStore(dsn, batch=False)
