@@ -261,8 +261,10 @@ def test_a_connection_killed_mid_batch_lands_each_commit_once(
                 log.append(commit(1, 1), durable=False)
                 futs.append(log.sync_soon())
             writer_waits_for_a_lock(dsn)
-            sql(dsn, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                     "WHERE application_name = 'sessiond-commits'")
+            (pid,), = sql(dsn, "SELECT pid FROM pg_stat_activity WHERE application_name = 'sessiond-commits'")
+            sql(dsn, "SELECT pg_terminate_backend(%s)", pid)
+            wait_for(lambda: not sql(dsn, "SELECT 1 FROM pg_stat_activity WHERE pid = %s", pid), 10,
+                     "the writer's backend to be gone, its statement with it")
             blocker.commit()
         first = await asyncio.gather(*futs, return_exceptions=True)
         # Then a statement that lands but whose reply is lost: the retry
