@@ -274,6 +274,8 @@ class TurnLedger:
             session.store.append(Abort(turn=turn, reason=reason, record=record, seq=seq), durable=True)
         except StoreError as exc:
             tagged(log, session.id).error("%s", exc)
+            if isinstance(exc, Fenced):  # e.g. its worker missed heartbeats while this daemon was frozen
+                self.on_fenced(session, exc)
             self.sync_input(session)
         self._input_durable(session)
         self._turn_over(session, (False, reason))
