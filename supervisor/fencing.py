@@ -47,10 +47,13 @@ def wire(manager: SessionManager) -> None:
 
 
 def _release_soon(manager: SessionManager, session: Session, exc: Fenced) -> None:
-    if session.error is not None:
-        return  # already released (or damaged: nothing runs)
-    session.error = held_elsewhere(exc)
-    tagged(log, session.id).warning("%s", session.error)
+    # Once per refusal: a second one of the same flow (the turn's commit,
+    # then its Abort) finds the session stopped.  An operator's `restart`
+    # of it runs a worker again, whose next write is refused again.
+    reason = held_elsewhere(exc)
+    if session.error != reason:
+        session.error = reason
+        tagged(log, session.id).warning("%s", reason)
     manager._spawn_task(_release(manager, session))
 
 

@@ -448,6 +448,10 @@ def test_a_second_daemon_takes_a_session_over_and_the_first_cannot_write(make_da
         # Not a crash to restart: held elsewhere, so stopped here, saying so.
         wait_for(lambda: c.status(sid).state == "stopped", 10, "the first daemon to stop the session")
         assert "held by another daemon" in (c.status(sid).error or "")
+        c.restart(sid)  # an operator's restart does not take it back: refused, stopped again
+        with pytest.raises((RequestError, TurnFailedError), match="generation"):
+            c.send_text(sid, "stale again")
+        wait_for(lambda: c.status(sid).state == "stopped", 10, "the first daemon to stop it again")
     with second.client() as c:
         assert c.send_text(sid, "b") == "2: b"
     decoded = [msgspec.msgpack.decode(f[8:]) for f in log_rows(dsn, sid)]
