@@ -22,6 +22,7 @@ What crosses machines is Ray's only, never a socket protocol of ours:
                                              ("exit", code, signal, detail) and
                                              ("gone",) once nothing of it is left
       signal / kill_tree ─ actor call ──►    pidfd_send_signal on the node
+      set_draining(flag) ─ actor call ──►    spawn answers "draining" meanwhile
 
 The bytes are the worker protocol's frames, uninterpreted here: the front
 frames and checks them as it does a local worker's.  Nothing of a session
@@ -91,6 +92,9 @@ class NodeHost:
         self._watchdog: asyncio.Task[None] | None = None
         # Exits that came before the spawn call registered the worker.
         self._exits: dict[int, asyncio.Future[tuple[int | None, int | None, str]]] = {}
+        # Drained by an operator: no new worker here (the fronts place
+        # elsewhere); the workers here run on until their fronts move them.
+        self._draining = False
 
     def _zygote(self) -> ZygoteSpawner:
         if self._spawner is None:
@@ -118,12 +122,15 @@ class NodeHost:
         for pid in list(self._workers):
             self._exited(pid, None, _SIGKILL, "the zygote on its node died")
 
-    async def spawn(self, front: str, lease_secs: float) -> int:
+    async def spawn(self, front: str, lease_secs: float) -> int | str:
         """A new worker for `front`, which holds it by a lease; its pid on
-        this node.  Raises SpawnerDied (the zygote died and is being
-        restarted): the caller gets it wrapped."""
+        this node, or "draining" (supervisor.ray_spawner.DRAINING).  Raises
+        SpawnerDied (the zygote died and is being restarted): the caller
+        gets it wrapped."""
         if not isinstance(front, str) or not front or len(front) > 64:
             raise ValueError("a front names itself")
+        if self._draining:
+            return "draining"
         await self.lease(front, lease_secs)
         spawner = self._zygote()
         pid, sock = await spawner.request()
@@ -232,6 +239,12 @@ class NodeHost:
         if self._spawner is not None and pid in self._workers and isinstance(sig, int):
             with contextlib.suppress(ValueError, OSError):
                 self._spawner.kill_tree(pid, self._workers[pid].memory.escapees(), sig)
+
+    async def set_draining(self, flag: bool) -> None:
+        self._draining = flag is True
+
+    async def draining(self) -> bool:
+        return self._draining
 
     async def workers(self) -> list[int]:
         return list(self._workers)

@@ -16,6 +16,15 @@ the node, so capacity is Ray's bookkeeping, not ours, and no Ray actor
 The group is removed once the worker's process group is empty, which
 gives the slot back.
 
+Draining (`sessionctl drain`, `supervisor.drain`): a node marked draining
+gets no new worker.  The mark is kept by the node's host (so that every
+front learns it: a draining host refuses `spawn`, and the front that tried
+places again), and each front keeps the marks it knows in a label
+selector on every placement group it asks for (`ray.io/node-id` is not
+one of them), so Ray itself places the slot elsewhere.  A front re-reads
+the marks it knows from their hosts every few seconds, so an undo on one
+front reaches the others.
+
 Pids: the pid WorkerOwner sees is a handle of this front's (above any real
 pid_max), never the number on the worker's node, so nothing on the front's
 machine (the memory sweep's /proc reads, cgroups, pidfds) can act on a
@@ -77,16 +86,24 @@ _PLACE_RETRY_SECS = 0.25
 # How long joining waits for the Ray head's port to answer at all.
 _CONNECT_TIMEOUT_SECS = 5.0
 _HOST_NAME = "sessiond-nodehost-{node_id}"
+# The label every Ray node carries with its own id (Ray sets it).
+_NODE_ID_LABEL = "ray.io/node-id"
+# What a draining node host answers `spawn` with.
+DRAINING = "draining"
+# How long telling a node host about its mark (or asking it) may take.
+_MARK_ASK_SECS = 5.0
 _actor_class: Any = None  # ray.remote(NodeHost), made once
 
 
 class _Remote:
     """A worker on a node host, seen from the front."""
 
-    __slots__ = ("bridge", "exited", "gone", "group", "host", "ip", "node_pid", "rss", "sock")
+    __slots__ = ("bridge", "exited", "gone", "group", "host", "ip", "node_id", "node_pid", "rss", "sock")
 
-    def __init__(self, host: Any, ip: str, node_pid: int, sock: socket.socket, group: Any) -> None:
+    def __init__(self, host: Any, node_id: str, ip: str, node_pid: int, sock: socket.socket,
+                 group: Any) -> None:
         self.host = host
+        self.node_id = node_id
         self.ip = ip
         self.node_pid = node_pid
         self.sock = sock  # our end of the bridge
@@ -112,6 +129,8 @@ class RaySpawner:
         self._ips: dict[str, str] = {}  # node id -> its address as Ray reports it
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
+        # Nodes known to be draining (node id -> address): no new worker there.
+        self._draining: dict[str, str] = {}
         # Who this front is to node hosts, for its lease on its workers.
         self._front = f"{socket.gethostname()[:40]}-{uuid.uuid4().hex[:16]}"
 
@@ -150,6 +169,19 @@ class RaySpawner:
             for host in {id(r.host): r.host for r in self._workers.values() if not r.gone}.values():
                 with contextlib.suppress(Exception):
                     host.lease.remote(self._front, secs)
+            for node_id in list(self._draining):
+                self._spawn_task(self._reread_mark(node_id))
+
+    async def _reread_mark(self, node_id: str) -> None:
+        """Keep a known mark only while its node host still holds it (an
+        undo from another front clears it there).  A host that does not
+        answer keeps it: its node may be dead, and Ray places nothing there."""
+        try:
+            held = await asyncio.wait_for(self._host(node_id).draining.remote(), _MARK_ASK_SECS)
+        except Exception:
+            return
+        if held is False:
+            self._draining.pop(node_id, None)
 
     @property
     def zygote_pid(self) -> int:
@@ -161,6 +193,11 @@ class RaySpawner:
     def placement(self, pid: int) -> tuple[int, str | None]:
         remote = self._workers.get(pid)
         return (remote.node_pid, remote.ip) if remote is not None else (pid, None)
+
+    def node_of(self, pid: int) -> str | None:
+        """The Ray node id a worker runs on (None: not one of ours)."""
+        remote = self._workers.get(pid)
+        return remote.node_id if remote is not None and not remote.gone else None
 
     def reported_rss(self, pid: int) -> int | None:
         """The RSS of a worker and its descendants as its node host last
@@ -193,7 +230,7 @@ class RaySpawner:
         ours.setblocking(False)
         theirs.setblocking(False)
         pid = next(self._pids)
-        remote = _Remote(host, self._ips[node_id], node_pid, theirs, group)
+        remote = _Remote(host, node_id, self._ips[node_id], node_pid, theirs, group)
         self._workers[pid] = remote
         remote.bridge = [self._spawn_task(self._to_worker(pid, remote)),
                          self._spawn_task(self._from_worker(pid, remote))]
@@ -215,12 +252,17 @@ class RaySpawner:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PLACE_TIMEOUT_SECS
         while True:
-            group = placement_group([{resource: 1}], strategy="STRICT_PACK")
+            avoid = sorted(self._draining)
+            group = placement_group(
+                [{resource: 1}], strategy="STRICT_PACK",
+                bundle_label_selector=[{_NODE_ID_LABEL: f"!in({','.join(avoid)})"}] if avoid else None,
+            )
             try:
                 try:
                     await asyncio.wait_for(group.ready(), max(0.0, deadline - loop.time()))
                 except asyncio.TimeoutError:
-                    raise SpawnerDied(f"no node of the Ray cluster has a free {resource!r} slot "
+                    draining = f" ({len(avoid)} draining node(s) left out)" if avoid else ""
+                    raise SpawnerDied(f"no node of the Ray cluster has a free {resource!r} slot{draining} "
                                       f"(waited {PLACE_TIMEOUT_SECS:g}s): start nodes with "
                                       f"--resources '{{\"{resource}\": N}}' or free some") from None
                 node_id = placement_group_table(group)["bundles_to_node_id"][0]
@@ -239,6 +281,12 @@ class RaySpawner:
                     with contextlib.suppress(Exception):
                         remove_placement_group(group)
                     await asyncio.sleep(_PLACE_RETRY_SECS)
+                    continue
+                if node_pid == DRAINING:  # marked by another front: learn it, place again
+                    log.info("node %s is draining; placing the worker elsewhere", self._ips[node_id])
+                    self._draining[node_id] = self._ips[node_id]
+                    with contextlib.suppress(Exception):
+                        remove_placement_group(group)
                     continue
                 if not isinstance(node_pid, int) or isinstance(node_pid, bool) or node_pid <= 0:
                     raise SpawnerDied(f"the node host on {self._ips[node_id]} answered {node_pid!r}, "
@@ -275,6 +323,54 @@ class RaySpawner:
         ).remote()
         self._hosts[node_id] = host
         return host
+
+    # ---------------------------------------------------------------- draining
+
+    @property
+    def draining(self) -> dict[str, str]:
+        """The nodes this front keeps new workers off: node id -> address."""
+        return dict(self._draining)
+
+    async def find_node(self, name: str, alive: bool = True) -> tuple[str, str]:
+        """(node id, address) of the node called `name` (its address as
+        Ray reports it, or its node id); with `alive`, a live one only.
+        Raises LookupError saying which nodes there are."""
+        import ray
+
+        nodes = [n for n in await asyncio.to_thread(ray.nodes)
+                 if isinstance(n.get("NodeID"), str) and isinstance(n.get("NodeManagerAddress"), str)]
+        live = [n for n in nodes if n.get("Alive")]
+        found = [n for n in live if name in (n["NodeID"], n["NodeManagerAddress"])]
+        if not found and not alive:
+            found = [n for n in nodes if name in (n["NodeID"], n["NodeManagerAddress"])][-1:]
+        if len(found) == 1:
+            node_id, ip = found[0]["NodeID"], found[0]["NodeManagerAddress"]
+            self._ips[node_id] = ip
+            return node_id, ip
+        if found:
+            raise LookupError(f"{len(found)} live nodes have the address {name}: name one by its "
+                              f"Ray node id ({', '.join(n['NodeID'] for n in found)})")
+        known = ", ".join(sorted({n["NodeManagerAddress"] for n in live})) or "none"
+        raise LookupError(f"no live node {name!r} in the Ray cluster (live nodes: {known})")
+
+    async def mark_draining(self, node_id: str, ip: str, on: bool, alive: bool = True) -> None:
+        """Keep new workers off the node (or no longer): here at once, and
+        on its node host, which tells the other fronts.  A host that
+        cannot be told (its node is dying) is only logged: this front
+        keeps the mark it set."""
+        if on:
+            self._draining[node_id] = ip
+        else:
+            self._draining.pop(node_id, None)
+        if not alive:
+            return  # nothing to tell, and no host to make there
+        try:
+            await asyncio.wait_for(self._host(node_id).set_draining.remote(on), _MARK_ASK_SECS)
+        except Exception as exc:
+            log.warning("cannot tell the node host on %s that it is %s: %s", ip,
+                        "draining" if on else "in use again", type(exc).__name__)
+        if on:  # again: a re-read of the host's old answer may have crossed the call
+            self._draining[node_id] = ip
 
     # ---------------------------------------------------------------- the bridge
 

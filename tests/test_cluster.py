@@ -25,9 +25,14 @@ import tomli_w
 from conftest import FAST_CONFIG
 from harness import env_for_children, wait_for
 from ipc import messages as m
+from ipc import operator as op
 from pg_server import PgServer
 from ray_cluster import NODE_IPS, RayCluster
+from supervisor import ctl
 from supervisor.config import ConfigError, parse_config
+from supervisor.ctl_drain import drain_exit_code, drain_json, drain_text
+from supervisor.drain import check_request
+from supervisor.errors import BadRequest
 from test_spawner_contract import CHECKS, Check
 
 
@@ -211,3 +216,135 @@ def test_a_cluster_that_cannot_be_reached_stops_the_start_saying_so(make_daemon,
     with pytest.raises(AssertionError, match="exited with 1"):
         d.start()
     assert f"cannot reach the Ray head at 127.0.0.1:{port}" in d.log
+
+
+# ---------------------------------------------------------------- drain
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("node, timeout", [
+    ("", None), (None, None), (7, None), ("host name", None), ("127.0.0.1\nforged", None),
+    ("x" * 1000, None), ("AB" * 28, None), ("127.0.0.11", 0), ("127.0.0.11", -1.0),
+    ("127.0.0.11", float("nan")), ("127.0.0.11", float("inf")), ("127.0.0.11", True),
+    ("127.0.0.11", "60"), ("127.0.0.11", 8 * 86400.0),
+])
+def test_a_drain_request_is_checked_as_hostile_input(node: object, timeout: object) -> None:
+    with pytest.raises(BadRequest):
+        check_request(node, timeout)
+
+
+@pytest.mark.pure
+def test_a_drain_names_a_node_by_address_or_ray_id() -> None:
+    node_id = "b08edb0a0b90ee21925184cb96832c32cb6a60eabedaf04c32b355a0"
+    assert check_request("127.0.0.11", None) == ("127.0.0.11", None)
+    assert check_request("0:0::1", 5) == ("::1", 5.0)  # as Ray writes it
+    assert check_request(node_id, 0.5) == (node_id, 0.5)
+
+
+@pytest.mark.pure
+def test_the_drain_report_for_people_and_for_programs() -> None:
+    reply = op.DrainReply(
+        id=1, node="127.0.0.11", node_id="b08edb0a0b90ee2192", draining=True, elapsed_secs=3.25,
+        moved=[op.DrainMoved(session="a", node="127.0.0.12")],
+        left=[op.DrainLeft(session="long-one", state="running", reason="turn 4 still running after 60s")],
+    )
+    assert drain_text(reply, undo=False) == (
+        "drained 127.0.0.11 (node b08edb0a0b90) in 3.2s: 1 session(s) moved, 1 left\n"
+        "  moved  a         -> 127.0.0.12\n"
+        "  left   long-one  running: turn 4 still running after 60s\n"
+        "no new session is placed there until `sessionctl drain --undo 127.0.0.11`\n"
+    )
+    assert json.loads(drain_json(reply)) == {
+        "node": "127.0.0.11", "node_id": "b08edb0a0b90ee2192", "draining": True, "elapsed_secs": 3.25,
+        "moved": [{"session": "a", "node": "127.0.0.12"}],
+        "left": [{"session": "long-one", "state": "running", "reason": "turn 4 still running after 60s"}],
+    }
+    assert drain_exit_code(reply) == 1  # something was left: the drain is not done
+    done = op.DrainReply(id=1, node="127.0.0.11", node_id="b08edb0a0b90ee2192", draining=False)
+    assert drain_exit_code(done) == 0
+    assert drain_text(done, undo=True) == "127.0.0.11 (node b08edb0a0b90) takes new sessions again\n"
+
+
+@pytest.mark.pure
+def test_the_drain_command_line() -> None:
+    with pytest.raises(SystemExit):
+        ctl._parser().parse_args(["drain", "127.0.0.11", "--timeout", "nan"])
+    args = ctl._parser().parse_args(["drain", "--undo", "127.0.0.11", "--timeout", "90"])
+    assert (args.node, args.undo, args.timeout) == ("127.0.0.11", True, 90.0)
+
+
+@pytest.mark.process
+def test_draining_on_one_machine_is_a_clear_error(make_daemon) -> None:
+    d = make_daemon()
+    done = d.ctl("drain", "127.0.0.11")
+    assert done.returncode == 1
+    assert "runs every session on this machine" in done.stderr and "no node to drain" in done.stderr
+    done = d.ctl("drain", "not an address")
+    assert done.returncode == 2 and "neither an IP address nor a Ray node id" in done.stderr
+
+
+@pytest.mark.process
+def test_drain_moves_a_node_s_sessions_once_idle_and_undo_takes_it_back(
+    make_daemon, ray_cluster: RayCluster, pg_server: PgServer
+) -> None:
+    d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
+    with d.client() as c:
+        try:
+            _drain_and_undo(d, c)
+        finally:  # the marks live on the node hosts, which outlive this daemon
+            for ip in NODE_IPS:
+                c.drain(ip, undo=True)
+
+
+def _drain_and_undo(d: Any, c: Any) -> None:
+    # One session on each node: three make sure both nodes are used (two
+    # slots a node), then one of the node that has two goes.
+    made = [c.create(handler="fixture_handlers:slow").id for _ in range(3)]
+    where = {s: c.status(s).node for s in made}
+    drained = next(ip for ip in NODE_IPS if list(where.values()).count(ip) == 2)
+    other = next(ip for ip in NODE_IPS if ip != drained)
+    c.remove(next(s for s in made if where[s] == drained))
+    busy = next(s for s in made if where[s] == drained and s in {x.id for x in c.list()})
+    calm = next(s for s in made if where[s] == other)
+    assert c.send_text(busy, "1") == "tick 0\n" and c.send_text(calm, "1") == "tick 0\n"
+    running: list[Any] = []
+
+    def long_turn() -> None:
+        with d.client() as c2:
+            running.extend(c2.send(busy, "60"))
+
+    turn = threading.Thread(target=long_turn)
+    turn.start()
+    try:
+        wait_for(lambda: c.status(busy).state == "running", 10, "the long turn to run")
+        done = d.ctl("--json", "drain", drained, timeout=120)
+    finally:
+        turn.join(60)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["node"], report["draining"], report["left"]) == (drained, True, [])
+    assert report["moved"] == [{"session": busy, "node": other}]
+    # The turn ran to its end where it began, then the session moved.
+    assert isinstance(running[-1], m.TurnDone) and not running[-1].interrupted
+    assert {c.status(s).node for s in (busy, calm)} == {other}
+    assert [(t.input, t.outcome) for t in c.history(busy).turns] == [("1", "done"), ("60", "done")]
+    assert c.send_text(busy, "2") == "tick 0\ntick 1\n"
+    # New sessions avoid the drained node, though it has the most room.
+    c.remove(calm)
+    new = c.create(handler="echo").id
+    assert c.status(new).node == other
+    assert c.send_text(new, "a") == "1: a"
+    # Undone, the node takes sessions again: draining the other moves
+    # everything there (idle sessions at once), with every turn.
+    undone = d.ctl("drain", "--undo", drained)
+    assert undone.returncode == 0 and undone.stdout.startswith(f"{drained} (node ")
+    done = d.ctl("drain", other, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"drained {other} (node " in done.stdout and ": 2 session(s) moved, 0 left" in done.stdout
+    assert f"  moved  {new}" in done.stdout and f"-> {drained}" in done.stdout
+    assert {c.status(s).node for s in (busy, new)} == {drained}
+    assert [t.input for t in c.history(busy).turns] == ["1", "60", "2"]
+    assert c.send_text(new, "b") == "2: b"
+    unknown = d.ctl("drain", "127.0.0.99")
+    assert unknown.returncode == 1 and "no live node '127.0.0.99' in the Ray cluster" in unknown.stderr
+    assert drained in unknown.stderr  # it lists the live ones
