@@ -47,12 +47,16 @@ from collections.abc import AsyncIterator
 from supervisor.limits import ProcTable, SessionMemory
 from supervisor.spawner import ZygoteSpawner
 
-__all__ = ["ExitItem", "Frame", "NodeHost"]
+__all__ = ["ExitItem", "Frame", "NodeHost", "read_more"]
 
 log = logging.getLogger("sessiond.nodehost")
 
 _SIGKILL = signal.SIGKILL
 _READ_BYTES = 1 << 16
+# The most bytes one Ray call or stream item carries: frames that are ready
+# together cross together (each Ray call or item costs ~1.5 ms here,
+# whatever it carries), up to this.
+BATCH_BYTES = 1 << 20
 # How often to look whether an exited worker's process group is empty.
 _GONE_POLL_SECS = 0.05
 # How often each worker's tree is measured, and by how much its RSS must
@@ -184,9 +188,24 @@ class NodeHost:
         tasks = [loop.create_task(self._read(pid, worker, out)),
                  loop.create_task(self._measure(pid, worker, out))]
         finished = False
+        held: Frame | None = None  # taken from the queue behind a batch of bytes
         try:
             while True:
-                item = await out.get()
+                item = held if held is not None else await out.get()
+                held = None
+                if isinstance(item, bytes):
+                    # Whatever else the worker wrote meanwhile goes in the same item.
+                    parts = [item]
+                    size = len(item)
+                    while size < BATCH_BYTES and not out.empty():
+                        more = out.get_nowait()
+                        if not isinstance(more, bytes):
+                            held = more
+                            break
+                        parts.append(more)
+                        size += len(more)
+                    if len(parts) > 1:
+                        item = b"".join(parts)
                 yield item
                 if item == ("gone",):
                     finished = True
@@ -212,7 +231,7 @@ class NodeHost:
                 data = b""
             if not data:
                 break
-            out.put_nowait(data)
+            out.put_nowait(read_more(worker.sock, data))
         code, sig, detail = await worker.exit
         out.put_nowait(("exit", code, sig, detail))
         while self._spawner is not None and self._spawner.tree_alive(pid, worker.memory.escapees()):
@@ -256,3 +275,23 @@ class NodeHost:
             self._spawner = None
         for pid in list(self._workers):
             self._exited(pid, None, _SIGKILL, "its node host was closed")
+
+
+def read_more(sock: socket.socket, data: bytes, limit: int = BATCH_BYTES) -> bytes:
+    """`data` and whatever else the (non-blocking) socket holds already, up
+    to `limit` bytes: frames written together cross in one Ray call or
+    stream item.  An error or EOF is left for the next read to find."""
+    parts = [data]
+    size = len(data)
+    while size < limit:
+        try:
+            more = sock.recv(min(_READ_BYTES, limit - size))
+        except (BlockingIOError, InterruptedError):
+            break
+        except OSError:
+            break
+        if not more:
+            break  # EOF: the next recv returns it again
+        parts.append(more)
+        size += len(more)
+    return parts[0] if len(parts) == 1 else b"".join(parts)

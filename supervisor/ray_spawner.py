@@ -71,6 +71,7 @@ from typing import Any
 
 from supervisor.config import ClusterSettings
 from supervisor.limits import REMOTE_PIDS
+from supervisor.nodehost import read_more
 from supervisor.pidfd import PidFd
 from supervisor.seams import SpawnerDied
 
@@ -385,6 +386,7 @@ class RaySpawner:
                 data = b""
             if not data:
                 return  # WorkerOwner closed the connection
+            data = read_more(remote.sock, data)  # all that piled up: one call
             try:
                 if not await remote.host.send.remote(remote.node_pid, data):
                     return  # the worker is gone; its exit comes on the stream
@@ -396,7 +398,9 @@ class RaySpawner:
         why = ""
         try:
             async for ref in remote.host.frames.remote(remote.node_pid):
-                item = await ref
+                item = _value_now(ref)
+                if item is _NOT_YET:
+                    item = await ref
                 if isinstance(item, bytes):
                     if not remote.exited:
                         with contextlib.suppress(OSError):
@@ -484,6 +488,22 @@ class RaySpawner:
             self._forget(pid, remote)
         for task in list(self._tasks):
             task.cancel()
+
+
+_NOT_YET = object()
+
+
+def _value_now(ref: Any) -> Any:
+    """A stream item's value without a trip through asyncio: an item that
+    `async for` hands over is most often already here (small ones come
+    inline with the report), and a sync get of it costs a fraction of
+    awaiting it (0.2 vs 0.3 ms here).  _NOT_YET if it is not here."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=0)
+    except ray.exceptions.GetTimeoutError:
+        return _NOT_YET
 
 
 def _check_reachable(address: str) -> None:
