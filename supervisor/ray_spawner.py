@@ -50,6 +50,15 @@ was running fails with that reason).  Kills and signals are actor calls that the
 carries out through its pidfds; `tree_alive` is what the stream last said
 (the node host says "gone" once the worker's group is empty).
 
+A node host that does not answer (its process frozen, or its machine cut
+off while Ray has not yet declared it dead): a kill it does not carry out
+in time, or a spawn it does not answer, makes the front give up on it as
+on a lost node (its workers are lost, "node_lost: ... did not answer"; the
+sessions restart elsewhere from the store) and place nothing there for a
+while.  If it wakes up, it carries out the kills it was sent, and its
+workers' lease from this front runs out: nothing a stale worker sends
+reaches a session, as its bridge is gone.
+
 Every value from a node host is checked before use: a stream item that is
 not bytes or a well-formed exit ends that worker as lost.
 
@@ -93,6 +102,12 @@ _NODE_ID_LABEL = "ray.io/node-id"
 DRAINING = "draining"
 # How long telling a node host about its mark (or asking it) may take.
 _MARK_ASK_SECS = 5.0
+# The least time a node host is given to start a worker, or to carry out a
+# kill (its exit on the stream) before the front stops waiting for it
+# (else: the front's lease, the time a host gives a silent front).
+_MIN_ANSWER_SECS = 5.0
+# How long a node host that did not answer gets no new worker from this front.
+_SHUN_SECS = 30.0
 _actor_class: Any = None  # ray.remote(NodeHost), made once
 
 
@@ -132,6 +147,10 @@ class RaySpawner:
         self._closing = False
         # Nodes known to be draining (node id -> address): no new worker there.
         self._draining: dict[str, str] = {}
+        # Nodes whose host did not answer in time -> loop time until which
+        # this front places nothing there.
+        self._shunned: dict[str, float] = {}
+        self._answer_secs = max(settings.front_lease_secs, _MIN_ANSWER_SECS)
         # Who this front is to node hosts, for its lease on its workers.
         self._front = f"{socket.gethostname()[:40]}-{uuid.uuid4().hex[:16]}"
 
@@ -253,7 +272,8 @@ class RaySpawner:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PLACE_TIMEOUT_SECS
         while True:
-            avoid = sorted(self._draining)
+            now = loop.time()
+            avoid = sorted({*self._draining, *(n for n, until in self._shunned.items() if until > now)})
             group = placement_group(
                 [{resource: 1}], strategy="STRICT_PACK",
                 bundle_label_selector=[{_NODE_ID_LABEL: f"!in({','.join(avoid)})"}] if avoid else None,
@@ -271,9 +291,10 @@ class RaySpawner:
                     raise SpawnerDied(f"Ray placed the worker on an unnamed node ({node_id!r})")
                 host = self._host(node_id)
                 try:
-                    node_pid = await host.spawn.remote(self._front, self._settings.front_lease_secs)
+                    node_pid = await self._spawn_on(host, node_id)
                 except Exception as exc:
                     self._hosts.pop(node_id, None)
+                    self._shunned[node_id] = loop.time() + _SHUN_SECS
                     if loop.time() + _PLACE_RETRY_SECS >= deadline:
                         raise SpawnerDied(f"the node host on {self._ips.get(node_id, node_id)} cannot "
                                           f"start a worker: {exc}") from None
@@ -298,6 +319,22 @@ class RaySpawner:
                     remove_placement_group(group)
                 raise
 
+    async def _spawn_on(self, host: Any, node_id: str) -> Any:
+        """The node host's answer to `spawn`, within the answer time; a
+        worker it starts after that is killed when its pid comes."""
+        call: asyncio.Task[Any] = asyncio.ensure_future(host.spawn.remote(self._front,
+                                                                          self._settings.front_lease_secs))
+        try:
+            return await asyncio.wait_for(asyncio.shield(call), self._answer_secs)
+        except asyncio.TimeoutError:
+            def late(done: asyncio.Task[Any]) -> None:
+                if not done.cancelled() and done.exception() is None and isinstance(done.result(), int):
+                    with contextlib.suppress(Exception):
+                        host.kill_tree.remote(done.result(), int(_SIGKILL))
+
+            call.add_done_callback(late)
+            raise TimeoutError(f"no answer within {self._answer_secs:g}s") from None
+
     def _host(self, node_id: str) -> Any:
         """The node host of that node: found by name, or created there
         (detached: it outlives this front; pinned: it is that machine's)."""
@@ -320,6 +357,9 @@ class RaySpawner:
             name=_HOST_NAME.format(node_id=node_id), namespace=self._settings.namespace,
             get_if_exists=True, lifetime="detached", max_restarts=-1, num_cpus=0,
             max_concurrency=10_000,
+            # Every frame is a call or a stream item: none of them is worth
+            # a task event to Ray's head (its dashboard's task list).
+            enable_task_events=False,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote()
         self._hosts[node_id] = host
@@ -472,6 +512,24 @@ class RaySpawner:
         remote = self._workers.get(pid)
         if remote is not None and not remote.gone:
             remote.host.kill_tree.remote(remote.node_pid, int(sig))
+            if sig == _SIGKILL and self._loop is not None:
+                self._loop.call_later(self._answer_secs, self._kill_unanswered, pid, remote)
+
+    def _kill_unanswered(self, pid: int, remote: _Remote) -> None:
+        """The node host did not carry out a SIGKILL in time: give up on it
+        as on a lost node (see the module's docstring)."""
+        if self._workers.get(pid) is not remote or remote.gone or remote.exited:
+            return  # (an exit came: the host answers; its "gone" may take longer)
+        why = (f"node_lost: the node host on {remote.ip} did not carry out a kill within "
+               f"{self._answer_secs:g}s")
+        log.warning("worker %d on %s: %s", remote.node_pid, remote.ip, why)
+        if self._loop is not None:
+            self._shunned[remote.node_id] = self._loop.time() + _SHUN_SECS
+        self._hosts.pop(remote.node_id, None)
+        remote.exited = True
+        self.on_worker_lost(pid, why)
+        remote.gone = True
+        self._forget(pid, remote)
 
     def tree_alive(self, pid: int, others: Iterable[PidFd] = ()) -> bool:
         remote = self._workers.get(pid)

@@ -348,3 +348,62 @@ def _drain_and_undo(d: Any, c: Any) -> None:
     unknown = d.ctl("drain", "127.0.0.99")
     assert unknown.returncode == 1 and "no live node '127.0.0.99' in the Ray cluster" in unknown.stderr
     assert drained in unknown.stderr  # it lists the live ones
+
+
+def _node_host_of(worker: psutil.Process) -> psutil.Process:
+    """The node host actor process that runs a worker's zygote."""
+    for parent in worker.parents():
+        if "NodeHost" in " ".join(parent.cmdline()):
+            return parent
+    raise AssertionError(f"no node host above worker {worker.pid}")
+
+
+@pytest.mark.process
+def test_a_frozen_node_host_s_session_moves_and_its_stale_worker_delivers_nothing(
+    make_daemon, ray_cluster: RayCluster, pg_server: PgServer
+) -> None:
+    """SIGSTOP a node host while its worker runs a turn: the front hears
+    nothing (Ray sees a live node), kills the silent worker, gives up on the
+    host when the kill is not carried out, and revives the session on the
+    other node.  SIGCONT: the host carries out the kill; nothing the stale
+    worker did reaches the session."""
+    d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
+    with d.client() as c:
+        sid = c.create(handler="fixture_handlers:slow").id
+        assert c.send_text(sid, "1") == "tick 0\n"
+        frozen = c.status(sid).node
+        other = next(ip for ip in NODE_IPS if ip != frozen)
+        worker_pid = c.status(sid).pid
+        assert worker_pid is not None
+        stale = psutil.Process(worker_pid)  # every node is this machine here
+        host = _node_host_of(stale)
+        running: list[Any] = []
+
+        def long_turn() -> None:
+            with d.client() as c2:
+                running.extend(c2.send(sid, "100000"))
+
+        turn = threading.Thread(target=long_turn)
+        turn.start()
+        try:
+            wait_for(lambda: c.status(sid).state == "running", 10, "the long turn to run")
+            host.suspend()
+            try:
+                turn.join(60)
+                assert isinstance(running[-1], m.TurnFailed) and "node_lost" in running[-1].reason
+                assert f"the node host on {frozen} did not carry out a kill" in running[-1].reason
+                wait_for(lambda: c.status(sid).state == "idle" and c.status(sid).node == other, 60,
+                         f"the session to come back on {other}")
+                assert c.send_text(sid, "2") == "tick 0\ntick 1\n"
+                assert stale.is_running() and stale.status() != psutil.STATUS_ZOMBIE  # frozen, not killed
+            finally:
+                host.resume()
+        finally:
+            turn.join(60)
+        wait_for(lambda: not stale.is_running() or stale.status() == psutil.STATUS_ZOMBIE, 30,
+                 "the resumed node host to kill the stale worker")
+        # What the stale worker did after the move reached nothing: the
+        # history is the front's, in order, and the session runs on.
+        history = [(t.input, t.outcome) for t in c.history(sid).turns]
+        assert history == [("1", "done"), ("100000", "aborted"), ("2", "done")]
+        assert c.send_text(sid, "1") == "tick 0\n" and c.status(sid).node == other
