@@ -108,6 +108,8 @@ _MARK_ASK_SECS = 5.0
 _MIN_ANSWER_SECS = 5.0
 # How long a node host that did not answer gets no new worker from this front.
 _SHUN_SECS = 30.0
+# How often a placement that waits looks whether a node came back into use.
+_RESELECT_SECS = 0.25
 _actor_class: Any = None  # ray.remote(NodeHost), made once
 
 
@@ -272,20 +274,15 @@ class RaySpawner:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PLACE_TIMEOUT_SECS
         while True:
-            now = loop.time()
-            avoid = sorted({*self._draining, *(n for n, until in self._shunned.items() if until > now)})
+            avoid = self._avoided()
             group = placement_group(
                 [{resource: 1}], strategy="STRICT_PACK",
                 bundle_label_selector=[{_NODE_ID_LABEL: f"!in({','.join(avoid)})"}] if avoid else None,
             )
             try:
-                try:
-                    await asyncio.wait_for(group.ready(), max(0.0, deadline - loop.time()))
-                except asyncio.TimeoutError:
-                    draining = f" ({len(avoid)} draining node(s) left out)" if avoid else ""
-                    raise SpawnerDied(f"no node of the Ray cluster has a free {resource!r} slot{draining} "
-                                      f"(waited {PLACE_TIMEOUT_SECS:g}s): start nodes with "
-                                      f"--resources '{{\"{resource}\": N}}' or free some") from None
+                if not await self._placed(group, avoid, deadline):
+                    remove_placement_group(group)  # a node came back into use: ask again
+                    continue
                 node_id = placement_group_table(group)["bundles_to_node_id"][0]
                 if not isinstance(node_id, str):
                     raise SpawnerDied(f"Ray placed the worker on an unnamed node ({node_id!r})")
@@ -318,6 +315,34 @@ class RaySpawner:
                 with contextlib.suppress(Exception):
                     remove_placement_group(group)
                 raise
+
+    def _avoided(self) -> list[str]:
+        """The nodes a placement leaves out: draining, or shunned for now."""
+        now = asyncio.get_running_loop().time()
+        return sorted({*self._draining, *(n for n, until in self._shunned.items() if until > now)})
+
+    async def _placed(self, group: Any, avoid: list[str], deadline: float) -> bool:
+        """Wait for Ray to place the group: True once it is, False as soon
+        as a node it leaves out is back in use (a drain undone: the slot
+        may be there).  SpawnerDied at the deadline."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.ensure_future(group.ready())
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(asyncio.shield(ready), min(_RESELECT_SECS, deadline - loop.time()))
+                    return True
+                except asyncio.TimeoutError:
+                    if loop.time() >= deadline:
+                        left_out = f" ({len(avoid)} node(s) left out: draining or not answering)" if avoid else ""
+                        raise SpawnerDied(
+                            f"no node of the Ray cluster has a free {self._settings.resource!r} slot{left_out} "
+                            f"(waited {PLACE_TIMEOUT_SECS:g}s): start nodes with "
+                            f"--resources '{{\"{self._settings.resource}\": N}}' or free some") from None
+                    if avoid and not set(avoid) <= set(self._avoided()):
+                        return False
+        finally:
+            ready.cancel()
 
     async def _spawn_on(self, host: Any, node_id: str) -> Any:
         """The node host's answer to `spawn`, within the answer time; a

@@ -407,3 +407,33 @@ def test_a_frozen_node_host_s_session_moves_and_its_stale_worker_delivers_nothin
         history = [(t.input, t.outcome) for t in c.history(sid).turns]
         assert history == [("1", "done"), ("100000", "aborted"), ("2", "done")]
         assert c.send_text(sid, "1") == "tick 0\n" and c.status(sid).node == other
+
+
+@pytest.mark.process
+def test_a_drain_mark_set_by_another_front_is_learned_and_so_is_its_undo(
+    make_daemon, ray_cluster: RayCluster, pg_server: PgServer
+) -> None:
+    """The mark lives on the node host: a front that did not set it learns
+    it when the host refuses a worker, and drops it once the host no
+    longer holds it."""
+    d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
+    marked, free = NODE_IPS
+    other = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "ray_other_front.py"), ray_cluster.address, marked],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env_for_children(),
+    )
+    try:
+        assert other.stdout is not None and other.stdin is not None
+        assert other.stdout.readline().strip() == "marked"
+        with d.client() as c:
+            # Both slots of the free node, though the marked one has as many.
+            sids = [c.create(handler="echo").id for _ in range(2)]
+            assert [c.status(s).node for s in sids] == [free, free]
+            other.stdin.write("\n")
+            other.stdin.flush()
+            assert other.stdout.readline().strip() == "unmarked"
+            # The free node is full: a create succeeds only on the unmarked one.
+            assert c.status(c.create(handler="echo").id).node == marked
+    finally:
+        other.kill()
+        other.wait(30)
