@@ -33,6 +33,7 @@ from supervisor.config import ConfigError, parse_config
 from supervisor.ctl_drain import drain_exit_code, drain_json, drain_text
 from supervisor.drain import check_request
 from supervisor.errors import BadRequest
+from supervisor.nodehost import read_more
 from test_spawner_contract import CHECKS, Check
 
 
@@ -437,3 +438,21 @@ def test_a_drain_mark_set_by_another_front_is_learned_and_so_is_its_undo(
     finally:
         other.kill()
         other.wait(30)
+
+
+@pytest.mark.protocol
+def test_frames_ready_together_cross_together_up_to_the_batch_limit() -> None:
+    """What the bridge reads for one Ray call or stream item (nodehost.read_more)."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.setblocking(False)
+        for chunk in (b"a" * 10, b"b" * 20, b"c" * 30):
+            theirs.sendall(chunk)
+        first = ours.recv(10)
+        assert read_more(ours, first) == b"a" * 10 + b"b" * 20 + b"c" * 30
+        assert read_more(ours, b"x") == b"x"  # nothing more waiting: no wait either
+        theirs.sendall(b"d" * 5000)
+        assert read_more(ours, ours.recv(1000), limit=3000) == b"d" * 3000  # the rest stays
+        theirs.close()
+        assert read_more(ours, ours.recv(1000)) == b"d" * 2000
+        assert ours.recv(10) == b""  # the end is left for the next read to find
