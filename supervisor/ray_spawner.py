@@ -283,9 +283,13 @@ class RaySpawner:
                 if not await self._placed(group, avoid, deadline):
                     remove_placement_group(group)  # a node came back into use: ask again
                     continue
-                node_id = placement_group_table(group)["bundles_to_node_id"][0]
+                # (A query of Ray's head: off the loop, which serves every session.)
+                table = await asyncio.to_thread(placement_group_table, group)
+                node_id = table["bundles_to_node_id"][0]
                 if not isinstance(node_id, str):
                     raise SpawnerDied(f"Ray placed the worker on an unnamed node ({node_id!r})")
+                if node_id not in self._ips:
+                    await self._learn_ip(node_id)
                 host = self._host(node_id)
                 try:
                     node_pid = await self._spawn_on(host, node_id)
@@ -360,6 +364,15 @@ class RaySpawner:
             call.add_done_callback(late)
             raise TimeoutError(f"no answer within {self._answer_secs:g}s") from None
 
+    async def _learn_ip(self, node_id: str) -> None:
+        """The node's address as Ray reports it (for `status`, and logs),
+        asked of Ray's head off the loop."""
+        import ray
+
+        for node in await asyncio.to_thread(ray.nodes):
+            if node.get("NodeID") == node_id and isinstance(node.get("NodeManagerAddress"), str):
+                self._ips[node_id] = node["NodeManagerAddress"]
+
     def _host(self, node_id: str) -> Any:
         """The node host of that node: found by name, or created there
         (detached: it outlives this front; pinned: it is that machine's)."""
@@ -371,9 +384,6 @@ class RaySpawner:
 
         from supervisor.nodehost import NodeHost
 
-        for node in ray.nodes():  # type: ignore[no-untyped-call]
-            if node.get("NodeID") == node_id and isinstance(node.get("NodeManagerAddress"), str):
-                self._ips[node_id] = node["NodeManagerAddress"]
         self._ips.setdefault(node_id, node_id[:12])
         global _actor_class
         if _actor_class is None:
