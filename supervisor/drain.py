@@ -167,6 +167,8 @@ class Drainer:
                         moves[session.id] = loop.create_task(
                             self._move(session, node_id, ip, stop, moved, failed))
                 busy = [t for t in moves.values() if not t.done()]
+                if node_id not in self._spawner.draining:
+                    stop.set()  # undone meanwhile, by another front (its host no longer holds the mark)
                 if (not here and not busy) or stop.is_set():
                     break
                 if busy:
