@@ -1,5 +1,5 @@
 """Control requests and replies added after protocol 1: history, logs,
-export, import and top (issue 14).
+export, import and top (issue 14); drain (issue 15).
 
 Kept apart from `ipc.messages` (the protocol-1 set, which every peer
 speaks); a daemon that predates these answers `bad_request`, since their
@@ -24,7 +24,8 @@ from ipc.messages import (
 
 __all__ = [
     "History", "HistoryTurn", "HistoryReply", "Logs", "LogEntry", "LogsReply", "Export",
-    "ExportReply", "Import", "Top", "TopEntry", "TopReply", "AnyRequest", "AnyReply",
+    "ExportReply", "Import", "Top", "TopEntry", "TopReply", "Drain", "DrainMoved", "DrainLeft",
+    "DrainReply", "DRAIN_MAX_TIMEOUT_SECS", "AnyRequest", "AnyReply",
 ]
 
 class History(_Msg, tag="history"):
@@ -132,7 +133,44 @@ class TopReply(_Msg, tag="top"):
     entries: list[TopEntry] = []
 
 
+# The longest a drain may be given (a week).
+DRAIN_MAX_TIMEOUT_SECS = 7 * 86400.0
+
+
+class Drain(_Msg, tag="drain"):
+    """Cluster mode: keep new workers off a node and move its sessions to
+    other nodes, each once it is idle (running turns finish first); with
+    `undo`, take the node back into use.  Replied to with `DrainReply` once
+    the node has no session left or `timeout_secs` ran out.  Admins only."""
+
+    id: int
+    node: str  # its IP address as `ls --json` shows it (`node`), or its Ray node id
+    timeout_secs: float | None = None  # None: the daemon's default (supervisor.drain)
+    undo: bool = False
+
+
+class DrainMoved(_Msg, tag="drain_moved"):
+    session: str
+    node: str  # where it runs now
+
+
+class DrainLeft(_Msg, tag="drain_left"):
+    session: str
+    state: str
+    reason: str  # why it is still on the node
+
+
+class DrainReply(_Msg, tag="drain"):
+    id: int
+    node: str  # its IP address
+    node_id: str  # its Ray node id
+    draining: bool  # whether the node is kept free of new workers now
+    moved: list[DrainMoved] = []
+    left: list[DrainLeft] = []
+    elapsed_secs: float = 0.0
+
+
 # The unions as the daemon and sessionctl decode them: the protocol 1 ones
 # and the requests/replies added since.
-AnyRequest = Request | History | Logs | Export | Import | Top
-AnyReply = Reply | HistoryReply | LogsReply | ExportReply | TopReply
+AnyRequest = Request | History | Logs | Export | Import | Top | Drain
+AnyReply = Reply | HistoryReply | LogsReply | ExportReply | TopReply | DrainReply

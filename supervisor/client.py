@@ -318,6 +318,10 @@ class AsyncClient:
     async def top(self) -> op.TopReply:
         return await self._request(op.Top(id=self._next_id()), op.TopReply)
 
+    async def drain(self, node: str, timeout_secs: float | None = None, undo: bool = False) -> op.DrainReply:
+        return await self._request(
+            op.Drain(id=self._next_id(), node=node, timeout_secs=timeout_secs, undo=undo), op.DrainReply)
+
     async def ping(self, session: str | None = None) -> m.Pong:
         return await self._request(m.Ping(id=self._next_id(), session=session), m.Pong)
 
@@ -449,6 +453,10 @@ class Client:
 
     def import_session(self, document: bytes, session: str | None = None) -> SessionInfo:
         result: SessionInfo = self._run(self._client.import_session(document, session))
+        return result
+
+    def drain(self, node: str, timeout_secs: float | None = None, undo: bool = False) -> op.DrainReply:
+        result: op.DrainReply = self._run(self._client.drain(node, timeout_secs, undo))
         return result
 
     def top(self) -> op.TopReply:

@@ -27,6 +27,7 @@ from ipc.loop import run as run_loop
 from supervisor import __version__
 from supervisor.client import AsyncClient, DaemonUnavailable, RequestError
 from supervisor.config import ConfigError, parse_override
+from supervisor.ctl_drain import drain_exit_code, drain_json, drain_text, timeout_secs
 from supervisor.ctl_history import ImportFileError, follow_logs, print_history, print_logs, read_document
 from supervisor.session import valid_session_id
 from supervisor.top import SORT_KEYS, run_top
@@ -68,6 +69,8 @@ examples:
   sessionctl logs ID -f                  state changes, limits, exits; then follow
   sessionctl export ID > s.json          and on another daemon:
   sessionctl import s.json               (same id; --id NEW renames)
+  sessionctl drain 10.0.0.7              cluster: move a node's sessions off it
+  sessionctl drain --undo 10.0.0.7       and take it back into use
 
 exit codes:
   0  done
@@ -150,6 +153,13 @@ def _parser() -> argparse.ArgumentParser:
     p = add("import", "create a session from an export document; prints its id")
     p.add_argument("file", nargs="?", default="-", help="the export (default: - for stdin)")
     p.add_argument("--id", dest="session_id", help="import under this id instead of the exported one")
+    p = add("drain", "cluster mode: keep new sessions off a node and move its sessions elsewhere, "
+                     "each once idle (running turns finish first)")
+    p.add_argument("node", help="its IP address (the `node` of `ls --json`) or its Ray node id")
+    p.add_argument("--timeout", type=timeout_secs, metavar="SECS",
+                   help="give up waiting for running turns after SECS (default: the daemon's "
+                        "agent.turn_timeout_secs plus 60: every turn running now has ended by then)")
+    p.add_argument("--undo", action="store_true", help="take the node back into use")
     p = add("completion", "print a shell completion script")
     p.add_argument("shell", choices=("bash", "zsh"))
     return parser
@@ -443,6 +453,16 @@ async def _run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
             case "import":
                 return await _import(client, args, as_json)
+            case "drain":
+                try:
+                    drained = await client.drain(args.node, args.timeout, args.undo)
+                except RequestError as exc:
+                    if exc.code not in ("not_found", "bad_request"):
+                        raise
+                    print(f"sessionctl: {exc.message}", file=sys.stderr)  # a node, not a session
+                    return EXIT_USAGE if exc.code == "bad_request" else EXIT_FAILED
+                print(drain_json(drained)) if as_json else sys.stdout.write(drain_text(drained, args.undo))
+                return drain_exit_code(drained)
             case "approve" | "deny":
                 try:
                     await client.answer(args.id, args.request_id, args.command == "approve")

@@ -22,6 +22,7 @@ What crosses machines is Ray's only, never a socket protocol of ours:
                                              ("exit", code, signal, detail) and
                                              ("gone",) once nothing of it is left
       signal / kill_tree ─ actor call ──►    pidfd_send_signal on the node
+      set_draining(flag) ─ actor call ──►    spawn answers "draining" meanwhile
 
 The bytes are the worker protocol's frames, uninterpreted here: the front
 frames and checks them as it does a local worker's.  Nothing of a session
@@ -46,12 +47,16 @@ from collections.abc import AsyncIterator
 from supervisor.limits import ProcTable, SessionMemory
 from supervisor.spawner import ZygoteSpawner
 
-__all__ = ["ExitItem", "Frame", "NodeHost"]
+__all__ = ["ExitItem", "Frame", "NodeHost", "read_more"]
 
 log = logging.getLogger("sessiond.nodehost")
 
 _SIGKILL = signal.SIGKILL
 _READ_BYTES = 1 << 16
+# The most bytes one Ray call or stream item carries: frames that are ready
+# together cross together (each Ray call or item costs ~1.5 ms here,
+# whatever it carries), up to this.
+BATCH_BYTES = 1 << 20
 # How often to look whether an exited worker's process group is empty.
 _GONE_POLL_SECS = 0.05
 # How often each worker's tree is measured, and by how much its RSS must
@@ -91,6 +96,9 @@ class NodeHost:
         self._watchdog: asyncio.Task[None] | None = None
         # Exits that came before the spawn call registered the worker.
         self._exits: dict[int, asyncio.Future[tuple[int | None, int | None, str]]] = {}
+        # Drained by an operator: no new worker here (the fronts place
+        # elsewhere); the workers here run on until their fronts move them.
+        self._draining = False
 
     def _zygote(self) -> ZygoteSpawner:
         if self._spawner is None:
@@ -118,12 +126,15 @@ class NodeHost:
         for pid in list(self._workers):
             self._exited(pid, None, _SIGKILL, "the zygote on its node died")
 
-    async def spawn(self, front: str, lease_secs: float) -> int:
+    async def spawn(self, front: str, lease_secs: float) -> int | str:
         """A new worker for `front`, which holds it by a lease; its pid on
-        this node.  Raises SpawnerDied (the zygote died and is being
-        restarted): the caller gets it wrapped."""
+        this node, or "draining" (supervisor.ray_spawner.DRAINING).  Raises
+        SpawnerDied (the zygote died and is being restarted): the caller
+        gets it wrapped."""
         if not isinstance(front, str) or not front or len(front) > 64:
             raise ValueError("a front names itself")
+        if self._draining:
+            return "draining"
         await self.lease(front, lease_secs)
         spawner = self._zygote()
         pid, sock = await spawner.request()
@@ -177,9 +188,24 @@ class NodeHost:
         tasks = [loop.create_task(self._read(pid, worker, out)),
                  loop.create_task(self._measure(pid, worker, out))]
         finished = False
+        held: Frame | None = None  # taken from the queue behind a batch of bytes
         try:
             while True:
-                item = await out.get()
+                item = held if held is not None else await out.get()
+                held = None
+                if isinstance(item, bytes):
+                    # Whatever else the worker wrote meanwhile goes in the same item.
+                    parts = [item]
+                    size = len(item)
+                    while size < BATCH_BYTES and not out.empty():
+                        more = out.get_nowait()
+                        if not isinstance(more, bytes):
+                            held = more
+                            break
+                        parts.append(more)
+                        size += len(more)
+                    if len(parts) > 1:
+                        item = b"".join(parts)
                 yield item
                 if item == ("gone",):
                     finished = True
@@ -205,7 +231,7 @@ class NodeHost:
                 data = b""
             if not data:
                 break
-            out.put_nowait(data)
+            out.put_nowait(read_more(worker.sock, data))
         code, sig, detail = await worker.exit
         out.put_nowait(("exit", code, sig, detail))
         while self._spawner is not None and self._spawner.tree_alive(pid, worker.memory.escapees()):
@@ -233,6 +259,12 @@ class NodeHost:
             with contextlib.suppress(ValueError, OSError):
                 self._spawner.kill_tree(pid, self._workers[pid].memory.escapees(), sig)
 
+    async def set_draining(self, flag: bool) -> None:
+        self._draining = flag is True
+
+    async def draining(self) -> bool:
+        return self._draining
+
     async def workers(self) -> list[int]:
         return list(self._workers)
 
@@ -243,3 +275,23 @@ class NodeHost:
             self._spawner = None
         for pid in list(self._workers):
             self._exited(pid, None, _SIGKILL, "its node host was closed")
+
+
+def read_more(sock: socket.socket, data: bytes, limit: int = BATCH_BYTES) -> bytes:
+    """`data` and whatever else the (non-blocking) socket holds already, up
+    to `limit` bytes: frames written together cross in one Ray call or
+    stream item.  An error or EOF is left for the next read to find."""
+    parts = [data]
+    size = len(data)
+    while size < limit:
+        try:
+            more = sock.recv(min(_READ_BYTES, limit - size))
+        except (BlockingIOError, InterruptedError):
+            break
+        except OSError:
+            break
+        if not more:
+            break  # EOF: the next recv returns it again
+        parts.append(more)
+        size += len(more)
+    return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -16,6 +16,15 @@ the node, so capacity is Ray's bookkeeping, not ours, and no Ray actor
 The group is removed once the worker's process group is empty, which
 gives the slot back.
 
+Draining (`sessionctl drain`, `supervisor.drain`): a node marked draining
+gets no new worker.  The mark is kept by the node's host (so that every
+front learns it: a draining host refuses `spawn`, and the front that tried
+places again), and each front keeps the marks it knows in a label
+selector on every placement group it asks for (`ray.io/node-id` is not
+one of them), so Ray itself places the slot elsewhere.  A front re-reads
+the marks it knows from their hosts every few seconds, so an undo on one
+front reaches the others.
+
 Pids: the pid WorkerOwner sees is a handle of this front's (above any real
 pid_max), never the number on the worker's node, so nothing on the front's
 machine (the memory sweep's /proc reads, cgroups, pidfds) can act on a
@@ -41,6 +50,15 @@ was running fails with that reason).  Kills and signals are actor calls that the
 carries out through its pidfds; `tree_alive` is what the stream last said
 (the node host says "gone" once the worker's group is empty).
 
+A node host that does not answer (its process frozen, or its machine cut
+off while Ray has not yet declared it dead): a kill it does not carry out
+in time, or a spawn it does not answer, makes the front give up on it as
+on a lost node (its workers are lost, "node_lost: ... did not answer"; the
+sessions restart elsewhere from the store) and place nothing there for a
+while.  If it wakes up, it carries out the kills it was sent, and its
+workers' lease from this front runs out: nothing a stale worker sends
+reaches a session, as its bridge is gone.
+
 Every value from a node host is checked before use: a stream item that is
 not bytes or a well-formed exit ends that worker as lost.
 
@@ -62,6 +80,7 @@ from typing import Any
 
 from supervisor.config import ClusterSettings
 from supervisor.limits import REMOTE_PIDS
+from supervisor.nodehost import read_more
 from supervisor.pidfd import PidFd
 from supervisor.seams import SpawnerDied
 
@@ -77,16 +96,32 @@ _PLACE_RETRY_SECS = 0.25
 # How long joining waits for the Ray head's port to answer at all.
 _CONNECT_TIMEOUT_SECS = 5.0
 _HOST_NAME = "sessiond-nodehost-{node_id}"
+# The label every Ray node carries with its own id (Ray sets it).
+_NODE_ID_LABEL = "ray.io/node-id"
+# What a draining node host answers `spawn` with.
+DRAINING = "draining"
+# How long telling a node host about its mark (or asking it) may take.
+_MARK_ASK_SECS = 5.0
+# The least time a node host is given to start a worker, or to carry out a
+# kill (its exit on the stream) before the front stops waiting for it
+# (else: the front's lease, the time a host gives a silent front).
+_MIN_ANSWER_SECS = 5.0
+# How long a node host that did not answer gets no new worker from this front.
+_SHUN_SECS = 30.0
+# How often a placement that waits looks whether a node came back into use.
+_RESELECT_SECS = 0.25
 _actor_class: Any = None  # ray.remote(NodeHost), made once
 
 
 class _Remote:
     """A worker on a node host, seen from the front."""
 
-    __slots__ = ("bridge", "exited", "gone", "group", "host", "ip", "node_pid", "rss", "sock")
+    __slots__ = ("bridge", "exited", "gone", "group", "host", "ip", "node_id", "node_pid", "rss", "sock")
 
-    def __init__(self, host: Any, ip: str, node_pid: int, sock: socket.socket, group: Any) -> None:
+    def __init__(self, host: Any, node_id: str, ip: str, node_pid: int, sock: socket.socket,
+                 group: Any) -> None:
         self.host = host
+        self.node_id = node_id
         self.ip = ip
         self.node_pid = node_pid
         self.sock = sock  # our end of the bridge
@@ -112,6 +147,12 @@ class RaySpawner:
         self._ips: dict[str, str] = {}  # node id -> its address as Ray reports it
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
+        # Nodes known to be draining (node id -> address): no new worker there.
+        self._draining: dict[str, str] = {}
+        # Nodes whose host did not answer in time -> loop time until which
+        # this front places nothing there.
+        self._shunned: dict[str, float] = {}
+        self._answer_secs = max(settings.front_lease_secs, _MIN_ANSWER_SECS)
         # Who this front is to node hosts, for its lease on its workers.
         self._front = f"{socket.gethostname()[:40]}-{uuid.uuid4().hex[:16]}"
 
@@ -150,6 +191,19 @@ class RaySpawner:
             for host in {id(r.host): r.host for r in self._workers.values() if not r.gone}.values():
                 with contextlib.suppress(Exception):
                     host.lease.remote(self._front, secs)
+            for node_id in list(self._draining):
+                self._spawn_task(self._reread_mark(node_id))
+
+    async def _reread_mark(self, node_id: str) -> None:
+        """Keep a known mark only while its node host still holds it (an
+        undo from another front clears it there).  A host that does not
+        answer keeps it: its node may be dead, and Ray places nothing there."""
+        try:
+            held = await asyncio.wait_for(self._host(node_id).draining.remote(), _MARK_ASK_SECS)
+        except Exception:
+            return
+        if held is False:
+            self._draining.pop(node_id, None)
 
     @property
     def zygote_pid(self) -> int:
@@ -161,6 +215,11 @@ class RaySpawner:
     def placement(self, pid: int) -> tuple[int, str | None]:
         remote = self._workers.get(pid)
         return (remote.node_pid, remote.ip) if remote is not None else (pid, None)
+
+    def node_of(self, pid: int) -> str | None:
+        """The Ray node id a worker runs on (None: not one of ours)."""
+        remote = self._workers.get(pid)
+        return remote.node_id if remote is not None and not remote.gone else None
 
     def reported_rss(self, pid: int) -> int | None:
         """The RSS of a worker and its descendants as its node host last
@@ -193,7 +252,7 @@ class RaySpawner:
         ours.setblocking(False)
         theirs.setblocking(False)
         pid = next(self._pids)
-        remote = _Remote(host, self._ips[node_id], node_pid, theirs, group)
+        remote = _Remote(host, node_id, self._ips[node_id], node_pid, theirs, group)
         self._workers[pid] = remote
         remote.bridge = [self._spawn_task(self._to_worker(pid, remote)),
                          self._spawn_task(self._from_worker(pid, remote))]
@@ -215,22 +274,28 @@ class RaySpawner:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PLACE_TIMEOUT_SECS
         while True:
-            group = placement_group([{resource: 1}], strategy="STRICT_PACK")
+            avoid = self._avoided()
+            group = placement_group(
+                [{resource: 1}], strategy="STRICT_PACK",
+                bundle_label_selector=[{_NODE_ID_LABEL: f"!in({','.join(avoid)})"}] if avoid else None,
+            )
             try:
-                try:
-                    await asyncio.wait_for(group.ready(), max(0.0, deadline - loop.time()))
-                except asyncio.TimeoutError:
-                    raise SpawnerDied(f"no node of the Ray cluster has a free {resource!r} slot "
-                                      f"(waited {PLACE_TIMEOUT_SECS:g}s): start nodes with "
-                                      f"--resources '{{\"{resource}\": N}}' or free some") from None
-                node_id = placement_group_table(group)["bundles_to_node_id"][0]
+                if not await self._placed(group, avoid, deadline):
+                    remove_placement_group(group)  # a node came back into use: ask again
+                    continue
+                # (A query of Ray's head: off the loop, which serves every session.)
+                table = await asyncio.to_thread(placement_group_table, group)
+                node_id = table["bundles_to_node_id"][0]
                 if not isinstance(node_id, str):
                     raise SpawnerDied(f"Ray placed the worker on an unnamed node ({node_id!r})")
+                if node_id not in self._ips:
+                    await self._learn_ip(node_id)
                 host = self._host(node_id)
                 try:
-                    node_pid = await host.spawn.remote(self._front, self._settings.front_lease_secs)
+                    node_pid = await self._spawn_on(host, node_id)
                 except Exception as exc:
                     self._hosts.pop(node_id, None)
+                    self._shunned[node_id] = loop.time() + _SHUN_SECS
                     if loop.time() + _PLACE_RETRY_SECS >= deadline:
                         raise SpawnerDied(f"the node host on {self._ips.get(node_id, node_id)} cannot "
                                           f"start a worker: {exc}") from None
@@ -240,6 +305,12 @@ class RaySpawner:
                         remove_placement_group(group)
                     await asyncio.sleep(_PLACE_RETRY_SECS)
                     continue
+                if node_pid == DRAINING:  # marked by another front: learn it, place again
+                    log.info("node %s is draining; placing the worker elsewhere", self._ips[node_id])
+                    self._draining[node_id] = self._ips[node_id]
+                    with contextlib.suppress(Exception):
+                        remove_placement_group(group)
+                    continue
                 if not isinstance(node_pid, int) or isinstance(node_pid, bool) or node_pid <= 0:
                     raise SpawnerDied(f"the node host on {self._ips[node_id]} answered {node_pid!r}, "
                                       "not a pid")
@@ -248,6 +319,59 @@ class RaySpawner:
                 with contextlib.suppress(Exception):
                     remove_placement_group(group)
                 raise
+
+    def _avoided(self) -> list[str]:
+        """The nodes a placement leaves out: draining, or shunned for now."""
+        now = asyncio.get_running_loop().time()
+        return sorted({*self._draining, *(n for n, until in self._shunned.items() if until > now)})
+
+    async def _placed(self, group: Any, avoid: list[str], deadline: float) -> bool:
+        """Wait for Ray to place the group: True once it is, False as soon
+        as a node it leaves out is back in use (a drain undone: the slot
+        may be there).  SpawnerDied at the deadline."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.ensure_future(group.ready())
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(asyncio.shield(ready), min(_RESELECT_SECS, deadline - loop.time()))
+                    return True
+                except asyncio.TimeoutError:
+                    if loop.time() >= deadline:
+                        left_out = f" ({len(avoid)} node(s) left out: draining or not answering)" if avoid else ""
+                        raise SpawnerDied(
+                            f"no node of the Ray cluster has a free {self._settings.resource!r} slot{left_out} "
+                            f"(waited {PLACE_TIMEOUT_SECS:g}s): start nodes with "
+                            f"--resources '{{\"{self._settings.resource}\": N}}' or free some") from None
+                    if avoid and not set(avoid) <= set(self._avoided()):
+                        return False
+        finally:
+            ready.cancel()
+
+    async def _spawn_on(self, host: Any, node_id: str) -> Any:
+        """The node host's answer to `spawn`, within the answer time; a
+        worker it starts after that is killed when its pid comes."""
+        call: asyncio.Task[Any] = asyncio.ensure_future(host.spawn.remote(self._front,
+                                                                          self._settings.front_lease_secs))
+        try:
+            return await asyncio.wait_for(asyncio.shield(call), self._answer_secs)
+        except asyncio.TimeoutError:
+            def late(done: asyncio.Task[Any]) -> None:
+                if not done.cancelled() and done.exception() is None and isinstance(done.result(), int):
+                    with contextlib.suppress(Exception):
+                        host.kill_tree.remote(done.result(), int(_SIGKILL))
+
+            call.add_done_callback(late)
+            raise TimeoutError(f"no answer within {self._answer_secs:g}s") from None
+
+    async def _learn_ip(self, node_id: str) -> None:
+        """The node's address as Ray reports it (for `status`, and logs),
+        asked of Ray's head off the loop."""
+        import ray
+
+        for node in await asyncio.to_thread(ray.nodes):
+            if node.get("NodeID") == node_id and isinstance(node.get("NodeManagerAddress"), str):
+                self._ips[node_id] = node["NodeManagerAddress"]
 
     def _host(self, node_id: str) -> Any:
         """The node host of that node: found by name, or created there
@@ -260,9 +384,6 @@ class RaySpawner:
 
         from supervisor.nodehost import NodeHost
 
-        for node in ray.nodes():  # type: ignore[no-untyped-call]
-            if node.get("NodeID") == node_id and isinstance(node.get("NodeManagerAddress"), str):
-                self._ips[node_id] = node["NodeManagerAddress"]
         self._ips.setdefault(node_id, node_id[:12])
         global _actor_class
         if _actor_class is None:
@@ -271,10 +392,61 @@ class RaySpawner:
             name=_HOST_NAME.format(node_id=node_id), namespace=self._settings.namespace,
             get_if_exists=True, lifetime="detached", max_restarts=-1, num_cpus=0,
             max_concurrency=10_000,
+            # Every frame is a call or a stream item: none of them is worth
+            # a task event to Ray's head (its dashboard's task list).
+            enable_task_events=False,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote()
         self._hosts[node_id] = host
         return host
+
+    # ---------------------------------------------------------------- draining
+
+    @property
+    def draining(self) -> dict[str, str]:
+        """The nodes this front keeps new workers off: node id -> address."""
+        return dict(self._draining)
+
+    async def find_node(self, name: str, alive: bool = True) -> tuple[str, str]:
+        """(node id, address) of the node called `name` (its address as
+        Ray reports it, or its node id); with `alive`, a live one only.
+        Raises LookupError saying which nodes there are."""
+        import ray
+
+        nodes = [n for n in await asyncio.to_thread(ray.nodes)
+                 if isinstance(n.get("NodeID"), str) and isinstance(n.get("NodeManagerAddress"), str)]
+        live = [n for n in nodes if n.get("Alive")]
+        found = [n for n in live if name in (n["NodeID"], n["NodeManagerAddress"])]
+        if not found and not alive:
+            found = [n for n in nodes if name in (n["NodeID"], n["NodeManagerAddress"])][-1:]
+        if len(found) == 1:
+            node_id, ip = found[0]["NodeID"], found[0]["NodeManagerAddress"]
+            self._ips[node_id] = ip
+            return node_id, ip
+        if found:
+            raise LookupError(f"{len(found)} live nodes have the address {name}: name one by its "
+                              f"Ray node id ({', '.join(n['NodeID'] for n in found)})")
+        known = ", ".join(sorted({n["NodeManagerAddress"] for n in live})) or "none"
+        raise LookupError(f"no live node {name!r} in the Ray cluster (live nodes: {known})")
+
+    async def mark_draining(self, node_id: str, ip: str, on: bool, alive: bool = True) -> None:
+        """Keep new workers off the node (or no longer): here at once, and
+        on its node host, which tells the other fronts.  A host that
+        cannot be told (its node is dying) is only logged: this front
+        keeps the mark it set."""
+        if on:
+            self._draining[node_id] = ip
+        else:
+            self._draining.pop(node_id, None)
+        if not alive:
+            return  # nothing to tell, and no host to make there
+        try:
+            await asyncio.wait_for(self._host(node_id).set_draining.remote(on), _MARK_ASK_SECS)
+        except Exception as exc:
+            log.warning("cannot tell the node host on %s that it is %s: %s", ip,
+                        "draining" if on else "in use again", type(exc).__name__)
+        if on:  # again: a re-read of the host's old answer may have crossed the call
+            self._draining[node_id] = ip
 
     # ---------------------------------------------------------------- the bridge
 
@@ -289,6 +461,7 @@ class RaySpawner:
                 data = b""
             if not data:
                 return  # WorkerOwner closed the connection
+            data = read_more(remote.sock, data)  # all that piled up: one call
             try:
                 if not await remote.host.send.remote(remote.node_pid, data):
                     return  # the worker is gone; its exit comes on the stream
@@ -300,7 +473,9 @@ class RaySpawner:
         why = ""
         try:
             async for ref in remote.host.frames.remote(remote.node_pid):
-                item = await ref
+                item = _value_now(ref)
+                if item is _NOT_YET:
+                    item = await ref
                 if isinstance(item, bytes):
                     if not remote.exited:
                         with contextlib.suppress(OSError):
@@ -372,6 +547,24 @@ class RaySpawner:
         remote = self._workers.get(pid)
         if remote is not None and not remote.gone:
             remote.host.kill_tree.remote(remote.node_pid, int(sig))
+            if sig == _SIGKILL and self._loop is not None:
+                self._loop.call_later(self._answer_secs, self._kill_unanswered, pid, remote)
+
+    def _kill_unanswered(self, pid: int, remote: _Remote) -> None:
+        """The node host did not carry out a SIGKILL in time: give up on it
+        as on a lost node (see the module's docstring)."""
+        if self._workers.get(pid) is not remote or remote.gone or remote.exited:
+            return  # (an exit came: the host answers; its "gone" may take longer)
+        why = (f"node_lost: the node host on {remote.ip} did not carry out a kill within "
+               f"{self._answer_secs:g}s")
+        log.warning("worker %d on %s: %s", remote.node_pid, remote.ip, why)
+        if self._loop is not None:
+            self._shunned[remote.node_id] = self._loop.time() + _SHUN_SECS
+        self._hosts.pop(remote.node_id, None)
+        remote.exited = True
+        self.on_worker_lost(pid, why)
+        remote.gone = True
+        self._forget(pid, remote)
 
     def tree_alive(self, pid: int, others: Iterable[PidFd] = ()) -> bool:
         remote = self._workers.get(pid)
@@ -388,6 +581,22 @@ class RaySpawner:
             self._forget(pid, remote)
         for task in list(self._tasks):
             task.cancel()
+
+
+_NOT_YET = object()
+
+
+def _value_now(ref: Any) -> Any:
+    """A stream item's value without a trip through asyncio: an item that
+    `async for` hands over is most often already here (small ones come
+    inline with the report), and a sync get of it costs a fraction of
+    awaiting it (0.2 vs 0.3 ms here).  _NOT_YET if it is not here."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=0)
+    except ray.exceptions.GetTimeoutError:
+        return _NOT_YET
 
 
 def _check_reachable(address: str) -> None:

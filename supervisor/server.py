@@ -44,7 +44,7 @@ from ipc import messages as m
 from ipc import operator as op
 from ipc.connection import FramedProtocol
 from ipc.errors import FrameTimeout, FrameTooLarge, ProtocolError
-from supervisor import __version__, peer, sandbox, transfer
+from supervisor import __version__, drain, peer, sandbox, transfer
 from supervisor.errors import BadRequest, LimitError, SessiondError
 from supervisor.manager import SessionManager
 from supervisor.metrics import NO_METRICS, Recorder
@@ -62,7 +62,7 @@ _HANDSHAKE_TIMEOUT_SECS = 10.0
 _LAGGED_GRACE_SECS = 1.0
 _LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 _CLIENT_NAME_CHARS = 64
-_SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove, m.Repair)
+_SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove, m.Repair, op.Drain)
 
 
 class ClientConn:
@@ -322,6 +322,8 @@ class ClientConn:
                     kept_records=result.kept_records, dropped_records=result.dropped_records,
                     dropped_bytes=result.dropped_bytes,
                 )
+            case op.Drain():
+                return await drain.handle(mgr, msg, self.uid)
         raise BadRequest(f"unsupported request {type(msg).__name__}")
 
 

@@ -25,9 +25,15 @@ import tomli_w
 from conftest import FAST_CONFIG
 from harness import env_for_children, wait_for
 from ipc import messages as m
+from ipc import operator as op
 from pg_server import PgServer
 from ray_cluster import NODE_IPS, RayCluster
+from supervisor import ctl
 from supervisor.config import ConfigError, parse_config
+from supervisor.ctl_drain import drain_exit_code, drain_json, drain_text
+from supervisor.drain import check_request
+from supervisor.errors import BadRequest
+from supervisor.nodehost import read_more
 from test_spawner_contract import CHECKS, Check
 
 
@@ -211,3 +217,242 @@ def test_a_cluster_that_cannot_be_reached_stops_the_start_saying_so(make_daemon,
     with pytest.raises(AssertionError, match="exited with 1"):
         d.start()
     assert f"cannot reach the Ray head at 127.0.0.1:{port}" in d.log
+
+
+# ---------------------------------------------------------------- drain
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("node, timeout", [
+    ("", None), (None, None), (7, None), ("host name", None), ("127.0.0.1\nforged", None),
+    ("x" * 1000, None), ("AB" * 28, None), ("127.0.0.11", 0), ("127.0.0.11", -1.0),
+    ("127.0.0.11", float("nan")), ("127.0.0.11", float("inf")), ("127.0.0.11", True),
+    ("127.0.0.11", "60"), ("127.0.0.11", 8 * 86400.0),
+])
+def test_a_drain_request_is_checked_as_hostile_input(node: object, timeout: object) -> None:
+    with pytest.raises(BadRequest):
+        check_request(node, timeout)
+
+
+@pytest.mark.pure
+def test_a_drain_names_a_node_by_address_or_ray_id() -> None:
+    node_id = "b08edb0a0b90ee21925184cb96832c32cb6a60eabedaf04c32b355a0"
+    assert check_request("127.0.0.11", None) == ("127.0.0.11", None)
+    assert check_request("0:0::1", 5) == ("::1", 5.0)  # as Ray writes it
+    assert check_request(node_id, 0.5) == (node_id, 0.5)
+
+
+@pytest.mark.pure
+def test_the_drain_report_for_people_and_for_programs() -> None:
+    reply = op.DrainReply(
+        id=1, node="127.0.0.11", node_id="b08edb0a0b90ee2192", draining=True, elapsed_secs=3.25,
+        moved=[op.DrainMoved(session="a", node="127.0.0.12")],
+        left=[op.DrainLeft(session="long-one", state="running", reason="turn 4 still running after 60s")],
+    )
+    assert drain_text(reply, undo=False) == (
+        "drained 127.0.0.11 (node b08edb0a0b90) in 3.2s: 1 session(s) moved, 1 left\n"
+        "  moved  a         -> 127.0.0.12\n"
+        "  left   long-one  running: turn 4 still running after 60s\n"
+        "no new session is placed there until `sessionctl drain --undo 127.0.0.11`\n"
+    )
+    assert json.loads(drain_json(reply)) == {
+        "node": "127.0.0.11", "node_id": "b08edb0a0b90ee2192", "draining": True, "elapsed_secs": 3.25,
+        "moved": [{"session": "a", "node": "127.0.0.12"}],
+        "left": [{"session": "long-one", "state": "running", "reason": "turn 4 still running after 60s"}],
+    }
+    assert drain_exit_code(reply) == 1  # something was left: the drain is not done
+    done = op.DrainReply(id=1, node="127.0.0.11", node_id="b08edb0a0b90ee2192", draining=False)
+    assert drain_exit_code(done) == 0
+    assert drain_text(done, undo=True) == "127.0.0.11 (node b08edb0a0b90) takes new sessions again\n"
+
+
+@pytest.mark.pure
+def test_the_drain_command_line() -> None:
+    with pytest.raises(SystemExit):
+        ctl._parser().parse_args(["drain", "127.0.0.11", "--timeout", "nan"])
+    args = ctl._parser().parse_args(["drain", "--undo", "127.0.0.11", "--timeout", "90"])
+    assert (args.node, args.undo, args.timeout) == ("127.0.0.11", True, 90.0)
+
+
+@pytest.mark.process
+def test_draining_on_one_machine_is_a_clear_error(make_daemon) -> None:
+    d = make_daemon()
+    done = d.ctl("drain", "127.0.0.11")
+    assert done.returncode == 1
+    assert "runs every session on this machine" in done.stderr and "no node to drain" in done.stderr
+    done = d.ctl("drain", "not an address")
+    assert done.returncode == 2 and "neither an IP address nor a Ray node id" in done.stderr
+
+
+@pytest.mark.process
+def test_drain_moves_a_node_s_sessions_once_idle_and_undo_takes_it_back(
+    make_daemon, ray_cluster: RayCluster, pg_server: PgServer
+) -> None:
+    d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
+    with d.client() as c:
+        try:
+            _drain_and_undo(d, c)
+        finally:  # the marks live on the node hosts, which outlive this daemon
+            for ip in NODE_IPS:
+                c.drain(ip, undo=True)
+
+
+def _drain_and_undo(d: Any, c: Any) -> None:
+    # One session on each node: three make sure both nodes are used (two
+    # slots a node), then one of the node that has two goes.
+    made = [c.create(handler="fixture_handlers:slow").id for _ in range(3)]
+    where = {s: c.status(s).node for s in made}
+    drained = next(ip for ip in NODE_IPS if list(where.values()).count(ip) == 2)
+    other = next(ip for ip in NODE_IPS if ip != drained)
+    c.remove(next(s for s in made if where[s] == drained))
+    busy = next(s for s in made if where[s] == drained and s in {x.id for x in c.list()})
+    calm = next(s for s in made if where[s] == other)
+    assert c.send_text(busy, "1") == "tick 0\n" and c.send_text(calm, "1") == "tick 0\n"
+    running: list[Any] = []
+
+    def long_turn() -> None:
+        with d.client() as c2:
+            running.extend(c2.send(busy, "60"))
+
+    turn = threading.Thread(target=long_turn)
+    turn.start()
+    try:
+        wait_for(lambda: c.status(busy).state == "running", 10, "the long turn to run")
+        done = d.ctl("--json", "drain", drained, timeout=120)
+    finally:
+        turn.join(60)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["node"], report["draining"], report["left"]) == (drained, True, [])
+    assert report["moved"] == [{"session": busy, "node": other}]
+    # The turn ran to its end where it began, then the session moved.
+    assert isinstance(running[-1], m.TurnDone) and not running[-1].interrupted
+    assert {c.status(s).node for s in (busy, calm)} == {other}
+    assert [(t.input, t.outcome) for t in c.history(busy).turns] == [("1", "done"), ("60", "done")]
+    assert c.send_text(busy, "2") == "tick 0\ntick 1\n"
+    # New sessions avoid the drained node, though it has the most room.
+    c.remove(calm)
+    new = c.create(handler="echo").id
+    assert c.status(new).node == other
+    assert c.send_text(new, "a") == "1: a"
+    # Undone, the node takes sessions again: draining the other moves
+    # everything there (idle sessions at once), with every turn.
+    undone = d.ctl("drain", "--undo", drained)
+    assert undone.returncode == 0 and undone.stdout.startswith(f"{drained} (node ")
+    done = d.ctl("drain", other, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"drained {other} (node " in done.stdout and ": 2 session(s) moved, 0 left" in done.stdout
+    assert f"  moved  {new}" in done.stdout and f"-> {drained}" in done.stdout
+    assert {c.status(s).node for s in (busy, new)} == {drained}
+    assert [t.input for t in c.history(busy).turns] == ["1", "60", "2"]
+    assert c.send_text(new, "b") == "2: b"
+    unknown = d.ctl("drain", "127.0.0.99")
+    assert unknown.returncode == 1 and "no live node '127.0.0.99' in the Ray cluster" in unknown.stderr
+    assert drained in unknown.stderr  # it lists the live ones
+
+
+def _node_host_of(worker: psutil.Process) -> psutil.Process:
+    """The node host actor process that runs a worker's zygote."""
+    for parent in worker.parents():
+        if "NodeHost" in " ".join(parent.cmdline()):
+            return parent
+    raise AssertionError(f"no node host above worker {worker.pid}")
+
+
+@pytest.mark.process
+def test_a_frozen_node_host_s_session_moves_and_its_stale_worker_delivers_nothing(
+    make_daemon, ray_cluster: RayCluster, pg_server: PgServer
+) -> None:
+    """SIGSTOP a node host while its worker runs a turn: the front hears
+    nothing (Ray sees a live node), kills the silent worker, gives up on the
+    host when the kill is not carried out, and revives the session on the
+    other node.  SIGCONT: the host carries out the kill; nothing the stale
+    worker did reaches the session."""
+    d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
+    with d.client() as c:
+        sid = c.create(handler="fixture_handlers:slow").id
+        assert c.send_text(sid, "1") == "tick 0\n"
+        frozen = c.status(sid).node
+        other = next(ip for ip in NODE_IPS if ip != frozen)
+        worker_pid = c.status(sid).pid
+        assert worker_pid is not None
+        stale = psutil.Process(worker_pid)  # every node is this machine here
+        host = _node_host_of(stale)
+        running: list[Any] = []
+
+        def long_turn() -> None:
+            with d.client() as c2:
+                running.extend(c2.send(sid, "100000"))
+
+        turn = threading.Thread(target=long_turn)
+        turn.start()
+        try:
+            wait_for(lambda: c.status(sid).state == "running", 10, "the long turn to run")
+            host.suspend()
+            try:
+                turn.join(60)
+                assert isinstance(running[-1], m.TurnFailed) and "node_lost" in running[-1].reason
+                assert f"the node host on {frozen} did not carry out a kill" in running[-1].reason
+                wait_for(lambda: c.status(sid).state == "idle" and c.status(sid).node == other, 60,
+                         f"the session to come back on {other}")
+                assert c.send_text(sid, "2") == "tick 0\ntick 1\n"
+                assert stale.is_running() and stale.status() != psutil.STATUS_ZOMBIE  # frozen, not killed
+            finally:
+                host.resume()
+        finally:
+            turn.join(60)
+        wait_for(lambda: not stale.is_running() or stale.status() == psutil.STATUS_ZOMBIE, 30,
+                 "the resumed node host to kill the stale worker")
+        # What the stale worker did after the move reached nothing: the
+        # history is the front's, in order, and the session runs on.
+        history = [(t.input, t.outcome) for t in c.history(sid).turns]
+        assert history == [("1", "done"), ("100000", "aborted"), ("2", "done")]
+        assert c.send_text(sid, "1") == "tick 0\n" and c.status(sid).node == other
+
+
+@pytest.mark.process
+def test_a_drain_mark_set_by_another_front_is_learned_and_so_is_its_undo(
+    make_daemon, ray_cluster: RayCluster, pg_server: PgServer
+) -> None:
+    """The mark lives on the node host: a front that did not set it learns
+    it when the host refuses a worker, and drops it once the host no
+    longer holds it."""
+    d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
+    marked, free = NODE_IPS
+    other = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "ray_other_front.py"), ray_cluster.address, marked],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env_for_children(),
+    )
+    try:
+        assert other.stdout is not None and other.stdin is not None
+        assert other.stdout.readline().strip() == "marked"
+        with d.client() as c:
+            # Both slots of the free node, though the marked one has as many.
+            sids = [c.create(handler="echo").id for _ in range(2)]
+            assert [c.status(s).node for s in sids] == [free, free]
+            other.stdin.write("\n")
+            other.stdin.flush()
+            assert other.stdout.readline().strip() == "unmarked"
+            # The free node is full: a create succeeds only on the unmarked one.
+            assert c.status(c.create(handler="echo").id).node == marked
+    finally:
+        other.kill()
+        other.wait(30)
+
+
+@pytest.mark.protocol
+def test_frames_ready_together_cross_together_up_to_the_batch_limit() -> None:
+    """What the bridge reads for one Ray call or stream item (nodehost.read_more)."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.setblocking(False)
+        for chunk in (b"a" * 10, b"b" * 20, b"c" * 30):
+            theirs.sendall(chunk)
+        first = ours.recv(10)
+        assert read_more(ours, first) == b"a" * 10 + b"b" * 20 + b"c" * 30
+        assert read_more(ours, b"x") == b"x"  # nothing more waiting: no wait either
+        theirs.sendall(b"d" * 5000)
+        assert read_more(ours, ours.recv(1000), limit=3000) == b"d" * 3000  # the rest stays
+        theirs.close()
+        assert read_more(ours, ours.recv(1000)) == b"d" * 2000
+        assert ours.recv(10) == b""  # the end is left for the next read to find
