@@ -11,7 +11,8 @@ ways to consume what arrives:
 * pull: leave `on_message` unset and `await recv()`.
 
 With a `pacer` (ipc.pacing), what one read decoded is handed to
-`on_message` in a later slice of the pacer, as one batch, in order: the
+`on_message` through the pacer (at once or in a later slice), as one
+batch, in order: the
 daemon's worker links, whose messages are data-plane work that must not
 delay a control request read in the same pass.
 
@@ -117,7 +118,7 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
                 # is left is a frame that began just now.
                 self._partial_began()
         if self._pacer is not None and messages:
-            self._pacer.defer(self._dispatch, messages)
+            self._pacer.now_or_later(self._dispatch, messages)
         else:
             self._dispatch(messages)
 

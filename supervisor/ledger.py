@@ -135,7 +135,7 @@ class TurnLedger:
 
         # One flush completes every session's turn at once: paced, so that
         # the loop reads between them.
-        fut.add_done_callback(lambda f: self.pacer.defer(done, f))
+        fut.add_done_callback(lambda f: self.pacer.now_or_later(done, f))
 
     def _input_saved(self, session: Session, exc: StoreError | None) -> None:
         pending = session.pending_input

@@ -168,7 +168,7 @@ class ClientConn:
         (inputs, creates...) waits for the pacer (see ipc.pacing)."""
         if self._queued or isinstance(msg, _PACED):
             self._queued += 1
-            self._pacer.defer(self._paced, msg)
+            self._pacer.now_or_later(self._paced, msg)
             return
         self._handle(msg)
         self.proto.flush()

@@ -81,7 +81,7 @@ class WorkerOwner:
         self.on_spawn_agent: Callable[[Session, WorkerProc, m.SpawnAgent], None] = lambda s, w, msg: None
         # Through the pacer, like the workers' messages: an exit reported
         # after a worker's last message is handled after it.
-        spawner.on_exit = lambda pid, code, sig: ledger.pacer.defer(self.on_exit, pid, code, sig)
+        spawner.on_exit = lambda pid, code, sig: ledger.pacer.now_or_later(self.on_exit, pid, code, sig)
         spawner.on_zygote_lost = self.on_spawner_lost
         ledger.on_unsaved = lambda session, worker, why: self.kill(session, worker, ExitReason.CRASHED, why)
 

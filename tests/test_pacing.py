@@ -86,3 +86,22 @@ def test_a_paced_connection_hands_out_what_came_before_the_close() -> None:
         return got
 
     assert asyncio.run(main()) == [0, 1, 2, 3, 4]
+
+
+def test_now_or_later_runs_at_once_only_with_nothing_ahead_and_budget_left() -> None:
+    async def main() -> list[str]:
+        pacer = Pacer(budget_secs=0.002)
+        seen: list[str] = []
+        pacer.now_or_later(seen.append, "at once")
+        assert seen == ["at once"]
+        pacer.now_or_later(lambda: time.sleep(0.003))  # spends this pass's budget
+        pacer.now_or_later(seen.append, "over budget")
+        assert seen == ["at once"] and len(pacer) == 1
+        pacer.now_or_later(seen.append, "behind it")  # something is queued: keeps its order
+        while len(pacer):
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)  # a new pass: the budget is back
+        pacer.now_or_later(seen.append, "next pass")
+        return seen
+
+    assert asyncio.run(main()) == ["at once", "over budget", "behind it", "next pass"]
