@@ -162,16 +162,19 @@ class ClientConn:
     # ---------------------------------------------------------------- requests
 
     def on_message(self, msg: op.AnyRequest) -> None:
-        """From data_received.  A control request is answered now (and its
-        reply written now), unless requests of this connection are still
-        queued: replies keep the order of requests.  The data plane
+        """From data_received.  A control request is answered now (and,
+        under load, its reply written now), unless requests of this
+        connection are still queued: replies keep the order of requests.  The data plane
         (inputs, creates...) waits for the pacer (see ipc.pacing)."""
         if self._queued or isinstance(msg, _PACED):
             self._queued += 1
             self._pacer.now_or_later(self._paced, msg)
             return
         self._handle(msg)
-        self.proto.flush()
+        if len(self._pacer):
+            # A slice is ahead of the end-of-pass write: do not wait for it.
+            # (Without queued work, replies of one read still share a write.)
+            self.proto.flush()
 
     def _paced(self, msg: op.AnyRequest) -> None:
         self._queued -= 1
