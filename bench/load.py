@@ -57,6 +57,7 @@ TEXT = ("0123456789" * 10)[:100]
 WARMUP_SECS = 0.5
 CONTROL_GAP_SECS = 0.002
 RENICE = 0
+BATCH = False
 HOGS = 3  # busy-loop processes for the scheduler-floor ping (2 vCPUs here)
 CONFIG = """
 [agent.limits]
@@ -156,6 +157,13 @@ async def _level(d: c.BenchDaemon, client: AsyncClient, sids: list[str], secs: f
         for pid in [*workers, proc.pid]:
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, pid, RENICE)
+    if BATCH:
+        # An experiment (--batch): workers and the load generator under
+        # SCHED_BATCH, so a worker woken by the daemon never preempts it
+        # (same share of CPU, no wake-up preemption).
+        for pid in [*workers, proc.pid]:
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(pid, os.SCHED_BATCH, os.sched_param(0))
     cpu0 = _cpu(d.pid, proc.pid, workers)
     t0 = time.monotonic()
     control = await _control(client, sids[0], time.monotonic() + secs - 0.6)
@@ -294,9 +302,12 @@ def main() -> int:
                    help="also run with this fsync delay, ms (default 3; 0: skip)")
     p.add_argument("--renice", type=int, default=0, metavar="N",
                    help="experiment: run workers and the load generator at nice N (default 0: as started)")
+    p.add_argument("--batch", action="store_true",
+                   help="experiment: run workers and the load generator under SCHED_BATCH")
     args = p.parse_args()
-    global RENICE
+    global RENICE, BATCH
     RENICE = args.renice
+    BATCH = args.batch
     ns = sorted({int(x) for x in args.ns.split(",")})
     rep = c.Report("load", args.json)
     c.quiet_gc()
