@@ -101,7 +101,8 @@ def _trusting(config: str) -> str:
     """The benches' handlers allowed; as root, tools run as root (as in the
     baselines the figures are compared with)."""
     data = tomllib.loads(config)
-    data.setdefault("agent", {}).setdefault("allowed_handlers", ["agent", "echo", "bench.bench_handlers:*"])
+    data.setdefault("agent", {}).setdefault(
+        "allowed_handlers", ["agent", "echo", "bench.bench_handlers:*", "bench._loop_launcher:*"])
     if os.geteuid() == 0:
         data.setdefault("daemon", {}).setdefault("allow_root_tools", True)
     return tomli_w.dumps(data)

@@ -9,8 +9,11 @@ and `sessionctl --json ls`.
   workers' CPU together over --idle-secs, as % of one core, from
   /proc/PID/task/*/schedstat; the default 100 ms memory poll;
 - ls: `sessionctl --json ls` as a user runs it (a new process: interpreter
-  start included), median of 5, beside `sessionctl --json ping` (the same
-  process start, no sessions listed) as its baseline.
+  start included), median of 7, beside `sessionctl --json ping` (the same
+  process start, no sessions listed), `python -c pass` (the interpreter and
+  its site), `python -c 'import supervisor.ctl'` (the CLI's imports), and
+  the same listing through the Python client in this warm process (the
+  daemon's part and the decoding): which part is the interpreter's floor.
 
 Goals (issue 12): daemon <= 5% of a core, workers together <= 2%, ls <= 50 ms,
 create >= 500 sessions/s.  With --profile the daemon runs under cProfile
@@ -27,6 +30,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
 sys.path.insert(0, str(_BENCH.parent))
 
 import asyncio  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
@@ -37,6 +41,8 @@ c.setup_path()
 
 from ipc.loop import run as loop_run  # noqa: E402
 from supervisor.client import AsyncClient  # noqa: E402
+
+CTL_ROUNDS = 7
 
 CONFIG = """
 [agent.limits]
@@ -61,10 +67,26 @@ async def _create(d: c.BenchDaemon, n: int) -> tuple[float, list[str]]:
 
 
 def _ctl(d: c.BenchDaemon, *args: str) -> float:
+    return _timed([sys.executable, "-m", "supervisor.ctl", "--socket", str(d.socket), "--json", *args])
+
+
+def _timed(cmd: list[str]) -> float:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "supervisor.ctl", "--socket", str(d.socket), "--json", *args],
-                   check=True, stdout=subprocess.DEVNULL, env=c.child_env())
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=c.child_env())
     return time.perf_counter() - t0
+
+
+async def _listed(d: c.BenchDaemon, n: int) -> list[float]:
+    """The same `ls` through the Python client in this (warm) process:
+    the daemon's part plus decoding the reply, no process start."""
+    client = await AsyncClient.connect(str(d.socket), client_name="bench-idle")
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await client.list()
+        out.append(time.perf_counter() - t0)
+    await client.close()
+    return out
 
 
 def main() -> int:
@@ -92,22 +114,31 @@ def main() -> int:
         d1, w1 = c.sched_ns(d.pid)[0], sum(c.sched_ns(w)[0] for w in workers)
         daemon_pct = (d1 - d0) / 1e9 / wall * 100
         workers_pct = (w1 - w0) / 1e9 / wall * 100
-        ls, ping = [], []
-        for _ in range(5):
+        ls, ping, imports, bare = [], [], [], []
+        for _ in range(CTL_ROUNDS):
             ls.append(_ctl(d, "ls"))
             ping.append(_ctl(d, "ping"))
-        ls_ms = sorted(ls)[2] * 1000
-        ping_ms = sorted(ping)[2] * 1000
+            imports.append(_timed([sys.executable, "-c", "import supervisor.ctl"]))
+            bare.append(_timed([sys.executable, "-c", "pass"]))
+        ls_ms, ping_ms, imports_ms, bare_ms = (statistics.median(x) * 1000 for x in (ls, ping, imports, bare))
+        listed_ms = statistics.median(loop_run(_listed(d, 20))) * 1000
     finally:
         d.cleanup()
     fig: dict[str, Any] = {"n": args.n, "create_per_sec": rate, "daemon_cpu_pct": daemon_pct,
                            "workers_cpu_pct": workers_pct, "ls_ms": ls_ms, "ping_ms": ping_ms,
-                           "workers": len(workers)}
+                           "ctl_imports_ms": imports_ms, "python_bare_ms": bare_ms,
+                           "ls_in_process_ms": listed_ms, "workers": len(workers)}
     rep.figures.update(fig)
     rep.table(["sessions", "create/s (16 in flight)", "daemon CPU, idle", "workers CPU, idle",
                "ctl --json ls", "ctl --json ping"],
               [[str(args.n), f"{rate:.0f}", f"{daemon_pct:.1f}%", f"{workers_pct:.1f}%",
                 f"{ls_ms:.0f} ms", f"{ping_ms:.0f} ms"]])
+    rep.say()
+    rep.say("where `sessionctl --json ls` goes (medians, same run):")
+    rep.table(["python -c pass", "python -c 'import supervisor.ctl'", "ctl --json ping", "ctl --json ls",
+               f"ls of {args.n} in a warm client (daemon + decode)"],
+              [[f"{bare_ms:.0f} ms", f"{imports_ms:.0f} ms", f"{ping_ms:.0f} ms", f"{ls_ms:.0f} ms",
+                f"{listed_ms:.1f} ms"]])
     rep.goal("idle_daemon_cpu", daemon_pct, 5.0, f"{args.n} idle sessions: daemon {daemon_pct:.1f}% of a core "
              "(goal <= 5%)")
     rep.goal("idle_workers_cpu", workers_pct, 2.0, f"{args.n} idle workers together {workers_pct:.1f}% "

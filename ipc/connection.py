@@ -10,6 +10,12 @@ ways to consume what arrives:
   links, where each message is a small state change.
 * pull: leave `on_message` unset and `await recv()`.
 
+With a `pacer` (ipc.pacing), what one read decoded is handed to
+`on_message` through the pacer (at once or in a later slice), as one
+batch, in order: the
+daemon's worker links, whose messages are data-plane work that must not
+delay a control request read in the same pass.
+
 Writes never block.  When the peer does not read, the transport buffers up to
 its high-water mark and then pauses us; every frame sent while paused counts
 toward `max_backlog`.  Bytes count too, toward `max_backlog_bytes`: those
@@ -38,6 +44,7 @@ import msgspec
 
 from ipc.errors import BadMessage, ConnectionClosed, FrameTimeout, FrameTooLarge, ProtocolError
 from ipc.framing import DEFAULT_MAX_FRAME_BYTES, FrameEncoder, FrameParser
+from ipc.pacing import Pacer
 
 __all__ = ["FramedProtocol", "open_unix_connection"]
 
@@ -59,6 +66,7 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
         on_lagged: Callable[[int], None] | None = None,
         max_backlog_bytes: int | None = None,
         frame_timeout: float | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         self._parser: FrameParser[In] = FrameParser(decoder, max_frame_bytes)
         self._encoder = FrameEncoder()
@@ -78,6 +86,7 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
         self._wbuf_bytes = 0  # in _wbuf
         self._paused_bytes = 0  # in the paused transport's buffer, as of the last write
         self._frame_timeout = frame_timeout
+        self._pacer = pacer
         self._partial_since: float | None = None
         self._frame_timer: asyncio.TimerHandle | None = None
         # Set by close()/abort(): whatever else already arrived is not handed
@@ -108,6 +117,12 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
                 # Frames arrive in order: if this read completed any, what
                 # is left is a frame that began just now.
                 self._partial_began()
+        if self._pacer is not None and messages:
+            self._pacer.now_or_later(self._dispatch, messages)
+        else:
+            self._dispatch(messages)
+
+    def _dispatch(self, messages: list[In | BadMessage]) -> None:
         for msg in messages:
             if self._stopping:
                 return
@@ -123,8 +138,9 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
         return None  # close the transport; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # (Not _stopping: a batch a pacer still holds was sent before the
+        # close, and is handed out; only our own close() drops one.)
         self._is_closed = True
-        self._stopping = True
         if self._frame_timer is not None:
             self._frame_timer.cancel()
             self._frame_timer = None

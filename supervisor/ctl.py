@@ -26,10 +26,8 @@ from ipc.contract import INCOMPLETE_STOPS, StopReason
 from ipc.loop import run as run_loop
 from supervisor import __version__
 from supervisor.client import AsyncClient, DaemonUnavailable, RequestError
-from supervisor.config import ConfigError, parse_override
 from supervisor.ctl_drain import drain_exit_code, drain_json, drain_text, timeout_secs
 from supervisor.ctl_history import ImportFileError, follow_logs, print_history, print_logs, read_document
-from supervisor.session import valid_session_id
 from supervisor.top import SORT_KEYS, run_top
 
 __all__ = ["main"]
@@ -357,6 +355,10 @@ async def _run(args: argparse.Namespace) -> int:
     try:
         match args.command:
             case "create":
+                # Here, not at the top: daemon-side modules cost every
+                # command's start-up (bench/idle.py, `ls`).
+                from supervisor.config import ConfigError, parse_override
+
                 overrides: dict[str, Any] = {}
                 for item in args.overrides:
                     try:
@@ -482,6 +484,8 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 async def _import(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    from supervisor.session import valid_session_id  # (daemon-side: not at start-up)
+
     if args.session_id is not None and not valid_session_id(args.session_id):
         print(f"sessionctl: invalid session id {args.session_id!r}: 1-64 characters of "
               "A-Z a-z 0-9 . _ -, starting with a letter or digit", file=sys.stderr)

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import msgspec
 
 from ipc import messages as m
+from ipc.pacing import Pacer
 from supervisor.errors import Internal, NoSpace, SessiondError
 from supervisor.events import EventLog
 from supervisor.logtag import tagged
@@ -61,6 +62,9 @@ class TurnLedger:
         self.on_fenced: Callable[[Session, Fenced], None] = self._unsaved
         self.on_turn_started: Callable[[Session, int], None] = lambda s, turn: None
         self.metrics: Recorder = NO_METRICS
+        # The daemon's data-plane work, in bounded slices (ipc.pacing): the
+        # workers' messages and exits, flushes' completions, clients' inputs.
+        self.pacer = Pacer()
 
     def begin(
         self, session: Session, text: str, on_accepted: Callable[[m.Accepted], None] | None = None
@@ -108,7 +112,7 @@ class TurnLedger:
         if pending is not None and pending.timer is not None:
             pending.timer.cancel()
             pending.timer = None
-            asyncio.get_running_loop().call_soon(self._flush_input, session, pending)
+            self.pacer.defer(self._flush_input, session, pending)
 
     def _flush_input(self, session: Session, pending: PendingInput) -> None:
         if pending.timer is not None:
@@ -131,7 +135,9 @@ class TurnLedger:
             exc = f.exception()
             then(exc if isinstance(exc, StoreError) or exc is None else StoreError(str(exc)))
 
-        fut.add_done_callback(done)
+        # One flush completes every session's turn at once: paced, so that
+        # the loop reads between them.
+        fut.add_done_callback(lambda f: self.pacer.now_or_later(done, f))
 
     def _input_saved(self, session: Session, exc: StoreError | None) -> None:
         pending = session.pending_input

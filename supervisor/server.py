@@ -50,6 +50,7 @@ from supervisor.manager import SessionManager
 from supervisor.metrics import NO_METRICS, Recorder
 from supervisor.ratelog import RateLimitedLog
 from supervisor.session import Session
+from supervisor.states import State
 
 __all__ = ["ControlServer"]
 
@@ -63,6 +64,9 @@ _LAGGED_GRACE_SECS = 1.0
 _LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 _CLIENT_NAME_CHARS = 64
 _SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove, m.Repair, op.Drain)
+# Data-plane requests: through the pacer.  The rest (ping, status, ls,
+# interrupt, stop...) is answered in the pass that reads it.
+_PACED = (m.Send, m.Create, m.Restart, m.Remove, m.Repair, op.Export, op.Import)
 
 
 class ClientConn:
@@ -81,6 +85,8 @@ class ClientConn:
         self.event_tags: frozenset[str] = frozenset()
         self.counted = False  # toward max_connections_per_uid
         self._hello_timer: asyncio.TimerHandle | None = None
+        self._pacer = server.manager.ledger.pacer
+        self._queued = 0  # requests of this connection the pacer holds
 
     # Subscriber protocol: called by the manager for every event.
     def deliver(self, frame: bytes | bytearray) -> None:
@@ -156,8 +162,30 @@ class ClientConn:
     # ---------------------------------------------------------------- requests
 
     def on_message(self, msg: op.AnyRequest) -> None:
+        """From data_received.  A control request is answered now (and,
+        under load, its reply written now), unless requests of this
+        connection are still queued: replies keep the order of requests.  The data plane
+        (inputs, creates...) waits for the pacer (see ipc.pacing)."""
+        if self._queued or isinstance(msg, _PACED):
+            self._queued += 1
+            self._pacer.now_or_later(self._paced, msg)
+            return
+        self._handle(msg)
+        if len(self._pacer):
+            # A slice is ahead of the end-of-pass write: do not wait for it.
+            # (Without queued work, replies of one read still share a write.)
+            self.proto.flush()
+
+    def _paced(self, msg: op.AnyRequest) -> None:
+        self._queued -= 1
+        if not self.proto.is_closed:
+            self._handle(msg)
+
+    def _handle(self, msg: op.AnyRequest) -> None:
         if not self.said_hello:
             self._hello(msg)
+        elif isinstance(msg, m.Send) and self._send_now(msg):
+            pass
         elif isinstance(msg, _SLOW):
             task = asyncio.get_running_loop().create_task(self._answer_later(msg))
             self.tasks.add(task)
@@ -171,6 +199,47 @@ class ClientConn:
                 self.proto.send(reply)
             if reply is not None or not isinstance(msg, m.Ping):  # a session's pong counts when it comes
                 self._count(msg, reply)
+
+    def _send_now(self, msg: m.Send) -> bool:
+        """An input to an idle session, started here rather than in a task
+        of its own (a task's first step would run outside the pacer's
+        slice).  This is `SessionManager.send` for the one case where it
+        would not wait: no lock held, the session idle.  False: take the
+        task."""
+        mgr = self.server.manager
+        try:
+            session = mgr.get(msg.session, self.uid)
+        except SessiondError:
+            return False  # the task answers with the error
+        if mgr.closing or session.lock.locked() or session.state is not State.IDLE:
+            return False
+        rid = msg.id
+
+        def on_accepted(accepted: m.Accepted) -> None:
+            accepted.id = rid
+            self.proto.send(accepted)
+
+        def done(fut: asyncio.Future[m.Accepted]) -> None:
+            if fut.cancelled():
+                return
+            exc = fut.exception()
+            reply = None
+            if exc is not None:
+                reply = self._error_reply(msg, exc if isinstance(exc, Exception) else Exception(exc))
+            if reply is not None:
+                self.proto.send(reply)
+            self._count(msg, reply)
+
+        session.subscribers.add(self)
+        try:
+            durable = mgr.ledger.begin(session, msg.text, on_accepted)
+        except Exception as exc:
+            reply = self._error_reply(msg, exc)
+            self.proto.send(reply)
+            self._count(msg, reply)
+            return True
+        durable.add_done_callback(done)
+        return True
 
     def _count(self, msg: op.AnyRequest, reply: Any) -> None:
         code = reply.code if isinstance(reply, m.Error) else "ok"

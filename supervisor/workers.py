@@ -79,7 +79,9 @@ class WorkerOwner:
         self.metrics: Recorder = NO_METRICS
         self.make_room: Callable[[Session], Awaitable[None]] = _no_room_needed
         self.on_spawn_agent: Callable[[Session, WorkerProc, m.SpawnAgent], None] = lambda s, w, msg: None
-        spawner.on_exit = self.on_exit
+        # Through the pacer, like the workers' messages: an exit reported
+        # after a worker's last message is handled after it.
+        spawner.on_exit = lambda pid, code, sig: ledger.pacer.now_or_later(self.on_exit, pid, code, sig)
         spawner.on_zygote_lost = self.on_spawner_lost
         ledger.on_unsaved = lambda session, worker, why: self.kill(session, worker, ExitReason.CRASHED, why)
 
@@ -115,6 +117,7 @@ class WorkerOwner:
             max_frame_bytes=_WORKER_FRAME_LIMIT,
             on_message=lambda msg: self._on_message(session, worker, msg),
             on_bad_message=lambda exc: self._on_bad_frame(session, worker, exc),
+            pacer=self._ledger.pacer,
         )
         worker = WorkerProc(
             pid=pid, conn=proto, ready=loop.create_future(), exited=loop.create_future(),
