@@ -36,6 +36,7 @@ from supervisor.logtag import tagged
 from supervisor.metrics import NO_METRICS, Recorder
 from supervisor.seams import Spawner, SpawnerDied
 from supervisor.session import Session, WorkerProc
+from supervisor.state_store import Fenced, StoreError
 from supervisor.states import LIVE, RestartPolicy, State, Trigger
 from supervisor.workspaces import Workspaces
 
@@ -430,6 +431,8 @@ class WorkerOwner:
             session.restarts += 1
             self.metrics.restart()
             self._events.write_mark(session, durable=False)
+            if await self._held_elsewhere(session):
+                return
             self._events.set_state(session, Trigger.SPAWN, reason=f"restart #{session.restarts}")
             try:
                 await self.start(session)
@@ -443,6 +446,24 @@ class WorkerOwner:
             if retry:
                 text, session.current_input = session.current_input, ""
                 self._ledger.begin(session, text)
+
+
+    async def _held_elsewhere(self, session: Session) -> bool:
+        """Whether another daemon took the session over since it was loaded
+        (daemons sharing a database): then it is not restarted here, where a
+        second worker would run on the other daemon's records, but handed
+        to the ledger's `on_fenced` (supervisor.fencing stops it).  Checked
+        by making the restart's mark durable: the commit is fenced.  A
+        store that cannot write for another reason does not stop the
+        restart (the mark was never a promise to anyone)."""
+        try:
+            await session.store.sync_soon()
+        except Fenced as exc:
+            self._ledger.on_fenced(session, exc)
+            return True
+        except StoreError as exc:
+            tagged(log, session.id).warning("restart mark not saved: %s", exc)
+        return False
 
 
 async def _no_room_needed(session: Session) -> None:

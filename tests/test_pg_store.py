@@ -459,6 +459,31 @@ def test_a_second_daemon_takes_a_session_over_and_the_first_cannot_write(make_da
     assert "generation" in first.log
 
 
+@pytest.mark.process
+def test_an_idle_worker_that_crashes_after_a_takeover_is_not_restarted_from_the_other_s_records(
+    make_daemon, dsn: str
+) -> None:
+    """No turn reaches the first daemon after the takeover: its worker's
+    crash is what it meets first.  The restart's mark is fenced, so the
+    session is stopped there (held elsewhere), not run a second time."""
+    first = make_daemon(pg_config(dsn))
+    with first.client() as c:
+        sid = c.create().id
+        assert c.send_text(sid, "a") == "1: a"
+        stale_pid = c.status(sid).pid
+    assert stale_pid is not None
+    second = make_daemon(pg_config(dsn))  # the takeover
+    took_over_at = len(records(dsn, sid))
+    os.kill(stale_pid, signal.SIGKILL)
+    with first.client() as c:
+        wait_for(lambda: c.status(sid).state == "stopped", 10, "the first daemon to stop the session")
+        st = c.status(sid)
+        assert st.pid is None and "held by another daemon" in (st.error or ""), st
+    assert len(records(dsn, sid)) == took_over_at, "nothing of the first daemon landed"
+    with second.client() as c:
+        assert c.send_text(sid, "b") == "2: b"
+
+
 def records(dsn: str, sid: str) -> list[tuple[int, dict[str, object]]]:
     rows = sql(dsn, "SELECT pos, frame FROM sessiond_records WHERE session = %s ORDER BY pos", sid)
     return [(int(pos), msgspec.msgpack.decode(bytes(frame)[8:])) for pos, frame in rows]  # type: ignore[call-overload]
