@@ -401,11 +401,13 @@ def run_daemon(
     if identities.run_as is not None or identities.session_uids is not None:
         os.chmod(state_dir, 0o711)  # workers pass through to their workspace; never list it
     check_workspaces_reachable(workspace_root(cfg, state_dir), identities)
-    sandbox_boot = _probe_sandbox(cfg, identities, state_dir, socket_path, config_path)
     clustered = cfg.cluster.backend == "ray"
     # Before the zygote: it is forked into the daemon's leaf.  In cluster
     # mode the workers are on other machines: no cgroup here is theirs.
+    # Before the sandbox probe too: bwrap's children may linger a moment
+    # after it returns, and would make our cgroup look shared.
     cgroups = _cgroups(cfg) if not clustered else (None, "cluster mode: workers run on Ray node hosts")
+    sandbox_boot = _probe_sandbox(cfg, identities, state_dir, socket_path, config_path)
 
     _check_store_driver(cfg)
     spawner: Spawner
