@@ -14,9 +14,15 @@ EXIT_BOOT_FAILED = 3
 
 
 # A worker with no turn running beats this many times more slowly (and is
-# allowed as much longer a silence): 1,000 idle sessions cost 100 wakeups a
-# second, not 1,000.  An input makes it beat at once and at the full pace.
-IDLE_HEARTBEAT_FACTOR = 10
+# allowed as much longer a silence): at the default 1 s, every 30 s.  Each
+# beat of an idle worker is a cold wake-up (~200-280 us of CPU, measured in
+# bench/README.md), so 1,000 idle sessions cost 33 of them a second, not
+# 1,000 (a factor of 10 left them at 2-3.5% of a core).  Nothing is lost
+# by the slower beat: a loop stuck between turns harms no one until the
+# next input, and an input makes the worker beat at once and at the full
+# pace (the daemon's allowance restarts with the turn), so a stuck worker
+# is still killed within three intervals of being asked for something.
+IDLE_HEARTBEAT_FACTOR = 30
 
 
 # The machines session_worker._seccomp has a syscall table for: the daemon

@@ -22,10 +22,11 @@ pytestmark = pytest.mark.process
 def test_a_loop_stuck_between_turns_is_still_killed(make_daemon) -> None:
     d = make_daemon(FAST_SWEEP)
     with d.client() as c:
-        sid = c.create(handler="fixture_handlers:after_turn").id
+        sid = c.create(handler="fixture_handlers:after_turn",
+                       settings={"agent.worker.heartbeat_interval_secs": 0.05}).id
         assert c.send_text(sid, "freeze") == "ok"
-        # 3 missed beats at 0.2 s x the idle factor: 3 s; polled with room.
-        wait_for(lambda: (s := c.status(sid)).last_exit is not None, 3 * 0.2 * IDLE_HEARTBEAT_FACTOR + 10,
+        # 3 missed beats at 0.05 s x the idle factor; polled with room.
+        wait_for(lambda: (s := c.status(sid)).last_exit is not None, 3 * 0.05 * IDLE_HEARTBEAT_FACTOR + 10,
                  "the frozen idle worker to be killed")
         assert c.status(sid).last_exit.reason == "killed_heartbeat"
 
