@@ -14,7 +14,9 @@ PostgreSQL (tests/pg_server.py), then three daemons:
 In interleaved rounds (one of each per round, so the machine's noise hits
 all three alike), each daemon gets: create -> ready (an echo session,
 removed again), a session ping (daemon -> worker -> daemon), and a durable
-echo turn.  Then the recovery time after a node is killed (its raylet and
+echo turn.  Then the idle memory each more session costs (PSS over
+every process it touches: on the cluster, Ray's nodes included), and the
+recovery time after a node is killed (its raylet and
 everything on it, SIGKILL) with the health-check settings of
 tests/ray_cluster.py (0.5 s x 3): from the kill to a session that was on
 it answering a turn from the other node.
@@ -23,7 +25,8 @@ Everything is on this one machine: the "remote" workers are local
 processes, so the cluster figures are Ray's overhead, not a network's.
 
 Goals (issue 15): create -> ready <= 3x, ping <= 3x, durable echo turn
-<= 2x of one machine with a local PostgreSQL; recovery <= 10 s.
+<= 2x of one machine with a local PostgreSQL; idle memory per session
+<= 1.5x; recovery <= 10 s.
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
 sys.path.insert(0, str(_BENCH.parent))
 sys.path.insert(1, str(_BENCH.parent / "tests"))
 
+import statistics  # noqa: E402
 import time  # noqa: E402
+
+import psutil  # noqa: E402
 
 import tomli_w  # noqa: E402
 
@@ -48,6 +54,9 @@ from pg_server import PgServer  # noqa: E402
 from ray_cluster import HEALTH_ENV, NODE_IPS, RayCluster  # noqa: E402
 
 from supervisor.client import Client  # noqa: E402
+
+IDLE_SESSIONS = 20
+IDLE_ROUNDS = 3
 
 BASE = """
 [agent.limits]
@@ -61,6 +70,36 @@ def _timed(fn: object) -> int:
     began = time.perf_counter_ns()
     fn()  # type: ignore[operator]
     return time.perf_counter_ns() - began
+
+
+def _pss_kib(roots: list[int]) -> int:
+    """PSS of every process in the trees of `roots` (KiB)."""
+    pids: set[int] = set()
+    for root in roots:
+        try:
+            pids.update([root, *(ch.pid for ch in psutil.Process(root).children(recursive=True))])
+        except psutil.NoSuchProcess:
+            pass
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+        except (OSError, StopIteration, ValueError):
+            pass  # gone meanwhile, or a kernel thread
+    return total
+
+
+def _idle_memory(cl: Client, roots: list[int]) -> float:
+    """KiB of PSS each of IDLE_SESSIONS more idle sessions adds."""
+    before = _pss_kib(roots)
+    made = [cl.create(handler="echo").id for _ in range(IDLE_SESSIONS)]
+    for sid in made:
+        cl.send_text(sid, "x")
+    after = _pss_kib(roots)
+    for sid in made:
+        cl.remove(sid)
+    return (after - before) / IDLE_SESSIONS
 
 
 def main() -> int:
@@ -108,6 +147,22 @@ def main() -> int:
     report.table(["", "create -> ready", "session ping", "durable echo turn"], rows)
     report.figures["medians_us"] = medians
 
+    # Idle memory per session: what K more idle sessions (each has served
+    # a turn) add to every process they touch, PSS.  One machine: the
+    # daemon and its tree (zygote, workers).  Cluster: the front's tree and
+    # every Ray node's (raylet, GCS, node hosts, their zygotes, workers),
+    # so Ray's own bookkeeping per session (a placement group each) counts.
+    trees = {"one machine + pg": [daemons["one machine + pg"].pid],
+             "cluster": [daemons["cluster"].pid, *(proc.pid for proc in cluster.nodes.values())]}
+    per_session: dict[str, list[float]] = {name: [] for name in trees}
+    for _ in range(IDLE_ROUNDS):
+        for name, roots in trees.items():
+            per_session[name].append(_idle_memory(clients[name], roots))
+    idle_mib = {name: statistics.median(v) / 1024 for name, v in per_session.items()}
+    report.say(f"idle memory per session (PSS, {IDLE_SESSIONS} more idle sessions, median of {IDLE_ROUNDS}): "
+               + ", ".join(f"{name} {mib:.2f} MiB" for name, mib in idle_mib.items()))
+    report.figures["idle_mib_per_session"] = idle_mib
+
     # Recovery after a node kill.
     cl = clients["cluster"]
     victim = cl.status(sids["cluster"]).node
@@ -135,6 +190,9 @@ def main() -> int:
     report.goal("session ping <= 3x", clus["ping"] / base["ping"], 3.0, f"{clus['ping'] / base['ping']:.2f}x")
     report.goal("durable echo turn <= 2x", clus["turn"] / base["turn"], 2.0,
                 f"{clus['turn'] / base['turn']:.2f}x")
+    ratio = idle_mib["cluster"] / idle_mib["one machine + pg"]
+    report.goal("idle memory per session <= 1.5x", ratio, 1.5,
+                f"{ratio:.2f}x ({idle_mib['cluster']:.2f} vs {idle_mib['one machine + pg']:.2f} MiB)")
     report.goal("recovery after a node kill <= 10 s", recovery, 10.0, f"{recovery:.2f} s")
     return report.finish()
 
