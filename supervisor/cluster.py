@@ -52,4 +52,5 @@ def wire(spawner: RaySpawner, manager: SessionManager) -> None:
     """Remote workers' memory as their nodes measure it, for the sweep; a
     worker lost with its node: a crash whose detail names the node."""
     manager.proc_table.remote = spawner.reported_rss
+    manager.proc_table.remote_procs = spawner.reported_procs
     spawner.on_worker_lost = lambda pid, why: manager.workers.on_exit(pid, None, signal.SIGKILL, detail=why)

@@ -53,13 +53,15 @@ REMOTE_PIDS = 1 << 30
 class ProcTable:
     """Open /proc files by pid.  Runs in the daemon."""
 
-    __slots__ = ("_children", "_statm", "remote")
+    __slots__ = ("_children", "_statm", "remote", "remote_procs")
 
     def __init__(self) -> None:
         self._statm: dict[int, int] = {}
         self._children: dict[int, int] = {}
         # A remote worker's tree's memory as its node last reported it.
         self.remote: Callable[[int], int | None] = lambda pid: None
+        # ... and the number of processes in that tree, the worker included.
+        self.remote_procs: Callable[[int], int | None] = lambda pid: None
 
     def _read(self, table: dict[int, int], pid: int, path: str) -> bytes | None:
         """The file's content; None once the process is gone (ESRCH)."""

@@ -17,7 +17,7 @@ What crosses machines is Ray's only, never a socket protocol of ours:
     front (RaySpawner)                       node host (this actor)
       spawn()           ── actor call ──►    zygote forks a worker
       send(pid, bytes)  ── actor call ──►    written to the worker's socket
-      frames(pid)       ◄─ streaming ───     bytes the worker wrote, ("rss", n)
+      frames(pid)       ◄─ streaming ───     bytes the worker wrote, ("rss", n, procs)
                            generator         when its tree's memory changes, then
                                              ("exit", code, signal, detail) and
                                              ("gone",) once nothing of it is left
@@ -66,10 +66,11 @@ _REPORT_STEP_BYTES = 1 << 20
 # How often fronts' leases are checked.
 _LEASE_CHECK_SECS = 0.5
 
-# What `frames` yields: a chunk of the worker's bytes, ("rss", bytes) of its
-# tree, its exit ("exit", code, signal, detail), then ("gone",).
+# What `frames` yields: a chunk of the worker's bytes, ("rss", bytes,
+# processes) of its tree, its exit ("exit", code, signal, detail), then
+# ("gone",).
 ExitItem = tuple[str, int | None, int | None, str]
-Frame = bytes | ExitItem | tuple[str, int] | tuple[str]
+Frame = bytes | ExitItem | tuple[str, int, int] | tuple[str]
 
 
 class _Worker:
@@ -241,12 +242,13 @@ class NodeHost:
     async def _measure(self, pid: int, worker: _Worker, out: asyncio.Queue[Frame]) -> None:
         """The sweep's measure, done where the processes are; the front
         decides what a figure means (caps are per session, and reloadable)."""
-        last = -1
+        last, last_count = -1, -1
         while not worker.exit.done():
             rss = worker.memory.measure(self._procs, pid)
-            if abs(rss - last) >= _REPORT_STEP_BYTES:
-                out.put_nowait(("rss", rss))
-                last = rss
+            count = 1 + len(worker.memory.pids)  # for max_processes, where the kernel does not count it
+            if abs(rss - last) >= _REPORT_STEP_BYTES or count != last_count:
+                out.put_nowait(("rss", rss, count))
+                last, last_count = rss, count
             await asyncio.sleep(_MEASURE_SECS)
 
     async def signal(self, pid: int, sig: int) -> None:

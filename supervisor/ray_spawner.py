@@ -76,7 +76,7 @@ import signal
 import socket
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeGuard
 
 from supervisor.config import ClusterSettings
 from supervisor.limits import REMOTE_PIDS
@@ -116,7 +116,7 @@ _actor_class: Any = None  # ray.remote(NodeHost), made once
 class _Remote:
     """A worker on a node host, seen from the front."""
 
-    __slots__ = ("bridge", "exited", "gone", "group", "host", "ip", "node_id", "node_pid", "rss", "sock")
+    __slots__ = ("bridge", "exited", "gone", "group", "host", "ip", "node_id", "node_pid", "procs", "rss", "sock")
 
     def __init__(self, host: Any, node_id: str, ip: str, node_pid: int, sock: socket.socket,
                  group: Any) -> None:
@@ -129,6 +129,7 @@ class _Remote:
         self.exited = False
         self.gone = False
         self.rss: int | None = None  # its tree's RSS, as its node host last measured it
+        self.procs: int | None = None  # and the number of processes in it
         self.bridge: list[asyncio.Task[None]] = []
 
 
@@ -226,6 +227,13 @@ class RaySpawner:
         measured it (`ProcTable.remote`: what the memory sweep sees)."""
         remote = self._workers.get(pid)
         return remote.rss if remote is not None and not remote.exited else None
+
+    def reported_procs(self, pid: int) -> int | None:
+        """The number of processes in a worker's tree (itself included) as
+        its node host last counted them (`ProcTable.remote_procs`: the
+        sweep's max_processes, where the kernel does not count it)."""
+        remote = self._workers.get(pid)
+        return remote.procs if remote is not None and not remote.exited else None
 
     # ---------------------------------------------------------------- spawning
 
@@ -481,9 +489,9 @@ class RaySpawner:
                         with contextlib.suppress(OSError):
                             await loop.sock_sendall(remote.sock, item)
                     continue
-                rss = _checked_rss(item)
-                if rss is not None:
-                    remote.rss = rss
+                usage = _checked_usage(item)
+                if usage is not None:
+                    remote.rss, remote.procs = usage
                     continue
                 exit_ = _checked_exit(item)
                 if exit_ is not None and not remote.exited:
@@ -611,13 +619,17 @@ def _check_reachable(address: str) -> None:
         raise SpawnerDied(f"cannot reach the Ray head at {address}: {exc.strerror or exc}") from None
 
 
-def _checked_rss(item: object) -> int | None:
-    """("rss", bytes) from a node host, or None if it is not one."""
-    if isinstance(item, tuple) and len(item) == 2 and item[0] == "rss":
-        value = item[1]
-        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 50:
-            return value
+def _checked_usage(item: object) -> tuple[int, int] | None:
+    """("rss", bytes, processes) from a node host, or None if it is not one."""
+    if isinstance(item, tuple) and len(item) == 3 and item[0] == "rss":
+        _, rss, procs = item
+        if (_plain_int(rss) and 0 <= rss < 1 << 50 and _plain_int(procs) and 1 <= procs < 1 << 22):
+            return rss, procs
     return None
+
+
+def _plain_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _checked_exit(item: object) -> tuple[int | None, int | None, str] | None:

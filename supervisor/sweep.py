@@ -22,6 +22,7 @@ from supervisor.events import EventLog
 from supervisor.limits import (
     HEARTBEATS_MISSED,
     MIB,
+    REMOTE_PIDS,
     ProcTable,
     heartbeat_overdue,
     idle_expired,
@@ -157,7 +158,10 @@ class Sweeper:
         cgroups = self._workers.cgroups
         if cgroups is not None and "pids" in cgroups.controllers:
             return False  # pids.max
-        count = 1 + len(session.memory.pids)
+        if worker.pid >= REMOTE_PIDS:  # counted on its node (supervisor.nodehost)
+            count = self._proc_table.remote_procs(worker.pid) or 1
+        else:
+            count = 1 + len(session.memory.pids)
         if count <= limit:
             return False
         self._events.emit_limit(session, LimitKind.PROCESSES, count, limit)

@@ -257,6 +257,13 @@ class WhoAmI(_Base):
 
         if text == "forkbomb":
             return TurnResult(self._forkbomb(), record=None)
+        if text.startswith("forks "):  # N children that wait to be killed
+            n = int(text.split()[1])
+            for _ in range(n):
+                if os.fork() == 0:
+                    signal.pause()
+                    os._exit(0)
+            return TurnResult(f"forked {n}", record=None)
         if text.startswith("write "):
             mib = int(text.split()[1])
             try:

@@ -205,6 +205,25 @@ def test_a_memory_cap_is_enforced_on_a_remote_worker(
 
 
 @pytest.mark.process
+def test_max_processes_is_counted_on_the_node_for_a_remote_worker(
+    make_daemon, ray_cluster: RayCluster, pg_server: PgServer
+) -> None:
+    """Where the kernel does not count a session's processes (root's tools
+    here: no uid of its own), the node host counts the worker's tree and
+    the front's sweep kills it over max_processes."""
+    d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
+    with d.client() as c:
+        sid = c.create(handler="fixture_handlers:whoami", settings={"agent.limits.max_processes": 8}).id
+        assert "rlimit-nproc" not in c.status(sid).sandbox.get("active", ()), "the kernel would count them"
+        assert c.send_text(sid, "forks 4") == "forked 4"  # 5 processes: within the limit
+        assert c.send_text(sid, "forks 8") == "forked 8"  # 13: over it
+        wait_for(lambda: (s := c.status(sid)).last_exit is not None and s.state == "idle", 20,
+                 "the worker over max_processes to be killed and restarted")
+        assert c.status(sid).last_exit.reason == "killed_processes", c.status(sid)
+    assert "over max_processes = 8" in d.log
+
+
+@pytest.mark.process
 def test_a_cluster_that_cannot_be_reached_stops_the_start_saying_so(make_daemon, tmp_path: Path) -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
