@@ -120,16 +120,21 @@ def _load_main(argv: list[str]) -> int:
 # ---------------------------------------------------------------- control latency (this process)
 
 
-async def _control(client: AsyncClient, busy: str, until: float) -> dict[str, list[int]]:
+async def _control(sock: str, busy: str, until: float) -> dict[str, list[int]]:
     """Open loop: one request every CONTROL_EVERY_SECS on a fixed schedule,
     whether or not the earlier ones were answered, so that every build is
     asked the same (a closed loop asked a quicker daemon more often: the
     pacer's build answered 3-4x as many `ls` of 200 sessions as the
-    build before it, ~10% of its CPU per turn)."""
+    build before it, ~10% of its CPU per turn).  Each kind on its own
+    connection: a ping does not wait for the reply to an `ls` sent
+    before it on the same stream (it still waits for the daemon to
+    finish one it is answering)."""
     out: dict[str, list[int]] = {"ping": [], "status": [], "ls": []}
     kinds = list(out)
+    conns = {k: await AsyncClient.connect(sock, client_name=f"bench-{k}") for k in kinds}
 
     async def one(kind: str) -> None:
+        client = conns[kind]
         t0 = time.monotonic_ns()
         if kind == "ping":
             await client.ping()
@@ -150,6 +155,8 @@ async def _control(client: AsyncClient, busy: str, until: float) -> dict[str, li
         tasks.append(asyncio.ensure_future(one(kinds[i % len(kinds)])))
         i += 1
     await asyncio.gather(*tasks)
+    for conn in conns.values():
+        await conn.close()
     return out
 
 
@@ -198,7 +205,7 @@ async def _level(d: c.BenchDaemon, client: AsyncClient, sids: list[str], secs: f
     tracers = _trace_start(d.pid, f"{label}-{len(sids)}", window) if TRACE is not None else []
     cpu0 = _cpu(d.pid, proc.pid, workers)
     t0 = time.monotonic()
-    control = await _control(client, sids[0], time.monotonic() + window)
+    control = await _control(str(d.socket), sids[0], time.monotonic() + window)
     cpu1 = _cpu(d.pid, proc.pid, workers)
     wall = time.monotonic() - t0
     syscalls = await _trace_end(tracers, f"{label}-{len(sids)}")
