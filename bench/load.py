@@ -234,6 +234,8 @@ def _trace_start(pid: int, name: str, secs: float) -> list[subprocess.Popen[byte
     assert TRACE is not None
     TRACE.mkdir(parents=True, exist_ok=True)
     events = ",".join(f"syscalls:sys_enter_{n}" for n in TRACED_SYSCALLS)
+    if shutil.which("perf") is None:
+        raise SystemExit("--trace needs perf (linux-perf) on PATH")
     procs = [subprocess.Popen(
         ["perf", "stat", "-x,", "-o", str(TRACE / f"{name}.perf"), "-e", events, "-p", str(pid),
          "--", "sleep", f"{secs:.2f}"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)]
