@@ -7,7 +7,8 @@ For each N in --ns, N echo sessions send 100-byte inputs back to back
 (`AsyncClient.send_text`, one connection each, all in one load-generator
 process on uvloop, the daemon's Python client as a user would run it) for
 --secs seconds after a short warm-up.  Meanwhile this process, on its own
-connection, sends control requests one after another with a 2 ms gap:
+connection, sends a control request every 10 ms on a fixed schedule (open
+loop: each build is asked the same, however fast it answers), in turn:
 daemon `ping`, `status` of one busy session, `ls`.  Printed per N:
 total durable turns/s (a turn counts once TurnDone arrived: its input and
 its commit are on disk), turn p50/p99, and each control request's p50/p99.
@@ -16,10 +17,17 @@ The baseline is N = 1 in the same run (and an idle-daemon ping before the
 load, alone and beside 3 busy-loop processes: what a ping costs when
 every CPU is taken but the daemon has nothing to do, the scheduler's
 floor for the 50-session figure), so the goals are ratios: with 50 sessions the total is >= 3x the
-one-session figure; ping p99 <= 2 ms.  With --baseline DIR (another
-checkout, e.g. `git worktree add /tmp/base <commit>`) that checkout's
-daemon runs beside this one, level by level, and a last table gives the
-ratios between the two.
+one-session figure; ping p99 <= 2 ms.  With --baseline [LABEL=]DIR (another
+checkout, e.g. `git worktree add /tmp/base <commit>`; may be repeated)
+that checkout's daemon runs beside this one, level by level, and a last
+table gives the ratios between each baseline and this build.
+
+Where the daemon's CPU goes (--trace DIR): during the control window of
+each N, every build's daemon is watched by `perf stat` (its system calls
+per turn: loop passes are epoll_waits, writes, reads, fdatasyncs, futex
+waits of the GIL hand-off) and, if installed, `py-spy record` (samples on
+a CPU, as collapsed stacks in DIR/<build>-<N>.txt).  Both cost the daemon
+CPU: compare builds traced in the same run, not against an untraced run.
 
 Slow disk: with --slow-ms X (default 3; 0 skips it) the whole table is
 measured again with the daemon started with SESSIOND_BENCH_FSYNC_DELAY_MS=X,
@@ -42,6 +50,7 @@ import asyncio  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
@@ -55,9 +64,15 @@ from supervisor.client import AsyncClient  # noqa: E402
 
 TEXT = ("0123456789" * 10)[:100]
 WARMUP_SECS = 0.5
-CONTROL_GAP_SECS = 0.002
+CONTROL_GAP_SECS = 0.002  # between the floor's pings (closed loop: nothing else runs)
+CONTROL_EVERY_SECS = 0.01  # under load: ping, status, ls in turn, 100 a second (open loop)
 RENICE = 0
 BATCH = False
+TRACE: Path | None = None
+SPY_FLAGS: list[str] = os.environ.get("LOAD_SPY_FLAGS", "").split()
+# Counted by --trace, per turn (perf's tracepoints; the daemon, all threads).
+TRACED_SYSCALLS = ("epoll_wait", "epoll_pwait", "read", "recvfrom", "write", "writev", "sendmsg",
+                   "fdatasync", "futex", "eventfd2")
 HOGS = 3  # busy-loop processes for the scheduler-floor ping (2 vCPUs here)
 CONFIG = """
 [agent.limits]
@@ -105,13 +120,21 @@ def _load_main(argv: list[str]) -> int:
 # ---------------------------------------------------------------- control latency (this process)
 
 
-async def _control(client: AsyncClient, busy: str, until: float) -> dict[str, list[int]]:
+async def _control(sock: str, busy: str, until: float) -> dict[str, list[int]]:
+    """Open loop: one request every CONTROL_EVERY_SECS on a fixed schedule,
+    whether or not the earlier ones were answered, so that every build is
+    asked the same (a closed loop asked a quicker daemon more often: the
+    pacer's build answered 3-4x as many `ls` of 200 sessions as the
+    build before it, ~10% of its CPU per turn).  Each kind on its own
+    connection: a ping does not wait for the reply to an `ls` sent
+    before it on the same stream (it still waits for the daemon to
+    finish one it is answering)."""
     out: dict[str, list[int]] = {"ping": [], "status": [], "ls": []}
     kinds = list(out)
-    i = 0
-    while time.monotonic() < until:
-        kind = kinds[i % len(kinds)]
-        i += 1
+    conns = {k: await AsyncClient.connect(sock, client_name=f"bench-{k}") for k in kinds}
+
+    async def one(kind: str) -> None:
+        client = conns[kind]
         t0 = time.monotonic_ns()
         if kind == "ping":
             await client.ping()
@@ -120,7 +143,20 @@ async def _control(client: AsyncClient, busy: str, until: float) -> dict[str, li
         else:
             await client.list()
         out[kind].append(time.monotonic_ns() - t0)
-        await asyncio.sleep(CONTROL_GAP_SECS)
+
+    tasks = []
+    start = time.monotonic()
+    i = 0
+    while True:
+        at = start + i * CONTROL_EVERY_SECS
+        if at >= until:
+            break
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        tasks.append(asyncio.ensure_future(one(kinds[i % len(kinds)])))
+        i += 1
+    await asyncio.gather(*tasks)
+    for conn in conns.values():
+        await conn.close()
     return out
 
 
@@ -142,7 +178,8 @@ def _cpu(daemon: int, load: int, workers: list[int]) -> dict[str, int]:
             "daemon_runq": wait}
 
 
-async def _level(d: c.BenchDaemon, client: AsyncClient, sids: list[str], secs: float) -> dict[str, Any]:
+async def _level(d: c.BenchDaemon, client: AsyncClient, sids: list[str], secs: float,
+                 label: str = "this") -> dict[str, Any]:
     outfile = d.dir / f"load-{len(sids)}.json"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--_load", str(d.socket), str(secs), str(outfile), ",".join(sids),
@@ -164,11 +201,14 @@ async def _level(d: c.BenchDaemon, client: AsyncClient, sids: list[str], secs: f
         for pid in [*workers, proc.pid]:
             with contextlib.suppress(OSError):
                 os.sched_setscheduler(pid, os.SCHED_BATCH, os.sched_param(0))
+    window = secs - 0.6
+    tracers = _trace_start(d.pid, f"{label}-{len(sids)}", window) if TRACE is not None else []
     cpu0 = _cpu(d.pid, proc.pid, workers)
     t0 = time.monotonic()
-    control = await _control(client, sids[0], time.monotonic() + secs - 0.6)
+    control = await _control(str(d.socket), sids[0], time.monotonic() + window)
     cpu1 = _cpu(d.pid, proc.pid, workers)
     wall = time.monotonic() - t0
+    syscalls = await _trace_end(tracers, f"{label}-{len(sids)}")
     rc = await proc.wait()
     if rc != 0:
         raise RuntimeError(f"load generator exited {rc}:\n{d.log()[-3000:]}")
@@ -182,7 +222,49 @@ async def _level(d: c.BenchDaemon, client: AsyncClient, sids: list[str], secs: f
         "turns_per_sec": rate,
         "turn": turns,
         "control": {k: c.summarize(v) for k, v in control.items()},
+        # --trace: system calls of the daemon per durable turn.
+        "syscalls_per_turn": {k: v / max(rate * wall, 1) for k, v in syscalls.items()},
     }
+
+
+def _trace_start(pid: int, name: str, secs: float) -> list[subprocess.Popen[bytes]]:
+    """perf stat (and py-spy, if installed) on the daemon for `secs`."""
+    import shutil
+
+    assert TRACE is not None
+    TRACE.mkdir(parents=True, exist_ok=True)
+    events = ",".join(f"syscalls:sys_enter_{n}" for n in TRACED_SYSCALLS)
+    if shutil.which("perf") is None:
+        raise SystemExit("--trace needs perf (linux-perf) on PATH")
+    procs = [subprocess.Popen(
+        ["perf", "stat", "-x,", "-o", str(TRACE / f"{name}.perf"), "-e", events, "-p", str(pid),
+         "--", "sleep", f"{secs:.2f}"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)]
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if Path(spy).exists():
+        procs.append(subprocess.Popen(
+            [spy, "record", "--format", "raw", "--rate", "250", "--nonblocking", *SPY_FLAGS, "-d", str(int(secs) + 5),
+             "-o", str(TRACE / f"{name}.txt"), "-p", str(pid)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=open(TRACE / f"{name}.py-spy.log", "wb")))
+    return procs
+
+
+async def _trace_end(procs: list[subprocess.Popen[bytes]], name: str) -> dict[str, float]:
+    if not procs:
+        return {}
+    for spy in procs[1:]:
+        spy.send_signal(signal.SIGINT)  # py-spy takes whole seconds: stop it here, it writes its file
+    while any(p.poll() is None for p in procs):
+        await asyncio.sleep(0.05)
+    assert TRACE is not None
+    counts: dict[str, float] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for line in (TRACE / f"{name}.perf").read_text().splitlines():
+            fields = line.split(",")
+            if len(fields) > 2 and fields[2].startswith("syscalls:sys_enter_"):
+                with contextlib.suppress(ValueError):
+                    counts[fields[2].removeprefix("syscalls:sys_enter_")] = float(fields[0])
+    return counts
 
 
 async def _pings(client: AsyncClient, n: int, gap: float = 0.0) -> list[int]:
@@ -240,18 +322,21 @@ class _Build:
         self.d.remember()
 
 
-async def _run_mode(ns: list[int], secs: float, fsync_delay_ms: float, baseline: str | None,
-                    profile: str | None = None) -> list[dict[str, Any]]:
-    """Every N on every build, interleaved (base N=1, this N=1, base N=10...)."""
+async def _run_mode(ns: list[int], secs: float, fsync_delay_ms: float, baselines: list[tuple[str, str]],
+                    profile: str | None = None, rotate: int = 0) -> list[dict[str, Any]]:
+    """Every N on every build, interleaved (base N=1, this N=1, base N=10...);
+    `rotate`: which build goes first.  Returned in the order: baselines, this."""
     env = {"SESSIOND_BENCH_FSYNC_DELAY_MS": str(fsync_delay_ms)} if fsync_delay_ms else {}
     flags = ["-m", "cProfile", "-o", profile] if profile else []
-    builds = ([_Build("baseline", baseline, env, [])] if baseline else []) + [_Build("this", None, env, flags)]
+    builds = [_Build(label, repo, env, []) for label, repo in baselines] + [_Build("this", None, env, flags)]
     try:
-        clients = [await b.start() for b in builds]
+        k = rotate % len(builds)
+        order = builds[k:] + builds[:k]
+        clients = [await b.start() for b in order]
         for n in ns:
-            for b, client in zip(builds, clients):
+            for b, client in zip(order, clients):
                 await b.grow(client, n)
-                b.levels.append(await _level(b.d, client, sorted(b.sids)[:n], secs))
+                b.levels.append(await _level(b.d, client, sorted(b.sids)[:n], secs, b.label))
         for client in clients:
             await client.close()
     finally:
@@ -286,6 +371,68 @@ def _print(rep: c.Report, mode: dict[str, Any]) -> None:
     rep.table(["sessions", "turns/s", f"vs N={mode['levels'][0]['n']}", "turn p50", "turn p99",
                "ping p50", "ping p99", "status p50", "status p99", "ls p50", "ls p99",
                "CPU µs/turn daemon / workers / client", "daemon runq µs/turn"], rows)
+    if any(lv.get("syscalls_per_turn") for lv in mode["levels"]):
+        names = [n for n in TRACED_SYSCALLS
+                 if any(lv["syscalls_per_turn"].get(n) for lv in mode["levels"])]
+        rep.say(f"{mode['build']}: the daemon's system calls per turn (--trace, perf stat)")
+        rep.table(["sessions", *names],
+                  [[str(lv["n"]), *(f"{lv['syscalls_per_turn'].get(n, 0):.2f}" for n in names)]
+                   for lv in mode["levels"]])
+
+
+def _median(xs: list[float]) -> float:
+    return c.percentile(sorted(xs), 50) if xs else float("nan")
+
+
+def _compare(rep: c.Report, runs: list[list[dict[str, Any]]]) -> None:
+    """Each baseline against this build, paired within each run; medians
+    over the runs (with one run, that run's figures)."""
+    rows = []
+    first = runs[0]
+    for i, mode in enumerate(first):
+        if mode["build"] == "this":
+            continue
+        j = next(k for k in range(i, len(first)) if first[k]["build"] == "this"
+                 and first[k]["fsync_delay_ms"] == mode["fsync_delay_ms"])
+        for li, lv in enumerate(mode["levels"]):
+            pairs = [(run[i], run[j]) for run in runs]
+
+            def med(f: Any) -> float:
+                return _median([f(b, t) for b, t in pairs])
+
+            def lvl(m: dict[str, Any]) -> dict[str, Any]:
+                return m["levels"][li]  # type: ignore[no-any-return]
+
+            cpu = ("daemon", "workers", "client")
+            rows.append([
+                f"+{mode['fsync_delay_ms']} ms" if mode["fsync_delay_ms"] else "real",
+                mode["build"], str(lv["n"]),
+                f"{med(lambda b, t: lvl(t)['turns_per_sec'] / max(lvl(b)['turns_per_sec'], 1e-9)):.2f}x",
+                f"{med(lambda b, t: lvl(b)['turns_per_sec']):.0f} / {med(lambda b, t: lvl(t)['turns_per_sec']):.0f}",
+                " / ".join(f"{med(lambda b, t, k=k: lvl(b)['cpu_us_per_turn'][k]):.0f}" for k in cpu) + "  vs  "
+                + " / ".join(f"{med(lambda b, t, k=k: lvl(t)['cpu_us_per_turn'][k]):.0f}" for k in cpu),
+                f"{c.fmt_us(med(lambda b, t: lvl(b)['control']['ping']['median_us']))} / "
+                f"{c.fmt_us(med(lambda b, t: lvl(t)['control']['ping']['median_us']))}",
+                f"{c.fmt_us(med(lambda b, t: lvl(b)['control']['ping']['p99_us']))} / "
+                f"{c.fmt_us(med(lambda b, t: lvl(t)['control']['ping']['p99_us']))}",
+                f"{c.fmt_us(med(lambda b, t: b['hogged_ping']['p99_us']))} / "
+                f"{c.fmt_us(med(lambda b, t: t['hogged_ping']['p99_us']))}",
+            ])
+    rep.say()
+    rep.say(f"this build against each baseline, paired in each run, median of {len(runs)} run(s):")
+    rep.table(["disk", "baseline", "sessions", "turns/s this / base", "turns/s base / this",
+               "CPU µs/turn daemon / workers / client: base  vs  this",
+               "ping p50 base / this", "ping p99 base / this", "floor p99 base / this"], rows)
+
+
+def _baseline(arg: str) -> tuple[str, str]:
+    """--baseline [LABEL=]DIR."""
+    label, sep, repo = arg.partition("=")
+    if not sep:
+        label, repo = "baseline", arg
+    if not (Path(repo) / "supervisor").is_dir():
+        raise SystemExit(f"--baseline {arg}: {repo} is not a checkout of sessiond")
+    return label, str(Path(repo).resolve())
 
 
 def main() -> int:
@@ -296,8 +443,13 @@ def main() -> int:
     p.add_argument("--secs", type=float, default=4.0, help="seconds measured per count (default 4)")
     p.add_argument("--profile", metavar="FILE", help="run the (real-disk) daemon under cProfile, "
                    "stats written to FILE at its exit")
-    p.add_argument("--baseline", metavar="DIR", help="also run another checkout's daemon (e.g. `git "
-                   "worktree add /tmp/base COMMIT`), interleaved with this one, level by level")
+    p.add_argument("--baseline", metavar="[LABEL=]DIR", action="append", type=_baseline, default=[],
+                   help="also run another checkout's daemon (e.g. `git worktree add /tmp/base COMMIT`), "
+                   "interleaved with this one, level by level; may be repeated")
+    p.add_argument("--trace", metavar="DIR", help="count the daemons' system calls per turn (perf stat) "
+                   "and sample them (py-spy, if installed) into DIR during each level")
+    p.add_argument("--runs", type=int, default=1, help="repeat everything this many times; with "
+                   "--baseline, medians of the paired figures (default 1)")
     p.add_argument("--slow-ms", type=float, default=3.0,
                    help="also run with this fsync delay, ms (default 3; 0: skip)")
     p.add_argument("--renice", type=int, default=0, metavar="N",
@@ -305,29 +457,34 @@ def main() -> int:
     p.add_argument("--batch", action="store_true",
                    help="experiment: run workers and the load generator under SCHED_BATCH")
     args = p.parse_args()
-    global RENICE, BATCH
+    global RENICE, BATCH, TRACE
     RENICE = args.renice
     BATCH = args.batch
+    TRACE = Path(args.trace).resolve() if args.trace else None
     ns = sorted({int(x) for x in args.ns.split(",")})
     rep = c.Report("load", args.json)
     c.quiet_gc()
     profile = str(Path(args.profile).resolve()) if args.profile else None
-    real_modes = loop_run(_run_mode(ns, args.secs, 0.0, args.baseline, profile))
-    slow_modes = loop_run(_run_mode(ns, args.secs, args.slow_ms, args.baseline)) if args.slow_ms else []
-    modes = real_modes + slow_modes
+    runs: list[list[dict[str, Any]]] = []
+    for r in range(args.runs):
+        # Each run starts with another build first (order matters on a busy
+        # machine: the first daemon of a level meets fresher CPUs).
+        real_modes = loop_run(_run_mode(ns, args.secs, 0.0, args.baseline, profile if r == 0 else None, r))
+        slow_modes = loop_run(_run_mode(ns, args.secs, args.slow_ms, args.baseline, None, r)) if args.slow_ms else []
+        runs.append(real_modes + slow_modes)
+        if args.runs == 1:
+            for mode in runs[-1]:
+                _print(rep, mode)
+        else:
+            rep.say(f"run {r + 1} of {args.runs}: " + "; ".join(
+                f"{'+' + str(m['fsync_delay_ms']) + ' ms ' if m['fsync_delay_ms'] else ''}{m['build']} "
+                + " ".join(f"N={lv['n']} {lv['turns_per_sec']:.0f}/s p99 {c.fmt_us(lv['control']['ping']['p99_us'])}"
+                           for lv in m["levels"]) for m in runs[-1]))
+    modes = runs[-1]
     rep.figures["modes"] = modes
-    for mode in modes:
-        _print(rep, mode)
+    rep.figures["runs"] = runs
     if args.baseline:
-        rows = []
-        for a, b in zip(modes[0::2], modes[1::2]):
-            for la, lb in zip(a["levels"], b["levels"]):
-                rows.append([f"{'+' + str(a['fsync_delay_ms']) + ' ms' if a['fsync_delay_ms'] else 'real'}",
-                             str(la["n"]), f"{lb['turns_per_sec'] / max(la['turns_per_sec'], 1e-9):.2f}x",
-                             f"{la['control']['ping']['p99_us'] / max(lb['control']['ping']['p99_us'], 1e-9):.1f}x"])
-        rep.say()
-        rep.say("this build against the baseline, same run:")
-        rep.table(["disk", "sessions", "turns/s ratio", "ping p99 better by"], rows)
+        _compare(rep, runs)
     real = real_modes[-1]["levels"]
     by_n = {lv["n"]: lv for lv in real}
     if 1 in by_n and 50 in by_n:
