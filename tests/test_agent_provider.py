@@ -122,6 +122,31 @@ def test_events_of_one_read_are_emitted_once_in_order(fake_llm: FakeLLM, tmp_pat
     assert result.reply.startswith("abcd")
 
 
+@pytest.mark.component
+def test_first_text_leaves_before_the_rest_of_its_read_is_parsed(fake_llm: FakeLLM, tmp_path: Path) -> None:
+    # The worker's Delta frame is written by a callback of the loop's next
+    # pass (ipc.connection coalesces a pass's frames).  The first text must
+    # get that pass before the provider parses the events still in hand.
+    first = "".join(f"data: {json.dumps(chunk({'content': c}))}\n\n" for c in "abc")
+    fake_llm.script(Stream([first, Delay(0.1), chunk({"content": "d"}, "stop")]))
+    settings = make_settings(fake_llm)
+    log: list[str] = []
+
+    class Ctx(FakeCtx):
+        def emit(self, text: str) -> None:
+            log.append(f"emit {text}")
+            asyncio.get_running_loop().call_soon(log.append, f"written {text}")
+            super().emit(text)
+
+    async def go() -> None:
+        handler = make_handler(settings, tmp_path / "ws")
+        await handler.handle("hi", Ctx(settings, tmp_path / "ws"))
+        await handler.aclose()
+
+    run(go())
+    assert log[:4] == ["emit a", "written a", "emit bc", "written bc"]
+
+
 @pytest.mark.pure
 def test_anext_flushes_only_before_a_real_wait() -> None:
     log: list[str] = []
@@ -540,7 +565,7 @@ def test_first_request_needs_no_import() -> None:
     # the first request imports would be paid again by every worker.
     code = (
         "import sys, session_worker.agent\n"
-        "for name in ('httpcore', 'h11', 'anyio._backends._asyncio'):\n"
+        "for name in ('httpcore', 'h11', 'anyio._backends._asyncio', 'sniffio'):\n"
         "    assert name in sys.modules, name\n"
     )
     subprocess.run(
