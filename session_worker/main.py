@@ -72,6 +72,9 @@ class _Context(TurnContext):
             self.streamed.append(text)
             self._worker.send(m.Delta(turn=self.turn, text=text))
 
+    def flush(self) -> None:
+        self._worker.conn.flush()
+
     def reasoning(self, text: str) -> None:
         # Not in `streamed`: an interrupted turn keeps its reply text only.
         if text:

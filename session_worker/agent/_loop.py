@@ -189,6 +189,7 @@ class Turn:
             self._on_retry,
             self._deadline,
             self._on_reasoning,
+            self._ctx.flush,
         )
         self._partial = None
         self._count(completion)
