@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import ssl
 import subprocess
 import sys
@@ -147,6 +148,15 @@ def test_first_text_leaves_before_the_rest_of_its_read_is_parsed(fake_llm: FakeL
 
     run(go())
     assert log == ["emit a", "flush", "emit bc", "emit d"]
+
+
+@pytest.mark.component
+def test_no_log_line_per_request(fake_llm: FakeLLM, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Workers log at INFO; httpx would log each request there.
+    fake_llm.script(text_stream("a"))
+    with caplog.at_level(logging.INFO):
+        one_turn(fake_llm, tmp_path)
+    assert not [r for r in caplog.records if r.name.startswith("httpx")]
 
 
 @pytest.mark.pure

@@ -81,6 +81,13 @@ OnFirst = Callable[[], None]
 
 log = logging.getLogger("sessiond.worker.agent")
 
+# httpx logs every request at INFO ("HTTP Request: POST ... 200 OK"), and a
+# worker logs at INFO: one line per LLM call of every session in the
+# daemon's log, formatted and written between the response's headers and
+# its first token.  What matters of a request (retries, refused
+# parameters, errors) this module logs or reports itself.
+logging.getLogger("httpx").setLevel(logging.WARNING)
+
 # Parameters a request can do without, so that a server rejecting one by
 # name is retried without it.  `stream_options`: OpenAI's, unknown to older
 # Azure API versions and to some proxies.
