@@ -111,6 +111,14 @@ class TurnContext(abc.ABC):
         clients that asked for it.  Not abstract: a context that cannot
         deliver it drops it."""
 
+    def flush(self) -> None:
+        """Send what was emitted so far now.  The worker writes a turn's
+        frames together at the loop's next pass, which comes only when the
+        handler next waits: a handler with more work in hand (an LLM
+        reply's rest, already read) calls this after the text a user is
+        waiting for.  Not abstract: a context that sends at once has
+        nothing to do."""
+
     @abc.abstractmethod
     def limit_exceeded(self, kind: str, value: float, limit: float) -> None:
         """Report that a limit of the loop (e.g. kind="turns") was reached."""

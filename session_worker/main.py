@@ -72,6 +72,9 @@ class _Context(TurnContext):
             self.streamed.append(text)
             self._worker.send(m.Delta(turn=self.turn, text=text))
 
+    def flush(self) -> None:
+        self._worker.conn.flush()
+
     def reasoning(self, text: str) -> None:
         # Not in `streamed`: an interrupted turn keeps its reply text only.
         if text:
@@ -155,7 +158,11 @@ class Worker:
                     self.send(m.Failed(turn=turn, reason="a turn is already running"))
                     return
                 self.turn_task = asyncio.get_running_loop().create_task(self.run_turn(turn, text))
-                self.beat()  # at once, and at the full pace while the turn runs
+                # The full pace while the turn runs, but no beat now: the
+                # daemon counts the turn's allowance from its start, and a
+                # frame now would wake it (on a busy machine, preempt us)
+                # while the turn makes its first request (an LLM's).
+                self._arm_beat()
             case m.InterruptTurn():
                 if self.turn_task is not None and not self.turn_task.done():
                     self.turn_task.cancel()
@@ -224,11 +231,15 @@ class Worker:
         )
 
     def beat(self) -> None:
-        """Heartbeat, and arm the next: a timer, not a task (an idle worker's
-        one wakeup); slower while no turn runs (IDLE_HEARTBEAT_FACTOR)."""
+        """Heartbeat, and arm the next."""
+        self.send(m.Heartbeat())
+        self._arm_beat()
+
+    def _arm_beat(self) -> None:
+        """The next heartbeat: a timer, not a task (an idle worker's one
+        wakeup); slower while no turn runs (IDLE_HEARTBEAT_FACTOR)."""
         if self._beat_timer is not None:
             self._beat_timer.cancel()
-        self.send(m.Heartbeat())
         interval = self.settings.agent.worker.heartbeat_interval_secs
         if self.turn_task is None or self.turn_task.done():
             interval *= IDLE_HEARTBEAT_FACTOR

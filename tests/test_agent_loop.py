@@ -15,6 +15,8 @@ import pytest
 
 from fakellm import FakeLLM, Hang, Reply, Stream, chunk, fake_llm, text_stream, tool_call_stream
 from session_worker.agent import AgentHandler
+from session_worker.agent._compaction import RequestSizes, estimate_tokens, system_content
+from session_worker.agent._history import History
 from session_worker.factories import load_factory
 from session_worker.handler import SpawnError, TurnFailure, TurnResult
 from ipc.settings import SessionSettings
@@ -470,6 +472,45 @@ def test_unexpected_error_leaves_state_unchanged(fake_llm: FakeLLM, tmp_path: Pa
 
 
 # --- compaction -----------------------------------------------------------------
+
+
+@pytest.mark.pure
+def test_remembered_sizes_estimate_exactly_as_a_full_encoding() -> None:
+    # The estimate with remembered sizes is the one a json.dumps of the
+    # whole request gives, as the history grows, is compacted, is rolled
+    # back and is restored (new objects), and as the tools change.
+    def full(summary: str | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
+        chars = len(system_content("sys", summary)) + len(json.dumps(messages, ensure_ascii=False))
+        return (chars + (len(json.dumps(tools, ensure_ascii=False)) if tools else 0)) // 4
+
+    sizes = RequestSizes()
+    tools_a = [{"type": "function", "function": {"name": "a", "parameters": {"x": 1.5}}}]
+    tools_b = [*tools_a, {"type": "function", "function": {"name": "b", "description": "é"}}]
+    history = History()
+    seen = []
+    steps: list[tuple[str, Any]] = [
+        ("append", {"role": "user", "content": "héllo ✓ \"quoted\"\n"}),
+        ("append", {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "a", "arguments": "{}"}}]}),
+        ("append", {"role": "tool", "tool_call_id": "c1", "content": "x" * 3000}),
+        ("compact", {"op": "compact", "drop": 2, "summary": "S"}),
+        ("append", {"role": "user", "content": "🙂"}),
+        ("restore", None),
+        ("append", {"role": "assistant", "content": ""}),
+        ("compact", {"op": "compact", "drop": 4, "summary": None}),
+    ]
+    for i, (kind, value) in enumerate(steps):
+        if kind == "append":
+            history.apply({"op": "append", "message": value})
+        elif kind == "compact":
+            history.apply(value)
+        else:
+            history = History.restored(history.snapshot(), [])
+        for tools in (tools_a, tools_b, []):
+            got = estimate_tokens("sys", history.summary, history.messages, tools, sizes)
+            assert got == full(history.summary, history.messages, tools), (i, tools)
+        seen.append(len(history.messages))
+    assert seen == [1, 2, 3, 1, 2, 2, 3, 0]
 
 
 @pytest.mark.component

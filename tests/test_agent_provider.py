@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import ssl
 import subprocess
 import sys
@@ -120,6 +121,42 @@ def test_events_of_one_read_are_emitted_once_in_order(fake_llm: FakeLLM, tmp_pat
     assert ctx.emits[:3] == ["a", "bc", "d"]
     assert ctx.notices_of("tool_call") == [{"id": "c1", "name": "list_dir", "arguments": {"path": "."}}]
     assert result.reply.startswith("abcd")
+
+
+@pytest.mark.component
+def test_first_text_leaves_before_the_rest_of_its_read_is_parsed(fake_llm: FakeLLM, tmp_path: Path) -> None:
+    # The worker writes a pass's frames together at the loop's next pass
+    # (ipc.connection); the first text is flushed before the provider
+    # parses the events still in hand, the rest are not.
+    first = "".join(f"data: {json.dumps(chunk({'content': c}))}\n\n" for c in "abc")
+    fake_llm.script(Stream([first, Delay(0.1), chunk({"content": "d"}, "stop")]))
+    settings = make_settings(fake_llm)
+    log: list[str] = []
+
+    class Ctx(FakeCtx):
+        def emit(self, text: str) -> None:
+            log.append(f"emit {text}")
+            super().emit(text)
+
+        def flush(self) -> None:
+            log.append("flush")
+
+    async def go() -> None:
+        handler = make_handler(settings, tmp_path / "ws")
+        await handler.handle("hi", Ctx(settings, tmp_path / "ws"))
+        await handler.aclose()
+
+    run(go())
+    assert log == ["emit a", "flush", "emit bc", "emit d"]
+
+
+@pytest.mark.component
+def test_no_log_line_per_request(fake_llm: FakeLLM, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Workers log at INFO; httpx would log each request there.
+    fake_llm.script(text_stream("a"))
+    with caplog.at_level(logging.INFO):
+        one_turn(fake_llm, tmp_path)
+    assert not [r for r in caplog.records if r.name.startswith("httpx")]
 
 
 @pytest.mark.pure
@@ -540,7 +577,7 @@ def test_first_request_needs_no_import() -> None:
     # the first request imports would be paid again by every worker.
     code = (
         "import sys, session_worker.agent\n"
-        "for name in ('httpcore', 'h11', 'anyio._backends._asyncio'):\n"
+        "for name in ('httpcore', 'h11', 'anyio._backends._asyncio', 'sniffio'):\n"
         "    assert name in sys.modules, name\n"
     )
     subprocess.run(

@@ -2,7 +2,8 @@
 the provider call and journals the result.
 
 Size is estimated as characters / 4 of the JSON the request would carry
-(system prompt, summary, messages, tool schemas).  That is the usual rule of
+(system prompt, summary, messages, tool schemas); `RequestSizes` remembers
+each message's share, so the estimate costs no re-encoding of the history.  That is the usual rule of
 thumb for English text with BPE tokenizers: crude, but monotonic, free, and
 the same on restore, which matters more here than precision.
 
@@ -18,6 +19,7 @@ import json
 from typing import Any
 
 __all__ = [
+    "RequestSizes",
     "cut_index",
     "estimate_tokens",
     "summary_request",
@@ -52,11 +54,54 @@ def estimate_tokens(
     summary: str | None,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]],
+    sizes: RequestSizes | None = None,
 ) -> int:
+    """Characters / 4 of the JSON of the request (`json.dumps`, default
+    separators).  With `sizes`, the JSON lengths it remembers are reused."""
+    sizes = sizes if sizes is not None else RequestSizes()
     chars = len(system_content(system_prompt, summary))
-    chars += len(json.dumps(messages, ensure_ascii=False))
-    chars += len(json.dumps(tools, ensure_ascii=False)) if tools else 0
+    chars += sizes.messages_chars(messages)
+    chars += sizes.tools_chars(tools) if tools else 0
     return chars // CHARS_PER_TOKEN
+
+
+class RequestSizes:
+    """JSON lengths for `estimate_tokens`, remembered across LLM calls.
+
+    The estimate runs before every LLM call, over the whole history: a
+    `json.dumps` of it each time grew with the session (~1 ms per 100 KiB,
+    on the way to every first token).  Each message's length is kept by
+    identity instead, which is sound because stored messages are never
+    changed in place (`_history`: a turn only appends, compaction only
+    drops); a call then costs a dict look-up per message.  The result is
+    exactly `len(json.dumps(messages))`: the list's brackets and its ", "
+    separators are added, not measured.  Only the messages of the last call
+    are kept (holding them keeps their ids from being reused)."""
+
+    def __init__(self) -> None:
+        self._messages: dict[int, tuple[dict[str, Any], int]] = {}
+        self._tools: tuple[list[dict[str, Any]], int] | None = None
+
+    def messages_chars(self, messages: list[dict[str, Any]]) -> int:
+        if not messages:
+            return 2  # "[]"
+        known = self._messages
+        kept: dict[int, tuple[dict[str, Any], int]] = {}
+        total = 0
+        for message in messages:
+            entry = known.get(id(message))
+            if entry is None or entry[0] is not message:
+                entry = (message, len(json.dumps(message, ensure_ascii=False)))
+            kept[id(message)] = entry
+            total += entry[1]
+        self._messages = kept
+        return total + 2 * len(messages)  # "[", "]" and n - 1 ", "
+
+    def tools_chars(self, tools: list[dict[str, Any]]) -> int:
+        # The registry hands out one list per settings change.
+        if self._tools is None or self._tools[0] is not tools:
+            self._tools = (tools, len(json.dumps(tools, ensure_ascii=False)))
+        return self._tools[1]
 
 
 def cut_index(messages: list[dict[str, Any]], keep_recent_turns: int) -> int:

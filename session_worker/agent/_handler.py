@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from session_worker.agent._builtins import BUILTIN_NAMES, builtin_tools
+from session_worker.agent._compaction import RequestSizes
 from session_worker.agent._custom import load_custom_tool
 from session_worker.agent._errors import ToolLoadError
 from session_worker.agent._history import History
@@ -59,6 +60,7 @@ class AgentHandler:
         self._provider = Provider(init.settings.provider)
         self._stale_providers: list[Provider] = []
         self._history = History()
+        self._sizes = RequestSizes()
         self._turn: Turn | None = None
 
     def reconfigure(self, settings: SessionSettings) -> None:
@@ -105,6 +107,7 @@ class AgentHandler:
             history=self._history,
             workspace=self._workspace,
             ctx=ctx,
+            sizes=self._sizes,
         )
         self._turn = turn
         try:

@@ -11,6 +11,10 @@ reasoning (`REASONING_KEYS`), for the dialect to send back or leave out
   messages go; the summary replaces the old one (None: keep the old one,
   used when summarizing failed and the oldest turns were just dropped).
 
+A stored message is never changed in place, only appended or dropped
+(`_compaction.RequestSizes` relies on it: it remembers each message's size
+by identity).
+
 A turn's record is `{"v": 1, "ops": [...]}` with the ops in the order they
 happened (a compaction can fall between two appends of one turn), so
 `restore` replays exactly what `handle()` did.  Ops are applied to the live

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from session_worker.agent._compaction import (
+    RequestSizes,
     cut_index,
     estimate_tokens,
     summary_request,
@@ -54,8 +55,11 @@ class Turn:
         history: History,
         workspace: Path,
         ctx: TurnContext,
+        sizes: RequestSizes | None = None,
     ) -> None:
         self._settings = settings
+        # The history's JSON sizes, kept by the handler across turns.
+        self._sizes = sizes if sizes is not None else RequestSizes()
         self._provider = provider
         self._tools = tools
         self._history = history
@@ -185,6 +189,7 @@ class Turn:
             self._on_retry,
             self._deadline,
             self._on_reasoning,
+            self._ctx.flush,
         )
         self._partial = None
         self._count(completion)
@@ -299,7 +304,7 @@ class Turn:
         system_prompt = self._settings.agent.system_prompt
         schemas = self._tools.schemas()
         history = self._history
-        before = estimate_tokens(system_prompt, history.summary, history.messages, schemas)
+        before = estimate_tokens(system_prompt, history.summary, history.messages, schemas, self._sizes)
         if before <= loop.compaction_threshold_tokens:
             return
         cut = cut_index(history.messages, loop.compaction_keep_recent_turns)
@@ -324,7 +329,7 @@ class Turn:
         self._journal.compact(cut, summary)
         notice["method"] = "summarized" if summary is not None else "dropped"
         notice["tokens_after"] = estimate_tokens(
-            system_prompt, history.summary, history.messages, schemas
+            system_prompt, history.summary, history.messages, schemas, self._sizes
         )
         self._ctx.notice("compaction", notice)
 

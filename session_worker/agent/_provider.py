@@ -22,7 +22,11 @@ Text reaches `on_text` once per network read, not once per SSE event: the
 events of one read are decoded, their text joined, and handed on just before
 the reader waits for the network again (`_anext_flushing_first`).  Nothing
 waits for more data; only what is already in hand is joined.  The first text
-of a completion is handed on at once.
+of a completion is handed on at once, and `on_first` then asks the worker to
+write it now: its frame would otherwise wait for the loop's next pass, that
+is until the rest of the read was parsed (httpx hands out the chunks in hand
+without suspending): 0.2-1.6 ms with a stream in full flow.  (Yielding to
+the loop there instead cost ~8% of the streamed tokens/s, bench/agent.py.)
 
 Process costs: the worker is forked from a zygote that imported this module,
 so everything the first request needs is imported here, not on first use,
@@ -53,6 +57,11 @@ from typing import Any, cast
 import httpcore  # noqa: F401  (httpx imports it on the first client)
 import httpx
 import msgspec
+# httpcore imports sniffio inside each lock and event it sets up (two per
+# request); absent, each of those failed imports searched sys.path again
+# (~100 µs each, encode/httpcore#1103).  A dependency, imported here so
+# that the zygote holds it.
+import sniffio  # noqa: F401
 
 from session_worker.agent._errors import (
     ProviderError,
@@ -68,8 +77,16 @@ __all__ = ["Provider", "redact"]
 
 OnText = Callable[[str], None]
 OnRetry = Callable[[dict[str, Any]], None]
+OnFirst = Callable[[], None]
 
 log = logging.getLogger("sessiond.worker.agent")
+
+# httpx logs every request at INFO ("HTTP Request: POST ... 200 OK"), and a
+# worker logs at INFO: one line per LLM call of every session in the
+# daemon's log, formatted and written between the response's headers and
+# its first token.  What matters of a request (retries, refused
+# parameters, errors) this module logs or reports itself.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 # Parameters a request can do without, so that a server rejecting one by
 # name is retried without it.  `stream_options`: OpenAI's, unknown to older
@@ -96,6 +113,7 @@ with contextlib.suppress(ImportError):
 _NO_CA_TLS = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
 
 _decode_json = msgspec.json.Decoder().decode
+_encode_json = msgspec.json.Encoder().encode
 
 
 def redact(text: str, secret: str | None) -> str:
@@ -120,7 +138,12 @@ class Provider:
                     "(provider.api_key_env) is not set"
                 )
         self._dialect = dialect_for(settings)
-        headers = {"Accept": "text/event-stream", **self._dialect.headers(self._key)}
+        # Every request is a JSON body (`_attempt` sends it pre-encoded).
+        headers = {
+            "Accept": "text/event-stream",
+            "Content-Type": "application/json",
+            **self._dialect.headers(self._key),
+        }
         timeout = httpx.Timeout(
             connect=settings.connect_timeout_secs,
             read=settings.read_timeout_secs,
@@ -134,6 +157,12 @@ class Provider:
             headers=headers, timeout=timeout, trust_env=False, verify=verify
         )
         self._url = f"{base}{self._dialect.path}"
+        # Parsed once, not on every request (httpx's URL parser is pure
+        # Python); a URL it refuses stays a str, to fail on the request as
+        # it always did.
+        self._endpoint: httpx.URL | str = self._url
+        with contextlib.suppress(httpx.InvalidURL):
+            self._endpoint = httpx.URL(self._url)
         # Optional parameters this server rejected (see the module docstring).
         self._dropped: set[str] = set()
 
@@ -151,9 +180,12 @@ class Provider:
         on_retry: OnRetry | None = None,
         deadline: float | None = None,
         on_reasoning: OnText | None = None,
+        on_first: OnFirst | None = None,
     ) -> Completion:
         """One completion; `on_text` gets each text delta as it arrives,
-        `on_reasoning` each piece of reasoning text.
+        `on_reasoning` each piece of reasoning text; `on_first()` is called
+        right after the first of either, before the rest of its network
+        read is parsed (to send it on now: see the module docstring).
 
         `deadline` (time.monotonic()) is when the turn times out: a retry
         that would start after it is not waited for; the turn fails now,
@@ -163,7 +195,7 @@ class Provider:
         body = self._dialect.body(messages, tools, self._dropped)
         attempt = 0
         while True:
-            failure = await self._attempt(body, on_text, on_reasoning or _ignore)
+            failure = await self._attempt(body, on_text, on_reasoning or _ignore, on_first or _nothing)
             if isinstance(failure, Completion):
                 return failure
             error, retry_after = failure
@@ -205,7 +237,7 @@ class Provider:
         return min(backoff, cap)
 
     async def _attempt(
-        self, body: dict[str, Any], on_text: OnText, on_reasoning: OnText
+        self, body: dict[str, Any], on_text: OnText, on_reasoning: OnText, on_first: OnFirst
     ) -> Completion | tuple[ProviderError, float | None]:
         """One HTTP exchange.  Returns the completion, or the error and,
         when it may be retried, the wait the server asked for (0 = ours)."""
@@ -214,7 +246,10 @@ class Provider:
         problem: str | None = None
         retryable = False
         try:
-            async with self._client.stream("POST", self._url, json=body) as response:
+            # msgspec, not httpx's `json=` (the stdlib encoder): the body
+            # is the whole history, encoded again for every LLM call.
+            payload = _encode_json(body)
+            async with self._client.stream("POST", self._endpoint, content=payload) as response:
                 if response.status_code != 200:
                     raw = await response.aread()
                     status = response.status_code
@@ -226,7 +261,7 @@ class Provider:
                             response.headers.get("retry-after-ms"),
                         )
                     return error, None
-                return await self._read(response, on_text, on_reasoning)
+                return await self._read(response, on_text, on_reasoning, on_first)
         except httpx.ConnectError as exc:
             problem, retryable = f"cannot connect to provider at {self._url}: {exc}", True
         except httpx.ConnectTimeout:
@@ -244,7 +279,9 @@ class Provider:
         stream_error = ProviderStreamError(self.redact(problem))
         return stream_error, (0.0 if retryable else None)
 
-    async def _read(self, response: httpx.Response, on_text: OnText, on_reasoning: OnText) -> Completion:
+    async def _read(
+        self, response: httpx.Response, on_text: OnText, on_reasoning: OnText, on_first: OnFirst
+    ) -> Completion:
         assembler = self._dialect.assembler()
         content_type = response.headers.get("content-type", "")
         if "application/json" in content_type:
@@ -298,6 +335,7 @@ class Provider:
                         # a user feels, and it costs one more frame.
                         started = True
                         flush()
+                        on_first()
         finally:
             # Also on an error: the text before it was the model's, as
             # when each event was passed on by itself.
@@ -348,6 +386,10 @@ class Provider:
 
 
 def _ignore(_: str) -> None:
+    pass
+
+
+def _nothing() -> None:
     pass
 
 

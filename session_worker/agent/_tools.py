@@ -65,8 +65,12 @@ class Tool:
 
 
 class ToolRegistry:
+    """Built once per settings change (`_handler.build_registry`), so the
+    schemas offered to the model are built once too, not per LLM call."""
+
     def __init__(self, tools: Sequence[Tool]) -> None:
         self._tools = {tool.name: tool for tool in tools}
+        self._schemas = [tool.schema() for tool in self._tools.values()]
 
     def __contains__(self, name: object) -> bool:
         return name in self._tools
@@ -78,7 +82,9 @@ class ToolRegistry:
         return self._tools.get(name)
 
     def schemas(self) -> list[dict[str, Any]]:
-        return [tool.schema() for tool in self._tools.values()]
+        """The same list on every call (requests carry it as it is): not
+        to be changed by the caller."""
+        return self._schemas
 
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
