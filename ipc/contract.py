@@ -19,9 +19,9 @@ EXIT_BOOT_FAILED = 3
 # bench/README.md), so 1,000 idle sessions cost 33 of them a second, not
 # 1,000 (a factor of 10 left them at 2-3.5% of a core).  Nothing is lost
 # by the slower beat: a loop stuck between turns harms no one until the
-# next input, and an input makes the worker beat at once and at the full
-# pace (the daemon's allowance restarts with the turn), so a stuck worker
-# is still killed within three intervals of being asked for something.
+# next input, and an input puts the worker back at the full pace (the
+# daemon's allowance restarts with the turn), so a stuck worker is still
+# killed within three intervals of being asked for something.
 IDLE_HEARTBEAT_FACTOR = 30
 
 

@@ -173,8 +173,8 @@ class Sweeper:
 
     def arm_turn_timer(self, session: Session, turn: int) -> None:
         if session.worker is not None:
-            # The worker beats at once on its input and then at the full
-            # pace; the shorter allowance counts from now.
+            # The worker goes to the full pace on its input (its next beat
+            # one interval after it); the shorter allowance counts from now.
             session.worker.last_heartbeat = time.monotonic()
         session.turn_timer = asyncio.get_running_loop().call_later(
             session.settings.agent.turn_timeout_secs, self._on_turn_timeout, session, turn
