@@ -53,48 +53,13 @@ from ipc.loop import run as loop_run  # noqa: E402
 from pg_server import PgServer  # noqa: E402
 from supervisor.client import AsyncClient  # noqa: E402
 
-TEXT = ("0123456789" * 10)[:100]
-WARMUP_SECS = 0.5
+WARMUP_SECS = 0.5  # as load.py's generator
 PING_GAP_SECS = 0.002
 CONFIG = """
 [agent.limits]
 max_concurrent_sessions = 1000
 """
 MODES = {"synchronous": {"SESSIOND_BENCH_PG_BATCH": "0"}, "batched": {}}
-
-
-# ---------------------------------------------------------------- the load generator (a child process)
-
-
-async def _load(sock: str, sids: list[str], secs: float) -> dict[str, Any]:
-    clients = [await AsyncClient.connect(sock, client_name="bench-pg-load") for _ in sids]
-    lat: list[int] = []
-    count = 0
-    measure_from = time.monotonic() + WARMUP_SECS
-    stop_at = measure_from + secs
-
-    async def one(client: AsyncClient, sid: str) -> None:
-        nonlocal count
-        while True:
-            t0 = time.monotonic_ns()
-            await client.send_text(sid, TEXT)
-            now = time.monotonic()
-            if now >= stop_at:
-                return
-            if now >= measure_from:
-                lat.append(time.monotonic_ns() - t0)
-                count += 1
-
-    await asyncio.gather(*(one(cl, sid) for cl, sid in zip(clients, sids)))
-    for cl in clients:
-        await cl.close()
-    return {"turns": count, "secs": secs, "lat_ns": lat}
-
-
-def _load_main(argv: list[str]) -> int:
-    sock, secs, out, sids = argv[0], float(argv[1]), argv[2], argv[3].split(",")
-    Path(out).write_text(json.dumps(loop_run(_load(sock, sids, secs))))
-    return 0
 
 
 # ---------------------------------------------------------------- one daemon, one level
@@ -130,7 +95,8 @@ class _Daemon:
         outfile = self.d.dir / f"load-{n}.json"
         x0 = _xacts(pg)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--_load", str(self.d.socket), str(secs), str(outfile),
+            # load.py's load generator: echo turns back to back, in a child
+            sys.executable, str(_BENCH / "load.py"), "--_load", str(self.d.socket), str(secs), str(outfile),
             ",".join(self.sids[:n]), env=c.child_env(), stdin=subprocess.DEVNULL)
         c.on_exit(lambda: proc.returncode is None and proc.kill())
         await asyncio.sleep(WARMUP_SECS + 0.3)  # the load's connects and warm-up
@@ -170,8 +136,6 @@ async def _run(pg: PgServer, ns: list[int], secs: float) -> list[_Daemon]:
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--_load":
-        return _load_main(sys.argv[2:])
     p = c.arg_parser(__doc__.split("\n\n")[0])
     p.add_argument("--ns", default="1,10,50", help="session counts (default 1,10,50)")
     p.add_argument("--secs", type=float, default=3.0, help="seconds measured per count (default 3)")
