@@ -203,6 +203,29 @@ def test_anext_flushes_only_before_a_real_wait() -> None:
 
 
 @pytest.mark.component
+def test_half_an_emoji_from_the_server_becomes_a_replacement_character(fake_llm: FakeLLM, tmp_path: Path) -> None:
+    """A lone surrogate escape ("\\ud83d", as some servers cut an emoji):
+    replaced, so the reply can be framed and sent back in the next request."""
+    fake_llm.script(text_stream("half ", "\ud83d", " an emoji"), text_stream("next"))
+    settings = make_settings(fake_llm)
+    ws = tmp_path / "ws"
+
+    async def go() -> tuple[TurnResult, TurnResult]:
+        handler = make_handler(settings, ws)
+        try:
+            first = await handler.handle("hi", FakeCtx(settings, ws))
+            return first, await handler.handle("again", FakeCtx(settings, ws))
+        finally:
+            await handler.aclose()
+
+    first, second = run(go())
+    assert first.reply == "half \ufffd an emoji"
+    msgspec.msgpack.encode(first.reply)  # what the worker's Delta and Done carry
+    assert second.reply == "next"
+    assert "half \ufffd an emoji" in json.dumps(fake_llm.requests[-1].json, ensure_ascii=False)
+
+
+@pytest.mark.component
 def test_connection_is_reused_across_calls(fake_llm: FakeLLM, tmp_path: Path) -> None:
     fake_llm.script(
         tool_call_stream(("c1", "list_dir", {"path": "."})), text_stream("a"), text_stream("b")

@@ -443,13 +443,31 @@ def _json(raw: str | bytes, redact_fn: Callable[[str], str]) -> Any:
     try:
         # What msgspec refuses and Python's json takes: NaN, 1e400, a lone
         # surrogate escape (half an emoji from some servers).
-        return json.loads(raw)
+        return _without_lone_surrogates(json.loads(raw))
     except ValueError:
         pass
     # Raised outside the `except`: the ValueError's message quotes the body.
     text = raw if isinstance(raw, str) else raw.decode("utf-8", "replace")
     snippet = redact_fn(text[:200])
     raise ProviderStreamError(f"provider sent invalid JSON: {snippet!r}")
+
+
+def _without_lone_surrogates(value: Any) -> Any:
+    """`value` with each lone surrogate in its strings replaced by U+FFFD.
+    Python's json keeps them, and UTF-8 cannot carry them: left in, half an
+    emoji would fail the Delta frame that carries it and every later
+    request whose history holds it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:
+            return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, list):
+        return [_without_lone_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_without_lone_surrogates(k): _without_lone_surrogates(v) for k, v in value.items()}
+    return value
 
 
 def _error_message(raw: bytes) -> str:
