@@ -224,15 +224,8 @@ class NodeHost:
             self._exits.pop(pid, None)
 
     async def _read(self, pid: int, worker: _Worker, out: asyncio.Queue[Frame]) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                data = await loop.sock_recv(worker.sock, _READ_BYTES)
-            except OSError:
-                data = b""
-            if not data:
-                break
-            out.put_nowait(read_more(worker.sock, data))
+        while data := await recv_batch(worker.sock):
+            out.put_nowait(data)
         code, sig, detail = await worker.exit
         out.put_nowait(("exit", code, sig, detail))
         while self._spawner is not None and self._spawner.tree_alive(pid, worker.memory.escapees()):
@@ -277,6 +270,16 @@ class NodeHost:
             self._spawner = None
         for pid in list(self._workers):
             self._exited(pid, None, _SIGKILL, "its node host was closed")
+
+
+async def recv_batch(sock: socket.socket) -> bytes:
+    """The next bytes of a (non-blocking) socket with all it holds already
+    (`read_more`); b"" at EOF or on an error."""
+    try:
+        data = await asyncio.get_running_loop().sock_recv(sock, _READ_BYTES)
+    except OSError:
+        return b""
+    return read_more(sock, data) if data else b""
 
 
 def read_more(sock: socket.socket, data: bytes, limit: int = BATCH_BYTES) -> bytes:

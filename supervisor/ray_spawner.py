@@ -80,7 +80,7 @@ from typing import Any, TypeGuard
 
 from supervisor.config import ClusterSettings
 from supervisor.limits import REMOTE_PIDS
-from supervisor.nodehost import read_more
+from supervisor.nodehost import recv_batch
 from supervisor.pidfd import PidFd
 from supervisor.seams import SpawnerDied
 
@@ -89,7 +89,6 @@ __all__ = ["RaySpawner"]
 log = logging.getLogger("sessiond.cluster")
 
 _SIGKILL = signal.SIGKILL  # (the spawner has a method named `signal`)
-_READ_BYTES = 1 << 16
 # How long a worker may wait for a free slot somewhere before `request` fails.
 PLACE_TIMEOUT_SECS = 15.0
 _PLACE_RETRY_SECS = 0.25
@@ -461,15 +460,8 @@ class RaySpawner:
     async def _to_worker(self, pid: int, remote: _Remote) -> None:
         """What WorkerOwner writes, to the worker, in order: one call in
         flight at a time, carrying whatever piled up meanwhile."""
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                data = await loop.sock_recv(remote.sock, _READ_BYTES)
-            except OSError:
-                data = b""
-            if not data:
-                return  # WorkerOwner closed the connection
-            data = read_more(remote.sock, data)  # all that piled up: one call
+        # All that piled up goes in one call; b"": WorkerOwner closed it.
+        while data := await recv_batch(remote.sock):
             try:
                 if not await remote.host.send.remote(remote.node_pid, data):
                     return  # the worker is gone; its exit comes on the stream

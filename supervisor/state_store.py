@@ -207,8 +207,8 @@ class Fenced(StoreError):
     def __init__(self, session: str, mine: int, current: int) -> None:
         super().__init__(
             f"session {session}: this writer holds generation {mine} but generation {current} "
-            "has opened the session since; refusing to write (is another daemon using the "
-            "same state directory?)"
+            "has opened the session since; refusing to write (another daemon shares this "
+            "state directory or database and took the session over)"
         )
         self.session = session
         self.mine = mine

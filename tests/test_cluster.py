@@ -316,6 +316,34 @@ def test_drain_moves_a_node_s_sessions_once_idle_and_undo_takes_it_back(
                 c.drain(ip, undo=True)
 
 
+@pytest.mark.process
+def test_a_drain_that_runs_out_of_time_leaves_the_running_turn_and_says_why(
+    make_daemon, ray_cluster: RayCluster, pg_server: PgServer
+) -> None:
+    """--timeout crossed: the session whose turn still runs stays where it
+    is, reported with the reason; the node stays marked until undone."""
+    d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
+    with d.client() as c:
+        sid = c.create(handler="fixture_handlers:slow").id  # input N: N ticks of 20 ms
+        node = c.status(sid).node
+        turn = threading.Thread(target=lambda: list(c2.send(sid, "1000")))
+        with d.client() as c2:
+            turn.start()
+            try:
+                wait_for(lambda: c.status(sid).state == "running", 10, "the long turn to run")
+                late = d.ctl("--json", "drain", node, "--timeout", "0.5", timeout=60)
+                assert late.returncode == 1, late.stderr  # something was left
+                report = json.loads(late.stdout)
+                assert report["draining"] is True and report["moved"] == []
+                assert report["left"] == [{"session": sid, "state": "running",
+                                           "reason": "turn 1 still running after 0.5s"}]
+                assert c.status(sid).node == node and c.status(sid).state == "running"
+            finally:
+                c.interrupt(sid)
+                turn.join(30)
+                c.drain(node, undo=True)
+
+
 def _drain_and_undo(d: Any, c: Any) -> None:
     # One session on each node: three make sure both nodes are used (two
     # slots a node), then one of the node that has two goes.
@@ -370,6 +398,14 @@ def _drain_and_undo(d: Any, c: Any) -> None:
     assert drained in unknown.stderr  # it lists the live ones
 
 
+def _dead(proc: psutil.Process) -> bool:
+    """Gone or a zombie (it may be reaped between the two questions)."""
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _node_host_of(worker: psutil.Process) -> psutil.Process:
     """The node host actor process that runs a worker's zygote."""
     for parent in worker.parents():
@@ -420,8 +456,7 @@ def test_a_frozen_node_host_s_session_moves_and_its_stale_worker_delivers_nothin
                 host.resume()
         finally:
             turn.join(60)
-        wait_for(lambda: not stale.is_running() or stale.status() == psutil.STATUS_ZOMBIE, 30,
-                 "the resumed node host to kill the stale worker")
+        wait_for(lambda: _dead(stale), 30, "the resumed node host to kill the stale worker")
         # What the stale worker did after the move reached nothing: the
         # history is the front's, in order, and the session runs on.
         history = [(t.input, t.outcome) for t in c.history(sid).turns]
