@@ -144,7 +144,9 @@ class ClusterSettings(ConfigSection):
     # The Ray namespace of the node-host actors: fronts of one deployment share it.
     namespace: str = "sessiond"
     # A node host kills a front's workers once that front has not renewed
-    # its lease for this long (it died, or cannot reach the node).
+    # its lease for this long (it died, or cannot reach the node); and with
+    # the PostgreSQL store, another daemon may end a turn this daemon was
+    # running once its row in sessiond_fronts is this old (supervisor.fronts).
     front_lease_secs: Annotated[float, Meta(ge=1, le=600)] = 10.0
 
 

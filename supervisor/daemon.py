@@ -31,7 +31,7 @@ import stat
 import sys
 import tempfile
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import setproctitle
 
@@ -57,6 +57,9 @@ from supervisor.ray_spawner import RaySpawner  # (imports Ray only when used)
 from supervisor.server import ControlServer
 from supervisor.spawner import ZygoteSpawner
 from supervisor.state_store import StateStore, StoreError
+
+if TYPE_CHECKING:
+    from supervisor.fronts import Fronts  # (psycopg: the optional `cluster` extra)
 
 __all__ = ["StartupError", "run_daemon"]
 
@@ -481,9 +484,12 @@ async def _serve(
     )
     manager.workers.cgroups_why = cgroups[1]
     fencing.wire(manager)
+    fronts = _share_store(cfg, manager, state_dir)
     if isinstance(spawner, RaySpawner):
         cluster.wire(spawner, manager)
     try:
+        if fronts is not None:
+            fronts.start(loop)  # listening first: nothing said meanwhile is missed
         manager.load_all()
     except StoreError as exc:  # the database went away since it was opened
         raise StartupError(f"cannot read the sessions: {exc}") from None
@@ -538,6 +544,8 @@ async def _serve(
     if metrics_server is not None:
         metrics_server.close()
     await manager.shutdown(cfg.daemon.shutdown_grace_secs)
+    if fronts is not None:
+        fronts.close()  # after its workers are gone: others may claim its sessions at once
     server.close_clients()
     for task in background:
         task.cancel()
@@ -563,6 +571,19 @@ def _open_store(cfg: Config) -> StateStore | None:
         raise StartupError(f"[store] backend = \"postgres\": {exc}") from None
     log.info("state in PostgreSQL (%s)", store.where)
     return store
+
+
+def _share_store(cfg: Config, manager: SessionManager, state_dir: Path) -> Fronts | None:
+    """With the PostgreSQL store, daemons may share the database: sessions
+    are claimed when used (supervisor.fronts)."""
+    if cfg.store.backend != "postgres":
+        return None
+    from supervisor.fronts import Fronts
+    from supervisor.pg_store import PgStateStore
+
+    assert isinstance(manager.store, PgStateStore)
+    return Fronts(manager, manager.store, cfg.store.dsn, cfg.store.retry_secs,
+                  cfg.cluster.front_lease_secs, state_dir)
 
 
 def _sessionctl_command() -> str:

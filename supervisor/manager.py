@@ -31,14 +31,14 @@ import msgspec
 from ipc import messages as m
 from ipc.settings import SessionSettings
 from supervisor.cgroups import Cgroups
-from supervisor.config import Config, valid_handler_name
+from supervisor.config import Config
 from supervisor.errors import BadRequest, Capacity, Conflict, Internal, NotFound, SessiondError
 from supervisor.events import EventLog
 from supervisor.ledger import TurnLedger, store_failure
 from supervisor.limits import ProcTable
 from supervisor.logtag import tagged
 from supervisor.metrics import Recorder
-from supervisor.overrides import OverrideError, resolve_overrides
+from supervisor.overrides import OverrideError, check_handler, resolve_overrides
 from supervisor.seams import Spawner
 from supervisor.session import Session, Subscriber, WorkerProc, valid_session_id
 from supervisor.states import LIVE, State, Trigger
@@ -47,9 +47,11 @@ from supervisor.state_store import (
     DamagedLog,
     LoadedSession,
     Meta,
+    Record,
     RepairMode,
     RepairResult,
     SessionLog,
+    Snapshot,
     StateStore,
     StoreDamaged,
     StoreError,
@@ -99,16 +101,20 @@ class SessionManager:
         self.events = EventLog(lambda: self.config.daemon, self.sessions)
         self.ledger = TurnLedger(self.events)
         self.workers = WorkerOwner(current, spawner, self.events, self.ledger, self.proc_table,
-                                   self.workspaces, self._spawn_task)
+                                   self.workspaces, self.spawn_task)
         self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
                                self._hibernate_soon)
         self.subagents = Subagents(self, self.sessions)
         self.workers.sandbox = sandbox
         self.workers.cgroups = cgroups
         self.workers.make_room = self._make_room
-        self.workers.on_spawn_agent = lambda session, worker, msg: self._spawn_task(
+        self.workers.on_spawn_agent = lambda session, worker, msg: self.spawn_task(
             self.subagents.run(session, worker, msg))
         self.ledger.on_turn_started = self.sweeper.arm_turn_timer
+        # How a stored session is opened at start: claimed (alone on the
+        # store), or only read (daemons sharing a database, supervisor.fronts).
+        self.open_stored: Callable[[str], tuple[SessionLog, LoadedSession]] = self.store.load
+        self.unheld_reader: Callable[[str], tuple[Snapshot | None, list[Record]]] | None = None
 
     # For supervisor.transfer (import): create's checks, load's restore.
     @property
@@ -139,7 +145,7 @@ class SessionManager:
             self.state_dir.chmod(0o711)
         for session_id in self.store.ids():
             try:
-                store, loaded = self.store.load(session_id)
+                store, loaded = self.open_stored(session_id)
             except StoreDamaged as exc:
                 self._add_damaged(session_id, exc.reason, exc.meta)
                 continue
@@ -160,7 +166,7 @@ class SessionManager:
         mark = loaded.mark
         state = {"stopped": State.STOPPED, "failed": State.FAILED}.get(mark.state, State.HIBERNATED)
         session = Session(
-            id=meta.id, meta=meta, store=store, settings=self._settings_for(meta.id, meta.overrides),
+            id=meta.id, meta=meta, store=store, settings=self.settings_for(meta.id, meta.overrides),
             state=state, turns=loaded.turns, seq=loaded.seq, reserved_seq=loaded.seq,
             restarts=mark.restarts, ring=self.events.new_ring(),
             last_exit=msgspec.convert(mark.last_exit, m.ExitInfo) if mark.last_exit else None,
@@ -191,7 +197,7 @@ class SessionManager:
         if session.meta.parent and session.meta.parent in self.sessions:
             self.sessions[session.meta.parent].children.append(session_id)
 
-    def _settings_for(self, session_id: str, overrides: dict[str, Any]) -> SessionSettings:
+    def settings_for(self, session_id: str, overrides: dict[str, Any]) -> SessionSettings:
         """A stored session's settings under the current config: overrides
         that no longer fit are pulled back inside the operator's bounds."""
         resolved = resolve_overrides(self.config.session_settings(), overrides, strict=False)
@@ -296,7 +302,7 @@ class SessionManager:
         if parent is not None:
             # The parent's own overrides, accepted when it was created, held
             # to today's ceilings.
-            settings = self._settings_for(session_id, overrides)
+            settings = self.settings_for(session_id, overrides)
         else:
             try:
                 settings = resolve_overrides(self.config.session_settings(), overrides).settings
@@ -306,7 +312,7 @@ class SessionManager:
         if handler is None:
             handler = settings.agent.handler
         elif parent is None:
-            _check_handler(handler, settings)
+            check_handler(handler, settings)
         if handler == "agent" and (missing := settings.provider.missing()) is not None:
             provider = settings.provider
             if named or provider.base_url or provider.model:
@@ -395,6 +401,8 @@ class SessionManager:
             raise Conflict("the daemon is shutting down; no new turns")
         async with session.lock:
             if session.state is State.HIBERNATED:
+                await self.workers.claim(session)  # held elsewhere since? (supervisor.fencing)
+            if session.state is State.HIBERNATED:
                 # Room first, so that "no room" leaves it hibernated.
                 await self._make_room(session)
                 self.events.set_state(session, Trigger.SPAWN, reason="input")
@@ -456,6 +464,9 @@ class SessionManager:
     async def _stop_locked(self, session: Session, reason: str) -> None:
         if session.state in (State.STOPPED, State.DELETED, State.DAMAGED):
             return  # (a damaged child of a stopped parent: nothing runs)
+        await self.workers.claim(session)  # stopped wherever it runs
+        if session.is_(State.STOPPED):  # (it was, there)
+            return
         self.workers.cancel_restart(session)
         self.events.set_state(session, Trigger.STOP, reason=reason)
         await self.workers.terminate(session, "stopped", self.config.daemon.stop_grace_secs)
@@ -466,6 +477,7 @@ class SessionManager:
         if session.state is State.DAMAGED:
             raise Conflict(_damaged_hint(session))
         async with session.lock:
+            await self.workers.claim(session)  # before anything changes here
             if session.state in LIVE:
                 await self._stop_locked(session, "restart")
             self.workers.cancel_restart(session)
@@ -573,7 +585,7 @@ class SessionManager:
     async def supervise(self) -> None:
         await self.sweeper.run()
 
-    def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -581,7 +593,7 @@ class SessionManager:
     def _hibernate_soon(self, session: Session, reason: str) -> None:
         if session.id not in self._hibernating:
             self._hibernating.add(session.id)
-            self._spawn_task(self._hibernate(session, reason))
+            self.spawn_task(self._hibernate(session, reason))
 
     async def _hibernate(self, session: Session, reason: str) -> None:
         try:
@@ -634,7 +646,7 @@ class SessionManager:
         now = time.monotonic()
         for session in self.sessions.values():
             old = session.settings
-            session.settings = self._settings_for(session.id, session.meta.overrides)
+            session.settings = self.settings_for(session.id, session.meta.overrides)
             session.policy = None
             self.events.resize(session)
             worker = session.worker
@@ -672,25 +684,6 @@ class SessionManager:
             session.store.close()
         self.store.close()
         self.proc_table.close()
-
-
-def _check_handler(name: str, settings: SessionSettings) -> None:
-    """A client's --handler: the operator's default, or one the operator
-    listed in [agent] allowed_handlers ("module:*" admits a module's
-    factories).  Anything else is refused before anything is imported."""
-    if not valid_handler_name(name):
-        raise BadRequest(f"invalid handler {name!r}: use 'agent', 'echo' or 'package.module:factory'")
-    allowed = settings.agent.allowed_handlers
-    module = name.partition(":")[0]
-    if name == settings.agent.handler or name in allowed or f"{module}:*" in allowed:
-        return
-    raise BadRequest(
-        f"handler {name!r} is not allowed here; the operator allows "
-        f"{', '.join(allowed) or 'none'} ([agent] allowed_handlers in config.toml)"
-    )
-
-
-check_handler = _check_handler  # for supervisor.transfer
 
 
 def _damaged_hint(session: Session) -> str:

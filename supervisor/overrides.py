@@ -38,8 +38,10 @@ from typing import Any
 import msgspec
 
 from ipc.settings import NETWORK_LEVELS, PermissionRule, SessionSettings
+from supervisor.config import valid_handler_name
+from supervisor.errors import BadRequest
 
-__all__ = ["OverrideError", "Resolved", "resolve_overrides"]
+__all__ = ["OverrideError", "Resolved", "check_handler", "resolve_overrides"]
 
 
 class OverrideError(Exception):
@@ -359,3 +361,18 @@ def _put(tree: dict[str, Any], key: str, value: Any) -> None:
         node = node.setdefault(part, {})
     node[parts[-1]] = value
 
+
+def check_handler(name: str, settings: SessionSettings) -> None:
+    """A client's --handler: the operator's default, or one the operator
+    listed in [agent] allowed_handlers ("module:*" admits a module's
+    factories).  Anything else is refused before anything is imported."""
+    if not valid_handler_name(name):
+        raise BadRequest(f"invalid handler {name!r}: use 'agent', 'echo' or 'package.module:factory'")
+    allowed = settings.agent.allowed_handlers
+    module = name.partition(":")[0]
+    if name == settings.agent.handler or name in allowed or f"{module}:*" in allowed:
+        return
+    raise BadRequest(
+        f"handler {name!r} is not allowed here; the operator allows "
+        f"{', '.join(allowed) or 'none'} ([agent] allowed_handlers in config.toml)"
+    )

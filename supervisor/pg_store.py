@@ -69,6 +69,7 @@ from supervisor.pg_link import PgLink, safe_dsn
 from supervisor.pg_link import store_error as _store_error  # noqa: F401 (tests)
 from supervisor.state_store import (
     Fenced,
+    HeldElsewhere,
     LoadedSession,
     Meta,
     Record,
@@ -110,8 +111,21 @@ _MIGRATIONS: list[str] = [
         PRIMARY KEY (session, pos)
     );
     """,
+    # Several daemons on one database (supervisor.fronts): which one holds
+    # each session, and until when each daemon's hold lasts unrenewed.
+    """
+    ALTER TABLE sessiond_sessions ADD COLUMN holder text;
+    CREATE TABLE sessiond_fronts (
+        id text PRIMARY KEY,
+        host text NOT NULL,
+        pid integer NOT NULL,
+        expires_at timestamptz NOT NULL
+    );
+    """,
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
+# What daemons sharing the database hear of each other's sessions (LISTEN).
+CHANNEL = "sessiond_sessions"
 # pg_advisory_xact_lock key: daemons starting together migrate one at a time.
 _MIGRATION_LOCK = 0x5E55_10D0
 
@@ -142,7 +156,7 @@ SELECT id FROM claim
 
 _CREATE = """
 WITH s AS (
-    INSERT INTO sessiond_sessions (id, gen, next_pos) VALUES (%(id)s, 1, 1)
+    INSERT INTO sessiond_sessions (id, gen, next_pos, holder) VALUES (%(id)s, 1, 1, %(holder)s)
     ON CONFLICT (id) DO NOTHING
     RETURNING id
 )
@@ -392,13 +406,29 @@ class PgSessionLog:
         def op(cur: psycopg.Cursor[Any]) -> None:
             cur.execute("DELETE FROM sessiond_sessions WHERE id = %s AND gen = %s",
                         (self._id, self._generation))
-            if cur.rowcount == 0:
+            if cur.rowcount:
+                self._store._notify_removed(cur, self._id)
+            else:
                 cur.execute("SELECT gen FROM sessiond_sessions WHERE id = %s", (self._id,))
                 row = cur.fetchone()
                 if row is not None:
                     raise Fenced(self._id, self._generation, row[0])
 
         self._store.run(op, f"session {self._id}")
+
+
+def _replay(session_id: str, snap: Snapshot | None, rows: _Rows) -> LoadedSession:
+    """The session a snapshot and the intact records after it make."""
+    loaded = (LoadedSession(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark,
+                            usage=dict(snap.usage)) if snap is not None else None)
+    for _, rec in rows.records:
+        if loaded is None and isinstance(rec, Meta):
+            loaded = LoadedSession(meta=rec)
+        elif loaded is not None:
+            loaded.apply(rec)
+    if loaded is None:
+        raise StoreDamaged(session_id, "no metadata record", repairable=False)
+    return loaded
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -440,6 +470,9 @@ class PgStateStore:
         if batch is None:
             batch = BATCH_BY_DEFAULT
         self.writer = CommitWriter(dsn, retry_secs) if batch else None
+        # This daemon's name in `sessiond_sessions.holder` once it shares
+        # the database with others (supervisor.fronts sets it); None: alone.
+        self.front: str | None = None
         self.run(self._migrate, "the schema")
 
     @property
@@ -494,8 +527,10 @@ class PgStateStore:
         def op(cur: psycopg.Cursor[Any]) -> bool:
             nonlocal attempts
             attempts += 1
-            cur.execute(_CREATE, {"id": meta.id, "frame": frame})
+            cur.execute(_CREATE, {"id": meta.id, "frame": frame, "holder": self.front})
             if cur.rowcount == 1:
+                if self.front is not None:
+                    cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"create {meta.id} {self.front}"))
                 return True
             if attempts > 1:
                 # An earlier attempt's reply was lost: is the row ours?
@@ -522,12 +557,18 @@ class PgStateStore:
         return _decode_snapshot(session_id, row[0]), row[1], rows
 
     def load(self, session_id: str) -> tuple[PgSessionLog, LoadedSession]:
+        """Claim the session: its generation goes up (fencing every earlier
+        writer) and, with daemons sharing the database, this daemon becomes
+        its holder, in the transaction that reads it back."""
         def op(cur: psycopg.Cursor[Any]) -> tuple[PgSessionLog, LoadedSession]:
             with self._transaction():
                 snap, snap_gen, rows = self._read(cur, session_id)
                 if rows.damaged:
                     meta = snap.meta if snap is not None else rows.meta()
                     raise StoreDamaged(session_id, _describe(rows), meta=meta)
+                loaded = _replay(session_id, snap, rows)
+                if self.front is not None:
+                    self._check_holder(cur, session_id, loaded)
                 torn = rows.torn_at
                 if torn is not None:
                     dropped = sum(n for pos, n in rows.bad if pos >= torn)
@@ -535,20 +576,45 @@ class PgStateStore:
                         "dropping %d bytes of a torn last record at position %d", dropped, torn)
                     cur.execute("DELETE FROM sessiond_records WHERE session = %s AND pos >= %s",
                                 (session_id, torn))
-                cur.execute("UPDATE sessiond_sessions SET gen = gen + 1 WHERE id = %s "
-                            "RETURNING gen, next_pos", (session_id,))
+                cur.execute("UPDATE sessiond_sessions SET gen = gen + 1, holder = %s WHERE id = %s "
+                            "RETURNING gen, next_pos", (self.front, session_id))
                 claimed = cur.fetchone()
                 assert claimed is not None  # locked above
-            loaded = (LoadedSession(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark,
-                                    usage=dict(snap.usage)) if snap is not None else None)
-            for _, rec in rows.records:
-                if loaded is None and isinstance(rec, Meta):
-                    loaded = LoadedSession(meta=rec)
-                elif loaded is not None:
-                    loaded.apply(rec)
-            if loaded is None:
-                raise StoreDamaged(session_id, "no metadata record", repairable=False)
+                if self.front is not None:  # delivered on commit, to every daemon listening
+                    cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"claim {session_id} {self.front}"))
             return PgSessionLog(self, session_id, claimed[0], claimed[1], snap_gen), loaded
+
+        return self.run(op, f"session {session_id}")
+
+    def _check_holder(self, cur: psycopg.Cursor[Any], session_id: str, loaded: LoadedSession) -> None:
+        """Inside the claim: refuse to take a turn away from a live daemon
+        (one whose hold is renewed); a dead one's turn is the claimer's to
+        end.  An idle session is taken from anyone: that is what lets any
+        daemon serve any session."""
+        if loaded.open_input is None:
+            return
+        cur.execute("SELECT s.holder, f.host, f.pid FROM sessiond_sessions s JOIN sessiond_fronts f "
+                    "ON f.id = s.holder WHERE s.id = %s AND f.expires_at > now()", (session_id,))
+        row = cur.fetchone()
+        if row is not None and row[0] != self.front:
+            raise HeldElsewhere(session_id, f"{row[1]} (pid {row[2]})", loaded.open_input.turn)
+
+    def peek(self, session_id: str) -> tuple[LoadedSession, str | None]:
+        """The session as stored, and the daemon holding it, without
+        claiming it (nothing is written)."""
+        def op(cur: psycopg.Cursor[Any]) -> tuple[LoadedSession, str | None]:
+            cur.execute("SELECT snapshot, holder FROM sessiond_sessions WHERE id = %s", (session_id,))
+            row = cur.fetchone()
+            if row is None:
+                raise KeyError(session_id)
+            cur.execute("SELECT pos, frame FROM sessiond_records WHERE session = %s ORDER BY pos",
+                        (session_id,))
+            rows = _Rows([(pos, bytes(frame)) for pos, frame in cur.fetchall()])
+            snap = _decode_snapshot(session_id, row[0])
+            if rows.damaged:
+                raise StoreDamaged(session_id, _describe(rows),
+                                   meta=snap.meta if snap is not None else rows.meta())
+            return _replay(session_id, snap, rows), row[1]
 
         return self.run(op, f"session {session_id}")
 
@@ -562,8 +628,13 @@ class PgStateStore:
     def remove(self, session_id: str) -> None:
         def op(cur: psycopg.Cursor[Any]) -> None:
             cur.execute("DELETE FROM sessiond_sessions WHERE id = %s", (session_id,))
+            self._notify_removed(cur, session_id)
 
         self.run(op, f"session {session_id}")
+
+    def _notify_removed(self, cur: psycopg.Cursor[Any], session_id: str) -> None:
+        if self.front is not None and cur.rowcount:  # (after the DELETE)
+            cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"remove {session_id} {self.front}"))
 
     def repair(self, session_id: str, mode: RepairMode) -> RepairResult:
         """Delete damaged rows (skip_bad), or everything from the first

@@ -51,6 +51,7 @@ __all__ = [
     "Commit",
     "DamagedLog",
     "Fenced",
+    "HeldElsewhere",
     "InputRecord",
     "LoadedSession",
     "Mark",
@@ -213,6 +214,19 @@ class Fenced(StoreError):
         self.session = session
         self.mine = mine
         self.current = current
+
+
+class HeldElsewhere(StoreError):
+    """A claim refused: another daemon sharing the database holds the
+    session and is running a turn of it (nothing was written)."""
+
+    def __init__(self, session: str, holder: str, turn: int) -> None:
+        super().__init__(
+            f"session {session} is running turn {turn} on another daemon ({holder}); "
+            "wait for the turn to end, or interrupt it there, then ask again")
+        self.session = session
+        self.holder = holder
+        self.turn = turn
 
 
 class StoreDamaged(StoreError):

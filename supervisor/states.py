@@ -64,6 +64,7 @@ class Trigger(enum.StrEnum):
     RESTART = "restart"  # the operator asked
     DELETE = "delete"
     REPAIR = "repair"  # the operator repaired its stored state
+    RELEASE = "release"  # another daemon took it over: no worker here (supervisor.fencing)
 
 
 S, T = State, Trigger
@@ -92,6 +93,12 @@ TRANSITIONS: dict[tuple[State, Trigger], State] = {
     (S.RESTARTING, T.RESTART): S.STARTING,
     (S.STOPPING, T.STOPPED): S.STOPPED,
     (S.DAMAGED, T.REPAIR): S.HIBERNATED,
+    # Held by another daemon now: here it is as one with no worker.
+    (S.STOPPING, T.RELEASE): S.HIBERNATED,
+    (S.STOPPED, T.RELEASE): S.HIBERNATED,
+    (S.FAILED, T.RELEASE): S.HIBERNATED,
+    (S.CRASHED, T.RELEASE): S.HIBERNATED,
+    (S.RESTARTING, T.RELEASE): S.HIBERNATED,
 }
 for _s in LIVE:
     TRANSITIONS[(_s, T.EXIT)] = S.CRASHED

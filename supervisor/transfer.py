@@ -34,7 +34,7 @@ from supervisor.overrides import OverrideError, resolve_overrides
 from supervisor.session import Session, valid_session_id
 from supervisor.state_store import Abort, Commit, InputRecord, Meta, Record, Snapshot, StoreError
 
-from supervisor.manager import check_handler
+from supervisor.overrides import check_handler
 
 if TYPE_CHECKING:
     from supervisor.manager import SessionManager

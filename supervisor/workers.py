@@ -79,6 +79,8 @@ class WorkerOwner:
         # Set by the daemon's core.
         self.metrics: Recorder = NO_METRICS
         self.make_room: Callable[[Session], Awaitable[None]] = _no_room_needed
+        # Takes a session held by another daemon back first (supervisor.fencing).
+        self.claim: Callable[[Session], Awaitable[None]] = _no_room_needed
         self.on_spawn_agent: Callable[[Session, WorkerProc, m.SpawnAgent], None] = lambda s, w, msg: None
         # Through the pacer, like the workers' messages: an exit reported
         # after a worker's last message is handled after it.
@@ -100,6 +102,7 @@ class WorkerOwner:
         assert session.state is State.STARTING, session.state
         loop = asyncio.get_running_loop()
         try:
+            await self.claim(session)
             await self.make_room(session)
             snapshot, records, _ = session.store.read_for_boot()
         except BaseException as exc:
@@ -467,7 +470,7 @@ class WorkerOwner:
 
 
 async def _no_room_needed(session: Session) -> None:
-    return None
+    return None  # (nor a claim: alone on its store)
 
 
 def _classify(worker: WorkerProc, code: int | None) -> ExitReason:

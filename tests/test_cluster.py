@@ -139,6 +139,38 @@ def test_a_front_that_dies_leaves_no_worker_behind(
 
 
 @pytest.mark.process
+def test_two_fronts_serve_the_same_sessions_and_one_dying_breaks_nothing(
+    make_daemon, ray_cluster: RayCluster, pg_server: PgServer
+) -> None:
+    """Two fronts on one cluster and one database: a session is run by the
+    front that was asked last (its worker there, the other's stopped); when
+    one front dies the other serves every session, its own and the dead
+    one's, with every acknowledged turn."""
+    dsn = pg_server.fresh_dsn()
+    a = make_daemon(cluster_config(ray_cluster, dsn))
+    b = make_daemon(cluster_config(ray_cluster, dsn))
+    with a.client() as c:
+        moved, stays = c.create(handler="echo").id, c.create(handler="echo").id
+        assert c.send_text(moved, "a1") == "1: a1"
+        assert c.send_text(stays, "a1") == "1: a1"
+        was = c.status(moved).pid
+    assert was is not None
+    with b.client() as c:
+        assert c.send_text(moved, "b2") == "2: b2"  # taken over on demand
+        assert c.status(moved).node in NODE_IPS
+    with a.client() as c:
+        wait_for(lambda: c.status(moved).state == "hibernated", 10, "front a to let go")
+        wait_for(lambda: not psutil.pid_exists(was) or psutil.Process(was).status() == psutil.STATUS_ZOMBIE,
+                 10, "front a's worker to be stopped")
+        assert c.send_text(stays, "a2") == "2: a2"  # the other session is a's still
+    a.kill()
+    with b.client() as c:
+        assert c.send_text(stays, "b3") == "3: b3"  # a dead front's idle session: at once
+        assert c.send_text(moved, "b3") == "3: b3"
+        assert {s.id for s in c.list()} >= {moved, stays}
+
+
+@pytest.mark.process
 def test_a_lost_node_s_sessions_come_back_on_the_other_with_every_turn(
     make_daemon, ray_cluster: RayCluster, pg_server: PgServer
 ) -> None:

@@ -12,7 +12,6 @@ import threading
 from collections.abc import Iterator
 
 import msgspec
-import psutil
 import psycopg
 import pytest
 import tomli_w
@@ -20,7 +19,6 @@ import tomli_w
 from conftest import FAST_CONFIG
 from harness import wait_for
 from pg_server import PgServer
-from supervisor.client import RequestError, TurnFailedError
 from supervisor.config import ConfigError, parse_config
 from supervisor import pg_batch
 from supervisor.pg_store import SCHEMA_VERSION, PgSessionLog, PgStateStore, safe_dsn
@@ -431,143 +429,6 @@ def test_a_daemon_on_postgres_loses_no_turn_to_a_worker_kill_or_its_own(make_dae
     assert not list((d.state_dir / "sessions").glob("*")), "nothing of it in files"
     (gen, snapshot), = sql(dsn, "SELECT gen, snapshot IS NOT NULL FROM sessiond_sessions WHERE id = %s", sid)
     assert gen >= 2 and snapshot
-
-
-@pytest.mark.process
-def test_a_second_daemon_takes_a_session_over_and_the_first_cannot_write(make_daemon, dsn: str) -> None:
-    """Two daemons on one database (two machines, say): the one that loaded
-    the session last holds it; the other's input is refused, not logged."""
-    first = make_daemon(pg_config(dsn))
-    with first.client() as c:
-        sid = c.create().id
-        assert c.send_text(sid, "a") == "1: a"
-    second = make_daemon(pg_config(dsn))  # its start loads every session: a takeover
-    with first.client() as c:
-        with pytest.raises((RequestError, TurnFailedError), match="generation"):
-            c.send_text(sid, "stale")
-        # Not a crash to restart: held elsewhere, so stopped here, saying so.
-        wait_for(lambda: c.status(sid).state == "stopped", 10, "the first daemon to stop the session")
-        assert "held by another daemon" in (c.status(sid).error or "")
-        c.restart(sid)  # an operator's restart does not take it back: refused, stopped again
-        with pytest.raises((RequestError, TurnFailedError), match="generation"):
-            c.send_text(sid, "stale again")
-        wait_for(lambda: c.status(sid).state == "stopped", 10, "the first daemon to stop it again")
-    with second.client() as c:
-        assert c.send_text(sid, "b") == "2: b"
-    decoded = [msgspec.msgpack.decode(f[8:]) for f in log_rows(dsn, sid)]
-    assert [r["text"] for r in decoded if r["r"] == "input"] == ["a", "b"]
-    assert "generation" in first.log
-
-
-@pytest.mark.process
-def test_an_idle_worker_that_crashes_after_a_takeover_is_not_restarted_from_the_other_s_records(
-    make_daemon, dsn: str
-) -> None:
-    """No turn reaches the first daemon after the takeover: its worker's
-    crash is what it meets first.  The restart's mark is fenced, so the
-    session is stopped there (held elsewhere), not run a second time."""
-    first = make_daemon(pg_config(dsn))
-    with first.client() as c:
-        sid = c.create().id
-        assert c.send_text(sid, "a") == "1: a"
-        stale_pid = c.status(sid).pid
-    assert stale_pid is not None
-    second = make_daemon(pg_config(dsn))  # the takeover
-    took_over_at = len(records(dsn, sid))
-    os.kill(stale_pid, signal.SIGKILL)
-    with first.client() as c:
-        wait_for(lambda: c.status(sid).state == "stopped", 10, "the first daemon to stop the session")
-        st = c.status(sid)
-        assert st.pid is None and "held by another daemon" in (st.error or ""), st
-    assert len(records(dsn, sid)) == took_over_at, "nothing of the first daemon landed"
-    with second.client() as c:
-        assert c.send_text(sid, "b") == "2: b"
-
-
-def records(dsn: str, sid: str) -> list[tuple[int, dict[str, object]]]:
-    rows = sql(dsn, "SELECT pos, frame FROM sessiond_records WHERE session = %s ORDER BY pos", sid)
-    return [(int(pos), msgspec.msgpack.decode(bytes(frame)[8:])) for pos, frame in rows]  # type: ignore[call-overload]
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-@pytest.mark.process
-@pytest.mark.parametrize("heartbeat", ["60", "0.2"], ids=["stale-commit", "heartbeats-missed"])
-def test_a_frozen_daemon_resumed_after_a_takeover_is_refused_and_stops_its_worker(
-    make_daemon, dsn: str, heartbeat: str
-) -> None:
-    """The stale writer: a daemon frozen (SIGSTOP) in the middle of a turn
-    while a second daemon takes the session over and runs turns; resumed
-    (SIGCONT), its turn ends and its commit is refused, its worker is
-    stopped (not restarted: the session is held elsewhere), and the log has
-    the second daemon's records only, in order.
-
-    With long heartbeats the resumed daemon meets the stale turn's commit;
-    with short ones it may first kill the worker it did not hear from, and
-    then the turn's Abort is what is refused: stopped all the same."""
-    first = make_daemon(pg_config(dsn).replace("heartbeat_interval_secs = 0.2",
-                                               f"heartbeat_interval_secs = {heartbeat}"))
-    with first.client() as c:
-        sid = c.create(handler="fixture_handlers:slow").id  # input N: N ticks of 20 ms
-        assert c.send_text(sid, "2") == "tick 0\ntick 1\n"
-    outcome: list[object] = []
-
-    def stale_turn() -> None:
-        try:
-            with first.client() as c:
-                outcome.append(c.send_text(sid, "100000"))
-        except Exception as exc:  # noqa: BLE001 (handed to the test's thread)
-            outcome.append(exc)
-
-    thread = threading.Thread(target=stale_turn)
-    thread.start()
-    with first.client() as c:
-        wait_for(lambda: c.status(sid).state == "running", 10, "the long turn to run")
-        wait_for(lambda: [r["r"] for _, r in records(dsn, sid)][-1] == "input", 10, "its input to be durable")
-        stale_pid = c.status(sid).pid
-    assert stale_pid is not None
-    os.kill(first.pid, signal.SIGSTOP)
-    try:
-        second = make_daemon(pg_config(dsn))  # its start loads the session: the takeover
-        with second.client() as c:
-            assert c.send_text(sid, "1") == "tick 0\n"
-            assert c.send_text(sid, "2") == "tick 0\ntick 1\n"
-        took_over_at = len(records(dsn, sid))
-    finally:
-        os.kill(first.pid, signal.SIGCONT)
-    with first.client() as c:
-        try:
-            c.interrupt(sid)  # the stale turn ends: its worker's reply is the stale commit
-        except RequestError:
-            assert heartbeat == "0.2"  # its worker was killed for silence first
-        wait_for(lambda: c.status(sid).state == "stopped", 10, "the first daemon to stop the session")
-        st = c.status(sid)
-        assert st.pid is None and st.error is not None and "held by another daemon" in st.error, st
-        assert st.last_exit is not None, st
-        # (Its last worker was stopped here, or killed for silence and not restarted.)
-        assert st.last_exit.reason in (("stopped",) if heartbeat == "60" else ("stopped", "killed_heartbeat"))
-    thread.join(10)
-    assert len(outcome) == 1 and isinstance(outcome[0], TurnFailedError), outcome
-    if heartbeat == "60":
-        assert "generation" in str(outcome[0])  # the stale commit, refused
-    wait_for(lambda: gone(stale_pid), 10, "the stale worker to be gone")
-    with first.client() as c:  # and it stays stopped: no restart of a session held elsewhere
-        assert c.status(sid).state == "stopped" and c.status(sid).pid is None
-    assert "held by another daemon" in first.log
-    rows = records(dsn, sid)
-    assert len(rows) == took_over_at, "nothing of the stale writer landed"
-    assert [pos for pos, _ in rows] == list(range(len(rows)))
-    turns = [(r["r"], r["turn"]) for _, r in rows if r["r"] in ("input", "commit", "abort")]
-    assert turns == [("input", 1), ("commit", 1), ("input", 2), ("abort", 2),  # the second daemon's abort
-                     ("input", 3), ("commit", 3), ("input", 4), ("commit", 4)], turns
-    with second.client() as c:  # the second daemon holds it and goes on
-        assert c.send_text(sid, "1") == "tick 0\n"
-        assert c.status(sid).turns == 5
 
 
 @pytest.mark.process

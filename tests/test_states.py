@@ -69,6 +69,12 @@ EXPECTED: dict[tuple[State, Trigger], State] = {
     (S.DAMAGED, T.REPAIR): S.HIBERNATED,
     (S.DAMAGED, T.DELETE): S.DELETED,
     # DELETED: nothing leaves it.
+    # Another daemon took it over (supervisor.fencing): no worker here.
+    (S.STOPPING, T.RELEASE): S.HIBERNATED,
+    (S.STOPPED, T.RELEASE): S.HIBERNATED,
+    (S.FAILED, T.RELEASE): S.HIBERNATED,
+    (S.CRASHED, T.RELEASE): S.HIBERNATED,
+    (S.RESTARTING, T.RELEASE): S.HIBERNATED,
 }
 
 def _actual_table() -> dict[tuple[State, Trigger], State | None]:
