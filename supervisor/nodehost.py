@@ -43,11 +43,12 @@ import signal
 import socket
 import time
 from collections.abc import AsyncIterator
+from typing import TypeGuard
 
 from supervisor.limits import ProcTable, SessionMemory
 from supervisor.spawner import ZygoteSpawner
 
-__all__ = ["ExitItem", "Frame", "NodeHost", "read_more"]
+__all__ = ["ExitItem", "Frame", "NodeHost", "checked_exit", "checked_usage", "read_more", "recv_batch"]
 
 log = logging.getLogger("sessiond.nodehost")
 
@@ -74,13 +75,15 @@ Frame = bytes | ExitItem | tuple[str, int, int] | tuple[str]
 
 
 class _Worker:
-    __slots__ = ("exit", "front", "memory", "sock")
+    __slots__ = ("claimed", "exit", "front", "memory", "sock")
 
     def __init__(self, sock: socket.socket, exit: asyncio.Future[tuple[int | None, int | None, str]],
-                 front: str) -> None:
+                 front: str, claimed: bool) -> None:
         self.sock = sock
         self.exit = exit
         self.front = front  # the front that holds it (by its lease)
+        # False for a spare (supervisor.ray_spares) until its front claims it.
+        self.claimed = claimed
         # Its descendants as measured here, and pidfds for those that left
         # its process group: a kill reaches them through these.
         self.memory = SessionMemory()
@@ -127,11 +130,11 @@ class NodeHost:
         for pid in list(self._workers):
             self._exited(pid, None, _SIGKILL, "the zygote on its node died")
 
-    async def spawn(self, front: str, lease_secs: float) -> int | str:
+    async def spawn(self, front: str, lease_secs: float, spare: bool = False) -> int | str:
         """A new worker for `front`, which holds it by a lease; its pid on
-        this node, or "draining" (supervisor.ray_spawner.DRAINING).  Raises
-        SpawnerDied (the zygote died and is being restarted): the caller
-        gets it wrapped."""
+        this node, or "draining" (supervisor.ray_spawner.DRAINING).  A
+        `spare` waits to be claimed (`claim`).  Raises SpawnerDied (the
+        zygote died and is being restarted): the caller gets it wrapped."""
         if not isinstance(front, str) or not front or len(front) > 64:
             raise ValueError("a front names itself")
         if self._draining:
@@ -140,8 +143,35 @@ class NodeHost:
         spawner = self._zygote()
         pid, sock = await spawner.request()
         sock.setblocking(False)
-        self._workers[pid] = _Worker(sock, self._exit_future(pid), front)
+        self._workers[pid] = _Worker(sock, self._exit_future(pid), front, claimed=spare is not True)
         return pid
+
+    async def claim(self, pid: int) -> bool:
+        """A spare is about to get its session: True, unless this node is
+        draining (the spare is killed, and its front places elsewhere) or
+        the spare is gone.  Asked here, where the mark is, so no front
+        hands out a spare on a node another front just marked."""
+        worker = self._workers.get(pid)
+        if worker is None or worker.exit.done():
+            return False
+        if self._draining:
+            self._kill_spare(pid, worker)
+            return False
+        worker.claimed = True
+        return True
+
+    async def drop_spare(self) -> bool:
+        """A front has no free slot for a session: kill one spare here (of
+        any front), whose slot it then gets.  False if there is none."""
+        for pid, worker in self._workers.items():
+            if not worker.claimed and not worker.exit.done():
+                self._kill_spare(pid, worker)
+                return True
+        return False
+
+    def _kill_spare(self, pid: int, worker: _Worker) -> None:
+        if self._spawner is not None and not worker.exit.done():
+            self._spawner.kill_tree(pid, worker.memory.escapees())
 
     async def lease(self, front: str, secs: float) -> None:
         """`front` is alive for `secs` more: its workers stay.  A front
@@ -255,7 +285,13 @@ class NodeHost:
                 self._spawner.kill_tree(pid, self._workers[pid].memory.escapees(), sig)
 
     async def set_draining(self, flag: bool) -> None:
+        """Mark the node (or no longer).  Spares of any front here are
+        killed at once: their slots are for the nodes still in use."""
         self._draining = flag is True
+        if self._draining:
+            for pid, worker in list(self._workers.items()):
+                if not worker.claimed:
+                    self._kill_spare(pid, worker)
 
     async def draining(self) -> bool:
         return self._draining
@@ -300,3 +336,32 @@ def read_more(sock: socket.socket, data: bytes, limit: int = BATCH_BYTES) -> byt
         parts.append(more)
         size += len(more)
     return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+# What a front checks of each stream item (it trusts no value from a node).
+
+def checked_usage(item: object) -> tuple[int, int] | None:
+    """("rss", bytes, processes) from a node host, or None if it is not one."""
+    if isinstance(item, tuple) and len(item) == 3 and item[0] == "rss":
+        _, rss, procs = item
+        if (_plain_int(rss) and 0 <= rss < 1 << 50 and _plain_int(procs) and 1 <= procs < 1 << 22):
+            return rss, procs
+    return None
+
+
+def _plain_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def checked_exit(item: object) -> tuple[int | None, int | None, str] | None:
+    """("exit", code, signal, detail) from a node host, or None if it is not one."""
+    if not (isinstance(item, tuple) and len(item) == 4 and item[0] == "exit"):
+        return None
+    _, code, sig, detail = item
+    for value in (code, sig):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or not -(1 << 31) <= value < 1 << 31):
+            return None
+    if not isinstance(detail, str):
+        return None
+    return code, sig, detail[:500]

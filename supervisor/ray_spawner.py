@@ -76,12 +76,13 @@ import signal
 import socket
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Any, TypeGuard
+from typing import Any
 
 from supervisor.config import ClusterSettings
 from supervisor.limits import REMOTE_PIDS
-from supervisor.nodehost import recv_batch
+from supervisor.nodehost import checked_exit, checked_usage, recv_batch
 from supervisor.pidfd import PidFd
+from supervisor.ray_spares import SpareWorkers
 from supervisor.seams import SpawnerDied
 
 __all__ = ["RaySpawner"]
@@ -91,6 +92,8 @@ log = logging.getLogger("sessiond.cluster")
 _SIGKILL = signal.SIGKILL  # (the spawner has a method named `signal`)
 # How long a worker may wait for a free slot somewhere before `request` fails.
 PLACE_TIMEOUT_SECS = 15.0
+# A spare worker is placed only where a slot is free about at once.
+_SPARE_PLACE_SECS = 0.5
 _PLACE_RETRY_SECS = 0.25
 # How long joining waits for the Ray head's port to answer at all.
 _CONNECT_TIMEOUT_SECS = 5.0
@@ -155,6 +158,9 @@ class RaySpawner:
         self._answer_secs = max(settings.front_lease_secs, _MIN_ANSWER_SECS)
         # Who this front is to node hosts, for its lease on its workers.
         self._front = f"{socket.gethostname()[:40]}-{uuid.uuid4().hex[:16]}"
+        self._next_raid = 0.0  # (loop time) when _short_of_slots may next ask other fronts' spares
+        self._spares = SpareWorkers(lambda: self._new_worker(_SPARE_PLACE_SECS, spare=True),
+                                    self._usable_spare, self.kill_tree, self._spawn_task)
 
     # ---------------------------------------------------------------- set-up
 
@@ -210,7 +216,51 @@ class RaySpawner:
         return 0  # the zygotes are on the nodes
 
     def keep_spares(self, count: int) -> None:
-        pass  # spares are per node host; not offered yet
+        """Keep `count` workers placed and waiting (supervisor.ray_spares)."""
+        self._spares.keep(count)
+
+    def _short_of_slots(self) -> None:
+        """A worker waits for a slot: a spare's is its, this front's own
+        first, else (once a second) one of another front's, through the
+        node hosts."""
+        if len(self._spares):
+            self._spares.give_slot_back()
+            return
+        now = asyncio.get_running_loop().time()
+        if now >= self._next_raid:
+            self._next_raid = now + 1.0
+            self._spawn_task(self._take_a_spare_slot())
+
+    async def _take_a_spare_slot(self) -> None:
+        import ray
+
+        for node in await asyncio.to_thread(ray.nodes):
+            node_id = node.get("NodeID")
+            if not node.get("Alive") or not isinstance(node_id, str) or node_id in self._avoided():
+                continue
+            try:
+                host = await asyncio.to_thread(ray.get_actor, _HOST_NAME.format(node_id=node_id),
+                                               self._settings.namespace)
+                if await asyncio.wait_for(host.drop_spare.remote(), _MARK_ASK_SECS) is True:
+                    return
+            except Exception:
+                continue  # no host there yet, or it does not answer
+
+    async def _claim_spare(self, pid: int) -> bool:
+        """Whether the spare's node host lets it have a session (not on a
+        node marked draining since, by any front)."""
+        remote = self._workers.get(pid)
+        if remote is None or remote.gone:
+            return False
+        try:
+            return await asyncio.wait_for(remote.host.claim.remote(remote.node_pid), self._answer_secs) is True
+        except Exception:
+            return False
+
+    def _usable_spare(self, pid: int) -> bool:
+        remote = self._workers.get(pid)
+        return (remote is not None and not remote.exited and not remote.gone
+                and remote.node_id not in self._avoided())
 
     def placement(self, pid: int) -> tuple[int, str | None]:
         remote = self._workers.get(pid)
@@ -246,8 +296,16 @@ class RaySpawner:
         return fut
 
     async def _place(self, fut: asyncio.Future[tuple[int, socket.socket]]) -> None:
+        while (spare := self._spares.take()) is not None:
+            if await self._claim_spare(spare[0]):
+                if fut.done() or self._closing:
+                    self._spares.discard(spare)
+                else:
+                    fut.set_result(spare)
+                return
+            self._spares.discard(spare)
         try:
-            group, node_id, host, node_pid = await self._spawn_somewhere()
+            pid, ours = await self._new_worker(PLACE_TIMEOUT_SECS, self._short_of_slots)
         except BaseException as exc:
             if not fut.done():
                 fut.set_exception(exc if isinstance(exc, SpawnerDied)
@@ -255,6 +313,17 @@ class RaySpawner:
             if not isinstance(exc, Exception):
                 raise
             return
+        if fut.done() or self._closing:  # nobody waits for it any more
+            ours.close()
+            self.kill_tree(pid)
+        else:
+            fut.set_result((pid, ours))
+
+    async def _new_worker(self, wait_secs: float, short_of_slots: Callable[[], None] | None = None,
+                          spare: bool = False) -> tuple[int, socket.socket]:
+        """A worker placed and forked somewhere, its bridge running: its
+        pid (ours) and our end of its socket."""
+        group, node_id, host, node_pid = await self._spawn_somewhere(wait_secs, short_of_slots, spare)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         ours.setblocking(False)
         theirs.setblocking(False)
@@ -263,23 +332,21 @@ class RaySpawner:
         self._workers[pid] = remote
         remote.bridge = [self._spawn_task(self._to_worker(pid, remote)),
                          self._spawn_task(self._from_worker(pid, remote))]
-        if fut.done() or self._closing:  # nobody waits for it any more
-            ours.close()
-            self.kill_tree(pid)
-        else:
-            fut.set_result((pid, ours))
+        return pid, ours
 
-    async def _spawn_somewhere(self) -> tuple[Any, str, Any, int]:
+    async def _spawn_somewhere(self, wait_secs: float, short_of_slots: Callable[[], None] | None,
+                               spare: bool) -> tuple[Any, str, Any, int]:
         """A slot from Ray, then a worker from that node's host: (its
         placement group, node id, node host, pid there).  A node host that
         cannot be reached is most often on a node that died and that Ray
         has not yet declared dead (it still places slots there): give the
-        slot back and ask again, until PLACE_TIMEOUT_SECS."""
+        slot back and ask again, for up to `wait_secs`.  `short_of_slots`
+        is called while no slot is free (a spare then gives its own)."""
         from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
         resource = self._settings.resource
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + PLACE_TIMEOUT_SECS
+        deadline = loop.time() + wait_secs
         while True:
             avoid = self._avoided()
             group = placement_group(
@@ -287,7 +354,7 @@ class RaySpawner:
                 bundle_label_selector=[{_NODE_ID_LABEL: f"!in({','.join(avoid)})"}] if avoid else None,
             )
             try:
-                if not await self._placed(group, avoid, deadline):
+                if not await self._placed(group, avoid, deadline, wait_secs, short_of_slots):
                     remove_placement_group(group)  # a node came back into use: ask again
                     continue
                 # (A query of Ray's head: off the loop, which serves every session.)
@@ -299,7 +366,7 @@ class RaySpawner:
                     await self._learn_ip(node_id)
                 host = self._host(node_id)
                 try:
-                    node_pid = await self._spawn_on(host, node_id)
+                    node_pid = await self._spawn_on(host, spare)
                 except Exception as exc:
                     self._hosts.pop(node_id, None)
                     self._shunned[node_id] = loop.time() + _SHUN_SECS
@@ -332,7 +399,8 @@ class RaySpawner:
         now = asyncio.get_running_loop().time()
         return sorted({*self._draining, *(n for n, until in self._shunned.items() if until > now)})
 
-    async def _placed(self, group: Any, avoid: list[str], deadline: float) -> bool:
+    async def _placed(self, group: Any, avoid: list[str], deadline: float, wait_secs: float,
+                      short_of_slots: Callable[[], None] | None) -> bool:
         """Wait for Ray to place the group: True once it is, False as soon
         as a node it leaves out is back in use (a drain undone: the slot
         may be there).  SpawnerDied at the deadline."""
@@ -348,18 +416,20 @@ class RaySpawner:
                         left_out = f" ({len(avoid)} node(s) left out: draining or not answering)" if avoid else ""
                         raise SpawnerDied(
                             f"no node of the Ray cluster has a free {self._settings.resource!r} slot{left_out} "
-                            f"(waited {PLACE_TIMEOUT_SECS:g}s): start nodes with "
+                            f"(waited {wait_secs:g}s): start nodes with "
                             f"--resources '{{\"{self._settings.resource}\": N}}' or free some") from None
                     if avoid and not set(avoid) <= set(self._avoided()):
                         return False
+                    if short_of_slots is not None:
+                        short_of_slots()
         finally:
             ready.cancel()
 
-    async def _spawn_on(self, host: Any, node_id: str) -> Any:
+    async def _spawn_on(self, host: Any, spare: bool) -> Any:
         """The node host's answer to `spawn`, within the answer time; a
         worker it starts after that is killed when its pid comes."""
         call: asyncio.Task[Any] = asyncio.ensure_future(host.spawn.remote(self._front,
-                                                                          self._settings.front_lease_secs))
+                                                                          self._settings.front_lease_secs, spare))
         try:
             return await asyncio.wait_for(asyncio.shield(call), self._answer_secs)
         except asyncio.TimeoutError:
@@ -454,6 +524,7 @@ class RaySpawner:
                         "draining" if on else "in use again", type(exc).__name__)
         if on:  # again: a re-read of the host's old answer may have crossed the call
             self._draining[node_id] = ip
+            self._spares.prune()
 
     # ---------------------------------------------------------------- the bridge
 
@@ -481,11 +552,11 @@ class RaySpawner:
                         with contextlib.suppress(OSError):
                             await loop.sock_sendall(remote.sock, item)
                     continue
-                usage = _checked_usage(item)
+                usage = checked_usage(item)
                 if usage is not None:
                     remote.rss, remote.procs = usage
                     continue
-                exit_ = _checked_exit(item)
+                exit_ = checked_exit(item)
                 if exit_ is not None and not remote.exited:
                     remote.exited = True
                     with contextlib.suppress(OSError):
@@ -573,6 +644,7 @@ class RaySpawner:
     def close(self) -> None:
         """Kill every worker of ours and give their slots back."""
         self._closing = True
+        self._spares.close()
         for pid, remote in list(self._workers.items()):
             if not remote.gone:
                 with contextlib.suppress(Exception):
@@ -609,30 +681,3 @@ def _check_reachable(address: str) -> None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT_SECS).close()
     except OSError as exc:
         raise SpawnerDied(f"cannot reach the Ray head at {address}: {exc.strerror or exc}") from None
-
-
-def _checked_usage(item: object) -> tuple[int, int] | None:
-    """("rss", bytes, processes) from a node host, or None if it is not one."""
-    if isinstance(item, tuple) and len(item) == 3 and item[0] == "rss":
-        _, rss, procs = item
-        if (_plain_int(rss) and 0 <= rss < 1 << 50 and _plain_int(procs) and 1 <= procs < 1 << 22):
-            return rss, procs
-    return None
-
-
-def _plain_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _checked_exit(item: object) -> tuple[int | None, int | None, str] | None:
-    """("exit", code, signal, detail) from a node host, or None if it is not one."""
-    if not (isinstance(item, tuple) and len(item) == 4 and item[0] == "exit"):
-        return None
-    _, code, sig, detail = item
-    for value in (code, sig):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or not -(1 << 31) <= value < 1 << 31):
-            return None
-    if not isinstance(detail, str):
-        return None
-    return code, sig, detail[:500]

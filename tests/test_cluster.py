@@ -170,6 +170,50 @@ def test_two_fronts_serve_the_same_sessions_and_one_dying_breaks_nothing(
         assert {s.id for s in c.list()} >= {moved, stays}
 
 
+def unclaimed_workers(cluster: RayCluster) -> set[int]:
+    """Workers on the nodes that wait for their Boot (spares): a node
+    host's worker is titled "sessiond: worker" until it boots."""
+    found = set()
+    for ip in NODE_IPS:
+        with contextlib.suppress(psutil.Error, AssertionError):
+            for proc in cluster.raylet(ip).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if " ".join(proc.cmdline()).strip() == "sessiond: worker":  # (setproctitle pads it)
+                        found.add(proc.pid)
+    return found
+
+
+@pytest.mark.process
+def test_spare_workers_are_taken_by_creates_and_never_cost_a_session_its_slot(
+    make_daemon, ray_cluster: RayCluster, pg_server: PgServer
+) -> None:
+    """A front keeps `spare_workers` placed and forked on the nodes; a
+    create takes one (its worker is a spare that was already there).  The
+    cluster has 4 slots: a front that needs one while spares hold the
+    rest (here, another front's) gets a spare's slot."""
+    dsn = pg_server.fresh_dsn()
+    assert len(NODE_IPS) * ray_cluster.slots == 4
+    a = make_daemon(cluster_config(ray_cluster, dsn).replace("[daemon]\n", "[daemon]\nspare_workers = 2\n"))
+    wait_for(lambda: len(unclaimed_workers(ray_cluster)) == 2, 30, "front a's two spares to be placed")
+    spares = unclaimed_workers(ray_cluster)
+    with a.client() as c:
+        sid = c.create(handler="echo").id
+        assert c.status(sid).pid in spares
+        assert c.send_text(sid, "a") == "1: a"
+    wait_for(lambda: len(unclaimed_workers(ray_cluster)) == 2, 30, "front a to make another spare")
+    b = make_daemon(cluster_config(ray_cluster, dsn).replace("[daemon]\n", "[daemon]\nspare_workers = 0\n"))
+    with b.client() as c:  # one free slot, then two held by a's spares
+        made = [c.create(handler="echo").id for _ in range(3)]
+        for made_sid in made:
+            assert c.send_text(made_sid, "b") == "1: b"
+    assert not unclaimed_workers(ray_cluster), "every slot went to a session"
+    with a.client() as c:
+        assert c.send_text(sid, "again") == "2: again"
+    with b.client() as c:
+        for made_sid in made:
+            c.remove(made_sid)
+
+
 @pytest.mark.process
 def test_a_lost_node_s_sessions_come_back_on_the_other_with_every_turn(
     make_daemon, ray_cluster: RayCluster, pg_server: PgServer
