@@ -119,14 +119,14 @@ def main() -> int:
         "one machine + pg": BASE + tomli_w.dumps({"store": {"backend": "postgres", "dsn": pg.fresh_dsn()}}),
         "cluster": BASE + tomli_w.dumps({
             "store": {"backend": "postgres", "dsn": pg.fresh_dsn()},
-            "cluster": {"backend": "ray", "address": cluster.address},
+            "cluster": {"backend": "ray", "address": cluster.address, "auth_token_file": str(cluster.token_file)},
         }),
         # Without spare workers on the nodes: every create waits for a
         # placement group and a fork there (the build before them).
         "cluster, no spares": BASE + tomli_w.dumps({
             "daemon": {"spare_workers": 0},
             "store": {"backend": "postgres", "dsn": pg.fresh_dsn()},
-            "cluster": {"backend": "ray", "address": cluster.address},
+            "cluster": {"backend": "ray", "address": cluster.address, "auth_token_file": str(cluster.token_file)},
         }),
     }
     daemons = {name: c.BenchDaemon(config, tag="sdc").start(timeout=60) for name, config in setups.items()}

@@ -148,6 +148,10 @@ class ClusterSettings(ConfigSection):
     # the PostgreSQL store, another daemon may end a turn this daemon was
     # running once its row in sessiond_fronts is this old (supervisor.fronts).
     front_lease_secs: Annotated[float, Meta(ge=1, le=600)] = 10.0
+    # Ray's token authentication: a file holding the cluster's token (the
+    # one its nodes were started with: RAY_AUTH_MODE=token). Readable by the
+    # daemon's user only. Empty: whatever Ray's own environment variables say.
+    auth_token_file: str = ""
 
 
 class Config(SessionSettings):

@@ -95,8 +95,6 @@ PLACE_TIMEOUT_SECS = 15.0
 # A spare worker is placed only where a slot is free about at once.
 _SPARE_PLACE_SECS = 0.5
 _PLACE_RETRY_SECS = 0.25
-# How long joining waits for the Ray head's port to answer at all.
-_CONNECT_TIMEOUT_SECS = 5.0
 _HOST_NAME = "sessiond-nodehost-{node_id}"
 # The label every Ray node carries with its own id (Ray sets it).
 _NODE_ID_LABEL = "ray.io/node-id"
@@ -174,7 +172,6 @@ class RaySpawner:
                               "pip install 'sessiond[cluster]'") from None
         if ray.is_initialized():
             return
-        _check_reachable(self._settings.address)
         try:
             ray.init(
                 address=self._settings.address or "auto", namespace=self._settings.namespace,
@@ -669,15 +666,3 @@ def _value_now(ref: Any) -> Any:
         return ray.get(ref, timeout=0)
     except ray.exceptions.GetTimeoutError:
         return _NOT_YET
-
-
-def _check_reachable(address: str) -> None:
-    """ray.init retries an unreachable head for minutes, saying so only in
-    its own log lines: try the head's port first, and say it in one line."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or address.startswith(("ray://", "auto")):
-        return  # "auto", empty, or a form Ray resolves itself
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT_SECS).close()
-    except OSError as exc:
-        raise SpawnerDied(f"cannot reach the Ray head at {address}: {exc.strerror or exc}") from None

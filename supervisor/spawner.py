@@ -144,7 +144,9 @@ class ZygoteSpawner:
         # -P: no working directory (nor script directory) on sys.path; the
         # operator's PYTHONPATH is kept, after the directory our own code
         # came from, so the new zygote runs the code the daemon runs.
-        env = dict(os.environ)
+        # Nothing of Ray's either (a node host's environment: its auth
+        # token, its addresses): the workers do not speak to Ray.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_CODE_ROOT, env.get("PYTHONPATH")) if p)
         try:
             self._proc = subprocess.Popen(

@@ -7,7 +7,8 @@ can kill one node's raylet and teardown can kill each node whole (never
 `ray stop`, which stops every Ray on the machine).  Only the two worker
 nodes have session slots (`sessiond_slots`), two each, so a handful of
 sessions lands on both.  The head checks nodes' health every 0.5 s, so a
-killed node is noticed in seconds.
+killed node is noticed in seconds.  The cluster requires Ray's token
+authentication (`token_file`, `auth_env()`).
 
 Started once per test run, by tests/test_cluster.py (all the Ray tests
 are there) and stopped when that module is done.  No Ray installed: the
@@ -17,6 +18,7 @@ test fails saying what to install; it is never skipped.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -68,6 +70,12 @@ class RayCluster:
             pytest.fail(_INSTALL_HINT, pytrace=False)
         # Short: Ray puts Unix sockets below it.
         self.root = Path(tempfile.mkdtemp(prefix="sdray-", dir="/tmp"))
+        # Token authentication, as a cluster anyone can reach must have:
+        # every node starts with it, and only those holding the token (the
+        # fronts: `[cluster] auth_token_file`) may call anything.
+        self.token_file = self.root / "auth_token"
+        self.token_file.write_text(secrets.token_hex(32))
+        self.token_file.chmod(0o600)
         self.port = _free_port()
         self.address = f"{HEAD_IP}:{self.port}"
         self.nodes: dict[str, subprocess.Popen[bytes]] = {}
@@ -92,7 +100,7 @@ class RayCluster:
         log.unlink(missing_ok=True)
         # The tests' handlers (tests/fixture_handlers.py) are importable on
         # every node, as an operator's own handlers must be installed there.
-        env = {**env_for_children(), **HEALTH_ENV, "RAY_USAGE_STATS_ENABLED": "0"}
+        env = {**env_for_children(), **HEALTH_ENV, **self.auth_env(), "RAY_USAGE_STATS_ENABLED": "0"}
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [str(self.ray), "start", "--block", f"--node-ip-address={ip}", "--num-cpus=1",
@@ -102,6 +110,10 @@ class RayCluster:
             )
         self.nodes[ip] = proc
         return log
+
+    def auth_env(self) -> dict[str, str]:
+        """The environment that lets a process of the tests join the cluster."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_file)}
 
     def _wait_started(self, ip: str, log: Path) -> None:
         proc = self.nodes[ip]

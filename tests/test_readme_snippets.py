@@ -36,6 +36,8 @@ NOT_RUN = {
     "--disable-usage-stats": "starts Ray for good; tests/ray_cluster.py starts the same on loopback addresses",
     "ray start --address=HEAD:6379 --resources='{\"sessiond_slots\": 50}' --disable-usage-stats":
         "needs a Ray head; tests/ray_cluster.py starts nodes so",
+    "export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=/etc/sessiond/ray-token   # on every machine":
+        "the environment of the ray start commands; tests/ray_cluster.py sets the same (RayCluster.auth_env)",
 }
 # TOML blocks that only a real provider key could check: none today (an unset
 # api_key_env variable is a warning, not an error). Name them here by their
