@@ -27,9 +27,7 @@ from ipc.loop import run as run_loop
 from supervisor import __version__
 from supervisor.client import AsyncClient, DaemonUnavailable, RequestError
 from supervisor.ctl_drain import drain_exit_code, drain_json, drain_text, timeout_secs
-from supervisor.ctl_history import ImportFileError, follow_logs, print_history, print_logs, read_document
-from supervisor.ctl_render import pong_text, print_stats, print_status, print_table
-from supervisor.top import SORT_KEYS, run_top
+from supervisor.ctl_render import SORT_KEYS, pong_text, print_stats, print_status, print_table
 
 __all__ = ["main"]
 
@@ -361,11 +359,19 @@ async def _run(args: argparse.Namespace) -> int:
                           f"{repaired.dropped_records} intact record(s) and "
                           f"{repaired.dropped_bytes} damaged byte(s) dropped; now {repaired.session.state}")
             case "top":
+                # Here and below, not at the top: curses and the history
+                # renderers cost every other command's start-up.
+                from supervisor.top import run_top
+
                 return await run_top(client, once=args.once, as_json=as_json, sort=args.sort,
                                      interval=args.interval, sample_secs=args.sample_secs)
             case "history":
+                from supervisor.ctl_history import print_history
+
                 print_history(await client.history(args.id, args.limit), as_json)
             case "logs":
+                from supervisor.ctl_history import follow_logs, print_logs
+
                 logs = await client.logs(args.id, args.limit)
                 if args.follow:
                     return await follow_logs(client, logs, as_json)
@@ -405,6 +411,7 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 async def _import(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    from supervisor.ctl_history import ImportFileError, read_document
     from supervisor.session import valid_session_id  # (daemon-side: not at start-up)
 
     if args.session_id is not None and not valid_session_id(args.session_id):

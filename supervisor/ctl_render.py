@@ -14,7 +14,11 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["fmt_bytes", "pong_text", "print_stats", "print_status", "print_table", "sandbox_line"]
+__all__ = ["SORT_KEYS", "fmt_bytes", "pong_text", "print_stats", "print_status", "print_table", "sandbox_line"]
+
+# `top --sort`: here, not in supervisor.top, so that the command line's
+# parser need not import curses.
+SORT_KEYS = ("cpu", "rss", "turns", "restarts", "age", "id", "state")
 
 
 def fmt_bytes(n: int | None) -> str:
