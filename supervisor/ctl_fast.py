@@ -426,6 +426,9 @@ class _Link:
         sock.settimeout(_CONNECT_TIMEOUT_SECS)
         try:
             sock.connect(path)
+        except ValueError:  # a NUL in the path: the full path's words for it
+            sock.close()
+            raise _Unsure("an unusable socket path") from None
         except OSError as exc:
             sock.close()
             if isinstance(exc, BlockingIOError):
