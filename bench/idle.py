@@ -78,7 +78,7 @@ async def _create(d: c.BenchDaemon, n: int) -> tuple[float, list[str]]:
 
 # The one-shot path as the `sessionctl` console script runs it, and the
 # full path as `python -m supervisor.ctl`.
-ONE_SHOT = [sys.executable, "-c", "import sys; from supervisor.ctl_fast import main; sys.exit(main())"]
+ONE_SHOT = [sys.executable, "-c", "from supervisor.ctl_fast import run; run()"]
 FULL = [sys.executable, "-m", "supervisor.ctl"]
 
 

@@ -38,9 +38,9 @@ from supervisor.ctl_render import pong_text, print_stats, print_status, print_ta
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any
+    from typing import Any, NoReturn
 
-__all__ = ["main", "json_text"]
+__all__ = ["json_text", "main", "run"]
 
 EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE, EXIT_NO_SESSION = 0, 1, 3, 4
 
@@ -571,26 +571,52 @@ def _run(args: _Args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """sessionctl: the one-shot path if it answers, else the full one."""
     if argv is None:
         argv = sys.argv[1:]
-    args = _parse(argv)
-    if args is not None:
-        try:
-            return _run(args)
-        except _Unavailable as exc:
-            print(f"sessionctl: {exc}", file=sys.stderr)
-            return EXIT_UNREACHABLE
-        except _Refused as exc:
-            print(f"sessionctl: {exc.message}", file=sys.stderr)
-            return EXIT_NO_SESSION if exc.code == "not_found" else EXIT_FAILED
-        except _Unsure:
-            pass
-        except KeyboardInterrupt:
-            return 128 + 2  # as supervisor.ctl: 128 + SIGINT
+    code = _one_shot(argv)
+    if code is not None:
+        return code
     from supervisor import ctl
 
     return ctl.main(argv)
 
 
+def run() -> NoReturn:
+    """The `sessionctl` console script.  After a one-shot answer the
+    process ends without the interpreter's tear-down (freeing the ~100,000
+    objects of a listing of 1,000 one by one: 3-10 ms here); there is
+    nothing else to finish: no threads, no atexit work, the socket closed."""
+    argv = sys.argv[1:]
+    code = _one_shot(argv)
+    if code is None:
+        from supervisor import ctl
+
+        sys.exit(ctl.main(argv))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _one_shot(argv: list[str]) -> int | None:
+    """The exit code, once the answer is printed; None: not answered here
+    (and nothing printed)."""
+    args = _parse(argv)
+    if args is None:
+        return None
+    try:
+        return _run(args)
+    except _Unavailable as exc:
+        print(f"sessionctl: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except _Refused as exc:
+        print(f"sessionctl: {exc.message}", file=sys.stderr)
+        return EXIT_NO_SESSION if exc.code == "not_found" else EXIT_FAILED
+    except _Unsure:
+        return None
+    except KeyboardInterrupt:
+        return 128 + 2  # as supervisor.ctl: 128 + SIGINT
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

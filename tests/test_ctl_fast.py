@@ -301,6 +301,23 @@ def test_a_refused_user_is_told_what_the_full_path_tells(make_daemon) -> None:
     assert r.returncode == 1 and "uid 65534 may not use this daemon" in r.stderr
 
 
+def _read_frames(conn: socket.socket, count: int) -> None:
+    buf = b""
+    while True:
+        pos, seen = 0, 0
+        while len(buf) - pos >= 4:
+            end = pos + 4 + int.from_bytes(buf[pos:pos + 4], "big")
+            if end > len(buf):
+                break
+            pos, seen = end, seen + 1
+        if seen >= count:
+            return
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            return
+        buf += chunk
+
+
 class _OddDaemon:
     """A socket that says hello and then answers every request with
     `reply` (bytes of one frame, or several), for replies no real daemon
@@ -327,7 +344,7 @@ class _OddDaemon:
                     continue
                 try:
                     conn.sendall(encode_frame(m.Welcome(protocol=1, server_version="odd", pid=7)))
-                    conn.recv(1 << 16)
+                    _read_frames(conn, 2)  # hello and the request: the reply answers it
                     conn.sendall(self.reply)
                     conn.shutdown(socket.SHUT_WR)
                     while conn.recv(1 << 16):
@@ -386,8 +403,28 @@ def test_the_one_shot_module_imports_no_asyncio_msgspec_or_argparse() -> None:
 
 
 @pytest.mark.process
+def test_the_console_script_answers_and_exits_as_the_full_path(daemon: Daemon) -> None:
+    # run(): the one-shot answer, then os._exit with its code, output flushed.
+    with daemon.client() as c:
+        c.create(session="one", handler="echo")
+    env = env_for_children()
+    script = "from supervisor.ctl_fast import run; run()"
+    for argv, code in ((["--json", "ls"], 0), (["status", "one"], 0), (["status", "nosuch"], 4)):
+        argv = ["--socket", str(daemon.socket), *argv]
+        fast = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
+                              env=env, timeout=30)
+        full = _run(argv, False)
+        assert (fast.returncode, fast.stdout, fast.stderr) == (code, full.stdout, full.stderr)
+        assert ("one" in fast.stdout) == (code == 0)
+    # And what it does not answer goes through the full path, exit code included.
+    r = subprocess.run([sys.executable, "-c", script, "--socket", str(daemon.socket), "create",
+                        "--id", "../x"], capture_output=True, text=True, env=env, timeout=30)
+    assert r.returncode == 2 and "invalid session id" in r.stderr
+
+
+@pytest.mark.process
 def test_sessionctl_is_the_one_shot_entry_point() -> None:
     from importlib.metadata import entry_points
 
     (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "sessionctl"]
-    assert ep.value == "supervisor.ctl_fast:main"
+    assert ep.value == "supervisor.ctl_fast:run"
