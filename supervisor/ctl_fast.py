@@ -8,8 +8,8 @@ whole message schema before it says hello (`sessionctl --json ls` of 1,000
 sessions took 200-260 ms, ~12 ms of it the listing; bench/README.md,
 issue 12).  This path imports none of them: a blocking `_socket`, the
 `msgpack` C decoder (msgspec alone costs ~40-60 ms to import, from its
-typing machinery), and a JSON writer that prints exactly what `json.dumps`
-prints (the `json` package imports `re`).
+typing machinery), and json.dumps's own C encoder taken from `_json`
+without the `json` package (which imports `re`).
 
 It must say exactly what the full path would, so it only answers what it
 fully understands, and hands everything else to the full path, unchanged:
