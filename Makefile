@@ -7,12 +7,20 @@ CONFIG ?=
 
 .PHONY: run test test-fast typecheck bench clean system-deps man
 
+# The checkout goes into the venv as a plain path line (.pth), not through
+# setuptools' default editable import hook: that hook runs at every start of
+# the venv's Python and imports pathlib, re and urllib.parse, ~25 ms of the
+# 50 a one-shot `sessionctl ls` may take (bench/README.md, issue 12).  A
+# setuptools without the (transitional) compat mode gets the default one.
+EDITABLE := --config-settings editable_mode=compat
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test]' $(EDITABLE) || $(PY) -m pip install -q -e '.[test]'
 	@# The `cluster` extra (PostgreSQL driver, Ray): its tests run in `make test`.
-	$(PY) -m pip install -q -e '.[test,cluster]' || { \
+	$(PY) -m pip install -q -e '.[test,cluster]' $(EDITABLE) || \
+	  $(PY) -m pip install -q -e '.[test,cluster]' || { \
 	  echo "make: could not install the 'cluster' extra (psycopg[binary], the PostgreSQL driver; ray):" \
 	       "check that a package index is reachable (pip config list), then run make again" >&2; \
 	  exit 1; }

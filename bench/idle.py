@@ -11,11 +11,18 @@ and `sessionctl --json ls`.
   workers' CPU together over --idle-secs, as % of one core, from
   /proc/PID/task/*/schedstat; the default 100 ms memory poll;
 - ls: `sessionctl --json ls` as a user runs it (a new process: interpreter
-  start included), median of 7, beside `sessionctl --json ping` (the same
-  process start, no sessions listed), `python -c pass` (the interpreter and
-  its site), `python -c 'import supervisor.ctl'` (the CLI's imports), and
-  the same listing through the Python client in this warm process (the
-  daemon's part and the decoding): which part is the interpreter's floor.
+  start included), median of CTL_ROUNDS, through both of sessionctl's paths
+  in the same run, interleaved: the one-shot path (supervisor/ctl_fast.py,
+  the `sessionctl` entry point: blocking socket, msgpack, no asyncio) and
+  the full path (`python -m supervisor.ctl`: asyncio, uvloop, argparse,
+  msgspec), each beside a `--json ping` (the same process start, nothing
+  listed) and its imports alone (`python -c 'import ...'`); `python -c
+  pass` (the interpreter and its site); and the same listing through the
+  Python client in this warm process (the daemon's part and the decoding).
+  The CLI runs with a bytecode cache (PYTHONPYCACHEPREFIX in a temp dir,
+  warmed once), as an installed sessionctl has; the one-shot `ls` is also
+  timed without one (PYTHONDONTWRITEBYTECODE=1: our modules compiled at
+  every start).
 
 Goals (issue 12): daemon <= 5% of a core, workers together <= 2%, ls <= 50 ms,
 create >= 500 sessions/s.  With --profile the daemon runs under cProfile
@@ -45,7 +52,7 @@ c.setup_path()
 from ipc.loop import run as loop_run  # noqa: E402
 from supervisor.client import AsyncClient  # noqa: E402
 
-CTL_ROUNDS = 7
+CTL_ROUNDS = 9
 
 CONFIG = """
 [agent.limits]
@@ -69,14 +76,27 @@ async def _create(d: c.BenchDaemon, n: int) -> tuple[float, list[str]]:
     return rate, sids
 
 
-def _ctl(d: c.BenchDaemon, *args: str) -> float:
-    return _timed([sys.executable, "-m", "supervisor.ctl", "--socket", str(d.socket), "--json", *args])
+# The one-shot path as the `sessionctl` console script runs it, and the
+# full path as `python -m supervisor.ctl`.
+ONE_SHOT = [sys.executable, "-c", "from supervisor.ctl_fast import run; run()"]
+FULL = [sys.executable, "-m", "supervisor.ctl"]
 
 
-def _timed(cmd: list[str]) -> float:
+def _ctl(d: c.BenchDaemon, path: list[str], *args: str, env: dict[str, str]) -> float:
+    return _timed([*path, "--socket", str(d.socket), "--json", *args], env)
+
+
+def _timed(cmd: list[str], env: dict[str, str]) -> float:
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=c.child_env())
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
     return time.perf_counter() - t0
+
+
+def _cli_envs(cache_dir: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(with a bytecode cache, without one)."""
+    cached = c.child_env({"PYTHONPYCACHEPREFIX": cache_dir})
+    cached.pop("PYTHONDONTWRITEBYTECODE", None)
+    return cached, c.child_env({"PYTHONDONTWRITEBYTECODE": "1"})
 
 
 async def _listed(d: c.BenchDaemon, n: int) -> list[float]:
@@ -128,33 +148,47 @@ def main() -> int:
         d1, w1 = c.sched_ns(d.pid)[0], sum(c.sched_ns(w)[0] for w in workers)
         daemon_pct = (d1 - d0) / 1e9 / wall * 100
         workers_pct = (w1 - w0) / 1e9 / wall * 100
-        ls, ping, imports, bare = [], [], [], []
+        cached, uncached = _cli_envs(str(d.dir / "pycache"))
+        runs: dict[str, Any] = {
+            "one-shot ls": lambda: _ctl(d, ONE_SHOT, "ls", env=cached),
+            "one-shot ping": lambda: _ctl(d, ONE_SHOT, "ping", env=cached),
+            "one-shot imports": lambda: _timed([sys.executable, "-c", "import supervisor.ctl_fast"], cached),
+            "one-shot ls, no bytecode cache": lambda: _ctl(d, ONE_SHOT, "ls", env=uncached),
+            "full ls": lambda: _ctl(d, FULL, "ls", env=cached),
+            "full ping": lambda: _ctl(d, FULL, "ping", env=cached),
+            "full imports": lambda: _timed([sys.executable, "-c", "import supervisor.ctl"], cached),
+            "python -c pass": lambda: _timed([sys.executable, "-c", "pass"], cached),
+        }
+        for run in runs.values():
+            run()  # fills the bytecode cache
+        times: dict[str, list[float]] = {k: [] for k in runs}
         for _ in range(CTL_ROUNDS):
-            ls.append(_ctl(d, "ls"))
-            ping.append(_ctl(d, "ping"))
-            imports.append(_timed([sys.executable, "-c", "import supervisor.ctl"]))
-            bare.append(_timed([sys.executable, "-c", "pass"]))
-        ls_ms, ping_ms, imports_ms, bare_ms = (statistics.median(x) * 1000 for x in (ls, ping, imports, bare))
+            for name, run in runs.items():
+                times[name].append(run())
+        cli_ms = {k: statistics.median(v) * 1000 for k, v in times.items()}
+        ls_ms, ping_ms = cli_ms["one-shot ls"], cli_ms["one-shot ping"]
         listed_ms = statistics.median(loop_run(_listed(d, 20))) * 1000
     finally:
         d.cleanup()
     fig: dict[str, Any] = {"n": args.n, "create_per_sec": rate, "daemon_cpu_pct": daemon_pct,
                            "workers_cpu_pct": workers_pct, "ls_ms": ls_ms, "ping_ms": ping_ms,
-                           "ctl_imports_ms": imports_ms, "python_bare_ms": bare_ms,
-                           "ls_in_process_ms": listed_ms, "workers": len(workers),
+                           "cli_ms": cli_ms, "ls_in_process_ms": listed_ms, "workers": len(workers),
                            "cpu_per_create_ms": {k: v * 1000 for k, v in per_create.items()},
                            "create_ceiling_per_sec": ceiling}
     rep.figures.update(fig)
     rep.table(["sessions", "create/s (16 in flight)", "daemon CPU, idle", "workers CPU, idle",
-               "ctl --json ls", "ctl --json ping"],
+               "sessionctl --json ls", "sessionctl --json ping"],
               [[str(args.n), f"{rate:.0f}", f"{daemon_pct:.1f}%", f"{workers_pct:.1f}%",
                 f"{ls_ms:.0f} ms", f"{ping_ms:.0f} ms"]])
     rep.say()
-    rep.say("where `sessionctl --json ls` goes (medians, same run):")
-    rep.table(["python -c pass", "python -c 'import supervisor.ctl'", "ctl --json ping", "ctl --json ls",
-               f"ls of {args.n} in a warm client (daemon + decode)"],
-              [[f"{bare_ms:.0f} ms", f"{imports_ms:.0f} ms", f"{ping_ms:.0f} ms", f"{ls_ms:.0f} ms",
-                f"{listed_ms:.1f} ms"]])
+    rep.say(f"`sessionctl --json ls` of {args.n} (medians of {CTL_ROUNDS}, same run, interleaved):")
+    rep.table(["path", "ls", "ping", "its imports", "ls vs the full path"],
+              [[p, f"{cli_ms[p + ' ls']:.0f} ms", f"{cli_ms[p + ' ping']:.0f} ms",
+                f"{cli_ms[p + ' imports']:.0f} ms", f"{cli_ms['full ls'] / cli_ms[p + ' ls']:.2f}x"]
+               for p in ("one-shot", "full")])
+    rep.say(f"python -c pass {cli_ms['python -c pass']:.0f} ms; the one-shot ls without a bytecode "
+            f"cache {cli_ms['one-shot ls, no bytecode cache']:.0f} ms; the listing in a warm "
+            f"client (daemon + decode) {listed_ms:.1f} ms")
     rep.say()
     rep.say(f"CPU per create, every process of the chain (a worker's: its fork and boot); "
             f"{os.cpu_count()} CPUs can do at most {ceiling:.0f} creates/s at that cost:")

@@ -52,8 +52,17 @@ __all__ = [
     "TurnFailedError",
 ]
 
-_reply_decoder = msgspec.msgpack.Decoder(op.AnyReply)
 R = TypeVar("R")
+_decoders: list[msgspec.msgpack.Decoder[op.AnyReply]] = []
+
+
+def _reply_decoder() -> msgspec.msgpack.Decoder[op.AnyReply]:
+    """Built at the first connection, not at import: ~5 ms here (the whole
+    reply union), which `sessionctl --help` and other importers that never
+    connect need not pay."""
+    if not _decoders:
+        _decoders.append(msgspec.msgpack.Decoder(op.AnyReply))
+    return _decoders[0]
 
 
 class DaemonUnavailable(ConnectionError):
@@ -128,7 +137,7 @@ class AsyncClient:
             _, proto = await asyncio.wait_for(
                 loop.create_unix_connection(
                     lambda: FramedProtocol(
-                        _reply_decoder, on_message=on_message, on_close=on_close,
+                        _reply_decoder(), on_message=on_message, on_close=on_close,
                         on_bad_message=on_bad, max_frame_bytes=1 << 30,
                     ),
                     path,

@@ -27,8 +27,7 @@ from ipc.loop import run as run_loop
 from supervisor import __version__
 from supervisor.client import AsyncClient, DaemonUnavailable, RequestError
 from supervisor.ctl_drain import drain_exit_code, drain_json, drain_text, timeout_secs
-from supervisor.ctl_history import ImportFileError, follow_logs, print_history, print_logs, read_document
-from supervisor.top import SORT_KEYS, run_top
+from supervisor.ctl_render import SORT_KEYS, pong_text, print_stats, print_status, print_table
 
 __all__ = ["main"]
 
@@ -183,76 +182,6 @@ def _positive_secs(text: str) -> float:
     return secs
 
 
-def _sandbox_line(sb: dict[str, Any]) -> str:
-    if sb.get("mode") == "off":
-        return "sandbox: off (sandbox.mode = off)"
-    have = [name for name, on in (("namespaces", sb.get("namespaces")),
-                                  (f"Landlock ABI {sb.get('landlock_abi')}", sb.get("landlock_abi")),
-                                  ("seccomp", sb.get("seccomp")), ("cgroups", sb.get("cgroups"))) if on]
-    missing = "; ".join(f"no {k}: {v}" for k, v in sb.get("why_not", {}).items())
-    return f"sandbox ({sb.get('mode')}): {', '.join(have) or 'nothing'}" + (f"; {missing}" if missing else "")
-
-
-def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
-
-
-def _print_table(sessions: list[m.SessionInfo]) -> None:
-    by_id = {s.id: s for s in sessions}
-    rows: list[tuple[str, m.SessionInfo]] = []
-
-    def walk(s: m.SessionInfo, depth: int) -> None:
-        rows.append(("  " * depth + ("└ " if depth else "") + s.id, s))
-        for child in s.children:
-            if child in by_id:
-                walk(by_id[child], depth + 1)
-
-    for s in sessions:
-        if s.parent is None or s.parent not in by_id:
-            walk(s, 0)
-    header = ("ID", "STATE", "PID", "RSS", "TURNS", "RESTARTS", "HANDLER")
-    table = [header] + [
-        (name, s.state, str(s.pid or "-"), _fmt_bytes(s.rss_bytes), str(s.turns), str(s.restarts), s.handler)
-        for name, s in rows
-    ]
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    for r in table:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    for s in sessions:
-        if s.error:
-            print(f"{s.id}: {s.state}: {s.error}")
-
-
-def _print_status(s: m.SessionInfo) -> None:
-    exit_text = "-"
-    if s.last_exit is not None:
-        e = s.last_exit
-        how = f"signal {e.signal}" if e.signal else f"code {e.code}"
-        exit_text = f"{e.reason} ({how}){': ' + e.detail if e.detail else ''}"
-    fields = [
-        ("id", s.id), ("state", s.state), ("handler", s.handler), ("pid", s.pid or "-"),
-        ("rss", _fmt_bytes(s.rss_bytes)), ("turns", s.turns), ("restarts", s.restarts),
-        ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.created_at))),
-        ("last exit", exit_text), ("seq", s.seq),
-    ]
-    if s.node:
-        fields.append(("node", s.node))  # cluster mode: where its worker runs
-    if s.error:
-        fields.append(("error", s.error))
-    if s.parent:
-        fields.append(("parent", s.parent))
-    if s.children:
-        fields.append(("children", ", ".join(s.children)))
-    for k, v in fields:
-        print(f"{k + ':':<11}{v}")
-
-
 _TOOL_LINE_CHARS = 200
 
 
@@ -398,24 +327,15 @@ async def _run(args: argparse.Namespace) -> int:
                 elif as_json:
                     print(json.dumps({"sessions": to_plain(sessions)}))
                 elif sessions:
-                    _print_table(sessions)
+                    print_table(to_plain(sessions))
                 else:
                     print("no sessions")
             case "status":
                 info = await client.status(args.id)
-                print(json.dumps(to_plain(info))) if as_json else _print_status(info)
+                print(json.dumps(to_plain(info))) if as_json else print_status(to_plain(info))
             case "stats":
                 stats = await client.stats()
-                if as_json:
-                    print(json.dumps(to_plain(stats)))
-                else:
-                    print(f"sessiond {stats.version}, pid {stats.pid}, up {stats.uptime_secs:.0f}s, "
-                          f"rss {_fmt_bytes(stats.rss_bytes)}")
-                    states = ", ".join(f"{n} {k}" for k, n in sorted(stats.by_state.items()))
-                    print(f"{stats.sessions} sessions ({states or 'none'}), {stats.live_workers} live "
-                          f"workers, {stats.clients} clients")
-                    if stats.sandbox:
-                        print(_sandbox_line(stats.sandbox))
+                print(json.dumps(to_plain(stats))) if as_json else print_stats(to_plain(stats))
             case "ping":
                 t0 = time.perf_counter()
                 pong = await client.ping(args.id)
@@ -423,8 +343,7 @@ async def _run(args: argparse.Namespace) -> int:
                 if as_json:
                     print(json.dumps({"pid": pong.pid, "session": pong.session, "rtt_ms": round(rtt_ms, 3)}))
                 else:
-                    who = f"worker of {pong.session}" if pong.session else "sessiond"
-                    print(f"pong from {who} (pid {pong.pid}) in {rtt_ms:.2f} ms")
+                    print(pong_text(pong.session, pong.pid, rtt_ms))
             case "interrupt" | "stop" | "restart" | "rm":
                 action = {"interrupt": client.interrupt, "stop": client.stop,
                           "restart": client.restart, "rm": client.remove}[args.command]
@@ -440,11 +359,19 @@ async def _run(args: argparse.Namespace) -> int:
                           f"{repaired.dropped_records} intact record(s) and "
                           f"{repaired.dropped_bytes} damaged byte(s) dropped; now {repaired.session.state}")
             case "top":
+                # Here and below, not at the top: curses and the history
+                # renderers cost every other command's start-up.
+                from supervisor.top import run_top
+
                 return await run_top(client, once=args.once, as_json=as_json, sort=args.sort,
                                      interval=args.interval, sample_secs=args.sample_secs)
             case "history":
+                from supervisor.ctl_history import print_history
+
                 print_history(await client.history(args.id, args.limit), as_json)
             case "logs":
+                from supervisor.ctl_history import follow_logs, print_logs
+
                 logs = await client.logs(args.id, args.limit)
                 if args.follow:
                     return await follow_logs(client, logs, as_json)
@@ -484,6 +411,7 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 async def _import(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    from supervisor.ctl_history import ImportFileError, read_document
     from supervisor.session import valid_session_id  # (daemon-side: not at start-up)
 
     if args.session_id is not None and not valid_session_id(args.session_id):

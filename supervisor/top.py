@@ -23,11 +23,11 @@ from typing import Any
 from ipc import messages as m
 from ipc import operator as op
 from supervisor.client import AsyncClient
+from supervisor.ctl_render import SORT_KEYS
 
 __all__ = ["Row", "SORT_KEYS", "render", "rows_from", "run_top", "snapshot_json", "totals"]
 
 # Sort key -> (key function, descending).  Letters are the live view's keys.
-SORT_KEYS = ("cpu", "rss", "turns", "restarts", "age", "id", "state")
 _KEYS_BY_LETTER = {"c": "cpu", "m": "rss", "t": "turns", "r": "restarts", "a": "age", "i": "id", "s": "state"}
 
 
