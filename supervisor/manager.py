@@ -372,13 +372,13 @@ class SessionManager:
         except OSError as exc:
             tagged(log, session.id).warning("its workspace could not be removed: %s", exc)
 
-    def _unlink(self, session: Session) -> None:
+    def _unlink(self, session: Session) -> asyncio.Future[None]:
         self.sessions.pop(session.id, None)
         parent = self.sessions.get(session.meta.parent or "")
         if parent is not None and session.id in parent.children:
             parent.children.remove(session.id)
-        session.store.remove()
         self.events.forget(session)
+        return session.store.remove_soon()  # behind its writes; `rm` is answered once it is done
 
     # ================================================================ requests
 
@@ -494,7 +494,7 @@ class SessionManager:
                 await self._stop_locked(session, "deleted")
             self.workers.cancel_restart(session)
             self.events.set_state(session, Trigger.DELETE, reason="deleted")
-            self._unlink(session)
+            await self._unlink(session)
             if session.meta_lost:
                 # Which workspace is its own is unknown; the next start's
                 # sweep of orphaned workspaces removes it.

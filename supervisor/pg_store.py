@@ -31,9 +31,16 @@ benches only) keeps the path before group commit, for comparison: each
 commit is its own statement on the loop's connection, and `sync_soon`
 returns a settled future.
 
-Loads, creates, snapshots and reads run on the loop's own connection,
-synchronously (a round trip each, as the `SessionLog` protocol has them);
-a snapshot or a read first waits for the session's commits in flight.
+A session's other writes from the loop go the same way, so that none
+waits on the loop and none overtakes another: `create` queues the row and
+metadata record first of all (creates of a round share one statement;
+`make_durable_soon` completes once it landed), `write_snapshot_soon` and
+`remove_soon` queue behind the session's commits.  A revival's read
+(`read_for_boot_soon`) waits, on the loop, for the session's requests in
+flight, then runs on a reader thread with a connection of its own.  Their
+synchronous twins queue the same and wait (tools, tests).  What is left on
+the loop's own connection, synchronously: the schema, loads (at start-up,
+by a repair, an import), repairs, the list of ids, `read_history`.
 
 Fencing: `load()` bumps `gen` in the transaction that reads the session
 back (the row is locked FOR UPDATE first, so no commit can slip between the
@@ -56,7 +63,7 @@ import asyncio
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -64,8 +71,8 @@ import msgspec
 import psycopg
 
 from supervisor.logtag import tagged
-from supervisor.pg_batch import CommitWriter, Diverged, Request
-from supervisor.pg_link import PgLink, safe_dsn
+from supervisor.pg_batch import CREATE, REMOVE, SNAPSHOT, SNAPSHOT_STATEMENT, CommitWriter, Diverged, Request
+from supervisor.pg_link import PgLink, PgReader, safe_dsn
 from supervisor.pg_link import store_error as _store_error  # noqa: F401 (tests)
 from supervisor.state_store import (
     Fenced,
@@ -79,6 +86,7 @@ from supervisor.state_store import (
     StoreError,
     StoreFull,
     boot_state,
+    logged,
     settled,
 )
 from supervisor.store import frame_record, scan_log
@@ -127,17 +135,6 @@ WITH claim AS (
 INSERT INTO sessiond_records (session, pos, frame)
 SELECT claim.id, %(start)s + f.ord - 1, f.frame
 FROM claim, unnest(%(frames)s::bytea[]) WITH ORDINALITY AS f(frame, ord)
-"""
-
-_SNAPSHOT = """
-WITH claim AS (
-    UPDATE sessiond_sessions SET snapshot = %(snap)s, snap_gen = %(snap_gen)s
-    WHERE id = %(id)s AND gen = %(gen)s
-    RETURNING id
-), gone AS (
-    DELETE FROM sessiond_records r USING claim WHERE r.session = claim.id
-)
-SELECT id FROM claim
 """
 
 _CREATE = """
@@ -194,10 +191,10 @@ class _Rows:
 class PgSessionLog:
     """One session's rows, held by its one writer.  Runs in the daemon only
     (its loop thread; the writer thread only reads the fields of a
-    `Request` and writes `failed_epoch`/`failed_error`)."""
+    `Request` and writes `failed_epoch`/`failed_error`/`lost`)."""
 
     def __init__(self, store: PgStateStore, session_id: str, generation: int, next_pos: int,
-                 snap_gen: int) -> None:
+                 snap_gen: int, meta_frame: bytes = b"") -> None:
         self._store = store
         self._id = session_id
         self._generation = generation
@@ -207,16 +204,24 @@ class PgSessionLog:
         self._closed = False
         # Group commit (supervisor.pg_batch): requests sent and not yet
         # taken in, oldest first; the epoch starts anew after a failure.
-        self._inflight: deque[Request] = deque()
+        self._inflight: deque[Request] = deque()  # its create and commits
+        self._ops: deque[Request] = deque()  # its snapshots and removal
         self._epoch = 0
         self.failed_epoch = -1
         self.failed_error: StoreError | None = None
+        # Its create failed: it writes nothing, ever (see supervisor.pg_batch).
+        self.lost: StoreError | None = None
+        # Until its create is known to have landed: what a removal checks
+        # the row is its own by.
+        self._meta_frame = meta_frame
 
     @property
     def generation(self) -> int:
         return self._generation
 
     def _check_open(self) -> None:
+        if self.lost is not None:
+            raise self.lost
         if self._closed:
             raise StoreError(f"session {self._id}: this writer was closed")
 
@@ -276,8 +281,8 @@ class PgSessionLog:
         self._store.run(op, f"the log of {self._id}")
 
     def make_durable(self) -> None:
-        # `create` commits its row durably at once (one round trip either
-        # way); what is left is to refuse a handle that lost its session.
+        # The create was sent first: the session exists once everything
+        # sent so far has landed (or this fails with the create's outcome).
         self.sync()
 
     def sync_soon(self) -> asyncio.Future[None]:
@@ -294,14 +299,26 @@ class PgSessionLog:
         return fut
 
     def make_durable_soon(self) -> asyncio.Future[None]:
+        """The create, off the loop: done once its statement (and every
+        append since) landed; `IdTaken` if another daemon had the id."""
         return self.sync_soon()
 
     # ---------------------------------------------------------------- group commit, loop side
+
+    def submit_create(self, writer: CommitWriter) -> None:
+        """Queue this new session's row and metadata record (position 0):
+        every later write of it follows."""
+        req = Request(self, self._id, self._generation, 0, [self._meta_frame], self._epoch,
+                      _running_loop(), kind=CREATE)
+        writer.submit(req)
+        self._next_pos = req.end
+        self._inflight.append(req)
 
     def _submit(self, writer: CommitWriter, loop: asyncio.AbstractEventLoop | None) -> Request:
         """The request that makes every append so far durable: the pending
         frames sent, else the last one in flight, else a fence check."""
         self.settle()
+        self._check_open()
         if not self._pending and self._inflight:
             return self._inflight[-1]
         frames, self._pending = self._pending, []
@@ -311,17 +328,28 @@ class PgSessionLog:
         self._inflight.append(req)
         return req
 
+    def _submit_op(self, writer: CommitWriter, loop: asyncio.AbstractEventLoop | None, kind: str,
+                   body: bytes = b"", snap_gen: int = 0) -> Request:
+        req = Request(self, self._id, self._generation, self._next_pos, [], self._epoch, loop,
+                      kind=kind, body=body, snap_gen=snap_gen)
+        writer.submit(req)
+        self._ops.append(req)
+        return req
+
     def settle(self) -> None:
         """Take in the outcome of every finished request, in order.  After
         a failure, everything sent after it is doomed (the writer fails it
         unsent): the log is back where the failed request began, in a new
-        epoch."""
+        epoch.  After a failed create it is lost (`self.lost`, set by the
+        writer thread) and writes nothing more."""
         while self._inflight and self._inflight[0].done.is_set():
             req = self._inflight.popleft()
             if req.settled:
                 continue
             req.settled = True
             if req.error is None:
+                if req.kind == CREATE:
+                    self._meta_frame = b""
                 continue
             for doomed in self._inflight:
                 doomed.settled = True
@@ -329,27 +357,77 @@ class PgSessionLog:
             self._pending = []
             self._epoch += 1
             self._next_pos = req.error.log_end if isinstance(req.error, Diverged) else req.start
+        while self._ops and self._ops[0].done.is_set():
+            self._ops.popleft()
 
     def _drain(self) -> None:
         """Wait (blocking) for every request in flight, and take them in:
         before a synchronous write or read, which must follow them."""
-        for req in list(self._inflight):
+        for req in [*self._inflight, *self._ops]:
             req.done.wait()
         self.settle()
 
-    # ---------------------------------------------------------------- the rest
+    async def _until_landed(self) -> None:
+        """Wait (on the loop) for every request in flight, whatever its outcome."""
+        loop = asyncio.get_running_loop()
+        waits: list[Awaitable[object]] = []
+        for req in [*self._inflight, *self._ops]:
+            if req.done.is_set():
+                continue
+            if req.loop is loop:  # completed by `finish`, on this loop
+                fut: asyncio.Future[None] = loop.create_future()
+                req.futures.append(fut)
+                waits.append(fut)
+            else:
+                waits.append(asyncio.to_thread(req.done.wait))
+        await asyncio.gather(*waits, return_exceptions=True)
+        self.settle()
+
+    # ---------------------------------------------------------------- snapshots
 
     def write_snapshot(self, snap: Snapshot) -> None:
         """The snapshot and the end of every record before it, in one
-        statement.  Records appended and not synced precede it: its state
-        covers them, so they are dropped with the rest."""
+        statement, and wait.  Records appended and not synced precede it:
+        its state covers them, so they go with the rest."""
         self._check_open()
-        self._drain()
+        writer = self._store.writer
+        if writer is None:
+            self._snapshot_now(snap)
+            return
+        req = self._snapshot(writer, snap, _running_loop())
+        req.done.wait()
+        self.settle()
+        if req.error is not None:
+            raise req.error
+
+    def write_snapshot_soon(self, snap: Snapshot) -> asyncio.Future[None]:
+        """The snapshot, queued behind every write of the session so far
+        (so it covers exactly them) and before every later one."""
+        writer = self._store.writer
+        if writer is None:
+            return settled(lambda: self.write_snapshot(snap))
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._snapshot(writer, snap, loop).futures.append(fut)
+        return fut
+
+    def _snapshot(self, writer: CommitWriter, snap: Snapshot, loop: asyncio.AbstractEventLoop | None) -> Request:
+        if self._pending:
+            # Sent first (the snapshot then deletes them): if it fails,
+            # they are still there.
+            self._submit(writer, loop)
+        self._snap_gen += 1
+        snap.gen = self._snap_gen
+        return self._submit_op(writer, loop, SNAPSHOT, _snap_encoder.encode(snap), snap.gen)
+
+    def _snapshot_now(self, snap: Snapshot) -> None:
+        """Without group commit: on the loop's own connection."""
         snap.gen = self._snap_gen + 1
         body = _snap_encoder.encode(snap)
 
         def op(cur: psycopg.Cursor[Any]) -> None:
-            cur.execute(_SNAPSHOT, {"id": self._id, "gen": self._generation, "snap": body,
+            cur.execute(SNAPSHOT_STATEMENT, {"id": self._id, "gen": self._generation, "snap": body,
                                     "snap_gen": snap.gen})
             if cur.fetchone() is None:
                 self._fenced_or(cur, lambda next_pos: False)
@@ -358,36 +436,92 @@ class PgSessionLog:
         self._pending = []
         self._snap_gen = snap.gen
 
+    # ---------------------------------------------------------------- reading
+
     def read_for_boot(self) -> tuple[bytes, list[bytes], int]:
         return boot_state(*self.read_history())
+
+    def read_for_boot_soon(self) -> asyncio.Future[tuple[bytes, list[bytes], int]]:
+        """A revival's read, on the reader thread's connection, after every
+        write of the session in flight has landed."""
+        if self._store.reader is None:
+            return settled(self.read_for_boot)
+        return asyncio.ensure_future(self._boot_state_soon())
+
+    async def _boot_state_soon(self) -> tuple[bytes, list[bytes], int]:
+        return boot_state(*await self._history_soon())
+
+    async def _history_soon(self) -> tuple[Snapshot | None, list[Record]]:
+        reader = self._store.reader
+        assert reader is not None
+        await self._until_landed()
+        # Appended, not sent: they follow what is stored, unless they are
+        # sent and land meanwhile (then they are stored: counted once).
+        epoch, base, pending = self._epoch, self._next_pos, list(self._pending)
+        body, stored_end, frames = await reader.run(self._read_op, f"session {self._id}")
+        if self._epoch == epoch:
+            frames = [*frames, *pending[max(stored_end - base, 0):]]
+        return _decode_snapshot(self._id, body), [rec for rec in map(_intact, map(bytes, frames)) if rec]
+
+    def _read_op(self, cur: psycopg.Cursor[Any]) -> tuple[bytes | None, int, list[bytes]]:
+        """The snapshot, where the log ends, and the records after the
+        snapshot: one statement, so one consistent view."""
+        cur.execute(
+            "SELECT s.snapshot, s.next_pos, ARRAY(SELECT frame FROM sessiond_records r "
+            "WHERE r.session = s.id ORDER BY pos) FROM sessiond_sessions s WHERE s.id = %s",
+            (self._id,))
+        row = cur.fetchone()
+        if row is None:
+            raise StoreError(f"session {self._id}: it was removed")
+        return row[0], row[1], row[2]
 
     def read_history(self) -> tuple[Snapshot | None, list[Record]]:
         """The snapshot and every record after it (those not yet committed
         by this writer included), as stored."""
         self._drain()
-
-        def op(cur: psycopg.Cursor[Any]) -> tuple[bytes | None, list[bytes]]:
-            cur.execute(
-                "SELECT s.snapshot, ARRAY(SELECT frame FROM sessiond_records r "
-                "WHERE r.session = s.id ORDER BY pos) FROM sessiond_sessions s WHERE s.id = %s",
-                (self._id,))
-            row = cur.fetchone()
-            if row is None:
-                raise StoreError(f"session {self._id}: it was removed")
-            return row[0], row[1]
-
-        body, frames = self._store.run(op, f"session {self._id}")
+        body, _, frames = self._store.run(self._read_op, f"session {self._id}")
         snap = _decode_snapshot(self._id, body)
         return snap, [rec for rec in map(_intact, [*map(bytes, frames), *self._pending]) if rec]
+
+    # ---------------------------------------------------------------- the end
 
     def close(self) -> None:
         self._closed = True
         self._pending = []
 
     def remove(self) -> None:
-        """Delete the session, unless a newer writer holds it."""
+        """Delete the session, unless a newer writer holds it, and wait."""
+        writer = self._store.writer
+        if writer is None:
+            self._remove_now()
+            return
+        req = self._remove(writer, _running_loop())
+        req.done.wait()
+        self.settle()
+        if req.error is not None:
+            raise req.error
+
+    def remove_soon(self) -> asyncio.Future[None]:
+        """The removal, queued behind every write of the session so far.
+        Its failure is logged here, whether or not anyone awaits it."""
+        writer = self._store.writer
+        if writer is None:
+            return settled(self.remove)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._remove(writer, loop).futures.append(fut)
+        return logged(fut, self._id, "was not deleted from the database")
+
+    def _remove(self, writer: CommitWriter, loop: asyncio.AbstractEventLoop | None) -> Request:
         self.close()
-        self._drain()
+        self.settle()
+        # A create not known to have landed (or that failed): its row is
+        # deleted only if it is its own.
+        return self._submit_op(writer, loop, REMOVE, self._meta_frame)
+
+    def _remove_now(self) -> None:
+        """Without group commit: on the loop's own connection."""
+        self.close()
 
         def op(cur: psycopg.Cursor[Any]) -> None:
             cur.execute("DELETE FROM sessiond_sessions WHERE id = %s AND gen = %s",
@@ -440,6 +574,7 @@ class PgStateStore:
         if batch is None:
             batch = BATCH_BY_DEFAULT
         self.writer = CommitWriter(dsn, retry_secs) if batch else None
+        self.reader = PgReader(dsn, retry_secs) if batch else None
         self.run(self._migrate, "the schema")
 
     @property
@@ -462,6 +597,8 @@ class PgStateStore:
         """Land the commits in flight, then close both connections."""
         if self.writer is not None:
             self.writer.close()
+        if self.reader is not None:
+            self.reader.close()
         self._link.close()
 
     def _migrate(self, cur: psycopg.Cursor[Any]) -> None:
@@ -486,9 +623,19 @@ class PgStateStore:
     # ---------------------------------------------------------------- the seam
 
     def create(self, meta: Meta, durable: bool = True) -> PgSessionLog:
-        """The session row and its metadata record in one durable statement
-        (`durable=False` changes nothing: there is no fsync to overlap)."""
+        """The session row and its metadata record in one durable statement,
+        by the writer thread, first of the session's writes (with creates
+        of other sessions: one statement for all).  `durable=True` waits
+        for it here; `durable=False` returns at once, and the caller learns
+        the outcome from `make_durable_soon()` (`IdTaken` if another daemon
+        sharing the database had the id)."""
         frame = frame_record(meta)
+        if self.writer is not None:
+            log = PgSessionLog(self, meta.id, 1, 0, 0, meta_frame=frame)
+            log.submit_create(self.writer)
+            if durable:
+                log.make_durable()
+            return log
         attempts = 0
 
         def op(cur: psycopg.Cursor[Any]) -> bool:

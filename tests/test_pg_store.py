@@ -24,7 +24,7 @@ from supervisor.client import RequestError, TurnFailedError
 from supervisor.config import ConfigError, parse_config
 from supervisor import pg_batch
 from supervisor.pg_store import SCHEMA_VERSION, PgSessionLog, PgStateStore, safe_dsn
-from supervisor.state_store import Commit, Fenced, InputRecord, Meta, StoreError, StoreFull
+from supervisor.state_store import Commit, Fenced, IdTaken, InputRecord, Meta, StoreError, StoreFull
 from supervisor.store import frame_record
 
 
@@ -182,26 +182,37 @@ def hold_row(conn: psycopg.Connection[object], sid: str) -> None:
 
 class _Log:
     def __init__(self) -> None:
-        self.failed_epoch, self.failed_error = -1, None
+        self.failed_epoch, self.failed_error, self.lost = -1, None, None
 
     def settle(self) -> None:
         pass
 
 
 @pytest.mark.pure
-def test_a_batch_merges_each_sessions_requests_and_holds_back_what_cannot_go() -> None:
-    a, b = _Log(), _Log()
+def test_a_round_keeps_each_sessions_order_and_holds_back_what_cannot_go() -> None:
+    a, b, c, gone = _Log(), _Log(), _Log(), _Log()
     b.failed_epoch, b.failed_error = 0, StoreError("b's disk")
+    gone.lost = IdTaken("l: taken")  # type: ignore[assignment]
 
-    def req(log: _Log, sid: str, start: int, n: int, epoch: int = 0) -> pg_batch.Request:
-        return pg_batch.Request(log, sid, 1, start, [b"f"] * n, epoch, None)  # type: ignore[arg-type]
+    def req(log: _Log, sid: str, start: int, n: int, epoch: int = 0, kind: str = pg_batch.COMMIT,
+            body: bytes = b"") -> pg_batch.Request:
+        return pg_batch.Request(log, sid, 1, start, [b"f"] * n, epoch, None,  # type: ignore[arg-type]
+                                kind=kind, body=body)
 
     a1, a2, b1, b2, a_gap = req(a, "a", 1, 2), req(a, "a", 3, 1), req(b, "b", 5, 1), req(b, "b", 5, 1, epoch=1), \
         req(a, "a", 9, 1)
-    entries, doomed, later = pg_batch._plan([a1, b1, a2, b2, a_gap])
-    assert [(e.sid, e.start, e.end, e.reqs) for e in entries] == [("a", 1, 4, [a1, a2]), ("b", 5, 6, [b2])]
-    assert doomed == [(b1, b.failed_error)]  # its epoch failed: unsent
-    assert later == [a_gap]  # does not follow a2: the next statement
+    c0, c1, c_snap, c2 = (req(c, "c", 0, 1, kind=pg_batch.CREATE), req(c, "c", 1, 1),
+                          req(c, "c", 2, 0, kind=pg_batch.SNAPSHOT), req(c, "c", 2, 1))
+    b_snap = req(b, "b", 5, 0, kind=pg_batch.SNAPSHOT)  # of the failed epoch: still goes
+    g1, g_rm = req(gone, "g", 1, 1), req(gone, "g", 1, 0, kind=pg_batch.REMOVE, body=b"its meta")
+    plan = pg_batch._plan([a1, c0, b1, c1, a2, c_snap, b2, c2, a_gap, b_snap, g1, g_rm])
+    assert plan.creates == [c0]
+    assert [(e.sid, e.start, e.end, e.reqs) for e in plan.entries] == [
+        ("a", 1, 4, [a1, a2]), ("c", 1, 2, [c1]), ("b", 5, 6, [b2])]
+    assert plan.ops == [c_snap, b_snap, g_rm]  # a lost log's removal of its own row goes
+    assert plan.doomed == [(b1, b.failed_error), (g1, gone.lost)]  # unsent
+    # c2 would overtake c's snapshot; a_gap does not follow a2: the next round.
+    assert plan.later == [c2, a_gap]
 
 
 @pytest.mark.component
@@ -269,7 +280,7 @@ def test_a_connection_killed_mid_batch_lands_each_commit_once(
         first = await asyncio.gather(*futs, return_exceptions=True)
         # Then a statement that lands but whose reply is lost: the retry
         # finds every commit of it landed and writes none twice.
-        real = pg_batch._commit
+        real = pg_batch._commits
         calls = []
 
         def lands_then_link_drops(cur: psycopg.Cursor[object], entries: list[object]) -> object:
@@ -280,7 +291,7 @@ def test_a_connection_killed_mid_batch_lands_each_commit_once(
                 raise psycopg.OperationalError("server closed the connection unexpectedly")
             return out
 
-        monkeypatch.setattr(pg_batch, "_commit", lands_then_link_drops)
+        monkeypatch.setattr(pg_batch, "_commits", lands_then_link_drops)
         futs = []
         for log in logs:
             log.append(commit(2, 2), durable=False)
