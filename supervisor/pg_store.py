@@ -67,12 +67,12 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-import msgspec
 import psycopg
 
 from supervisor.logtag import tagged
 from supervisor.pg_batch import CREATE, REMOVE, SNAPSHOT, SNAPSHOT_STATEMENT, CommitWriter, Diverged, Request
 from supervisor.pg_link import PgLink, PgReader, safe_dsn
+from supervisor.pg_rows import Rows, decode_snapshot, describe, intact, snap_encoder
 from supervisor.pg_link import store_error as _store_error  # noqa: F401 (tests)
 from supervisor.state_store import (
     Fenced,
@@ -89,7 +89,7 @@ from supervisor.state_store import (
     logged,
     settled,
 )
-from supervisor.store import frame_record, scan_log
+from supervisor.store import frame_record
 
 __all__ = ["PgSessionLog", "PgStateStore", "SCHEMA_VERSION", "safe_dsn"]
 
@@ -97,8 +97,6 @@ log = logging.getLogger("sessiond.store")
 
 _T = TypeVar("_T")
 
-_snap_encoder = msgspec.msgpack.Encoder()
-_snap_decoder = msgspec.msgpack.Decoder(Snapshot)
 
 # Each entry moves the schema one version up; never edit one that shipped.
 _MIGRATIONS: list[str] = [
@@ -149,43 +147,6 @@ INSERT INTO sessiond_records (session, pos, frame) SELECT s.id, 0, %(frame)s FRO
 # For benchmarks only (bench/pg_batch.py): SESSIOND_BENCH_PG_BATCH=0 makes
 # the daemon's store commit without group commit, to compare.  Not a setting.
 BATCH_BY_DEFAULT = os.environ.get("SESSIOND_BENCH_PG_BATCH", "1") != "0"
-
-
-def _intact(frame: bytes) -> Record | None:
-    """The record a row holds, or None when its frame is damaged."""
-    scan = scan_log(frame)
-    if scan.bad or len(scan.records) != 1:
-        return None
-    return scan.records[0][2]
-
-
-class _Rows:
-    """A session's log rows, checked: which are intact, which damaged."""
-
-    def __init__(self, rows: list[tuple[int, bytes]]) -> None:
-        self.rows = rows
-        self.records: list[tuple[int, Record]] = []
-        self.bad: list[tuple[int, int]] = []  # (pos, length) of damaged rows
-        for pos, frame in rows:
-            rec = _intact(bytes(frame))
-            if rec is None:
-                self.bad.append((pos, len(frame)))
-            else:
-                self.records.append((pos, rec))
-
-    @property
-    def torn_at(self) -> int | None:
-        """First position of damaged rows with nothing intact after them."""
-        last_good = self.records[-1][0] if self.records else -1
-        return next((pos for pos, _ in self.bad if pos > last_good), None)
-
-    @property
-    def damaged(self) -> list[int]:
-        last_good = self.records[-1][0] if self.records else -1
-        return [pos for pos, _ in self.bad if pos < last_good]
-
-    def meta(self) -> Meta | None:
-        return next((r for _, r in self.records if isinstance(r, Meta)), None)
 
 
 class PgSessionLog:
@@ -419,12 +380,12 @@ class PgSessionLog:
             self._submit(writer, loop)
         self._snap_gen += 1
         snap.gen = self._snap_gen
-        return self._submit_op(writer, loop, SNAPSHOT, _snap_encoder.encode(snap), snap.gen)
+        return self._submit_op(writer, loop, SNAPSHOT, snap_encoder.encode(snap), snap.gen)
 
     def _snapshot_now(self, snap: Snapshot) -> None:
         """Without group commit: on the loop's own connection."""
         snap.gen = self._snap_gen + 1
-        body = _snap_encoder.encode(snap)
+        body = snap_encoder.encode(snap)
 
         def op(cur: psycopg.Cursor[Any]) -> None:
             cur.execute(SNAPSHOT_STATEMENT, {"id": self._id, "gen": self._generation, "snap": body,
@@ -461,7 +422,7 @@ class PgSessionLog:
         body, stored_end, frames = await reader.run(self._read_op, f"session {self._id}")
         if self._epoch == epoch:
             frames = [*frames, *pending[max(stored_end - base, 0):]]
-        return _decode_snapshot(self._id, body), [rec for rec in map(_intact, map(bytes, frames)) if rec]
+        return decode_snapshot(self._id, body), [rec for rec in map(intact, map(bytes, frames)) if rec]
 
     def _read_op(self, cur: psycopg.Cursor[Any]) -> tuple[bytes | None, int, list[bytes]]:
         """The snapshot, where the log ends, and the records after the
@@ -480,8 +441,8 @@ class PgSessionLog:
         by this writer included), as stored."""
         self._drain()
         body, _, frames = self._store.run(self._read_op, f"session {self._id}")
-        snap = _decode_snapshot(self._id, body)
-        return snap, [rec for rec in map(_intact, [*map(bytes, frames), *self._pending]) if rec]
+        snap = decode_snapshot(self._id, body)
+        return snap, [rec for rec in map(intact, [*map(bytes, frames), *self._pending]) if rec]
 
     # ---------------------------------------------------------------- the end
 
@@ -540,27 +501,6 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
-
-
-def _decode_snapshot(session_id: str, body: bytes | None) -> Snapshot | None:
-    if body is None:
-        return None
-    try:
-        return _snap_decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise StoreDamaged(session_id, f"its snapshot cannot be decoded ({exc}); its state is lost: "
-                           f"`sessionctl rm {session_id}` deletes it", repairable=False) from None
-
-
-def _describe(rows: _Rows) -> str:
-    damaged = rows.damaged
-    where = ", ".join(map(str, damaged[:4])) + (", ..." if len(damaged) > 4 else "")
-    after = sum(1 for pos, _ in rows.records if pos > damaged[0])
-    return (
-        f"record(s) at position {where} are corrupt with {after} intact record(s) after the damage; "
-        "they are kept as they are. `sessionctl repair ID --skip-bad` keeps every intact record, "
-        "`--truncate` keeps what precedes the damage, `sessionctl rm ID` deletes the session"
-    )
 
 
 class PgStateStore:
@@ -656,7 +596,7 @@ class PgStateStore:
             raise FileExistsError(meta.id)
         return PgSessionLog(self, meta.id, 1, 1, 0)
 
-    def _read(self, cur: psycopg.Cursor[Any], session_id: str) -> tuple[Snapshot | None, int, _Rows]:
+    def _read(self, cur: psycopg.Cursor[Any], session_id: str) -> tuple[Snapshot | None, int, Rows]:
         """Inside a transaction: the session's row (locked) and its records."""
         cur.execute("SELECT snapshot, snap_gen FROM sessiond_sessions WHERE id = %s FOR UPDATE",
                     (session_id,))
@@ -665,8 +605,8 @@ class PgStateStore:
             raise KeyError(session_id)
         cur.execute("SELECT pos, frame FROM sessiond_records WHERE session = %s ORDER BY pos",
                     (session_id,))
-        rows = _Rows([(pos, bytes(frame)) for pos, frame in cur.fetchall()])
-        return _decode_snapshot(session_id, row[0]), row[1], rows
+        rows = Rows([(pos, bytes(frame)) for pos, frame in cur.fetchall()])
+        return decode_snapshot(session_id, row[0]), row[1], rows
 
     def load(self, session_id: str) -> tuple[PgSessionLog, LoadedSession]:
         def op(cur: psycopg.Cursor[Any]) -> tuple[PgSessionLog, LoadedSession]:
@@ -674,7 +614,7 @@ class PgStateStore:
                 snap, snap_gen, rows = self._read(cur, session_id)
                 if rows.damaged:
                     meta = snap.meta if snap is not None else rows.meta()
-                    raise StoreDamaged(session_id, _describe(rows), meta=meta)
+                    raise StoreDamaged(session_id, describe(rows), meta=meta)
                 torn = rows.torn_at
                 if torn is not None:
                     dropped = sum(n for pos, n in rows.bad if pos >= torn)

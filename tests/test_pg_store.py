@@ -9,7 +9,8 @@ import asyncio
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import psutil
@@ -20,11 +21,11 @@ import tomli_w
 from conftest import FAST_CONFIG
 from harness import wait_for
 from pg_server import PgServer
-from supervisor.client import RequestError, TurnFailedError
+from supervisor.client import Client, RequestError, TurnFailedError
 from supervisor.config import ConfigError, parse_config
 from supervisor import pg_batch
 from supervisor.pg_store import SCHEMA_VERSION, PgSessionLog, PgStateStore, safe_dsn
-from supervisor.state_store import Commit, Fenced, IdTaken, InputRecord, Meta, StoreError, StoreFull
+from supervisor.state_store import Commit, Fenced, IdTaken, InputRecord, Meta, Snapshot, StoreError, StoreFull
 from supervisor.store import frame_record
 
 
@@ -603,3 +604,131 @@ def test_a_server_out_of_space_is_store_full() -> None:
     assert isinstance(full, StoreFull) and "out of space" in str(full)
     other = _store_error("the log of s1", pgerr.UniqueViolation("duplicate key"))
     assert type(other) is StoreError and "duplicate key" in str(other)
+
+
+# ---------------------------------------------------------------- the loop never waits for the database
+
+
+@pytest.mark.component
+def test_a_create_snapshot_and_read_held_up_by_a_lock_leave_the_loop_free(
+    dsn: str, stores: list[PgStateStore]
+) -> None:
+    store = PgStateStore(dsn)
+    stores.append(store)
+    old = store.create(meta("old"))
+    old.append(commit(1, 1), durable=True)
+
+    async def main() -> tuple[bytes, list[bytes], int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        beat = asyncio.create_task(ticker())
+        with psycopg.connect(dsn) as blocker:
+            # Writes of the session table wait; reads do not.
+            blocker.execute(b"LOCK TABLE sessiond_sessions IN EXCLUSIVE MODE")
+            new = store.create(meta("new"), durable=False)  # returns at once
+            made = new.make_durable_soon()
+            snap = old.write_snapshot_soon(Snapshot(gen=0, meta=meta("old"), turns=1, seq=1, handler_state=b"S"))
+            read = old.read_for_boot_soon()  # after the snapshot, which it must see
+            await asyncio.to_thread(writer_waits_for_a_lock, dsn)
+            seen = ticks
+            while ticks < seen + 20:  # the loop runs while the writer waits
+                await asyncio.sleep(0.001)
+            assert not (made.done() or snap.done() or read.done())
+            blocker.commit()
+        await asyncio.gather(made, snap)
+        beat.cancel()
+        return await read
+
+    assert asyncio.run(main()) == (b"S", [], 1)
+    assert store.ids() == ["new", "old"]
+
+
+def _server_processes(pg_server: PgServer) -> list[psutil.Process]:
+    postmaster = psutil.Process(int((pg_server.data / "postmaster.pid").read_text().split()[0]))
+    return [postmaster, *postmaster.children()]
+
+
+@pytest.mark.process
+def test_the_daemon_answers_while_its_database_is_frozen_and_loses_nothing(
+    make_daemon, pg_server: PgServer, dsn: str
+) -> None:
+    """The server stopped (SIGSTOP: it answers nothing, no connection
+    breaks) while clients create a session, run a turn whose snapshot
+    follows, and remove one: the daemon still answers pings and lists the
+    new session as starting; once the server goes on, every one of them
+    completes, and a restarted daemon finds exactly that."""
+    d = make_daemon(pg_config(dsn, "snapshot_every_turns = 1\n"))
+    with d.client() as c:
+        busy, doomed = c.create().id, c.create().id
+        assert c.send_text(busy, "a") == "1: a"
+    outcomes: dict[str, object] = {}
+
+    def client_call(name: str, call: Callable[[Client], object]) -> threading.Thread:
+        def run() -> None:
+            try:
+                with d.client() as c:
+                    outcomes[name] = call(c)
+            except Exception as exc:  # noqa: BLE001 (handed to the test's thread)
+                outcomes[name] = exc
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    stopped = _server_processes(pg_server)
+    for proc in stopped:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        threads = [client_call("create", lambda c: c.create().id),
+                   client_call("turn", lambda c: c.send_text(busy, "b")),
+                   client_call("rm", lambda c: c.remove(doomed))]
+        with d.client() as c, ThreadPoolExecutor(1) as pool:
+            def starting() -> bool:
+                return any(s.state == "starting" for s in pool.submit(c.list).result(10))
+
+            wait_for(starting, 10, "the new session to be listed as starting")
+            pool.submit(c.ping).result(10)  # answered while the database answers nothing
+        assert not outcomes, outcomes
+    finally:
+        for proc in stopped:
+            proc.send_signal(signal.SIGCONT)
+    for thread in threads:
+        thread.join(30)
+    new = outcomes["create"]
+    assert isinstance(new, str), outcomes
+    assert outcomes["turn"] == "2: b" and outcomes["rm"] is None, outcomes
+    with d.client() as c:
+        assert c.send_text(new, "c") == "1: c"
+    snapshot, = sql(dsn, "SELECT snapshot IS NOT NULL FROM sessiond_sessions WHERE id = %s", busy)
+    assert snapshot == (True,)
+    d.kill()
+    d.start()
+    with d.client() as c:
+        assert sorted(s.id for s in c.list()) == sorted([busy, new])
+        assert c.status(busy).turns == 2 and c.status(new).turns == 1
+        assert c.send_text(busy, "d") == "3: d"
+
+
+@pytest.mark.process
+def test_a_create_that_cannot_reach_the_database_fails_cleanly(make_daemon, pg_server: PgServer, dsn: str) -> None:
+    d = make_daemon(pg_config(dsn) + "retry_secs = 0.3\n")
+    with d.client() as c:
+        kept = c.create().id
+    pg_server.stop()
+    try:
+        with d.client() as c:
+            with pytest.raises(RequestError, match="cannot be reached"):
+                c.create()
+            c.ping()
+            assert [s.id for s in c.list()] == [kept]
+    finally:
+        pg_server.start()
+    assert [r[0] for r in sql(dsn, "SELECT id FROM sessiond_sessions")] == [kept]
+    with d.client() as c:
+        assert c.send_text(kept, "a") == "1: a"
