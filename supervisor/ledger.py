@@ -139,6 +139,16 @@ class TurnLedger:
         # the loop reads between them.
         fut.add_done_callback(lambda f: self.pacer.now_or_later(done, f))
 
+    async def save_mark(self, session: Session) -> None:
+        """`write_mark(durable=True)` (a stop, a restart) without blocking
+        the loop: made durable by the group commit; a failure is logged,
+        as there."""
+        self._events.write_mark(session, durable=False)
+        try:
+            await session.store.sync_soon()
+        except StoreError as exc:
+            tagged(log, session.id).error("%s", exc)
+
     def _input_saved(self, session: Session, exc: StoreError | None) -> None:
         pending = session.pending_input
         if pending is None or pending.accepted.turn != session.current_turn:

@@ -460,7 +460,7 @@ class SessionManager:
         self.events.set_state(session, Trigger.STOP, reason=reason)
         await self.workers.terminate(session, "stopped", self.config.daemon.stop_grace_secs)
         self.events.set_state(session, Trigger.STOPPED, reason=reason)
-        self.events.write_mark(session, durable=True)
+        await self.ledger.save_mark(session)
 
     async def restart(self, session: Session) -> None:
         if session.state is State.DAMAGED:
@@ -473,13 +473,13 @@ class SessionManager:
             self.events.set_state(session, Trigger.RESTART, reason="restart requested")
             if session.policy is not None:
                 session.policy.reset()
-            self.events.write_mark(session, durable=True)
+            await self.ledger.save_mark(session)
             try:
                 await self.workers.start(session)
             except SessiondError:
                 if session.is_(State.STARTING):
                     self.events.set_state(session, Trigger.GIVE_UP, reason="boot_failed")
-                    self.events.write_mark(session, durable=True)
+                    await self.ledger.save_mark(session)
                 raise
 
     async def remove(self, session: Session) -> None:
