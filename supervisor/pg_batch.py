@@ -299,7 +299,7 @@ class CommitWriter:
                 self._commit(plan.entries)
                 plan.decided.extend(r for e in plan.entries for r in e.reqs)
             for req in plan.ops:
-                req.error = self._link.run(functools.partial(_op, req=req), f"session {req.sid}")
+                req.error = self._op(req)
                 plan.decided.append(req)
         except Unreachable as exc:
             # Whatever queued meanwhile waited through the same outage.
@@ -310,8 +310,9 @@ class CommitWriter:
                     batch.append(req)
                 _fail(req, exc)
             plan.later = []
-        self.batches += 1
-        self.requests += len(batch) - len(plan.later)
+        if plan.creates or plan.entries or plan.ops:
+            self.batches += 1
+            self.requests += len(plan.creates) + sum(len(e.reqs) for e in plan.entries) + len(plan.ops)
         if plan.later:
             with self._cond:
                 self._queue.extendleft(reversed(plan.later))
@@ -331,6 +332,16 @@ class CommitWriter:
         for req in creates:
             if (err := outcomes.get(id(req))) is not None:
                 _fail(req, err)
+
+    def _op(self, req: Request) -> StoreError | None:
+        """A snapshot or a removal, alone: its outcome.  `Unreachable`
+        stops the round (every write waiting fails the same way)."""
+        try:
+            return self._link.run(functools.partial(_op, req=req), f"session {req.sid}")
+        except Unreachable:
+            raise
+        except StoreError as exc:
+            return exc
 
     def _commit(self, entries: list[_Entry]) -> None:
         try:

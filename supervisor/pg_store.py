@@ -312,6 +312,8 @@ class PgSessionLog:
                 if req.kind == CREATE:
                     self._meta_frame = b""
                 continue
+            if req.kind == CREATE and self.lost is None:  # (the writer sets it too; an internal error does not)
+                self.lost = req.error
             for doomed in self._inflight:
                 doomed.settled = True
             self._inflight.clear()

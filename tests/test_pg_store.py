@@ -732,3 +732,29 @@ def test_a_create_that_cannot_reach_the_database_fails_cleanly(make_daemon, pg_s
     assert [r[0] for r in sql(dsn, "SELECT id FROM sessiond_sessions")] == [kept]
     with d.client() as c:
         assert c.send_text(kept, "a") == "1: a"
+
+
+@pytest.mark.component
+def test_a_snapshot_the_server_refuses_fails_alone_and_the_commits_around_it_land(
+    dsn: str, stores: list[PgStateStore]
+) -> None:
+    store = PgStateStore(dsn)
+    stores.append(store)
+    h = store.create(meta())
+    sql(dsn, "CREATE FUNCTION no_snapshots() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+             "RAISE EXCEPTION 'no space' USING ERRCODE = 'disk_full'; END $$")
+    sql(dsn, "CREATE TRIGGER no_snapshots BEFORE UPDATE OF snapshot ON sessiond_sessions FOR EACH ROW "
+             "EXECUTE FUNCTION no_snapshots()")
+
+    async def main() -> list[BaseException | None]:
+        h.append(commit(1, 1), durable=False)
+        futs = [h.sync_soon(), h.write_snapshot_soon(Snapshot(gen=0, meta=meta(), turns=1, seq=1))]
+        h.append(commit(2, 2), durable=False)
+        futs.append(h.sync_soon())
+        done = await asyncio.gather(*futs, return_exceptions=True)
+        return [r if isinstance(r, BaseException) else None for r in done]
+
+    results = asyncio.run(main())
+    assert results[0] is None and isinstance(results[1], StoreFull) and results[2] is None, results
+    assert log_rows(dsn)[1:] == [frame_record(commit(1, 1)), frame_record(commit(2, 2))]
+    assert sql(dsn, "SELECT snapshot IS NULL FROM sessiond_sessions") == [(True,)]
