@@ -328,7 +328,10 @@ def test_a_server_stopped_mid_batch_fails_exactly_the_waiting_commits(
                 log.append(commit(2, 2), durable=False)
                 futs.append(log.sync_soon())
             writer_waits_for_a_lock(dsn)
-            await asyncio.to_thread(pg_server.stop)
+            # Immediate: every backend quits at once, holding its locks.  (A
+            # fast stop ends the blocker's backend, and with it the row lock,
+            # while the writer's may still commit before it is ended too.)
+            await asyncio.to_thread(pg_server.stop, "immediate")
             stopped = True
             c.append(commit(1, 1), durable=False)  # queued during the outage: it waited too
             futs.append(c.sync_soon())
