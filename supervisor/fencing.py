@@ -112,8 +112,14 @@ class UnheldLog:
     def write_snapshot(self, snap: Snapshot) -> None:
         raise NotHeld(self._id)
 
+    def write_snapshot_soon(self, snap: Snapshot) -> asyncio.Future[None]:
+        raise NotHeld(self._id)
+
     def read_for_boot(self) -> tuple[bytes, list[bytes], int]:
         raise NotHeld(self._id)  # claim first
+
+    def read_for_boot_soon(self) -> asyncio.Future[tuple[bytes, list[bytes], int]]:
+        raise NotHeld(self._id)
 
     def read_history(self) -> tuple[Snapshot | None, list[Record]]:
         if self._reader is None:
@@ -125,6 +131,9 @@ class UnheldLog:
 
     def remove(self) -> None:
         self._store.remove(self._id)
+
+    def remove_soon(self) -> asyncio.Future[None]:
+        return settled(self.remove)  # (rare: the store's own remove)
 
 
 def held_elsewhere(exc: Fenced) -> str:

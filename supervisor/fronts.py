@@ -55,9 +55,19 @@ from supervisor import fencing
 from supervisor.fencing import UnheldLog
 from supervisor.logtag import tagged
 from supervisor.pg_link import PgLink
-from supervisor.pg_store import CHANNEL, PgSessionLog, PgStateStore
+from supervisor.pg_batch import CHANNEL
+from supervisor.pg_store import PgSessionLog, PgStateStore
 from supervisor.session import Session
-from supervisor.state_store import LoadedSession, Record, SessionLog, Snapshot, StoreDamaged, StoreError
+from supervisor.pg_rows import Rows, decode_snapshot, describe, replay
+from supervisor.state_store import (
+    HeldElsewhere,
+    LoadedSession,
+    Record,
+    SessionLog,
+    Snapshot,
+    StoreDamaged,
+    StoreError,
+)
 from supervisor.states import State, Trigger
 
 if TYPE_CHECKING:
@@ -167,6 +177,7 @@ class Fronts:
         self._manager = manager
         self._store = store
         self.front = store.front = front_id(state_dir)
+        store.check_claim = self._check_claim
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lease = _Lease(dsn, retry_secs, self.front, lease_secs, self._hear_threadsafe)
         manager.open_stored = self.open_stored
@@ -184,11 +195,42 @@ class Fronts:
 
     def open_stored(self, session_id: str) -> tuple[SessionLog, LoadedSession]:
         """The session as stored; claimed only if this daemon held it."""
-        loaded, holder = self._store.peek(session_id)
+        loaded, holder = self.peek(session_id)
         if holder == self.front:
             return self._store.load(session_id)
         loaded.open_input = None  # its turn is its holder's, or its claimer's to end
         return UnheldLog(self._store, session_id, self.read_history), loaded
+
+    def peek(self, session_id: str) -> tuple[LoadedSession, str | None]:
+        """The session as stored, and the daemon holding it, without
+        claiming it (nothing is written)."""
+        def op(cur: psycopg.Cursor[Any]) -> tuple[LoadedSession, str | None]:
+            cur.execute("SELECT snapshot, holder FROM sessiond_sessions WHERE id = %s", (session_id,))
+            row = cur.fetchone()
+            if row is None:
+                raise KeyError(session_id)
+            cur.execute("SELECT pos, frame FROM sessiond_records WHERE session = %s ORDER BY pos",
+                        (session_id,))
+            rows = Rows([(pos, bytes(frame)) for pos, frame in cur.fetchall()])
+            snap = decode_snapshot(session_id, row[0])
+            if rows.damaged:
+                raise StoreDamaged(session_id, describe(rows), meta=snap.meta if snap is not None else rows.meta())
+            return replay(session_id, snap, rows), row[1]
+
+        return self._store.run(op, f"session {session_id}")
+
+    def _check_claim(self, cur: psycopg.Cursor[Any], session_id: str, loaded: LoadedSession) -> None:
+        """Inside a claim's transaction (the row locked): refuse to take a
+        turn away from a live daemon (one whose row is renewed); a dead
+        one's turn is the claimer's to end.  An idle session is taken from
+        anyone: that is what lets any daemon serve any session."""
+        if loaded.open_input is None:
+            return
+        cur.execute("SELECT s.holder, f.host, f.pid FROM sessiond_sessions s JOIN sessiond_fronts f "
+                    "ON f.id = s.holder WHERE s.id = %s AND f.expires_at > now()", (session_id,))
+        row = cur.fetchone()
+        if row is not None and row[0] != self.front:
+            raise HeldElsewhere(session_id, f"{row[1]} (pid {row[2]})", loaded.open_input.turn)
 
     def read_history(self, session_id: str) -> tuple[Snapshot | None, list[Record]]:
         """Read, never written: a log of generation 0 writes nothing."""
@@ -235,7 +277,7 @@ class Fronts:
 
     def _adopt(self, session_id: str) -> None:
         try:
-            loaded, _ = self._store.peek(session_id)
+            loaded, _ = self.peek(session_id)
         except (KeyError, StoreDamaged):
             return  # gone again, or for its holder to report
         except StoreError as exc:

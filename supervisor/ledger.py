@@ -31,14 +31,14 @@ import msgspec
 
 from ipc import messages as m
 from ipc.pacing import Pacer
-from supervisor.errors import Internal, NoSpace, SessiondError
+from supervisor.errors import Conflict, Internal, NoSpace, SessiondError
 from supervisor.events import EventLog
 from supervisor.logtag import tagged
 from supervisor.metrics import NO_METRICS, Recorder
 from supervisor.session import PendingInput, Session, WorkerProc
 from supervisor.states import State, Trigger
 from supervisor.state_store import (
-    Abort, Commit, Fenced, InputRecord, Mark, Snapshot, StoreError, StoreFull, add_usage,
+    Abort, Commit, Fenced, IdTaken, InputRecord, Mark, Snapshot, StoreError, StoreFull, add_usage,
 )
 
 __all__ = ["TurnLedger", "store_failure"]
@@ -138,6 +138,16 @@ class TurnLedger:
         # One flush completes every session's turn at once: paced, so that
         # the loop reads between them.
         fut.add_done_callback(lambda f: self.pacer.now_or_later(done, f))
+
+    async def save_mark(self, session: Session) -> None:
+        """`write_mark(durable=True)` (a stop, a restart) without blocking
+        the loop: made durable by the group commit; a failure is logged,
+        as there."""
+        self._events.write_mark(session, durable=False)
+        try:
+            await session.store.sync_soon()
+        except StoreError as exc:
+            tagged(log, session.id).error("%s", exc)
 
     def _input_saved(self, session: Session, exc: StoreError | None) -> None:
         pending = session.pending_input
@@ -245,9 +255,10 @@ class TurnLedger:
             self._events.set_state(session, Trigger.TURN_END)
 
     def _snapshot(self, session: Session, handler_state: bytes) -> None:
+        """Queued (`write_snapshot_soon`): TurnDone does not wait for it."""
         last = msgspec.to_builtins(session.last_exit) if session.last_exit else None
         try:
-            session.store.write_snapshot(
+            written = session.store.write_snapshot_soon(
                 Snapshot(
                     gen=0, meta=session.meta, turns=session.turns, seq=session.reserved_seq,
                     handler_state=handler_state, usage=dict(session.usage),
@@ -257,6 +268,8 @@ class TurnLedger:
             )
         except StoreError as exc:
             tagged(log, session.id).warning("%s (the log still holds every turn)", exc)
+            return
+        written.add_done_callback(lambda f: _snapshot_failed(session, f))
 
     def fail(self, session: Session, msg: m.Failed) -> None:
         if msg.turn != session.current_turn:
@@ -308,8 +321,17 @@ class TurnLedger:
         session.turn_timer = session.kill_timer = None
 
 
+def _snapshot_failed(session: Session, written: asyncio.Future[None]) -> None:
+    exc = None if written.cancelled() else written.exception()
+    if exc is not None:
+        tagged(log, session.id).warning("%s (the log still holds every turn)", exc)
+
+
 def store_failure(prefix: str, exc: StoreError) -> SessiondError:
-    """A store error as a client hears it: `no_space` for a full disk."""
+    """A store error as a client hears it: `no_space` for a full disk,
+    `conflict` for an id another daemon sharing the store took first."""
     if isinstance(exc, StoreFull):
         return NoSpace(f"{prefix}{exc}")
+    if isinstance(exc, IdTaken):
+        return Conflict(f"{prefix}{exc}")
     return Internal(f"{prefix}{exc}")

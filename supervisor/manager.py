@@ -378,13 +378,13 @@ class SessionManager:
         except OSError as exc:
             tagged(log, session.id).warning("its workspace could not be removed: %s", exc)
 
-    def _unlink(self, session: Session) -> None:
+    def _unlink(self, session: Session) -> asyncio.Future[None]:
         self.sessions.pop(session.id, None)
         parent = self.sessions.get(session.meta.parent or "")
         if parent is not None and session.id in parent.children:
             parent.children.remove(session.id)
-        session.store.remove()
         self.events.forget(session)
+        return session.store.remove_soon()  # behind its writes; `rm` is answered once it is done
 
     # ================================================================ requests
 
@@ -471,7 +471,7 @@ class SessionManager:
         self.events.set_state(session, Trigger.STOP, reason=reason)
         await self.workers.terminate(session, "stopped", self.config.daemon.stop_grace_secs)
         self.events.set_state(session, Trigger.STOPPED, reason=reason)
-        self.events.write_mark(session, durable=True)
+        await self.ledger.save_mark(session)
 
     async def restart(self, session: Session) -> None:
         if session.state is State.DAMAGED:
@@ -485,13 +485,13 @@ class SessionManager:
             self.events.set_state(session, Trigger.RESTART, reason="restart requested")
             if session.policy is not None:
                 session.policy.reset()
-            self.events.write_mark(session, durable=True)
+            await self.ledger.save_mark(session)
             try:
                 await self.workers.start(session)
             except SessiondError:
                 if session.is_(State.STARTING):
                     self.events.set_state(session, Trigger.GIVE_UP, reason="boot_failed")
-                    self.events.write_mark(session, durable=True)
+                    await self.ledger.save_mark(session)
                 raise
 
     async def remove(self, session: Session) -> None:
@@ -506,7 +506,7 @@ class SessionManager:
                 await self._stop_locked(session, "deleted")
             self.workers.cancel_restart(session)
             self.events.set_state(session, Trigger.DELETE, reason="deleted")
-            self._unlink(session)
+            await self._unlink(session)
             if session.meta_lost:
                 # Which workspace is its own is unknown; the next start's
                 # sweep of orphaned workspaces removes it.

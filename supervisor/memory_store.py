@@ -113,9 +113,15 @@ class MemoryLog:
         self._stored.log = bytearray()
         self._stored.synced = 0
 
+    def write_snapshot_soon(self, snap: Snapshot) -> asyncio.Future[None]:
+        return settled(lambda: self.write_snapshot(snap))
+
     def read_for_boot(self) -> tuple[bytes, list[bytes], int]:
         scan = scan_log(bytes(self._stored.log))
         return boot_state(self._stored.snapshot, [rec for _, _, rec in scan.records])
+
+    def read_for_boot_soon(self) -> asyncio.Future[tuple[bytes, list[bytes], int]]:
+        return settled(self.read_for_boot)
 
     def read_history(self) -> tuple[Snapshot | None, list[Record]]:
         scan = scan_log(bytes(self._stored.log))
@@ -128,6 +134,9 @@ class MemoryLog:
         self.close()
         if self._sessions.get(self._id) is self._stored:
             del self._sessions[self._id]
+
+    def remove_soon(self) -> asyncio.Future[None]:
+        return settled(self.remove)
 
 
 class InMemoryStateStore:

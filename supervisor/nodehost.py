@@ -75,15 +75,17 @@ Frame = bytes | ExitItem | tuple[str, int, int] | tuple[str]
 
 
 class _Worker:
-    __slots__ = ("claimed", "exit", "front", "memory", "sock")
+    __slots__ = ("claimed", "doomed", "exit", "front", "memory", "sock")
 
     def __init__(self, sock: socket.socket, exit: asyncio.Future[tuple[int | None, int | None, str]],
                  front: str, claimed: bool) -> None:
         self.sock = sock
         self.exit = exit
         self.front = front  # the front that holds it (by its lease)
-        # False for a spare (supervisor.ray_spares) until its front claims it.
+        # False for a spare (supervisor.ray_spares) until its front claims it;
+        # doomed: a spare killed here (its exit may not have come yet).
         self.claimed = claimed
+        self.doomed = False
         # Its descendants as measured here, and pidfds for those that left
         # its process group: a kill reaches them through these.
         self.memory = SessionMemory()
@@ -152,7 +154,7 @@ class NodeHost:
         the spare is gone.  Asked here, where the mark is, so no front
         hands out a spare on a node another front just marked."""
         worker = self._workers.get(pid)
-        if worker is None or worker.exit.done():
+        if worker is None or worker.exit.done() or worker.doomed:
             return False
         if self._draining:
             self._kill_spare(pid, worker)
@@ -164,12 +166,13 @@ class NodeHost:
         """A front has no free slot for a session: kill one spare here (of
         any front), whose slot it then gets.  False if there is none."""
         for pid, worker in self._workers.items():
-            if not worker.claimed and not worker.exit.done():
+            if not worker.claimed and not worker.doomed and not worker.exit.done():
                 self._kill_spare(pid, worker)
                 return True
         return False
 
     def _kill_spare(self, pid: int, worker: _Worker) -> None:
+        worker.doomed = True
         if self._spawner is not None and not worker.exit.done():
             self._spawner.kill_tree(pid, worker.memory.escapees())
 

@@ -14,6 +14,16 @@ row, 39-59 ms pipelined with a Sync each (still 50 WAL flushes), 21 ms
 pipelined in one transaction, 7-13 ms as one statement over arrays (10
 sessions: 6.0 / 6.4 / 2.2 / 1.7 ms).
 
+The same queue carries a session's other writes, so that they land in
+the order they were made and none waits on the loop: its creation (the
+session's row and metadata record, `create`), its snapshots and its
+removal.  A round's requests go in up to three steps, each one statement
+for every session in it (the third, one a request): creates, then
+commits, then snapshots and removals.  A session's request that would go
+back a step (a create after its removal, a commit after its snapshot)
+waits for the next round, and so does everything of that session after
+it: nothing of a session overtakes anything of it.
+
 Promises (those of supervisor.state_store, per session):
 * each session's fence is checked on its own: a session whose generation
   is stale, or whose log moved, matches no row and fails alone (`Fenced`);
@@ -26,10 +36,16 @@ Promises (those of supervisor.state_store, per session):
   its own outcome (one session's oversized record does not fail the rest);
   a server that stays unreachable for `retry_secs` fails the batch and
   whatever queued meanwhile: exactly the commits that were waiting;
-* once a session's request failed, every later request of it that was
+* once a session's commit failed, every later commit of it that was
   queued before the loop heard of the failure fails the same way, unsent
   (its records follow ones that were not written).  The loop then starts
-  a new *epoch* for the session, back at the end of what is durable.
+  a new *epoch* for the session, back at the end of what is durable.  A
+  snapshot or a removal does not depend on positions: it still goes;
+* a create that failed (its id taken meanwhile by another daemon: `IdTaken`)
+  makes its handle *lost*: everything of it is refused unsent, for good
+  (it would otherwise write, under generation 1, into the other daemon's
+  session).  Its removal deletes the row only if it is its own (the
+  metadata record matches): a create whose outcome is unknown is undone.
 
 Threads: `submit` and `close` run on the daemon's loop (or any one caller
 thread); `_run` and everything it calls run on the writer thread, which
@@ -45,16 +61,20 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import psycopg
 
 from supervisor.pg_link import PgLink, Unreachable
-from supervisor.state_store import Fenced, StoreError
+from supervisor.state_store import Fenced, IdTaken, StoreError
 
-__all__ = ["BATCH_LIMIT", "CommitWriter", "Diverged", "Request", "finish"]
+__all__ = ["BATCH_LIMIT", "CHANNEL", "COMMIT", "CREATE", "CommitWriter", "Diverged", "REMOVE", "Request", "SNAPSHOT", "SNAPSHOT_STATEMENT",
+           "finish"]
 
 log = logging.getLogger("sessiond.store")
+
+_I = TypeVar("_I")
 
 # Sessions in one statement at most (the rest go in the next one): bounds
 # the statement's size and the time a lock is held.
@@ -81,12 +101,56 @@ SELECT id FROM claim
 """
 
 
+# What daemons sharing the database hear of each other's sessions (LISTEN;
+# supervisor.fronts).
+CHANNEL = "sessiond_sessions"
+
+# The kinds of request, and the step of a round each goes in.
+CREATE, COMMIT, SNAPSHOT, REMOVE = "create", "commit", "snapshot", "remove"
+_STEP = {CREATE: 0, COMMIT: 1, SNAPSHOT: 2, REMOVE: 2}
+
+# Every create of a round: the rows and metadata records of the sessions
+# whose id is free; the ids it made.
+_CREATES = """
+WITH c AS (
+    SELECT * FROM unnest(%(ids)s::text[], %(frames)s::bytea[]) AS c(id, frame)
+), s AS (
+    INSERT INTO sessiond_sessions (id, gen, next_pos, holder) SELECT id, 1, 1, %(holder)s FROM c
+    ON CONFLICT (id) DO NOTHING
+    RETURNING id
+), ins AS (
+    INSERT INTO sessiond_records (session, pos, frame) SELECT s.id, 0, c.frame FROM s JOIN c ON c.id = s.id
+)
+SELECT id FROM s
+"""
+
+SNAPSHOT_STATEMENT = """
+WITH claim AS (
+    UPDATE sessiond_sessions SET snapshot = %(snap)s, snap_gen = %(snap_gen)s
+    WHERE id = %(id)s AND gen = %(gen)s
+    RETURNING id
+), gone AS (
+    DELETE FROM sessiond_records r USING claim WHERE r.session = claim.id
+)
+SELECT id FROM claim
+"""
+
+_REMOVE = "DELETE FROM sessiond_sessions WHERE id = %(id)s AND gen = %(gen)s"
+# The removal of a session whose create failed: only if the row is its own.
+_REMOVE_OURS = """
+DELETE FROM sessiond_sessions s WHERE s.id = %(id)s AND s.gen = 1 AND EXISTS (
+    SELECT 1 FROM sessiond_records r WHERE r.session = s.id AND r.pos = 0 AND r.frame = %(frame)s)
+"""
+
+
 class Writer(Protocol):
     """What the writer thread keeps on a session's log: the failure that
-    dooms the rest of an epoch (written and read by the writer thread only)."""
+    dooms the rest of an epoch, and the one that makes it lost (written
+    by the writer thread, read by it and, once told, by the loop)."""
 
     failed_epoch: int
     failed_error: StoreError | None
+    lost: StoreError | None
 
     def settle(self) -> None:
         """On the loop: take in the outcome of every finished request."""
@@ -106,6 +170,14 @@ class Request:
     frames: list[bytes]
     epoch: int
     loop: asyncio.AbstractEventLoop | None
+    kind: str = COMMIT
+    body: bytes = b""  # a snapshot's msgpack
+    snap_gen: int = 0
+    sent: int = 0  # a create: how many times a statement carried it
+    # The daemon writing, when daemons share the database (supervisor.fronts):
+    # a create names it the session's holder, and a create or a removal is
+    # told on the channel.
+    holder: str | None = None
     error: StoreError | None = None
     done: threading.Event = field(default_factory=threading.Event)
     futures: list[asyncio.Future[None]] = field(default_factory=list)
@@ -223,53 +295,91 @@ class CommitWriter:
         return batch
 
     def _write(self, batch: list[Request]) -> None:
-        entries, doomed, later = _plan(batch)
-        for req, err in doomed:
+        plan = _plan(batch)
+        for req, err in plan.doomed:
             req.error = err
-        if entries:
-            outcomes: dict[int, StoreError | None]
-            try:
-                outcomes = self._link.run(lambda cur: _commit(cur, entries), _what(entries))
-            except Unreachable as exc:
-                # Whatever queued meanwhile waited through the same outage.
-                with self._cond:
-                    waiting, self._queue = later + list(self._queue), deque()
-                outcomes = {id(e): exc for e in entries}
-                for req in waiting:
-                    if req not in batch:
-                        batch.append(req)
-                    req.error = exc
-                    _doom(req.log, req.epoch, exc)
-                later = []
-            except StoreError as exc:
-                outcomes = self._one_by_one(entries, exc)
-            for entry in entries:
-                outcome = outcomes.get(id(entry))
-                for req in entry.reqs:
-                    req.error = outcome
-                if outcome is not None:
-                    _doom(entry.reqs[0].log, entry.reqs[0].epoch, outcome)
-            self.batches += 1
-            self.requests += sum(len(e.reqs) for e in entries)
-        if later:
+        try:
+            if plan.creates:
+                self._create(plan.creates)
+                plan.decided.extend(plan.creates)
+                plan.drop_lost()
+            if plan.entries:
+                self._commit(plan.entries)
+                plan.decided.extend(r for e in plan.entries for r in e.reqs)
+            for req in plan.ops:
+                req.error = self._op(req)
+                plan.decided.append(req)
+        except Unreachable as exc:
+            # Whatever queued meanwhile waited through the same outage.
             with self._cond:
-                self._queue.extendleft(reversed(later))
-        done = [req for req in batch if req not in later]
+                waiting, self._queue = plan.later + list(self._queue), deque()
+            for req in [*plan.unsent(), *waiting]:
+                if req not in batch:
+                    batch.append(req)
+                _fail(req, exc)
+            plan.later = []
+        if plan.creates or plan.entries or plan.ops:
+            self.batches += 1
+            self.requests += len(plan.creates) + sum(len(e.reqs) for e in plan.entries) + len(plan.ops)
+        if plan.later:
+            with self._cond:
+                self._queue.extendleft(reversed(plan.later))
+        done = [req for req in batch if req not in plan.later]
         for req in done:
             req.done.set()
         self._post(done)
 
-    def _one_by_one(self, entries: list[_Entry], exc: StoreError) -> dict[int, StoreError | None]:
-        """The batch's statement failed: each session alone, so that each
-        hears its own outcome."""
-        if len(entries) == 1:
-            return {id(entries[0]): exc}
-        outcomes: dict[int, StoreError | None] = {}
+    def _create(self, creates: list[Request]) -> None:
+        """The round's creates, one statement; each failed one makes its log lost."""
+        try:
+            outcomes = self._link.run(lambda cur: _creates(cur, creates), _what_created(creates))
+        except Unreachable:
+            raise
+        except StoreError as exc:
+            outcomes = self._one_by_one(creates, exc, _creates, _what_created)
+        for req in creates:
+            if (err := outcomes.get(id(req))) is not None:
+                _fail(req, err)
+
+    def _op(self, req: Request) -> StoreError | None:
+        """A snapshot or a removal, alone: its outcome.  `Unreachable`
+        stops the round (every write waiting fails the same way)."""
+        try:
+            return self._link.run(functools.partial(_op, req=req), f"session {req.sid}")
+        except Unreachable:
+            raise
+        except StoreError as exc:
+            return exc
+
+    def _commit(self, entries: list[_Entry]) -> None:
+        try:
+            outcomes = self._link.run(lambda cur: _commits(cur, entries), _what(entries))
+        except Unreachable:
+            raise
+        except StoreError as exc:
+            outcomes = self._one_by_one(entries, exc, _commits, _what)
         for entry in entries:
+            outcome = outcomes.get(id(entry))
+            for req in entry.reqs:
+                req.error = outcome
+            if outcome is not None:
+                _doom(entry.reqs[0].log, entry.reqs[0].epoch, outcome)
+
+    def _one_by_one(self, items: list[_I], exc: StoreError,
+                    statement: Callable[[psycopg.Cursor[Any], list[_I]], dict[int, StoreError | None]],
+                    what: Callable[[list[_I]], str]) -> dict[int, StoreError | None]:
+        """The round's statement failed: each session alone, so that each
+        hears its own outcome."""
+        if len(items) == 1:
+            return {id(items[0]): exc}
+        outcomes: dict[int, StoreError | None] = {}
+        for item in items:
             try:
-                outcomes.update(self._link.run(functools.partial(_commit, entries=[entry]), _what([entry])))
+                outcomes.update(self._link.run(functools.partial(_alone, statement, item), what([item])))
+            except Unreachable:
+                raise
             except StoreError as err:
-                outcomes[id(entry)] = err
+                outcomes[id(item)] = err
         return outcomes
 
     def _post(self, reqs: list[Request]) -> None:
@@ -282,31 +392,105 @@ class CommitWriter:
                 loop.call_soon_threadsafe(finish, some)
 
 
+def _alone(statement: Callable[[psycopg.Cursor[Any], list[_I]], dict[int, StoreError | None]], item: _I,
+           cur: psycopg.Cursor[Any]) -> dict[int, StoreError | None]:
+    return statement(cur, [item])
+
+
 def _doom(writer: Writer, epoch: int, err: StoreError) -> None:
     writer.failed_epoch, writer.failed_error = epoch, err
 
 
-def _plan(batch: list[Request]) -> tuple[list[_Entry], list[tuple[Request, StoreError]], list[Request]]:
-    """The batch's statement: one entry a session (its consecutive requests
-    merged); requests of an epoch that already failed, failed unsent; and
-    what must wait for the next statement (a session's request that does
-    not follow its previous one: a new epoch behind an old one's)."""
+def _fail(req: Request, err: StoreError) -> None:
+    """`req` did not land: what that dooms of its log."""
+    req.error = err
+    if req.kind == CREATE:
+        req.log.lost = err
+    elif req.kind == COMMIT:
+        _doom(req.log, req.epoch, err)
+
+
+def _unsent_refusal(req: Request) -> StoreError | None:
+    """Why `req` fails unsent, if it does: its log is lost (a removal of its
+    own row still goes), or it is a commit of an epoch that failed."""
+    writer = req.log
+    if writer.lost is not None and not (req.kind == REMOVE and req.body):
+        return writer.lost
+    if req.kind == COMMIT and writer.failed_error is not None and writer.failed_epoch == req.epoch:
+        return writer.failed_error
+    return None
+
+
+@dataclass(eq=False)
+class _Plan:
+    """One round: what goes in which step, what fails unsent, what waits."""
+
+    creates: list[Request] = field(default_factory=list)
+    entries: list[_Entry] = field(default_factory=list)
+    ops: list[Request] = field(default_factory=list)  # snapshots and removals, in order
+    doomed: list[tuple[Request, StoreError]] = field(default_factory=list)
+    later: list[Request] = field(default_factory=list)
+    decided: list[Request] = field(default_factory=list)  # sent (or refused), outcome known
+
+    def drop_lost(self) -> None:
+        """After the creates: what follows a create that failed fails unsent."""
+        for entry in [e for e in self.entries if e.reqs[0].log.lost is not None]:
+            self.entries.remove(entry)
+            for req in entry.reqs:
+                req.error = entry.reqs[0].log.lost
+                self.decided.append(req)
+        for req in list(self.ops):
+            if (err := _unsent_refusal(req)) is not None:
+                self.ops.remove(req)
+                req.error = err
+                self.decided.append(req)
+
+    def unsent(self) -> list[Request]:
+        """Every request of the round whose outcome is not known (after an outage)."""
+        planned = [*self.creates, *(r for e in self.entries for r in e.reqs), *self.ops]
+        decided = {id(r) for r in self.decided}
+        return [r for r in planned if id(r) not in decided]
+
+
+def _plan(batch: list[Request]) -> _Plan:
+    """The round's steps: creates; one entry a session for its commits
+    (its consecutive requests merged); snapshots and removals.  Requests
+    that fail unsent (see `_unsent_refusal`) are set apart; what would go
+    back a step, or does not follow the session's previous commit (a new
+    epoch behind an old one's), waits for the next round with everything
+    of its session after it."""
+    plan = _Plan()
     entries: dict[str, _Entry] = {}
-    doomed: list[tuple[Request, StoreError]] = []
-    later: list[Request] = []
+    step: dict[str, int] = {}
+    held: set[str] = set()
     for req in batch:
-        writer = req.log
-        if writer.failed_error is not None and writer.failed_epoch == req.epoch:
-            doomed.append((req, writer.failed_error))
+        sid = req.sid
+        if sid in held:
+            plan.later.append(req)
             continue
-        entry = entries.get(req.sid)
-        if entry is None:
-            entries[req.sid] = _Entry([req])
-        elif entry.reqs[-1].log is writer and entry.reqs[-1].epoch == req.epoch and entry.end == req.start:
-            entry.reqs.append(req)
-        else:
-            later.append(req)
-    return list(entries.values()), doomed, later
+        refusal = _unsent_refusal(req)
+        if refusal is not None:
+            plan.doomed.append((req, refusal))
+            continue
+        last, mine = step.get(sid, -1), _STEP[req.kind]
+        if req.kind == COMMIT and last == mine:
+            prev = entries[sid].reqs[-1]
+            if prev.log is req.log and prev.epoch == req.epoch and prev.end == req.start:
+                entries[sid].reqs.append(req)
+                continue
+        elif last < mine:
+            step[sid] = mine
+            if req.kind == CREATE:
+                plan.creates.append(req)
+            elif req.kind == COMMIT:
+                entries[sid] = _Entry([req])
+                plan.entries.append(entries[sid])
+            else:
+                plan.ops.append(req)
+            continue
+        held.add(sid)
+        plan.later.append(req)
+    return plan
 
 
 def _what(entries: list[_Entry]) -> str:
@@ -315,7 +499,35 @@ def _what(entries: list[_Entry]) -> str:
     return f"the logs of {len(entries)} sessions"
 
 
-def _commit(cur: psycopg.Cursor[Any], entries: list[_Entry]) -> dict[int, StoreError | None]:
+def _what_created(creates: list[Request]) -> str:
+    return f"session {creates[0].sid}" if len(creates) == 1 else f"{len(creates)} new sessions"
+
+
+def _creates(cur: psycopg.Cursor[Any], items: list[Request]) -> dict[int, StoreError | None]:
+    """One statement for every create; the outcome of each (None: made).
+    Safe to repeat after a lost connection: on a retry, a row found with
+    this very metadata record at generation 1 is an earlier attempt's."""
+    for r in items:
+        r.sent += 1
+    cur.execute(_CREATES, {"ids": [r.sid for r in items], "frames": [r.frames[0] for r in items],
+                           "holder": items[0].holder})
+    made = {row[0] for row in cur.fetchall()}
+    _tell(cur, "create", items[0].holder, [r.sid for r in items if r.sid in made])
+    outcomes: dict[int, StoreError | None] = {id(r): None for r in items}
+    missed = [r for r in items if r.sid not in made]
+    if not missed:
+        return outcomes
+    cur.execute("SELECT s.id, s.gen, r.frame FROM sessiond_sessions s LEFT JOIN sessiond_records r "
+                "ON r.session = s.id AND r.pos = 0 WHERE s.id = ANY(%s)", ([r.sid for r in missed],))
+    found = {row[0]: (row[1], bytes(row[2]) if row[2] is not None else None) for row in cur.fetchall()}
+    for r in missed:
+        if r.sent == 1 or found.get(r.sid) != (1, r.frames[0]):
+            outcomes[id(r)] = IdTaken(f"session {r.sid} already exists in the database (another daemon "
+                                      "sharing it created it first)")
+    return outcomes
+
+
+def _commits(cur: psycopg.Cursor[Any], entries: list[_Entry]) -> dict[int, StoreError | None]:
     """One statement for every entry; the outcome of each (None: landed).
     Safe to repeat after a lost connection."""
     f_ids: list[str] = []
@@ -356,6 +568,36 @@ def _refusal(e: _Entry, row: tuple[int, int] | None) -> StoreError | None:
     if next_pos == e.end:
         return None
     return Diverged(e.sid, next_pos, e.start)
+
+
+def _op(cur: psycopg.Cursor[Any], req: Request) -> StoreError | None:
+    """A snapshot or a removal, one statement; its outcome (None: done).
+    Either is safe to repeat."""
+    if req.kind == SNAPSHOT:
+        cur.execute(SNAPSHOT_STATEMENT, {"id": req.sid, "gen": req.gen, "snap": req.body, "snap_gen": req.snap_gen})
+        if cur.fetchone() is not None:
+            return None
+    elif req.body:
+        cur.execute(_REMOVE_OURS, {"id": req.sid, "frame": req.body})
+        return None
+    else:
+        cur.execute(_REMOVE, {"id": req.sid, "gen": req.gen})
+        if cur.rowcount:
+            _tell(cur, "remove", req.holder, [req.sid])
+            return None
+    cur.execute("SELECT gen FROM sessiond_sessions WHERE id = %s", (req.sid,))
+    row = cur.fetchone()
+    if row is None:  # gone: nothing to snapshot; already removed
+        return StoreError(f"session {req.sid}: it was removed") if req.kind == SNAPSHOT else None
+    return Fenced(req.sid, req.gen, row[0])
+
+
+def _tell(cur: psycopg.Cursor[Any], kind: str, holder: str | None, sids: list[str]) -> None:
+    """Tell the other daemons on the channel (in the statement's own
+    transaction: they hear it once it is done)."""
+    if holder is not None and sids:
+        cur.execute("SELECT pg_notify(%s, %s || ' ' || s || ' ' || %s) FROM unnest(%s::text[]) AS s",
+                    (CHANNEL, kind, holder, sids))
 
 
 class Diverged(StoreError):

@@ -1,9 +1,14 @@
 """One connection to the PostgreSQL store's database, re-made when lost.
 
-The store has two (supervisor.pg_store): the daemon loop's, for loads,
-creates, snapshots and reads, and the group-commit writer thread's
-(supervisor.pg_batch), for commits.  A psycopg connection is not for
-concurrent use, so each is used by one thread only.
+The store has three (supervisor.pg_store), each used by one thread only (a
+psycopg connection is not for concurrent use):
+* the daemon loop's, for what the loop does synchronously: the schema,
+  loads at start-up, repairs, listing, and the blocking twins of the
+  `*_soon` operations when a caller wants to wait (tools, tests);
+* the group-commit writer thread's (supervisor.pg_batch), for every write
+  of a session made from the loop: creates, commits, snapshots, removals;
+* the reader thread's (`PgReader`), for a revival's read of a session,
+  so that the loop does not wait for it.
 
 Every database error leaves `run` as ours (`raise Ours(...) from exc`, at
 this one boundary): `StoreFull` when the server is out of space,
@@ -13,9 +18,11 @@ this one boundary): `StoreFull` when the server is out of space,
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import psycopg
@@ -24,7 +31,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from supervisor.state_store import StoreError, StoreFull
 
-__all__ = ["PgLink", "Unreachable", "first_line", "safe_dsn", "store_error"]
+__all__ = ["PgLink", "PgReader", "Unreachable", "first_line", "safe_dsn", "store_error"]
 
 log = logging.getLogger("sessiond.store")
 
@@ -142,3 +149,23 @@ class PgLink:
             except psycopg.Error:
                 pass
             self._conn = None
+
+
+class PgReader:
+    """Reads off the daemon's loop: one thread, started at first use, with
+    a connection of its own (`PgLink`, made and used in that thread only).
+    One thread: reads queue behind each other, not behind the commits."""
+
+    def __init__(self, dsn: str, retry_secs: float) -> None:
+        self._link = PgLink(dsn, retry_secs, name="sessiond-reads")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sessiond-pg-reads")
+
+    def run(self, op: Callable[[psycopg.Cursor[Any]], _T], what: str) -> asyncio.Future[_T]:
+        """`op` on the reader's connection (see `PgLink.run`), as a future
+        of the calling loop."""
+        return asyncio.wrap_future(self._pool.submit(self._link.run, op, what))
+
+    def close(self) -> None:
+        """Let the reads in progress end, then close the connection."""
+        self._pool.shutdown(wait=True)
+        self._link.close()

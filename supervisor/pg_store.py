@@ -1,7 +1,7 @@
 """`StateStore` in PostgreSQL: the same records and promises as the file
 store, for daemons on several machines sharing one database.
 
-Tables (created and migrated by the store itself, see `_MIGRATIONS`):
+Tables (created and migrated by the store itself, see supervisor.pg_schema):
 
     sessiond_schema    one row: the schema version this database is at
     sessiond_sessions  one row a session: its fencing generation `gen`, the
@@ -31,9 +31,16 @@ benches only) keeps the path before group commit, for comparison: each
 commit is its own statement on the loop's connection, and `sync_soon`
 returns a settled future.
 
-Loads, creates, snapshots and reads run on the loop's own connection,
-synchronously (a round trip each, as the `SessionLog` protocol has them);
-a snapshot or a read first waits for the session's commits in flight.
+A session's other writes from the loop go the same way, so that none
+waits on the loop and none overtakes another: `create` queues the row and
+metadata record first of all (creates of a round share one statement;
+`make_durable_soon` completes once it landed), `write_snapshot_soon` and
+`remove_soon` queue behind the session's commits.  A revival's read
+(`read_for_boot_soon`) waits, on the loop, for the session's requests in
+flight, then runs on a reader thread with a connection of its own.  Their
+synchronous twins queue the same and wait (tools, tests).  What is left on
+the loop's own connection, synchronously: the schema, loads (at start-up,
+by a repair, an import), repairs, the list of ids, `read_history`.
 
 Fencing: `load()` bumps `gen` in the transaction that reads the session
 back (the row is locked FOR UPDATE first, so no commit can slip between the
@@ -56,20 +63,29 @@ import asyncio
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-import msgspec
 import psycopg
 
 from supervisor.logtag import tagged
-from supervisor.pg_batch import CommitWriter, Diverged, Request
-from supervisor.pg_link import PgLink, safe_dsn
+from supervisor.pg_batch import (
+    CHANNEL,
+    CREATE,
+    REMOVE,
+    SNAPSHOT,
+    SNAPSHOT_STATEMENT,
+    CommitWriter,
+    Diverged,
+    Request,
+)
+from supervisor.pg_link import PgLink, PgReader, safe_dsn
+from supervisor.pg_rows import Rows, decode_snapshot, describe, intact, replay, snap_encoder
+from supervisor.pg_schema import SCHEMA_VERSION, migrate
 from supervisor.pg_link import store_error as _store_error  # noqa: F401 (tests)
 from supervisor.state_store import (
     Fenced,
-    HeldElsewhere,
     LoadedSession,
     Meta,
     Record,
@@ -80,9 +96,10 @@ from supervisor.state_store import (
     StoreError,
     StoreFull,
     boot_state,
+    logged,
     settled,
 )
-from supervisor.store import frame_record, scan_log
+from supervisor.store import frame_record
 
 __all__ = ["PgSessionLog", "PgStateStore", "SCHEMA_VERSION", "safe_dsn"]
 
@@ -90,44 +107,7 @@ log = logging.getLogger("sessiond.store")
 
 _T = TypeVar("_T")
 
-_snap_encoder = msgspec.msgpack.Encoder()
-_snap_decoder = msgspec.msgpack.Decoder(Snapshot)
 
-# Each entry moves the schema one version up; never edit one that shipped.
-_MIGRATIONS: list[str] = [
-    """
-    CREATE TABLE sessiond_sessions (
-        id text PRIMARY KEY,
-        gen bigint NOT NULL,
-        next_pos bigint NOT NULL,
-        snap_gen bigint NOT NULL DEFAULT 0,
-        snapshot bytea,
-        created_at timestamptz NOT NULL DEFAULT now()
-    );
-    CREATE TABLE sessiond_records (
-        session text NOT NULL REFERENCES sessiond_sessions (id) ON DELETE CASCADE,
-        pos bigint NOT NULL,
-        frame bytea NOT NULL,
-        PRIMARY KEY (session, pos)
-    );
-    """,
-    # Several daemons on one database (supervisor.fronts): which one holds
-    # each session, and until when each daemon's hold lasts unrenewed.
-    """
-    ALTER TABLE sessiond_sessions ADD COLUMN holder text;
-    CREATE TABLE sessiond_fronts (
-        id text PRIMARY KEY,
-        host text NOT NULL,
-        pid integer NOT NULL,
-        expires_at timestamptz NOT NULL
-    );
-    """,
-]
-SCHEMA_VERSION = len(_MIGRATIONS)
-# What daemons sharing the database hear of each other's sessions (LISTEN).
-CHANNEL = "sessiond_sessions"
-# pg_advisory_xact_lock key: daemons starting together migrate one at a time.
-_MIGRATION_LOCK = 0x5E55_10D0
 
 # The one statement of a commit: fence check, position claim and insert.
 # `next_pos = start` makes a retry of a commit that did land match nothing
@@ -141,17 +121,6 @@ WITH claim AS (
 INSERT INTO sessiond_records (session, pos, frame)
 SELECT claim.id, %(start)s + f.ord - 1, f.frame
 FROM claim, unnest(%(frames)s::bytea[]) WITH ORDINALITY AS f(frame, ord)
-"""
-
-_SNAPSHOT = """
-WITH claim AS (
-    UPDATE sessiond_sessions SET snapshot = %(snap)s, snap_gen = %(snap_gen)s
-    WHERE id = %(id)s AND gen = %(gen)s
-    RETURNING id
-), gone AS (
-    DELETE FROM sessiond_records r USING claim WHERE r.session = claim.id
-)
-SELECT id FROM claim
 """
 
 _CREATE = """
@@ -168,50 +137,13 @@ INSERT INTO sessiond_records (session, pos, frame) SELECT s.id, 0, %(frame)s FRO
 BATCH_BY_DEFAULT = os.environ.get("SESSIOND_BENCH_PG_BATCH", "1") != "0"
 
 
-def _intact(frame: bytes) -> Record | None:
-    """The record a row holds, or None when its frame is damaged."""
-    scan = scan_log(frame)
-    if scan.bad or len(scan.records) != 1:
-        return None
-    return scan.records[0][2]
-
-
-class _Rows:
-    """A session's log rows, checked: which are intact, which damaged."""
-
-    def __init__(self, rows: list[tuple[int, bytes]]) -> None:
-        self.rows = rows
-        self.records: list[tuple[int, Record]] = []
-        self.bad: list[tuple[int, int]] = []  # (pos, length) of damaged rows
-        for pos, frame in rows:
-            rec = _intact(bytes(frame))
-            if rec is None:
-                self.bad.append((pos, len(frame)))
-            else:
-                self.records.append((pos, rec))
-
-    @property
-    def torn_at(self) -> int | None:
-        """First position of damaged rows with nothing intact after them."""
-        last_good = self.records[-1][0] if self.records else -1
-        return next((pos for pos, _ in self.bad if pos > last_good), None)
-
-    @property
-    def damaged(self) -> list[int]:
-        last_good = self.records[-1][0] if self.records else -1
-        return [pos for pos, _ in self.bad if pos < last_good]
-
-    def meta(self) -> Meta | None:
-        return next((r for _, r in self.records if isinstance(r, Meta)), None)
-
-
 class PgSessionLog:
     """One session's rows, held by its one writer.  Runs in the daemon only
     (its loop thread; the writer thread only reads the fields of a
-    `Request` and writes `failed_epoch`/`failed_error`)."""
+    `Request` and writes `failed_epoch`/`failed_error`/`lost`)."""
 
     def __init__(self, store: PgStateStore, session_id: str, generation: int, next_pos: int,
-                 snap_gen: int) -> None:
+                 snap_gen: int, meta_frame: bytes = b"") -> None:
         self._store = store
         self._id = session_id
         self._generation = generation
@@ -221,16 +153,24 @@ class PgSessionLog:
         self._closed = False
         # Group commit (supervisor.pg_batch): requests sent and not yet
         # taken in, oldest first; the epoch starts anew after a failure.
-        self._inflight: deque[Request] = deque()
+        self._inflight: deque[Request] = deque()  # its create and commits
+        self._ops: deque[Request] = deque()  # its snapshots and removal
         self._epoch = 0
         self.failed_epoch = -1
         self.failed_error: StoreError | None = None
+        # Its create failed: it writes nothing, ever (see supervisor.pg_batch).
+        self.lost: StoreError | None = None
+        # Until its create is known to have landed: what a removal checks
+        # the row is its own by.
+        self._meta_frame = meta_frame
 
     @property
     def generation(self) -> int:
         return self._generation
 
     def _check_open(self) -> None:
+        if self.lost is not None:
+            raise self.lost
         if self._closed:
             raise StoreError(f"session {self._id}: this writer was closed")
 
@@ -290,8 +230,8 @@ class PgSessionLog:
         self._store.run(op, f"the log of {self._id}")
 
     def make_durable(self) -> None:
-        # `create` commits its row durably at once (one round trip either
-        # way); what is left is to refuse a handle that lost its session.
+        # The create was sent first: the session exists once everything
+        # sent so far has landed (or this fails with the create's outcome).
         self.sync()
 
     def sync_soon(self) -> asyncio.Future[None]:
@@ -308,14 +248,26 @@ class PgSessionLog:
         return fut
 
     def make_durable_soon(self) -> asyncio.Future[None]:
+        """The create, off the loop: done once its statement (and every
+        append since) landed; `IdTaken` if another daemon had the id."""
         return self.sync_soon()
 
     # ---------------------------------------------------------------- group commit, loop side
+
+    def submit_create(self, writer: CommitWriter) -> None:
+        """Queue this new session's row and metadata record (position 0):
+        every later write of it follows."""
+        req = Request(self, self._id, self._generation, 0, [self._meta_frame], self._epoch,
+                      _running_loop(), kind=CREATE, holder=self._store.front)
+        writer.submit(req)
+        self._next_pos = req.end
+        self._inflight.append(req)
 
     def _submit(self, writer: CommitWriter, loop: asyncio.AbstractEventLoop | None) -> Request:
         """The request that makes every append so far durable: the pending
         frames sent, else the last one in flight, else a fence check."""
         self.settle()
+        self._check_open()
         if not self._pending and self._inflight:
             return self._inflight[-1]
         frames, self._pending = self._pending, []
@@ -325,45 +277,108 @@ class PgSessionLog:
         self._inflight.append(req)
         return req
 
+    def _submit_op(self, writer: CommitWriter, loop: asyncio.AbstractEventLoop | None, kind: str,
+                   body: bytes = b"", snap_gen: int = 0) -> Request:
+        req = Request(self, self._id, self._generation, self._next_pos, [], self._epoch, loop,
+                      kind=kind, body=body, snap_gen=snap_gen, holder=self._store.front)
+        writer.submit(req)
+        self._ops.append(req)
+        return req
+
     def settle(self) -> None:
         """Take in the outcome of every finished request, in order.  After
         a failure, everything sent after it is doomed (the writer fails it
         unsent): the log is back where the failed request began, in a new
-        epoch."""
+        epoch.  After a failed create it is lost (`self.lost`, set by the
+        writer thread) and writes nothing more."""
         while self._inflight and self._inflight[0].done.is_set():
             req = self._inflight.popleft()
             if req.settled:
                 continue
             req.settled = True
             if req.error is None:
+                if req.kind == CREATE:
+                    self._meta_frame = b""
                 continue
+            if req.kind == CREATE and self.lost is None:  # (the writer sets it too; an internal error does not)
+                self.lost = req.error
             for doomed in self._inflight:
                 doomed.settled = True
             self._inflight.clear()
             self._pending = []
             self._epoch += 1
             self._next_pos = req.error.log_end if isinstance(req.error, Diverged) else req.start
+        while self._ops and self._ops[0].done.is_set():
+            self._ops.popleft()
 
     def _drain(self) -> None:
         """Wait (blocking) for every request in flight, and take them in:
         before a synchronous write or read, which must follow them."""
-        for req in list(self._inflight):
+        for req in [*self._inflight, *self._ops]:
             req.done.wait()
         self.settle()
 
-    # ---------------------------------------------------------------- the rest
+    async def _until_landed(self) -> None:
+        """Wait (on the loop) for every request in flight, whatever its outcome."""
+        loop = asyncio.get_running_loop()
+        waits: list[Awaitable[object]] = []
+        for req in [*self._inflight, *self._ops]:
+            if req.done.is_set():
+                continue
+            if req.loop is loop:  # completed by `finish`, on this loop
+                fut: asyncio.Future[None] = loop.create_future()
+                req.futures.append(fut)
+                waits.append(fut)
+            else:
+                waits.append(asyncio.to_thread(req.done.wait))
+        await asyncio.gather(*waits, return_exceptions=True)
+        self.settle()
+
+    # ---------------------------------------------------------------- snapshots
 
     def write_snapshot(self, snap: Snapshot) -> None:
         """The snapshot and the end of every record before it, in one
-        statement.  Records appended and not synced precede it: its state
-        covers them, so they are dropped with the rest."""
+        statement, and wait.  Records appended and not synced precede it:
+        its state covers them, so they go with the rest."""
         self._check_open()
-        self._drain()
+        writer = self._store.writer
+        if writer is None:
+            self._snapshot_now(snap)
+            return
+        req = self._snapshot(writer, snap, _running_loop())
+        req.done.wait()
+        self.settle()
+        if req.error is not None:
+            raise req.error
+
+    def write_snapshot_soon(self, snap: Snapshot) -> asyncio.Future[None]:
+        """The snapshot, queued behind every write of the session so far
+        (so it covers exactly them) and before every later one."""
+        writer = self._store.writer
+        if writer is None:
+            return settled(lambda: self.write_snapshot(snap))
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._snapshot(writer, snap, loop).futures.append(fut)
+        return fut
+
+    def _snapshot(self, writer: CommitWriter, snap: Snapshot, loop: asyncio.AbstractEventLoop | None) -> Request:
+        if self._pending:
+            # Sent first (the snapshot then deletes them): if it fails,
+            # they are still there.
+            self._submit(writer, loop)
+        self._snap_gen += 1
+        snap.gen = self._snap_gen
+        return self._submit_op(writer, loop, SNAPSHOT, snap_encoder.encode(snap), snap.gen)
+
+    def _snapshot_now(self, snap: Snapshot) -> None:
+        """Without group commit: on the loop's own connection."""
         snap.gen = self._snap_gen + 1
-        body = _snap_encoder.encode(snap)
+        body = snap_encoder.encode(snap)
 
         def op(cur: psycopg.Cursor[Any]) -> None:
-            cur.execute(_SNAPSHOT, {"id": self._id, "gen": self._generation, "snap": body,
+            cur.execute(SNAPSHOT_STATEMENT, {"id": self._id, "gen": self._generation, "snap": body,
                                     "snap_gen": snap.gen})
             if cur.fetchone() is None:
                 self._fenced_or(cur, lambda next_pos: False)
@@ -372,36 +387,92 @@ class PgSessionLog:
         self._pending = []
         self._snap_gen = snap.gen
 
+    # ---------------------------------------------------------------- reading
+
     def read_for_boot(self) -> tuple[bytes, list[bytes], int]:
         return boot_state(*self.read_history())
+
+    def read_for_boot_soon(self) -> asyncio.Future[tuple[bytes, list[bytes], int]]:
+        """A revival's read, on the reader thread's connection, after every
+        write of the session in flight has landed."""
+        if self._store.reader is None:
+            return settled(self.read_for_boot)
+        return asyncio.ensure_future(self._boot_state_soon())
+
+    async def _boot_state_soon(self) -> tuple[bytes, list[bytes], int]:
+        return boot_state(*await self._history_soon())
+
+    async def _history_soon(self) -> tuple[Snapshot | None, list[Record]]:
+        reader = self._store.reader
+        assert reader is not None
+        await self._until_landed()
+        # Appended, not sent: they follow what is stored, unless they are
+        # sent and land meanwhile (then they are stored: counted once).
+        epoch, base, pending = self._epoch, self._next_pos, list(self._pending)
+        body, stored_end, frames = await reader.run(self._read_op, f"session {self._id}")
+        if self._epoch == epoch:
+            frames = [*frames, *pending[max(stored_end - base, 0):]]
+        return decode_snapshot(self._id, body), [rec for rec in map(intact, map(bytes, frames)) if rec]
+
+    def _read_op(self, cur: psycopg.Cursor[Any]) -> tuple[bytes | None, int, list[bytes]]:
+        """The snapshot, where the log ends, and the records after the
+        snapshot: one statement, so one consistent view."""
+        cur.execute(
+            "SELECT s.snapshot, s.next_pos, ARRAY(SELECT frame FROM sessiond_records r "
+            "WHERE r.session = s.id ORDER BY pos) FROM sessiond_sessions s WHERE s.id = %s",
+            (self._id,))
+        row = cur.fetchone()
+        if row is None:
+            raise StoreError(f"session {self._id}: it was removed")
+        return row[0], row[1], row[2]
 
     def read_history(self) -> tuple[Snapshot | None, list[Record]]:
         """The snapshot and every record after it (those not yet committed
         by this writer included), as stored."""
         self._drain()
+        body, _, frames = self._store.run(self._read_op, f"session {self._id}")
+        snap = decode_snapshot(self._id, body)
+        return snap, [rec for rec in map(intact, [*map(bytes, frames), *self._pending]) if rec]
 
-        def op(cur: psycopg.Cursor[Any]) -> tuple[bytes | None, list[bytes]]:
-            cur.execute(
-                "SELECT s.snapshot, ARRAY(SELECT frame FROM sessiond_records r "
-                "WHERE r.session = s.id ORDER BY pos) FROM sessiond_sessions s WHERE s.id = %s",
-                (self._id,))
-            row = cur.fetchone()
-            if row is None:
-                raise StoreError(f"session {self._id}: it was removed")
-            return row[0], row[1]
-
-        body, frames = self._store.run(op, f"session {self._id}")
-        snap = _decode_snapshot(self._id, body)
-        return snap, [rec for rec in map(_intact, [*map(bytes, frames), *self._pending]) if rec]
+    # ---------------------------------------------------------------- the end
 
     def close(self) -> None:
         self._closed = True
         self._pending = []
 
     def remove(self) -> None:
-        """Delete the session, unless a newer writer holds it."""
+        """Delete the session, unless a newer writer holds it, and wait."""
+        writer = self._store.writer
+        if writer is None:
+            self._remove_now()
+            return
+        req = self._remove(writer, _running_loop())
+        req.done.wait()
+        self.settle()
+        if req.error is not None:
+            raise req.error
+
+    def remove_soon(self) -> asyncio.Future[None]:
+        """The removal, queued behind every write of the session so far.
+        Its failure is logged here, whether or not anyone awaits it."""
+        writer = self._store.writer
+        if writer is None:
+            return settled(self.remove)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._remove(writer, loop).futures.append(fut)
+        return logged(fut, self._id, "was not deleted from the database")
+
+    def _remove(self, writer: CommitWriter, loop: asyncio.AbstractEventLoop | None) -> Request:
         self.close()
-        self._drain()
+        self.settle()
+        # A create not known to have landed (or that failed): its row is
+        # deleted only if it is its own.
+        return self._submit_op(writer, loop, REMOVE, self._meta_frame)
+
+    def _remove_now(self) -> None:
+        """Without group commit: on the loop's own connection."""
+        self.close()
 
         def op(cur: psycopg.Cursor[Any]) -> None:
             cur.execute("DELETE FROM sessiond_sessions WHERE id = %s AND gen = %s",
@@ -417,46 +488,11 @@ class PgSessionLog:
         self._store.run(op, f"session {self._id}")
 
 
-def _replay(session_id: str, snap: Snapshot | None, rows: _Rows) -> LoadedSession:
-    """The session a snapshot and the intact records after it make."""
-    loaded = (LoadedSession(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark,
-                            usage=dict(snap.usage)) if snap is not None else None)
-    for _, rec in rows.records:
-        if loaded is None and isinstance(rec, Meta):
-            loaded = LoadedSession(meta=rec)
-        elif loaded is not None:
-            loaded.apply(rec)
-    if loaded is None:
-        raise StoreDamaged(session_id, "no metadata record", repairable=False)
-    return loaded
-
-
 def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
-
-
-def _decode_snapshot(session_id: str, body: bytes | None) -> Snapshot | None:
-    if body is None:
-        return None
-    try:
-        return _snap_decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise StoreDamaged(session_id, f"its snapshot cannot be decoded ({exc}); its state is lost: "
-                           f"`sessionctl rm {session_id}` deletes it", repairable=False) from None
-
-
-def _describe(rows: _Rows) -> str:
-    damaged = rows.damaged
-    where = ", ".join(map(str, damaged[:4])) + (", ..." if len(damaged) > 4 else "")
-    after = sum(1 for pos, _ in rows.records if pos > damaged[0])
-    return (
-        f"record(s) at position {where} are corrupt with {after} intact record(s) after the damage; "
-        "they are kept as they are. `sessionctl repair ID --skip-bad` keeps every intact record, "
-        "`--truncate` keeps what precedes the damage, `sessionctl rm ID` deletes the session"
-    )
 
 
 class PgStateStore:
@@ -471,8 +507,11 @@ class PgStateStore:
             batch = BATCH_BY_DEFAULT
         self.writer = CommitWriter(dsn, retry_secs) if batch else None
         # This daemon's name in `sessiond_sessions.holder` once it shares
-        # the database with others (supervisor.fronts sets it); None: alone.
+        # the database with others, and what a claim checks first inside its
+        # transaction (supervisor.fronts sets both); None: alone.
         self.front: str | None = None
+        self.check_claim: Callable[[psycopg.Cursor[Any], str, LoadedSession], None] | None = None
+        self.reader = PgReader(dsn, retry_secs) if batch else None
         self.run(self._migrate, "the schema")
 
     @property
@@ -495,33 +534,30 @@ class PgStateStore:
         """Land the commits in flight, then close both connections."""
         if self.writer is not None:
             self.writer.close()
+        if self.reader is not None:
+            self.reader.close()
         self._link.close()
 
     def _migrate(self, cur: psycopg.Cursor[Any]) -> None:
         with self._transaction():
-            cur.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
-            cur.execute("CREATE TABLE IF NOT EXISTS sessiond_schema (version integer NOT NULL)")
-            cur.execute("SELECT version FROM sessiond_schema")
-            row = cur.fetchone()
-            version = row[0] if row is not None else 0
-            if version > SCHEMA_VERSION:
-                raise StoreError(
-                    f"the database at {self.where} holds sessiond schema version {version}, newer than "
-                    f"this sessiond knows ({SCHEMA_VERSION}): upgrade sessiond, or use another database")
-            for number, ddl in enumerate(_MIGRATIONS[version:], start=version + 1):
-                cur.execute(ddl.encode())
-                log.info("PostgreSQL store at %s: schema migrated to version %d", self.where, number)
-            if row is None:
-                cur.execute("INSERT INTO sessiond_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
-            elif version != SCHEMA_VERSION:
-                cur.execute("UPDATE sessiond_schema SET version = %s", (SCHEMA_VERSION,))
+            migrate(cur, self.where)
 
     # ---------------------------------------------------------------- the seam
 
     def create(self, meta: Meta, durable: bool = True) -> PgSessionLog:
-        """The session row and its metadata record in one durable statement
-        (`durable=False` changes nothing: there is no fsync to overlap)."""
+        """The session row and its metadata record in one durable statement,
+        by the writer thread, first of the session's writes (with creates
+        of other sessions: one statement for all).  `durable=True` waits
+        for it here; `durable=False` returns at once, and the caller learns
+        the outcome from `make_durable_soon()` (`IdTaken` if another daemon
+        sharing the database had the id)."""
         frame = frame_record(meta)
+        if self.writer is not None:
+            log = PgSessionLog(self, meta.id, 1, 0, 0, meta_frame=frame)
+            log.submit_create(self.writer)
+            if durable:
+                log.make_durable()
+            return log
         attempts = 0
 
         def op(cur: psycopg.Cursor[Any]) -> bool:
@@ -544,7 +580,7 @@ class PgStateStore:
             raise FileExistsError(meta.id)
         return PgSessionLog(self, meta.id, 1, 1, 0)
 
-    def _read(self, cur: psycopg.Cursor[Any], session_id: str) -> tuple[Snapshot | None, int, _Rows]:
+    def _read(self, cur: psycopg.Cursor[Any], session_id: str) -> tuple[Snapshot | None, int, Rows]:
         """Inside a transaction: the session's row (locked) and its records."""
         cur.execute("SELECT snapshot, snap_gen FROM sessiond_sessions WHERE id = %s FOR UPDATE",
                     (session_id,))
@@ -553,8 +589,8 @@ class PgStateStore:
             raise KeyError(session_id)
         cur.execute("SELECT pos, frame FROM sessiond_records WHERE session = %s ORDER BY pos",
                     (session_id,))
-        rows = _Rows([(pos, bytes(frame)) for pos, frame in cur.fetchall()])
-        return _decode_snapshot(session_id, row[0]), row[1], rows
+        rows = Rows([(pos, bytes(frame)) for pos, frame in cur.fetchall()])
+        return decode_snapshot(session_id, row[0]), row[1], rows
 
     def load(self, session_id: str) -> tuple[PgSessionLog, LoadedSession]:
         """Claim the session: its generation goes up (fencing every earlier
@@ -565,10 +601,10 @@ class PgStateStore:
                 snap, snap_gen, rows = self._read(cur, session_id)
                 if rows.damaged:
                     meta = snap.meta if snap is not None else rows.meta()
-                    raise StoreDamaged(session_id, _describe(rows), meta=meta)
-                loaded = _replay(session_id, snap, rows)
-                if self.front is not None:
-                    self._check_holder(cur, session_id, loaded)
+                    raise StoreDamaged(session_id, describe(rows), meta=meta)
+                loaded = replay(session_id, snap, rows)
+                if self.check_claim is not None:
+                    self.check_claim(cur, session_id, loaded)
                 torn = rows.torn_at
                 if torn is not None:
                     dropped = sum(n for pos, n in rows.bad if pos >= torn)
@@ -583,38 +619,6 @@ class PgStateStore:
                 if self.front is not None:  # delivered on commit, to every daemon listening
                     cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"claim {session_id} {self.front}"))
             return PgSessionLog(self, session_id, claimed[0], claimed[1], snap_gen), loaded
-
-        return self.run(op, f"session {session_id}")
-
-    def _check_holder(self, cur: psycopg.Cursor[Any], session_id: str, loaded: LoadedSession) -> None:
-        """Inside the claim: refuse to take a turn away from a live daemon
-        (one whose hold is renewed); a dead one's turn is the claimer's to
-        end.  An idle session is taken from anyone: that is what lets any
-        daemon serve any session."""
-        if loaded.open_input is None:
-            return
-        cur.execute("SELECT s.holder, f.host, f.pid FROM sessiond_sessions s JOIN sessiond_fronts f "
-                    "ON f.id = s.holder WHERE s.id = %s AND f.expires_at > now()", (session_id,))
-        row = cur.fetchone()
-        if row is not None and row[0] != self.front:
-            raise HeldElsewhere(session_id, f"{row[1]} (pid {row[2]})", loaded.open_input.turn)
-
-    def peek(self, session_id: str) -> tuple[LoadedSession, str | None]:
-        """The session as stored, and the daemon holding it, without
-        claiming it (nothing is written)."""
-        def op(cur: psycopg.Cursor[Any]) -> tuple[LoadedSession, str | None]:
-            cur.execute("SELECT snapshot, holder FROM sessiond_sessions WHERE id = %s", (session_id,))
-            row = cur.fetchone()
-            if row is None:
-                raise KeyError(session_id)
-            cur.execute("SELECT pos, frame FROM sessiond_records WHERE session = %s ORDER BY pos",
-                        (session_id,))
-            rows = _Rows([(pos, bytes(frame)) for pos, frame in cur.fetchall()])
-            snap = _decode_snapshot(session_id, row[0])
-            if rows.damaged:
-                raise StoreDamaged(session_id, _describe(rows),
-                                   meta=snap.meta if snap is not None else rows.meta())
-            return _replay(session_id, snap, rows), row[1]
 
         return self.run(op, f"session {session_id}")
 

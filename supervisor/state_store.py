@@ -5,9 +5,17 @@
     ├── load(id)               -> (SessionLog, LoadedSession)   (fenced)
     ├── ids() / remove(id) / repair(id, mode)
     SessionLog                 one per session, held by its one writer
-    ├── append(record, durable) / sync() / sync_soon() / make_durable()
-    ├── write_snapshot(snap) / read_for_boot()
-    └── close() / remove()
+    ├── append(record, durable) / sync() / sync_soon() / make_durable(_soon)()
+    ├── write_snapshot(snap) / write_snapshot_soon(snap)
+    ├── read_for_boot() / read_for_boot_soon() / read_history()
+    └── close() / remove() / remove_soon()
+
+Each `*_soon` is its plain twin without blocking the daemon's loop, for
+the loop's hot paths (a create, a revival, the snapshot after a turn, an
+`rm`): it returns a future of the same outcome.  A store whose work is
+quick and local does it inline and returns a settled future (`settled`);
+one across a network (PostgreSQL) queues it behind the session's earlier
+writes, so that it neither waits on the loop nor overtakes them.
 
 The promises every implementation keeps (tests/test_store_contract.py runs
 the same suite over each; a PostgreSQL store must pass it unchanged):
@@ -24,6 +32,9 @@ the same suite over each; a PostgreSQL store must pass it unchanged):
   *generation*.  A `SessionLog` holding an older one (a writer that was cut
   off, a second daemon) is refused with `Fenced` on its next append, sync or
   snapshot, so two writers can never interleave records.
+* A session's writes land in the order they were made, whichever of
+  them were `*_soon`: a snapshot never overtakes the appends before it,
+  a removal never races a commit.
 * A failure to write raises `StoreError` and leaves nothing half-written;
   `StoreFull` (a subclass) when the medium is out of space, so that clients
   can be told `no_space` rather than `internal`.
@@ -32,6 +43,7 @@ Errors:
 
     StoreError              a write that did not become durable; nothing acknowledged
     ├── StoreFull           ... because the disk (or quota, or file size limit) is full
+    ├── IdTaken             a create whose id was taken meanwhile (also a FileExistsError)
     ├── Fenced              a newer writer opened the session; this handle may not write
     └── StoreDamaged        the stored session is corrupt beyond a torn tail
 """
@@ -40,11 +52,16 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
+
+from supervisor.logtag import tagged
+
+_T = TypeVar("_T")
 
 __all__ = [
     "Abort",
@@ -52,6 +69,7 @@ __all__ = [
     "DamagedLog",
     "Fenced",
     "HeldElsewhere",
+    "IdTaken",
     "InputRecord",
     "LoadedSession",
     "Mark",
@@ -63,6 +81,8 @@ __all__ = [
     "Snapshot",
     "StateStore",
     "boot_state",
+    "logged",
+    "settled",
     "StoreDamaged",
     "StoreError",
     "StoreFull",
@@ -201,6 +221,11 @@ class StoreFull(StoreError):
     """The write failed for want of space (ENOSPC, EDQUOT, EFBIG)."""
 
 
+class IdTaken(StoreError, FileExistsError):
+    """A create found its id taken after all (another daemon on the same
+    database created it first); the handle it returned writes nothing."""
+
+
 class Fenced(StoreError):
     """This writer's generation is older than the session's: someone else
     opened the session for writing since."""
@@ -293,7 +318,17 @@ class SessionLog(Protocol):
         """Replace what precedes with `snap` (its `gen` is set by the store)."""
         ...
 
+    def write_snapshot_soon(self, snap: Snapshot) -> asyncio.Future[None]:
+        """`write_snapshot` without blocking the loop: after every append
+        so far, before every later one.  The future fails with `StoreError`
+        if it was not written (the log still holds every turn)."""
+        ...
+
     def read_for_boot(self) -> tuple[bytes, list[bytes], int]: ...
+
+    def read_for_boot_soon(self) -> asyncio.Future[tuple[bytes, list[bytes], int]]:
+        """`read_for_boot` without blocking the loop (a revival's read)."""
+        ...
 
     def read_history(self) -> tuple[Snapshot | None, list[Record]]:
         """The snapshot and the records after it, as stored (read-only)."""
@@ -303,12 +338,20 @@ class SessionLog(Protocol):
 
     def remove(self) -> None: ...
 
+    def remove_soon(self) -> asyncio.Future[None]:
+        """`remove` without blocking the loop: closes the handle now, and
+        deletes the session after every write of it already made."""
+        ...
+
 
 class StateStore(Protocol):
     """Every session's durable state.  Runs in the daemon only."""
 
     def create(self, meta: Meta, durable: bool = True) -> SessionLog:
-        """A new session with its metadata; `FileExistsError` if the id is taken."""
+        """A new session with its metadata; `FileExistsError` if the id is taken.
+        With durable=False a store may find the id taken only later: then
+        `make_durable(_soon)` fails with `IdTaken` (a `StoreError` and a
+        `FileExistsError`), and the handle writes nothing, ever."""
         ...
 
     def load(self, session_id: str) -> tuple[SessionLog, LoadedSession]:
@@ -333,16 +376,25 @@ class StateStore(Protocol):
         ...
 
 
-def settled(op: Callable[[], None]) -> asyncio.Future[None]:
+def settled(op: Callable[[], _T]) -> asyncio.Future[_T]:
     """`op` run now, as a future already done (or failed with its
     `StoreError`): a `*_soon` for a store whose work is done inline."""
-    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    fut: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
     try:
-        op()
+        fut.set_result(op())
     except StoreError as exc:
         fut.set_exception(exc)
-    else:
-        fut.set_result(None)
+    return fut
+
+
+def logged(fut: asyncio.Future[None], session_id: str, what: str) -> asyncio.Future[None]:
+    """`fut`, whose failure is logged (as an error: `what` did not happen)
+    whether or not anyone awaits it."""
+    def done(f: asyncio.Future[None]) -> None:
+        if not f.cancelled() and (exc := f.exception()) is not None:
+            tagged(logging.getLogger("sessiond.store"), session_id).error("%s: %s", what, exc)
+
+    fut.add_done_callback(done)
     return fut
 
 
@@ -383,7 +435,13 @@ class DamagedLog:
     def write_snapshot(self, snap: Snapshot) -> None:
         raise self._refuse()
 
+    def write_snapshot_soon(self, snap: Snapshot) -> asyncio.Future[None]:
+        raise self._refuse()
+
     def read_for_boot(self) -> tuple[bytes, list[bytes], int]:
+        raise self._refuse()
+
+    def read_for_boot_soon(self) -> asyncio.Future[tuple[bytes, list[bytes], int]]:
         raise self._refuse()
 
     def read_history(self) -> tuple[Snapshot | None, list[Record]]:
@@ -394,3 +452,7 @@ class DamagedLog:
 
     def remove(self) -> None:
         self._store.remove(self._id)
+
+    def remove_soon(self) -> asyncio.Future[None]:
+        # Rare (a damaged session's rm): the store's own, synchronous remove.
+        return settled(self.remove)

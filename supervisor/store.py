@@ -482,6 +482,11 @@ class SessionStore:
         self._journal.in_background(lambda: _snapshot_files(path, data, snap.gen),
                                     lambda err: self._snapshot_done(snap.gen, new_base, err))
 
+    def write_snapshot_soon(self, snap: Snapshot) -> asyncio.Future[None]:
+        # Already off the loop with a journal (its writer thread writes the
+        # files; a failure is logged); without one, done here.
+        return settled(lambda: self.write_snapshot(snap))
+
     def _next_log(self) -> None:
         old_fd = self._fd
         self.gen += 1
@@ -516,6 +521,10 @@ class SessionStore:
             records.extend(rec for _, _, rec in scan.records)
         return boot_state(snap, records)
 
+    def read_for_boot_soon(self) -> asyncio.Future[tuple[bytes, list[bytes], int]]:
+        # A local read of one snapshot and a short log or two: done here.
+        return settled(self.read_for_boot)
+
     def read_history(self) -> tuple[Snapshot | None, list[Record]]:
         """The snapshot and every record after it, as stored (history, export)."""
         snap, why = _read_snapshot(self.path / "snapshot")
@@ -536,6 +545,9 @@ class SessionStore:
             self._journal.forget(self.path.name)
         self.close()
         _remove_dir(self.path)
+
+    def remove_soon(self) -> asyncio.Future[None]:
+        return settled(self.remove)
 
 
 # ---------------------------------------------------------------- the store

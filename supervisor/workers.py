@@ -104,7 +104,7 @@ class WorkerOwner:
         try:
             await self.claim(session)
             await self.make_room(session)
-            snapshot, records, _ = session.store.read_for_boot()
+            snapshot, records, _ = await session.store.read_for_boot_soon()
         except BaseException as exc:
             self.drop_pending(pending)
             if isinstance(exc, OSError):

@@ -130,18 +130,26 @@ class RayCluster:
         raise AssertionError(f"no raylet for {ip}")
 
     def kill_node(self, ip: str) -> None:
-        """What a machine's crash does to its Ray: the raylet dies at once
-        (its workers follow), then the rest of that node."""
+        """What a machine's crash does to its Ray: everything on it dies at
+        once, the raylet first.  (Its processes are listed before: once the
+        raylet is dead its workers, the node host among them, are no longer
+        its descendants, and would live on for a while on their own.)"""
+        members = self._members(self.nodes[ip])
         self.raylet(ip).kill()
-        self._kill_group(self.nodes[ip])
+        self._kill_group(self.nodes[ip], members)
 
-    def _kill_group(self, proc: subprocess.Popen[bytes]) -> None:
+    @staticmethod
+    def _members(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
+        try:
+            return [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def _kill_group(self, proc: subprocess.Popen[bytes], members: list[psutil.Process] | None = None) -> None:
         """SIGKILL to the node's group and every descendant (some leave
         the group): a node's processes die as a machine's do, at once."""
-        try:
-            members = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            members = []
+        if members is None:
+            members = self._members(proc)
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:

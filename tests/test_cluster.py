@@ -502,7 +502,7 @@ def _drain_and_undo(d: Any, c: Any) -> None:
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert (report["node"], report["draining"], report["left"]) == (drained, True, [])
-    assert report["moved"] == [{"session": busy, "node": other}]
+    assert report["moved"] == [{"session": busy, "node": other}], (report, d.log[-4000:])
     # The turn ran to its end where it began, then the session moved.
     assert isinstance(running[-1], m.TurnDone) and not running[-1].interrupted
     assert {c.status(s).node for s in (busy, calm)} == {other}

@@ -9,9 +9,11 @@ import asyncio
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
+import psutil
 import psycopg
 import pytest
 import tomli_w
@@ -19,10 +21,11 @@ import tomli_w
 from conftest import FAST_CONFIG
 from harness import wait_for
 from pg_server import PgServer
+from supervisor.client import Client, RequestError, TurnFailedError
 from supervisor.config import ConfigError, parse_config
 from supervisor import pg_batch
 from supervisor.pg_store import SCHEMA_VERSION, PgSessionLog, PgStateStore, safe_dsn
-from supervisor.state_store import Commit, Fenced, InputRecord, Meta, StoreError, StoreFull
+from supervisor.state_store import Commit, Fenced, IdTaken, InputRecord, Meta, Snapshot, StoreError, StoreFull
 from supervisor.store import frame_record
 
 
@@ -180,26 +183,37 @@ def hold_row(conn: psycopg.Connection[object], sid: str) -> None:
 
 class _Log:
     def __init__(self) -> None:
-        self.failed_epoch, self.failed_error = -1, None
+        self.failed_epoch, self.failed_error, self.lost = -1, None, None
 
     def settle(self) -> None:
         pass
 
 
 @pytest.mark.pure
-def test_a_batch_merges_each_sessions_requests_and_holds_back_what_cannot_go() -> None:
-    a, b = _Log(), _Log()
+def test_a_round_keeps_each_sessions_order_and_holds_back_what_cannot_go() -> None:
+    a, b, c, gone = _Log(), _Log(), _Log(), _Log()
     b.failed_epoch, b.failed_error = 0, StoreError("b's disk")
+    gone.lost = IdTaken("l: taken")  # type: ignore[assignment]
 
-    def req(log: _Log, sid: str, start: int, n: int, epoch: int = 0) -> pg_batch.Request:
-        return pg_batch.Request(log, sid, 1, start, [b"f"] * n, epoch, None)  # type: ignore[arg-type]
+    def req(log: _Log, sid: str, start: int, n: int, epoch: int = 0, kind: str = pg_batch.COMMIT,
+            body: bytes = b"") -> pg_batch.Request:
+        return pg_batch.Request(log, sid, 1, start, [b"f"] * n, epoch, None,  # type: ignore[arg-type]
+                                kind=kind, body=body)
 
     a1, a2, b1, b2, a_gap = req(a, "a", 1, 2), req(a, "a", 3, 1), req(b, "b", 5, 1), req(b, "b", 5, 1, epoch=1), \
         req(a, "a", 9, 1)
-    entries, doomed, later = pg_batch._plan([a1, b1, a2, b2, a_gap])
-    assert [(e.sid, e.start, e.end, e.reqs) for e in entries] == [("a", 1, 4, [a1, a2]), ("b", 5, 6, [b2])]
-    assert doomed == [(b1, b.failed_error)]  # its epoch failed: unsent
-    assert later == [a_gap]  # does not follow a2: the next statement
+    c0, c1, c_snap, c2 = (req(c, "c", 0, 1, kind=pg_batch.CREATE), req(c, "c", 1, 1),
+                          req(c, "c", 2, 0, kind=pg_batch.SNAPSHOT), req(c, "c", 2, 1))
+    b_snap = req(b, "b", 5, 0, kind=pg_batch.SNAPSHOT)  # of the failed epoch: still goes
+    g1, g_rm = req(gone, "g", 1, 1), req(gone, "g", 1, 0, kind=pg_batch.REMOVE, body=b"its meta")
+    plan = pg_batch._plan([a1, c0, b1, c1, a2, c_snap, b2, c2, a_gap, b_snap, g1, g_rm])
+    assert plan.creates == [c0]
+    assert [(e.sid, e.start, e.end, e.reqs) for e in plan.entries] == [
+        ("a", 1, 4, [a1, a2]), ("c", 1, 2, [c1]), ("b", 5, 6, [b2])]
+    assert plan.ops == [c_snap, b_snap, g_rm]  # a lost log's removal of its own row goes
+    assert plan.doomed == [(b1, b.failed_error), (g1, gone.lost)]  # unsent
+    # c2 would overtake c's snapshot; a_gap does not follow a2: the next round.
+    assert plan.later == [c2, a_gap]
 
 
 @pytest.mark.component
@@ -267,7 +281,7 @@ def test_a_connection_killed_mid_batch_lands_each_commit_once(
         first = await asyncio.gather(*futs, return_exceptions=True)
         # Then a statement that lands but whose reply is lost: the retry
         # finds every commit of it landed and writes none twice.
-        real = pg_batch._commit
+        real = pg_batch._commits
         calls = []
 
         def lands_then_link_drops(cur: psycopg.Cursor[object], entries: list[object]) -> object:
@@ -278,7 +292,7 @@ def test_a_connection_killed_mid_batch_lands_each_commit_once(
                 raise psycopg.OperationalError("server closed the connection unexpectedly")
             return out
 
-        monkeypatch.setattr(pg_batch, "_commit", lands_then_link_drops)
+        monkeypatch.setattr(pg_batch, "_commits", lands_then_link_drops)
         futs = []
         for log in logs:
             log.append(commit(2, 2), durable=False)
@@ -314,7 +328,10 @@ def test_a_server_stopped_mid_batch_fails_exactly_the_waiting_commits(
                 log.append(commit(2, 2), durable=False)
                 futs.append(log.sync_soon())
             writer_waits_for_a_lock(dsn)
-            await asyncio.to_thread(pg_server.stop)
+            # Immediate: every backend quits at once, holding its locks.  (A
+            # fast stop ends the blocker's backend, and with it the row lock,
+            # while the writer's may still commit before it is ended too.)
+            await asyncio.to_thread(pg_server.stop, "immediate")
             stopped = True
             c.append(commit(1, 1), durable=False)  # queued during the outage: it waited too
             futs.append(c.sync_soon())
@@ -453,3 +470,157 @@ def test_a_server_out_of_space_is_store_full() -> None:
     assert isinstance(full, StoreFull) and "out of space" in str(full)
     other = _store_error("the log of s1", pgerr.UniqueViolation("duplicate key"))
     assert type(other) is StoreError and "duplicate key" in str(other)
+
+
+# ---------------------------------------------------------------- the loop never waits for the database
+
+
+@pytest.mark.component
+def test_a_create_snapshot_and_read_held_up_by_a_lock_leave_the_loop_free(
+    dsn: str, stores: list[PgStateStore]
+) -> None:
+    store = PgStateStore(dsn)
+    stores.append(store)
+    old = store.create(meta("old"))
+    old.append(commit(1, 1), durable=True)
+
+    async def main() -> tuple[bytes, list[bytes], int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        beat = asyncio.create_task(ticker())
+        with psycopg.connect(dsn) as blocker:
+            # Writes of the session table wait; reads do not.
+            blocker.execute(b"LOCK TABLE sessiond_sessions IN EXCLUSIVE MODE")
+            new = store.create(meta("new"), durable=False)  # returns at once
+            made = new.make_durable_soon()
+            snap = old.write_snapshot_soon(Snapshot(gen=0, meta=meta("old"), turns=1, seq=1, handler_state=b"S"))
+            read = old.read_for_boot_soon()  # after the snapshot, which it must see
+            await asyncio.to_thread(writer_waits_for_a_lock, dsn)
+            seen = ticks
+            while ticks < seen + 20:  # the loop runs while the writer waits
+                await asyncio.sleep(0.001)
+            assert not (made.done() or snap.done() or read.done())
+            blocker.commit()
+        await asyncio.gather(made, snap)
+        beat.cancel()
+        return await read
+
+    assert asyncio.run(main()) == (b"S", [], 1)
+    assert store.ids() == ["new", "old"]
+
+
+def _server_processes(pg_server: PgServer) -> list[psutil.Process]:
+    postmaster = psutil.Process(int((pg_server.data / "postmaster.pid").read_text().split()[0]))
+    return [postmaster, *postmaster.children()]
+
+
+@pytest.mark.process
+def test_the_daemon_answers_while_its_database_is_frozen_and_loses_nothing(
+    make_daemon, pg_server: PgServer, dsn: str
+) -> None:
+    """The server stopped (SIGSTOP: it answers nothing, no connection
+    breaks) while clients create a session, run a turn whose snapshot
+    follows, and remove one: the daemon still answers pings and lists the
+    new session as starting; once the server goes on, every one of them
+    completes, and a restarted daemon finds exactly that."""
+    d = make_daemon(pg_config(dsn, "snapshot_every_turns = 1\n"))
+    with d.client() as c:
+        busy, doomed = c.create().id, c.create().id
+        assert c.send_text(busy, "a") == "1: a"
+    outcomes: dict[str, object] = {}
+
+    def client_call(name: str, call: Callable[[Client], object]) -> threading.Thread:
+        def run() -> None:
+            try:
+                with d.client() as c:
+                    outcomes[name] = call(c)
+            except Exception as exc:  # noqa: BLE001 (handed to the test's thread)
+                outcomes[name] = exc
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    stopped = _server_processes(pg_server)
+    for proc in stopped:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        threads = [client_call("create", lambda c: c.create().id),
+                   client_call("turn", lambda c: c.send_text(busy, "b")),
+                   client_call("rm", lambda c: c.remove(doomed))]
+        with d.client() as c, ThreadPoolExecutor(1) as pool:
+            def starting() -> bool:
+                return any(s.state == "starting" for s in pool.submit(c.list).result(10))
+
+            wait_for(starting, 10, "the new session to be listed as starting")
+            pool.submit(c.ping).result(10)  # answered while the database answers nothing
+        assert not outcomes, outcomes
+    finally:
+        for proc in stopped:
+            proc.send_signal(signal.SIGCONT)
+    for thread in threads:
+        thread.join(30)
+    new = outcomes["create"]
+    assert isinstance(new, str), outcomes
+    assert outcomes["turn"] == "2: b" and outcomes["rm"] is None, outcomes
+    with d.client() as c:
+        assert c.send_text(new, "c") == "1: c"
+    snapshot, = sql(dsn, "SELECT snapshot IS NOT NULL FROM sessiond_sessions WHERE id = %s", busy)
+    assert snapshot == (True,)
+    d.kill()
+    d.start()
+    with d.client() as c:
+        assert sorted(s.id for s in c.list()) == sorted([busy, new])
+        assert c.status(busy).turns == 2 and c.status(new).turns == 1
+        assert c.send_text(busy, "d") == "3: d"
+
+
+@pytest.mark.process
+def test_a_create_that_cannot_reach_the_database_fails_cleanly(make_daemon, pg_server: PgServer, dsn: str) -> None:
+    d = make_daemon(pg_config(dsn) + "retry_secs = 0.3\n")
+    with d.client() as c:
+        kept = c.create().id
+    pg_server.stop()
+    try:
+        with d.client() as c:
+            with pytest.raises(RequestError, match="cannot be reached"):
+                c.create()
+            c.ping()
+            assert [s.id for s in c.list()] == [kept]
+    finally:
+        pg_server.start()
+    assert [r[0] for r in sql(dsn, "SELECT id FROM sessiond_sessions")] == [kept]
+    with d.client() as c:
+        assert c.send_text(kept, "a") == "1: a"
+
+
+@pytest.mark.component
+def test_a_snapshot_the_server_refuses_fails_alone_and_the_commits_around_it_land(
+    dsn: str, stores: list[PgStateStore]
+) -> None:
+    store = PgStateStore(dsn)
+    stores.append(store)
+    h = store.create(meta())
+    sql(dsn, "CREATE FUNCTION no_snapshots() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+             "RAISE EXCEPTION 'no space' USING ERRCODE = 'disk_full'; END $$")
+    sql(dsn, "CREATE TRIGGER no_snapshots BEFORE UPDATE OF snapshot ON sessiond_sessions FOR EACH ROW "
+             "EXECUTE FUNCTION no_snapshots()")
+
+    async def main() -> list[BaseException | None]:
+        h.append(commit(1, 1), durable=False)
+        futs = [h.sync_soon(), h.write_snapshot_soon(Snapshot(gen=0, meta=meta(), turns=1, seq=1))]
+        h.append(commit(2, 2), durable=False)
+        futs.append(h.sync_soon())
+        done = await asyncio.gather(*futs, return_exceptions=True)
+        return [r if isinstance(r, BaseException) else None for r in done]
+
+    results = asyncio.run(main())
+    assert results[0] is None and isinstance(results[1], StoreFull) and results[2] is None, results
+    assert log_rows(dsn)[1:] == [frame_record(commit(1, 1)), frame_record(commit(2, 2))]
+    assert sql(dsn, "SELECT snapshot IS NULL FROM sessiond_sessions") == [(True,)]

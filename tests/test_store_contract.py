@@ -442,3 +442,70 @@ def test_make_durable_soon_makes_a_create_survive(ad: Adapter) -> None:
     assert "late" in ad.store.ids()
     h2, loaded = ad.store.load("late")
     assert loaded.meta.id == "late" and h2.read_for_boot()[1] == [b"\x01"]
+
+
+# ---------------------------------------------------------------- the loop's hot paths (*_soon)
+
+
+def test_a_snapshot_soon_covers_what_precedes_it_and_nothing_after(ad: Adapter) -> None:
+    """Queued behind the session's appends and before the later ones: it
+    never overtakes what it covers, nor swallows what follows it."""
+    full = (b"", [b"\x01", b"\x02", b"\x03", b"\x04"], 4)  # a store may write it later (file: in a thread)
+
+    async def main() -> tuple[bytes, list[bytes], int]:
+        h = ad.store.create(meta(), durable=False)
+        await h.make_durable_soon()
+        for t in range(1, 4):
+            h.append(commit(t, bytes([t]), t), durable=False)
+        covered = h.sync_soon()
+        snap = h.write_snapshot_soon(Snapshot(gen=0, meta=meta(), turns=3, seq=3, handler_state=b"S"))
+        h.append(commit(4, b"\x04", 4), durable=False)
+        await asyncio.gather(covered, snap, h.sync_soon())
+        return await h.read_for_boot_soon()
+
+    assert asyncio.run(main()) in ((b"S", [b"\x04"], 4), full)
+    ad.crash()
+    h2, loaded = ad.store.load("s1")
+    assert loaded.seq == 4
+    assert h2.read_for_boot() in ((b"S", [b"\x04"], 4), full)
+
+
+def test_a_removal_soon_follows_the_sessions_writes_and_frees_the_id(ad: Adapter) -> None:
+    async def main() -> None:
+        h = ad.store.create(meta("gone"))
+        h.append(commit(1, b"\x01", 1), durable=False)
+        landed = h.sync_soon()
+        await asyncio.gather(landed, h.remove_soon())
+        again = ad.store.create(meta("gone"), durable=False)
+        again.append(commit(1, b"\x07", 1), durable=False)
+        await again.make_durable_soon()
+        await again.sync_soon()
+
+    asyncio.run(main())
+    ad.crash()
+    assert ad.store.ids() == ["gone"]
+    assert ad.store.load("gone")[0].read_for_boot()[1] == [b"\x07"]  # the new one's only
+
+
+def test_a_create_whose_id_is_taken_writes_nothing(ad: Adapter) -> None:
+    """A store may find the id taken only when the create lands (another
+    daemon sharing it took the id): then `make_durable_soon` fails with a
+    `FileExistsError`, every write of the handle is refused, and its
+    removal leaves the other session alone."""
+    ad.store.create(meta("a")).close()
+
+    async def main() -> None:
+        try:
+            h = ad.store.create(Meta(id="a", handler="other", created_at=2.0), durable=False)
+        except FileExistsError:
+            return  # found at once
+        h.append(commit(1, b"\xff", 1), durable=False)
+        results = await asyncio.gather(h.make_durable_soon(), h.sync_soon(), return_exceptions=True)
+        assert all(isinstance(r, FileExistsError) for r in results), results
+        with pytest.raises(FileExistsError):
+            h.append(commit(2, b"\xff", 2), durable=True)
+        await h.remove_soon()
+
+    asyncio.run(main())
+    h, loaded = ad.store.load("a")
+    assert loaded.meta.handler == "echo" and h.read_for_boot()[1] == []
