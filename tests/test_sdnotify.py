@@ -349,7 +349,13 @@ def test_listen_fds_takes_the_socket_systemd_socket_activate_passes(tmp_path: Pa
             time.sleep(0.01)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
             client.settimeout(20)
-            client.connect(path)
+            while True:  # the path exists from bind(); it answers from listen()
+                try:
+                    client.connect(path)
+                    break
+                except ConnectionRefusedError:
+                    assert proc.poll() is None and time.monotonic() < deadline, "never listened"
+                    time.sleep(0.01)
             chunks = []
             while chunk := client.recv(65536):
                 chunks.append(chunk)
