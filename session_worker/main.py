@@ -51,6 +51,7 @@ from ipc.framing import FrameEncoder
 from ipc.loop import run as run_loop
 from ipc.settings import SessionSettings
 from session_worker import sandbox
+from session_worker._signals import set_signal
 from session_worker.factories import load_factory
 from session_worker.handler import (
     Handler,
@@ -393,7 +394,7 @@ class _Link:
         self.sock = sock
         self.stop_requested = False
         self._waiting = False
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        set_signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
         self.stop_requested = True
@@ -580,13 +581,10 @@ def run_worker(sock: socket.socket, warm_up: bool = False) -> int:
     Boot (confinement, handler, restore) and Ready run before any event
     loop exists, then the worker waits for its first input in `_idle`; the
     loop is built only when that input comes (`_serve`).  An idle worker
-    so touches, and copies from the zygote, only the pages of that path."""
-    # No-op when the zygote was forked from the daemon (its handler came
-    # along); a zygote started by exec has none.
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr,
-        format=f"sessiond-worker[{os.getpid()}]: %(levelname)s: %(message)s",
-    )
+    so touches, and copies from the zygote, only the pages of that path.
+    Logging was set up once in the zygote (`session_worker.zygote`), not
+    here: even a `basicConfig` that finds handlers in place runs enough
+    Python to copy ~0.4 MiB of the zygote's pages into every worker."""
     setproctitle.setproctitle("sessiond: worker (spare)" if warm_up else "sessiond: worker")
     link = _Link(sock)
     if warm_up:
