@@ -30,6 +30,7 @@ import gc
 import itertools
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -48,6 +49,7 @@ from ipc.connection import FramedProtocol
 from ipc.errors import BadMessage, FrameTooLarge, ProtocolError
 from ipc.framing import HEADER as _HEADER
 from ipc.framing import FrameEncoder
+from ipc.linux import set_dumpable, set_pdeathsig
 from ipc.loop import run as run_loop
 from ipc.settings import SessionSettings
 from session_worker import sandbox
@@ -342,10 +344,6 @@ def _warm_up() -> None:
 def _confine(settings: SessionSettings, uid: int | None, gid: int | None) -> None:
     """Resource limits and the user to run as, before any handler code runs;
     tools inherit both."""
-    import resource
-
-    from ipc.linux import set_dumpable, set_pdeathsig
-
     limits = settings.agent.limits
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core dumps of session memory
     # RLIMIT_NPROC counts every process of a user: set here only when the
