@@ -546,6 +546,9 @@ async def _serve(link: _Link, booted: Booted, first: m.Input) -> int:
         sock=link.sock,
     )
     worker = Worker(conn, booted)
+    # The loop takes SIGTERM over from the idle phase's handler; one that
+    # came in between was only noted.
+    loop.add_signal_handler(signal.SIGTERM, worker.request_stop)
     if link.stop_requested:
         worker.request_stop()
     for msg in [first, *early]:
