@@ -13,7 +13,9 @@ What is measured (psutil `memory_full_info()`, median over the processes):
   once, measured the same way: what a worker would cost without the zygote.
 * for context: the zygote's and the daemon's RSS and USS.
 * floors: children of a zygote-like helper, idle right after fork, or
-  idle inside asyncio.run with one connection.
+  idle inside asyncio.run with one connection; and children forked with
+  fork(2) through ctypes, skipping CPython's after-fork work (the stdlib's
+  at-fork hooks): by difference, what os.fork itself costs every worker.
 
 `--loop uvloop` runs the daemon (hence its workers) on uvloop through
 bench/_loop_launcher.py, to see what the loop choice does to a worker.
@@ -66,16 +68,21 @@ import supervisor.cli, supervisor.daemon, session_worker.zygote
 session_worker.zygote._preload()
 n = int(sys.argv[1])
 gc.collect(); gc.freeze()
-pids = {"bare": [], "loop": []}
+pids = {"bare": [], "raw": [], "loop": []}
+import ctypes
+libc = ctypes.PyDLL(None)  # PyDLL: fork(2) with the GIL held, as os.fork does
 keep = []
 for kind in pids:
     for _ in range(n):
         r, w = os.pipe()
         a, b = socket.socketpair()
-        pid = os.fork()
+        # raw: fork(2) without CPython's after-fork work (PyOS_AfterFork_Child
+        # and the at-fork hooks of threading, logging, random...): what that
+        # work copies, by difference with bare.  The child runs nothing else.
+        pid = libc.fork() if kind == "raw" else os.fork()
         if pid == 0:
             os.close(w)
-            if kind == "bare":
+            if kind in ("bare", "raw"):
                 os.read(r, 1)
             else:
                 async def idle():
@@ -161,6 +168,7 @@ def main() -> int:
                 results["booted"] = full_info(pids)
                 results["popen"] = full_info([pr.pid for pr in popen])
                 results["fork_bare"] = full_info(fork_pids["bare"])
+                results["fork_raw"] = full_info(fork_pids["raw"])
                 results["fork_loop"] = full_info(fork_pids["loop"])
                 results["zygote"] = full_info([daemon.zygote_pid()])[0]
                 results["daemon"] = full_info([daemon.pid])[0]
@@ -192,6 +200,7 @@ def main() -> int:
                       ("after_turn", "worker, idle after one turn"),
                       ("popen", f"Popen worker-equivalent (n={args.popen_n})"),
                       ("fork_bare", "  floor: fork child, idle at once"),
+                      ("fork_raw", "  (same, fork(2) without CPython's after-fork)"),
                       ("fork_loop", "  floor: fork child + asyncio loop")):
         infos = results[key]
         fig[key] = {f: med(infos, f) for f in ("uss", "pss", "rss")}

@@ -23,7 +23,7 @@ would mean other calls.
 from __future__ import annotations
 
 import errno
-import platform
+import os
 import struct
 
 from ipc.contract import SECCOMP_MACHINES
@@ -77,8 +77,13 @@ class UnsupportedArch(Exception):
 
 def unsupported(machine: str | None = None) -> str:
     """Why there is no filter for this machine, or '' when there is one."""
-    machine = machine or platform.machine()
+    machine = machine or _MACHINE
     return "" if machine in SECCOMP_MACHINES else f"no seccomp syscall table for {machine}"
+
+
+# Asked once, at import (in the zygote): `platform.machine()` (the same
+# answer) is enough Python that each worker asking at boot copied pages.
+_MACHINE = os.uname().machine
 
 
 def denied_syscalls() -> list[str]:

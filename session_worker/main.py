@@ -1,28 +1,42 @@
 """The worker: one process, one session.  Runs in a child forked by the zygote.
 
 The zygote calls `run_worker(sock)` right after fork; nothing here runs in the
-daemon.  The worker makes its own event loop (a loop must never cross a fork),
-reads `Boot`, builds the handler, restores it from what the daemon sent, says
-`Ready`, then serves inputs one at a time.  It never writes state: each turn
-ends with a `Done` carrying the handler's record, which the daemon appends.
+daemon.  It never writes state: each turn ends with a `Done` carrying the
+handler's record, which the daemon appends.  Two phases:
 
-Liveness: a heartbeat from this loop every `heartbeat_interval_secs`.  A
-handler stuck in a busy loop or a C call starves the loop, the heartbeats
-stop, and the daemon kills the worker; that is the point of sending them from
-here and not from a thread.
+* Boot to first input, with no event loop (`boot`, `_idle`): read `Boot`,
+  confine the process, build the handler and restore it from what the
+  daemon sent, say `Ready`; then block in one `recv` until the next idle
+  heartbeat is due, answering pings.  Most sessions are idle most of the
+  time: an idle worker that has not built a loop, a transport and their
+  buffers has copied fewer of the zygote's pages (bench/README.md, "Idle
+  worker memory and boot").  A handler's constructor and `restore` so run
+  with no loop running; a failure there still fails the `create`.
+* From the first input on, an event loop (made here: a loop must never cross
+  a fork) serves inputs one at a time (`_serve`, `Worker`).
+
+Liveness: heartbeats from the worker's own thread of control: the idle wait
+beats on its timeout, the loop from a timer every `heartbeat_interval_secs`
+(slower while no turn runs).  A handler stuck in a busy loop or a C call
+starves the loop, the heartbeats stop, and the daemon kills the worker; that
+is the point of sending them from here and not from a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
+import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +46,14 @@ import setproctitle
 from ipc import messages as m
 from ipc.contract import EXIT_BOOT_FAILED, IDLE_HEARTBEAT_FACTOR
 from ipc.connection import FramedProtocol
-from ipc.errors import ProtocolError
+from ipc.errors import BadMessage, FrameTooLarge, ProtocolError
+from ipc.framing import HEADER as _HEADER
+from ipc.framing import FrameEncoder
+from ipc.linux import set_dumpable, set_pdeathsig
 from ipc.loop import run as run_loop
 from ipc.settings import SessionSettings
 from session_worker import sandbox
+from session_worker._signals import set_signal
 from session_worker.factories import load_factory
 from session_worker.handler import (
     Handler,
@@ -55,6 +73,10 @@ _decoder = msgspec.msgpack.Decoder(m.ToWorker)
 _settings_decoder = msgspec.msgpack.Decoder(SessionSettings)
 _encode = msgspec.msgpack.Encoder().encode
 _decode_any = msgspec.msgpack.Decoder().decode
+_frames = FrameEncoder()
+# The daemon is trusted; the limit only stops a garbled length prefix.
+_MAX_FRAME = 1 << 30
+_RECV_BYTES = 256 * 1024
 
 
 class _Context(TurnContext):
@@ -107,21 +129,93 @@ class _Context(TurnContext):
         return result.reply
 
 
+@dataclass(slots=True)
+class Booted:
+    """What Boot built, before any event loop exists: the session's identity
+    and settings, its confined process, its handler restored from state."""
+
+    session: str
+    settings: SessionSettings
+    workspace: Path
+    depth: int
+    handler: Handler
+    turns_since_snapshot: int
+    # Handed to `sandbox.configure` with the first input: the tool host
+    # serves turns only, and making it at boot cost every idle worker.
+    sandbox_plan: sandbox.Plan | None
+    sandbox_report: dict[str, Any]
+
+    def reconfigure(self, settings: SessionSettings) -> None:
+        """The operator reloaded the config: new rules and limits from the
+        next tool call (handlers that implement `reconfigure`) and the next
+        heartbeat on."""
+        self.settings = settings
+        hook = getattr(self.handler, "reconfigure", None)
+        if callable(hook):
+            try:
+                hook(settings)
+            except Exception:
+                log.exception("the handler could not take the new settings")
+
+
+def boot(msg: m.Boot) -> Booted:
+    """Confine this process, build the handler and restore it from the state
+    the daemon sent.  Runs before the worker has an event loop (see
+    `_idle`): a handler's constructor and `restore` run with none running."""
+    settings = _settings_decoder.decode(msg.settings)
+    workspace = Path(msg.workspace)
+    _confine(settings, msg.run_as_uid, msg.run_as_gid)
+    workspace.mkdir(parents=True, exist_ok=True, mode=0o700)
+    plan = sandbox.plan_for(msg.sandbox, settings, _real_path(workspace),
+                            per_session_uid=msg.run_as_uid is not None)
+    factory = load_factory(msg.handler)
+    init = HandlerInit(session=msg.session, settings=settings, workspace=workspace, depth=msg.depth)
+    handler = factory(init)
+    state = _decode_any(msg.snapshot) if msg.snapshot else None
+    handler.restore(state, [_decode_any(r) for r in msg.records])
+    return Booted(
+        session=msg.session, settings=settings, workspace=workspace, depth=msg.depth,
+        handler=handler, turns_since_snapshot=len(msg.records), sandbox_plan=plan,
+        sandbox_report=plan.describe() if plan is not None else {},
+    )
+
+
+def _real_path(path: Path) -> Path:
+    """`path.resolve()` for a directory, asked of the kernel: open it and
+    read back the path it opened.  `Path.resolve` walks the path in Python
+    (an lstat per component), and in a worker's boot that walk copied
+    ~0.15 MiB of the zygote's pages."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return path.resolve()
+    try:
+        return Path(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:  # no /proc
+        return path.resolve()
+    finally:
+        os.close(fd)
+
+
 class Worker:
-    def __init__(self, conn: FramedProtocol[m.ToWorker], boot: m.Boot) -> None:
+    """A booted worker once its first input came: the event loop's side."""
+
+    def __init__(self, conn: FramedProtocol[m.ToWorker], booted: Booted) -> None:
         self.conn = conn
-        self.session = boot.session
-        self.settings = _settings_decoder.decode(boot.settings)
-        self.workspace = Path(boot.workspace)
-        self.depth = boot.depth
-        self.handler: Handler | None = None
+        self.booted = booted
+        self.session = booted.session
+        self.workspace = booted.workspace
+        self.depth = booted.depth
+        self.handler: Handler = booted.handler
         self.turn_task: asyncio.Task[None] | None = None
-        self.turns_since_snapshot = len(boot.records)
         self._requests: dict[str, asyncio.Future[Any]] = {}
         self._ids = itertools.count(1)
         self.stopping = asyncio.get_running_loop().create_future()
-        self.sandbox_report: dict[str, Any] = {}
         self._beat_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def settings(self) -> SessionSettings:
+        return self.booted.settings
 
     def send(self, msg: Any) -> None:
         self.conn.send(msg)
@@ -132,23 +226,6 @@ class Worker:
         self._requests[request_id] = fut
         fut.add_done_callback(lambda _: self._requests.pop(request_id, None))
         return request_id, fut
-
-    def boot(self, boot: m.Boot) -> None:
-        _confine(self.settings, boot.run_as_uid, boot.run_as_gid)
-        self.workspace.mkdir(parents=True, exist_ok=True, mode=0o700)
-        plan = sandbox.plan_for(boot.sandbox, self.settings, self.workspace.resolve(),
-                                per_session_uid=boot.run_as_uid is not None)
-        sandbox.configure(plan)
-        self.sandbox_report = plan.describe() if plan is not None else {}
-        factory = load_factory(boot.handler)
-        init = HandlerInit(
-            session=self.session, settings=self.settings, workspace=self.workspace,
-            depth=self.depth,
-        )
-        handler = factory(init)
-        state = _decode_any(boot.snapshot) if boot.snapshot else None
-        handler.restore(state, [_decode_any(r) for r in boot.records])
-        self.handler = handler
 
     # Runs from data_received: keep it to dispatch, no awaiting.
     def on_message(self, msg: m.ToWorker) -> None:
@@ -175,29 +252,13 @@ class Worker:
             case m.Shutdown():
                 self.request_stop()
             case m.MemoryHigh():
-                import gc
-
                 gc.collect()
             case m.Reconfigure(settings=raw):
-                self.reconfigure(_settings_decoder.decode(raw))
+                self.booted.reconfigure(_settings_decoder.decode(raw))
             case m.Boot():
                 log.warning("ignoring a second Boot")
 
-    def reconfigure(self, settings: SessionSettings) -> None:
-        """The operator reloaded the config: new rules and limits from the
-        next tool call (handlers that implement `reconfigure`) and the next
-        heartbeat on."""
-        self.settings = settings
-        if self.handler is not None:
-            hook = getattr(self.handler, "reconfigure", None)
-            if callable(hook):
-                try:
-                    hook(settings)
-                except Exception:
-                    log.exception("the handler could not take the new settings")
-
     async def run_turn(self, turn: int, text: str) -> None:
-        assert self.handler is not None
         ctx = _Context(self, turn)
         try:
             result = await self.handler.handle(text, ctx)
@@ -217,10 +278,10 @@ class Worker:
         record = _encode(result.record) if result.record is not None else b""
         snapshot = b""
         if record:
-            self.turns_since_snapshot += 1
-            if self.turns_since_snapshot >= self.settings.agent.worker.snapshot_every_turns:
+            self.booted.turns_since_snapshot += 1
+            if self.booted.turns_since_snapshot >= self.settings.agent.worker.snapshot_every_turns:
                 snapshot = _encode(self.handler.snapshot())
-                self.turns_since_snapshot = 0
+                self.booted.turns_since_snapshot = 0
         self.send(
             m.Done(
                 turn=turn, reply=result.reply, record=record,
@@ -254,7 +315,7 @@ class Worker:
         # The daemon's stop sends SIGTERM to our whole process group (tools
         # included); for us it means the same as Shutdown: finish tidily.
         loop.add_signal_handler(signal.SIGTERM, self.request_stop)
-        self.beat()
+        self._arm_beat()
         try:
             await asyncio.wait(
                 [self.stopping, self.conn.closed], return_when=asyncio.FIRST_COMPLETED
@@ -268,9 +329,8 @@ class Worker:
         finally:
             if self._beat_timer is not None:
                 self._beat_timer.cancel()
-            if self.handler is not None:
-                with contextlib.suppress(Exception):
-                    await self.handler.aclose()
+            with contextlib.suppress(Exception):
+                await self.handler.aclose()
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -284,30 +344,25 @@ def failure_reason(exc: BaseException) -> str:
     return reason
 
 
-def _warm_up(conn: FramedProtocol[Any]) -> None:
+def _warm_up() -> None:
     """Walk the boot path once while a spare waits for its Boot.
 
     Right after fork every page is shared with the zygote, and the first
     write to each (a reference count, an allocator's free list) costs a
     copy-on-write fault.  A spare worker waits for its Boot; taking those
-    faults now, on the path Boot will take, moves them out of the time a
-    client waits for its session."""
+    faults now, on the path Boot will take up to Ready, moves them out of
+    the time a client waits for its session.  Only that path: what an idle
+    worker never touches stays shared."""
+    _decoder.decode(_encode(m.Boot(session="", handler="", settings=b"", workspace="")))
     settings = _settings_decoder.decode(_encode(SessionSettings()))
     init = HandlerInit(session="warm-up", settings=settings, workspace=Path("."))
-    handler = load_factory("echo")(init)
-    handler.restore(None, [_decode_any(_encode(1))])
-    conn.encode(m.Ready(pid=0))
-    conn.encode(m.Done(turn=1, reply="", record=_encode(1)))
-    _decoder.decode(_encode(m.Boot(session="", handler="", settings=b"", workspace="")))
+    load_factory("echo")(init).restore(None, [_decode_any(_encode(1))])
+    _frames.encode(m.Ready(pid=0))
 
 
 def _confine(settings: SessionSettings, uid: int | None, gid: int | None) -> None:
     """Resource limits and the user to run as, before any handler code runs;
     tools inherit both."""
-    import resource
-
-    from ipc.linux import set_dumpable, set_pdeathsig
-
     limits = settings.agent.limits
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core dumps of session memory
     # RLIMIT_NPROC counts every process of a user: set here only when the
@@ -337,48 +392,167 @@ def _confine(settings: SessionSettings, uid: int | None, gid: int | None) -> Non
     set_dumpable(False)
 
 
-async def _main(sock: socket.socket, warm_up: bool) -> int:
+class _Stop(Exception):
+    """SIGTERM while the worker waits for its first input (see `_Link`)."""
+
+
+class _Link:
+    """The daemon's socket before the event loop exists: blocking reads of
+    whole frames, the first byte with a timeout (the next heartbeat);
+    blocking writes of small frames.
+
+    Reads take exactly one frame, so nothing of a later frame is buffered
+    here when the event loop's transport takes the socket over.  SIGTERM
+    (the daemon's stop, to our process group) is noted; while we wait for
+    a frame it also interrupts the wait (`_Stop`), so a stop is never left
+    waiting for the next heartbeat."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.stop_requested = False
+        self._waiting = False
+        set_signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        self.stop_requested = True
+        if self._waiting:
+            raise _Stop
+
+    def recv(self, timeout: float | None) -> m.ToWorker | BadMessage | None | bool:
+        """The next message; False if none began within `timeout`; None when
+        the daemon hung up, sent a frame over the limit, or we are stopped."""
+        if self.stop_requested:
+            return None
+        sock = self.sock
+        sock.settimeout(timeout)
+        self._waiting = True
+        try:
+            head = sock.recv(_HEADER.size)
+        except TimeoutError:
+            return False
+        except (_Stop, OSError):
+            return None
+        finally:
+            self._waiting = False
+        sock.settimeout(None)
+        try:
+            head += self._read(_HEADER.size - len(head))
+            (length,) = _HEADER.unpack(head)
+            if length > _MAX_FRAME:
+                log.error("bad frame from the daemon: %s", FrameTooLarge(length, _MAX_FRAME))
+                return None
+            body = self._read(length)
+        except (EOFError, OSError):
+            return None
+        try:
+            msg: m.ToWorker = _decoder.decode(body)
+        except Exception as exc:
+            return BadMessage(f"{type(exc).__name__}: {exc}")
+        return msg
+
+    def _read(self, n: int) -> bytes:
+        chunks = []
+        while n > 0:
+            chunk = self.sock.recv(min(n, _RECV_BYTES))
+            if not chunk:
+                raise EOFError
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
+
+    def send(self, msg: Any) -> bool:
+        self.sock.settimeout(None)
+        try:
+            self.sock.sendall(_frames.encode(msg))
+        except OSError:
+            return False
+        return True
+
+
+def _next_boot(link: _Link) -> m.ToWorker | None:
+    """The first message (the daemon sends Boot first); None if it hung up."""
+    while True:
+        msg = link.recv(None)
+        if msg is None or msg is False:
+            return None
+        if isinstance(msg, BadMessage):
+            log.error("bad frame from the daemon: %s", msg)
+            continue
+        assert msg is not True
+        return msg
+
+
+def _idle(link: _Link, booted: Booted) -> m.Input | None:
+    """Wait for the first input without an event loop; None to exit.
+
+    Most sessions are idle most of the time, and an idle worker needs no
+    loop, no transport and no buffers: it blocks in one `recv` until the
+    next heartbeat is due, answers pings, takes new settings, and leaves
+    at Shutdown, SIGTERM or the daemon's hang-up.  The first Input is
+    handed back, to run in the loop."""
+    next_beat = time.monotonic() + _idle_interval(booted)
+    while True:
+        msg = link.recv(max(0.0, next_beat - time.monotonic()))
+        match msg:
+            case None:
+                return None
+            case False:
+                if not link.send(m.Heartbeat()):
+                    return None
+                next_beat = time.monotonic() + _idle_interval(booted)
+            case m.Input():
+                return msg
+            case m.WorkerPing(nonce=nonce):
+                link.send(m.WorkerPong(nonce=nonce))
+            case m.Shutdown():
+                return None
+            case m.Reconfigure(settings=raw):
+                booted.reconfigure(_settings_decoder.decode(raw))
+                next_beat = min(next_beat, time.monotonic() + _idle_interval(booted))
+            case m.MemoryHigh():
+                gc.collect()
+            case m.Boot():
+                log.warning("ignoring a second Boot")
+            case BadMessage():
+                log.error("bad frame from the daemon: %s", msg)
+            case _:
+                pass  # an interrupt or an answer, with no turn to take it
+
+
+def _idle_interval(booted: Booted) -> float:
+    return booted.settings.agent.worker.heartbeat_interval_secs * IDLE_HEARTBEAT_FACTOR
+
+
+async def _serve(link: _Link, booted: Booted, first: m.Input) -> int:
+    """From the first input on: the event loop, its transport, the turns."""
     loop = asyncio.get_running_loop()
-    first: asyncio.Future[m.ToWorker] = loop.create_future()
     worker: Worker | None = None
+    early: list[m.ToWorker] = []
 
     def on_message(msg: m.ToWorker) -> None:
         if worker is not None:
             worker.on_message(msg)
-        elif not first.done():
-            first.set_result(msg)
+        else:
+            early.append(msg)
 
     def on_bad(exc: ProtocolError) -> None:
         log.error("bad frame from the daemon: %s", exc)
 
+    sandbox.configure(booted.sandbox_plan)
+    link.sock.setblocking(False)
     _, conn = await loop.create_unix_connection(
-        lambda: FramedProtocol(
-            _decoder, on_message=on_message, on_bad_message=on_bad,
-            max_frame_bytes=1 << 30,
-        ),
-        sock=sock,
+        lambda: FramedProtocol(_decoder, on_message=on_message, on_bad_message=on_bad,
+                               max_frame_bytes=_MAX_FRAME),
+        sock=link.sock,
     )
-    if warm_up:
-        _warm_up(conn)
-    waiting: list[asyncio.Future[Any]] = [first, conn.closed]
-    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-    if not first.done():
-        return 0  # the daemon went away before booting us
-    boot = first.result()
-    if not isinstance(boot, m.Boot):
-        conn.send(m.BootFailed(reason=f"expected boot, got {type(boot).__name__}"))
-        return EXIT_BOOT_FAILED
-    _name_process(boot.session)
-    try:
-        worker = Worker(conn, boot)
-        worker.boot(boot)
-    except Exception as exc:
-        reason = f"{type(exc).__name__}: {exc}"
-        log.debug("boot failed:\n%s", traceback.format_exc())
-        conn.send(m.BootFailed(reason=reason))
-        await _flush(conn)
-        return EXIT_BOOT_FAILED
-    conn.send(m.Ready(pid=os.getpid(), sandbox=worker.sandbox_report))
+    worker = Worker(conn, booted)
+    # The loop takes SIGTERM over from the idle phase's handler; one that
+    # came in between was only noted.
+    loop.add_signal_handler(signal.SIGTERM, worker.request_stop)
+    if link.stop_requested:
+        worker.request_stop()
+    for msg in [first, *early]:
+        worker.on_message(msg)
     await worker.serve()
     await _flush(conn)
     return 0
@@ -423,13 +597,38 @@ def _name_process(session: str) -> None:
 
 
 def run_worker(sock: socket.socket, warm_up: bool = False) -> int:
-    """Entry point in the forked child; returns the exit code."""
-    # No-op when the zygote was forked from the daemon (its handler came
-    # along); a zygote started by exec has none.
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr,
-        format=f"sessiond-worker[{os.getpid()}]: %(levelname)s: %(message)s",
-    )
+    """Entry point in the forked child; returns the exit code.
+
+    Boot (confinement, handler, restore) and Ready run before any event
+    loop exists, then the worker waits for its first input in `_idle`; the
+    loop is built only when that input comes (`_serve`).  An idle worker
+    so touches, and copies from the zygote, only the pages of that path.
+    Logging was set up once in the zygote (`session_worker.zygote`), not
+    here: even a `basicConfig` that finds handlers in place runs enough
+    Python to copy ~0.4 MiB of the zygote's pages into every worker."""
     setproctitle.setproctitle("sessiond: worker (spare)" if warm_up else "sessiond: worker")
-    sock.setblocking(False)
-    return run_loop(_main(sock, warm_up))
+    link = _Link(sock)
+    if warm_up:
+        _warm_up()
+    first = _next_boot(link)
+    if first is None:
+        return 0  # the daemon went away before booting us
+    if not isinstance(first, m.Boot):
+        link.send(m.BootFailed(reason=f"expected boot, got {type(first).__name__}"))
+        return EXIT_BOOT_FAILED
+    _name_process(first.session)
+    try:
+        booted = boot(first)
+    except Exception as exc:
+        log.debug("boot failed:\n%s", traceback.format_exc())
+        link.send(m.BootFailed(reason=f"{type(exc).__name__}: {exc}"))
+        return EXIT_BOOT_FAILED
+    if not link.send(m.Ready(pid=os.getpid(), sandbox=booted.sandbox_report)):
+        return 0
+    del first
+    inputs = _idle(link, booted)
+    if inputs is None:
+        with contextlib.suppress(Exception):
+            run_loop(booted.handler.aclose())
+        return 0
+    return run_loop(_serve(link, booted, inputs))

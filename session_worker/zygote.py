@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import selectors
 import signal
@@ -36,13 +37,14 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 import setproctitle
 
 from ipc import messages as m
 from ipc.linux import set_child_subreaper, set_dumpable, set_pdeathsig
+from session_worker._signals import set_signal
 
 __all__ = ["zygote_main"]
 
@@ -53,14 +55,31 @@ _MAX_PACKET = 4096
 # they re-parent one generation at a time as their parents die.
 _HUNT_SECS = 1.0
 _HUNT_POLL_SECS = 0.02
+# session_worker.main.run_worker, bound by _preload: an import statement
+# run in every forked worker is Python work that copies pages.
+_run_worker: Callable[..., int]
 
 
 def _preload() -> None:
+    global _run_worker
     import session_worker.echo  # noqa: F401
-    import session_worker.main  # noqa: F401
+    from session_worker.main import run_worker
 
+    _run_worker = run_worker
     with contextlib.suppress(ImportError):
         import session_worker.agent  # noqa: F401
+
+
+def _configure_logging() -> None:
+    """Once, here, for every worker: each worker would otherwise run
+    `logging.basicConfig` after its fork, and so copy the pages that code
+    touches (see session_worker.main.run_worker).  A no-op when the zygote
+    was forked from the daemon (its handler came along); a zygote started
+    by exec has none."""
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr,
+        format="sessiond-worker[%(process)d]: %(levelname)s: %(message)s",
+    )
 
 
 def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
@@ -83,6 +102,7 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
     started = "session_worker.zygote" in setproctitle.getproctitle()
     title = f"sessiond: zygote ({setproctitle.getproctitle()})" if started else "sessiond: zygote"
     setproctitle.setproctitle(title)
+    _configure_logging()
     _preload()
 
     parent_died = False
@@ -275,9 +295,9 @@ def _worker_child(
     code = 1
     try:
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        set_signal(signal.SIGCHLD, signal.SIG_DFL)
+        set_signal(signal.SIGTERM, signal.SIG_DFL)
+        set_signal(signal.SIGUSR1, signal.SIG_DFL)
         os.close(wake_r)
         os.close(wake_w)
         zsock.close()
@@ -285,9 +305,7 @@ def _worker_child(
         set_pdeathsig(signal.SIGKILL)
         if os.getppid() != zygote_pid:
             os._exit(1)
-        from session_worker.main import run_worker
-
-        code = run_worker(socket.socket(fileno=fd), warm_up=spare)
+        code = _run_worker(socket.socket(fileno=fd), warm_up=spare)
     except BaseException:
         with contextlib.suppress(Exception):
             traceback.print_exc()
