@@ -58,7 +58,7 @@ from supervisor.pg_link import PgLink
 from supervisor.pg_batch import CHANNEL
 from supervisor.pg_store import PgSessionLog, PgStateStore
 from supervisor.session import Session
-from supervisor.pg_rows import Rows, decode_snapshot, describe, replay
+from supervisor.pg_rows import describe, replay
 from supervisor.state_store import (
     HeldElsewhere,
     LoadedSession,
@@ -205,17 +205,10 @@ class Fronts:
         """The session as stored, and the daemon holding it, without
         claiming it (nothing is written)."""
         def op(cur: psycopg.Cursor[Any]) -> tuple[LoadedSession, str | None]:
-            cur.execute("SELECT snapshot, holder FROM sessiond_sessions WHERE id = %s", (session_id,))
-            row = cur.fetchone()
-            if row is None:
-                raise KeyError(session_id)
-            cur.execute("SELECT pos, frame FROM sessiond_records WHERE session = %s ORDER BY pos",
-                        (session_id,))
-            rows = Rows([(pos, bytes(frame)) for pos, frame in cur.fetchall()])
-            snap = decode_snapshot(session_id, row[0])
+            snap, _, holder, rows = self._store.read(cur, session_id, lock=False)
             if rows.damaged:
                 raise StoreDamaged(session_id, describe(rows), meta=snap.meta if snap is not None else rows.meta())
-            return replay(session_id, snap, rows), row[1]
+            return replay(session_id, snap, rows), holder
 
         return self._store.run(op, f"session {session_id}")
 

@@ -171,16 +171,7 @@ class InMemoryStateStore:
                                             scan.size - torn, torn)
             del stored.log[torn:]
             stored.synced = min(stored.synced, torn)
-        loaded = (LoadedSession(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark,
-                                   usage=dict(snap.usage))
-                  if snap is not None else None)
-        for _, _, rec in scan.records:
-            if loaded is None and isinstance(rec, Meta):
-                loaded = LoadedSession(meta=rec)
-            elif loaded is not None:
-                loaded.apply(rec)
-        if loaded is None:
-            raise StoreDamaged(session_id, "no metadata record", repairable=False)
+        loaded = LoadedSession.replay(session_id, snap, (rec for _, _, rec in scan.records))
         return MemoryLog(session_id, stored, stored.fence, self.sessions, self), loaded
 
     def ids(self) -> list[str]:

@@ -76,14 +76,5 @@ def describe(rows: Rows) -> str:
 
 
 def replay(session_id: str, snap: Snapshot | None, rows: Rows) -> LoadedSession:
-    """The session a snapshot and the intact records after it make."""
-    loaded = (LoadedSession(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark,
-                            usage=dict(snap.usage)) if snap is not None else None)
-    for _, rec in rows.records:
-        if loaded is None and isinstance(rec, Meta):
-            loaded = LoadedSession(meta=rec)
-        elif loaded is not None:
-            loaded.apply(rec)
-    if loaded is None:
-        raise StoreDamaged(session_id, "no metadata record", repairable=False)
-    return loaded
+    """The session a snapshot and the intact rows after it make."""
+    return LoadedSession.replay(session_id, snap, (rec for _, rec in rows.records))

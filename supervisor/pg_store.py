@@ -580,17 +580,20 @@ class PgStateStore:
             raise FileExistsError(meta.id)
         return PgSessionLog(self, meta.id, 1, 1, 0)
 
-    def _read(self, cur: psycopg.Cursor[Any], session_id: str) -> tuple[Snapshot | None, int, Rows]:
-        """Inside a transaction: the session's row (locked) and its records."""
-        cur.execute("SELECT snapshot, snap_gen FROM sessiond_sessions WHERE id = %s FOR UPDATE",
-                    (session_id,))
+    @staticmethod
+    def read(cur: psycopg.Cursor[Any], session_id: str,
+             lock: bool = True) -> tuple[Snapshot | None, int, str | None, Rows]:
+        """The session's snapshot, snapshot generation, holder and records;
+        with `lock`, inside a transaction, its row locked for it."""
+        cur.execute("SELECT snapshot, snap_gen, holder FROM sessiond_sessions WHERE id = %s"
+                    + (" FOR UPDATE" if lock else ""), (session_id,))
         row = cur.fetchone()
         if row is None:
             raise KeyError(session_id)
         cur.execute("SELECT pos, frame FROM sessiond_records WHERE session = %s ORDER BY pos",
                     (session_id,))
         rows = Rows([(pos, bytes(frame)) for pos, frame in cur.fetchall()])
-        return decode_snapshot(session_id, row[0]), row[1], rows
+        return decode_snapshot(session_id, row[0]), row[1], row[2], rows
 
     def load(self, session_id: str) -> tuple[PgSessionLog, LoadedSession]:
         """Claim the session: its generation goes up (fencing every earlier
@@ -598,7 +601,7 @@ class PgStateStore:
         its holder, in the transaction that reads it back."""
         def op(cur: psycopg.Cursor[Any]) -> tuple[PgSessionLog, LoadedSession]:
             with self._transaction():
-                snap, snap_gen, rows = self._read(cur, session_id)
+                snap, snap_gen, _, rows = self.read(cur, session_id)
                 if rows.damaged:
                     meta = snap.meta if snap is not None else rows.meta()
                     raise StoreDamaged(session_id, describe(rows), meta=meta)
@@ -645,7 +648,7 @@ class PgStateStore:
         damaged row on (truncate), in one transaction."""
         def op(cur: psycopg.Cursor[Any]) -> RepairResult:
             with self._transaction():
-                _, _, rows = self._read(cur, session_id)
+                _, _, _, rows = self.read(cur, session_id)
                 if not rows.bad:
                     return RepairResult(len(rows.records), 0, 0)
                 first_bad = rows.bad[0][0]

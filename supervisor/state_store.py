@@ -54,7 +54,7 @@ import asyncio
 import enum
 import logging
 from dataclasses import dataclass, field
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
 import msgspec
@@ -171,6 +171,21 @@ class LoadedSession:
     # The last input had no commit/abort: its worker (or the daemon) died.
     open_input: InputRecord | None = None
     usage: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def replay(cls, session_id: str, snap: Snapshot | None, records: Iterable[Record]) -> LoadedSession:
+        """The session a snapshot (if any) and the intact records after it
+        make; StoreDamaged when nothing says what the session is."""
+        loaded = (cls(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark, usage=dict(snap.usage))
+                  if snap is not None else None)
+        for rec in records:
+            if loaded is None and isinstance(rec, Meta):
+                loaded = cls(meta=rec)
+            elif loaded is not None:
+                loaded.apply(rec)
+        if loaded is None:
+            raise StoreDamaged(session_id, "no metadata record", repairable=False)
+        return loaded
 
     def apply(self, rec: Record) -> None:
         """Fold one record in (the same for every store)."""
