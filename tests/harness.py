@@ -126,9 +126,11 @@ class Daemon:
         the venv and this checkout may live where the user cannot reach them
         (pyenv under a 0700 /root, a clone in a 0700 mktemp dir): the daemon
         then runs in its own mount namespace where each closed directory on
-        those paths is covered by a 0711 directory holding bind mounts of
+        those paths is covered by a 0755 directory holding bind mounts of
         just the children it needs; nothing changes for the rest of the
-        machine."""
+        machine.  (Listable, not just 0711: the checkout itself is on
+        sys.path, through the install's .pth line, and Python's path finder
+        lists a directory on sys.path to find a module in it.)"""
         for path in (self.root, self.sockdir):
             os.chown(path, uid, gid)
         needs: dict[Path, set[str]] = {}
@@ -145,7 +147,7 @@ class Daemon:
         # carried along when its parent is covered in turn.
         for closed in sorted(needs, key=lambda p: len(p.parts), reverse=True):
             cover = Path(tempfile.mkdtemp(prefix="sd-expose-"))
-            os.chmod(cover, 0o711)
+            os.chmod(cover, 0o755)
             self._exposed.append(cover)
             for child in sorted(needs[closed]):
                 (cover / child).mkdir()

@@ -197,6 +197,8 @@ def test_spare_workers_are_taken_by_creates_and_never_cost_a_session_its_slot(
     rest (here, another front's) gets a spare's slot."""
     dsn = pg_server.fresh_dsn()
     assert len(NODE_IPS) * ray_cluster.slots == 4
+    # (Spares of the fronts of earlier tests die with their fronts' leases.)
+    wait_for(lambda: not unclaimed_workers(ray_cluster), 30, "earlier fronts' spares to be gone")
     a = make_daemon(cluster_config(ray_cluster, dsn).replace("[daemon]\n", "[daemon]\nspare_workers = 2\n"))
     wait_for(lambda: len(unclaimed_workers(ray_cluster)) == 2, 30, "front a's two spares to be placed")
     spares = unclaimed_workers(ray_cluster)

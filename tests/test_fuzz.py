@@ -27,9 +27,7 @@ import signal
 import socket
 import struct
 import tempfile
-import threading
 import time
-import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +38,7 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
+from forked_worker import ForkedWorker
 from harness import Daemon, raw_connect, wait_for
 from ipc import messages as m
 from ipc.errors import BadMessage, FrameTooLarge
@@ -522,61 +521,23 @@ def test_oversized_prefix_split_across_feeds_raises_frame_too_large() -> None:
         parser.feed(b"\xff\xff")
 
 
-class WorkerChild:
-    """A real worker: forked from this process (no loop, no thread here, as
-    in the zygote), talking over a socketpair."""
+class WorkerChild(ForkedWorker):
+    """A real worker, booted with the echo handler."""
 
     def __init__(self, workspace: str) -> None:
-        assert threading.active_count() == 1, "never fork a process with threads"
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        pid = os.fork()
-        if pid == 0:  # the worker
-            code = 1
-            try:
-                ours.close()
-                from ipc.linux import set_pdeathsig
-
-                set_pdeathsig(signal.SIGKILL)
-                from session_worker.main import run_worker
-
-                code = run_worker(theirs)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    traceback.print_exc()
-            finally:
-                os._exit(code)
-        theirs.close()
-        self.pid = pid
-        self.sock = ours
-        self.sock.settimeout(5)
-        self.status: int | None = None
+        super().__init__(timeout=5)
         self.sock.sendall(encode_frame(m.Boot(
             session="fuzz", handler="echo", settings=_enc.encode(SessionSettings()),
             workspace=workspace,
         )))
         first = self.recv()
-        assert isinstance(first, m.Ready) and first.pid == pid, first
+        assert isinstance(first, m.Ready) and first.pid == self.pid, first
 
-    def recv(self) -> m.FromWorker | None:
+    def recv(self) -> m.FromWorker | None:  # type: ignore[override]
         try:
-            header = _recv_exact(self.sock, 4)
-            return _from_worker_decoder.decode(_recv_exact(self.sock, struct.unpack(">I", header)[0]))
+            return super().recv()
         except (ConnectionError, EOFError, TimeoutError):
             return None  # gone, or silent for 5 s: the caller checks which
-
-    def exited(self) -> bool:
-        if self.status is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.status = status
-        return self.status is not None
-
-    def close(self) -> None:
-        self.sock.close()
-        if not self.exited():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
 
 
 @contextlib.contextmanager

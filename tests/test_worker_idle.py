@@ -8,14 +8,10 @@ frames sent together with the first input)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
-import struct
-import threading
 import time
-import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +19,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from forked_worker import ForkedWorker
 from harness import wait_for
 from ipc import messages as m
 from ipc.contract import EXIT_BOOT_FAILED
@@ -32,48 +29,12 @@ from ipc.settings import SessionSettings
 pytestmark = pytest.mark.process
 
 _enc = msgspec.msgpack.Encoder()
-_from_worker = msgspec.msgpack.Decoder(m.FromWorker)
 
 
-class Child:
+class Child(ForkedWorker):
     def __init__(self, boot: m.Boot) -> None:
-        assert threading.active_count() == 1, "never fork a process with threads"
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                ours.close()
-                from session_worker.main import run_worker
-
-                code = run_worker(theirs)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    traceback.print_exc()
-            finally:
-                os._exit(code)
-        theirs.close()
-        self.pid = pid
-        self.sock = ours
-        self.sock.settimeout(10)
-        self.status: int | None = None
+        super().__init__()
         self.send(boot)
-
-    def send(self, *msgs: Any) -> None:
-        self.sock.sendall(b"".join(encode_frame(msg) for msg in msgs))
-
-    def recv(self) -> m.FromWorker:
-        def exact(n: int) -> bytes:
-            buf = b""
-            while len(buf) < n:
-                chunk = self.sock.recv(n - len(buf))
-                if not chunk:
-                    raise EOFError
-                buf += chunk
-            return buf
-
-        msg: m.FromWorker = _from_worker.decode(exact(struct.unpack(">I", exact(4))[0]))
-        return msg
 
     def recv_until(self, kind: type[Any]) -> Any:
         while not isinstance(msg := self.recv(), kind):
@@ -85,19 +46,6 @@ class Child:
         fds = Path(f"/proc/{self.pid}/fd")
         return any(os.readlink(fd) == "anon_inode:[eventpoll]" for fd in fds.iterdir())
 
-    def exited(self) -> bool:
-        if self.status is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.status = status
-        return self.status is not None
-
-    def close(self) -> None:
-        self.sock.close()
-        if not self.exited():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
 
 
 def _boot(workspace: Path, handler: str = "echo", heartbeat_secs: float = 1.0,
