@@ -501,6 +501,9 @@ def _idle(link: _Link, booted: Booted) -> m.Input | None:
                     return None
                 next_beat = time.monotonic() + _idle_interval(booted)
             case m.Input():
+                # Beat now, once: the daemon's allowance for this turn runs
+                # from its start, and building the loop comes out of it.
+                link.send(m.Heartbeat())
                 return msg
             case m.WorkerPing(nonce=nonce):
                 link.send(m.WorkerPong(nonce=nonce))

@@ -27,11 +27,23 @@ from ipc.loop import run as run_loop
 from supervisor import __version__
 from supervisor.client import AsyncClient, DaemonUnavailable, RequestError
 from supervisor.ctl_drain import drain_exit_code, drain_json, drain_text, timeout_secs
-from supervisor.ctl_render import SORT_KEYS, pong_text, print_stats, print_status, print_table
+from supervisor.ctl_render import (
+    EXIT_FAILED,
+    EXIT_NO_SESSION,
+    EXIT_OK,
+    EXIT_SIGINT,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    SORT_KEYS,
+    exit_code_for,
+    pong_text,
+    print_stats,
+    print_status,
+    print_table,
+)
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_SESSION = 0, 1, 2, 3, 4
 
 
 def to_plain(obj: Any) -> Any:
@@ -442,7 +454,6 @@ _STOP_TEXT: dict[str, str] = {
 }
 
 
-EXIT_SIGINT = 128 + signal.SIGINT
 
 
 async def _send_interruptibly(client: AsyncClient, session: str, text: str, as_json: bool) -> int:
@@ -578,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_UNREACHABLE
     except RequestError as exc:
         print(f"sessionctl: {exc.message}", file=sys.stderr)
-        return EXIT_NO_SESSION if exc.code == "not_found" else EXIT_FAILED
+        return exit_code_for(exc.code)
     except KeyboardInterrupt:
         return EXIT_SIGINT
 

@@ -33,7 +33,16 @@ import time
 import msgpack  # type: ignore[import-untyped]  # (no stubs; used for two calls)
 
 from ipc.paths import default_socket_text
-from supervisor.ctl_render import pong_text, print_stats, print_status, print_table
+from supervisor.ctl_render import (
+    EXIT_OK,
+    EXIT_SIGINT,
+    EXIT_UNREACHABLE,
+    exit_code_for,
+    pong_text,
+    print_stats,
+    print_status,
+    print_table,
+)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -42,7 +51,6 @@ if TYPE_CHECKING:
 
 __all__ = ["json_text", "main", "run"]
 
-EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE, EXIT_NO_SESSION = 0, 1, 3, 4
 
 # As supervisor.client: the waits the full path allows, and its frame limit.
 _CONNECT_TIMEOUT_SECS = 5.0
@@ -611,11 +619,11 @@ def _one_shot(argv: list[str]) -> int | None:
         return EXIT_UNREACHABLE
     except _Refused as exc:
         print(f"sessionctl: {exc.message}", file=sys.stderr)
-        return EXIT_NO_SESSION if exc.code == "not_found" else EXIT_FAILED
+        return exit_code_for(exc.code)
     except _Unsure:
         return None
     except KeyboardInterrupt:
-        return 128 + 2  # as supervisor.ctl: 128 + SIGINT
+        return EXIT_SIGINT
 
 
 if __name__ == "__main__":

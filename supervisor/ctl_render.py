@@ -14,7 +14,19 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["SORT_KEYS", "fmt_bytes", "pong_text", "print_stats", "print_status", "print_table", "sandbox_line"]
+__all__ = ["EXIT_FAILED", "EXIT_NO_SESSION", "EXIT_OK", "EXIT_SIGINT", "EXIT_UNREACHABLE", "EXIT_USAGE",
+           "SORT_KEYS", "exit_code_for", "fmt_bytes", "pong_text", "print_stats", "print_status", "print_table",
+           "sandbox_line"]
+
+# sessionctl's exit codes (a contract: scripts test them), for both paths.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_SESSION = 0, 1, 2, 3, 4
+EXIT_SIGINT = 128 + 2  # as a shell reports a command SIGINT ended
+
+
+def exit_code_for(error_code: str) -> int:
+    """The exit code for the daemon's error `error_code`."""
+    return EXIT_NO_SESSION if error_code == "not_found" else EXIT_FAILED
+
 
 # `top --sort`: here, not in supervisor.top, so that the command line's
 # parser need not import curses.

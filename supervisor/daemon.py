@@ -582,8 +582,14 @@ def _share_store(cfg: Config, manager: SessionManager, state_dir: Path) -> Front
     from supervisor.pg_store import PgStateStore
 
     assert isinstance(manager.store, PgStateStore)
-    return Fronts(manager, manager.store, cfg.store.dsn, cfg.store.retry_secs,
-                  cfg.cluster.front_lease_secs, state_dir)
+    try:
+        return Fronts(manager, manager.store, cfg.store.dsn, cfg.store.retry_secs,
+                      cfg.cluster.front_lease_secs, state_dir)
+    except StoreError as exc:
+        raise StartupError(str(exc)) from None
+    except OSError as exc:
+        raise StartupError(f"{state_dir / 'front-id'}: cannot write this daemon's name there: "
+                           f"{exc.strerror or exc}") from None
 
 
 def _sessionctl_command() -> str:

@@ -196,10 +196,10 @@ async def claim(manager: SessionManager, session: Session) -> None:
         raise Conflict(str(exc)) from None
     except KeyError:
         raise NotFound(f"session {session.id} was removed by another daemon") from None
-    _refresh(manager, session, held, loaded)
+    await _refresh(manager, session, held, loaded)
 
 
-def _refresh(manager: SessionManager, session: Session, held: SessionLog, loaded: LoadedSession) -> None:
+async def _refresh(manager: SessionManager, session: Session, held: SessionLog, loaded: LoadedSession) -> None:
     """What the store says of a session just claimed, over what this daemon
     knew (it may have run elsewhere since)."""
     session.store = held
@@ -213,14 +213,15 @@ def _refresh(manager: SessionManager, session: Session, held: SessionLog, loaded
     # Event numbers only go up, for this daemon's clients and the holder's.
     session.seq = max(session.seq, loaded.seq)
     session.reserved_seq = max(session.reserved_seq, loaded.seq)
-    if loaded.open_input is not None:
-        # Its holder died during this turn (a live one would have refused).
-        session.seq += 1
-        held.append(Abort(turn=loaded.open_input.turn, reason="the daemon that held it stopped during "
-                          "this turn", seq=session.seq), durable=True)
-    manager.events.write_mark(session, durable=True)
-    tagged(log, session.id).info("claimed (generation %d): %d turn(s) so far", held.generation, loaded.turns)
     if loaded.mark.state == "stopped" and session.state is State.HIBERNATED:
         # Stopped where it ran: it stays stopped here until a restart.
         manager.events.set_state(session, Trigger.STOP, reason="stopped on another daemon")
         manager.events.set_state(session, Trigger.STOPPED, reason="stopped on another daemon")
+    if loaded.open_input is not None:
+        # Its holder died during this turn (a live one would have refused).
+        session.seq += 1
+        held.append(Abort(turn=loaded.open_input.turn, reason="the daemon that held it stopped during "
+                          "this turn", seq=session.seq), durable=False)
+    # The abort and this daemon's mark, by the group commit, off the loop.
+    await manager.ledger.save_mark(session)
+    tagged(log, session.id).info("claimed (generation %d): %d turn(s) so far", held.generation, loaded.turns)

@@ -21,7 +21,9 @@ What daemons hear of each other: every claim, create and remove is sent on
 one PostgreSQL channel (NOTIFY, delivered when its transaction commits).
 The thread that renews this daemon's row also LISTENs, and hands each
 message to the loop:
-* a claim by another daemon of a session held here: release it
+* a claim by another daemon of a session held here, of a newer
+  generation than this daemon's (an older one crossed this daemon's own
+  claim): release it
   (supervisor.fencing.release: its worker stopped, `hibernated` here, its
   clients told by the state events);
 * a create elsewhere: the session appears here (read, not claimed);
@@ -41,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
@@ -58,6 +61,7 @@ from supervisor.pg_link import PgLink
 from supervisor.pg_batch import CHANNEL
 from supervisor.pg_store import PgSessionLog, PgStateStore
 from supervisor.session import Session
+from supervisor.sessiondir import fsync_dir
 from supervisor.pg_rows import describe, replay
 from supervisor.state_store import (
     HeldElsewhere,
@@ -79,22 +83,34 @@ log = logging.getLogger("sessiond.fronts")
 
 # How often the thread looks up from waiting for messages (its stop flag).
 _WAKE_SECS = 0.5
+_NAME = re.compile(r"[A-Za-z0-9._:-]{1,100}")
 # Rows of daemons gone this long are deleted by the next daemon to start.
 _FORGET_DEAD = "1 day"
 
 
 def front_id(state_dir: Path) -> str:
-    """This daemon's name among the daemons sharing the database."""
+    """This daemon's name among the daemons sharing the database: made once
+    (host name and a random part), then read back at every start.  A name
+    is one word (it travels in space-separated messages on the channel)."""
     path = state_dir / "front-id"
     try:
         name = path.read_text().strip()
     except FileNotFoundError:
         name = ""
-    if not name:
-        name = f"{socket.gethostname()}:{secrets.token_hex(4)}"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(name + "\n")
-        os.replace(tmp, path)
+    if name:
+        if not _NAME.fullmatch(name):
+            raise StoreError(f"{path} holds {name[:80]!r}, not a daemon's name (letters, digits, '.', '_', "
+                             "':' and '-', at most 100): delete it and a new name is made")
+        return name
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:80] or "host"
+    name = f"{host}:{secrets.token_hex(4)}"
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(state_dir)  # else a crash could make it a stranger to its own sessions
     return name
 
 
@@ -135,7 +151,9 @@ class _Lease:
             try:
                 self._link.run(self._serve, "this daemon's row in sessiond_fronts")
             except StoreError as exc:
-                log.warning("%s; retrying", exc)
+                log.warning("cannot renew this daemon's hold on its sessions (%s); retrying. Once it is "
+                            "%gs old ([cluster] front_lease_secs), another daemon may end a turn running here",
+                            exc, self._lease_secs)
                 self._stop.wait(1.0)
             except Exception:  # never let the thread die quietly
                 log.exception("the front's lease thread failed; retrying")
@@ -247,7 +265,13 @@ class Fronts:
             if payload == "resync":
                 self._resync()
                 return
-            kind, session_id, front = payload.split(" ")
+            kind, session_id, front, *rest = payload.split(" ")
+            # A claim says the generation it took: an older one than this
+            # daemon's own (a message that crossed this daemon's claim of
+            # the session) is not a reason to let go.
+            gen = int(rest[0]) if kind == "claim" and len(rest) == 1 else None
+            if (kind == "claim") != (gen is not None) or (kind != "claim" and rest):
+                raise ValueError(payload)
         except ValueError:
             log.warning("ignoring a malformed message on %s: %r", CHANNEL, payload[:200])
             return
@@ -257,7 +281,7 @@ class Fronts:
         if front == self.front:
             return
         session = self._manager.sessions.get(session_id)
-        if kind == "claim" and session is not None:
+        if kind == "claim" and session is not None and gen is not None and gen > session.store.generation:
             self._let_go(session, front)
         elif kind == "create" and session is None:
             self._adopt(session_id)

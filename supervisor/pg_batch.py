@@ -105,6 +105,12 @@ SELECT id FROM claim
 # supervisor.fronts).
 CHANNEL = "sessiond_sessions"
 
+# Part of a statement's result: each session it made or removed told on
+# the channel, in the statement itself (no round trip of its own), when
+# daemons share the database (`holder`: this daemon's name; NULL: alone).
+_TELL = ("CASE WHEN %(holder)s::text IS NOT NULL THEN pg_notify('" + CHANNEL + "', "
+         "'{kind} ' || {id} || ' ' || %(holder)s::text) END")
+
 # The kinds of request, and the step of a round each goes in.
 CREATE, COMMIT, SNAPSHOT, REMOVE = "create", "commit", "snapshot", "remove"
 _STEP = {CREATE: 0, COMMIT: 1, SNAPSHOT: 2, REMOVE: 2}
@@ -121,7 +127,7 @@ WITH c AS (
 ), ins AS (
     INSERT INTO sessiond_records (session, pos, frame) SELECT s.id, 0, c.frame FROM s JOIN c ON c.id = s.id
 )
-SELECT id FROM s
+SELECT s.id, """ + _TELL.format(kind="create", id="s.id") + """ FROM s
 """
 
 SNAPSHOT_STATEMENT = """
@@ -135,7 +141,10 @@ WITH claim AS (
 SELECT id FROM claim
 """
 
-_REMOVE = "DELETE FROM sessiond_sessions WHERE id = %(id)s AND gen = %(gen)s"
+_REMOVE = """
+WITH d AS (DELETE FROM sessiond_sessions WHERE id = %(id)s AND gen = %(gen)s RETURNING id)
+SELECT d.id, """ + _TELL.format(kind="remove", id="d.id") + """ FROM d
+"""
 # The removal of a session whose create failed: only if the row is its own.
 _REMOVE_OURS = """
 DELETE FROM sessiond_sessions s WHERE s.id = %(id)s AND s.gen = 1 AND EXISTS (
@@ -331,12 +340,7 @@ class CommitWriter:
 
     def _create(self, creates: list[Request]) -> None:
         """The round's creates, one statement; each failed one makes its log lost."""
-        try:
-            outcomes = self._link.run(lambda cur: _creates(cur, creates), _what_created(creates))
-        except Unreachable:
-            raise
-        except StoreError as exc:
-            outcomes = self._one_by_one(creates, exc, _creates, _what_created)
+        outcomes = self._outcomes(creates, _creates, _what_created)
         for req in creates:
             if (err := outcomes.get(id(req))) is not None:
                 _fail(req, err)
@@ -352,18 +356,26 @@ class CommitWriter:
             return exc
 
     def _commit(self, entries: list[_Entry]) -> None:
-        try:
-            outcomes = self._link.run(lambda cur: _commits(cur, entries), _what(entries))
-        except Unreachable:
-            raise
-        except StoreError as exc:
-            outcomes = self._one_by_one(entries, exc, _commits, _what)
+        outcomes = self._outcomes(entries, _commits, _what)
         for entry in entries:
             outcome = outcomes.get(id(entry))
             for req in entry.reqs:
                 req.error = outcome
             if outcome is not None:
                 _doom(entry.reqs[0].log, entry.reqs[0].epoch, outcome)
+
+    def _outcomes(self, items: list[_I],
+                  statement: Callable[[psycopg.Cursor[Any], list[_I]], dict[int, StoreError | None]],
+                  what: Callable[[list[_I]], str]) -> dict[int, StoreError | None]:
+        """One statement for all `items`, each one's outcome; a statement the
+        server refuses is tried again item by item (`Unreachable` stops the
+        round: every write waiting fails the same way)."""
+        try:
+            return self._link.run(lambda cur: statement(cur, items), what(items))
+        except Unreachable:
+            raise
+        except StoreError as exc:
+            return self._one_by_one(items, exc, statement, what)
 
     def _one_by_one(self, items: list[_I], exc: StoreError,
                     statement: Callable[[psycopg.Cursor[Any], list[_I]], dict[int, StoreError | None]],
@@ -512,7 +524,6 @@ def _creates(cur: psycopg.Cursor[Any], items: list[Request]) -> dict[int, StoreE
     cur.execute(_CREATES, {"ids": [r.sid for r in items], "frames": [r.frames[0] for r in items],
                            "holder": items[0].holder})
     made = {row[0] for row in cur.fetchall()}
-    _tell(cur, "create", items[0].holder, [r.sid for r in items if r.sid in made])
     outcomes: dict[int, StoreError | None] = {id(r): None for r in items}
     missed = [r for r in items if r.sid not in made]
     if not missed:
@@ -581,23 +592,14 @@ def _op(cur: psycopg.Cursor[Any], req: Request) -> StoreError | None:
         cur.execute(_REMOVE_OURS, {"id": req.sid, "frame": req.body})
         return None
     else:
-        cur.execute(_REMOVE, {"id": req.sid, "gen": req.gen})
+        cur.execute(_REMOVE, {"id": req.sid, "gen": req.gen, "holder": req.holder})
         if cur.rowcount:
-            _tell(cur, "remove", req.holder, [req.sid])
             return None
     cur.execute("SELECT gen FROM sessiond_sessions WHERE id = %s", (req.sid,))
     row = cur.fetchone()
     if row is None:  # gone: nothing to snapshot; already removed
         return StoreError(f"session {req.sid}: it was removed") if req.kind == SNAPSHOT else None
     return Fenced(req.sid, req.gen, row[0])
-
-
-def _tell(cur: psycopg.Cursor[Any], kind: str, holder: str | None, sids: list[str]) -> None:
-    """Tell the other daemons on the channel (in the statement's own
-    transaction: they hear it once it is done)."""
-    if holder is not None and sids:
-        cur.execute("SELECT pg_notify(%s, %s || ' ' || s || ' ' || %s) FROM unnest(%s::text[]) AS s",
-                    (CHANNEL, kind, holder, sids))
 
 
 class Diverged(StoreError):

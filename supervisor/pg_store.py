@@ -620,7 +620,8 @@ class PgStateStore:
                 claimed = cur.fetchone()
                 assert claimed is not None  # locked above
                 if self.front is not None:  # delivered on commit, to every daemon listening
-                    cur.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"claim {session_id} {self.front}"))
+                    cur.execute("SELECT pg_notify(%s, %s)",
+                                (CHANNEL, f"claim {session_id} {self.front} {claimed[0]}"))
             return PgSessionLog(self, session_id, claimed[0], claimed[1], snap_gen), loaded
 
         return self.run(op, f"session {session_id}")

@@ -9,6 +9,7 @@ nothing after.  Real daemons, real PostgreSQL (tests/pg_server.py)."""
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import threading
@@ -283,14 +284,24 @@ def test_a_daemon_that_missed_a_claim_while_cut_off_lets_go_once_it_hears_again(
 def test_what_a_daemon_hears_on_the_channel_is_checked_and_costs_no_data(make_daemon, dsn: str) -> None:
     """Anyone who can connect to the database can NOTIFY on the channel
     (and, to be fair, write the tables): malformed messages are ignored,
-    unknown sessions too, and a forged claim makes the daemon let go of a
-    session it then claims back at its next input, losing nothing."""
+    unknown sessions too, a claim of an older generation than the daemon's
+    too, and a forged claim makes the daemon let go of a session it then
+    claims back at its next input, losing nothing."""
     d = make_daemon(pg_config(dsn))
     with d.client() as c:
         sid = c.create().id
         assert c.send_text(sid, "a") == "1: a"
+        pid = c.status(sid).pid
+    # A claim older than the daemon's own (one that crossed its claim) is no
+    # reason to let go; the malformed marker after it says it was heard.
+    for payload in [f"claim {sid} someone 1", "marker-after-the-stale-claim"]:
+        sql(dsn, "SELECT pg_notify('sessiond_sessions', %s)", payload)
+    wait_for(lambda: "marker-after-the-stale-claim" in d.log, 10, "the stale claim to be heard")
+    with d.client() as c:
+        assert c.status(sid).state == "idle" and c.status(sid).pid == pid
     for payload in ["", "bogus", "claim", "claim a b c d", "create nosuch someone", "remove nosuch someone",
-                    "\x00" * 100, "claim " + "x" * 7000 + " someone", f"claim {sid} someone"]:
+                    "\x00" * 100, "claim " + "x" * 7000 + " someone", f"claim {sid} someone",
+                    f"claim {sid} someone x", f"create {sid} someone 7", f"claim {sid} someone 999999"]:
         sql(dsn, "SELECT pg_notify('sessiond_sessions', %s)", payload.replace("\x00", "?"))
     with d.client() as c:
         wait_for(lambda: c.status(sid).state == "hibernated", 10, "the forged claim to be heard")
@@ -298,3 +309,20 @@ def test_what_a_daemon_hears_on_the_channel_is_checked_and_costs_no_data(make_da
         assert [s.id for s in c.list()] == [sid]
     assert "ignoring a malformed message" in d.log
     assert inputs(dsn, sid) == ["a", "b"]
+
+
+def test_a_daemon_s_name_is_one_word_and_a_mangled_one_stops_the_start_saying_which_file(
+    make_daemon, dsn: str
+) -> None:
+    d = make_daemon(pg_config(dsn))
+    name = (d.state_dir / "front-id").read_text().strip()
+    assert re.fullmatch(r"[A-Za-z0-9._-]+:[0-9a-f]{8}", name), name
+    d.stop()
+    (d.state_dir / "front-id").write_text("two words\n")
+    with pytest.raises(AssertionError, match="exited with 1"):
+        d.start()
+    assert f"{d.state_dir / 'front-id'} holds 'two words', not a daemon's name" in d.log
+    assert "delete it and a new name is made" in d.log
+    (d.state_dir / "front-id").unlink()
+    d.start()
+    assert (d.state_dir / "front-id").read_text().strip() != name
