@@ -204,6 +204,26 @@ class SandboxSettings(ConfigSection):
     # Size of the private /tmp (a tmpfs, with namespaces).
     tmp_size_mb: Annotated[int, Meta(ge=1, le=1 << 20)] = 256
 
+    def refusal(self, namespaces: bool, why_no_namespaces: str, landlock_abi: int, why_no_seccomp: str) -> str:
+        """Fail closed: why tools do not run with these settings on a host
+        that offers what the arguments say, naming what is missing and the
+        setting that is the operator's explicit weaker choice; '' when they
+        run.  One wording for the worker's tool error, `stats` and the log."""
+        if self.mode == "off":
+            return ""
+        missing: list[str] = []
+        if self.namespaces != "off" and not namespaces:
+            missing.append(f"namespaces ({why_no_namespaces or 'unavailable'}); "
+                           '[sandbox] namespaces = "off" runs tools under Landlock and seccomp without them')
+        if not landlock_abi:
+            missing.append("Landlock (not in this kernel, or not enabled: lsm=landlock)")
+        if why_no_seccomp:
+            missing.append(f"seccomp ({why_no_seccomp})")
+        if not missing:
+            return ""
+        return ("tools do not run: the sandbox cannot be built here: missing " + "; ".join(missing)
+                + '; [sandbox] mode = "off" runs them unconfined')
+
 
 class SessionSettings(ConfigSection):
     """What one session runs with: the operator's config plus its overrides."""
