@@ -13,6 +13,8 @@ tool it starts inherits all of it:
   temporary directory read-write, nothing else; TCP refused when the network
   policy is `none`; signals and abstract Unix sockets scoped to the domain
   (the daemon, the worker and other sessions cannot be signalled or reached);
+- non-dumpable, so its descriptors and memory are out of a tool's reach
+  through /proc;
 - no descriptor but 0, 1, 2 and its socket (close-on-exec): whatever
   else the worker or bubblewrap let through is closed first, so a command
   starts with its /dev/null stdin and its output pipe as 1 and 2, nothing
@@ -52,6 +54,7 @@ from typing import Any
 Config = dict[str, Any]
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_DUMPABLE = 4
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_SET_SECCOMP = 22
@@ -165,6 +168,11 @@ def confine(cfg: Config) -> tuple[list[str], dict[str, str]]:
     if cfg.get("parent") is not None and os.getppid() != cfg["parent"]:
         os._exit(1)  # the worker died before we armed PDEATHSIG
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    # Non-dumpable: its /proc/PID/fd, mem and environ need CAP_SYS_PTRACE.
+    # A tool opened /proc/$PPID/fd/2 (Landlock does not stop opening a
+    # pipe through its magic link) and wrote into the worker's log pipe.
+    # Commands are dumpable again: execve resets the flag.
+    _prctl(_PR_SET_DUMPABLE, 0)
     _prctl(_PR_SET_NO_NEW_PRIVS, 1)
     applied.append("no_new_privs")
     os.umask(0o077)

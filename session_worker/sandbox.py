@@ -384,6 +384,7 @@ class ToolHost:
                         else:
                             fut.set_result(msg["pid"])
                 elif "exit" in msg:
+                    self._errors.note_dropped()  # what a command's flood cost, once it is over
                     done = self._exits.pop(oid, None)
                     if done is not None and not done.done():
                         done.set_result(int(msg["exit"]))

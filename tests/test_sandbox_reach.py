@@ -72,3 +72,49 @@ def test_a_tool_starts_with_stdin_stdout_stderr_only(
     out = run_tool(d, llm, sid, FD_PROBE, {})
     assert re.search(r"^FDS 0 1 2$", out, re.M), out
     assert SECRET not in out and "READ-INHERITED" not in out, out
+
+
+# ---------------------------------------------------------------- the daemon's log
+
+FORGED = "sessiond[1]: INFO: forged-by-a-tool"
+# Write 200,000 lines (each trying to start a fresh log line of the
+# daemon's) to every copy of the tool host's stderr the tool can open:
+# its own host's and bubblewrap's init's, which holds the same pipe.
+FLOOD = (
+    "for p in $PPID 1; do\n"
+    "  if (exec 3>>/proc/$p/fd/2) 2>/dev/null; then echo REACHED-$p\n"
+    f"    python3 -c 'import sys; sys.stdout.write((\"\\r\\x1b[2K{FORGED}\\n\") * 100000)' >>/proc/$p/fd/2\n"
+    "  fi\n"
+    "done\necho FLOODED\n"
+)
+LOG_BOUND_BYTES = 64 << 10  # 64 lines of 400 characters, tags and notes: well below
+
+
+@pytest.mark.parametrize("setup", ["root-uid-per-session", "user-namespaces", "landlock-only"])
+def test_what_a_tool_host_writes_to_the_log_is_bounded_escaped_and_tagged(
+    make_daemon, llm: FakeLLM, open_root: Path, setup: str
+) -> None:
+    d = start(make_daemon, llm, open_root, setup)
+    with d.client() as c:
+        sid = c.create(session="flooder").id
+    run_tool(d, llm, sid, "true", {})  # the host is up; what it logged at start is not the flood's
+    before = d.log_path.stat().st_size
+    out = run_tool(d, llm, sid, FLOOD, {})
+    assert "FLOODED" in out, out
+    # The host is non-dumpable: its /proc/PID/fd is not the tool's to open
+    # (bubblewrap's init never was).  Had it been, the budget holds.
+    reached = re.findall(r"REACHED-\S+", out)
+    assert not reached, out
+    # The other session's turn (and so the loop) goes on; the log has settled.
+    with d.client() as c:
+        other = c.create(session="other", handler="echo").id
+        assert c.send_text(other, "ping") == "1: ping"
+    grown = d.log_path.read_bytes()[before:]
+    assert len(grown) < LOG_BOUND_BYTES, (reached, len(grown))
+    lines = grown.decode(errors="replace").splitlines()
+    forged = [line for line in lines if "forged-by-a-tool" in line]
+    assert len(forged) <= 64, len(forged)
+    for line in forged:
+        # Marked as the session's, the tool's control characters written out.
+        assert f"session={sid} tool host: " in line and "\r" not in line and "\x1b" not in line, line
+        assert not line.startswith(FORGED), line
