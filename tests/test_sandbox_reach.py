@@ -7,8 +7,10 @@ LLM makes a session run `bash`, in each sandbox set-up."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import socket
 import tempfile
 from pathlib import Path
 
@@ -118,3 +120,125 @@ def test_what_a_tool_host_writes_to_the_log_is_bounded_escaped_and_tagged(
         # Marked as the session's, the tool's control characters written out.
         assert f"session={sid} tool host: " in line and "\r" not in line and "\x1b" not in line, line
         assert not line.startswith(FORGED), line
+
+
+# ---------------------------------------------------------------- fail closed
+
+
+@pytest.fixture
+def failing_bwrap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A bubblewrap that cannot make namespaces (the shipped unit's
+    RestrictNamespaces=yes, or a kernel without user namespaces)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "bwrap").write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    (bin_dir / "bwrap").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return "No permissions to create new namespace"
+
+
+def test_without_namespaces_tools_do_not_run_unless_the_operator_says_so(
+    make_daemon, llm: FakeLLM, open_root: Path, failing_bwrap: str
+) -> None:
+    d = start(make_daemon, llm, open_root, "root-uid-per-session")
+    with d.client() as c:
+        sid = c.create(session="closed").id
+        report = dict(c.status(sid).sandbox)
+    out = run_tool(d, llm, sid, "echo RAN", {})
+    assert "RAN" not in out, out
+    assert "tools do not run" in out and failing_bwrap in out and '[sandbox] namespaces = "off"' in out, out
+    assert failing_bwrap in report["refused"] and "namespaces" in report["inactive"], report
+    stats = json.loads(d.ctl("--json", "stats").stdout)["sandbox"]
+    assert stats["tools"] == "refused" and failing_bwrap in stats["refused"], stats
+    assert "tools do not run" in d.log and failing_bwrap in d.log
+    # The operator's explicit weaker choice: Landlock and seccomp, no namespaces.
+    d = start(make_daemon, llm, open_root / "2", "root-uid-per-session", extra='namespaces = "off"')
+    with d.client() as c:
+        sid = c.create(session="chosen").id
+    out = run_tool(d, llm, sid, "echo RAN", {})
+    assert "RAN" in out and "[exit code: 0]" in out, out
+    with d.client() as c:
+        report = dict(c.status(sid).sandbox)
+    assert {"landlock", "seccomp", "no_new_privs"} <= set(report["active"]) and "refused" not in report, report
+    assert "namespaces" not in report["active"] and report["socket_families"] == [], report
+    stats = json.loads(d.ctl("--json", "stats").stdout)["sandbox"]
+    assert stats["tools"] == "run" and "unix-sockets" in stats["why_not"], stats
+
+
+# ---------------------------------------------------------------- sockets
+
+# From the tool: connect to each Unix socket given (a path, or @name for an
+# abstract one), then try to create a socket of each family; one verdict a line.
+SOCKET_PROBE = r"""
+import errno, socket, sys
+for target in sys.argv[1:]:
+    address = "\0" + target[1:] if target.startswith("@") else target
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(3)
+        s.connect(address)
+        print("CONNECTED", target)
+    except OSError as exc:
+        print("REFUSED", target, errno.errorcode.get(exc.errno, exc.errno))
+for name, family, kind in (("inet", 2, 2), ("inet6", 10, 2), ("unix", 1, 1), ("netlink", 16, 3),
+                           ("packet", 17, 3), ("alg", 38, 5), ("vsock", 40, 1)):
+    try:
+        socket.socket(family, kind).close()
+        print("FAMILY", name, "ok")
+    except OSError as exc:
+        print("FAMILY", name, errno.errorcode.get(exc.errno, exc.errno))
+socket.socketpair()
+print("SOCKETPAIR ok")
+"""
+
+
+@pytest.fixture
+def planted_sockets() -> list[str]:
+    """World-writable Unix sockets outside any workspace, listening: under
+    /run and /var/tmp (where the store's, Ray's or a metrics socket live)
+    and an abstract one."""
+    tag = f"sd-planted-{os.getpid()}"
+    made, out = [], []
+    for path in (f"/run/{tag}.sock", f"/var/tmp/{tag}.sock", f"@{tag}"):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind("\0" + path[1:] if path.startswith("@") else path)
+        if not path.startswith("@"):
+            os.chmod(path, 0o777)
+        s.listen(64)
+        made.append(s)
+        out.append(path)
+    yield out
+    for s, path in zip(made, out):
+        s.close()
+        if not path.startswith("@"):
+            os.unlink(path)
+
+
+@pytest.mark.parametrize("setup,network", [
+    ("root-uid-per-session", "none"), ("root-uid-per-session", "full"), ("user-namespaces", "none"),
+    ("landlock-only", "none"), ("landlock-only", "full"), ("control-sandbox-off", "none"),
+])
+def test_no_unix_socket_outside_the_session_and_only_allowed_families(
+    make_daemon, llm: FakeLLM, open_root: Path, planted_sockets: list[str], setup: str, network: str
+) -> None:
+    d = start(make_daemon, llm, open_root, setup, extra=f'network = "{network}"')
+    with d.client() as c:
+        sid = c.create(session="prober").id
+    llm.script(tool_call_stream(("w", "write_file", {"path": "probe.py", "content": SOCKET_PROBE})),
+               text_stream("written"))
+    with d.client() as c:
+        assert c.send_text(sid, "prepare") == "written"
+    targets = [*planted_sockets, str(d.socket)]
+    out = run_tool(d, llm, sid, "python3 probe.py " + " ".join(targets), {})
+    connected = re.findall(r"^CONNECTED (\S+)$", out, re.M)
+    families = dict(re.findall(r"^FAMILY (\S+) (\S+)$", out, re.M))
+    assert "SOCKETPAIR ok" in out and len(families) == 7, out
+    if setup == "control-sandbox-off":
+        # Unconfined: the probes reach what they aim at, so they test something.
+        assert set(connected) == set(targets) and families["vsock"] != "EACCES", out
+        return
+    assert connected == [], out
+    allowed = ({"unix"} if setup != "landlock-only" else set()) | ({"inet", "inet6"} if network == "full" else set())
+    for name, verdict in families.items():
+        # EACCES is the filter's answer (the kernel's own would be EPERM or EAFNOSUPPORT).
+        assert (verdict == "ok") == (name in allowed) and (verdict == "ok" or verdict == "EACCES"), (name, out)
