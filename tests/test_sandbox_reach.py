@@ -79,16 +79,35 @@ def test_a_tool_starts_with_stdin_stdout_stderr_only(
 # ---------------------------------------------------------------- the daemon's log
 
 FORGED = "sessiond[1]: INFO: forged-by-a-tool"
-# Write 200,000 lines (each trying to start a fresh log line of the
-# daemon's) to every copy of the tool host's stderr the tool can open:
-# its own host's and bubblewrap's init's, which holds the same pipe.
-FLOOD = (
-    "for p in $PPID 1; do\n"
-    "  if (exec 3>>/proc/$p/fd/2) 2>/dev/null; then echo REACHED-$p\n"
-    f"    python3 -c 'import sys; sys.stdout.write((\"\\r\\x1b[2K{FORGED}\\n\") * 100000)' >>/proc/$p/fd/2\n"
-    "  fi\n"
-    "done\necho FLOODED\n"
-)
+# Write 200,000 lines (each trying to start a fresh line of the daemon's)
+# into every descriptor the tool inherited beyond 0, 1, 2 (under uvloop, a
+# copy of the host's stderr was among them) and every copy of the host's
+# stderr it can open through /proc: its own host's and bubblewrap's init's.
+FLOOD = r"""
+import os
+chunk = ("\r\x1b[2K%s\n" % FORGED).encode() * 100000
+fds = []
+for fd in range(3, 1024):
+    try:
+        os.fstat(fd)
+        fds.append((fd, "fd %d" % fd))
+    except OSError:
+        pass
+for pid in (os.getppid(), 1):
+    try:
+        fds.append((os.open("/proc/%d/fd/2" % pid, os.O_WRONLY | os.O_APPEND), "host stderr of %d" % pid))
+    except OSError:
+        pass
+for fd, what in fds:
+    view = memoryview(chunk)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+        print("REACHED", what)
+    except OSError:
+        pass
+print("FLOODED")
+""".replace("FORGED", repr(FORGED))
 LOG_BOUND_BYTES = 64 << 10  # 64 lines of 400 characters, tags and notes: well below
 
 
@@ -101,11 +120,15 @@ def test_what_a_tool_host_writes_to_the_log_is_bounded_escaped_and_tagged(
         sid = c.create(session="flooder").id
     run_tool(d, llm, sid, "true", {})  # the host is up; what it logged at start is not the flood's
     before = d.log_path.stat().st_size
-    out = run_tool(d, llm, sid, FLOOD, {})
+    llm.script(tool_call_stream(("w", "write_file", {"path": "flood.py", "content": FLOOD})),
+               text_stream("written"))
+    with d.client() as c:
+        assert c.send_text(sid, "prepare") == "written"
+    out = run_tool(d, llm, sid, "python3 flood.py", {})
     assert "FLOODED" in out, out
     # The host is non-dumpable: its /proc/PID/fd is not the tool's to open
     # (bubblewrap's init never was).  Had it been, the budget holds.
-    reached = re.findall(r"REACHED-\S+", out)
+    reached = re.findall(r"^REACHED (.*)$", out, re.M)
     assert not reached, out
     # The other session's turn (and so the loop) goes on; the log has settled.
     with d.client() as c:
