@@ -265,3 +265,39 @@ def test_no_unix_socket_outside_the_session_and_only_allowed_families(
     for name, verdict in families.items():
         # EACCES is the filter's answer (the kernel's own would be EPERM or EAFNOSUPPORT).
         assert (verdict == "ok") == (name in allowed) and (verdict == "ok" or verdict == "EACCES"), (name, out)
+
+
+CUSTOM_TOOL = '''
+import asyncio, sys
+
+
+async def child_fds(note: str) -> str:
+    """What a subprocess a custom tool starts (asyncio's, so uvloop's) inherits."""
+    probe = "import os\\nfor n in range(1024):\\n    try:\\n        os.fstat(n)\\n        print('OPEN', n)\\n    except OSError:\\n        pass\\n"
+    proc = await asyncio.create_subprocess_exec("/usr/bin/python3", "-c", probe, stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    return out.decode()
+'''
+
+
+def test_a_custom_tools_subprocess_does_not_get_what_the_daemon_inherited(
+    make_daemon, llm: FakeLLM, open_root: Path, root_only_file: Path
+) -> None:
+    """Custom tools run in the worker, unsandboxed (the operator's code), and
+    spawn as they like: the worker marks what it inherited close-on-exec.
+    (uvloop still hands on its own copies of the child's pipes, fds 18-21
+    here: its bug, and nothing of the daemon's.)"""
+    (open_root / "lib" / "spawn_tools.py").write_text(CUSTOM_TOOL)
+    (open_root / "lib" / "spawn_tools.py").chmod(0o644)
+    prefix = ["sh", "-c", f'exec {INHERITED_FD}<"$0"; exec "$@"', str(root_only_file)]
+    d = start(make_daemon, llm, open_root, "root-uid-per-session",
+              extra='[tools]\ncustom = ["spawn_tools:child_fds"]\n', prefix=prefix)
+    with d.client() as c:
+        sid = c.create(session="custom").id
+    llm.script(tool_call_stream(("t1", "child_fds", {"note": "x"})), text_stream("done"))
+    with d.client() as c:
+        events = list(c.send(sid, "go"))
+    assert isinstance(events[-1], m.TurnDone), events[-1]
+    out = tool_results(llm.requests[-1].json)[-1]
+    opened = {int(n) for n in re.findall(r"OPEN (\d+)", out)}
+    assert {0, 1, 2} <= opened and INHERITED_FD not in opened, out
