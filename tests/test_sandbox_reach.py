@@ -285,8 +285,8 @@ def test_a_custom_tools_subprocess_does_not_get_what_the_daemon_inherited(
 ) -> None:
     """Custom tools run in the worker, unsandboxed (the operator's code), and
     spawn as they like: the worker marks what it inherited close-on-exec.
-    (uvloop still hands on its own copies of the child's pipes, fds 18-21
-    here: its bug, and nothing of the daemon's.)"""
+    (uvloop's child still holds extra copies of its own stdin, stdout and
+    stderr above 2: uvloop's doing, and nothing of the daemon's.)"""
     (open_root / "lib" / "spawn_tools.py").write_text(CUSTOM_TOOL)
     (open_root / "lib" / "spawn_tools.py").chmod(0o644)
     prefix = ["sh", "-c", f'exec {INHERITED_FD}<"$0"; exec "$@"', str(root_only_file)]
