@@ -56,6 +56,11 @@ _SECRETS = (
     "/etc/sessiond", "/etc/ssh/ssh_host_rsa_key", "/etc/ssh/ssh_host_ecdsa_key",
     "/etc/ssh/ssh_host_ed25519_key",
 )
+# Where the host keeps its Unix sockets (PostgreSQL's, Ray's, D-Bus's, the
+# daemon's own, anyone's in /tmp): masked inside any tree a sandbox is
+# given (a read path of "/var", say), since a read-only bind still lets a
+# tool connect() to a socket in it.  The sandbox's own /tmp is its tmpfs.
+_SOCKET_DIRS = ("/run", "/var/run", "/var/lock", "/tmp", "/var/tmp", "/var/lib", "/dev/shm")
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 # Without a PID namespace, /proc/<pid> of the daemon and of other sessions
 # would be in view: tools get only these system-wide files.
@@ -134,7 +139,7 @@ class Plan:
         return roots
 
     def hidden(self) -> list[str]:
-        return [*_SECRETS, *self.hide]
+        return [*_SECRETS, *_SOCKET_DIRS, *self.hide]
 
     def landlock_paths(self) -> list[tuple[str, str]]:
         hidden = self.hidden()
@@ -165,6 +170,8 @@ class Plan:
                 argv += ["--ro-bind", root, root]
         for path in self.hidden():
             if os.path.lexists(path) and any(_within(path, r) for r in self.roots()):
+                if path in _SOCKET_DIRS and os.path.islink(path):
+                    continue  # /var/run -> /run: its target is masked (or absent) itself
                 if os.path.isdir(path) and not os.path.islink(path):
                     argv += ["--tmpfs", path]
                 else:

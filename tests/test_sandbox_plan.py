@@ -217,3 +217,18 @@ def test_a_tool_hosts_stderr_reaches_the_log_escaped_tagged_and_within_a_budget(
     assert all(not any(c in s for c in "\r\n\x1b") for s in said), said[:3]
     assert said[0] == r"tool host: \r\x1b[2Ksessiond[1]: INFO: forged", said[0]
     assert any("199936 lines dropped" in s for s in said), said[-2:]
+
+
+def test_socket_directories_are_masked_inside_a_broad_read_path(tmp_path: Path) -> None:
+    """A read-only bind still lets a tool connect() to a Unix socket in it:
+    /run, /var/lib, /var/tmp, /tmp never come along with a read path."""
+    plan = _plan(tmp_path, namespaces=True, read_paths=["/var"])
+    argv = plan.bwrap_argv()
+    masked = {argv[i + 1] for i, a in enumerate(argv) if a == "--tmpfs"}
+    assert {"/var/lib", "/var/tmp"} <= masked and "/run" not in argv, argv
+    assert "/var/run" not in argv or not Path("/var/run").is_symlink()
+    paths = dict(_plan(tmp_path, namespaces=False, read_paths=["/var"]).landlock_paths())
+    assert "/var/cache" in paths and "/var" not in paths
+    assert not any(p.startswith(("/var/lib", "/var/tmp", "/var/run", "/run")) for p in paths), paths
+    # Where no root holds them, nothing changes.
+    assert "/var/lib" not in _plan(tmp_path, namespaces=True).bwrap_argv()

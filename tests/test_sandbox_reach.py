@@ -237,14 +237,17 @@ def planted_sockets() -> list[str]:
             os.unlink(path)
 
 
-@pytest.mark.parametrize("setup,network", [
-    ("root-uid-per-session", "none"), ("root-uid-per-session", "full"), ("user-namespaces", "none"),
-    ("landlock-only", "none"), ("landlock-only", "full"), ("control-sandbox-off", "none"),
+@pytest.mark.parametrize("setup,network,read_paths", [
+    ("root-uid-per-session", "none", []), ("root-uid-per-session", "full", []),
+    # A broad read path: the socket directories inside it stay out.
+    ("root-uid-per-session", "full", ["/var"]), ("user-namespaces", "none", []),
+    ("landlock-only", "none", []), ("landlock-only", "full", ["/var"]), ("control-sandbox-off", "none", []),
 ])
 def test_no_unix_socket_outside_the_session_and_only_allowed_families(
-    make_daemon, llm: FakeLLM, open_root: Path, planted_sockets: list[str], setup: str, network: str
+    make_daemon, llm: FakeLLM, open_root: Path, planted_sockets: list[str], setup: str, network: str,
+    read_paths: list[str],
 ) -> None:
-    d = start(make_daemon, llm, open_root, setup, extra=f'network = "{network}"')
+    d = start(make_daemon, llm, open_root, setup, extra=f'network = "{network}"\nread_paths = {json.dumps(read_paths)}')
     with d.client() as c:
         sid = c.create(session="prober").id
     llm.script(tool_call_stream(("w", "write_file", {"path": "probe.py", "content": SOCKET_PROBE})),
