@@ -188,16 +188,19 @@ NETWORK_LEVELS: tuple[str, ...] = ("none", "loopback", "full")
 class SandboxSettings(ConfigSection):
     """Where a session's tools run: see README, Security."""
 
-    # auto: on where the kernel allows, and say what is missing;
-    # required: the daemon refuses to start without namespaces, Landlock and
-    # seccomp; off: tools run as the worker's user with no confinement.
+    # auto: the full sandbox; where a part of it cannot be built (namespaces,
+    # Landlock, seccomp) the daemon starts and says so, and tools do not run
+    # (fail closed); required: the daemon refuses to start instead; off:
+    # tools run as the worker's user with no confinement.
     mode: Literal["auto", "required", "off"] = "auto"
-    # auto: bubblewrap namespaces where the daemon's probe finds them usable;
-    # off: Landlock, seccomp and the rest without them (where user
-    # namespaces are unwanted; the hardened unit cannot make them anyway).
+    # auto: bubblewrap namespaces, and no tool runs where the daemon's probe
+    # finds them unusable; off: Landlock, seccomp and the rest without them
+    # (then tools may create no Unix socket: Landlock does not cover
+    # connect() to a socket's path).
     namespaces: Literal["auto", "off"] = "auto"
-    # none: no sockets but local (Unix) ones; loopback: a loopback of the
-    # session's own (needs namespaces; else treated as none); full: the host's.
+    # Socket families tools may create: none: Unix only (with namespaces);
+    # loopback: and inet/inet6 on a loopback of the session's own (needs
+    # namespaces; else treated as none); full: and the host's network.
     network: NetworkPolicy = "none"
     # Extra read-only paths tools may see (a toolchain under /opt, say).
     read_paths: list[Annotated[str, Meta(pattern=r"^/")]] = msgspec.field(default_factory=list)

@@ -16,8 +16,14 @@ else.  What confines the host, and so every tool:
   abstract sockets scoped), the seccomp filter of `session_worker._seccomp`,
   RLIMIT_NPROC, umask 077.  Without namespaces, tools still see only these
   paths (Landlock), /tmp is `<workspace>/.tmp`, /proc shows only system-wide
-  files, and a tool that daemonizes stays below the host (the subreaper) or,
-  once the host is gone, is killed by the zygote.
+  files, no Unix socket can be made (seccomp: Landlock does not cover
+  connect() to a socket's path), and a tool that daemonizes stays below the
+  host (the subreaper) or, once the host is gone, is killed by the zygote.
+
+Fail closed: where the settings ask for a mechanism this host cannot give
+(namespaces unless `namespaces = "off"`, Landlock, seccomp), no tool host
+starts and every tool call fails saying what is missing and what to set.
+A tool starts with descriptors 0, 1 and 2 only, on every path (`_spawn`).
 
 The worker itself stays outside the sandbox: it holds the provider's key and
 makes the provider's requests; tools never see its environment, its memory

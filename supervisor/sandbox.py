@@ -3,9 +3,11 @@
 The worker does the confining (`session_worker.sandbox`); the daemon finds
 out, before any session exists, whether bubblewrap can make namespaces for
 the uid tools will run as (a root daemon's session uids, or its own), and
-which daemon paths must stay out of every sandbox.  Said in one log line,
-refused at start under `sandbox.mode = "required"` when a mechanism is
-missing, and sent to every worker in its Boot.
+which daemon paths must stay out of every sandbox.  Said in the start-up
+log (which mechanisms are active, which socket families tools get, and,
+where the configured isolation cannot be built, that tools will not run and
+why), refused at start under `sandbox.mode = "required"` when a mechanism
+is missing, and sent to every worker in its Boot.
 """
 
 from __future__ import annotations
