@@ -211,6 +211,7 @@ class Plan:
         if not self.namespaces:
             report["unix_sockets"] = ("socketpair only: without a mount namespace Landlock does not "
                                       "cover connect() to a Unix socket's path, so seccomp refuses socket(AF_UNIX)")
+        report["tools"] = "refused" if self.why_refused else "run"
         if self.why_refused:
             report["refused"] = self.why_refused
         return report

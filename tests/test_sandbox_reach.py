@@ -173,6 +173,8 @@ def test_without_namespaces_tools_do_not_run_unless_the_operator_says_so(
     assert failing_bwrap in report["refused"] and "namespaces" in report["inactive"], report
     stats = json.loads(d.ctl("--json", "stats").stdout)["sandbox"]
     assert stats["tools"] == "refused" and failing_bwrap in stats["refused"], stats
+    assert report["tools"] == "refused"
+    assert "tools do not run" in d.ctl("stats").stdout
     assert "tools do not run" in d.log and failing_bwrap in d.log
     # The operator's explicit weaker choice: Landlock and seccomp, no namespaces.
     d = start(make_daemon, llm, open_root / "2", "root-uid-per-session", extra='namespaces = "off"')
@@ -182,7 +184,7 @@ def test_without_namespaces_tools_do_not_run_unless_the_operator_says_so(
     assert "RAN" in out and "[exit code: 0]" in out, out
     with d.client() as c:
         report = dict(c.status(sid).sandbox)
-    assert {"landlock", "seccomp", "no_new_privs"} <= set(report["active"]) and "refused" not in report, report
+    assert {"landlock", "seccomp", "no_new_privs"} <= set(report["active"]) and report["tools"] == "run", report
     assert "namespaces" not in report["active"] and report["socket_families"] == [], report
     stats = json.loads(d.ctl("--json", "stats").stdout)["sandbox"]
     assert stats["tools"] == "run" and "unix-sockets" in stats["why_not"], stats
