@@ -21,7 +21,7 @@ from harness import wait_for
 from ipc import messages as m
 from test_access import NOBODY, open_root, root_only  # noqa: F401 (fixture)
 from test_agent_e2e import agent_config, tool_results
-from test_sandbox import SETUPS, _key_and_bwrap, run_tool  # noqa: F401 (fixture)
+from test_sandbox import ROOT_TOOLS, SETUPS, _key_and_bwrap, run_tool  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.process, root_only]
 
@@ -30,8 +30,12 @@ SECRET = "root-only-secret-4711"
 
 
 def start(make_daemon, llm: FakeLLM, root: Path, setup: str, extra: str = "", prefix: list[str] | None = None):
-    sandbox_keys, as_nobody = SETUPS[setup]
-    d = make_daemon(agent_config(llm, f"[sandbox]\n{sandbox_keys}\n{extra}"), start=False, root=root / "d")
+    """A daemon in one of test_sandbox's set-ups (or ROOT_TOOLS: a root
+    daemon whose tools run as root, as the harness's trusting config has
+    it); `prefix` runs before it, as root."""
+    sandbox_keys, as_nobody = SETUPS.get(setup, ("", False))
+    d = make_daemon(agent_config(llm, f"[sandbox]\n{sandbox_keys}\n{extra}"), start=False, root=root / "d",
+                    trust=setup == ROOT_TOOLS)
     if as_nobody:
         d.run_as_user(NOBODY, NOBODY)
     d.cmd_prefix = [*(prefix or []), *d.cmd_prefix]
@@ -60,7 +64,7 @@ FD_PROBE = (
 )
 
 
-@pytest.mark.parametrize("setup", ["root-uid-per-session", "user-namespaces", "landlock-only",
+@pytest.mark.parametrize("setup", ["root-uid-per-session", ROOT_TOOLS, "user-namespaces", "landlock-only",
                                    "control-sandbox-off"])
 def test_a_tool_starts_with_stdin_stdout_stderr_only(
     make_daemon, llm: FakeLLM, open_root: Path, root_only_file: Path, setup: str
@@ -111,7 +115,7 @@ print("FLOODED")
 LOG_BOUND_BYTES = 64 << 10  # 64 lines of 400 characters, tags and notes: well below
 
 
-@pytest.mark.parametrize("setup", ["root-uid-per-session", "user-namespaces", "landlock-only"])
+@pytest.mark.parametrize("setup", ["root-uid-per-session", ROOT_TOOLS, "user-namespaces", "landlock-only"])
 def test_what_a_tool_host_writes_to_the_log_is_bounded_escaped_and_tagged(
     make_daemon, llm: FakeLLM, open_root: Path, setup: str
 ) -> None:
@@ -149,11 +153,12 @@ def test_what_a_tool_host_writes_to_the_log_is_bounded_escaped_and_tagged(
 
 
 @pytest.fixture
-def failing_bwrap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+def failing_bwrap(open_root: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """A bubblewrap that cannot make namespaces (the shipped unit's
-    RestrictNamespaces=yes, or a kernel without user namespaces)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    RestrictNamespaces=yes, or a kernel without user namespaces), where a
+    session's uid can run it."""
+    bin_dir = open_root / "bin"
+    bin_dir.mkdir(mode=0o755)
     (bin_dir / "bwrap").write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
     (bin_dir / "bwrap").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
@@ -243,7 +248,8 @@ def planted_sockets() -> list[str]:
     ("root-uid-per-session", "none", []), ("root-uid-per-session", "full", []),
     # A broad read path: the socket directories inside it stay out.
     ("root-uid-per-session", "full", ["/var"]), ("user-namespaces", "none", []),
-    ("landlock-only", "none", []), ("landlock-only", "full", ["/var"]), ("control-sandbox-off", "none", []),
+    ("landlock-only", "none", []), ("landlock-only", "full", ["/var"]), (ROOT_TOOLS, "full", []),
+    ("control-sandbox-off", "none", []),
 ])
 def test_no_unix_socket_outside_the_session_and_only_allowed_families(
     make_daemon, llm: FakeLLM, open_root: Path, planted_sockets: list[str], setup: str, network: str,
