@@ -194,6 +194,17 @@ class Plan:
         inactive: dict[str, str] = {}
         if self.landlock_abi:
             active.append("landlock")
+            # What the host's ruleset adds with the kernel's ABI (session_worker._toolhost).
+            if self.landlock_abi >= 6:
+                active.append("landlock-scope")
+            else:
+                inactive["landlock-scope"] = (f"Landlock ABI {self.landlock_abi} < 6: signals are limited by uid "
+                                              "only, abstract Unix sockets by the network namespace only")
+            if self.effective_network == "none":
+                if self.landlock_abi >= 4:
+                    active.append("landlock-net")
+                else:
+                    inactive["landlock-net"] = f"Landlock ABI {self.landlock_abi} < 4: TCP refused by seccomp only"
         else:
             inactive["landlock"] = "not in this kernel (or not enabled: lsm=landlock)"
         if self.namespaces:

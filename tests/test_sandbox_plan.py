@@ -232,3 +232,14 @@ def test_socket_directories_are_masked_inside_a_broad_read_path(tmp_path: Path) 
     assert not any(p.startswith(("/var/lib", "/var/tmp", "/var/run", "/run")) for p in paths), paths
     # Where no root holds them, nothing changes.
     assert "/var/lib" not in _plan(tmp_path, namespaces=True).bwrap_argv()
+
+
+def test_the_report_names_what_the_kernels_landlock_adds_and_what_it_lacks(tmp_path: Path) -> None:
+    def report(abi: int) -> dict[str, object]:
+        plan = sandbox.plan_for(m.SandboxBoot(namespaces=True, landlock_abi=abi), SessionSettings(), tmp_path, False)
+        assert plan is not None
+        return plan.describe()
+
+    assert {"landlock", "landlock-scope", "landlock-net"} <= set(report(7)["active"])  # type: ignore[arg-type]
+    old = report(3)
+    assert "landlock-scope" in old["inactive"] and "landlock-net" in old["inactive"], old  # type: ignore[operator]
