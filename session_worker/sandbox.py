@@ -75,17 +75,13 @@ _PROC_INFO = (
     "/proc/version", "/proc/filesystems", "/proc/sys",
 )
 _START_TIMEOUT_SECS = 10.0
-# What of a tool host's stderr reaches the log, per session: a tool may be
-# able to write there (through bubblewrap's init, which holds the pipe), so
-# lines are escaped and their number capped; the rest are only counted.
+# What of a tool host's stderr reaches the log, per session.  Tools cannot
+# open it (the host is non-dumpable, bubblewrap's init too), but the host's
+# own failures land there and bubblewrap's init holds the pipe: lines are
+# escaped and their number capped; the rest are only counted.
 _LOG_LINES = 64
 _LOG_LINE_CHARS = 400
 _EARLY_BYTES = 8192  # before the host is ready: the reason it did not start
-# What a session's tools may create with socket(2): an allow-list.  Without
-# a mount namespace no Unix socket either: Landlock (ABI 7 and before) does
-# not cover connect() to a socket's path, so the store's, the control
-# socket or any other on the host would be in reach; socketpair() stays.
-_INET = ("inet", "inet6")
 
 
 class SandboxError(Exception):
@@ -131,9 +127,12 @@ class Plan:
 
     @property
     def socket_families(self) -> list[str]:
-        """What socket(2) may create: the rest is refused by seccomp."""
+        """What socket(2) may create, an allow-list (`_seccomp`).  Without a
+        mount namespace no Unix socket: Landlock (ABI 7 and before) does not
+        cover connect() to a socket's path, so the store's, the control
+        socket's or any other on the host would be in reach."""
         unix = ["unix"] if self.namespaces else []
-        return unix + ([] if self.effective_network == "none" else list(_INET))
+        return unix + ([] if self.effective_network == "none" else ["inet", "inet6"])
 
     def roots(self) -> list[str]:
         """Read-only trees: the system, the interpreter, the operator's extras."""
