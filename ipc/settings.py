@@ -188,21 +188,44 @@ NETWORK_LEVELS: tuple[str, ...] = ("none", "loopback", "full")
 class SandboxSettings(ConfigSection):
     """Where a session's tools run: see README, Security."""
 
-    # auto: on where the kernel allows, and say what is missing;
-    # required: the daemon refuses to start without namespaces, Landlock and
-    # seccomp; off: tools run as the worker's user with no confinement.
+    # auto: the full sandbox; where a part of it cannot be built (namespaces,
+    # Landlock, seccomp) the daemon starts and says so, and tools do not run
+    # (fail closed); required: the daemon refuses to start instead; off:
+    # tools run as the worker's user with no confinement.
     mode: Literal["auto", "required", "off"] = "auto"
-    # auto: bubblewrap namespaces where the daemon's probe finds them usable;
-    # off: Landlock, seccomp and the rest without them (where user
-    # namespaces are unwanted; the hardened unit cannot make them anyway).
+    # auto: bubblewrap namespaces, and no tool runs where the daemon's probe
+    # finds them unusable; off: Landlock, seccomp and the rest without them
+    # (then tools may create no Unix socket: Landlock does not cover
+    # connect() to a socket's path).
     namespaces: Literal["auto", "off"] = "auto"
-    # none: no sockets but local (Unix) ones; loopback: a loopback of the
-    # session's own (needs namespaces; else treated as none); full: the host's.
+    # Socket families tools may create: none: Unix only (with namespaces);
+    # loopback: and inet/inet6 on a loopback of the session's own (needs
+    # namespaces; else treated as none); full: and the host's network.
     network: NetworkPolicy = "none"
     # Extra read-only paths tools may see (a toolchain under /opt, say).
     read_paths: list[Annotated[str, Meta(pattern=r"^/")]] = msgspec.field(default_factory=list)
     # Size of the private /tmp (a tmpfs, with namespaces).
     tmp_size_mb: Annotated[int, Meta(ge=1, le=1 << 20)] = 256
+
+    def refusal(self, namespaces: bool, why_no_namespaces: str, landlock_abi: int, why_no_seccomp: str) -> str:
+        """Fail closed: why tools do not run with these settings on a host
+        that offers what the arguments say, naming what is missing and the
+        setting that is the operator's explicit weaker choice; '' when they
+        run.  One wording for the worker's tool error, `stats` and the log."""
+        if self.mode == "off":
+            return ""
+        missing: list[str] = []
+        if self.namespaces != "off" and not namespaces:
+            missing.append(f"namespaces ({why_no_namespaces or 'unavailable'}); "
+                           '[sandbox] namespaces = "off" runs tools under Landlock and seccomp without them')
+        if not landlock_abi:
+            missing.append("Landlock (not in this kernel, or not enabled: lsm=landlock)")
+        if why_no_seccomp:
+            missing.append(f"seccomp ({why_no_seccomp})")
+        if not missing:
+            return ""
+        return ("tools do not run: the sandbox cannot be built here: missing " + "; ".join(missing)
+                + '; [sandbox] mode = "off" runs them unconfined')
 
 
 class SessionSettings(ConfigSection):

@@ -9,8 +9,16 @@ API, new namespaces (`unshare`, `setns`, `clone` with a CLONE_NEW* flag;
 filter can read), ptrace and cross-process memory access, kernel modules,
 kexec, keyrings, bpf, perf, userfaultfd, io_uring (its requests bypass
 seccomp), file handles (`open_by_handle_at`, the classic container
-escape), swap, reboot, clocks, accounting, quotas.  With `network = "none"`
-it also refuses sockets of the internet and packet families.
+escape), swap, reboot, clocks, accounting, quotas.  socket(2) is an
+allow-list of families: AF_UNIX, plus AF_INET and AF_INET6 unless
+`network = "none"`; everything else (AF_NETLINK, AF_PACKET, AF_VSOCK,
+AF_ALG, ...) is refused.  AF_NETLINK is left out on purpose: glibc's
+getaddrinfo asks it only for AI_ADDRCONFIG and carries on without it, and
+without a network namespace it would show the host's interfaces, routes and
+(sock_diag) every socket on the host.  Without a mount namespace (`unix`
+false) AF_UNIX is refused too: Landlock does not cover connect() to a
+socket's path, so every Unix socket on the host would be in reach;
+socketpair() is not socket() and stays.
 
 The program is built here rather than with libseccomp: a deny list and two
 argument checks are a few dozen instructions, and the syscall numbers are
@@ -28,7 +36,7 @@ import struct
 
 from ipc.contract import SECCOMP_MACHINES
 
-__all__ = ["UnsupportedArch", "build", "denied_syscalls", "unsupported"]
+__all__ = ["UnsupportedArch", "build", "denied_syscalls", "socket_families", "unsupported"]
 
 # linux/audit.h
 _AUDIT_ARCH_X86_64 = 0xC000003E
@@ -54,9 +62,7 @@ _CLONE, _CLONE3, _SOCKET = 56, 435, 41
 
 # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 _CLONE_NEW_ANY = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
-# AF_INET, AF_INET6, AF_PACKET: what `network = "none"` refuses.  AF_UNIX
-# (local IPC) and AF_NETLINK (iproute2 reading its own empty namespace) stay.
-_NET_FAMILIES = (2, 10, 17)
+AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
 
 # linux/filter.h, linux/seccomp.h
 _LD_W_ABS = 0x20
@@ -91,12 +97,18 @@ def denied_syscalls() -> list[str]:
     return sorted(_X86_64)
 
 
+def socket_families(network: str, unix: bool = True) -> tuple[int, ...]:
+    """The address families socket(2) may create under `network`."""
+    return ((AF_UNIX,) if unix else ()) + (() if network == "none" else (AF_INET, AF_INET6))
+
+
 def _ins(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
     return struct.pack("=HBBI", code, jt, jf, k)
 
 
-def build(network: str, machine: str | None = None) -> bytes:
-    """The filter for one sandbox, ready for bubblewrap's `--seccomp FD`."""
+def build(network: str, machine: str | None = None, unix: bool = True) -> bytes:
+    """The filter for one sandbox, ready for bubblewrap's `--seccomp FD`;
+    `unix` false refuses socket(AF_UNIX) (no mount namespace)."""
     why = unsupported(machine)
     if why:
         raise UnsupportedArch(why)
@@ -120,12 +132,14 @@ def build(network: str, machine: str | None = None) -> bytes:
         _ins(_RET, eperm),
         _ins(_RET, _ALLOW),
     ]
-    if network == "none":
-        n = len(_NET_FAMILIES)
-        prog += [_ins(_JEQ, _SOCKET, jf=n + 3), _ins(_LD_W_ABS, _ARG0_LOW)]
-        for i, family in enumerate(_NET_FAMILIES):
-            # Match: jump over the remaining checks and the allow, to the refusal.
-            prog.append(_ins(_JEQ, family, jt=n - i))
-        prog += [_ins(_RET, _ALLOW), _ins(_RET, _ERRNO | errno.EACCES)]
+    # socket: the family (the low 32 bits of arg 0: the kernel reads an int)
+    # must be on the list; no match falls through to the refusal.
+    allowed = socket_families(network, unix)
+    n = len(allowed)
+    prog += [_ins(_JEQ, _SOCKET, jf=n + 3), _ins(_LD_W_ABS, _ARG0_LOW)]
+    for i, family in enumerate(allowed):
+        # Match: jump over the remaining checks and the refusal, to the allow.
+        prog.append(_ins(_JEQ, family, jt=n - i))
+    prog += [_ins(_RET, _ERRNO | errno.EACCES), _ins(_RET, _ALLOW)]
     prog.append(_ins(_RET, _ALLOW))
     return b"".join(prog)

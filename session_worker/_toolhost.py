@@ -13,6 +13,12 @@ tool it starts inherits all of it:
   temporary directory read-write, nothing else; TCP refused when the network
   policy is `none`; signals and abstract Unix sockets scoped to the domain
   (the daemon, the worker and other sessions cannot be signalled or reached);
+- non-dumpable, so its descriptors and memory are out of a tool's reach
+  through /proc;
+- no descriptor but 0, 1, 2 and its socket (close-on-exec): whatever
+  else the worker or bubblewrap let through is closed first, so a command
+  starts with its /dev/null stdin and its output pipe as 1 and 2, nothing
+  else (not the daemon's log, not a file the daemon inherited);
 - RLIMIT_NPROC (counted per user namespace under bubblewrap, so per
   session), umask 077, and it is the child subreaper, so a tool that
   daemonizes stays in the session's tree, where the memory sweep sees it and
@@ -48,6 +54,7 @@ from typing import Any
 Config = dict[str, Any]
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_DUMPABLE = 4
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_SET_SECCOMP = 22
@@ -64,6 +71,7 @@ _NET_BIND_TCP, _NET_CONNECT_TCP = 1, 2
 _SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1, 2
 _READ = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
 _GRACE_SECS = 1.0
+_FD_CEILING = 1 << 30  # above any RLIMIT_NOFILE (the kernel's nr_open is at most 2^30)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -90,7 +98,10 @@ def _fs_rights(abi: int) -> int:
 def _landlock(cfg: Config, applied: list[str], skipped: dict[str, str]) -> None:
     abi = _libc.syscall(_LL_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(_LL_CREATE_RULESET_VERSION))
     if abi < 0:
-        skipped["landlock"] = "not available in this kernel (%s)" % os.strerror(ctypes.get_errno())
+        why = "not available in this kernel (%s)" % os.strerror(ctypes.get_errno())
+        if cfg.get("require_landlock"):
+            raise OSError(0, why, "landlock")  # fail closed: no tool runs without it
+        skipped["landlock"] = why
         return
     handled = _fs_rights(abi)
     net = 0
@@ -157,6 +168,11 @@ def confine(cfg: Config) -> tuple[list[str], dict[str, str]]:
     if cfg.get("parent") is not None and os.getppid() != cfg["parent"]:
         os._exit(1)  # the worker died before we armed PDEATHSIG
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    # Non-dumpable: its /proc/PID/fd, mem and environ need CAP_SYS_PTRACE.
+    # A tool opened /proc/$PPID/fd/2 (Landlock does not stop opening a
+    # pipe through its magic link) and wrote into the worker's log pipe.
+    # Commands are dumpable again: execve resets the flag.
+    _prctl(_PR_SET_DUMPABLE, 0)
     _prctl(_PR_SET_NO_NEW_PRIVS, 1)
     applied.append("no_new_privs")
     os.umask(0o077)
@@ -220,6 +236,10 @@ def serve(sock: socket.socket, applied: list[str], skipped: dict[str, str]) -> N
                     data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 20, 4)
                 except OSError:
                     data, fds = b"", []
+                for fd in fds:
+                    # Close-on-exec (recv_fds drops its flags argument before
+                    # Python 3.12): a command gets the pipe as 1 and 2, not a third copy.
+                    os.set_inheritable(fd, False)
                 if not data:
                     _wind_down(commands, "landlock-scope" in applied or "namespaces" in applied)
                     return
@@ -295,10 +315,19 @@ def _wind_down(commands: dict[int, int | None], contained: bool) -> None:
             pass
 
 
+def _keep_only(fd: int) -> None:
+    """Close every descriptor but 0, 1, 2 and `fd`, whatever the worker or
+    bubblewrap let through: the commands inherit what is left open."""
+    if fd > 3:
+        os.closerange(3, fd)
+    os.closerange(max(3, fd + 1), _FD_CEILING)
+    os.set_inheritable(fd, False)  # the worker's line is not for the tools
+
+
 def main(argv: list[str]) -> int:
     cfg = json.loads(argv[1])
     fd = int(argv[2])
-    os.set_inheritable(fd, False)  # the worker's line is not for the tools
+    _keep_only(fd)
     sock = socket.socket(fileno=fd)
     try:
         applied, skipped = confine(cfg)

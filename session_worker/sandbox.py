@@ -16,8 +16,14 @@ else.  What confines the host, and so every tool:
   abstract sockets scoped), the seccomp filter of `session_worker._seccomp`,
   RLIMIT_NPROC, umask 077.  Without namespaces, tools still see only these
   paths (Landlock), /tmp is `<workspace>/.tmp`, /proc shows only system-wide
-  files, and a tool that daemonizes stays below the host (the subreaper) or,
-  once the host is gone, is killed by the zygote.
+  files, no Unix socket can be made (seccomp: Landlock does not cover
+  connect() to a socket's path), and a tool that daemonizes stays below the
+  host (the subreaper) or, once the host is gone, is killed by the zygote.
+
+Fail closed: where the settings ask for a mechanism this host cannot give
+(namespaces unless `namespaces = "off"`, Landlock, seccomp), no tool host
+starts and every tool call fails saying what is missing and what to set.
+A tool starts with descriptors 0, 1 and 2 only, on every path (`_spawn`).
 
 The worker itself stays outside the sandbox: it holds the provider's key and
 makes the provider's requests; tools never see its environment, its memory
@@ -33,6 +39,7 @@ import json
 import logging
 import os
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +47,7 @@ from typing import Any
 
 from ipc import messages as m
 from ipc.settings import SessionSettings
-from session_worker import _seccomp
+from session_worker import _seccomp, _spawn
 
 __all__ = ["CommandError", "HostCommand", "Plan", "SandboxError", "ToolHost", "configure", "current"]
 
@@ -55,6 +62,11 @@ _SECRETS = (
     "/etc/sessiond", "/etc/ssh/ssh_host_rsa_key", "/etc/ssh/ssh_host_ecdsa_key",
     "/etc/ssh/ssh_host_ed25519_key",
 )
+# Where the host keeps its Unix sockets (PostgreSQL's, Ray's, D-Bus's, the
+# daemon's own, anyone's in /tmp): masked inside any tree a sandbox is
+# given (a read path of "/var", say), since a read-only bind still lets a
+# tool connect() to a socket in it.  The sandbox's own /tmp is its tmpfs.
+_SOCKET_DIRS = ("/run", "/var/run", "/var/lock", "/tmp", "/var/tmp", "/var/lib", "/dev/shm")
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 # Without a PID namespace, /proc/<pid> of the daemon and of other sessions
 # would be in view: tools get only these system-wide files.
@@ -63,6 +75,13 @@ _PROC_INFO = (
     "/proc/version", "/proc/filesystems", "/proc/sys",
 )
 _START_TIMEOUT_SECS = 10.0
+# What of a tool host's stderr reaches the log, per session.  Tools cannot
+# open it (the host is non-dumpable, bubblewrap's init too), but the host's
+# own failures land there and bubblewrap's init holds the pipe: lines are
+# escaped and their number capped; the rest are only counted.
+_LOG_LINES = 64
+_LOG_LINE_CHARS = 400
+_EARLY_BYTES = 8192  # before the host is ready: the reason it did not start
 
 
 class SandboxError(Exception):
@@ -92,6 +111,9 @@ class Plan:
     tmp_size_mb: int = 256
     why_no_seccomp: str = ""  # empty: this machine has a syscall table
     landlock_abi: int = 0  # the kernel's, as the daemon found it (0: none)
+    # Non-empty: the configured isolation cannot be built here, and tools
+    # do not run (fail closed); says what is missing and what to set.
+    why_refused: str = ""
     python: str = field(default_factory=lambda: host_python())
 
     @property
@@ -103,6 +125,15 @@ class Plan:
         # A loopback of the session's own needs a network namespace.
         return "none" if self.network == "loopback" and not self.namespaces else self.network
 
+    @property
+    def socket_families(self) -> list[str]:
+        """What socket(2) may create, an allow-list (`_seccomp`).  Without a
+        mount namespace no Unix socket: Landlock (ABI 7 and before) does not
+        cover connect() to a socket's path, so the store's, the control
+        socket's or any other on the host would be in reach."""
+        unix = ["unix"] if self.namespaces else []
+        return unix + ([] if self.effective_network == "none" else ["inet", "inet6"])
+
     def roots(self) -> list[str]:
         """Read-only trees: the system, the interpreter, the operator's extras."""
         roots = list(_SYSTEM)
@@ -113,7 +144,7 @@ class Plan:
         return roots
 
     def hidden(self) -> list[str]:
-        return [*_SECRETS, *self.hide]
+        return [*_SECRETS, *_SOCKET_DIRS, *self.hide]
 
     def landlock_paths(self) -> list[tuple[str, str]]:
         hidden = self.hidden()
@@ -144,6 +175,8 @@ class Plan:
                 argv += ["--ro-bind", root, root]
         for path in self.hidden():
             if os.path.lexists(path) and any(_within(path, r) for r in self.roots()):
+                if path in _SOCKET_DIRS and os.path.islink(path):
+                    continue  # /var/run -> /run: its target is masked (or absent) itself
                 if os.path.isdir(path) and not os.path.islink(path):
                     argv += ["--tmpfs", path]
                 else:
@@ -160,6 +193,17 @@ class Plan:
         inactive: dict[str, str] = {}
         if self.landlock_abi:
             active.append("landlock")
+            # What the host's ruleset adds with the kernel's ABI (session_worker._toolhost).
+            if self.landlock_abi >= 6:
+                active.append("landlock-scope")
+            else:
+                inactive["landlock-scope"] = (f"Landlock ABI {self.landlock_abi} < 6: signals are limited by uid "
+                                              "only, abstract Unix sockets by the network namespace only")
+            if self.effective_network == "none":
+                if self.landlock_abi >= 4:
+                    active.append("landlock-net")
+                else:
+                    inactive["landlock-net"] = f"Landlock ABI {self.landlock_abi} < 4: TCP refused by seccomp only"
         else:
             inactive["landlock"] = "not in this kernel (or not enabled: lsm=landlock)"
         if self.namespaces:
@@ -172,8 +216,15 @@ class Plan:
             inactive["seccomp"] = self.why_no_seccomp
         if self.network != self.effective_network:
             inactive["network-loopback"] = "needs namespaces; tools get network none"
-        return {"active": [a for a in active if a], "inactive": inactive,
-                "network": self.effective_network}
+        report: dict[str, Any] = {"active": [a for a in active if a], "inactive": inactive,
+                                  "network": self.effective_network, "socket_families": self.socket_families}
+        if not self.namespaces:
+            report["unix_sockets"] = ("socketpair only: without a mount namespace Landlock does not "
+                                      "cover connect() to a Unix socket's path, so seccomp refuses socket(AF_UNIX)")
+        report["tools"] = "refused" if self.why_refused else "run"
+        if self.why_refused:
+            report["refused"] = self.why_refused
+        return report
 
     def host_config(self) -> dict[str, Any]:
         return {
@@ -181,7 +232,10 @@ class Plan:
             "paths": self.landlock_paths(),
             "nproc": self.nproc,
             # Built when the host starts, not at boot: most sessions never run a tool.
-            "seccomp": "" if self.why_no_seccomp else _seccomp.build(self.effective_network).hex(),
+            "seccomp": "" if self.why_no_seccomp else _seccomp.build(
+                self.effective_network, unix=self.namespaces).hex(),
+            # The plan was made for a kernel with Landlock: without it, no tool.
+            "require_landlock": True,
             "parent": None if self.namespaces else os.getpid(),
             "outer": ["namespaces"] if self.namespaces else [],
         }
@@ -248,6 +302,8 @@ def plan_for(boot: m.SandboxBoot | None, settings: SessionSettings, workspace: P
         read_paths=tuple(settings.sandbox.read_paths), nproc=nproc,
         tmp_size_mb=settings.sandbox.tmp_size_mb, why_no_seccomp=why_no_seccomp,
         landlock_abi=boot.landlock_abi,
+        why_refused=settings.sandbox.refusal(boot.namespaces, boot.why_not, boot.landlock_abi,
+                                             why_no_seccomp),
     )
 
 
@@ -272,13 +328,13 @@ class ToolHost:
         self.plan = plan
         self.report: dict[str, Any] = {}
         self._sock: socket.socket | None = None
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: _spawn.Child | None = None
         self._starting: asyncio.Task[None] | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[int]] = {}
         self._exits: dict[int, asyncio.Future[int]] = {}
         self._reader: asyncio.Task[None] | None = None
-        self._stderr = bytearray()
+        self._errors = _HostErrors()  # one budget for the session, however many hosts
 
     async def _ensure(self) -> socket.socket:
         if self._sock is not None and (self._reader is None or not self._reader.done()):
@@ -292,19 +348,22 @@ class ToolHost:
 
     async def _start(self) -> None:
         plan = self.plan
+        if plan.why_refused:
+            raise SandboxError(plan.why_refused)
         if not plan.namespaces:
             os.makedirs(plan.tmp, mode=0o700, exist_ok=True)
+        self._errors.ready = False
+        self._errors.early.clear()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [plan.python, "-I", "-S", "-c", _HOST_SOURCE,
                 json.dumps(plan.host_config()), str(theirs.fileno())]
         if plan.namespaces:
             argv = [*plan.bwrap_argv(), "--", *argv]
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, pass_fds=(theirs.fileno(),), cwd=plan.workspace,
-                env=host_environment(plan), stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-            )
+            # Only 0, 1, 2 and its socket: not what the worker inherited.
+            proc = _spawn.spawn(argv, cwd=plan.workspace, env=host_environment(plan),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                pass_fds=(theirs.fileno(),))
         except OSError as exc:
             ours.close()
             raise SandboxError(f"cannot start the tool host: {exc}") from None
@@ -312,35 +371,28 @@ class ToolHost:
             theirs.close()
         ours.setblocking(False)
         self._proc = proc
-        errors = asyncio.ensure_future(self._drain_stderr(proc))
+        errors = self._errors.follow(proc)
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(_START_TIMEOUT_SECS):
                 first = await loop.sock_recv(ours, 65536)
         except (TimeoutError, OSError) as exc:
             first = b""
-            self._stderr += f"({type(exc).__name__} waiting for the tool host)".encode()
+            self._errors.early += f"({type(exc).__name__} waiting for the tool host)".encode()
         hello = json.loads(first) if first else {}
         if not hello.get("ready"):
             ours.close()
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+            proc.kill()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(errors, 1.0)
-            detail = hello.get("error") or self._stderr.decode("utf-8", "replace").strip() or "it exited"
+                await asyncio.wait_for(asyncio.shield(errors), 1.0)
+            detail = hello.get("error") or self._errors.early.decode("utf-8", "replace").strip() or "it exited"
+            self._errors.early.clear()
             raise SandboxError(f"the session's sandbox did not start: {detail}")
+        self._errors.ready = True
         self.report = {"active": hello.get("applied", []), "inactive": hello.get("skipped", {})}
         log.info("tool host started (pid %s): %s", proc.pid, ", ".join(self.report["active"]))
         self._sock = ours
         self._reader = asyncio.ensure_future(self._read(ours))
-
-    async def _drain_stderr(self, proc: asyncio.subprocess.Process) -> None:
-        assert proc.stderr is not None
-        while line := await proc.stderr.readline():
-            if len(self._stderr) < 8192:
-                self._stderr += line
-            if self._sock is not None:
-                log.warning("tool host: %s", line.decode("utf-8", "replace").rstrip())
 
     async def _read(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -356,6 +408,7 @@ class ToolHost:
                         else:
                             fut.set_result(msg["pid"])
                 elif "exit" in msg:
+                    self._errors.note_dropped()  # what a command's flood cost, once it is over
                     done = self._exits.pop(oid, None)
                     if done is not None and not done.done():
                         done.set_result(int(msg["exit"]))
@@ -430,9 +483,94 @@ class ToolHost:
 
     def close(self) -> None:
         self._close_transport()
-        if self._proc is not None and self._proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.kill()
+        if self._proc is not None:
+            self._proc.kill()
+        self._errors.note_dropped()
+
+
+class _HostErrors:
+    """A tool host's stderr, read on the worker's loop.  Before the host is
+    ready its first bytes are the reason it did not start (for the tool
+    call's error); after, each line goes to the log escaped (no control
+    character or newline of a tool's making; the worker's filter puts
+    `session=ID` in front), `_LOG_LINES` per session, the rest counted."""
+
+    def __init__(self) -> None:
+        self.ready = False
+        self.early = bytearray()
+        self._line = bytearray()
+        self._logged = 0
+        self._dropped = 0
+        self._noted = 0
+
+    def follow(self, proc: _spawn.Child) -> asyncio.Future[None]:
+        """Read `proc`'s stderr until its end; the future is done then."""
+        assert proc.stderr is not None
+        fd = proc.stderr.fileno()
+        os.set_blocking(fd, False)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if data:
+                self._feed(data)
+                return
+            loop.remove_reader(fd)
+            assert proc.stderr is not None
+            proc.stderr.close()
+            self._flush()
+            if not done.done():
+                done.set_result(None)
+
+        loop.add_reader(fd, readable)
+        return done
+
+    def _feed(self, data: bytes) -> None:
+        if not self.ready:
+            self.early += data[: max(0, _EARLY_BYTES - len(self.early))]
+            return
+        if self._logged >= _LOG_LINES:
+            self._dropped += data.count(b"\n")
+            return
+        self._line += data
+        while self._logged < _LOG_LINES and (end := self._line.find(b"\n")) >= 0:
+            self._emit(bytes(self._line[:end]))
+            del self._line[: end + 1]
+        if self._logged >= _LOG_LINES:
+            self._dropped += self._line.count(b"\n")
+            self._line.clear()
+            log.warning("tool host: more than %d lines; the rest are dropped and counted", _LOG_LINES)
+        elif len(self._line) > _LOG_LINE_CHARS:
+            self._emit(bytes(self._line))
+            self._line.clear()
+
+    def _emit(self, line: bytes) -> None:
+        self._logged += 1
+        log.warning("tool host: %s", escape(line.decode("utf-8", "replace"))[:_LOG_LINE_CHARS])
+
+    def _flush(self) -> None:
+        if self._line and self._logged < _LOG_LINES:
+            self._emit(bytes(self._line))
+        self._line.clear()
+        self.note_dropped()
+
+    def note_dropped(self) -> None:
+        if self._dropped > self._noted:
+            log.warning("tool host: %d lines dropped (at most %d per session reach the log)",
+                        self._dropped - self._noted, _LOG_LINES)
+            self._noted = self._dropped
+
+
+def escape(text: str) -> str:
+    """`text` with every non-printable character (newlines, carriage
+    returns, terminal escapes) written out as its escape sequence."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def host_environment(plan: Plan) -> dict[str, str]:
@@ -443,8 +581,11 @@ _current: ToolHost | None = None
 
 
 def configure(plan: Plan | None) -> None:
-    """Set this worker's sandbox (one session per worker process)."""
+    """Set this worker's sandbox (one session per worker process).  Also
+    marks what the worker inherited close-on-exec, for the processes that
+    are not started through `_spawn` (a handler's, a custom tool's)."""
     global _current
+    _spawn.seal_inherited()
     if _current is not None:
         _current.close()
     _current = ToolHost(plan) if plan is not None else None

@@ -51,7 +51,8 @@ def sandbox_line(sb: dict[str, Any]) -> str:
                                   (f"Landlock ABI {sb.get('landlock_abi')}", sb.get("landlock_abi")),
                                   ("seccomp", sb.get("seccomp")), ("cgroups", sb.get("cgroups"))) if on]
     missing = "; ".join(f"no {k}: {v}" for k, v in sb.get("why_not", {}).items())
-    return f"sandbox ({sb.get('mode')}): {', '.join(have) or 'nothing'}" + (f"; {missing}" if missing else "")
+    refused = f"; {sb['refused']}" if sb.get("refused") else ""  # fail closed: tools do not run
+    return f"sandbox ({sb.get('mode')}): {', '.join(have) or 'nothing'}" + (f"; {missing}" if missing else "") + refused
 
 
 def print_table(sessions: list[dict[str, Any]]) -> None:

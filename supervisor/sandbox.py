@@ -3,9 +3,11 @@
 The worker does the confining (`session_worker.sandbox`); the daemon finds
 out, before any session exists, whether bubblewrap can make namespaces for
 the uid tools will run as (a root daemon's session uids, or its own), and
-which daemon paths must stay out of every sandbox.  Said in one log line,
-refused at start under `sandbox.mode = "required"` when a mechanism is
-missing, and sent to every worker in its Boot.
+which daemon paths must stay out of every sandbox.  Said in the start-up
+log (which mechanisms are active, which socket families tools get, and,
+where the configured isolation cannot be built, that tools will not run and
+why), refused at start under `sandbox.mode = "required"` when a mechanism
+is missing, and sent to every worker in its Boot.
 """
 
 from __future__ import annotations
@@ -89,33 +91,58 @@ def probe(settings: SandboxSettings, uid: int | None, gid: int | None,
         raise SandboxUnavailable(
             "sandbox.mode = required, but this host lacks: " + "; ".join(missing)
         )
+    seccomp_why = "" if seccomp_ok else f"no syscall table for {platform.machine()}"
+    refused = settings.refusal(boot.namespaces, boot.why_not, abi, seccomp_why)
+    if refused:
+        # Fail closed: every tool call says the same (the worker's error).
+        log.error("sandbox: %s; see README, Security", refused)
+        return boot
     have = ["namespaces (bubblewrap)"] if not why_not else []
     have += [f"Landlock ABI {abi}"] if abi else []
     have += ["seccomp"] if seccomp_ok else []
-    log.info("sandbox: tools run confined by %s; network %s%s", ", ".join(have + ["no_new_privs"]),
-             settings.network, "" if not missing else "; missing: " + "; ".join(missing))
-    if missing:
-        hint = (" ([sandbox] namespaces = \"off\" says that is meant)"
-                if why_not and settings.namespaces != "off" else "")
-        log.warning("sandbox: weaker than it could be: %s%s; see README, Security",
-                    "; ".join(missing), hint)
+    log.info("sandbox: tools run confined by %s; network %s; sockets %s%s",
+             ", ".join(have + ["no_new_privs"]), settings.network,
+             ", ".join(_families(settings.network, not why_not)) or "none (socketpair only)",
+             "" if why_not else "; Unix sockets only inside the session's mount namespace")
+    if why_not:
+        log.warning("sandbox: namespaces off (%s, the operator's choice): tools see the host's "
+                    "paths through Landlock only, and may create no Unix socket (Landlock does not "
+                    "cover connect() to a socket's path; socketpair() stays); see README, Security", why_not)
     return boot
+
+
+def _families(network: str, namespaces: bool) -> list[str]:
+    """What socket(2) may create (session_worker._seccomp's allow-list); a
+    loopback of the session's own needs namespaces, else it is `none`."""
+    inet = network == "full" or (network == "loopback" and namespaces)
+    return (["unix"] if namespaces else []) + (["inet", "inet6"] if inet else [])
 
 
 def summary(settings: SandboxSettings, boot: m.SandboxBoot | None, cgroups: str,
             cgroups_why: str) -> dict[str, Any]:
-    """The daemon-wide part of `stats`: what this host gives every session."""
+    """The daemon-wide part of `stats`: what this host gives every session,
+    and whether tools run at all (they do not where the configured
+    isolation cannot be built: `refused` says why)."""
     if boot is None or settings.mode == "off":
         return {"mode": "off"}
     namespaces = boot.namespaces and settings.namespaces != "off"
     why: dict[str, str] = {}
     if not namespaces:
         why["namespaces"] = "sandbox.namespaces = off" if settings.namespaces == "off" else boot.why_not
+        why["unix-sockets"] = ("refused by seccomp (socketpair only): without a mount namespace, "
+                               "Landlock does not cover connect() to a Unix socket's path")
     if not boot.landlock_abi:
         why["landlock"] = "not in this kernel"
-    if platform.machine() not in SECCOMP_MACHINES:
-        why["seccomp"] = f"no syscall table for {platform.machine()}"
+    seccomp_why = "" if platform.machine() in SECCOMP_MACHINES else f"no syscall table for {platform.machine()}"
+    if seccomp_why:
+        why["seccomp"] = seccomp_why
     if not cgroups:
         why["cgroups"] = cgroups_why
-    return {"mode": settings.mode, "namespaces": namespaces, "landlock_abi": boot.landlock_abi,
-            "seccomp": "seccomp" not in why, "cgroups": cgroups, "why_not": why}
+    out = {"mode": settings.mode, "namespaces": namespaces, "landlock_abi": boot.landlock_abi,
+           "seccomp": "seccomp" not in why, "cgroups": cgroups, "why_not": why,
+           "socket_families": _families(settings.network, namespaces), "tools": "run"}
+    refused = settings.refusal(boot.namespaces, boot.why_not, boot.landlock_abi, seccomp_why)
+    if refused:
+        out["tools"] = "refused"
+        out["refused"] = refused
+    return out

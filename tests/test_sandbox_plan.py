@@ -4,6 +4,7 @@ which bubblewrap arguments, and what a session may override."""
 from __future__ import annotations
 
 import errno
+import logging
 import struct
 from pathlib import Path
 
@@ -42,18 +43,51 @@ def test_the_filter_checks_the_arch_first_and_refuses_each_listed_call() -> None
     assert (0x06, 0, 0, 0x00050000 | errno.ENOSYS) in ins
 
 
-def test_only_network_none_refuses_inet_sockets() -> None:
-    def socket_checks(network: str) -> int:
-        return sum(1 for code, _, _, k in _decode(_seccomp.build(network, machine="x86_64"))
-                   if code == 0x15 and k == 41)
+def _run(program: bytes, nr: int, arg0: int = 0, arch: int = 0xC000003E) -> int:
+    """What the kernel would answer: classic BPF over struct seccomp_data."""
+    data = struct.pack("=IIQ", nr, arch, 0) + struct.pack("=Q", arg0) + bytes(40)
+    ins, pc, acc = _decode(program), 0, 0
+    while True:
+        code, jt, jf, k = ins[pc]
+        if code == 0x20:  # ld [k]
+            acc = struct.unpack_from("=I", data, k)[0]
+        elif code == 0x06:
+            return k
+        elif code in (0x15, 0x35, 0x45):
+            hit = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]
+            pc += jt if hit else jf
+        else:
+            raise AssertionError(f"unexpected instruction {code:#x}")
+        pc += 1
 
-    assert socket_checks("none") == 1
-    assert socket_checks("loopback") == socket_checks("full") == 0
+
+ALLOW, EACCES = 0x7FFF0000, 0x00050000 | errno.EACCES
+SOCKET, SOCKETPAIR = 41, 53
+AF = {"unix": 1, "inet": 2, "inet6": 10, "netlink": 16, "packet": 17, "alg": 38, "vsock": 40}
+
+
+@pytest.mark.parametrize("network", ["none", "loopback", "full"])
+@pytest.mark.parametrize("unix", [True, False])
+def test_socket_families_are_an_allow_list(network: str, unix: bool) -> None:
+    """Issue 21: under `none`, AF_VSOCK sockets could be made (a deny list).
+    Now: AF_UNIX (only with a mount namespace), and inet/inet6 unless
+    `none`; netlink, packet, alg, vsock and any other never."""
+    program = _seccomp.build(network, machine="x86_64", unix=unix)
+    allowed = ({"unix"} if unix else set()) | (set() if network == "none" else {"inet", "inet6"})
+    for name, family in AF.items():
+        verdict = _run(program, SOCKET, family)
+        assert verdict == (ALLOW if name in allowed else EACCES), (network, unix, name)
+    assert _run(program, SOCKET, 999) == EACCES
+    # The kernel reads an int: high bits do not smuggle a family past the list.
+    assert _run(program, SOCKET, (1 << 32) | AF["vsock"]) == EACCES
+    assert _run(program, SOCKETPAIR, AF["unix"]) == ALLOW  # socketpair is not socket
+    assert _run(program, 0) == ALLOW  # read
+    assert _run(program, 165) == 0x00050000 | errno.EPERM  # mount
 
 
 def test_jumps_stay_inside_the_program() -> None:
-    for network in ("none", "full"):
-        ins = _decode(_seccomp.build(network, machine="x86_64"))
+    for network, unix in (("none", True), ("full", True), ("none", False), ("full", False)):
+        ins = _decode(_seccomp.build(network, machine="x86_64", unix=unix))
         for i, (code, jt, jf, _) in enumerate(ins):
             if code & 0x07 == 0x05:  # a jump
                 assert i + 1 + max(jt, jf) < len(ins), (network, i)
@@ -129,3 +163,83 @@ def test_what_a_plan_reports_follows_what_the_daemon_found(tmp_path: Path) -> No
     chosen = sandbox.plan_for(m.SandboxBoot(namespaces=True, landlock_abi=6), off, tmp_path, False)
     assert chosen is not None and not chosen.namespaces
     assert chosen.describe()["inactive"]["namespaces"] == "sandbox.namespaces = off"
+
+
+def test_tools_fail_closed_where_the_configured_isolation_cannot_be_built(tmp_path: Path) -> None:
+    """Issue 21: a daemon whose bubblewrap could not make namespaces ran
+    every tool under Landlock alone, as if the operator had chosen it."""
+    no_bwrap = m.SandboxBoot(namespaces=False, why_not="bubblewrap (bwrap) is not installed", landlock_abi=7)
+    plan = sandbox.plan_for(no_bwrap, SessionSettings(), tmp_path, False)
+    assert plan is not None
+    assert "bubblewrap (bwrap) is not installed" in plan.why_refused
+    assert '[sandbox] namespaces = "off"' in plan.why_refused and 'mode = "off"' in plan.why_refused
+    assert plan.describe()["refused"] == plan.why_refused
+    # The operator's explicit weaker choice runs them, under Landlock and seccomp.
+    chosen = SessionSettings(sandbox=SandboxSettings(namespaces="off"))
+    plan = sandbox.plan_for(no_bwrap, chosen, tmp_path, False)
+    assert plan is not None and plan.why_refused == "" and "refused" not in plan.describe()
+    # No Landlock: only mode = "off" runs tools.
+    no_landlock = m.SandboxBoot(namespaces=True, landlock_abi=0)
+    plan = sandbox.plan_for(no_landlock, chosen, tmp_path, False)
+    assert plan is not None and "Landlock" in plan.why_refused and 'mode = "off"' in plan.why_refused
+    assert sandbox.plan_for(no_landlock, SessionSettings(sandbox=SandboxSettings(mode="off")), tmp_path,
+                            False) is None
+
+
+def test_without_a_mount_namespace_no_unix_socket_and_the_report_says_why(tmp_path: Path) -> None:
+    boot = m.SandboxBoot(namespaces=True, landlock_abi=7)
+    with_ns = sandbox.plan_for(boot, SessionSettings(sandbox=SandboxSettings(network="full")), tmp_path, False)
+    assert with_ns is not None and with_ns.describe()["socket_families"] == ["unix", "inet", "inet6"]
+    assert "unix_sockets" not in with_ns.describe()
+    off = SessionSettings(sandbox=SandboxSettings(namespaces="off"))
+    plan = sandbox.plan_for(boot, off, tmp_path, False)
+    assert plan is not None
+    report = plan.describe()
+    assert report["socket_families"] == [] and "connect()" in report["unix_sockets"]
+    program = bytes.fromhex(plan.host_config()["seccomp"])
+    assert _run(program, SOCKET, AF["unix"]) == EACCES and _run(program, SOCKETPAIR, AF["unix"]) == ALLOW
+
+
+def test_a_tool_hosts_stderr_reaches_the_log_escaped_tagged_and_within_a_budget(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 21: 200,000 forged lines reached the daemon's log in 5 s."""
+    errors = sandbox._HostErrors()
+    errors.ready = True
+    with caplog.at_level(logging.WARNING, logger="sessiond.sandbox"):
+        for _ in range(100):
+            errors._feed(b"\r\x1b[2Ksessiond[1]: INFO: forged\n" * 2000)
+        errors._feed(b"x" * (1 << 20))  # one endless line: cut, and counted in the same budget
+        errors.note_dropped()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) <= 64 + 2, len(said)
+    assert sum(len(s) for s in said) < 64 * 500
+    assert all(not any(c in s for c in "\r\n\x1b") for s in said), said[:3]
+    assert said[0] == r"tool host: \r\x1b[2Ksessiond[1]: INFO: forged", said[0]
+    assert any("199936 lines dropped" in s for s in said), said[-2:]
+
+
+def test_socket_directories_are_masked_inside_a_broad_read_path(tmp_path: Path) -> None:
+    """A read-only bind still lets a tool connect() to a Unix socket in it:
+    /run, /var/lib, /var/tmp, /tmp never come along with a read path."""
+    plan = _plan(tmp_path, namespaces=True, read_paths=["/var"])
+    argv = plan.bwrap_argv()
+    masked = {argv[i + 1] for i, a in enumerate(argv) if a == "--tmpfs"}
+    assert {"/var/lib", "/var/tmp"} <= masked and "/run" not in argv, argv
+    assert "/var/run" not in argv or not Path("/var/run").is_symlink()
+    paths = dict(_plan(tmp_path, namespaces=False, read_paths=["/var"]).landlock_paths())
+    assert "/var/cache" in paths and "/var" not in paths
+    assert not any(p.startswith(("/var/lib", "/var/tmp", "/var/run", "/run")) for p in paths), paths
+    # Where no root holds them, nothing changes.
+    assert "/var/lib" not in _plan(tmp_path, namespaces=True).bwrap_argv()
+
+
+def test_the_report_names_what_the_kernels_landlock_adds_and_what_it_lacks(tmp_path: Path) -> None:
+    def report(abi: int) -> dict[str, object]:
+        plan = sandbox.plan_for(m.SandboxBoot(namespaces=True, landlock_abi=abi), SessionSettings(), tmp_path, False)
+        assert plan is not None
+        return plan.describe()
+
+    assert {"landlock", "landlock-scope", "landlock-net"} <= set(report(7)["active"])  # type: ignore[arg-type]
+    old = report(3)
+    assert "landlock-scope" in old["inactive"] and "landlock-net" in old["inactive"], old  # type: ignore[operator]

@@ -7,7 +7,8 @@ it itself, in the worker's process group (the supervisor's `killpg` reaches
 it), so killing "the command and its children" walks its descendants.
 
 The environment is built from nothing (an allowlist), so no provider key,
-SESSIOND_* variable or systemd socket variable can reach a tool.  Output
+SESSIOND_* variable or systemd socket variable can reach a tool; nor does
+any descriptor but stdin (/dev/null), stdout and stderr, on either path.  Output
 (stdout and stderr merged, in order) is capped while it is read: the head and
 the tail are kept in memory, the middle is only counted.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from session_worker import sandbox
+from session_worker import _spawn, sandbox
 from session_worker.agent._errors import ToolError
 
 __all__ = ["OutputCap", "run_bash", "tool_environment"]
@@ -95,7 +96,7 @@ def _kill_tree(pid: int) -> None:
 class _Local:
     """A command run by the worker itself (sandbox.mode = off)."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: _spawn.Child) -> None:
         self.proc = proc
 
     @property
@@ -141,10 +142,13 @@ async def _start(command: str, workspace: Path, wfd: int) -> _Local | _Hosted:
         env = {**tool_environment(workspace), "TMPDIR": host.plan.tmp}
         started = await host.spawn(["/bin/bash", "-c", command], env, wfd)
         return _Hosted(host, started)
-    proc = await asyncio.create_subprocess_exec(
-        "/bin/bash", "-c", command, cwd=workspace, env=tool_environment(workspace),
-        stdin=asyncio.subprocess.DEVNULL, stdout=wfd, stderr=wfd,
-    )
+    # Not asyncio's subprocess: under uvloop it hands the worker's
+    # inherited descriptors on (close_fds is ignored).
+    try:
+        proc = _spawn.spawn(["/bin/bash", "-c", command], cwd=workspace, env=tool_environment(workspace),
+                            stdout=wfd, stderr=wfd)
+    except OSError as exc:
+        raise ToolError(f"cannot start bash: {exc}") from None
     return _Local(proc)
 
 
