@@ -25,6 +25,7 @@ from typing import Any
 from supervisor.config import Config, workspace_root
 from supervisor.errors import Capacity
 from supervisor.logtag import tagged
+from supervisor.peer import SessionUids
 from supervisor.session import Session
 
 __all__ = ["Workspaces"]
@@ -49,6 +50,11 @@ class Workspaces:
     def separate_users(self) -> bool:
         """Whether workers run as a user other than the daemon's."""
         return self.shared_user is not None or self.session_uids is not None
+
+    def session_uids_here(self) -> SessionUids:
+        """Which uids sessions run as, for supervisor.peer."""
+        worker = self.shared_user[0] if self.shared_user is not None else None
+        return SessionUids(os.geteuid(), worker, self.session_uids)
 
     def root(self) -> Path:
         return workspace_root(self._config(), self._state_dir)
