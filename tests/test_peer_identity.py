@@ -290,3 +290,85 @@ def test_session_cgroup_paths() -> None:
     assert not peer.session_cgroup(["/system.slice/sessiond.service/daemon", "/user.slice/s-x"])
     assert not peer.session_cgroup(["/sessions", "/sessiond.service/s-1"])
 
+
+
+# ---------------------------------------------------------------- the daemon, as the unit runs it
+
+
+@pytest.fixture
+def unit_daemon(make_daemon: Any, llm: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The shipped unit emulated: an ordinary-user daemon (nobody), tools of
+    its uid with no sandbox, and a /proc mounted hidepid=invisible
+    (`ProtectProc=invisible`) in the daemon's mount namespace."""
+    from test_security_proc import NOBODY, agent_config
+
+    if os.geteuid() != 0:
+        pytest.skip("running a daemon as another user needs root")
+    base = Path(tempfile.mkdtemp(prefix="sd-unit-"))
+    os.chmod(base, 0o711)
+    monkeypatch.setenv("SESSIOND_API_KEY", "sk-unit")
+    d = make_daemon(agent_config(llm, "off"), start=False, root=base / "d")
+    d.run_as_user(NOBODY, NOBODY)
+    at = next(i for i, part in enumerate(d.cmd_prefix) if "exec setpriv" in part)
+    script = d.cmd_prefix[at]
+    d.cmd_prefix[at] = script.replace("exec setpriv", "mount -t proc -o hidepid=invisible proc /proc && exec setpriv", 1)
+    d.start()
+    yield d
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.process
+def test_a_non_dumpable_tool_cannot_drive_the_unit_daemon(unit_daemon: Any, llm: Any) -> None:
+    """The issue's attack: with ProtectProc=invisible, a tool that made
+    itself non-dumpable got `ls` (and `create`) as the daemon's uid."""
+    from fakellm import text_stream, tool_call_stream
+
+    d = unit_daemon
+    with d.client() as c:
+        sid = c.create().id
+    code = ("import ctypes, sys; ctypes.CDLL(None).prctl(4, 0, 0, 0, 0); "
+            "from supervisor import ctl; sys.exit(ctl.main(['--socket', sys.argv[1], 'ls']))")
+    command = f"{sys.executable} -c \"{code}\" {d.socket}; echo rc=$?; grep -c hidepid /proc/mounts"
+    llm.script(tool_call_stream(("c1", "bash", {"command": command})), text_stream("done"))
+    with d.client() as c:
+        assert c.send_text(sid, "go") == "done"
+    out = [msg["content"] for msg in llm.requests[1].json["messages"] if msg["role"] == "tool"][0]
+    assert "rc=1" in out and "connections from inside a session" in out, out
+    assert sid not in out.split("rc=")[0]  # no listing
+
+
+@pytest.mark.process
+def test_the_unit_daemons_own_user_with_a_hidden_parent_is_served(unit_daemon: Any) -> None:
+    """The same walk refused the daemon user's own sessionctl when an
+    ancestor was invisible to the daemon."""
+    from harness import run_as
+    from test_security_proc import NOBODY
+
+    d = unit_daemon
+
+    def hidden_parent() -> Any:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(4, 0, 0, 0, 0)  # this process: invisible to the daemon
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the client, dumpable again (as after an exec)
+            code = 1
+            try:
+                libc.prctl(4, 1, 0, 0, 0)
+                from supervisor.client import Client
+
+                with Client(d.socket) as c:
+                    os.write(w, str(len(c.list())).encode())
+                code = 0
+            except BaseException as exc:
+                os.write(w, f"error: {exc}".encode())
+            finally:
+                os._exit(code)
+        os.close(w)
+        os.waitpid(pid, 0)
+        return os.read(r, 4096).decode()
+
+    answer = run_as(NOBODY, hidden_parent)
+    assert answer == "0", answer
