@@ -76,29 +76,40 @@ class Workspaces:
             return (f"its stored owner uid {meta.owner_uid} may not own sessions here (neither root, the "
                     "daemon's user, admin_uids, allowed_uids nor a member of allowed_gids or the "
                     "socket's group; or a session's own uid)"), False
-        if self.shared_user is None and self.session_uids is not None:
-            span, uid = self.session_uids, meta.run_uid
-            if uid is None or uid not in span:
-                return (f"its stored uid {uid} is not one of [daemon] session_uid_range "
-                        f"({span.start}-{span.stop - 1})"), False
-            if any(s.meta.run_uid == uid and s.id != meta.id and not s.is_(State.DAMAGED) for s in others):
-                return f"its stored uid {uid} is another session's", False
-            # Its workspace was made for that uid by the daemon: a uid
-            # rewritten to another session's does not match it.
-            where = self.root() / (meta.workspace or meta.id)
-            try:
-                st = os.lstat(where)
-            except OSError as exc:
-                return f"its workspace {where} cannot be checked ({exc.strerror}); `rm` it", True
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
-                return f"its workspace {where} is not a directory of its stored uid {uid}", False
+        if (problem := self._uid_problem(meta, others)) is not None:
+            return problem
         settings = self._config().session_settings()
-        handler = meta.handler
-        if handler not in ("agent", "echo", *settings.agent.subagents.allowed_handlers):
+        if meta.handler not in ("agent", "echo", *settings.agent.subagents.allowed_handlers):
             try:
-                check_handler(handler, settings)
+                check_handler(meta.handler, settings)
             except SessiondError as exc:
                 return f"its stored handler is not allowed: {exc.message}", True
+        return None
+
+    def _uid_problem(self, meta: Meta, others: Iterable[Session]) -> tuple[str, bool] | None:
+        """Where each session runs as a uid of its own: the stored one is of
+        the range, no other session's, and the one its workspace was made
+        for (a uid rewritten to another session's does not match it)."""
+        if self.shared_user is not None or self.session_uids is None:
+            return None  # not used (run_as)
+        span, uid = self.session_uids, meta.run_uid
+        if uid is None or uid not in span:
+            return f"its stored uid {uid} is not one of [daemon] session_uid_range ({span.start}-{span.stop - 1})", False
+        if any(s.meta.run_uid == uid and s.id != meta.id and not s.is_(State.DAMAGED) for s in others):
+            return f"its stored uid {uid} is another session's", False
+        where = self.root() / (meta.workspace or meta.id)
+        try:
+            st = os.lstat(where)
+        except FileNotFoundError:
+            # Not made yet (an import; a create cut short): then no other
+            # workspace may be that uid's either.
+            if _owns_a_workspace(self.root(), uid):
+                return f"its stored uid {uid} owns another session's workspace", False
+            return None
+        except OSError as exc:
+            return f"its workspace {where} cannot be checked ({exc.strerror}); `rm` it", True
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+            return f"its workspace {where} is not a directory of its stored uid {uid}", False
         return None
 
     def may_own(self, uid: int) -> bool:
@@ -217,6 +228,16 @@ def _own_workspace(session_id: str, name: str) -> bool:
     token = name[len(session_id) + 1 :]
     return (name.startswith(f"{session_id}@") and len(token) == 16
             and all(c in "0123456789abcdef" for c in token))
+
+
+def _owns_a_workspace(root: Path, uid: int) -> bool:
+    try:
+        with os.scandir(root) as entries:
+            return any(e.stat(follow_symlinks=False).st_uid == uid for e in entries)
+    except FileNotFoundError:
+        return False  # no workspace at all yet
+    except OSError:
+        return True  # cannot tell: not believed
 
 
 def _no_such_user(uid: int) -> bool:

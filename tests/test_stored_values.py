@@ -96,12 +96,14 @@ def test_forged_values_in_the_file_store_are_not_acted_on(make_daemon, open_root
     # to another session's is caught too.
     d = make_daemon(_config(), root=open_root / "d", trust=False)
     forged = _forgeries(canary)
-    ids = [*forged, "shared_uid", "victim", "good"]
+    ids = [*forged, "shared_uid", "missing_ws", "victim", "good"]
     _create_all(d, ids)
     with d.client() as c:
         victim_ws = d.workspace("victim")
     victim_uid = victim_ws.stat().st_uid
     forged["shared_uid"] = {"run_uid": victim_uid}
+    # The victim's uid again, with a workspace of its own that was never made.
+    forged["missing_ws"] = {"run_uid": victim_uid, "workspace": f"missing_ws@{'f' * 16}"}
     d.stop()
     for sid, fields in forged.items():
         st, loaded = SessionStore.load(d.state_dir / "sessions" / sid)
@@ -158,3 +160,17 @@ def test_a_row_filed_under_another_sessions_id_is_not_believed(make_daemon, pg_s
         mine = c.status("mine")
         assert mine.state == "damaged" and "another session" in (mine.error or "")
         assert c.send_text("victim", "still mine") == "2: still mine"
+
+
+@pytest.mark.process
+def test_an_import_with_a_uid_of_its_own_is_not_damaged(make_daemon, open_root: Path) -> None:  # noqa: F811
+    """Its workspace is made at its first start: not being there yet is no
+    sign of a forgery."""
+    d = make_daemon(_config(), root=open_root / "d", trust=False)
+    _create_all(d, ["orig"])
+    with d.client() as c:
+        doc = c.export("orig")
+        copy = c.import_session(doc, session="copy")
+        assert copy.state != "damaged", copy
+        assert c.send_text("copy", "more") == "2: more"
+        assert d.workspace("copy").stat().st_uid != d.workspace("orig").stat().st_uid
