@@ -7,6 +7,12 @@ daemon.  Its workspace is `<root>/ID@TOKEN`: a new TOKEN for every session,
 so a later session that reuses an id never sees an old workspace; created
 and chowned only by the daemon, never through a link; removed with the
 session.
+
+What a store gives back is data (`stored_problem`): a session's owner,
+workspace name, uid and handler are checked again whenever one is
+materialised from stored data (start, import, repair, a claim), as they
+were on create, and `path` only ever names one directory right beneath
+the root.
 """
 
 from __future__ import annotations
