@@ -42,7 +42,7 @@ from ipc.messages import (
     TurnDone,
     TurnFailed,
 )
-from ipc.paths import default_socket_path
+from ipc.paths import default_socket_path, socket_trust_problem
 
 __all__ = [
     "AsyncClient",
@@ -111,6 +111,9 @@ class AsyncClient:
         reasoning, live only); off, the daemon sends none, as to clients
         older than them."""
         path = str(socket_path or default_socket_path())
+        if problem := socket_trust_problem(path):
+            # Before a byte is sent: a squatter must not see the Hello either.
+            raise DaemonUnavailable(f"refusing to connect to sessiond at {path}: {problem}")
         loop = asyncio.get_running_loop()
         client: AsyncClient | None = None
         # The daemon may answer (a refusal) and close before our Hello, even

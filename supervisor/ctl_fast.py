@@ -32,7 +32,7 @@ import time
 
 import msgpack  # type: ignore[import-untyped]  # (no stubs; used for two calls)
 
-from ipc.paths import default_socket_text
+from ipc.paths import default_socket_text, socket_trust_problem
 from supervisor.ctl_render import (
     EXIT_OK,
     EXIT_SIGINT,
@@ -430,6 +430,8 @@ class _Link:
         self.path = path
         if len(os.fsencode(path)) >= 108:  # sun_path: the full path's error text differs
             raise _Unsure("socket path too long")
+        if problem := socket_trust_problem(path):
+            raise _Unavailable(f"refusing to connect to sessiond at {path}: {problem}")
         sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         sock.settimeout(_CONNECT_TIMEOUT_SECS)
         try:

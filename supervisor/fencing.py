@@ -196,6 +196,9 @@ async def claim(manager: SessionManager, session: Session) -> None:
         raise Conflict(str(exc)) from None
     except KeyError:
         raise NotFound(f"session {session.id} was removed by another daemon") from None
+    if (bad := manager.workspaces.stored_problem(loaded.meta, manager.sessions.values())) is not None:
+        held.close()  # checked again as on create (supervisor.workspaces): not acted on
+        raise Conflict(f"session {session.id} cannot be taken over: {bad[0]}")
     await _refresh(manager, session, held, loaded)
 
 

@@ -163,6 +163,10 @@ class SessionManager:
 
     def _restore(self, store: SessionLog, loaded: LoadedSession) -> None:
         meta = loaded.meta
+        if (bad := self.workspaces.stored_problem(meta, self.sessions.values())) is not None:
+            store.close()  # checked again as on create: a store's values are data
+            self._add_damaged(meta.id, bad[0], meta if bad[1] else None)
+            return
         mark = loaded.mark
         state = {"stopped": State.STOPPED, "failed": State.FAILED}.get(mark.state, State.HIBERNATED)
         session = Session(
@@ -515,8 +519,7 @@ class SessionManager:
             try:
                 await asyncio.to_thread(self.workspaces.remove, session)
             except OSError as exc:
-                tagged(log, session.id).error("its workspace %s could not be removed: %s",
-                                              self.workspaces.path(session), exc)
+                tagged(log, session.id).error("its workspace could not be removed: %s", exc)
             tagged(log, session.id).info("deleted")
 
     async def repair(self, session: Session, mode: str) -> tuple[Session, RepairResult]:

@@ -8,11 +8,17 @@ once per connection; nothing runs per request.
   connected, read without opening a file, so they are right under EMFILE,
   under `ProtectProc=invisible`, and after the peer's pid has been reused
   (all three broke the old read of /proc/PID/status).
-* `in_session()`: whether the peer descends from the zygote, i.e. is a
-  session's worker or one of its tools (escaped ones included: the zygote is
-  their child subreaper, so an orphan re-parents to it, never past it).  The
-  ancestry is walked through /proc/PID/stat; a pidfd taken before the walk
-  and probed after it proves that the pid we walked from was still the peer.
+* `in_session()`: whether the peer is a session's process (its worker, its
+  tools, escaped ones included), by what a tool cannot shed: its uid (one
+  that only sessions run as), its PID namespace, its cgroup (a session's),
+  and its ancestry (it descends from the zygote, the child subreaper of
+  every session process, so an orphan re-parents to it, never past it).
+  The ancestry is walked through pidfds (PIDFD_GET_INFO), which
+  `ProtectProc=invisible` and a non-dumpable process do not hide; through
+  /proc/PID/stat on kernels before 6.13.  Whatever cannot be read counts
+  as inside for a uid that sessions can run as, and never against any
+  other uid.  The peer's pidfd, taken first and probed last, proves that
+  the pid read about was the peer's throughout.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import functools
 import os
 import signal
@@ -27,7 +34,7 @@ import socket
 import struct
 from typing import Any, NamedTuple
 
-__all__ = ["PeerCredentials", "credentials", "in_session"]
+__all__ = ["AncestryChanged", "PeerCredentials", "SessionUids", "credentials", "in_session", "session_cgroup"]
 
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 _SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux >= 6.5
@@ -88,32 +95,121 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
-def in_session(sock: Any, pid: int, roots: frozenset[int]) -> bool:
-    """True if the peer process `pid` descends from one of `roots` (the
-    zygote, and the daemon itself), or if it exited before we could tell
-    (its pid may already name someone else: refusing costs nothing, since
-    it is gone).
+class SessionUids(NamedTuple):
+    """The uids a session's processes can run as here (from the daemon's
+    identities: supervisor.daemon.Identities)."""
+
+    daemon: int  # the daemon's own: the zygote's, and the sessions' when nothing else is set
+    worker: int | None  # [daemon] worker_user
+    span: range | None  # [daemon] session_uid_range, when each session gets a uid of its own
+
+    def only_sessions(self, uid: int) -> bool:
+        """A uid that no client of ours has: every process of it is a session's."""
+        if uid == self.daemon:
+            return False
+        return uid == self.worker or (self.span is not None and uid in self.span)
+
+    def could_be_session(self, uid: int) -> bool:
+        return uid == self.daemon or self.only_sessions(uid)
+
+
+def in_session(sock: Any, cred: PeerCredentials, roots: frozenset[int], uids: SessionUids) -> str:
+    """Why the peer counts as a session's process ('' when it does not):
+    its uid is one only sessions run as; its PID namespace is not ours;
+    its cgroup is a session's; it descends from one of `roots` (the
+    zygote, and the daemon itself); or it exited before we could tell (its
+    pid may name someone else by now: refusing costs nothing, it is gone).
+
+    What cannot be read (a non-dumpable process under
+    `ProtectProc=invisible`, an ancestor hidden the same way on a kernel
+    without PIDFD_GET_INFO) counts as inside for a uid that sessions can
+    run as, and is ignored for any other: such a peer was never a session's.
 
     Raises OSError when no pidfd or /proc file can be opened (EMFILE): the
     caller cannot tell and must not guess.  Raises AncestryChanged when the
     tree kept changing under the walk.
     """
-    pidfd = _peer_pidfd(sock, pid)
+    if uids.only_sessions(cred.uid):
+        return f"uid {cred.uid} is a session's ([daemon] session_uid_range / worker_user)"
+    pidfd = _peer_pidfd(sock, cred.pid)
     if pidfd is None:
-        return True  # already gone
+        return "it exited before it could be checked"
     try:
-        inside = _descends_from(pid, roots)
-        # Alive now means the pid we walked from was the peer throughout:
+        unknown: list[str] = []
+        why = _signals(pidfd, cred.pid, roots, unknown)
+        # Alive now means the pid we read about was the peer throughout:
         # a pid is not reused while its process lives.
         try:
             signal.pidfd_send_signal(pidfd, 0)
         except ProcessLookupError:
-            return True
+            return "it exited before it could be checked"
         except PermissionError:
             pass  # alive, and not ours to signal (an unprivileged daemon, a root client)
-        return inside
+        if why:
+            return why
+        if unknown and uids.could_be_session(cred.uid):
+            return f"uid {cred.uid} may be a session's and {'; '.join(unknown)}"
+        return ""
     finally:
         os.close(pidfd)
+
+
+def _signals(pidfd: int, pid: int, roots: frozenset[int], unknown: list[str]) -> str:
+    """The first sign that the peer is a session's; what could not be read
+    goes to `unknown`."""
+    if pid == 0:
+        # SO_PEERCRED names a process of a namespace we cannot see as 0.
+        return "it runs in another PID namespace"
+    ns = _pid_namespace(str(pid))
+    if ns is None:
+        unknown.append("its PID namespace cannot be read")
+    elif ns != (_pid_namespace("self") or ns):
+        return "it runs in a PID namespace of its own"
+    groups = _read_cgroups(pid)
+    if groups is None:
+        unknown.append("its cgroup cannot be read")
+    elif where := session_cgroup(groups):
+        return f"its cgroup {where} is a session's"
+    try:
+        if _descends_from(pidfd, pid, roots):
+            return "it descends from the zygote"
+    except _Unreadable as exc:
+        unknown.append(str(exc))
+    return ""
+
+
+def _pid_namespace(pid: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(f"/proc/{pid}/ns/pid")
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise
+        return None  # hidden (ENOENT), not ours to inspect (EACCES), or gone
+    return st.st_dev, st.st_ino
+
+
+def _read_cgroups(pid: int) -> list[str] | None:
+    """The cgroup paths of `pid`, one per hierarchy (v1 and v2)."""
+    try:
+        with open(f"/proc/{pid}/cgroup", "rb") as f:
+            data = f.read(65536)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise
+        return None
+    return [line.split(b":", 2)[2].decode(errors="replace") for line in data.splitlines() if line.count(b":") >= 2]
+
+
+def session_cgroup(paths: list[str]) -> str:
+    """The first of `paths` that is a session's cgroup, or ''.  Sessions
+    live in `.../sessions/s-ID` (cgroup v2, supervisor.cgroups) or
+    `.../sessiond/s-ID` (cgroup v1 hierarchies), and below."""
+    for path in paths:
+        parts = path.split("/")
+        for above, part in zip(parts, parts[1:]):
+            if part.startswith("s-") and above in ("sessions", "sessiond"):
+                return path
+    return ""
 
 
 def _peer_pidfd(sock: Any, pid: int) -> int | None:
@@ -136,10 +232,11 @@ def _peer_pidfd(sock: Any, pid: int) -> int | None:
         return None
 
 
-def _descends_from(pid: int, roots: frozenset[int]) -> bool:
+def _descends_from(pidfd: int, pid: int, roots: frozenset[int]) -> bool:
     for _ in range(_WALK_TRIES):
         try:
-            return _walk(pid, roots)
+            found = _walk_pidfds(pidfd, pid, roots)
+            return found if found is not None else _walk_proc(pid, roots)
         except _Retry:
             continue
     raise AncestryChanged(f"the ancestry of pid {pid} kept changing while it was read")
@@ -149,7 +246,87 @@ class _Retry(Exception):
     pass
 
 
-def _walk(pid: int, roots: frozenset[int]) -> bool:
+class _Unreadable(Exception):
+    """Part of the ancestry is alive but hidden from us."""
+
+
+# PIDFD_GET_INFO (Linux >= 6.13): a process's parent and credentials from
+# its pidfd, without /proc, so neither hidepid nor a non-dumpable process
+# hides them.  struct pidfd_info, first version: mask, cgroupid, then
+# pid, tgid, ppid, the uids and gids, one spare u32.
+_PIDFD_GET_INFO = 0xC040FF0B  # _IOWR(0xFF, 11, 64 bytes)
+_PIDFD_INFO = struct.Struct("=QQ12I")
+_PIDFD_INFO_PID = 1
+_info_supported = True
+
+
+def _ppid(pidfd: int) -> int | None:
+    """The parent pid of a pidfd's process, None where the kernel cannot
+    say.  Raises ProcessLookupError once it has exited."""
+    global _info_supported
+    if not _info_supported:
+        return None
+    buf = bytearray(_PIDFD_INFO.size)
+    struct.pack_into("=Q", buf, 0, _PIDFD_INFO_PID)
+    try:
+        fcntl.ioctl(pidfd, _PIDFD_GET_INFO, buf, True)
+    except OSError as exc:
+        if exc.errno == errno.ESRCH:
+            raise ProcessLookupError(exc.errno, exc.strerror) from None
+        if exc.errno in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP):
+            _info_supported = False
+            return None
+        raise
+    ppid: int = _PIDFD_INFO.unpack(buf)[4]
+    return ppid
+
+
+def _walk_pidfds(pidfd: int, pid: int, roots: frozenset[int]) -> bool | None:
+    """The walk through pidfds; None where PIDFD_GET_INFO is missing."""
+    fd = pidfd
+    try:
+        for _ in range(_MAX_DEPTH):
+            if pid in roots:
+                return True
+            if pid <= 1:
+                return False
+            try:
+                ppid = _ppid(fd)
+            except ProcessLookupError:
+                if fd == pidfd:
+                    return False  # the peer itself: the caller's probe decides
+                raise _Retry from None
+            if ppid is None:
+                return None
+            if ppid in roots:
+                return True
+            if ppid <= 1:
+                return False  # init, or a parent outside our PID namespace
+            try:
+                parent = os.pidfd_open(ppid)
+            except ProcessLookupError:
+                raise _Retry from None
+            try:
+                # Still its parent: the pidfd is of that very process, not
+                # of one that took its pid after it exited (the child would
+                # have been re-parented meanwhile).
+                same = _ppid(fd) == ppid
+            except ProcessLookupError:
+                same = False
+            if fd != pidfd:
+                os.close(fd)
+            fd = parent
+            if not same:
+                raise _Retry
+            pid = ppid
+    finally:
+        if fd != pidfd:
+            os.close(fd)
+    raise _Retry
+
+
+def _walk_proc(pid: int, roots: frozenset[int]) -> bool:
+    """The walk through /proc/PID/stat, for kernels before 6.13."""
     child_start: int | None = None
     for _ in range(_MAX_DEPTH):
         if pid in roots:
@@ -159,8 +336,12 @@ def _walk(pid: int, roots: frozenset[int]) -> bool:
         stat = _read_stat(pid)
         if stat is None:
             if child_start is None:
-                return False  # the peer itself: the pidfd probe decides
-            raise _Retry  # an ancestor exited: its children were re-parented
+                raise _Unreadable("its /proc entry cannot be read")
+            try:
+                os.close(os.pidfd_open(pid))
+            except ProcessLookupError:
+                raise _Retry from None  # an ancestor exited: its children were re-parented
+            raise _Unreadable(f"its ancestor {pid} cannot be read in /proc")
         ppid, start = stat
         # A parent never starts after its child: if this "ancestor" did,
         # the real one exited and its pid was reused between our reads.
@@ -172,10 +353,10 @@ def _walk(pid: int, roots: frozenset[int]) -> bool:
 
 
 def _read_stat(pid: int) -> tuple[int, int] | None:
-    """(ppid, starttime) of `pid`, None if it is gone."""
+    """(ppid, starttime) of `pid`, None if it is gone or hidden."""
     try:
         fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+    except (FileNotFoundError, PermissionError):
         return None
     try:
         data = os.read(fd, 1024)

@@ -469,7 +469,7 @@ class ControlServer:
         # are still session processes.
         roots = frozenset(p for p in (self.manager.spawner.zygote_pid, os.getpid()) if p > 0)
         try:
-            inside = peer.in_session(sock, cred.pid, roots)
+            inside = peer.in_session(sock, cred, roots, self.manager.workspaces.session_uids_here())
         except OSError as exc:
             # Typically EMFILE: we cannot tell, and must not guess either way.
             log.warning("cannot check where %s comes from: %s", client.name, exc)
@@ -484,7 +484,7 @@ class ControlServer:
             return m.Error(code=m.ErrorCode.PERMISSION_DENIED,
                            message=f"refused: {exc}; try again")
         if inside:
-            peer_log.warning(cred.uid, "refused %s: it runs inside a session", client.name)
+            peer_log.warning(cred.uid, "refused %s: it runs inside a session (%s)", client.name, inside)
             return m.Error(
                 code=m.ErrorCode.PERMISSION_DENIED,
                 message="connections from inside a session (its worker or tools) are refused: "

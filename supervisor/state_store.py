@@ -81,6 +81,7 @@ __all__ = [
     "Snapshot",
     "StateStore",
     "boot_state",
+    "check_stored_id",
     "logged",
     "settled",
     "StoreDamaged",
@@ -185,6 +186,7 @@ class LoadedSession:
                 loaded.apply(rec)
         if loaded is None:
             raise StoreDamaged(session_id, "no metadata record", repairable=False)
+        check_stored_id(session_id, loaded.meta)
         return loaded
 
     def apply(self, rec: Record) -> None:
@@ -205,6 +207,13 @@ class LoadedSession:
             case Mark():
                 self.seq = max(self.seq, rec.seq)
                 self.mark = rec
+
+
+def check_stored_id(session_id: str, meta: Meta) -> None:
+    """A session is filed under the id its metadata names: one that names
+    another (a row or a directory edited by hand) is not believed."""
+    if meta.id != session_id:
+        raise StoreDamaged(session_id, f"its metadata names another session ({meta.id!r})", repairable=False)
 
 
 def add_usage(total: dict[str, int], more: dict[str, int]) -> None:

@@ -81,6 +81,7 @@ from supervisor.state_store import (
     StoreError,
     StoreFull,
     boot_state,
+    check_stored_id,
     settled,
 )
 
@@ -354,6 +355,7 @@ class SessionStore:
                 elif loaded is not None:
                     loaded.apply(rec)
         assert loaded is not None  # _plan checked there is a Meta
+        check_stored_id(path.name, loaded.meta)
         prev, _ = _read_snapshot(path / "snapshot.prev")
         base = prev.gen if prev is not None else 0
         # Logs older than the fallback's are folded into both snapshots.

@@ -180,12 +180,13 @@ def test_peer_ancestry_and_a_dead_peers_reused_pid(tmp_path: Path) -> None:
     try:
         cred = peer.credentials(conn)
         assert cred.pid == live.pid and cred.uid == os.getuid()
-        assert peer.in_session(conn, cred.pid, frozenset({os.getpid()}))
-        assert not peer.in_session(conn, cred.pid, frozenset({os.getppid() + 10**7}))
+        uids = peer.SessionUids(os.geteuid(), None, None)
+        assert peer.in_session(conn, cred, frozenset({os.getpid()}), uids)
+        assert not peer.in_session(conn, cred, frozenset({os.getppid() + 10**7}), uids)
         # Gone (and reaped): its pid proves nothing any more.
         live.communicate(b"")
         assert not psutil.pid_exists(live.pid)
-        assert peer.in_session(conn, cred.pid, frozenset({10**7}))
+        assert peer.in_session(conn, cred, frozenset({10**7}), uids)
     finally:
         conn.close()
         srv.close()

@@ -327,8 +327,9 @@ def test_manager_lists_removes_and_repairs_a_damaged_session_in_memory(tmp_path:
     for sid in ("bad", "gone"):
         log = mem.sessions[sid].log
         log[_record_offsets(bytes(log))[-2] + 10] ^= 0x40  # turn 2's record; turn 3 follows intact
-    mgr = SessionManager(parse_config({}, "test"), tmp_path, _NoSpawner(),  # type: ignore[arg-type]
-                         store=mem)
+    # uid 1000 may use this daemon: the owner is checked on load as on create.
+    mgr = SessionManager(parse_config({"daemon": {"allowed_uids": [1000]}}, "test"), tmp_path,
+                         _NoSpawner(), store=mem)  # type: ignore[arg-type]
     mgr.load_all()
     infos = {s.id: mgr.info(s) for s in mgr.visible(1000)}
     assert infos["good"].state == "hibernated" and infos["good"].error is None
