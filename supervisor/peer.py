@@ -136,7 +136,7 @@ def in_session(sock: Any, cred: PeerCredentials, roots: frozenset[int], uids: Se
         return "it exited before it could be checked"
     try:
         unknown: list[str] = []
-        why = _signals(pidfd, cred.pid, roots, unknown)
+        why = _signals(pidfd, cred.pid, roots, unknown, uids.could_be_session(cred.uid))
         # Alive now means the pid we read about was the peer throughout:
         # a pid is not reused while its process lives.
         try:
@@ -154,17 +154,21 @@ def in_session(sock: Any, cred: PeerCredentials, roots: frozenset[int], uids: Se
         os.close(pidfd)
 
 
-def _signals(pidfd: int, pid: int, roots: frozenset[int], unknown: list[str]) -> str:
+def _signals(pidfd: int, pid: int, roots: frozenset[int], unknown: list[str], sessions_uid: bool) -> str:
     """The first sign that the peer is a session's; what could not be read
-    goes to `unknown`."""
-    if pid == 0:
-        # SO_PEERCRED names a process of a namespace we cannot see as 0.
-        return "it runs in another PID namespace"
-    ns = _pid_namespace(str(pid))
-    if ns is None:
-        unknown.append("its PID namespace cannot be read")
-    elif ns != (_pid_namespace("self") or ns):
-        return "it runs in a PID namespace of its own"
+    goes to `unknown`.  Another PID namespace is a sign only for a uid that
+    sessions can run as (a sandbox's user namespace maps its tools to the
+    daemon's uid): a client of any other uid in a container of its own,
+    with the socket bound in, is a client."""
+    if sessions_uid:
+        if pid == 0:
+            # SO_PEERCRED names a process of a namespace we cannot see as 0.
+            return "it runs in another PID namespace"
+        ns = _pid_namespace(str(pid))
+        if ns is None:
+            unknown.append("its PID namespace cannot be read")
+        elif ns != (_pid_namespace("self") or ns):
+            return "it runs in a PID namespace of its own"
     groups = _read_cgroups(pid)
     if groups is None:
         unknown.append("its cgroup cannot be read")
