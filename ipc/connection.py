@@ -146,6 +146,12 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
             self._frame_timer = None
         if self._closed_exc is None:
             self._closed_exc = exc
+        # A partial frame and unsent bytes go now.  The owner's callbacks
+        # (its bound methods) and we refer to each other: such a cycle is
+        # freed only by a full collection, which an idle daemon never runs,
+        # so whatever the cycle holds must not be big.
+        self._parser.clear()
+        self.drop_queued()
         self._wake()
         for fut in self._drain_waiters:
             if not fut.done():
