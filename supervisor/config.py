@@ -84,6 +84,11 @@ class DaemonSettings(ConfigSection):
     # Bytes queued for one client that is not reading; past it the client is
     # told it lagged and is cut off.  One frame always fits.
     client_buffer_bytes: Annotated[int, Meta(ge=65536, le=1 << 32)] = 8 * 1024 * 1024
+    # Bytes all connections of one non-admin uid may make the daemon hold
+    # together: frames partly received and replies a paused client has not
+    # read.  Past it the connection that went over is told (capacity) and
+    # closed.  At least max_frame_bytes (one frame must be able to arrive).
+    client_buffer_bytes_per_uid: Annotated[int, Meta(ge=1 << 20, le=1 << 40)] = 64 * 1024 * 1024
     # A frame that has begun to arrive must be whole within this.
     frame_timeout_secs: Annotated[float, Meta(gt=0, le=3600)] = 30.0
     # On SIGTERM: how long running turns may go on before workers are stopped.
@@ -280,6 +285,11 @@ def parse_config(data: dict[str, Any], source: str) -> Config:
         raise ConfigError(
             f"{source}: 'daemon.event_retention_bytes' ({cfg.daemon.event_retention_bytes}) must not "
             f"exceed 'daemon.client_buffer_bytes' ({cfg.daemon.client_buffer_bytes})"
+        )
+    if cfg.daemon.client_buffer_bytes_per_uid < cfg.daemon.max_frame_bytes:
+        raise ConfigError(
+            f"{source}: 'daemon.client_buffer_bytes_per_uid' ({cfg.daemon.client_buffer_bytes_per_uid}) "
+            f"must be at least 'daemon.max_frame_bytes' ({cfg.daemon.max_frame_bytes})"
         )
     if cfg.store.backend == "postgres" and not cfg.store.dsn.strip():
         raise ConfigError(f"{source}: 'store.dsn' must be set when 'store.backend' is \"postgres\"")

@@ -21,7 +21,10 @@ One client can only hold a bounded amount of the daemon's memory: a client
 that stops reading is cut off once it is `stream_buffer_size` frames or
 `client_buffer_bytes` bytes behind (told with `Lagged`; the session it
 watched is untouched), and a frame that has begun to arrive must be whole
-within `frame_timeout_secs`.  A malformed frame is answered with
+within `frame_timeout_secs`.  All connections of one non-admin uid
+together hold at most `client_buffer_bytes_per_uid` (partial frames and
+unread replies): the connection that goes over is told `capacity` and
+closed.  A connection's buffers are freed when it ends.  A malformed frame is answered with
 `Error{bad_request}` and the connection survives; an oversized length
 prefix or a frame that never completes is answered and the connection
 closed.
@@ -42,8 +45,8 @@ import psutil
 
 from ipc import messages as m
 from ipc import operator as op
-from ipc.connection import FramedProtocol
-from ipc.errors import FrameTimeout, FrameTooLarge, ProtocolError
+from ipc.connection import FramedProtocol, SharedBudget
+from ipc.errors import FrameTimeout, FrameTooLarge, OverBudget, ProtocolError
 from supervisor import __version__, drain, peer, sandbox, transfer
 from supervisor.errors import BadRequest, LimitError, SessiondError
 from supervisor.manager import SessionManager
@@ -120,6 +123,17 @@ class ClientConn:
         elif isinstance(exc, FrameTimeout):
             peer_log.warning(self.uid, "%s left a frame unfinished for %.0fs; closing", self.name, exc.timeout)
             message = f"bad frame: {exc} ([daemon] frame_timeout_secs)"
+        elif isinstance(exc, OverBudget):
+            peer_log.warning(self.uid, "%s: its uid's connections hold %d bytes (limit %d); closing",
+                             self.name, exc.held, exc.limit)
+            error = m.Error(code=m.ErrorCode.CAPACITY,
+                            message=f"uid {self.uid}'s connections hold more than {exc.limit} bytes of "
+                                    "partly sent frames and unread replies ([daemon] "
+                                    "client_buffer_bytes_per_uid); closing this connection")
+            self.proto.send(error)
+            self.server.metrics.request("invalid", error.code)
+            asyncio.get_running_loop().call_later(_LAGGED_GRACE_SECS, self.proto.abort)
+            return
         else:
             message = f"bad frame: {exc}"
         self.proto.send(m.Error(code=m.ErrorCode.BAD_REQUEST, message=message))
@@ -434,6 +448,7 @@ class ControlServer:
         self.socket_gid: int | None = None
         self.own_uid = os.geteuid()
         self._connections: dict[int, int] = {}  # admitted, by non-exempt uid
+        self._budgets: dict[int, SharedBudget] = {}  # by the same uids
         self.metrics: Recorder = NO_METRICS
 
     def admits(self, cred: peer.PeerCredentials) -> bool:
@@ -502,6 +517,11 @@ class ControlServer:
                 )
             self._connections[cred.uid] = held + 1
             client.counted = True
+            budget = self._budgets.get(cred.uid)
+            if budget is None:
+                budget = self._budgets[cred.uid] = SharedBudget(cfg.client_buffer_bytes_per_uid)
+            budget.limit = cfg.client_buffer_bytes_per_uid  # (a reload may have changed it)
+            client.proto.use_budget(budget)
         return None
 
     def uncount(self, uid: int) -> None:
@@ -510,6 +530,7 @@ class ControlServer:
             self._connections[uid] = left
         else:
             self._connections.pop(uid, None)
+            self._budgets.pop(uid, None)  # its last connection gave back what it held
 
     async def start(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()

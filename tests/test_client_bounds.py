@@ -8,6 +8,7 @@ import os
 import socket
 import struct
 
+import msgspec
 import psutil
 import pytest
 
@@ -52,4 +53,64 @@ def test_half_sent_frames_are_freed_when_their_connections_end(make_daemon) -> N
                  f"the daemon's RSS back near {start // MiB} MiB after round {round_} "
                  f"(now {_rss(d.pid) // MiB} MiB)")
     with d.client() as c:
+        assert c.ping().pid == d.pid
+
+
+def _read_frame(s: socket.socket) -> bytes | None:
+    header = s.recv(4, socket.MSG_WAITALL)
+    if len(header) < 4:
+        return None
+    (n,) = struct.unpack(">I", header)
+    return s.recv(n, socket.MSG_WAITALL)
+
+
+@root_only
+def test_bytes_buffered_are_bounded_per_uid(make_daemon) -> None:
+    import select
+
+    d: Daemon = make_daemon(f'[daemon]\nsocket_mode = "0666"\nallowed_uids = [{NOBODY}]\n'
+                            'max_frame_bytes = 2097152\nclient_buffer_bytes_per_uid = 4194304\n')
+    os.chmod(d.sockdir, 0o755)
+    path = str(d.socket)
+
+    def hold_three() -> dict[str, object]:
+        socks = []
+        for _ in range(3):
+            s = raw_connect(path)  # type: ignore[arg-type]
+            s.sendall(encode_frame(m.Hello(protocol=m.PROTOCOL_VERSION, client="hog")))
+            assert _read_frame(s)  # the welcome
+            socks.append(s)
+        # Each a frame of 2 MiB - 1 KiB begun and 1.5 MiB of it sent: under the
+        # per-connection bound, three of them over the uid's 4 MiB.
+        for s in socks:
+            try:
+                s.sendall(struct.pack(">I", 2 * MiB - 1024) + b"\x00" * (3 * MiB // 2))
+            except OSError:
+                break  # the one that went over was closed: its answer is waiting
+        readable, _, _ = select.select(socks, [], [], 20)
+        assert readable, "no connection was told anything"
+        told = _read_frame(readable[0])
+        assert told is not None
+        try:
+            gone = readable[0].recv(1) == b""
+        except ConnectionResetError:
+            gone = True
+        for s in socks:
+            s.close()
+        # The uid is not locked out: what it held was given back.
+        s = raw_connect(path)  # type: ignore[arg-type]
+        s.sendall(encode_frame(m.Hello(protocol=m.PROTOCOL_VERSION, client="again")))
+        _read_frame(s)
+        s.sendall(encode_frame(m.Ping(id=7)))
+        pong = _read_frame(s)
+        s.close()
+        return {"told": told, "gone": gone, "pong": pong}
+
+    out = run_as(NOBODY, hold_three)
+    reply = msgspec.msgpack.decode(out["told"], type=m.Reply)
+    assert isinstance(reply, m.Error) and reply.code == "capacity"
+    assert "client_buffer_bytes_per_uid" in reply.message
+    assert out["gone"]
+    assert isinstance(msgspec.msgpack.decode(out["pong"], type=m.Reply), m.Pong)
+    with d.client() as c:  # root (admin) is not counted, and the daemon is fine
         assert c.ping().pid == d.pid
