@@ -81,6 +81,12 @@ class DaemonSettings(ConfigSection):
     # Sessions (sub-agents included) and connections one non-admin uid may hold.
     max_sessions_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 128
     max_connections_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 64
+    # Live sessions (holding a worker) one non-admin uid may have at once:
+    # past it that uid's own least recently used idle session is hibernated
+    # to make room, else its request is refused (capacity); other users are
+    # not affected.  0 = half of [agent.limits] max_concurrent_sessions
+    # (rounded up), so that one user never holds every live slot.
+    max_live_sessions_per_uid: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
     # Bytes queued for one client that is not reading; past it the client is
     # told it lagged and is cut off.  One frame always fits.
     client_buffer_bytes: Annotated[int, Meta(ge=65536, le=1 << 32)] = 8 * 1024 * 1024
