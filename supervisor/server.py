@@ -52,7 +52,6 @@ from supervisor.errors import BadRequest, LimitError, SessiondError
 from supervisor.manager import SessionManager
 from supervisor.metrics import NO_METRICS, Recorder
 from supervisor.ratelog import RateLimitedLog
-from supervisor.session import Session
 from supervisor.states import State
 
 __all__ = ["ControlServer"]
@@ -342,9 +341,9 @@ class ClientConn:
             case m.List(id=rid):
                 return m.SessionList(id=rid, sessions=[mgr.info(s) for s in mgr.visible(self.uid)])
             case m.Stats(id=rid):
-                return self.server.stats(rid)
+                return self.server.stats(rid, self.uid)
             case op.Top(id=rid):
-                return self.server.top(rid, mgr.visible(self.uid))
+                return self.server.top(rid, self.uid)
             case op.History(id=rid, session=sid, limit=limit):
                 reply = transfer.history(mgr.get(sid, self.uid), limit)
                 reply.id = rid
@@ -550,11 +549,11 @@ class ControlServer:
         for client in list(self.clients):
             client.proto.close()
 
-    def top(self, rid: int, sessions: list[Session]) -> op.TopReply:
+    def top(self, rid: int, uid: int) -> op.TopReply:
         """`sessionctl top`: every session's info and its worker's CPU time.
         One psutil call per live worker (~10 µs), at the rate a client asks."""
         entries = []
-        for s in sessions:
+        for s in self.manager.visible(uid):
             info = self.manager.info(s)
             cpu: float | None = None
             if info.pid is not None:
@@ -562,22 +561,28 @@ class ControlServer:
                     t = psutil.Process(info.pid).cpu_times()
                     cpu = t.user + t.system + t.children_user + t.children_system
             entries.append(op.TopEntry(session=info, cpu_secs=cpu))
-        stats = self.stats(rid)
+        stats = self.stats(rid, uid)
         return op.TopReply(id=rid, at=time.time(), uptime_secs=stats.uptime_secs, rss_bytes=stats.rss_bytes,
                           clients=stats.clients, entries=entries)
 
-    def stats(self, rid: int) -> m.StatsReply:
+    def stats(self, rid: int, uid: int) -> m.StatsReply:
+        """The daemon's figures.  Counts (sessions, states, live workers,
+        clients) are the asker's own unless it is an admin: how many
+        sessions other users hold, and when, is theirs to know."""
         by_state: dict[str, int] = {}
         rss = 0
-        for s in self.manager.sessions.values():
+        admin = self.manager.is_admin(uid)
+        sessions = self.manager.visible(uid)
+        for s in sessions:
             by_state[s.state.value] = by_state.get(s.state.value, 0) + 1
         with contextlib.suppress(psutil.Error):
             rss = psutil.Process().memory_info().rss
+        clients = len(self.clients) if admin else sum(1 for c in self.clients if c.uid == uid)
         return m.StatsReply(
             id=rid, pid=os.getpid(), version=__version__,
-            uptime_secs=time.monotonic() - self.started, sessions=len(self.manager.sessions),
-            by_state=by_state, live_workers=self.manager.live_workers(), clients=len(self.clients),
-            rss_bytes=rss, sandbox=self._sandbox_summary(),
+            uptime_secs=time.monotonic() - self.started, sessions=len(sessions),
+            by_state=by_state, live_workers=sum(1 for s in sessions if s.worker is not None),
+            clients=clients, rss_bytes=rss, sandbox=self._sandbox_summary(),
         )
 
     def _sandbox_summary(self) -> dict[str, Any]:
