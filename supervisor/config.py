@@ -119,9 +119,14 @@ class DaemonSettings(ConfigSection):
     # as "[::1]:9464"), or on a Unix socket (an absolute path).  Empty = off.
     # No authentication: keep it on loopback or a private network.
     metrics_listen: str = ""
-    # How many of the largest live sessions get an RSS series of their own
-    # (sessiond_session_rss_bytes{session="ID"}).  Those series name session
-    # ids to whoever can reach the endpoint; 0 = none (the total stays).
+    # Series per session on the metrics endpoint: off by default, since
+    # they name every user's session ids (and their sizes) to whoever can
+    # reach the endpoint, which has no authentication (any local user, for
+    # a loopback address).  Off, only daemon-wide figures are served.
+    metrics_per_session: bool = False
+    # With metrics_per_session: how many of the largest live sessions get
+    # an RSS series of their own (sessiond_session_rss_bytes{session="ID"});
+    # 0 = none (the total stays).
     metrics_top_sessions: Annotated[int, Meta(ge=0, le=1000)] = 20
 
 
