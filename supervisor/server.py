@@ -48,6 +48,7 @@ from ipc import operator as op
 from ipc.connection import FramedProtocol, SharedBudget
 from ipc.errors import FrameTimeout, FrameTooLarge, OverBudget, ProtocolError
 from supervisor import __version__, drain, peer, sandbox, transfer
+from supervisor.accept import Acceptor
 from supervisor.errors import BadRequest, LimitError, SessiondError
 from supervisor.manager import SessionManager
 from supervisor.metrics import NO_METRICS, Recorder
@@ -443,7 +444,7 @@ class ControlServer:
         self.manager = manager
         self.clients: set[ClientConn] = set()
         self.started = time.monotonic()
-        self._server: asyncio.AbstractServer | None = None
+        self._acceptor: Acceptor | None = None
         self.socket_gid: int | None = None
         self.own_uid = os.geteuid()
         self._connections: dict[int, int] = {}  # admitted, by non-exempt uid
@@ -532,18 +533,20 @@ class ControlServer:
             self._budgets.pop(uid, None)  # its last connection gave back what it held
 
     async def start(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
         with contextlib.suppress(OSError):
             self.socket_gid = os.stat(sock.getsockname()).st_gid
-        # The backlog is set again here: the loop's default (100) would
-        # replace ours, and a burst of connections would then be refused.
-        self._server = await loop.create_unix_server(
-            lambda: _ClientProtocol(self), sock=sock, backlog=_LISTEN_BACKLOG
-        )
+        # The backlog is set again here: whoever made the socket may have
+        # asked for less, and a burst of connections would then be refused.
+        sock.listen(_LISTEN_BACKLOG)
+        # Our own accept, not the loop's server: out of fds, a client is
+        # told `capacity` rather than dropped (supervisor.accept).
+        self._acceptor = Acceptor(sock, lambda: _ClientProtocol(self))
+        self._acceptor.start()
 
     def stop_accepting(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        if self._acceptor is not None:
+            self._acceptor.close()
+            self._acceptor = None
 
     def close_clients(self) -> None:
         for client in list(self.clients):

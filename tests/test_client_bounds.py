@@ -4,6 +4,7 @@ connections hold too much is told so and cut off (issue 21)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -114,3 +115,71 @@ def test_bytes_buffered_are_bounded_per_uid(make_daemon) -> None:
     assert isinstance(msgspec.msgpack.decode(out["pong"], type=m.Reply), m.Pong)
     with d.client() as c:  # root (admin) is not counted, and the daemon is fine
         assert c.ping().pid == d.pid
+
+
+def test_out_of_fds_other_clients_are_told_capacity(tmp_path) -> None:
+    """A daemon at its RLIMIT_NOFILE: idle clients hold all but one fd, a
+    connection to the metrics endpoint takes that one, and accept() fails.
+    The next client is answered `capacity`, not dropped without a word;
+    once the flood is gone the daemon serves again."""
+    import resource
+
+    from supervisor.client import Client, DaemonUnavailable, RequestError
+    from test_metrics import tcp_metrics_url
+
+    d = Daemon(tmp_path / "d", '[daemon]\nspare_workers = 0\nmetrics_listen = "127.0.0.1:0"\n')
+    d.preexec = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    flood: list[socket.socket] = []
+    try:
+        d.start()
+        host, port = tcp_metrics_url(d).removeprefix("http://").removesuffix("/metrics").split(":")
+        hello = encode_frame(m.Hello(protocol=m.PROTOCOL_VERSION, client="flood"))
+        for _ in range(200):
+            s = raw_connect(d.socket)
+            with contextlib.suppress(OSError):  # refused and closed first: its answer waits
+                s.sendall(hello)
+            frame = _read_frame(s)
+            assert frame is not None
+            reply = msgspec.msgpack.decode(frame, type=m.Reply)
+            if isinstance(reply, m.Error):
+                # One fd left, just enough to accept and refuse.
+                assert reply.code == "capacity"
+                s.close()
+                break
+            flood.append(s)
+        else:
+            raise AssertionError("the daemon never ran out of fds")
+        # The daemon's check of a client needs a fd or two: connections to
+        # the metrics endpoint (held for a few seconds) take what is left.
+        fds = f"/proc/{d.pid}/fd"
+        for _ in range(8):
+            if len(os.listdir(fds)) >= 64:
+                break
+            held = len(os.listdir(fds))
+            flood.append(socket.create_connection((host, int(port)), timeout=10))
+            with contextlib.suppress(AssertionError):  # (a close may have crossed it)
+                wait_for(lambda: len(os.listdir(fds)) > held, 1, "the metrics connection to be accepted")
+        assert len(os.listdir(fds)) >= 64
+        with pytest.raises(RequestError) as told:
+            try:
+                with Client(d.socket) as c:
+                    c.ping()
+            except DaemonUnavailable as exc:
+                raise AssertionError(f"dropped without a word: {exc}") from None
+        assert told.value.code == "capacity" and "file descriptors" in str(told.value)
+        for s in flood:
+            s.close()
+        flood.clear()
+
+        def serves() -> bool:
+            try:
+                with Client(d.socket) as c:
+                    return c.ping().pid == d.pid
+            except (RequestError, OSError):
+                return False
+
+        wait_for(serves, 20, "the daemon to serve again once the flood is gone")
+    finally:
+        for s in flood:
+            s.close()
+        d.cleanup()
