@@ -95,6 +95,10 @@ class DaemonSettings(ConfigSection):
     # read.  Past it the connection that went over is told (capacity) and
     # closed.  At least max_frame_bytes (one frame must be able to arrive).
     client_buffer_bytes_per_uid: Annotated[int, Meta(ge=1 << 20, le=1 << 40)] = 64 * 1024 * 1024
+    # The largest session document `import` takes and `export` makes
+    # (JSON); past it the request is refused (limit_exceeded).  One frame
+    # carries a document too: the smaller of this and max_frame_bytes wins.
+    max_document_bytes: Annotated[int, Meta(ge=65536, le=1 << 30)] = 16 * 1024 * 1024
     # A frame that has begun to arrive must be whole within this.
     frame_timeout_secs: Annotated[float, Meta(gt=0, le=3600)] = 30.0
     # On SIGTERM: how long running turns may go on before workers are stopped.

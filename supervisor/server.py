@@ -49,7 +49,7 @@ from ipc.connection import FramedProtocol, SharedBudget
 from ipc.errors import FrameTimeout, FrameTooLarge, OverBudget, ProtocolError
 from supervisor import __version__, drain, peer, sandbox, transfer
 from supervisor.accept import Acceptor
-from supervisor.errors import BadRequest, LimitError, SessiondError
+from supervisor.errors import BadRequest, SessiondError
 from supervisor.manager import SessionManager
 from supervisor.metrics import NO_METRICS, Recorder
 from supervisor.ratelog import RateLimitedLog
@@ -66,7 +66,8 @@ _HANDSHAKE_TIMEOUT_SECS = 10.0
 _LAGGED_GRACE_SECS = 1.0
 _LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 _CLIENT_NAME_CHARS = 64
-_SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove, m.Repair, op.Drain)
+# (history, export and import work off the loop: supervisor.transfer)
+_SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove, m.Repair, op.Drain, op.History, op.Export, op.Import)
 # Data-plane requests: through the pacer.  The rest (ping, status, ls,
 # interrupt, stop...) is answered in the pass that reads it.
 _PACED = (m.Send, m.Create, m.Restart, m.Remove, m.Repair, op.Export, op.Import)
@@ -345,10 +346,6 @@ class ClientConn:
                 return self.server.stats(rid, self.uid)
             case op.Top(id=rid):
                 return self.server.top(rid, self.uid)
-            case op.History(id=rid, session=sid, limit=limit):
-                reply = transfer.history(mgr.get(sid, self.uid), limit)
-                reply.id = rid
-                return reply
             case op.Logs(id=rid, session=sid, limit=limit):
                 session = mgr.get(sid, self.uid)
                 entries = [op.LogEntry(at=at, event=ev) for at, ev in session.lifecycle]
@@ -356,17 +353,6 @@ class ClientConn:
                     entries = entries[len(entries) - max(limit, 0):] if limit > 0 else []
                 return op.LogsReply(id=rid, session=sid, entries=entries, last_exit=session.last_exit,
                                    next_seq=session.seq + 1)
-            case op.Export(id=rid, session=sid):
-                document = transfer.export_document(mgr.get(sid, self.uid))
-                limit = mgr.config.daemon.max_frame_bytes - 4096
-                if len(document) > limit:
-                    raise LimitError(f"the export of {sid} is {len(document)} bytes, more than one "
-                                        f"frame carries ([daemon] max_frame_bytes = "
-                                        f"{mgr.config.daemon.max_frame_bytes})")
-                return op.ExportReply(id=rid, session=sid, document=document)
-            case op.Import(id=rid, document=document, session=sid):
-                session = transfer.import_session(mgr, self.uid, document, sid)
-                return m.Created(id=rid, session=mgr.info(session, with_rss=False))
             case m.Answer(id=rid, session=sid, request_id=request_id, allow=allow):
                 mgr.answer(mgr.get(sid, self.uid), request_id, allow)
                 return m.Ok(id=rid)
@@ -407,6 +393,18 @@ class ClientConn:
                 )
             case op.Drain():
                 return await drain.handle(mgr, msg, self.uid)
+            case op.History(id=rid, session=sid, limit=limit):
+                reply = await transfer.history(mgr.get(sid, self.uid), limit)
+                reply.id = rid
+                return reply
+            case op.Export(id=rid, session=sid):
+                cfg = mgr.config.daemon
+                limit = min(cfg.max_document_bytes, cfg.max_frame_bytes - 4096)
+                document = await transfer.export_document(mgr.get(sid, self.uid), limit)
+                return op.ExportReply(id=rid, session=sid, document=document)
+            case op.Import(id=rid, document=document, session=sid):
+                session = await transfer.import_session(mgr, self.uid, document, sid)
+                return m.Created(id=rid, session=mgr.info(session, with_rss=False))
         raise BadRequest(f"unsupported request {type(msg).__name__}")
 
 
