@@ -97,12 +97,12 @@ class ClientConn:
         self.proto.send_frame(frame)
 
     def on_lagged(self, backlog: int) -> None:
+        cfg = self.server.manager.config
         log.warning(
             "%s fell %d frames / %d bytes behind ([agent] stream_buffer_size = %d, "
-            "[daemon] client_buffer_bytes = %d); disconnecting it",
-            self.name, backlog, self.proto.queued_bytes,
-            self.server.manager.config.agent.stream_buffer_size,
-            self.server.manager.config.daemon.client_buffer_bytes,
+            "[daemon] client_buffer_bytes = %d, client_buffer_bytes_per_uid = %d); disconnecting it",
+            self.name, backlog, self.proto.queued_bytes, cfg.agent.stream_buffer_size,
+            cfg.daemon.client_buffer_bytes, cfg.daemon.client_buffer_bytes_per_uid,
         )
         transport = self.proto.transport
         if transport is not None and not transport.is_closing():

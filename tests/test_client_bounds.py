@@ -183,3 +183,42 @@ def test_out_of_fds_other_clients_are_told_capacity(tmp_path) -> None:
         for s in flood:
             s.close()
         d.cleanup()
+
+
+@root_only
+def test_unread_replies_count_toward_the_uids_bound(make_daemon) -> None:
+    """Bytes a non-reading client leaves queued count too: one watcher that
+    never reads is cut off (Lagged) once its uid's connections hold more
+    than client_buffer_bytes_per_uid, well before client_buffer_bytes."""
+    from supervisor.client import Client
+
+    d: Daemon = make_daemon(f'[daemon]\nsocket_mode = "0666"\nallowed_uids = [{NOBODY}]\n'
+                            'max_frame_bytes = 1048576\nclient_buffer_bytes_per_uid = 1048576\n'
+                            '[agent]\nstream_buffer_size = 1000000\n')
+    os.chmod(d.sockdir, 0o755)
+    path = str(d.socket)
+
+    def watch_without_reading() -> list[str]:
+        with Client(path) as c:
+            sid = c.create(session="big", handler="fixture_handlers:big_reply").id
+            watcher = raw_connect(path)  # type: ignore[arg-type]
+            watcher.sendall(encode_frame(m.Hello(protocol=m.PROTOCOL_VERSION, client="watcher")))
+            watcher.sendall(encode_frame(m.Attach(id=1, session=sid)))
+            assert c.send_text(sid, str(6 * MiB)) == "big"
+        kinds = []
+        try:
+            while (frame := _read_frame(watcher)) is not None:
+                kinds.append(type(msgspec.msgpack.decode(frame, type=m.Reply | m.Event)).__name__)
+        except OSError:
+            pass
+        watcher.close()
+        return kinds
+
+    kinds = run_as(NOBODY, watch_without_reading)
+    assert kinds[:2] == ["Welcome", "Attached"]
+    # Cut off mid-turn (its Lagged notice went with the buffer it did not
+    # read): 8 MiB per connection alone would have let all 6 MiB through.
+    assert "TurnDone" not in kinds and kinds.count("TextDelta") < 6 * MiB // 4096
+    assert "watcher" in d.log and "behind" in d.log
+    with d.client() as c:
+        assert c.status("big").state == "idle"  # the session did not suffer for it
