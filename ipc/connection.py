@@ -30,6 +30,13 @@ that many seconds, or the connection fails with `FrameTimeout` (a peer that
 sends half of a 16 MiB frame must not hold 8 MiB forever).  There is no
 timer per frame: the time is noted when a read leaves a new partial frame
 behind, and one timer per connection, armed then, looks again when it fires.
+
+With a `SharedBudget` (`use_budget`), what this connection holds for its
+peer (a partial frame, and bytes a paused transport holds) counts toward
+a total shared with other connections (the daemon: all of one uid's):
+past it a read fails the connection with `OverBudget`, a write is treated
+as a lag.  Everything is given back when the connection ends, and a
+partial frame is dropped then, whatever else still refers to us.
 """
 
 from __future__ import annotations
@@ -42,15 +49,26 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from ipc.errors import BadMessage, ConnectionClosed, FrameTimeout, FrameTooLarge, ProtocolError
+from ipc.errors import BadMessage, ConnectionClosed, FrameTimeout, FrameTooLarge, OverBudget, ProtocolError
 from ipc.framing import DEFAULT_MAX_FRAME_BYTES, FrameEncoder, FrameParser
 from ipc.pacing import Pacer
 
-__all__ = ["FramedProtocol", "open_unix_connection"]
+__all__ = ["FramedProtocol", "SharedBudget", "open_unix_connection"]
 
 log = logging.getLogger(__name__)
 
 In = TypeVar("In")
+
+
+class SharedBudget:
+    """Bytes that several connections may hold together; each connection
+    adds what it holds beyond what it held (see FramedProtocol.use_budget)."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
 
 
 class FramedProtocol(asyncio.Protocol, Generic[In]):
@@ -95,6 +113,8 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._loop = asyncio.get_running_loop()
         self._wbuf: list[bytes | bytearray] | None = None
+        self._budget: SharedBudget | None = None
+        self._charged = 0  # what we count in _budget.used
         self.closed: asyncio.Future[None] = self._loop.create_future()
 
     # ---------------------------------------------------------------- asyncio callbacks
@@ -104,11 +124,16 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self._stopping:
+            return  # closed by us: nothing more is handed out, so nothing is kept
         parser = self._parser
         try:
             messages = parser.feed(data)
         except FrameTooLarge as exc:
             self._fail(exc)
+            return
+        if self._budget is not None and not self._charge():
+            self._fail(OverBudget(self._budget.used, self._budget.limit))
             return
         if self._frame_timeout is not None:
             if not parser.buffered:
@@ -146,6 +171,16 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
             self._frame_timer = None
         if self._closed_exc is None:
             self._closed_exc = exc
+        # A partial frame and unsent bytes go now.  The owner's callbacks
+        # (its bound methods) and we refer to each other: such a cycle is
+        # freed only by a full collection, which an idle daemon never runs,
+        # so whatever the cycle holds must not be big.
+        self._parser.clear()
+        self.drop_queued()
+        self._paused_bytes = 0
+        if self._budget is not None:
+            self._charge()
+            self._budget = None
         self._wake()
         for fut in self._drain_waiters:
             if not fut.done():
@@ -164,6 +199,8 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
         self._paused = False
         self._backlog = 0
         self._paused_bytes = 0
+        if self._budget is not None:
+            self._charge()
         for fut in self._drain_waiters:
             if not fut.done():
                 fut.set_result(None)
@@ -231,6 +268,8 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
             # Asked only when paused: otherwise the buffer is under the
             # transport's high-water mark, small next to the bound.
             self._paused_bytes = transport.get_write_buffer_size()
+        if self._paused and self._budget is not None and not self._charge():
+            self._lagged()
 
     def flush(self) -> None:
         """Write what is queued now (before a close, or a blocking step)."""
@@ -267,6 +306,22 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
             finally:
                 self._waiter = None
         return self._inbox.popleft()
+
+    def use_budget(self, budget: SharedBudget) -> None:
+        """Count what this connection holds toward `budget` from now on."""
+        self._budget = budget
+        self._charge()
+
+    def _charge(self) -> bool:
+        """Bring our share of the budget up to date; False if the shared
+        total is now over its limit because we hold more than before."""
+        budget = self._budget
+        assert budget is not None
+        held = self._parser.buffered + self._paused_bytes
+        delta = held - self._charged
+        self._charged = held
+        budget.used += delta
+        return delta <= 0 or budget.used <= budget.limit
 
     def close(self) -> None:
         self._stopping = True
@@ -309,6 +364,10 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
 
     def _fail(self, exc: ProtocolError) -> None:
         self._closed_exc = exc
+        if isinstance(exc, OverBudget):
+            self._parser.clear()  # given back now: the peer may be slow to go
+            assert self._budget is not None
+            self._charge()
         if self._on_bad_message is not None:
             # Let the owner answer with an error frame before the close.
             self._on_bad_message(exc)

@@ -3,13 +3,14 @@
     ProtocolError               the peer sent something we cannot accept
     ├── FrameTooLarge           length prefix over max_frame_bytes (connection is closed)
     ├── FrameTimeout            a frame begun but not finished in time (connection is closed)
+    ├── OverBudget              connections sharing a budget hold too many bytes (connection is closed)
     └── BadMessage              a whole frame that is not a valid message (connection survives)
     ConnectionClosed            the peer went away (EOF or reset); nothing more will arrive
 """
 
 from __future__ import annotations
 
-__all__ = ["BadMessage", "ConnectionClosed", "FrameTimeout", "FrameTooLarge", "ProtocolError"]
+__all__ = ["BadMessage", "ConnectionClosed", "FrameTimeout", "FrameTooLarge", "OverBudget", "ProtocolError"]
 
 
 class ProtocolError(Exception):
@@ -30,6 +31,14 @@ class FrameTimeout(ProtocolError):
         )
         self.buffered = buffered
         self.timeout = timeout
+
+
+class OverBudget(ProtocolError):
+    def __init__(self, held: int, limit: int) -> None:
+        super().__init__(f"{held} bytes of partly received frames and unsent replies are held "
+                         f"over connections that may hold {limit} together")
+        self.held = held
+        self.limit = limit
 
 
 class BadMessage(ProtocolError):

@@ -81,9 +81,24 @@ class DaemonSettings(ConfigSection):
     # Sessions (sub-agents included) and connections one non-admin uid may hold.
     max_sessions_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 128
     max_connections_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 64
+    # Live sessions (holding a worker) one non-admin uid may have at once:
+    # past it that uid's own least recently used idle session is hibernated
+    # to make room, else its request is refused (capacity); other users are
+    # not affected.  0 = half of [agent.limits] max_concurrent_sessions
+    # (rounded up), so that one user never holds every live slot.
+    max_live_sessions_per_uid: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
     # Bytes queued for one client that is not reading; past it the client is
     # told it lagged and is cut off.  One frame always fits.
     client_buffer_bytes: Annotated[int, Meta(ge=65536, le=1 << 32)] = 8 * 1024 * 1024
+    # Bytes all connections of one non-admin uid may make the daemon hold
+    # together: frames partly received and replies a paused client has not
+    # read.  Past it the connection that went over is told (capacity) and
+    # closed.  At least max_frame_bytes (one frame must be able to arrive).
+    client_buffer_bytes_per_uid: Annotated[int, Meta(ge=1 << 20, le=1 << 40)] = 64 * 1024 * 1024
+    # The largest session document `import` takes and `export` makes
+    # (JSON); past it the request is refused (limit_exceeded).  One frame
+    # carries a document too: the smaller of this and max_frame_bytes wins.
+    max_document_bytes: Annotated[int, Meta(ge=65536, le=1 << 30)] = 16 * 1024 * 1024
     # A frame that has begun to arrive must be whole within this.
     frame_timeout_secs: Annotated[float, Meta(gt=0, le=3600)] = 30.0
     # On SIGTERM: how long running turns may go on before workers are stopped.
@@ -108,9 +123,14 @@ class DaemonSettings(ConfigSection):
     # as "[::1]:9464"), or on a Unix socket (an absolute path).  Empty = off.
     # No authentication: keep it on loopback or a private network.
     metrics_listen: str = ""
-    # How many of the largest live sessions get an RSS series of their own
-    # (sessiond_session_rss_bytes{session="ID"}).  Those series name session
-    # ids to whoever can reach the endpoint; 0 = none (the total stays).
+    # Series per session on the metrics endpoint: off by default, since
+    # they name every user's session ids (and their sizes) to whoever can
+    # reach the endpoint, which has no authentication (any local user, for
+    # a loopback address).  Off, only daemon-wide figures are served.
+    metrics_per_session: bool = False
+    # With metrics_per_session: how many of the largest live sessions get
+    # an RSS series of their own (sessiond_session_rss_bytes{session="ID"});
+    # 0 = none (the total stays).
     metrics_top_sessions: Annotated[int, Meta(ge=0, le=1000)] = 20
 
 
@@ -280,6 +300,11 @@ def parse_config(data: dict[str, Any], source: str) -> Config:
         raise ConfigError(
             f"{source}: 'daemon.event_retention_bytes' ({cfg.daemon.event_retention_bytes}) must not "
             f"exceed 'daemon.client_buffer_bytes' ({cfg.daemon.client_buffer_bytes})"
+        )
+    if cfg.daemon.client_buffer_bytes_per_uid < cfg.daemon.max_frame_bytes:
+        raise ConfigError(
+            f"{source}: 'daemon.client_buffer_bytes_per_uid' ({cfg.daemon.client_buffer_bytes_per_uid}) "
+            f"must be at least 'daemon.max_frame_bytes' ({cfg.daemon.max_frame_bytes})"
         )
     if cfg.store.backend == "postgres" and not cfg.store.dsn.strip():
         raise ConfigError(f"{source}: 'store.dsn' must be set when 'store.backend' is \"postgres\"")

@@ -496,8 +496,9 @@ async def _serve(
     server = ControlServer(manager)
     metrics_server: asyncio.AbstractServer | None = None
     if metrics_sock is not None:
+        per_session = cfg.daemon.metrics_top_sessions if cfg.daemon.metrics_per_session else 0
         recorder = metrics.PrometheusRecorder(lambda: manager.sessions.values(), lambda: len(server.clients),
-                                              cfg.daemon.metrics_top_sessions)
+                                              per_session)
         manager.use_metrics(recorder)
         server.metrics = recorder
         metrics_server = await metrics.serve(metrics_sock, recorder)

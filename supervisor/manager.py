@@ -41,6 +41,7 @@ from supervisor.metrics import Recorder
 from supervisor.overrides import OverrideError, check_handler, resolve_overrides
 from supervisor.seams import Spawner
 from supervisor.session import Session, Subscriber, WorkerProc, valid_session_id
+from supervisor.slots import LiveSlots
 from supervisor.states import LIVE, State, Trigger
 from supervisor.state_store import (
     Abort,
@@ -107,7 +108,8 @@ class SessionManager:
         self.subagents = Subagents(self, self.sessions)
         self.workers.sandbox = sandbox
         self.workers.cgroups = cgroups
-        self.workers.make_room = self._make_room
+        self.slots = LiveSlots(current, self.sessions, self.is_admin, self._hibernating, self._hibernate)
+        self.workers.make_room = self.slots.make_room
         self.workers.on_spawn_agent = lambda session, worker, msg: self.spawn_task(
             self.subagents.run(session, worker, msg))
         self.ledger.on_turn_started = self.sweeper.arm_turn_timer
@@ -329,7 +331,7 @@ class SessionManager:
             handler = "echo"  # no provider at all: the offline default, said at start-up
         # Order the worker first: the zygote forks (or hands over a spare)
         # while this process fsyncs the new session to disk.
-        pending = self.spawner.request() if self._has_room() else None
+        pending = self.spawner.request() if self.slots.has_room(owner_uid) else None
         meta = Meta(
             id=session_id, handler=handler, overrides=overrides, created_at=time.time(),
             owner_uid=owner_uid, parent=parent.id if parent else None,
@@ -408,7 +410,7 @@ class SessionManager:
                 await self.workers.claim(session)  # held elsewhere since? (supervisor.fencing)
             if session.state is State.HIBERNATED:
                 # Room first, so that "no room" leaves it hibernated.
-                await self._make_room(session)
+                await self.slots.make_room(session)
                 self.events.set_state(session, Trigger.SPAWN, reason="input")
                 try:
                     await self.workers.start(session)
@@ -485,7 +487,7 @@ class SessionManager:
             if session.state in LIVE:
                 await self._stop_locked(session, "restart")
             self.workers.cancel_restart(session)
-            await self._make_room(session)
+            await self.slots.make_room(session)
             self.events.set_state(session, Trigger.RESTART, reason="restart requested")
             if session.policy is not None:
                 session.policy.reset()
@@ -607,35 +609,6 @@ class SessionManager:
                 await self.workers.terminate(session, "hibernated", self.config.daemon.stop_grace_secs)
         finally:
             self._hibernating.discard(session.id)
-
-    def _live_count(self, excluding: Session | None = None) -> int:
-        return sum(
-            1 for s in self.sessions.values()
-            if s is not excluding and (s.worker is not None or s.state is State.STARTING)
-        )
-
-    def _has_room(self) -> bool:
-        return self._live_count() < self.config.agent.limits.max_concurrent_sessions
-
-    async def _make_room(self, session: Session) -> None:
-        """Keep live workers within max_concurrent_sessions: hibernate the
-        least recently used idle session, or refuse with `capacity`."""
-        limit = self.config.agent.limits.max_concurrent_sessions
-        while self._live_count(session) >= limit:
-            idle = [
-                s for s in self.sessions.values()
-                if s is not session and s.state is State.IDLE and s.worker is not None
-                and not s.lock.locked() and s.id not in self._hibernating
-            ]
-            if not idle:
-                raise Capacity(
-                    f"all {limit} live sessions are busy (max_concurrent_sessions); "
-                    "try again when a turn ends"
-                )
-            victim = min(idle, key=lambda s: s.last_active)
-            tagged(log, victim.id).info("hibernating to make room for session=%s", session.id)
-            self._hibernating.add(victim.id)
-            await self._hibernate(victim, "hibernated to make room (max_concurrent_sessions)")
 
     # ================================================================ reload and shutdown
 

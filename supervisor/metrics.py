@@ -25,7 +25,20 @@ Failure reasons and provider statuses become labels from fixed sets
 HTTP/1.0-style responder: one request per connection, the request head
 capped at `_MAX_HEAD_BYTES` and due within `_READ_TIMEOUT_SECS`, at most
 `_MAX_CONNECTIONS` at once; a slow or hostile client holds a coroutine and
-a socket for a few seconds, never the loop.
+a socket for a few seconds, never the loop.  Slots are not first come,
+first served: when all are taken, a new connection takes the slot of the
+one that has waited longest without sending its request, so clients that
+connect and stay silent (reconnecting as they are timed out) cannot deny
+scrapes; only connections being answered, each for at most
+`_WRITE_TIMEOUT_SECS`, are never displaced.
+
+Who can read what: the endpoint has no authentication.  Whoever can
+connect (any local user for a loopback address; for a Unix socket, whoever
+its mode and directory let in) reads the daemon-wide figures: sessions by
+state, turns, failures, requests, provider errors, memory totals.  Series
+naming sessions (`sessiond_session_rss_bytes{session=...}`) exist only
+with `[daemon] metrics_per_session = true`, as they tell every reader
+other users' session ids and sizes.
 """
 
 from __future__ import annotations
@@ -323,14 +336,27 @@ def address_of(sock: socket.socket) -> str:
 
 async def serve(sock: socket.socket, recorder: PrometheusRecorder) -> asyncio.AbstractServer:
     """Answer `GET /metrics` on `sock` from this loop until the server is closed."""
-    active = 0
+    silent: dict[asyncio.StreamWriter, None] = {}  # not yet sent a request, oldest first
+    answering = 0
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal active
-        active += 1
+        nonlocal answering
+        if len(silent) + answering >= _MAX_CONNECTIONS and silent:
+            oldest = next(iter(silent))
+            del silent[oldest]
+            oldest.transport.abort()  # its read ends; its handler lets go
+        counted = len(silent) + answering < _MAX_CONNECTIONS
         try:
-            if active <= _MAX_CONNECTIONS:
-                await _answer(reader, writer, recorder)
+            if counted:
+                silent[writer] = None
+                head = await _read_head(reader, writer)
+                silent.pop(writer, None)  # (gone already if displaced meanwhile)
+                answering += 1
+                try:
+                    if head is not None:
+                        await _answer(head, writer, recorder)
+                finally:
+                    answering -= 1
             writer.close()
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
             # Gone, too slow to send its request or to read the reply:
@@ -343,21 +369,24 @@ async def serve(sock: socket.socket, recorder: PrometheusRecorder) -> asyncio.Ab
             writer.transport.abort()
             raise
         finally:
-            active -= 1
+            silent.pop(writer, None)
 
     if sock.family == socket.AF_UNIX:
         return await asyncio.start_unix_server(handle, sock=sock, limit=_MAX_HEAD_BYTES)
     return await asyncio.start_server(handle, sock=sock, limit=_MAX_HEAD_BYTES)
 
 
-async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                  recorder: PrometheusRecorder) -> None:
+async def _read_head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes | None:
+    """The request head, or None once a too-large one was answered."""
     try:
         async with asyncio.timeout(_READ_TIMEOUT_SECS):
-            head = await reader.readuntil(b"\r\n\r\n")
+            return await reader.readuntil(b"\r\n\r\n")
     except asyncio.LimitOverrunError:
         await _reply(writer, 431, b"request head too large\n", "text/plain")
-        return
+        return None
+
+
+async def _answer(head: bytes, writer: asyncio.StreamWriter, recorder: PrometheusRecorder) -> None:
     method, target, version = _request_line(head)
     if method is None:
         await _reply(writer, 400, b"bad request\n", "text/plain")

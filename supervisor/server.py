@@ -21,7 +21,10 @@ One client can only hold a bounded amount of the daemon's memory: a client
 that stops reading is cut off once it is `stream_buffer_size` frames or
 `client_buffer_bytes` bytes behind (told with `Lagged`; the session it
 watched is untouched), and a frame that has begun to arrive must be whole
-within `frame_timeout_secs`.  A malformed frame is answered with
+within `frame_timeout_secs`.  All connections of one non-admin uid
+together hold at most `client_buffer_bytes_per_uid` (partial frames and
+unread replies): the connection that goes over is told `capacity` and
+closed.  A connection's buffers are freed when it ends.  A malformed frame is answered with
 `Error{bad_request}` and the connection survives; an oversized length
 prefix or a frame that never completes is answered and the connection
 closed.
@@ -42,14 +45,14 @@ import psutil
 
 from ipc import messages as m
 from ipc import operator as op
-from ipc.connection import FramedProtocol
-from ipc.errors import FrameTimeout, FrameTooLarge, ProtocolError
+from ipc.connection import FramedProtocol, SharedBudget
+from ipc.errors import FrameTimeout, FrameTooLarge, OverBudget, ProtocolError
 from supervisor import __version__, drain, peer, sandbox, transfer
-from supervisor.errors import BadRequest, LimitError, SessiondError
+from supervisor.accept import Acceptor
+from supervisor.errors import BadRequest, SessiondError
 from supervisor.manager import SessionManager
 from supervisor.metrics import NO_METRICS, Recorder
 from supervisor.ratelog import RateLimitedLog
-from supervisor.session import Session
 from supervisor.states import State
 
 __all__ = ["ControlServer"]
@@ -63,7 +66,8 @@ _HANDSHAKE_TIMEOUT_SECS = 10.0
 _LAGGED_GRACE_SECS = 1.0
 _LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 _CLIENT_NAME_CHARS = 64
-_SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove, m.Repair, op.Drain)
+# (history, export and import work off the loop: supervisor.transfer)
+_SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove, m.Repair, op.Drain, op.History, op.Export, op.Import)
 # Data-plane requests: through the pacer.  The rest (ping, status, ls,
 # interrupt, stop...) is answered in the pass that reads it.
 _PACED = (m.Send, m.Create, m.Restart, m.Remove, m.Repair, op.Export, op.Import)
@@ -93,12 +97,12 @@ class ClientConn:
         self.proto.send_frame(frame)
 
     def on_lagged(self, backlog: int) -> None:
+        cfg = self.server.manager.config
         log.warning(
             "%s fell %d frames / %d bytes behind ([agent] stream_buffer_size = %d, "
-            "[daemon] client_buffer_bytes = %d); disconnecting it",
-            self.name, backlog, self.proto.queued_bytes,
-            self.server.manager.config.agent.stream_buffer_size,
-            self.server.manager.config.daemon.client_buffer_bytes,
+            "[daemon] client_buffer_bytes = %d, client_buffer_bytes_per_uid = %d); disconnecting it",
+            self.name, backlog, self.proto.queued_bytes, cfg.agent.stream_buffer_size,
+            cfg.daemon.client_buffer_bytes, cfg.daemon.client_buffer_bytes_per_uid,
         )
         transport = self.proto.transport
         if transport is not None and not transport.is_closing():
@@ -120,6 +124,17 @@ class ClientConn:
         elif isinstance(exc, FrameTimeout):
             peer_log.warning(self.uid, "%s left a frame unfinished for %.0fs; closing", self.name, exc.timeout)
             message = f"bad frame: {exc} ([daemon] frame_timeout_secs)"
+        elif isinstance(exc, OverBudget):
+            peer_log.warning(self.uid, "%s: its uid's connections hold %d bytes (limit %d); closing",
+                             self.name, exc.held, exc.limit)
+            error = m.Error(code=m.ErrorCode.CAPACITY,
+                            message=f"uid {self.uid}'s connections hold more than {exc.limit} bytes of "
+                                    "partly sent frames and unread replies ([daemon] "
+                                    "client_buffer_bytes_per_uid); closing this connection")
+            self.proto.send(error)
+            self.server.metrics.request("invalid", error.code)
+            asyncio.get_running_loop().call_later(_LAGGED_GRACE_SECS, self.proto.abort)
+            return
         else:
             message = f"bad frame: {exc}"
         self.proto.send(m.Error(code=m.ErrorCode.BAD_REQUEST, message=message))
@@ -328,13 +343,9 @@ class ClientConn:
             case m.List(id=rid):
                 return m.SessionList(id=rid, sessions=[mgr.info(s) for s in mgr.visible(self.uid)])
             case m.Stats(id=rid):
-                return self.server.stats(rid)
+                return self.server.stats(rid, self.uid)
             case op.Top(id=rid):
-                return self.server.top(rid, mgr.visible(self.uid))
-            case op.History(id=rid, session=sid, limit=limit):
-                reply = transfer.history(mgr.get(sid, self.uid), limit)
-                reply.id = rid
-                return reply
+                return self.server.top(rid, self.uid)
             case op.Logs(id=rid, session=sid, limit=limit):
                 session = mgr.get(sid, self.uid)
                 entries = [op.LogEntry(at=at, event=ev) for at, ev in session.lifecycle]
@@ -342,17 +353,6 @@ class ClientConn:
                     entries = entries[len(entries) - max(limit, 0):] if limit > 0 else []
                 return op.LogsReply(id=rid, session=sid, entries=entries, last_exit=session.last_exit,
                                    next_seq=session.seq + 1)
-            case op.Export(id=rid, session=sid):
-                document = transfer.export_document(mgr.get(sid, self.uid))
-                limit = mgr.config.daemon.max_frame_bytes - 4096
-                if len(document) > limit:
-                    raise LimitError(f"the export of {sid} is {len(document)} bytes, more than one "
-                                        f"frame carries ([daemon] max_frame_bytes = "
-                                        f"{mgr.config.daemon.max_frame_bytes})")
-                return op.ExportReply(id=rid, session=sid, document=document)
-            case op.Import(id=rid, document=document, session=sid):
-                session = transfer.import_session(mgr, self.uid, document, sid)
-                return m.Created(id=rid, session=mgr.info(session, with_rss=False))
             case m.Answer(id=rid, session=sid, request_id=request_id, allow=allow):
                 mgr.answer(mgr.get(sid, self.uid), request_id, allow)
                 return m.Ok(id=rid)
@@ -393,6 +393,18 @@ class ClientConn:
                 )
             case op.Drain():
                 return await drain.handle(mgr, msg, self.uid)
+            case op.History(id=rid, session=sid, limit=limit):
+                reply = await transfer.history(mgr.get(sid, self.uid), limit)
+                reply.id = rid
+                return reply
+            case op.Export(id=rid, session=sid):
+                cfg = mgr.config.daemon
+                limit = min(cfg.max_document_bytes, cfg.max_frame_bytes - 4096)
+                document = await transfer.export_document(mgr.get(sid, self.uid), limit)
+                return op.ExportReply(id=rid, session=sid, document=document)
+            case op.Import(id=rid, document=document, session=sid):
+                session = await transfer.import_session(mgr, self.uid, document, sid)
+                return m.Created(id=rid, session=mgr.info(session, with_rss=False))
         raise BadRequest(f"unsupported request {type(msg).__name__}")
 
 
@@ -430,10 +442,11 @@ class ControlServer:
         self.manager = manager
         self.clients: set[ClientConn] = set()
         self.started = time.monotonic()
-        self._server: asyncio.AbstractServer | None = None
+        self._acceptor: Acceptor | None = None
         self.socket_gid: int | None = None
         self.own_uid = os.geteuid()
         self._connections: dict[int, int] = {}  # admitted, by non-exempt uid
+        self._budgets: dict[int, SharedBudget] = {}  # by the same uids
         self.metrics: Recorder = NO_METRICS
 
     def admits(self, cred: peer.PeerCredentials) -> bool:
@@ -502,6 +515,11 @@ class ControlServer:
                 )
             self._connections[cred.uid] = held + 1
             client.counted = True
+            budget = self._budgets.get(cred.uid)
+            if budget is None:
+                budget = self._budgets[cred.uid] = SharedBudget(cfg.client_buffer_bytes_per_uid)
+            budget.limit = cfg.client_buffer_bytes_per_uid  # (a reload may have changed it)
+            client.proto.use_budget(budget)
         return None
 
     def uncount(self, uid: int) -> None:
@@ -510,30 +528,33 @@ class ControlServer:
             self._connections[uid] = left
         else:
             self._connections.pop(uid, None)
+            self._budgets.pop(uid, None)  # its last connection gave back what it held
 
     async def start(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
         with contextlib.suppress(OSError):
             self.socket_gid = os.stat(sock.getsockname()).st_gid
-        # The backlog is set again here: the loop's default (100) would
-        # replace ours, and a burst of connections would then be refused.
-        self._server = await loop.create_unix_server(
-            lambda: _ClientProtocol(self), sock=sock, backlog=_LISTEN_BACKLOG
-        )
+        # The backlog is set again here: whoever made the socket may have
+        # asked for less, and a burst of connections would then be refused.
+        sock.listen(_LISTEN_BACKLOG)
+        # Our own accept, not the loop's server: out of fds, a client is
+        # told `capacity` rather than dropped (supervisor.accept).
+        self._acceptor = Acceptor(sock, lambda: _ClientProtocol(self))
+        self._acceptor.start()
 
     def stop_accepting(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        if self._acceptor is not None:
+            self._acceptor.close()
+            self._acceptor = None
 
     def close_clients(self) -> None:
         for client in list(self.clients):
             client.proto.close()
 
-    def top(self, rid: int, sessions: list[Session]) -> op.TopReply:
+    def top(self, rid: int, uid: int) -> op.TopReply:
         """`sessionctl top`: every session's info and its worker's CPU time.
         One psutil call per live worker (~10 µs), at the rate a client asks."""
         entries = []
-        for s in sessions:
+        for s in self.manager.visible(uid):
             info = self.manager.info(s)
             cpu: float | None = None
             if info.pid is not None:
@@ -541,22 +562,28 @@ class ControlServer:
                     t = psutil.Process(info.pid).cpu_times()
                     cpu = t.user + t.system + t.children_user + t.children_system
             entries.append(op.TopEntry(session=info, cpu_secs=cpu))
-        stats = self.stats(rid)
+        stats = self.stats(rid, uid)
         return op.TopReply(id=rid, at=time.time(), uptime_secs=stats.uptime_secs, rss_bytes=stats.rss_bytes,
                           clients=stats.clients, entries=entries)
 
-    def stats(self, rid: int) -> m.StatsReply:
+    def stats(self, rid: int, uid: int) -> m.StatsReply:
+        """The daemon's figures.  Counts (sessions, states, live workers,
+        clients) are the asker's own unless it is an admin: how many
+        sessions other users hold, and when, is theirs to know."""
         by_state: dict[str, int] = {}
         rss = 0
-        for s in self.manager.sessions.values():
+        admin = self.manager.is_admin(uid)
+        sessions = self.manager.visible(uid)
+        for s in sessions:
             by_state[s.state.value] = by_state.get(s.state.value, 0) + 1
         with contextlib.suppress(psutil.Error):
             rss = psutil.Process().memory_info().rss
+        clients = len(self.clients) if admin else sum(1 for c in self.clients if c.uid == uid)
         return m.StatsReply(
             id=rid, pid=os.getpid(), version=__version__,
-            uptime_secs=time.monotonic() - self.started, sessions=len(self.manager.sessions),
-            by_state=by_state, live_workers=self.manager.live_workers(), clients=len(self.clients),
-            rss_bytes=rss, sandbox=self._sandbox_summary(),
+            uptime_secs=time.monotonic() - self.started, sessions=len(sessions),
+            by_state=by_state, live_workers=sum(1 for s in sessions if s.worker is not None),
+            clients=clients, rss_bytes=rss, sandbox=self._sandbox_summary(),
         )
 
     def _sandbox_summary(self) -> dict[str, Any]:

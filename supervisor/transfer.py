@@ -1,6 +1,19 @@
 """A session's stored past, read back: `history`, `export` and `import`.
 
-Runs in the daemon's loop.  Reading is the store's `read_history()`: the
+Runs in the daemon's loop, and keeps off it what grows with a document:
+one request for a 10 MB document must not hold every other client's ping
+for the time its turns take to decode, check or encode.  So decoding,
+checking, encoding and the replay of what an import wrote run in a thread
+(`asyncio.to_thread`), and the store's reads too where the store is files
+(`SessionStore.read_history` opens and reads files by path, touching no
+state the loop changes); other stores are read on the loop, as before.
+An import's writes stay on the loop, in the order `create` writes them
+(the metadata, durable, then the snapshot and the records, then one
+`sync_soon` for them all), yielding to other work every `_SLICE` records.
+Documents are bounded: `[daemon] max_document_bytes` for an import's
+input and an export's output, and one frame must carry either.
+
+Reading is the store's `read_history()`: the
 last snapshot and the records after it (at most `snapshot_every_turns`
 turns' worth), so a history or an export costs O(what the log holds), not
 O(every turn ever).
@@ -17,6 +30,7 @@ uid, the owner and the seq numbers itself.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -27,12 +41,22 @@ from msgspec import Meta as Bound
 
 from ipc import messages as m
 from ipc import operator as op
-from supervisor.errors import BadRequest, Conflict
+from supervisor.errors import BadRequest, Conflict, LimitError
 from supervisor.ledger import store_failure
 from supervisor.logtag import tagged
 from supervisor.overrides import OverrideError, resolve_overrides
 from supervisor.session import Session, valid_session_id
-from supervisor.state_store import Abort, Commit, InputRecord, Meta, Record, Snapshot, StoreError
+from supervisor.state_store import (
+    Abort,
+    Commit,
+    InputRecord,
+    LoadedSession,
+    Meta,
+    Record,
+    Snapshot,
+    StoreError,
+)
+from supervisor.store import SessionStore
 
 from supervisor.overrides import check_handler
 
@@ -42,6 +66,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("sessiond.manager")
 
 __all__ = ["ExportDocument", "decode_document", "export_document", "history", "import_session", "turn_records"]
+
+_SLICE = 512  # records an import appends between two yields to the loop
 
 FORMAT: Literal["sessiond-session"] = "sessiond-session"
 _TEXT_MAX = 8 * 1024 * 1024
@@ -100,9 +126,15 @@ _msgpack = msgspec.msgpack.Decoder()
 _encoder = msgspec.msgpack.Encoder()
 
 
-def _read(session: Session) -> tuple[Snapshot | None, list[Record]]:
+async def _read(session: Session) -> tuple[Snapshot | None, list[Record]]:
+    store = session.store
+    if isinstance(store, SessionStore):
+        try:
+            return await asyncio.to_thread(store.read_history)
+        except (OSError, StoreError):
+            pass  # a snapshot replaced the logs meanwhile: read again, on the loop
     try:
-        return session.store.read_history()
+        return store.read_history()
     except StoreError as exc:
         raise Conflict(f"session {session.id}: its stored state cannot be read: {exc}") from None
 
@@ -110,14 +142,20 @@ def _read(session: Session) -> tuple[Snapshot | None, list[Record]]:
 # ---------------------------------------------------------------- history
 
 
-def history(session: Session, limit: int | None, max_bytes: int = 8 << 20) -> op.HistoryReply:
+async def history(session: Session, limit: int | None, max_bytes: int = 8 << 20) -> op.HistoryReply:
     """The turns the log holds (the last `limit` of them), with the tool
     calls the agent handler recorded, and the running turn as "open".
     The newest turns that fit in `max_bytes` (one frame must carry the
     reply); those left out are counted in `omitted_turns`."""
     if limit is not None and limit < 0:
         raise BadRequest("--limit must be 0 or more")
-    snap, records = _read(session)
+    snap, records = await _read(session)
+    return await asyncio.to_thread(_history, session.id, session.meta.handler, snap, records, limit, max_bytes)
+
+
+def _history(session_id: str, handler: str, snap: Snapshot | None, records: list[Record],
+             limit: int | None, max_bytes: int) -> op.HistoryReply:
+    """(In a thread: reads only its arguments.)"""
     turns: dict[int, op.HistoryTurn] = {}
     for rec in records:
         match rec:
@@ -143,13 +181,13 @@ def history(session: Session, limit: int | None, max_bytes: int = 8 << 20) -> op
         kept.append(t)
     kept.reverse()
     earlier: list[dict[str, Any]] = []
-    if snap is not None and session.meta.handler == "agent" and len(kept) == len(ordered):
+    if snap is not None and handler == "agent" and len(kept) == len(ordered):
         state = _decoded(snap.handler_state)
         if isinstance(state, dict) and isinstance(state.get("messages"), list):
             earlier = [msg for msg in state["messages"] if isinstance(msg, dict)]
             if len(_encoder.encode(earlier)) > budget:
                 earlier = []  # the turns came first; `history --json` of the export has them all
-    return op.HistoryReply(id=0, session=session.id, earlier_turns=snap.turns if snap else 0,
+    return op.HistoryReply(id=0, session=session_id, earlier_turns=snap.turns if snap else 0,
                           earlier_messages=earlier, turns=kept, omitted_turns=len(ordered) - len(kept))
 
 
@@ -189,8 +227,25 @@ def _tools(record: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 # ---------------------------------------------------------------- export
 
 
-def export_document(session: Session) -> bytes:
-    snap, records = _read(session)
+async def export_document(session: Session, max_bytes: int) -> bytes:
+    """The session as an export document, at most `max_bytes` of it."""
+    snap, records = await _read(session)
+    meta = session.meta
+    doc = ExportDocument(
+        format=FORMAT, version=1, id=session.id, handler=meta.handler,
+        overrides=dict(meta.overrides), created_at=meta.created_at, exported_at=time.time(),
+        snapshot=ExportedSnapshot(turns=snap.turns, handler_state=snap.handler_state, usage=snap.usage)
+        if snap is not None else None,
+    )
+    data = await asyncio.to_thread(_encode_export, doc, records, session.current_turn is not None)
+    if len(data) > max_bytes:
+        raise LimitError(f"the export of {session.id} is {len(data)} bytes, more than {max_bytes} "
+                         "([daemon] max_document_bytes, and one frame must carry it: max_frame_bytes)")
+    return data
+
+
+def _encode_export(doc: ExportDocument, records: list[Record], running: bool) -> bytes:
+    """(In a thread: reads only its arguments.)"""
     exported: list[ExportedRecord] = []
     for rec in records:
         match rec:
@@ -201,16 +256,9 @@ def export_document(session: Session) -> bytes:
                                                interrupted=rec.interrupted, usage=rec.usage))
             case Abort():
                 exported.append(ExportedAbort(turn=rec.turn, reason=rec.reason, record=rec.record))
-    if session.current_turn is not None and exported and isinstance(exported[-1], ExportedInput):
+    if running and exported and isinstance(exported[-1], ExportedInput):
         exported.pop()  # the running turn: not part of the session's past yet
-    doc = ExportDocument(
-        format=FORMAT, version=1, id=session.id, handler=session.meta.handler,
-        overrides=dict(session.meta.overrides), created_at=session.meta.created_at,
-        exported_at=time.time(),
-        snapshot=ExportedSnapshot(turns=snap.turns, handler_state=snap.handler_state, usage=snap.usage)
-        if snap is not None else None,
-        records=exported,
-    )
+    doc.records = exported
     return msgspec.json.encode(doc)
 
 
@@ -274,21 +322,30 @@ def turn_records(doc: ExportDocument) -> tuple[list[Record], int]:
     return out, turns
 
 
-def import_session(mgr: SessionManager, owner_uid: int, data: bytes, session_id: str | None) -> Session:
+def _decode_and_check(data: bytes) -> tuple[ExportDocument, list[Record], int]:
+    """(In a thread.)"""
+    doc = decode_document(data)
+    records, turns = turn_records(doc)
+    return doc, records, turns
+
+
+async def import_session(mgr: SessionManager, owner_uid: int, data: bytes, session_id: str | None) -> Session:
     """A new session from an export, owned by `owner_uid`: checked as
     `create` checks a client's request, then written to the store and
-    loaded back as any stored session is (hibernated: the next input starts
+    restored as any stored session is (hibernated: the next input starts
     its worker from the imported state)."""
-    doc = decode_document(data)
+    limit = mgr.config.daemon.max_document_bytes
+    if len(data) > limit:
+        raise LimitError(f"the document is {len(data)} bytes, more than {limit} "
+                         "([daemon] max_document_bytes)")
     if mgr.closing:
         raise Conflict("the daemon is shutting down")
+    doc, records, turns = await asyncio.to_thread(_decode_and_check, data)
     session_id = doc.id if session_id is None else session_id
     if not valid_session_id(session_id):
         raise BadRequest(f"invalid session id {session_id!r}: 1-64 characters of A-Z a-z 0-9 . _ -, "
                          "starting with a letter or digit (`sessionctl import --id` renames it)")
-    if session_id in mgr.sessions:
-        raise Conflict(f"session {session_id!r} already exists (`sessionctl import --id NEW` renames it)")
-    mgr.check_quota(owner_uid)
+    _check_free(mgr, session_id, owner_uid)
     try:
         settings = resolve_overrides(mgr.config.session_settings(), doc.overrides).settings
     except OverrideError as exc:
@@ -297,7 +354,6 @@ def import_session(mgr: SessionManager, owner_uid: int, data: bytes, session_id:
     if doc.handler == "agent" and (missing := settings.provider.missing()) is not None:
         raise BadRequest(f"the agent handler needs an LLM provider: {missing} is not set "
                          "([provider] in config.toml)")
-    records, turns = turn_records(doc)
     meta = Meta(
         id=session_id, handler=doc.handler, overrides=dict(doc.overrides),
         created_at=min(doc.created_at, time.time()), owner_uid=owner_uid,
@@ -305,29 +361,42 @@ def import_session(mgr: SessionManager, owner_uid: int, data: bytes, session_id:
         run_uid=mgr.workspaces.allocate_uid(mgr.sessions.values()),
     )
     try:
+        # The id is taken from here on: a create or import of it meets the
+        # store's FileExistsError (or IdTaken) until this one is done.
         store = mgr.store.create(meta, durable=True)
     except FileExistsError:
         raise Conflict(f"session {session_id!r} already exists") from None
     except StoreError as exc:
         raise store_failure("", exc) from None
     try:
-        try:
-            if doc.snapshot is not None:
-                store.write_snapshot(Snapshot(gen=0, meta=meta, turns=doc.snapshot.turns, seq=0,
-                                              handler_state=doc.snapshot.handler_state,
-                                              usage=dict(doc.snapshot.usage)))
-            for rec in records:
-                store.append(rec, durable=False)
-            store.sync()
-        finally:
-            store.close()
-        loaded_store, loaded = mgr.store.load(session_id)
+        snap = None
+        if doc.snapshot is not None:
+            snap = Snapshot(gen=0, meta=meta, turns=doc.snapshot.turns, seq=0,
+                            handler_state=doc.snapshot.handler_state, usage=dict(doc.snapshot.usage))
+            store.write_snapshot(snap)
+        for i, rec in enumerate(records, 1):
+            store.append(rec, durable=False)
+            if i % _SLICE == 0:
+                await asyncio.sleep(0)  # other clients' requests, between slices
+        await store.sync_soon()
+        loaded = await asyncio.to_thread(
+            LoadedSession.replay, session_id, snap, records if snap is not None else [meta, *records])
+        _check_free(mgr, session_id, owner_uid)  # (what changed while we wrote)
     except BaseException as exc:
+        store.close()
         mgr.store.remove(session_id)
         if isinstance(exc, StoreError):
             raise store_failure(f"session {session_id!r} could not be saved: ", exc) from None
         raise
-    mgr.restore(loaded_store, loaded)
+    mgr.restore(store, loaded)
     session = mgr.sessions[session_id]
     tagged(log, session_id).info("imported (%d turns, handler %s)", turns, doc.handler)
     return session
+
+
+def _check_free(mgr: SessionManager, session_id: str, owner_uid: int) -> None:
+    if mgr.closing:
+        raise Conflict("the daemon is shutting down")
+    if session_id in mgr.sessions:
+        raise Conflict(f"session {session_id!r} already exists (`sessionctl import --id NEW` renames it)")
+    mgr.check_quota(owner_uid)

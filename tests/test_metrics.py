@@ -46,7 +46,7 @@ def tcp_metrics_url(d: Daemon) -> str:
 
 
 def test_counters_follow_a_scripted_run(make_daemon) -> None:
-    d = make_daemon(FAST + 'metrics_listen = "127.0.0.1:0"\n')
+    d = make_daemon(FAST + 'metrics_listen = "127.0.0.1:0"\nmetrics_per_session = true\n')
     url = tcp_metrics_url(d)
     with d.client() as c:
         echo = c.create().id
