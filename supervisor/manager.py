@@ -7,7 +7,7 @@ request becomes work for the parts that own each concern:
     EventLog     (events.py)     states, seq numbers, retention, fan-out
     TurnLedger   (ledger.py)     inputs and commits: the durability promises
     WorkerOwner  (workers.py)    spawn, boot, messages, kills, exits, restarts
-    Sweeper      (sweep.py)      memory caps, heartbeats, idleness, turn timeouts
+    Sweeper      (sweep.py)      memory caps, disk quotas, heartbeats, idleness, turn timeouts
     Subagents    (subagents.py)  spawn_agent as child sessions
     Workspaces   (workspaces.py) who workers run as, and their workspaces
 
@@ -29,7 +29,9 @@ from typing import Any
 import msgspec
 
 from ipc import messages as m
+from ipc.contract import ExitReason
 from ipc.settings import SessionSettings
+from supervisor import diskquota
 from supervisor.cgroups import Cgroups
 from supervisor.config import Config
 from supervisor.errors import BadRequest, Capacity, Conflict, Internal, NotFound, SessiondError
@@ -103,7 +105,9 @@ class SessionManager:
         self.workers = WorkerOwner(current, spawner, self.events, self.ledger, self.proc_table,
                                    self.workspaces, self.spawn_task)
         self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
-                               self._hibernate_soon)
+                               self._hibernate_soon, stop=self._stop_for_limit, workspace=self.workspaces.path,
+                               quota=diskquota.detect(self.workspaces.root()))
+        log.info("disk quota per session (max_disk_mb): %s", self.sweeper.quota_text())
         self.subagents = Subagents(self, self.sessions)
         self.workers.sandbox = sandbox
         self.workers.cgroups = cgroups
@@ -244,6 +248,7 @@ class SessionManager:
             parent=session.meta.parent, children=list(session.children),
             owner_uid=session.meta.owner_uid, error=session.error, usage=dict(session.usage),
             sandbox=self._sandbox_report(worker) if pid is not None and worker is not None else {},
+            disk_bytes=session.memory.disk_bytes,
         )
 
     def _sandbox_report(self, worker: WorkerProc) -> dict[str, Any]:
@@ -589,6 +594,23 @@ class SessionManager:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _stop_for_limit(self, session: Session, reason: ExitReason, detail: str) -> None:
+        """The sweep found a limit a restart would not cure (a full
+        workspace): stop the session, its last exit saying why, until the
+        user restarts it (the sweep measures again then)."""
+        self.spawn_task(self._stop_limited(session, reason, detail))
+
+    async def _stop_limited(self, session: Session, reason: ExitReason, detail: str) -> None:
+        try:
+            await self.stop(session, f"{reason}: {detail}")
+        except SessiondError as exc:
+            log.warning("session %s: cannot stop it (%s): %s", session.id, reason, exc.message)
+            return
+        last = session.last_exit
+        if session.state is State.STOPPED and last is not None and last.reason == ExitReason.STOPPED:
+            session.last_exit = msgspec.structs.replace(last, reason=reason.value, detail=detail)
+            await self.ledger.save_mark(session)
 
     def _hibernate_soon(self, session: Session, reason: str) -> None:
         if session.id not in self._hibernating:
