@@ -456,7 +456,9 @@ class SessionManager:
         self.events.set_state(session, Trigger.INTERRUPT, reason="interrupted by a client")
         session.worker.conn.send(m.InterruptTurn(turn=session.current_turn or 0))
 
-    async def stop(self, session: Session, reason: str = "stopped") -> None:
+    async def stop(self, session: Session, reason: str = "stopped",
+                   exit_reason: ExitReason | None = None) -> None:
+        """`exit_reason`: the limit it was stopped for, as its last exit says."""
         if session.state is State.DAMAGED:
             raise Conflict(_damaged_hint(session))
         for child_id in list(session.children):
@@ -464,9 +466,9 @@ class SessionManager:
             if child is not None:
                 await self.stop(child, f"parent {session.id} {reason}")
         async with session.lock:
-            await self._stop_locked(session, reason)
+            await self._stop_locked(session, reason, exit_reason)
 
-    async def _stop_locked(self, session: Session, reason: str) -> None:
+    async def _stop_locked(self, session: Session, reason: str, exit_reason: ExitReason | None = None) -> None:
         if session.state in (State.STOPPED, State.DELETED, State.DAMAGED):
             return  # (a damaged child of a stopped parent: nothing runs)
         await self.workers.claim(session)  # stopped wherever it runs
@@ -475,6 +477,9 @@ class SessionManager:
         self.workers.cancel_restart(session)
         self.events.set_state(session, Trigger.STOP, reason=reason)
         await self.workers.terminate(session, "stopped", self.config.daemon.stop_grace_secs)
+        last = session.last_exit
+        if exit_reason is not None and last is not None and last.reason == ExitReason.STOPPED:
+            session.last_exit = msgspec.structs.replace(last, reason=exit_reason.value, detail=reason)
         self.events.set_state(session, Trigger.STOPPED, reason=reason)
         await self.ledger.save_mark(session)
 
@@ -603,14 +608,9 @@ class SessionManager:
 
     async def _stop_limited(self, session: Session, reason: ExitReason, detail: str) -> None:
         try:
-            await self.stop(session, f"{reason}: {detail}")
+            await self.stop(session, detail, exit_reason=reason)
         except SessiondError as exc:
             log.warning("session %s: cannot stop it (%s): %s", session.id, reason, exc.message)
-            return
-        last = session.last_exit
-        if session.state is State.STOPPED and last is not None and last.reason == ExitReason.STOPPED:
-            session.last_exit = msgspec.structs.replace(last, reason=reason.value, detail=detail)
-            await self.ledger.save_mark(session)
 
     def _hibernate_soon(self, session: Session, reason: str) -> None:
         if session.id not in self._hibernating:

@@ -54,7 +54,7 @@ from supervisor.limits import (
     settled_figure,
     turn_deadline_left,
 )
-from supervisor.measure import PROC_READS, Kind, Read, host_identity, run_batch
+from supervisor.measure import PROC_READS, Kind, Read, host_identity, name_thread, run_batch
 from supervisor.metrics import NO_METRICS, Recorder
 from supervisor.session import Session, WorkerProc
 from supervisor.states import State, Trigger
@@ -99,7 +99,7 @@ class Sweeper:
         self.metrics: Recorder = NO_METRICS
         self._tick = 0
         # The measuring thread, one batch at a time (supervisor.measure).
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sessiond-measure")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sessiond-measure", initializer=name_thread)
         self._host = host_identity()
         self._batch: asyncio.Future[list[Read]] | None = None
         self._plan: list[tuple[Read, SessionMemory]] = []
