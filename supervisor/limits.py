@@ -263,7 +263,10 @@ class SessionMemory:
                 for pid in [p for p in table if p not in alive]:
                     del table[pid]
         if self.sandbox_pid and self.sandbox_pid not in alive:
-            self.sandbox_pid = 0
+            # Another process of that namespace, if any, is found by the
+            # next fd listing (within HELD_EVERY_SECS); none: the tmpfs went
+            # with the namespace.
+            self.sandbox_pid = self.tmpfs_bytes = 0
 
     def unmapped(self) -> int:
         """Memfds and shm held (each inode once) plus the private tmpfs."""
@@ -336,13 +339,18 @@ def settled_figure(est: PssEstimate, extra: int, cap_bytes: int, waited: int, li
     return est.total + extra
 
 
-def read_order(rss: Mapping[int, int], reads: Mapping[int, PssRead], budget: int) -> list[int]:
+def read_order(rss: Mapping[int, int], reads: Mapping[int, PssRead], budget: int,
+               stale_before: int | None = None) -> list[int]:
     """Which processes' PSS to read this sweep: never read first (largest
-    RSS first: they move the figure most), then the oldest reads."""
+    RSS first: they move the figure most), then the oldest reads, those
+    made before sweep `stale_before` only (a read's RSS growth since is
+    counted anyway: refreshing is for what RSS does not show, sharers
+    gone, and need not be every sweep)."""
     unread = sorted((p for p in rss if p not in reads), key=lambda p: -rss[p])
     if len(unread) >= budget:
         return unread[:budget]
-    stale = sorted((p for p in rss if p in reads), key=lambda p: reads[p].tick)
+    stale = sorted((p for p in rss if p in reads and (stale_before is None or reads[p].tick < stale_before)),
+                   key=lambda p: reads[p].tick)
     return unread + stale[:budget - len(unread)]
 
 

@@ -70,6 +70,9 @@ QUIET_EVERY = 10
 # tmpfs: a listing per process is dearer than a statm pread, and the memory
 # found there only grows as fast as a tool writes.
 HELD_EVERY_SECS = 1.0
+# A process's PSS read is read again after this many sweeps (2 s at the
+# default poll), while its session stays over a limit by RSS.
+REFRESH_SWEEPS = 20
 
 
 class Sweeper:
@@ -151,6 +154,11 @@ class Sweeper:
                 seen.update(session.memory.pids)
         if tidy:
             self._proc_table.keep_only(seen)
+            for sid, (walk, mem) in list(self._walks.items()):
+                held = self._sessions.get(sid)
+                if held is None or held.memory is not mem:  # removed, or a new worker since
+                    walk.close()
+                    del self._walks[sid]
         self._events.trim()
 
     def _quiet(self, session: Session) -> bool:
@@ -228,7 +236,7 @@ class Sweeper:
             return mem.rss_bytes
         # Over a limit by RSS: what do the processes' PSS say?
         if self._planning:
-            for pid in read_order(mem.rss_by_pid, mem.pss_reads, PROC_READS):
+            for pid in read_order(mem.rss_by_pid, mem.pss_reads, PROC_READS, self._tick - REFRESH_SWEEPS):
                 self._plan.append((Read(Kind.PSS, session.id, pid, rss=mem.rss_by_pid[pid], tick=self._tick), mem))
         estimate = pss_estimate(mem.rss_by_pid, mem.pss_reads)
         figure = settled_figure(estimate, extra, cap, mem.waited,

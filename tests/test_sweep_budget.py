@@ -117,6 +117,8 @@ def test_reads_go_to_the_unread_largest_first_then_to_the_oldest() -> None:
     assert read_order(rss, reads, 2) == [2, 3]
     assert read_order(rss, reads, 4) == [2, 3, 1, 5]
     assert read_order(rss, reads, 10) == [2, 3, 1, 5, 4]
+    # Reads made since sweep 5 are fresh enough: not read again yet.
+    assert read_order(rss, reads, 10, stale_before=5) == [2, 3, 1, 5]
 
 
 @pytest.mark.pure
