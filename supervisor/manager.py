@@ -31,7 +31,6 @@ import msgspec
 from ipc import messages as m
 from ipc.contract import ExitReason
 from ipc.settings import SessionSettings
-from supervisor import diskquota
 from supervisor.cgroups import Cgroups
 from supervisor.config import Config
 from supervisor.errors import BadRequest, Capacity, Conflict, Internal, NotFound, SessiondError
@@ -105,9 +104,7 @@ class SessionManager:
         self.workers = WorkerOwner(current, spawner, self.events, self.ledger, self.proc_table,
                                    self.workspaces, self.spawn_task)
         self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
-                               self._hibernate_soon, stop=self._stop_for_limit, workspace=self.workspaces.path,
-                               quota=diskquota.detect(self.workspaces.root()))
-        log.info("disk quota per session (max_disk_mb): %s", self.sweeper.quota_text())
+                               self._hibernate_soon, stop=self.stop, workspaces=self.workspaces)
         self.subagents = Subagents(self, self.sessions)
         self.workers.sandbox = sandbox
         self.workers.cgroups = cgroups
@@ -456,9 +453,7 @@ class SessionManager:
         self.events.set_state(session, Trigger.INTERRUPT, reason="interrupted by a client")
         session.worker.conn.send(m.InterruptTurn(turn=session.current_turn or 0))
 
-    async def stop(self, session: Session, reason: str = "stopped",
-                   exit_reason: ExitReason | None = None) -> None:
-        """`exit_reason`: the limit it was stopped for, as its last exit says."""
+    async def stop(self, session: Session, reason: str = "stopped", exit_reason: ExitReason | None = None) -> None:
         if session.state is State.DAMAGED:
             raise Conflict(_damaged_hint(session))
         for child_id in list(session.children):
@@ -477,9 +472,8 @@ class SessionManager:
         self.workers.cancel_restart(session)
         self.events.set_state(session, Trigger.STOP, reason=reason)
         await self.workers.terminate(session, "stopped", self.config.daemon.stop_grace_secs)
-        last = session.last_exit
-        if exit_reason is not None and last is not None and last.reason == ExitReason.STOPPED:
-            session.last_exit = msgspec.structs.replace(last, reason=exit_reason.value, detail=reason)
+        if exit_reason is not None and session.last_exit is not None:  # the limit it was stopped for
+            session.last_exit = msgspec.structs.replace(session.last_exit, reason=exit_reason.value, detail=reason)
         self.events.set_state(session, Trigger.STOPPED, reason=reason)
         await self.ledger.save_mark(session)
 
@@ -599,18 +593,6 @@ class SessionManager:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _stop_for_limit(self, session: Session, reason: ExitReason, detail: str) -> None:
-        """The sweep found a limit a restart would not cure (a full
-        workspace): stop the session, its last exit saying why, until the
-        user restarts it (the sweep measures again then)."""
-        self.spawn_task(self._stop_limited(session, reason, detail))
-
-    async def _stop_limited(self, session: Session, reason: ExitReason, detail: str) -> None:
-        try:
-            await self.stop(session, detail, exit_reason=reason)
-        except SessiondError as exc:
-            log.warning("session %s: cannot stop it (%s): %s", session.id, reason, exc.message)
 
     def _hibernate_soon(self, session: Session, reason: str) -> None:
         if session.id not in self._hibernating:

@@ -28,14 +28,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from typing import Any
 
 from ipc import messages as m
 from ipc.contract import IDLE_HEARTBEAT_FACTOR, ExitReason, LimitKind
 from supervisor.config import Config
-from supervisor.diskquota import DISK_EVERY_SECS, DiskWalk, QuotaPath
+from supervisor.diskquota import DISK_EVERY_SECS, DiskWalk, detect
+from supervisor.errors import SessiondError
 from supervisor.events import EventLog
 from supervisor.limits import (
     HEARTBEATS_MISSED,
@@ -59,6 +60,7 @@ from supervisor.metrics import NO_METRICS, Recorder
 from supervisor.session import Session, WorkerProc
 from supervisor.states import State, Trigger
 from supervisor.workers import WorkerOwner
+from supervisor.workspaces import Workspaces
 
 __all__ = ["Sweeper"]
 
@@ -84,9 +86,8 @@ class Sweeper:
         workers: WorkerOwner,
         proc_table: ProcTable,
         hibernate: Callable[[Session, str], None],
-        stop: Callable[[Session, ExitReason, str], None] | None = None,
-        workspace: Callable[[Session], Path] | None = None,
-        quota: QuotaPath | None = None,
+        stop: Callable[..., Coroutine[Any, Any, None]] | None = None,
+        workspaces: Workspaces | None = None,
     ) -> None:
         self._config = config
         self._sessions = sessions
@@ -94,10 +95,11 @@ class Sweeper:
         self._workers = workers
         self._proc_table = proc_table
         self._hibernate = hibernate
-        # Stops a session for a limit a restart would not cure (disk).
+        # SessionManager.stop: for a limit a restart would not cure (disk).
         self._stop = stop
-        self._workspace = workspace
-        self.quota = quota
+        self._stopping: set[asyncio.Task[None]] = set()
+        self._workspaces = workspaces
+        self.quota = detect(workspaces.root()) if workspaces is not None else None
         self.closing = False
         self.metrics: Recorder = NO_METRICS
         self._tick = 0
@@ -108,6 +110,7 @@ class Sweeper:
         self._plan: list[tuple[Read, SessionMemory]] = []
         self._walks: dict[str, tuple[DiskWalk, SessionMemory]] = {}
         self._planning = False
+        log.info("disk quota per session (max_disk_mb): %s", self.quota_text())
 
     def quota_text(self) -> str:
         """How max_disk_mb is enforced here, for the start-up log and `stats`."""
@@ -265,7 +268,7 @@ class Sweeper:
         past it (a kill would restart it into the same full workspace)."""
         cap = session.settings.agent.limits.max_disk_mb
         mem = session.memory
-        if cap is None or self._workspace is None or worker.pid >= REMOTE_PIDS:
+        if cap is None or self._workspaces is None or worker.pid >= REMOTE_PIDS:
             return
         walk = self._walks.get(session.id)
         if walk is not None and walk[1] is not mem:
@@ -274,7 +277,7 @@ class Sweeper:
         if walk is None:
             if mem.disk_bytes is not None and now - mem.disk_at < DISK_EVERY_SECS:
                 return
-            walk = (DiskWalk(str(self._workspace(session))), mem)
+            walk = (DiskWalk(str(self._workspaces.path(session))), mem)
             self._walks[session.id] = walk
         if self._planning:
             self._plan.append((Read(Kind.DISK, session.id, walk=walk[0]), mem))
@@ -288,9 +291,20 @@ class Sweeper:
         self._events.emit_limit(session, LimitKind.DISK, used / MIB, limits.max_disk_mb)
         session.memory.stopping = True
         if self._stop is not None:
-            self._stop(session, ExitReason.KILLED_DISK, detail)
+            task = asyncio.get_running_loop().create_task(self._stop_for(session, detail))
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
         elif worker is not None:
             self._workers.kill(session, worker, ExitReason.KILLED_DISK, detail)
+
+    async def _stop_for(self, session: Session, detail: str) -> None:
+        """Stopped, not killed: a kill restarts the worker into the same full
+        workspace; a stopped session waits for its user (see README, Limits)."""
+        assert self._stop is not None
+        try:
+            await self._stop(session, detail, exit_reason=ExitReason.KILLED_DISK)
+        except SessiondError as exc:
+            log.warning("session %s over its disk quota: cannot stop it: %s", session.id, exc.message)
 
     # ---------------------------------------------------------------- the measuring thread
 
