@@ -26,6 +26,7 @@ its `memory.max` the cap; none of the reads above are made for it.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -256,9 +257,12 @@ class Sweeper:
         """The fds of processes not listed for HELD_EVERY_SECS, and the
         tmpfs of the sandbox's mount namespace (once a process there is
         known)."""
-        for pid in mem.rss_by_pid:
-            if now - mem.held_at.get(pid, 0.0) >= HELD_EVERY_SECS:
-                self._plan.append((Read(Kind.FDS, sid, pid), mem))
+        held_at = mem.held_at
+        due = [pid for pid in mem.rss_by_pid if now - held_at.get(pid, 0.0) >= HELD_EVERY_SECS]
+        # No more than a batch can take, the longest unlisted first (never
+        # listed: first of all), so that none waits behind the others.
+        for pid in heapq.nsmallest(PROC_READS, due, key=lambda p: held_at.get(p, 0.0)):
+            self._plan.append((Read(Kind.FDS, sid, pid), mem))
         if mem.sandbox_pid and now - mem.tmpfs_at >= HELD_EVERY_SECS:
             self._plan.append((Read(Kind.TMPFS, sid, mem.sandbox_pid), mem))
 
