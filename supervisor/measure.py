@@ -85,6 +85,9 @@ class Read:
     walk: DiskWalk | None = None
     rss: int = 0  # PSS: the process's RSS when asked
     tick: int = 0  # PSS: the sweep that asked
+    # Its place among reads of its kind: the sessions' reads interleave, so
+    # that one session with many processes does not hold the others back.
+    rank: tuple[float, int] = (0.0, 0)
     done: bool = False
     pss: int | None = None  # PSS: None when the kernel would not say
     held: dict[tuple[int, int], int] = field(default_factory=dict)  # FDS
@@ -121,10 +124,13 @@ def run_batch(reads: list[Read], host: HostIdentity, budget: int = PROC_READS,
               walk_entries: int = WALK_ENTRIES) -> list[Read]:
     """Read in order until the budget is spent (in the measuring thread)."""
     spent = 0
+    walks = sum(1 for read in reads if read.kind is Kind.DISK)
+    # Each walk its share (a huge workspace does not hold the others' back).
+    share = max(walk_entries // max(walks, 1), 256)
     for read in reads:
         if read.kind is Kind.DISK:
             if walk_entries > 0 and read.walk is not None:
-                walk_entries -= read.walk.step(walk_entries)
+                walk_entries -= read.walk.step(min(share, walk_entries))
                 read.done = True
             continue
         if spent >= budget:

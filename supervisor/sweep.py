@@ -111,6 +111,7 @@ class Sweeper:
         self._plan: list[tuple[Read, SessionMemory]] = []
         self._walks: dict[str, tuple[DiskWalk, SessionMemory]] = {}
         self._planning = False
+        self._over = self._over_before = 0  # sessions that asked for PSS reads, this batch and the last
         log.info("disk quota per session (max_disk_mb): %s", self.quota_text())
 
     def quota_text(self) -> str:
@@ -139,6 +140,9 @@ class Sweeper:
         # Plan reads only when the last batch is back (one in flight at a time).
         self._planning = self._batch is None
         self._plan = []
+        if self._planning:
+            # How many sessions shared the last batch's PSS reads (at least this one's).
+            self._over_before, self._over = max(self._over, 1), 0
         # Every QUIET_EVERY-th sweep also closes the /proc files of
         # processes no session holds any more, so it must see them all.
         tidy = self._tick % QUIET_EVERY == 0
@@ -240,11 +244,15 @@ class Sweeper:
             return mem.rss_bytes
         # Over a limit by RSS: what do the processes' PSS say?
         if self._planning:
-            for pid in read_order(mem.rss_by_pid, mem.pss_reads, PROC_READS, self._tick - REFRESH_SWEEPS):
-                self._plan.append((Read(Kind.PSS, session.id, pid, rss=mem.rss_by_pid[pid], tick=self._tick), mem))
+            self._over += 1
+            for i, pid in enumerate(read_order(mem.rss_by_pid, mem.pss_reads, PROC_READS,
+                                               self._tick - REFRESH_SWEEPS)):
+                read = Read(Kind.PSS, session.id, pid, rss=mem.rss_by_pid[pid], tick=self._tick, rank=(0.0, i))
+                self._plan.append((read, mem))
         estimate = pss_estimate(mem.rss_by_pid, mem.pss_reads)
-        figure = settled_figure(estimate, extra, cap, mem.waited,
-                                patience(len(mem.rss_by_pid), PROC_READS))
+        # Sessions over a limit share a batch's reads (interleaved: _submit).
+        share = max(PROC_READS // max(self._over_before, 1), 1)
+        figure = settled_figure(estimate, extra, cap, mem.waited, patience(len(mem.rss_by_pid), share))
         mem.rss_bytes = estimate.total + extra
         if figure is None:
             if self._planning:  # counted in batches: a slow thread does not shorten the wait
@@ -261,8 +269,8 @@ class Sweeper:
         due = [pid for pid in mem.rss_by_pid if now - held_at.get(pid, 0.0) >= HELD_EVERY_SECS]
         # No more than a batch can take, the longest unlisted first (never
         # listed: first of all), so that none waits behind the others.
-        for pid in heapq.nsmallest(PROC_READS, due, key=lambda p: held_at.get(p, 0.0)):
-            self._plan.append((Read(Kind.FDS, sid, pid), mem))
+        for i, pid in enumerate(heapq.nsmallest(PROC_READS, due, key=lambda p: held_at.get(p, 0.0))):
+            self._plan.append((Read(Kind.FDS, sid, pid, rank=(held_at.get(pid, 0.0), i)), mem))
         if mem.sandbox_pid and now - mem.tmpfs_at >= HELD_EVERY_SECS:
             self._plan.append((Read(Kind.TMPFS, sid, mem.sandbox_pid), mem))
 
@@ -318,8 +326,7 @@ class Sweeper:
         if not self._planning or not self._plan:
             return
         order = {Kind.PSS: 0, Kind.TMPFS: 1, Kind.FDS: 2, Kind.DISK: 3}
-        plan = sorted(self._plan, key=lambda item: (order[item[0].kind], item[1].held_at.get(item[0].pid, 0.0)
-                                                    if item[0].kind is Kind.FDS else 0.0))
+        plan = sorted(self._plan, key=lambda item: (order[item[0].kind], item[0].rank))
         self._plan = plan
         reads = [read for read, _ in plan]
         loop = asyncio.get_running_loop()

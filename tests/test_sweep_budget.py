@@ -231,3 +231,19 @@ def test_a_missing_workspace_holds_nothing(tmp_path) -> None:
 def test_detect_names_the_measured_path_on_a_filesystem_without_project_quotas(tmp_path) -> None:
     path = detect(tmp_path / "not" / "yet")
     assert path.kind == "measured" and "walked" in path.describe()
+
+
+@pytest.mark.component
+def test_walks_share_a_batch_so_a_huge_workspace_does_not_hold_the_others_back(tmp_path) -> None:
+    huge, small = tmp_path / "huge", tmp_path / "small"
+    huge.mkdir()
+    small.mkdir()
+    for i in range(3000):
+        (huge / f"f{i}").write_bytes(b"")
+    with open(small / "big", "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, 8 * MIB)
+    walks = [DiskWalk(str(huge)), DiskWalk(str(small))]
+    run_batch([Read(Kind.DISK, "a", walk=walks[0]), Read(Kind.DISK, "b", walk=walks[1])], host_identity(),
+              walk_entries=1024)
+    assert not walks[0].done  # 3,000 entries: a batch's share is 512
+    assert walks[1].done and walks[1].total >= 8 * MIB
