@@ -87,17 +87,26 @@ def detect(workspace_root: Path) -> QuotaPath:
 @dataclass(slots=True)
 class DiskWalk:
     """One walk of a workspace, in slices (in the measuring thread only,
-    while the loop holds no reference it reads)."""
+    while the loop holds no reference it reads).
+
+    A tool may swap a directory for a symlink while the walk is under way:
+    each directory is opened with O_NOFOLLOW and read only if it is still
+    the inode seen inside the workspace, and its entries are looked at
+    relative to that open directory, so the walk never counts (nor shows
+    in `disk_bytes`) anything outside the workspace."""
 
     root: str
     total: int = 0
     done: bool = False
     _dev: int = -1
-    _stack: list[str] = field(default_factory=list)
+    # Directories to read: (path, inode seen when it was found).
+    _stack: list[tuple[str, int]] = field(default_factory=list)
     _linked: set[tuple[int, int]] = field(default_factory=set)
     _started: bool = False
-    # The directory being read: a huge one is read across several slices.
+    # The directory being read (a huge one is read across several slices).
     _iter: os._ScandirIterator[str] | None = None
+    _path: str = ""
+    _fd: int = -1
 
     def step(self, budget: int) -> int:
         """Look at up to about `budget` entries; returns how many it did."""
@@ -115,18 +124,16 @@ class DiskWalk:
                 return 1
             self._dev = st.st_dev
             self.total += st.st_blocks * 512
-            self._stack.append(self.root)
+            self._stack.append((self.root, st.st_ino))
         spent = 0
         while spent < budget:
             if self._iter is None:
                 if not self._stack:
                     self.done = True
                     break
-                try:
-                    self._iter = os.scandir(self._stack.pop())
-                except OSError:
-                    spent += 1  # gone, or unreadable meanwhile: skip it
-                    continue
+                spent += 1
+                self._open(*self._stack.pop())
+                continue
             try:
                 entry = next(self._iter, None)
             except OSError:
@@ -138,15 +145,33 @@ class DiskWalk:
             self._count(entry)
         return spent
 
+    def _open(self, path: str, ino: int) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return  # gone, swapped for a symlink, or unreadable meanwhile: skip it
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (self._dev, ino):
+                # Its entries' stat() are fstatat() on `fd`: open until close().
+                self._iter, self._fd, self._path = os.scandir(fd), fd, path
+                return
+        except OSError:
+            pass
+        os.close(fd)
+
     def close(self) -> None:
         """Let go of the directory being read (a walk cut short)."""
         if self._iter is not None:
             self._iter.close()
             self._iter = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def _count(self, entry: os.DirEntry[str]) -> None:
         try:
-            st = entry.stat(follow_symlinks=False)
+            st = entry.stat(follow_symlinks=False)  # fstatat on the open directory
         except OSError:
             return
         if st.st_dev != self._dev:
@@ -158,4 +183,4 @@ class DiskWalk:
             self._linked.add(key)
         self.total += st.st_blocks * 512
         if stat.S_ISDIR(st.st_mode):
-            self._stack.append(entry.path)
+            self._stack.append((f"{self._path}/{entry.name}", st.st_ino))

@@ -162,6 +162,7 @@ class Sweeper:
                 seen.update(session.memory.pids)
         if tidy:
             self._proc_table.keep_only(seen)
+        if tidy and self._planning:  # (never a walk the thread may be stepping)
             for sid, (walk, mem) in list(self._walks.items()):
                 held = self._sessions.get(sid)
                 if held is None or held.memory is not mem:  # removed, or a new worker since
@@ -282,6 +283,8 @@ class Sweeper:
         mem = session.memory
         if cap is None or self._workspaces is None or worker.pid >= REMOTE_PIDS:
             return
+        if not self._planning:
+            return  # a batch is out: a walk is stepped by one thread at a time
         walk = self._walks.get(session.id)
         if walk is not None and walk[1] is not mem:
             walk[0].close()  # a walk for a worker since replaced
@@ -291,8 +294,7 @@ class Sweeper:
                 return
             walk = (DiskWalk(str(self._workspaces.path(session))), mem)
             self._walks[session.id] = walk
-        if self._planning:
-            self._plan.append((Read(Kind.DISK, session.id, walk=walk[0]), mem))
+        self._plan.append((Read(Kind.DISK, session.id, walk=walk[0]), mem))
 
     def _disk_stop(self, session: Session, used: int) -> None:
         limits = session.settings.agent.limits

@@ -247,3 +247,20 @@ def test_walks_share_a_batch_so_a_huge_workspace_does_not_hold_the_others_back(t
               walk_entries=1024)
     assert not walks[0].done  # 3,000 entries: a batch's share is 512
     assert walks[1].done and walks[1].total >= 8 * MIB
+
+
+@pytest.mark.component
+def test_a_directory_swapped_for_a_symlink_mid_walk_is_not_followed(tmp_path) -> None:
+    ws, outside = tmp_path / "ws", tmp_path / "outside"
+    (ws / "d").mkdir(parents=True)
+    outside.mkdir()
+    with open(outside / "big", "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, 32 * MIB)
+    walk = DiskWalk(str(ws))
+    walk.step(2)  # the root read: "d" found, to be read next
+    assert not walk.done
+    (ws / "d").rmdir()
+    os.symlink(outside, ws / "d")
+    while not walk.done:
+        walk.step(8)
+    assert walk.total < MIB
