@@ -12,6 +12,12 @@ A descendant stays counted after it re-parents (a tool that double-forks
 lands on the zygote, our subreaper): once seen as a session's, a pid is
 tracked until it exits, and it is killed with the session.
 
+The PSS of a session's processes, the memory they hold outside any
+mapping and the workspace's size are read off the loop (`supervisor.measure`,
+a thread of the daemon); this module holds what was read and the pure
+decisions on it (`pss_estimate`, `settled_figure`, `read_order`,
+`unmapped_total`, `disk_over`).
+
 A worker on another machine (cluster mode) has a pid of REMOTE_PIDS or
 above, a handle of its spawner's that names no process here: the table
 reads nothing of this machine for it, and gives what its node measured of
@@ -94,26 +100,6 @@ class ProcTable:
             return None
         try:
             return int(data.split(None, 2)[1]) * PAGE_SIZE
-        except (IndexError, ValueError):
-            return None
-
-    def pss(self, pid: int) -> int | None:
-        """Proportional set size (smaps_rollup): shared pages divided among
-        their sharers.  None when the kernel will not tell us (a non-root
-        daemon and a non-dumpable worker) or the process is gone.  A remote
-        worker: its node's RSS figure (no finer one is reported)."""
-        if pid >= REMOTE_PIDS:
-            return self.remote(pid)
-        try:
-            with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
-                data = f.read()
-        except OSError:
-            return None
-        at = data.find(b"\nPss:")
-        if at < 0:
-            return None
-        try:
-            return int(data[at + 5:].split(None, 1)[0]) * 1024
         except (IndexError, ValueError):
             return None
 
