@@ -264,3 +264,20 @@ def test_a_directory_swapped_for_a_symlink_mid_walk_is_not_followed(tmp_path) ->
     while not walk.done:
         walk.step(8)
     assert walk.total < MIB
+
+
+@pytest.mark.component
+def test_posix_shm_held_open_counts_in_the_daemons_mount_namespace() -> None:
+    """Outside a namespace of the session's own, /dev/shm is the host's,
+    which no tmpfs figure of the session covers: a file there held open
+    counts (by inode, as a memfd)."""
+    path = f"/dev/shm/sessiond-test-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, b"z" * (4 * MIB))
+        read = Read(Kind.FDS, "s", os.getpid())
+        run_batch([read], host_identity())
+        assert sum(read.held.values()) >= 4 * MIB
+    finally:
+        os.close(fd)
+        os.unlink(path)
