@@ -208,7 +208,8 @@ class Ok(_Msg, tag="ok"):
 
 class ExitInfo(_Msg, tag="exit"):
     # exited, boot_failed, crashed, killed_memory, killed_turn_timeout,
-    # killed_heartbeat, stopped
+    # killed_heartbeat, killed_processes, killed_disk (the session is then
+    # stopped, not restarted), stopped
     reason: str
     code: int | None = None
     signal: int | None = None
