@@ -68,7 +68,7 @@ man: $(VENV)/.installed
 	mkdir -p man
 	$(PY) -m supervisor.manpage > man/sessionctl.1
 
-BENCHES := spawn ipc memory limits restart persist agent hostile sandbox metrics load fsync_batch idle cluster pg_batch
+BENCHES := spawn ipc memory limits restart persist agent hostile sandbox metrics load fsync_batch idle cluster pg_batch sweep
 
 bench: $(VENV)/.installed
 	for b in $(BENCHES); do $(PY) bench/$$b.py || exit 1; done

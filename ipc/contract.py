@@ -40,6 +40,8 @@ class ExitReason(enum.StrEnum):
     KILLED_TURN_TIMEOUT = "killed_turn_timeout"
     KILLED_HEARTBEAT = "killed_heartbeat"
     KILLED_PROCESSES = "killed_processes"  # max_processes, where the sweep counts them
+    # max_disk_mb: the session is stopped (not restarted) until under it
+    KILLED_DISK = "killed_disk"
     STOPPED = "stopped"  # stopped, hibernated or removed on purpose
 
 
@@ -54,6 +56,7 @@ class LimitKind(enum.StrEnum):
     TURNS = "turns"
     TOOL_CALLS = "tool_calls"
     PROCESSES = "processes"
+    DISK = "disk"  # max_disk_mb, in MiB
 
 
 class StopReason(enum.StrEnum):

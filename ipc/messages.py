@@ -208,7 +208,8 @@ class Ok(_Msg, tag="ok"):
 
 class ExitInfo(_Msg, tag="exit"):
     # exited, boot_failed, crashed, killed_memory, killed_turn_timeout,
-    # killed_heartbeat, stopped
+    # killed_heartbeat, killed_processes, killed_disk (the session is then
+    # stopped, not restarted), stopped
     reason: str
     code: int | None = None
     signal: int | None = None
@@ -240,6 +241,9 @@ class SessionInfo(_Msg, tag="session"):
     # Cluster mode: the address of the node its worker runs on, as Ray
     # reports it (pid is then that node's); None on one machine or unplaced.
     node: str | None = None
+    # Blocks its workspace held at the sweep's last walk of it (max_disk_mb);
+    # None when not measured (no quota, or no walk since its worker started).
+    disk_bytes: int | None = None
 
 
 class Created(_Msg, tag="created"):

@@ -166,7 +166,7 @@ _SESSION_INFO: tuple[tuple[str, str, object], ...] = (
     ("created_at", "float", 0.0), ("last_exit", "exit?", None), ("seq", "int", 0),
     ("parent", "str?", None), ("children", "list[str]", list), ("owner_uid", "int", 0),
     ("error", "str?", None), ("usage", "dict[str,int]", dict), ("sandbox", "dict[str,any]", dict),
-    ("node", "str?", None),
+    ("node", "str?", None), ("disk_bytes", "int?", None),
 )
 REPLIES: dict[str, tuple[tuple[str, str, object], ...]] = {
     "welcome": (("protocol", "int", _REQUIRED), ("server_version", "str", _REQUIRED),

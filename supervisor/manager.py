@@ -7,7 +7,7 @@ request becomes work for the parts that own each concern:
     EventLog     (events.py)     states, seq numbers, retention, fan-out
     TurnLedger   (ledger.py)     inputs and commits: the durability promises
     WorkerOwner  (workers.py)    spawn, boot, messages, kills, exits, restarts
-    Sweeper      (sweep.py)      memory caps, heartbeats, idleness, turn timeouts
+    Sweeper      (sweep.py)      memory caps, disk quotas, heartbeats, idleness, turn timeouts
     Subagents    (subagents.py)  spawn_agent as child sessions
     Workspaces   (workspaces.py) who workers run as, and their workspaces
 
@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 
 from ipc import messages as m
+from ipc.contract import ExitReason
 from ipc.settings import SessionSettings
 from supervisor.cgroups import Cgroups
 from supervisor.config import Config
@@ -104,7 +105,7 @@ class SessionManager:
         self.workers = WorkerOwner(current, spawner, self.events, self.ledger, self.proc_table,
                                    self.workspaces, self.spawn_task)
         self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
-                               self._hibernate_soon)
+                               self._hibernate_soon, stop=self.stop, workspaces=self.workspaces)
         self.subagents = Subagents(self, self.sessions)
         self.workers.sandbox = sandbox
         self.workers.cgroups = cgroups
@@ -250,6 +251,7 @@ class SessionManager:
             parent=session.meta.parent, children=list(session.children),
             owner_uid=session.meta.owner_uid, error=session.error, usage=dict(session.usage),
             sandbox=self._sandbox_report(worker) if pid is not None and worker is not None else {},
+            disk_bytes=session.memory.disk_bytes,
         )
 
     def _sandbox_report(self, worker: WorkerProc) -> dict[str, Any]:
@@ -457,7 +459,7 @@ class SessionManager:
         self.events.set_state(session, Trigger.INTERRUPT, reason="interrupted by a client")
         session.worker.conn.send(m.InterruptTurn(turn=session.current_turn or 0))
 
-    async def stop(self, session: Session, reason: str = "stopped") -> None:
+    async def stop(self, session: Session, reason: str = "stopped", exit_reason: ExitReason | None = None) -> None:
         if session.state is State.DAMAGED:
             raise Conflict(_damaged_hint(session))
         for child_id in list(session.children):
@@ -465,9 +467,9 @@ class SessionManager:
             if child is not None:
                 await self.stop(child, f"parent {session.id} {reason}")
         async with session.lock:
-            await self._stop_locked(session, reason)
+            await self._stop_locked(session, reason, exit_reason)
 
-    async def _stop_locked(self, session: Session, reason: str) -> None:
+    async def _stop_locked(self, session: Session, reason: str, exit_reason: ExitReason | None = None) -> None:
         if session.state in (State.STOPPED, State.DELETED, State.DAMAGED):
             return  # (a damaged child of a stopped parent: nothing runs)
         await self.workers.claim(session)  # stopped wherever it runs
@@ -476,6 +478,8 @@ class SessionManager:
         self.workers.cancel_restart(session)
         self.events.set_state(session, Trigger.STOP, reason=reason)
         await self.workers.terminate(session, "stopped", self.config.daemon.stop_grace_secs)
+        if exit_reason is not None and session.last_exit is not None:  # the limit it was stopped for
+            session.last_exit = msgspec.structs.replace(session.last_exit, reason=exit_reason.value, detail=reason)
         self.events.set_state(session, Trigger.STOPPED, reason=reason)
         await self.ledger.save_mark(session)
 

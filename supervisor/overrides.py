@@ -72,6 +72,7 @@ ALLOWED: dict[str, Rule] = {
     "agent.limits.memory_high_mb": _C,
     "agent.limits.max_processes": _C,
     "agent.limits.max_file_size_mb": _C,
+    "agent.limits.max_disk_mb": _C,  # only a smaller quota (None lifts none: refused)
     "agent.worker.heartbeat_interval_secs": _C,  # a longer one would blunt hang detection
     "agent.worker.max_restart_attempts": _C,
     "agent.worker.restart_window_secs": _F,  # a longer window gives up sooner

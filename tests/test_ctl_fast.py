@@ -24,7 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import Daemon, env_for_children
+from harness import Daemon, env_for_children, wait_for
 from ipc import messages as m
 from ipc.framing import encode_frame
 from supervisor import ctl, ctl_fast
@@ -243,7 +243,7 @@ def test_each_command_prints_what_the_full_path_prints(daemon: Daemon) -> None:
         c.stop("stopped")
     # Memory figures move between two asks (the sweep measures again, the
     # daemon's own RSS grows by a page): masked, nothing else.
-    rss = r"\"rss_bytes\": \d+|\d+(\.\d)?(B|KiB|MiB|GiB)"
+    rss = r"\"(rss|disk)_bytes\": (\d+|null)|\d+(\.\d)?(B|KiB|MiB|GiB)|(?<=disk:      )-"
     for argv in (["ls"], ["--json", "ls"], ["ls", "-q"], ["ls", "--quiet", "--json"],
                  ["status", parent], ["status", parent, "--json"], ["--json", "status", "stopped"],
                  ["status", "stopped"]):
@@ -394,6 +394,8 @@ def test_the_console_script_answers_and_exits_as_the_full_path(daemon: Daemon) -
     # run(): the one-shot answer, then os._exit with its code, output flushed.
     with daemon.client() as c:
         c.create(session="one", handler="echo")
+        # Its workspace's first walk (max_disk_mb), so that both asks see one figure.
+        wait_for(lambda: c.status("one").disk_bytes is not None, 10, "the workspace's first walk")
     env = env_for_children()
     script = "from supervisor.ctl_fast import run; run()"
     for argv, code in ((["--json", "ls"], 0), (["status", "one"], 0), (["status", "nosuch"], 4)):
