@@ -589,7 +589,9 @@ class ControlServer:
     def _sandbox_summary(self) -> dict[str, Any]:
         workers = self.manager.workers
         cgroups = workers.cgroups.describe() if workers.cgroups is not None else ""
-        return sandbox.summary(self.manager.config.sandbox, workers.sandbox, cgroups, workers.cgroups_why)
+        summary = sandbox.summary(self.manager.config.sandbox, workers.sandbox, cgroups, workers.cgroups_why)
+        summary["disk_quota"] = self.manager.sweeper.quota_text()
+        return summary
 
 
 def _printable(name: str) -> str:
