@@ -10,8 +10,8 @@ namespace of its own):
 - the kill is complete: every process of the session dies with it;
 - the memory cap is the kernel's (`max_memory_mb`), counted at allocation
   time and counting what the session wrote to tmpfs, memfds and the page
-  cache, not one poll later; a kernel OOM kill in the session kills the whole
-  session, classified `killed_memory`;
+  cache, not one poll later; a session at its cap with nothing left to
+  reclaim is killed whole, classified `killed_memory` as the sweep's kill;
 - `max_processes` is the kernel's pids limit: a fork bomb stops at it;
 - the session's CPU weight is below the daemon's (`[daemon] session_nice`),
   one weight per uid above the sessions (`u-UID/s-ID`), so one user's many
@@ -87,9 +87,10 @@ class Cgroups(abc.ABC):
         memfd pages included), or None without a memory controller."""
 
     @abc.abstractmethod
-    def oom_kills(self, session_id: str) -> int:
-        """How many processes the kernel's OOM killer has killed in the
-        session's cgroup (0 without a memory controller)."""
+    def ooms(self, session_id: str) -> int:
+        """How often the session met its memory cap with nothing left to
+        reclaim (v2: the kernel's OOM kills; v1: those and a session held
+        at its cap now), 0 without a memory controller."""
 
     def oom_fd(self, session_id: str) -> int | None:
         """An fd that becomes readable when the kernel OOM-kills in the

@@ -14,9 +14,12 @@ removes them.
 
 - memory: `memory.limit_in_bytes` (and `memory.memsw.limit_in_bytes`,
   where swap is accounted) = `max_memory_mb`: the kernel counts page cache,
-  tmpfs and memfd pages the session wrote.  v1 has no `memory.oom.group`:
-  the kernel's OOM killer kills one process, and the daemon learns of it
-  through an eventfd on `memory.oom_control` (`oom_fd`) and kills the rest.
+  tmpfs and memfd pages the session wrote.  v1 has no `memory.oom.group`
+  (the kernel's OOM killer would kill one process, and the rest of the
+  session would see it die first): the OOM killer is off for the session
+  (`oom_kill_disable`), so a process at the cap waits, and the daemon,
+  woken by an eventfd on `memory.oom_control` (`oom_fd`), kills the whole
+  session.  (Were the daemon gone, the zygote kills every worker.)
 - pids: `pids.max` = `max_processes`.
 - cpu (optional): `cpu.shares` of the daemon's directory, all its sessions
   together, at the weight of one task at `session_nice`.
@@ -177,6 +180,8 @@ class CgroupsV1(Cgroups):
             cg.mkdir(parents=True, exist_ok=True)
         self._write_limits(dirs, max_memory_mb, max_processes)
         if "memory" in dirs:
+            with contextlib.suppress(OSError):
+                (dirs["memory"] / "memory.oom_control").write_text("1")  # we kill, whole
             self._watch_oom(session_id, dirs["memory"])
         # Memory first: pages it touches from now on are the session's.
         for ctrl in sorted(dirs, key=lambda c: c != "memory"):
@@ -294,9 +299,12 @@ class CgroupsV1(Cgroups):
         except (OSError, ValueError):
             return None
 
-    def oom_kills(self, session_id: str) -> int:
+    def ooms(self, session_id: str) -> int:
         mem = self._dirs(session_id).get("memory")
-        return _count(mem / "memory.oom_control", "oom_kill") if mem is not None else 0
+        if mem is None:
+            return 0
+        control = mem / "memory.oom_control"
+        return _count(control, "oom_kill") + _count(control, "under_oom")
 
     def release(self, session_id: str, where: dict[str, Path] | None = None) -> None:
         dirs = where if where is not None else self._dirs(session_id)

@@ -165,7 +165,7 @@ class CgroupsV2(Cgroups):
         except (OSError, ValueError):
             return None
 
-    def oom_kills(self, session_id: str) -> int:
+    def ooms(self, session_id: str) -> int:
         if "memory" not in self.controllers:
             return 0
         return _count(self._dir(session_id) / "memory.events", "oom_kill")

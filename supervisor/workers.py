@@ -82,7 +82,7 @@ class WorkerOwner:
         # A cgroup per session (supervisor.cgroups), where the kernel offers one.
         self.cgroups: Cgroups | None = None
         self.cgroups_why = "not probed"  # why there is none, for stats
-        # Per session: the kernel's OOM kills in its cgroup when its worker
+        # Per session: the kernel's OOM count of its cgroup when its worker
         # was attached (what is more is this worker's), and the OOM fd watched.
         self._oom_seen: dict[str, int] = {}
         self._oom_watched: dict[str, int] = {}
@@ -188,17 +188,17 @@ class WorkerOwner:
         except OSError as exc:
             tagged(log, session.id).warning("cannot put worker %d in its cgroup: %s", pid, exc)
             return
-        self._oom_seen[session.id] = self.cgroups.oom_kills(session.id)
+        self._oom_seen[session.id] = self.cgroups.ooms(session.id)
         fd = self.cgroups.oom_fd(session.id)
         if fd is not None and self._oom_watched.get(session.id) != fd:
             asyncio.get_running_loop().add_reader(fd, self._on_oom, session, fd)
             self._oom_watched[session.id] = fd
 
     def _on_oom(self, session: Session, fd: int, tries: int = 0) -> None:
-        """The session hit its cap (an eventfd on v1's memory.oom_control,
+        """The session met its cap (an eventfd on v1's memory.oom_control,
         signalled as the OOM begins, and also when the cgroup goes): once
-        the kernel's OOM killer has killed in it (its count, a moment
-        later), the rest of the session goes."""
+        the kernel says so (under_oom, or a kill counted a moment later),
+        the whole session goes."""
         if not tries:
             with contextlib.suppress(OSError):
                 os.read(fd, 8)
@@ -210,16 +210,16 @@ class WorkerOwner:
 
     def _oom_check(self, session: Session, worker: WorkerProc) -> bool:
         """Kill the whole session, classified `killed_memory` as the sweep's
-        kill is, if the kernel OOM-killed in it since its worker came."""
+        kill is, if it met its cap in the kernel since its worker came."""
         if self.cgroups is None or worker.kill_reason is not None:
             return False
-        if self.cgroups.oom_kills(session.id) <= self._oom_seen.get(session.id, 0):
+        if self.cgroups.ooms(session.id) <= self._oom_seen.get(session.id, 0):
             return False
         cap = session.settings.agent.limits.max_memory_mb
-        used = self.cgroups.memory_bytes(session.id) or cap * MIB
-        self._events.emit_limit(session, LimitKind.MEMORY, max(used / MIB, cap), cap)
+        used = (self.cgroups.memory_bytes(session.id) or cap * MIB) / MIB
+        self._events.emit_limit(session, LimitKind.MEMORY, used, cap)
         self.kill(session, worker, ExitReason.KILLED_MEMORY,
-                  f"memory cap {cap} MiB reached: the kernel killed a process of the session (cgroup OOM)")
+                  f"memory cap {cap} MiB exceeded at {used:.0f} MiB (the kernel's cgroup limit)")
         return True
 
     def _release_cgroup(self, session: Session) -> None:
