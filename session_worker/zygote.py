@@ -17,8 +17,9 @@ every exit status to the daemon, decoded once (code or signal).  It is also
 the child subreaper, so tool processes orphaned by a worker re-parent to it
 and are reaped instead of haunting init.  After a worker is killed, the
 orphans it leaves are killed too, but only that session's: those of its uid
-(a root daemon's per-session uid) or its process group; the rest of a
-session (a cgroup's worth) is the daemon's to kill, by its cgroup.  Each
+(a root daemon's per-session uid), its process group or its session (each
+worker leads a session of its own); the rest of a session (a cgroup's
+worth) is the daemon's to kill, by its cgroup.  Each
 worker runs at `[daemon] session_nice` (SESSIOND_SESSION_NICE, set by the
 daemon before it starts us), set here after fork, before any session code:
 its tools inherit it.  PDEATHSIG ties each worker to the
@@ -37,6 +38,7 @@ import contextlib
 import gc
 import logging
 import os
+import select
 import selectors
 import signal
 import socket
@@ -62,6 +64,9 @@ _MAX_PACKET = 4096
 # they re-parent one generation at a time as their parents die.
 _HUNT_SECS = 1.0
 _HUNT_POLL_SECS = 0.02
+# A forked worker's first byte to the zygote: it leads its own session now.
+_SETSID_DONE = b"\x00"
+_SETSID_WAIT_MS = 10_000
 # How much nicer than the zygote each worker runs (see the module's docstring).
 _session_nice = 0
 # session_worker.main.run_worker, bound by _preload: an import statement
@@ -156,9 +161,16 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
         # after fork: only we reap this child, and not before this line, so
         # the number cannot have passed to another process yet.
         pidfd = os.pidfd_open(pid)
-        with contextlib.suppress(OSError):
-            os.setpgid(pid, pid)  # also done by the child: whoever runs first
         theirs.close()
+        # The daemon signals a worker's process group through its pidfd:
+        # that group must be the worker's own before the daemon hears of it,
+        # or the signal would reach ours.  The child makes it (a session of
+        # its own, which setpgid from here would forbid) and says so.
+        poll = select.poll()
+        poll.register(ours, select.POLLIN)
+        if not (poll.poll(_SETSID_WAIT_MS) and ours.recv(1) == _SETSID_DONE):
+            with contextlib.suppress(OSError):
+                os.setpgid(pid, pid)  # dead or stuck before setsid: a group of its own at least
         return pid, ours, pidfd
 
     # Until when to hunt strays (see _kill_strays) after a worker was
@@ -272,10 +284,10 @@ def _kill_everything(workers: dict[int, int], settle_secs: float = 1.0) -> None:
 
 
 class _Mark(NamedTuple):
-    """What marks a killed worker's processes: its process group (its pid)
-    and, when it had one of its own, its uid."""
+    """What marks a killed worker's processes: its process group and
+    session (both its pid) and, when it had one of its own, its uid."""
 
-    pgid: int
+    pid: int
     uid: int | None
 
 
@@ -289,29 +301,31 @@ def _kill_strays(ours: set[int], dead: list[_Mark]) -> None:
     stopped its host tidily, and the daemon's stop gives the rest their
     grace period."""
     uids = {d.uid for d in dead if d.uid is not None}
-    pgids = {d.pgid for d in dead}
+    pids = {d.pid for d in dead}
     for pid in _my_children():
         if pid in ours:
             continue
-        pgid, uid = _identity(pid)
-        if pgid in pgids or uid in uids:
+        pgid, sid, uid = _identity(pid)
+        if pgid in pids or sid in pids or uid in uids:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)  # our unreaped child: the number is its own
 
 
-def _identity(pid: int) -> tuple[int | None, int | None]:
-    """A process's (process group, real uid), from /proc; None where unread."""
-    pgid = uid = None
+def _identity(pid: int) -> tuple[int | None, int | None, int | None]:
+    """A process's (process group, session, real uid), from /proc; None
+    where unread."""
+    pgid = sid = uid = None
     with contextlib.suppress(OSError, ValueError, IndexError):
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-        pgid = int(stat[stat.rindex(b")") + 2:].split()[2])
+        fields = stat[stat.rindex(b")") + 2:].split()
+        pgid, sid = int(fields[2]), int(fields[3])
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
                 if line.startswith(b"Uid:"):
                     uid = int(line.split()[1])
                     break
-    return pgid, uid
+    return pgid, sid, uid
 
 
 def _reap_any() -> Iterator[tuple[int, int, int]]:
@@ -352,7 +366,13 @@ def _worker_child(
         os.close(wake_r)
         os.close(wake_w)
         zsock.close()
-        os.setpgid(0, 0)
+        # A session of its own: its id marks the worker's processes (its
+        # tools keep it unless they call setsid) for the hunt after its death.
+        try:
+            os.setsid()
+        except OSError:
+            os.setpgid(0, 0)  # the zygote made it a group leader (it took too long)
+        os.write(fd, _SETSID_DONE)
         if _session_nice:
             with contextlib.suppress(OSError):
                 os.nice(_session_nice)  # before any session code; its tools inherit it

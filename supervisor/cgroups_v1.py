@@ -159,7 +159,7 @@ class CgroupsV1(Cgroups):
 
     def describe(self) -> str:
         where = ", ".join(f"{c} {self.base[c]}" for c in sorted(self.base))
-        return f"a cgroup v1 per session ({where})"
+        return f"a cgroup v1 per session ({', '.join(sorted(self.controllers))}; {where})"
 
     def _dirs(self, session_id: str) -> dict[str, Path]:
         uid = self._uid.get(session_id, -1)
