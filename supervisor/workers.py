@@ -223,7 +223,12 @@ class WorkerOwner:
         return True
 
     def _release_cgroup(self, session: Session) -> None:
+        """Kill what is left of the session by what a process cannot shed:
+        its cgroup, else its own uid (a root daemon's session uid)."""
         if self.cgroups is None:
+            uid = session.meta.run_uid
+            if uid is not None and self._workspaces.session_uids is not None and os.geteuid() == 0:
+                kill_uid(uid)
             return
         fd = self._oom_watched.pop(session.id, None)
         if fd is not None:
@@ -436,7 +441,7 @@ class WorkerOwner:
                 if not self.cgroups.pids(session.id):
                     break
                 await asyncio.sleep(0.02)
-            self._release_cgroup(session)
+        self._release_cgroup(session)
 
     def _alive(self, session: Session, worker: WorkerProc) -> bool:
         """Anything of the session still running: its tree, the escapees
@@ -530,6 +535,46 @@ class WorkerOwner:
         except StoreError as exc:
             tagged(log, session.id).warning("restart mark not saved: %s", exc)
         return False
+
+
+def kill_uid(uid: int, rounds: int = 20) -> None:
+    """SIGKILL every process whose real uid is `uid` (a session's own uid:
+    nothing else runs as it), through pidfds, checked after opening; again
+    while any are found, for those forked meanwhile (bounded: it runs on
+    the daemon's loop, and a cgroup is the complete kill)."""
+    for _ in range(rounds):
+        found = False
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or _real_uid(name) != uid:
+                continue
+            try:
+                fd = os.pidfd_open(int(name))
+            except OSError:
+                continue
+            try:
+                if _real_uid(name) == uid:  # the pidfd names this very process
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    found = True
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        if not found:
+            return
+
+
+def _real_uid(pid: str) -> int | None:
+    """A live process's real uid (None for a zombie: it is dead already)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"State:") and line.split()[1] == b"Z":
+                    return None
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 async def _no_room_needed(session: Session) -> None:

@@ -18,8 +18,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fakellm import FakeLLM, text_stream, tool_call_stream
 from harness import FAST_SWEEP, TEST_HANDLERS, wait_for
-from test_access import root_only
+from test_access import open_root, root_only  # noqa: F401 (open_root: a fixture)
+from test_agent_e2e import agent_config
 
 pytestmark = [pytest.mark.process, root_only]
 
@@ -112,3 +114,33 @@ def test_one_sessions_crash_kills_nothing_of_anothers(make_daemon) -> None:
                      "b's escapee to die (it must not)")
         c.stop(b)
         wait_for(lambda: not _escapees("beta"), 10, "b's escapee to die with b's own stop")
+
+
+def test_without_a_cgroup_a_root_daemon_kills_a_session_by_its_uid(
+    make_daemon, llm: FakeLLM, open_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cgroups = "off", each session its own uid: a setsid'd escapee the
+    daemon never saw still dies with its session's stop, and not with
+    another session's crash."""
+    monkeypatch.setenv("SESSIOND_TEST_KEY", "k")
+    extra = '[sandbox]\nmode = "off"\n'
+    d = make_daemon(agent_config(llm, extra).replace("[daemon]\n", '[daemon]\ncgroups = "off"\n'),
+                    root=open_root / "d", trust=False)
+    assert "no cgroup per session" in d.log, d.log
+    with d.client() as c:
+        a = c.create(session="a").id
+        b = c.create(session="b").id
+    for sid in (a, b):
+        cmd = f"(setsid bash -c 'exec -a sessiond-esc-{sid}-setsid sleep 600' &) ; echo LAUNCHED"
+        llm.script(tool_call_stream(("t", "bash", {"command": cmd})), text_stream("done"))
+        with d.client() as c:
+            assert c.send_text(sid, "go") == "done"
+    (escapee_b,) = wait_for(lambda: _escapees(b), 10, "b's escapee to start")
+    wait_for(lambda: _escapees(a), 10, "a's escapee to start")
+    assert escapee_b.uids().real != 0
+    with d.client() as c:
+        os.kill(c.status(a).pid, signal.SIGKILL)
+        wait_for(lambda: not _escapees(a), 10, "a's escapee to die with its worker (its uid)")
+        assert escapee_b.is_running() and escapee_b.status() != psutil.STATUS_ZOMBIE
+        c.stop(b)
+    wait_for(lambda: not _escapees(b), 10, "b's escapee to die with b's own stop")
