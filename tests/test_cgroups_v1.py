@@ -144,3 +144,15 @@ def test_without_a_cgroup_a_root_daemon_kills_a_session_by_its_uid(
         assert escapee_b.is_running() and escapee_b.status() != psutil.STATUS_ZOMBIE
         c.stop(b)
     wait_for(lambda: not _escapees(b), 10, "b's escapee to die with b's own stop")
+
+
+def test_a_dead_daemons_cgroups_are_removed_by_the_next(make_daemon) -> None:
+    first = make_daemon(_config())
+    with first.client() as c:
+        sid = c.create(handler=HANDLER).id
+    (old,) = {d.parent.parent for d in _v1_dirs(sid) if "/pids/" in str(d)}
+    assert old.name.startswith(f"d-{first.pid}-")
+    first.kill()  # SIGKILL: no shutdown tidies anything
+    second = make_daemon(_config())
+    assert "a cgroup v1 per session" in second.log, second.log
+    wait_for(lambda: not old.exists(), 10, "the dead daemon's cgroups to be removed")
