@@ -33,7 +33,9 @@ CPU weighting: unless --unweighted no, this checkout also runs a second
 daemon side by side, built the same but with `[daemon] session_nice = 0`
 (workers and tools at the daemon's CPU weight, no cpu cgroup weight: the
 build before CPU weighting), labelled `unweighted`; a last table gives
-ping p99 and turns/s of both and their ratios (this / unweighted).
+ping p99 and turns/s of both and their ratios (this / unweighted), and the
+ping p99 of each while 3 sessions' tools burn a CPU each (the floor's 3
+hogs, now the sessions' own: what weighting is for).
 
 Slow disk: with --slow-ms X (default 3; 0 skips it) the whole table is
 measured again with the daemon started with SESSIOND_BENCH_FSYNC_DELAY_MS=X,
@@ -83,6 +85,8 @@ TRACED_SYSCALLS = ("epoll_wait", "epoll_pwait", "read", "recvfrom", "write", "wr
                    "fdatasync", "futex", "eventfd2")
 HOGS = 3  # busy-loop processes for the scheduler-floor ping (2 vCPUs here)
 CONFIG = """
+[agent]
+allowed_handlers = ["echo", "bench.bench_handlers:*", "bench._burn_handler:*"]
 [agent.limits]
 max_concurrent_sessions = 1000
 """
@@ -275,6 +279,22 @@ async def _trace_end(procs: list[subprocess.Popen[bytes]], name: str) -> dict[st
     return counts
 
 
+async def _burning_pings(client: AsyncClient) -> dict[str, float]:
+    """The same pings as the floor's, the CPU hogs now HOGS sessions' own
+    processes (a turn of bench._burn_handler each, as a busy tool): what
+    CPU weighting gives the control plane against busy sessions."""
+    sids = [(await client.create(handler="bench._burn_handler:burner")).id for _ in range(HOGS)]
+    turns = [asyncio.ensure_future(client.send_text(sid, "burn 2.5")) for sid in sids]
+    try:
+        await asyncio.sleep(0.4)
+        return c.summarize(await _pings(client, 300, CONTROL_GAP_SECS))
+    finally:
+        await asyncio.gather(*turns, return_exceptions=True)
+        for sid in sids:
+            with contextlib.suppress(Exception):
+                await client.remove(sid)
+
+
 async def _pings(client: AsyncClient, n: int, gap: float = 0.0) -> list[int]:
     out = []
     for _ in range(n):
@@ -300,6 +320,7 @@ class _Build:
         self.sids: list[str] = []
         self.idle: dict[str, float] = {}
         self.hogged: dict[str, float] = {}
+        self.burning: dict[str, float] = {}
         self.levels: list[dict[str, Any]] = []
 
     async def start(self) -> AsyncClient:
@@ -318,6 +339,7 @@ class _Build:
             for hog in hogs:
                 hog.kill()
                 hog.wait()
+        self.burning = await _burning_pings(client)
         return client
 
     async def grow(self, client: AsyncClient, n: int) -> None:
@@ -356,7 +378,7 @@ async def _run_mode(ns: list[int], secs: float, fsync_delay_ms: float, baselines
         for b in builds:
             b.d.cleanup()
     return [{"build": b.label, "fsync_delay_ms": fsync_delay_ms, "idle_ping": b.idle,
-             "hogged_ping": b.hogged, "levels": b.levels}
+             "hogged_ping": b.hogged, "burning_ping": b.burning, "levels": b.levels}
             for b in builds]
 
 
@@ -367,7 +389,8 @@ def _print(rep: c.Report, mode: dict[str, Any]) -> None:
             f"idle daemon ping p50 {c.fmt_us(mode['idle_ping']['median_us'])}, "
             f"p99 {c.fmt_us(mode['idle_ping']['p99_us'])}; with {HOGS} CPU hogs and no sessions busy "
             f"(the scheduler's floor) p50 {c.fmt_us(mode['hogged_ping']['median_us'])}, "
-            f"p99 {c.fmt_us(mode['hogged_ping']['p99_us'])}")
+            f"p99 {c.fmt_us(mode['hogged_ping']['p99_us'])}; with {HOGS} sessions burning a CPU each "
+            f"p50 {c.fmt_us(mode['burning_ping']['median_us'])}, p99 {c.fmt_us(mode['burning_ping']['p99_us'])}")
     base = mode["levels"][0]["turns_per_sec"] or 1.0
     rows = []
     for lv in mode["levels"]:
@@ -447,6 +470,12 @@ def _weighting(rep: c.Report, runs: list[list[dict[str, Any]]]) -> None:
         if mode["build"] != "unweighted":
             continue
         this_i = next(k for k in range(mode_i, len(runs[0])) if runs[0][k]["build"] == "this")
+        burn = [(run[mode_i]["burning_ping"]["p99_us"], run[this_i]["burning_ping"]["p99_us"]) for run in runs]
+        rows.append([
+            f"+{mode['fsync_delay_ms']} ms" if mode["fsync_delay_ms"] else "real", f"{HOGS} burning",
+            f"{c.fmt_us(_median([u for u, _ in burn]))} / {c.fmt_us(_median([t for _, t in burn]))}",
+            f"{_median([t / max(u, 1e-9) for u, t in burn]):.2f}x", "-", "-",
+        ])
         for li, lv in enumerate(mode["levels"]):
             pairs = [(run[mode_i]["levels"][li], run[this_i]["levels"][li]) for run in runs]
             p99 = [(u["control"]["ping"]["p99_us"], t["control"]["ping"]["p99_us"]) for u, t in pairs]
