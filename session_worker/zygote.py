@@ -16,16 +16,18 @@ The zygote is the one process that calls waitpid for workers; it reports
 every exit status to the daemon, decoded once (code or signal).  It is also
 the child subreaper, so tool processes orphaned by a worker re-parent to it
 and are reaped instead of haunting init.  After a worker is killed, the
-orphans it leaves are killed too, but only that session's: those of its uid
-(a root daemon's per-session uid), its process group or its session (each
-worker leads a session of its own); the rest of a session (a cgroup's
-worth) is the daemon's to kill, by its cgroup.  Each
-worker runs at `[daemon] session_nice` (SESSIOND_SESSION_NICE, set by the
-daemon before it starts us), set here after fork, before any session code:
-its tools inherit it.  PDEATHSIG ties each worker to the
-zygote (SIGKILL) and the zygote to the daemon (SIGUSR1: when the daemon dies,
-the zygote kills every worker's process group and every process that
-re-parented to it, then exits), so nothing outlives the daemon.
+orphans it leaves are killed too, but only its session's: those of its uid
+(a root daemon's per-session uid), its process group or its session id
+(each worker leads a session of its own); what bears none of these marks
+(a tool that called setsid) is the daemon's to kill, by the session's
+cgroup or uid.  PDEATHSIG ties each worker to the zygote (SIGKILL) and the
+zygote to the daemon (SIGUSR1: when the daemon dies, the zygote kills
+every worker's process group and every process that re-parented to it,
+then exits), so nothing outlives the daemon.
+
+Each worker runs `[daemon] session_nice` steps nicer than the zygote
+(SESSIOND_SESSION_NICE, set by the daemon before it starts us), set here
+after fork, before any session code: its tools inherit it.
 
 Started by exec (`python -P -m session_worker.zygote --fd N --daemon-pid P`)
 when a zygote must be replaced.  Runs in the zygote process and, after fork,
@@ -370,9 +372,11 @@ def _worker_child(
         # tools keep it unless they call setsid) for the hunt after its death.
         try:
             os.setsid()
+            os.write(fd, _SETSID_DONE)
         except OSError:
-            os.setpgid(0, 0)  # the zygote made it a group leader (it took too long)
-        os.write(fd, _SETSID_DONE)
+            # The zygote gave up waiting and made us a group leader; the
+            # daemon may hear from us already: no byte of ours for it.
+            os.setpgid(0, 0)
         if _session_nice:
             with contextlib.suppress(OSError):
                 os.nice(_session_nice)  # before any session code; its tools inherit it

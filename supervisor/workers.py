@@ -178,8 +178,7 @@ class WorkerOwner:
 
     def _attach(self, session: Session, pid: int) -> None:
         """The worker into its session's cgroup (under its owner's uid), and
-        the kernel's OOM kills there watched: v1 kills one process, the
-        daemon the rest."""
+        the cgroup's OOM notification watched: the session dies whole."""
         assert self.cgroups is not None
         limits = session.settings.agent.limits
         try:
