@@ -9,6 +9,8 @@ A turn's text names what to start, each tagged `sessiond-esc-<tag>-<kind>`
     daemon TAG     a sleep double-forked as daemon(3) does
     userns TAG     a sleep in a user and PID namespace of its own (unshare)
     hog TAG MIB    a setsid'd process that fills MIB MiB and holds it
+    memfd TAG MIB  a setsid'd process that write()s MIB MiB into a memfd
+                   (never mapped: no RSS) and holds it
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from typing import Any
 from session_worker.handler import HandlerInit, TurnContext, TurnResult
 
 _SLEEP = "exec -a sessiond-esc-{tag}-{kind} sleep 600"
+_MEMFD = ("import os, time\n"
+          "fd = os.memfd_create(\"hold\")\n"
+          "for _ in range({mib}): os.write(fd, bytes(1 << 20))\n"
+          "time.sleep(600)\n")
 _HOG = ("import sys, time\n"
         "x = bytearray({mib} << 20)\n"
         "for i in range(0, len(x), 4096): x[i] = 1\n"
@@ -62,6 +68,10 @@ class Escaper:
             code = _HOG.format(mib=int(words[2]))
             _detached(["setsid", "bash", "-c",
                        f"exec -a sessiond-esc-{tag}-hog {sys.executable} -c '{code}'"])
+        elif kind == "memfd":
+            code = _MEMFD.format(mib=int(words[2]))
+            _detached(["setsid", "bash", "-c",
+                       f"exec -a sessiond-esc-{tag}-memfd {sys.executable} -c '{code}'"])
         else:
             return TurnResult(f"unknown: {kind}", record=1)
         self.turns += 1

@@ -97,6 +97,19 @@ def test_a_memory_escapee_is_killed_by_the_kernel_cap(make_daemon) -> None:
     assert "memory cap 256 MiB exceeded" in d.log
 
 
+def test_unmapped_memory_counts_against_the_kernel_cap(make_daemon) -> None:
+    """A memfd filled with write() is in no process's RSS; the kernel
+    charges its pages to the session that wrote them."""
+    d = make_daemon(_config("max_memory_mb = 64\n"))
+    with d.client() as c:
+        sid = c.create(handler=HANDLER).id
+        assert c.send_text(sid, "memfd held 256") == "started memfd"
+        st = wait_for(lambda: (s := c.status(sid)).last_exit is not None and s, 20,
+                      "the session to be killed for memory")
+        assert st.last_exit.reason == "killed_memory", st.last_exit
+    wait_for(lambda: not _escapees("held"), 10, "the memfd's holder to be gone")
+
+
 def test_one_sessions_crash_kills_nothing_of_anothers(make_daemon) -> None:
     d = make_daemon(_config())
     with d.client() as c:
