@@ -57,7 +57,11 @@ def test_a_session_and_everything_its_handler_started_die_whole(make_daemon) -> 
         info = c.status(sid)
         active = info.sandbox["active"]
         assert "cgroup-memory" in active and "cgroup-pids" in active and "cgroup-kill" in active, info.sandbox
-        assert _v1_dirs(sid), "no cgroup v1 directory for the session"
+        dirs = _v1_dirs(sid)
+        assert {d.parent.name for d in dirs} == {"u-0"}, dirs  # its owner's (root's) level
+        # All sessions of the daemon together weigh one task at nice 10.
+        (cpu,) = [d for d in dirs if "/cpu/" in str(d)]
+        assert (cpu.parent.parent / "cpu.shares").read_text().strip() == "110"
         for kind in ("setsid", "daemon", "userns"):
             assert c.send_text(sid, f"{kind} one") == f"started {kind}"
         worker = info.pid
