@@ -79,10 +79,11 @@ class DaemonSettings(ConfigSection):
     # (systemd Delegate=yes), else, as root, the cgroup v1 memory and pids
     # (and cpu, freezer) hierarchies; off: never (see README, Security).
     cgroups: Literal["auto", "off"] = "auto"
-    # Sessions' workers and tools run at this nice level, and (with a cpu
-    # cgroup) all sessions together at the CPU weight of one task at it, one
-    # weight per user below that: the daemon's control plane comes first
-    # when CPUs are short.  0: as the daemon.  Read at start.
+    # Sessions' workers and tools run this much nicer than the daemon, and
+    # (with a cpu cgroup) all sessions together at the CPU weight of one task
+    # at that nice level, one equal weight per user below that: the daemon's
+    # control plane comes first when CPUs are short.  0: as the daemon.
+    # Read at start.
     session_nice: Annotated[int, Meta(ge=0, le=19)] = 10
     # Sessions (sub-agents included) and connections one non-admin uid may hold.
     max_sessions_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 128
