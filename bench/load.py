@@ -29,6 +29,14 @@ waits of the GIL hand-off) and, if installed, `py-spy record` (samples on
 a CPU, as collapsed stacks in DIR/<build>-<N>.txt).  Both cost the daemon
 CPU: compare builds traced in the same run, not against an untraced run.
 
+CPU weighting: unless --unweighted no, this checkout also runs a second
+daemon side by side, built the same but with `[daemon] session_nice = 0`
+(workers and tools at the daemon's CPU weight, no cpu cgroup weight: the
+build before CPU weighting), labelled `unweighted`; a last table gives
+ping p99 and turns/s of both and their ratios (this / unweighted), and the
+ping p99 of each while 3 sessions' tools burn a CPU each (the floor's 3
+hogs, now the sessions' own: what weighting is for).
+
 Slow disk: with --slow-ms X (default 3; 0 skips it) the whole table is
 measured again with the daemon started with SESSIOND_BENCH_FSYNC_DELAY_MS=X,
 which makes the file store sleep X ms before every fdatasync/fsync of a log,
@@ -68,6 +76,8 @@ CONTROL_GAP_SECS = 0.002  # between the floor's pings (closed loop: nothing else
 CONTROL_EVERY_SECS = 0.01  # under load: ping, status, ls in turn, 100 a second (open loop)
 RENICE = 0
 BATCH = False
+UNWEIGHTED = True
+THIS_CONFIG = ""  # --config: TOML appended to this build's config
 TRACE: Path | None = None
 SPY_FLAGS: list[str] = os.environ.get("LOAD_SPY_FLAGS", "").split()
 # Counted by --trace, per turn (perf's tracepoints; the daemon, all threads).
@@ -75,6 +85,8 @@ TRACED_SYSCALLS = ("epoll_wait", "epoll_pwait", "read", "recvfrom", "write", "wr
                    "fdatasync", "futex", "eventfd2")
 HOGS = 3  # busy-loop processes for the scheduler-floor ping (2 vCPUs here)
 CONFIG = """
+[agent]
+allowed_handlers = ["echo", "bench.bench_handlers:*", "bench._burn_handler:*"]
 [agent.limits]
 max_concurrent_sessions = 1000
 """
@@ -267,6 +279,22 @@ async def _trace_end(procs: list[subprocess.Popen[bytes]], name: str) -> dict[st
     return counts
 
 
+async def _burning_pings(client: AsyncClient) -> dict[str, float]:
+    """The same pings as the floor's, the CPU hogs now HOGS sessions' own
+    processes (a turn of bench._burn_handler each, as a busy tool): what
+    CPU weighting gives the control plane against busy sessions."""
+    sids = [(await client.create(handler="bench._burn_handler:burner")).id for _ in range(HOGS)]
+    turns = [asyncio.ensure_future(client.send_text(sid, "burn 2.5")) for sid in sids]
+    try:
+        await asyncio.sleep(0.4)
+        return c.summarize(await _pings(client, 300, CONTROL_GAP_SECS))
+    finally:
+        await asyncio.gather(*turns, return_exceptions=True)
+        for sid in sids:
+            with contextlib.suppress(Exception):
+                await client.remove(sid)
+
+
 async def _pings(client: AsyncClient, n: int, gap: float = 0.0) -> list[int]:
     out = []
     for _ in range(n):
@@ -282,15 +310,17 @@ class _Build:
     """One daemon under test: this checkout, or --baseline's (another
     checkout of sessiond, e.g. a `git worktree` of the commit before)."""
 
-    def __init__(self, label: str, repo: str | None, env: dict[str, str], flags: list[str]) -> None:
+    def __init__(self, label: str, repo: str | None, env: dict[str, str], flags: list[str],
+                 config: str = "") -> None:
         self.label = label
         extra = dict(env)
         if repo is not None:
             extra["PYTHONPATH"] = repo
-        self.d = c.BenchDaemon(CONFIG, tag="load", env=extra, python_flags=flags)
+        self.d = c.BenchDaemon(CONFIG + config, tag="load", env=extra, python_flags=flags)
         self.sids: list[str] = []
         self.idle: dict[str, float] = {}
         self.hogged: dict[str, float] = {}
+        self.burning: dict[str, float] = {}
         self.levels: list[dict[str, Any]] = []
 
     async def start(self) -> AsyncClient:
@@ -309,6 +339,7 @@ class _Build:
             for hog in hogs:
                 hog.kill()
                 hog.wait()
+        self.burning = await _burning_pings(client)
         return client
 
     async def grow(self, client: AsyncClient, n: int) -> None:
@@ -325,10 +356,14 @@ class _Build:
 async def _run_mode(ns: list[int], secs: float, fsync_delay_ms: float, baselines: list[tuple[str, str]],
                     profile: str | None = None, rotate: int = 0) -> list[dict[str, Any]]:
     """Every N on every build, interleaved (base N=1, this N=1, base N=10...);
-    `rotate`: which build goes first.  Returned in the order: baselines, this."""
+    `rotate`: which build goes first.  Returned in the order: baselines
+    (the unweighted one last of them), this."""
     env = {"SESSIOND_BENCH_FSYNC_DELAY_MS": str(fsync_delay_ms)} if fsync_delay_ms else {}
     flags = ["-m", "cProfile", "-o", profile] if profile else []
-    builds = [_Build(label, repo, env, []) for label, repo in baselines] + [_Build("this", None, env, flags)]
+    builds = [_Build(label, repo, env, []) for label, repo in baselines]
+    if UNWEIGHTED:
+        builds.append(_Build("unweighted", None, env, [], "[daemon]\nsession_nice = 0\n"))
+    builds.append(_Build("this", None, env, flags, THIS_CONFIG))
     try:
         k = rotate % len(builds)
         order = builds[k:] + builds[:k]
@@ -343,7 +378,7 @@ async def _run_mode(ns: list[int], secs: float, fsync_delay_ms: float, baselines
         for b in builds:
             b.d.cleanup()
     return [{"build": b.label, "fsync_delay_ms": fsync_delay_ms, "idle_ping": b.idle,
-             "hogged_ping": b.hogged, "levels": b.levels}
+             "hogged_ping": b.hogged, "burning_ping": b.burning, "levels": b.levels}
             for b in builds]
 
 
@@ -354,7 +389,8 @@ def _print(rep: c.Report, mode: dict[str, Any]) -> None:
             f"idle daemon ping p50 {c.fmt_us(mode['idle_ping']['median_us'])}, "
             f"p99 {c.fmt_us(mode['idle_ping']['p99_us'])}; with {HOGS} CPU hogs and no sessions busy "
             f"(the scheduler's floor) p50 {c.fmt_us(mode['hogged_ping']['median_us'])}, "
-            f"p99 {c.fmt_us(mode['hogged_ping']['p99_us'])}")
+            f"p99 {c.fmt_us(mode['hogged_ping']['p99_us'])}; with {HOGS} sessions burning a CPU each "
+            f"p50 {c.fmt_us(mode['burning_ping']['median_us'])}, p99 {c.fmt_us(mode['burning_ping']['p99_us'])}")
     base = mode["levels"][0]["turns_per_sec"] or 1.0
     rows = []
     for lv in mode["levels"]:
@@ -425,6 +461,41 @@ def _compare(rep: c.Report, runs: list[list[dict[str, Any]]]) -> None:
                "ping p50 base / this", "ping p99 base / this", "floor p99 base / this"], rows)
 
 
+def _weighting(rep: c.Report, runs: list[list[dict[str, Any]]]) -> None:
+    """This build (session_nice at its default) against the same checkout
+    with session_nice = 0, paired in each run: medians of the figures and
+    of the per-run ratios."""
+    rows = []
+    for mode_i, mode in enumerate(runs[0]):
+        if mode["build"] != "unweighted":
+            continue
+        this_i = next(k for k in range(mode_i, len(runs[0])) if runs[0][k]["build"] == "this")
+        burn = [(run[mode_i]["burning_ping"]["p99_us"], run[this_i]["burning_ping"]["p99_us"]) for run in runs]
+        rows.append([
+            f"+{mode['fsync_delay_ms']} ms" if mode["fsync_delay_ms"] else "real", f"{HOGS} burning",
+            f"{c.fmt_us(_median([u for u, _ in burn]))} / {c.fmt_us(_median([t for _, t in burn]))}",
+            f"{_median([t / max(u, 1e-9) for u, t in burn]):.2f}x", "-", "-",
+        ])
+        for li, lv in enumerate(mode["levels"]):
+            pairs = [(run[mode_i]["levels"][li], run[this_i]["levels"][li]) for run in runs]
+            p99 = [(u["control"]["ping"]["p99_us"], t["control"]["ping"]["p99_us"]) for u, t in pairs]
+            tps = [(u["turns_per_sec"], t["turns_per_sec"]) for u, t in pairs]
+            rows.append([
+                f"+{mode['fsync_delay_ms']} ms" if mode["fsync_delay_ms"] else "real", str(lv["n"]),
+                f"{c.fmt_us(_median([u for u, _ in p99]))} / {c.fmt_us(_median([t for _, t in p99]))}",
+                f"{_median([t / max(u, 1e-9) for u, t in p99]):.2f}x",
+                f"{_median([u for u, _ in tps]):.0f} / {_median([t for _, t in tps]):.0f}",
+                f"{_median([t / max(u, 1e-9) for u, t in tps]):.2f}x",
+            ])
+    if not rows:
+        return
+    rep.say()
+    rep.say(f"CPU weighting: session_nice = 0 (unweighted) against the default (this), paired in each run, "
+            f"median of {len(runs)} run(s):")
+    rep.table(["disk", "sessions", "ping p99 unweighted / this", "p99 this/unweighted",
+               "turns/s unweighted / this", "turns/s this/unweighted"], rows)
+
+
 def _baseline(arg: str) -> tuple[str, str]:
     """--baseline [LABEL=]DIR."""
     label, sep, repo = arg.partition("=")
@@ -456,8 +527,15 @@ def main() -> int:
                    help="experiment: run workers and the load generator at nice N (default 0: as started)")
     p.add_argument("--batch", action="store_true",
                    help="experiment: run workers and the load generator under SCHED_BATCH")
+    p.add_argument("--unweighted", choices=("yes", "no"), default="yes",
+                   help="also run this checkout with [daemon] session_nice = 0, side by side (default yes)")
+    p.add_argument("--config", default="", metavar="TOML",
+                   help="TOML appended to this build's config (not the baselines'), e.g. "
+                   "'[daemon]\\nsession_nice = 5'")
     args = p.parse_args()
-    global RENICE, BATCH, TRACE
+    global RENICE, BATCH, TRACE, UNWEIGHTED, THIS_CONFIG
+    UNWEIGHTED = args.unweighted == "yes"
+    THIS_CONFIG = args.config.replace("\\n", "\n")
     RENICE = args.renice
     BATCH = args.batch
     TRACE = Path(args.trace).resolve() if args.trace else None
@@ -483,8 +561,10 @@ def main() -> int:
     modes = runs[-1]
     rep.figures["modes"] = modes
     rep.figures["runs"] = runs
-    if args.baseline:
+    if args.baseline or UNWEIGHTED:
         _compare(rep, runs)
+    if UNWEIGHTED:
+        _weighting(rep, runs)
     real = real_modes[-1]["levels"]
     by_n = {lv["n"]: lv for lv in real}
     if 1 in by_n and 50 in by_n:

@@ -15,10 +15,19 @@ this conversation is `supervisor.spawner`; they share only `ipc.messages`.
 The zygote is the one process that calls waitpid for workers; it reports
 every exit status to the daemon, decoded once (code or signal).  It is also
 the child subreaper, so tool processes orphaned by a worker re-parent to it
-and are reaped instead of haunting init.  PDEATHSIG ties each worker to the
-zygote (SIGKILL) and the zygote to the daemon (SIGUSR1: when the daemon dies,
-the zygote kills every worker's process group and every process that
-re-parented to it, then exits), so nothing outlives the daemon.
+and are reaped instead of haunting init.  After a worker is killed, the
+orphans it leaves are killed too, but only its session's: those of its uid
+(a root daemon's per-session uid), its process group or its session id
+(each worker leads a session of its own); what bears none of these marks
+(a tool that called setsid) is the daemon's to kill, by the session's
+cgroup or uid.  PDEATHSIG ties each worker to the zygote (SIGKILL) and the
+zygote to the daemon (SIGUSR1: when the daemon dies, the zygote kills
+every worker's process group and every process that re-parented to it,
+then exits), so nothing outlives the daemon.
+
+Each worker runs `[daemon] session_nice` steps nicer than the zygote
+(SESSIOND_SESSION_NICE, set by the daemon before it starts us), set here
+after fork, before any session code: its tools inherit it.
 
 Started by exec (`python -P -m session_worker.zygote --fd N --daemon-pid P`)
 when a zygote must be replaced.  Runs in the zygote process and, after fork,
@@ -31,6 +40,7 @@ import contextlib
 import gc
 import logging
 import os
+import select
 import selectors
 import signal
 import socket
@@ -38,6 +48,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import msgspec
 import setproctitle
@@ -55,6 +66,11 @@ _MAX_PACKET = 4096
 # they re-parent one generation at a time as their parents die.
 _HUNT_SECS = 1.0
 _HUNT_POLL_SECS = 0.02
+# A forked worker's first byte to the zygote: it leads its own session now.
+_SETSID_DONE = b"\x00"
+_SETSID_WAIT_MS = 10_000
+# How much nicer than the zygote each worker runs (see the module's docstring).
+_session_nice = 0
 # session_worker.main.run_worker, bound by _preload: an import statement
 # run in every forked worker is Python work that copies pages.
 _run_worker: Callable[..., int]
@@ -84,6 +100,9 @@ def _configure_logging() -> None:
 
 def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
     """Runs in the zygote process until the daemon closes its end or dies."""
+    global _session_nice
+    with contextlib.suppress(ValueError):
+        _session_nice = max(0, min(19, int(os.environ.pop("SESSIOND_SESSION_NICE", "0"))))
     # Not SIGKILL: when the daemon dies we still have work to do (below).
     set_pdeathsig(signal.SIGUSR1)
     # A forked zygote inherits the daemon's non-dumpable flag, but one
@@ -144,17 +163,27 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
         # after fork: only we reap this child, and not before this line, so
         # the number cannot have passed to another process yet.
         pidfd = os.pidfd_open(pid)
-        with contextlib.suppress(OSError):
-            os.setpgid(pid, pid)  # also done by the child: whoever runs first
         theirs.close()
+        # The daemon signals a worker's process group through its pidfd:
+        # that group must be the worker's own before the daemon hears of it,
+        # or the signal would reach ours.  The child makes it (a session of
+        # its own, which setpgid from here would forbid) and says so.
+        poll = select.poll()
+        poll.register(ours, select.POLLIN)
+        if not (poll.poll(_SETSID_WAIT_MS) and ours.recv(1) == _SETSID_DONE):
+            with contextlib.suppress(OSError):
+                os.setpgid(pid, pid)  # dead or stuck before setsid: a group of its own at least
         return pid, ours, pidfd
 
-    # Until when to hunt strays (see _kill_strays) after a worker was killed.
+    # Until when to hunt strays (see _kill_strays) after a worker was
+    # killed, and whose: the dead workers' marks.
     hunt_until = 0.0
+    hunted: list[_Mark] = []
+    my_uid = os.getuid()
 
     def reap() -> None:
         nonlocal hunt_until
-        for pid, status in _reap_any():
+        for pid, code, uid in _reap_any():
             spare = spares.pop(pid, None)
             if spare is not None:
                 spare[0].close()  # a spare that died unused: nobody to tell
@@ -162,14 +191,18 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
                 continue
             if workers.pop(pid, None) is None:
                 continue  # an orphaned tool process we adopted as subreaper
-            code = os.waitstatus_to_exitcode(status)
             exited = m.Exited(pid=pid, code=code) if code >= 0 else m.Exited(pid=pid, signal=-code)
             with contextlib.suppress(OSError):
                 sock.send(_encode(exited))
             if code < 0:
                 hunt_until = time.monotonic() + _HUNT_SECS
+                # A uid of its own (a root daemon's session uid) marks the
+                # session's processes; the zygote's own uid marks nobody's.
+                hunted.append(_Mark(pid, uid if uid != my_uid else None))
         if time.monotonic() < hunt_until:
-            _kill_strays(workers.keys() | spares.keys())
+            _kill_strays(workers.keys() | spares.keys(), hunted)
+        elif hunted:
+            hunted.clear()
 
     running = True
     while running and not parent_died:
@@ -252,30 +285,64 @@ def _kill_everything(workers: dict[int, int], settle_secs: float = 1.0) -> None:
         time.sleep(0.01)
 
 
-def _kill_strays(ours: set[int]) -> None:
-    """SIGKILL every child that is not a worker.
+class _Mark(NamedTuple):
+    """What marks a killed worker's processes: its process group and
+    session (both its pid) and, when it had one of its own, its uid."""
+
+    pid: int
+    uid: int | None
+
+
+def _kill_strays(ours: set[int], dead: list[_Mark]) -> None:
+    """SIGKILL every child that is not a worker and bears the mark of a
+    killed worker: another session's orphans are not this death's business.
 
     Called for a while after a worker was killed (by us, the daemon or the
     kernel): its tool host dies with it (PDEATHSIG), and whatever the tools
     left re-parents to us, the subreaper.  A worker that exits by itself has
     stopped its host tidily, and the daemon's stop gives the rest their
     grace period."""
+    uids = {d.uid for d in dead if d.uid is not None}
+    pids = {d.pid for d in dead}
     for pid in _my_children():
-        if pid not in ours:
+        if pid in ours:
+            continue
+        pgid, sid, uid = _identity(pid)
+        if pgid in pids or sid in pids or uid in uids:
             with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)  # our unreaped child: the number is its own
 
 
-def _reap_any() -> Iterator[tuple[int, int]]:
-    """(pid, status) of every child that has exited, without blocking."""
+def _identity(pid: int) -> tuple[int | None, int | None, int | None]:
+    """A process's (process group, session, real uid), from /proc; None
+    where unread."""
+    pgid = sid = uid = None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(b")") + 2:].split()
+        pgid, sid = int(fields[2]), int(fields[3])
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    uid = int(line.split()[1])
+                    break
+    return pgid, sid, uid
+
+
+def _reap_any() -> Iterator[tuple[int, int, int]]:
+    """(pid, exit code or -signal, real uid) of every child that has exited,
+    without blocking: waitid reports the uid a worker ran as, gone from
+    /proc once it is reaped."""
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG)
         except ChildProcessError:
             return
-        if pid == 0:
+        if info is None or info.si_pid == 0:
             return
-        yield pid, status
+        code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        yield info.si_pid, code, info.si_uid
 
 
 def _my_children() -> list[int]:
@@ -301,7 +368,18 @@ def _worker_child(
         os.close(wake_r)
         os.close(wake_w)
         zsock.close()
-        os.setpgid(0, 0)
+        # A session of its own: its id marks the worker's processes (its
+        # tools keep it unless they call setsid) for the hunt after its death.
+        try:
+            os.setsid()
+            os.write(fd, _SETSID_DONE)
+        except OSError:
+            # The zygote gave up waiting and made us a group leader; the
+            # daemon may hear from us already: no byte of ours for it.
+            os.setpgid(0, 0)
+        if _session_nice:
+            with contextlib.suppress(OSError):
+                os.nice(_session_nice)  # before any session code; its tools inherit it
         set_pdeathsig(signal.SIGKILL)
         if os.getppid() != zygote_pid:
             os._exit(1)

@@ -1,176 +1,138 @@
-"""A cgroup v2 per session, where the daemon owns a delegated subtree.
+"""A cgroup per session, where the kernel offers one the daemon may manage:
+what a cgroup gives, which kind is used where, and the one interface the
+callers see.  Runs in the daemon only.
 
-Under systemd with `Delegate=yes` (or any cgroup v2 directory the daemon may
-write), each session's worker is put in a cgroup of its own before it runs
-any handler code, and everything it and its tools start stays there:
+Each session's worker is put in a cgroup of its own before it runs any
+handler code, and everything it and its tools start stays there, whatever
+it does to leave the worker's tree (setsid, daemon(3), a user and PID
+namespace of its own):
 
-- `cgroup.kill` ends every process of the session at once, whatever it did
-  to leave the worker's tree (setsid, double fork);
-- `memory.max` (the session's `max_memory_mb`) with `memory.oom.group`: the
-  kernel enforces the cap at allocation time, not one poll later, and kills
-  the whole session when it is hit; `pids.max` (`max_processes`): a fork
-  bomb stops at the limit.  Each only when the controller is delegated.
+- the kill is complete: every process of the session dies with it;
+- the memory cap is the kernel's (`max_memory_mb`), counted at allocation
+  time and counting what the session wrote to tmpfs, memfds and the page
+  cache, not one poll later; a session at its cap with nothing left to
+  reclaim is killed whole, classified `killed_memory` as the sweep's kill;
+- `max_processes` is the kernel's pids limit: a fork bomb stops at it;
+- the session's CPU weight is below the daemon's (`[daemon] session_nice`),
+  one weight per uid above the sessions (`u-UID/s-ID`), so one user's many
+  sessions share one user's share.
 
-Layout (cgroup v2's "no internal processes" rule wants the daemon in a leaf):
+`supervisor.cgroups_detect` (`[daemon] cgroups = "auto"`) takes, in order:
 
-    <the daemon's cgroup>/daemon/          the daemon and the zygote
-    <the daemon's cgroup>/sessions/s-ID/   one session's worker and tools
-
-Where there is no delegated cgroup v2 (cgroup v1 hosts such as the one the
-tests run on, a unit without `Delegate=yes`), nothing here is used and the
-fallbacks hold: the tool host and the zygote for containment, RLIMIT_NPROC
-and the memory sweep for the limits.  `detect` says which, once, at start.
+1. a delegated cgroup v2 subtree (systemd `Delegate=yes`): `cgroups_v2`;
+2. as root, writable cgroup v1 `memory` and `pids` hierarchies (with `cpu`
+   and `freezer` when mounted): `cgroups_v1`;
+3. none: the tool host and the zygote contain processes, RLIMIT_NPROC and
+   the memory sweep enforce the limits (what `detect` returns says why).
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
-import errno
-import logging
 import os
 from pathlib import Path
 
-__all__ = ["Cgroups", "detect"]
+__all__ = ["Cgroups", "cgroup_mounts", "nice_weight", "own_cgroups"]
 
-log = logging.getLogger("sessiond")
+# The kernel's weight of a task at each nice level (sched_prio_to_weight,
+# nice 0..19): the share a cgroup gets at the weight of one such task.
+_NICE_WEIGHT = (1024, 820, 655, 526, 423, 335, 272, 215, 172, 137,
+                110, 87, 70, 56, 45, 36, 29, 23, 18, 15)
 
-_WANTED = ("memory", "pids")
+
+def nice_weight(nice: int) -> int:
+    """The CPU weight (v1 `cpu.shares` scale: nice 0 is 1024) of nice `nice`."""
+    return _NICE_WEIGHT[max(0, min(nice, 19))]
 
 
-def _own_cgroup() -> str | None:
-    """Our path in the unified (v2) hierarchy, from /proc/self/cgroup."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            for line in f:
-                if line.startswith("0::"):
-                    return line[3:].strip()
-    except OSError:
+class Cgroups(abc.ABC):
+    """A cgroup per session: what the workers' owner, the sweep and `stats`
+    use, whichever kernel interface is behind it."""
+
+    version: int
+    # The controllers in use, of "memory", "pids", "cpu" (and "freezer" in v1).
+    controllers: set[str]
+
+    @abc.abstractmethod
+    def setup(self) -> None:
+        """Make the daemon's part of the tree; kill and remove what a daemon
+        that died left there."""
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """One line for the start-up log and `stats`."""
+
+    @abc.abstractmethod
+    def attach(self, session_id: str, pid: int, max_memory_mb: int, max_processes: int | None,
+               uid: int | None = None) -> None:
+        """Put a worker that has not run session code yet in its session's
+        cgroup (under its owner's `u-UID`), with the session's limits."""
+
+    @abc.abstractmethod
+    def limit(self, session_id: str, max_memory_mb: int, max_processes: int | None) -> None:
+        """New limits for a live session (a reload)."""
+
+    @abc.abstractmethod
+    def kill(self, session_id: str) -> None:
+        """SIGKILL every process of the session."""
+
+    @abc.abstractmethod
+    def pids(self, session_id: str) -> list[int]:
+        """The processes in the session's cgroup."""
+
+    @abc.abstractmethod
+    def memory_bytes(self, session_id: str) -> int | None:
+        """The kernel's count of the session's memory (page cache, tmpfs and
+        memfd pages included), or None without a memory controller."""
+
+    @abc.abstractmethod
+    def ooms(self, session_id: str) -> int:
+        """How often the session met its memory cap with nothing left to
+        reclaim (v2: the kernel's OOM kills; v1: those and a session held
+        at its cap now), 0 without a memory controller."""
+
+    def oom_fd(self, session_id: str) -> int | None:
+        """An fd that becomes readable when the kernel OOM-kills in the
+        session (v1's eventfd on memory.oom_control), or None: then the
+        exit of the worker (or the sweep) is where it is seen."""
         return None
-    return None
+
+    @abc.abstractmethod
+    def release(self, session_id: str) -> None:
+        """Kill what is left of the session and remove its cgroup (a cgroup
+        with processes cannot go: the next release or start retries)."""
 
 
-def _cgroup2_mount() -> Path | None:
-    """Where the cgroup2 filesystem is mounted (the first such mount)."""
+def own_cgroups() -> dict[str, str]:
+    """Our path in each hierarchy, from /proc/self/cgroup: controller (or
+    "" for the unified v2 hierarchy) -> path."""
+    out: dict[str, str] = {}
+    with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:
+        for line in f:
+            _, ctrls, path = line.rstrip("\n").split(":", 2)
+            for ctrl in ctrls.split(",") if ctrls else [""]:
+                out[ctrl] = path
+    return out
+
+
+def cgroup_mounts() -> dict[str, tuple[Path, str]]:
+    """Where each hierarchy is mounted: controller (or "" for cgroup2) ->
+    (mount point, the cgroup at its root).  The first mount of each."""
+    out: dict[str, tuple[Path, str]] = {}
     try:
         with open("/proc/self/mountinfo") as f:
             for line in f:
                 fields = line.split()
                 sep = fields.index("-")
-                if fields[sep + 1] == "cgroup2" and fields[3] == "/":
-                    return Path(fields[4].replace("\\040", " "))
+                fstype, options = fields[sep + 1], fields[sep + 3].split(",")
+                point = Path(fields[4].replace("\\040", " "))
+                if fstype == "cgroup2":
+                    out.setdefault("", (point, fields[3]))
+                elif fstype == "cgroup":
+                    for ctrl in options:
+                        if ctrl in ("memory", "pids", "cpu", "freezer"):
+                            out.setdefault(ctrl, (point, fields[3]))
     except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def detect(setting: str) -> tuple[Cgroups | None, str]:
-    """(Cgroups, '') where the daemon may manage cgroups, else (None, why)."""
-    if setting == "off":
-        return None, "[daemon] cgroups = off"
-    mount = _cgroup2_mount()
-    path = _own_cgroup()
-    if mount is None or path is None:
-        return None, "no cgroup v2 hierarchy is mounted (a cgroup v1 host)"
-    here = mount / path.lstrip("/")
-    not_ours = f"the daemon's cgroup {path} is not delegated to it (under systemd: Delegate=yes)"
-    if path == "/":
-        return None, "the daemon is in the root cgroup, not one delegated to it"
-    if not os.access(here / "cgroup.procs", os.W_OK) or not os.access(here / "cgroup.subtree_control", os.W_OK):
-        return None, not_ours
-    if os.environ.get("INVOCATION_ID") and not _delegated_by_systemd(here):
-        return None, not_ours
-    try:
-        others = set((here / "cgroup.procs").read_text().split()) - {str(os.getpid())}
-    except OSError as exc:
-        return None, f"cannot read {here}: {exc.strerror}"
-    if others:
-        # Someone else's cgroup (a shell's, a container's): moving its
-        # processes around is not ours to do.
-        return None, f"the daemon shares its cgroup {path} with other processes"
-    return Cgroups(here), ""
-
-
-def _delegated_by_systemd(path: Path) -> bool:
-    """systemd marks a cgroup it delegated (Delegate=yes) with an xattr."""
-    for name in ("trusted.delegate", "user.delegate"):
-        with contextlib.suppress(OSError):
-            if os.getxattr(path, name) == b"1":
-                return True
-    return False
-
-
-class Cgroups:
-    """The daemon's delegated subtree.  Runs in the daemon only."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.sessions = root / "sessions"
-        self.controllers: set[str] = set()
-
-    def setup(self) -> None:
-        """Move the daemon into its leaf and enable what we can below."""
-        leaf = self.root / "daemon"
-        leaf.mkdir(exist_ok=True)
-        (leaf / "cgroup.procs").write_text(str(os.getpid()))  # alone in it: detect checked
-        available = set((self.root / "cgroup.controllers").read_text().split())
-        self.controllers = {c for c in _WANTED if c in available}
-        self.sessions.mkdir(exist_ok=True)
-        for stale in self.sessions.glob("s-*"):  # left by a daemon that died
-            self.release(stale.name[2:])
-        for parent in (self.root, self.sessions):
-            for controller in self.controllers:
-                try:
-                    (parent / "cgroup.subtree_control").write_text(f"+{controller}")
-                except OSError as exc:
-                    log.warning("cgroup %s: cannot enable %s: %s", parent, controller, exc.strerror)
-                    self.controllers.discard(controller)
-
-    def describe(self) -> str:
-        shown = ", ".join(sorted(self.controllers)) or "no memory or pids controller delegated"
-        return f"a cgroup v2 per session under {self.root} ({shown})"
-
-    def _dir(self, session_id: str) -> Path:
-        return self.sessions / f"s-{session_id}"
-
-    def attach(self, session_id: str, pid: int, max_memory_mb: int, max_processes: int | None) -> None:
-        """Put a worker that has not run session code yet in its session's cgroup."""
-        cg = self._dir(session_id)
-        cg.mkdir(exist_ok=True)
-        if "memory" in self.controllers:
-            (cg / "memory.max").write_text(str(max_memory_mb << 20))
-            (cg / "memory.oom.group").write_text("1")
-        if "pids" in self.controllers:
-            (cg / "pids.max").write_text(str(max_processes) if max_processes else "max")
-        (cg / "cgroup.procs").write_text(str(pid))
-
-    def limit(self, session_id: str, max_memory_mb: int, max_processes: int | None) -> None:
-        """New limits for a live session (a reload)."""
-        cg = self._dir(session_id)
-        with contextlib.suppress(OSError):
-            if "memory" in self.controllers:
-                (cg / "memory.max").write_text(str(max_memory_mb << 20))
-            if "pids" in self.controllers:
-                (cg / "pids.max").write_text(str(max_processes) if max_processes else "max")
-
-    def kill(self, session_id: str) -> None:
-        """SIGKILL every process of the session (Linux 5.14+)."""
-        with contextlib.suppress(OSError):
-            (self._dir(session_id) / "cgroup.kill").write_text("1")
-
-    def pids(self, session_id: str) -> list[int]:
-        try:
-            return [int(p) for p in (self._dir(session_id) / "cgroup.procs").read_text().split()]
-        except OSError:
-            return []
-
-    def release(self, session_id: str) -> None:
-        """Kill what is left of the session and remove its cgroup (a cgroup
-        with processes cannot go: EBUSY; the next release or start retries)."""
-        self.kill(session_id)
-        try:
-            self._dir(session_id).rmdir()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            if exc.errno != errno.EBUSY:
-                log.warning("cannot remove cgroup of session %s: %s", session_id, exc.strerror)
+        return out
+    return out

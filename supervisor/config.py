@@ -74,10 +74,17 @@ class DaemonSettings(ConfigSection):
     # this says so.  Without it and with session_uid_range = "", the daemon
     # refuses to start.
     allow_root_tools: bool = False
-    # auto: a cgroup v2 per session where the daemon's own cgroup is
-    # delegated to it (systemd Delegate=yes): cgroup.kill, memory.max,
-    # pids.max enforced by the kernel; off: never (see README, Security).
+    # auto: a cgroup per session, the kernel's kill and caps (memory, pids,
+    # CPU weight): a cgroup v2 where the daemon's own is delegated to it
+    # (systemd Delegate=yes), else, as root, the cgroup v1 memory and pids
+    # (and cpu, freezer) hierarchies; off: never (see README, Security).
     cgroups: Literal["auto", "off"] = "auto"
+    # Sessions' workers and tools run this much nicer than the daemon, and
+    # (with a cpu cgroup) all sessions together at the CPU weight of one task
+    # at that nice level, one equal weight per user below that: the daemon's
+    # control plane comes first when CPUs are short.  0: as the daemon.
+    # Read at start.
+    session_nice: Annotated[int, Meta(ge=0, le=19)] = 10
     # Sessions (sub-agents included) and connections one non-admin uid may hold.
     max_sessions_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 128
     max_connections_per_uid: Annotated[int, Meta(ge=1, le=1_000_000)] = 64

@@ -40,7 +40,7 @@ from ipc.loop import run as run_loop
 from ipc.linux import set_dumpable
 from supervisor import __version__, sandbox, sdnotify, seams
 from supervisor.cgroups import Cgroups
-from supervisor.cgroups import detect as cgroup_detect
+from supervisor.cgroups_detect import detect as cgroup_detect
 from supervisor.config import (
     Config,
     ConfigError,
@@ -254,19 +254,25 @@ def resolve_identities(cfg: Config) -> Identities:
 
 
 def _cgroups(cfg: Config) -> tuple[Cgroups | None, str]:
-    """A cgroup per session where ours is delegated; else say what holds instead."""
-    found, why = cgroup_detect(cfg.daemon.cgroups)
+    """A cgroup per session where the kernel offers one we may manage; else
+    say what holds instead.  Also the sessions' nice level, for the zygote
+    (forked or exec'd after this) to set in each worker it forks."""
+    nice = cfg.daemon.session_nice
+    os.environ["SESSIOND_SESSION_NICE"] = str(nice)
+    found, why = cgroup_detect(cfg.daemon.cgroups, nice)
     if found is not None:
         try:
             found.setup()
         except OSError as exc:
-            why = f"cannot set up {found.root}: {exc.strerror or exc}"
+            why = f"cannot set up {found.describe()}: {exc.strerror or exc}"
             found = None
+    weight = f"workers and tools at nice {nice}" if nice else "workers and tools at the daemon's CPU weight"
     if found is None:
         log.info("no cgroup per session: %s; processes are contained by the tool host and the zygote, "
-                 "and limits enforced by rlimits and the memory sweep", why)
+                 "and limits enforced by rlimits and the memory sweep; %s", why, weight)
         return None, why
-    log.info("sessions get %s", found.describe())
+    cpu = f", all sessions at the CPU weight of one task at nice {nice}" if "cpu" in found.controllers else ""
+    log.info("sessions get %s; %s%s", found.describe(), weight, cpu)
     return found, ""
 
 

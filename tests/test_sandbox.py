@@ -239,9 +239,10 @@ def test_a_fork_bomb_stays_inside_its_session(
         # Meanwhile, and after, the other session answers.
         assert c.send_text(other, "ping") == "1: ping"
     last = events[-1]
-    if setup in ("landlock-only", ROOT_TOOLS):
-        # One uid for every session and no user namespace, or root: the
-        # kernel cannot count per session, so the sweep counts and kills.
+    if setup == "landlock-only":
+        # One uid for every session, no user namespace and (not root) no
+        # cgroup: the kernel cannot count per session, so the sweep counts
+        # and kills.  (Root's own tools: the session's cgroup v1 pids.max.)
         assert isinstance(last, m.TurnFailed) or any(
             isinstance(e, m.LimitExceeded) and e.kind == "processes" for e in events), events
         with d.client() as c:
@@ -251,7 +252,7 @@ def test_a_fork_bomb_stays_inside_its_session(
         assert isinstance(last, m.TurnDone), last
         out = tool_results(llm.requests[-1].json)[-1]
         forked = int(re.search(r"FORKED (\d+)", out).group(1))
-        assert forked < 64, out  # the kernel refused the rest (RLIMIT_NPROC per session)
+        assert forked < 64, out  # the kernel refused the rest (RLIMIT_NPROC or pids.max per session)
     with d.client() as c:
         assert c.send_text(other, "again") == "2: again"
         c.remove(bomber)
@@ -328,9 +329,11 @@ def test_a_per_session_override_may_only_narrow_the_network(make_daemon, llm: Fa
     # Daemon-wide: what this host gives every session, and why not the rest.
     stats = json.loads(d.ctl("--json", "stats").stdout)["sandbox"]
     assert stats["mode"] == "auto" and stats["namespaces"] is True and stats["seccomp"] is True
-    assert stats["landlock_abi"] >= 1 and "cgroups" in stats["why_not"], stats
+    # A root daemon on this cgroup v1 host: a cgroup per session, named.
+    assert stats["landlock_abi"] >= 1 and "cgroup v1" in stats["cgroups"], stats
+    assert "memory" in stats["cgroups"] and "pids" in stats["cgroups"], stats
     text = d.ctl("stats").stdout
-    assert "sandbox (auto): namespaces, Landlock ABI" in text and "no cgroups:" in text, text
+    assert "sandbox (auto): namespaces, Landlock ABI" in text and "cgroups" in text, text
 
 
 def test_required_refuses_to_start_where_namespaces_cannot_be_made(tmp_path: Path) -> None:

@@ -1,0 +1,82 @@
+"""Handlers whose own code starts processes that leave the worker's tree
+(`cgroup_handlers:NAME`), for the cgroup tests: no tool host, no sandbox,
+only the session's cgroup (or the zygote) between them and the machine.
+
+A turn's text names what to start, each tagged `sessiond-esc-<tag>-<kind>`
+(in its command line) so the tests find them:
+
+    setsid TAG     a sleep in a session of its own, its parent gone (setsid)
+    daemon TAG     a sleep double-forked as daemon(3) does
+    userns TAG     a sleep in a user and PID namespace of its own (unshare)
+    hog TAG MIB    a setsid'd process that fills MIB MiB and holds it
+    memfd TAG MIB  a setsid'd process that write()s MIB MiB into a memfd
+                   (never mapped: no RSS) and holds it
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+from session_worker.handler import HandlerInit, TurnContext, TurnResult
+
+_SLEEP = "exec -a sessiond-esc-{tag}-{kind} sleep 600"
+_MEMFD = ("import os, time\n"
+          "fd = os.memfd_create(\"hold\")\n"
+          "for _ in range({mib}): os.write(fd, bytes(1 << 20))\n"
+          "time.sleep(600)\n")
+_HOG = ("import sys, time\n"
+        "x = bytearray({mib} << 20)\n"
+        "for i in range(0, len(x), 4096): x[i] = 1\n"
+        "time.sleep(600)\n")
+
+
+def _detached(cmd: list[str]) -> None:
+    """Start `cmd` so that its parent exits at once: it re-parents to the
+    zygote (the subreaper), out of the worker's tree."""
+    subprocess.run(["bash", "-c", '("$@" &) ; exit 0', "bash", *cmd], check=True,
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+class Escaper:
+    def __init__(self, init: HandlerInit) -> None:
+        self.turns = 0
+
+    def restore(self, state: Any, records: list[Any]) -> None:
+        self.turns = int(state or 0) + len(records)
+
+    def snapshot(self) -> Any:
+        return self.turns
+
+    async def aclose(self) -> None:
+        return None
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        words = text.split()
+        kind, tag = words[0], words[1]
+        sleep = _SLEEP.format(tag=tag, kind=kind)
+        if kind == "setsid":
+            _detached(["setsid", "bash", "-c", sleep])
+        elif kind == "daemon":
+            # daemon(3): fork, setsid, fork again; the middle one exits.
+            _detached(["setsid", "bash", "-c", f"(bash -c '{sleep}' &) ; exit 0"])
+        elif kind == "userns":
+            _detached(["setsid", "unshare", "--user", "--map-root-user", "--pid", "--fork",
+                       "bash", "-c", sleep])
+        elif kind == "hog":
+            code = _HOG.format(mib=int(words[2]))
+            _detached(["setsid", "bash", "-c",
+                       f"exec -a sessiond-esc-{tag}-hog {sys.executable} -c '{code}'"])
+        elif kind == "memfd":
+            code = _MEMFD.format(mib=int(words[2]))
+            _detached(["setsid", "bash", "-c",
+                       f"exec -a sessiond-esc-{tag}-memfd {sys.executable} -c '{code}'"])
+        else:
+            return TurnResult(f"unknown: {kind}", record=1)
+        self.turns += 1
+        return TurnResult(f"started {kind}", record=1)
+
+
+def escaper(init: HandlerInit) -> Escaper:
+    return Escaper(init)
