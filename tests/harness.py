@@ -8,6 +8,8 @@ workers, tools) is gone, so a test that leaks processes fails.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import json
 import os
 import signal
 import socket
@@ -28,6 +30,7 @@ from supervisor.client import Client
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
+SERVICE = REPO / "systemd" / "sessiond.service"
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
@@ -100,6 +103,8 @@ class Daemon:
         self.preexec: Callable[[], None] | None = None
         # Put before `cmd` when starting (e.g. `run_as_user`'s wrapper).
         self.cmd_prefix: list[str] = []
+        # Descriptors the daemon inherits (as from a careless parent).
+        self.pass_fds: tuple[int, ...] = ()
         self._exposed: list[Path] = []
 
     @property
@@ -113,7 +118,7 @@ class Daemon:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [*self.cmd_prefix, *self.cmd], stdout=log, stderr=subprocess.STDOUT, env=env_for_children(),
-            start_new_session=True, cwd=str(self.root), preexec_fn=self.preexec,
+            start_new_session=True, cwd=str(self.root), preexec_fn=self.preexec, pass_fds=self.pass_fds,
         )
         log.close()
         wait_for(self._answers, timeout, f"sessiond to listen (log: {self.log})")
@@ -157,6 +162,27 @@ class Daemon:
             "unshare", "--mount", "--propagation", "private", "sh", "-c",
             f'{mounts}exec setpriv --reuid={uid} --regid={gid} --clear-groups -- "$@"', "sh",
         ]
+
+    def run_as_unit(self, service: Path = SERVICE, visible: tuple[Path, ...] = ()) -> UnitEmulation:
+        """Start the daemon as systemd would start it from `service` (the
+        shipped unit by default), as closely as this machine allows without
+        systemd as PID 1: as the unit's user (root when it names none),
+        under `setpriv` with the unit's capability bounding set, inheritable
+        and ambient sets cleared and no_new_privs, with its umask, in a mount
+        namespace of its own where /proc is a new instance mounted with
+        ProtectProc='s hidepid=, the system is read-only except the daemon's
+        root and socket directory and /sys/fs/cgroup (ProtectSystem=strict,
+        ProtectKernelTunables=, ProtectControlGroups=no), and /tmp and
+        /var/tmp are private tmpfs (PrivateTmp=).  `visible` are paths from
+        the real /tmp that must stay in view (read-only), such as a
+        PostgreSQL server's socket directory, which would live in /run.
+        What could not be emulated is in the returned `not_emulated`."""
+        unit = UnitEmulation.from_file(service)
+        keep_rw = [self.root, self.sockdir]
+        spec = unit.launch_spec([str(p) for p in keep_rw], [str(p) for p in visible])
+        self.cmd_prefix = [sys.executable, "-c", "import harness, sys; harness.enter_unit(sys.argv[1:])",
+                           json.dumps(spec), "--"]
+        return unit
 
     def _answers(self) -> bool:
         assert self.proc is not None
@@ -299,3 +325,175 @@ def running_daemon(root: Path, config: str = "") -> Iterator[Daemon]:
         yield d
     finally:
         d.cleanup()
+
+
+# ---------------------------------------------------------------- the unit, emulated
+
+def unit_service_settings(path: Path = SERVICE) -> dict[str, list[str]]:
+    """[Service] of a unit file: key -> its values in order (keys repeat;
+    an empty assignment resets the list, as systemd reads it)."""
+    out: dict[str, list[str]] = {}
+    section = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            continue
+        if section != "Service":
+            continue
+        key, _, value = line.partition("=")
+        values = out.setdefault(key.strip(), [])
+        if value.strip():
+            values.append(value.strip())
+        else:
+            values.clear()
+    return out
+
+
+_YES = ("yes", "true", "on", "1")
+
+
+class UnitEmulation:
+    """What of a unit file the harness reproduces, read from the file so the
+    tests follow it."""
+
+    def __init__(self, settings: dict[str, list[str]]) -> None:
+        self.settings = settings
+
+        def last(key: str, default: str = "") -> str:
+            return settings.get(key, [default])[-1] if settings.get(key) else default
+
+        self.user = last("User", "root")
+        caps: list[str] = []
+        for value in settings.get("CapabilityBoundingSet", []):
+            assert not value.startswith("~"), "a deny-list bounding set is not emulated"
+            caps += value.split()
+        self.capabilities = caps
+        self.no_new_privs = last("NoNewPrivileges").lower() in _YES
+        self.protect_proc = last("ProtectProc", "default")
+        self.protect_system = last("ProtectSystem", "no")
+        self.private_tmp = last("PrivateTmp").lower() in _YES
+        self.umask = int(last("UMask", "0022"), 8)
+        self.ambient = " ".join(settings.get("AmbientCapabilities", []))
+        self.not_emulated = {
+            key: "needs systemd as PID 1 (seccomp filter / device cgroup / namespaces of its own)"
+            for key in ("SystemCallFilter", "RestrictNamespaces", "RestrictAddressFamilies",
+                        "PrivateDevices", "DevicePolicy", "ProtectClock", "ProtectHostname",
+                        "ProtectKernelModules", "ProtectKernelLogs", "RestrictRealtime",
+                        "RestrictSUIDSGID", "LockPersonality", "SystemCallArchitectures",
+                        "MemoryMax", "TasksMax", "Delegate")
+            if key in settings
+        }
+        if last("ProtectHome").lower() in _YES + ("read-only", "tmpfs"):
+            self.not_emulated["ProtectHome"] = (
+                "the test interpreter may live under /root (pyenv); install.sh refuses one there")
+
+    @classmethod
+    def from_file(cls, path: Path = SERVICE) -> UnitEmulation:
+        return cls(unit_service_settings(path))
+
+    def launch_spec(self, keep_rw: list[str], visible: list[str]) -> dict[str, Any]:
+        assert not self.ambient, "AmbientCapabilities= is not emulated"
+        return {
+            "user": self.user, "caps": self.capabilities, "nnp": self.no_new_privs,
+            "hidepid": {"invisible": "invisible", "noaccess": "noaccess", "ptraceable": "ptraceable"}.get(
+                self.protect_proc, ""),
+            "strict": self.protect_system == "strict", "private_tmp": self.private_tmp,
+            "umask": self.umask, "rw": keep_rw, "visible": visible,
+        }
+
+    def describe(self) -> str:
+        caps = " ".join(c.lower().removeprefix("cap_") for c in self.capabilities) or "none"
+        return (f"user={self.user} caps=[{caps}] nnp={self.no_new_privs} ProtectProc={self.protect_proc} "
+                f"ProtectSystem={self.protect_system} PrivateTmp={self.private_tmp}; not emulated: "
+                + ", ".join(sorted(self.not_emulated)))
+
+
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_NOATIME, _MS_NODIRATIME, _MS_RELATIME = 1024, 2048, 1 << 21
+_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
+_MOUNT_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC, "noatime": _MS_NOATIME,
+                "nodiratime": _MS_NODIRATIME, "relatime": _MS_RELATIME}
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    enc = lambda v: v.encode() if v is not None else None  # noqa: E731
+    if libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source} {target} ({fstype}, {flags:#x}): {os.strerror(err)}")
+
+
+def _mountpoints() -> list[tuple[str, int]]:
+    """(mount point, its per-mount flags) from /proc/self/mountinfo."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            point = fields[4].encode().decode("unicode_escape")
+            flags = 0
+            for opt in fields[5].split(","):
+                flags |= _MOUNT_FLAGS.get(opt, 0)
+            out.append((point, flags))
+    return out
+
+
+def _under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def enter_unit(argv: list[str]) -> None:
+    """The launcher `Daemon.run_as_unit` puts before the daemon's command:
+    `python -c ... SPEC -- CMD...`.  Builds the unit's mount namespace, then
+    execs setpriv with its credentials and capabilities."""
+    spec = json.loads(argv[0])
+    assert argv[1] == "--"
+    cmd = argv[2:]
+    os.umask(spec["umask"])
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS (os.unshare is 3.12+)
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+    _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+    keep = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in [*spec["rw"], *spec["visible"]]}
+    # Their ancestors' owners and modes, to rebuild them in a private /tmp.
+    ancestors = {str(a): os.stat(a) for p in keep for a in Path(p).parents}
+    if spec["strict"]:
+        # ProtectSystem=strict: every mount read-only but the API file
+        # systems; ProtectKernelTunables=: /sys too, but not the cgroup
+        # hierarchies under it (ProtectControlGroups=no).
+        for point, flags in _mountpoints():
+            if _under(point, "/proc") or _under(point, "/dev"):
+                continue
+            if _under(point, "/sys/fs/cgroup") and point != "/sys/fs/cgroup":
+                continue
+            with contextlib.suppress(OSError):  # a mount hidden under another one
+                _mount(None, point, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | flags)
+    tmps = ("/tmp", "/var/tmp") if spec["private_tmp"] else ()
+    for tmp in tmps:
+        _mount("tmpfs", tmp, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777")
+    for path, fd in keep.items():
+        rw = path in spec["rw"]
+        if any(_under(path, t) for t in tmps):
+            for a in [*reversed(Path(path).parents), Path(path)]:
+                if not a.exists():
+                    st = ancestors.get(str(a)) or os.stat(f"/proc/self/fd/{fd}")
+                    os.mkdir(a)
+                    os.chown(a, st.st_uid, st.st_gid)
+                    os.chmod(a, st.st_mode & 0o7777)
+        elif not rw:
+            continue  # still in view where it was
+        _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
+        _mount(None, path, None, _MS_REMOUNT | _MS_BIND | (0 if rw else _MS_RDONLY))
+        os.close(fd)
+    if spec["hidepid"]:
+        # ProtectProc=: a new instance of procfs, as systemd mounts it.
+        _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, f"hidepid={spec['hidepid']}")
+    caps = ",".join(["-all", *(f"+{c.lower().removeprefix('cap_')}" for c in spec["caps"])])
+    setpriv = ["setpriv", f"--bounding-set={caps}", "--inh-caps=-all", "--ambient-caps=-all"]
+    if spec["nnp"]:
+        setpriv.append("--no-new-privs")
+    if spec["user"] not in ("root", "0"):
+        setpriv += [f"--reuid={spec['user']}", f"--regid={spec['user']}", "--clear-groups"]
+    os.execvp("setpriv", [*setpriv, "--", *cmd])
