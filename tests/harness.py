@@ -163,7 +163,8 @@ class Daemon:
             f'{mounts}exec setpriv --reuid={uid} --regid={gid} --clear-groups -- "$@"', "sh",
         ]
 
-    def run_as_unit(self, service: Path = SERVICE, visible: tuple[Path, ...] = ()) -> UnitEmulation:
+    def run_as_unit(self, service: Path = SERVICE, visible: tuple[Path, ...] = (),
+                    drop: tuple[str, ...] = ()) -> UnitEmulation:
         """Start the daemon as systemd would start it from `service` (the
         shipped unit by default), as closely as this machine allows without
         systemd as PID 1: as the unit's user (root when it names none),
@@ -176,8 +177,11 @@ class Daemon:
         /var/tmp are private tmpfs (PrivateTmp=).  `visible` are paths from
         the real /tmp that must stay in view (read-only), such as a
         PostgreSQL server's socket directory, which would live in /run.
-        What could not be emulated is in the returned `not_emulated`."""
+        What could not be emulated is in the returned `not_emulated`.
+        `drop`: capabilities to take out of the unit's set (to show each
+        one it keeps is needed)."""
         unit = UnitEmulation.from_file(service)
+        unit.capabilities = [c for c in unit.capabilities if c not in drop]
         keep_rw = [self.root, self.sockdir]
         spec = unit.launch_spec([str(p) for p in keep_rw], [str(p) for p in visible])
         self.cmd_prefix = [sys.executable, "-c", "import harness, sys; harness.enter_unit(sys.argv[1:])",
@@ -377,10 +381,10 @@ class UnitEmulation:
         self.private_tmp = last("PrivateTmp").lower() in _YES
         self.umask = int(last("UMask", "0022"), 8)
         self.ambient = " ".join(settings.get("AmbientCapabilities", []))
+        self.seccomp = _seccomp_spec(settings)
         self.not_emulated = {
-            key: "needs systemd as PID 1 (seccomp filter / device cgroup / namespaces of its own)"
-            for key in ("SystemCallFilter", "RestrictNamespaces", "RestrictAddressFamilies",
-                        "PrivateDevices", "DevicePolicy", "ProtectClock", "ProtectHostname",
+            key: "needs systemd as PID 1 (device cgroup, namespaces and mounts of its own, limits)"
+            for key in ("PrivateDevices", "DevicePolicy", "ProtectClock", "ProtectHostname",
                         "ProtectKernelModules", "ProtectKernelLogs", "RestrictRealtime",
                         "RestrictSUIDSGID", "LockPersonality", "SystemCallArchitectures",
                         "MemoryMax", "TasksMax", "Delegate")
@@ -401,14 +405,156 @@ class UnitEmulation:
             "hidepid": {"invisible": "invisible", "noaccess": "noaccess", "ptraceable": "ptraceable"}.get(
                 self.protect_proc, ""),
             "strict": self.protect_system == "strict", "private_tmp": self.private_tmp,
-            "umask": self.umask, "rw": keep_rw, "visible": visible,
+            "umask": self.umask, "rw": keep_rw, "visible": visible, "seccomp": self.seccomp,
         }
 
     def describe(self) -> str:
         caps = " ".join(c.lower().removeprefix("cap_") for c in self.capabilities) or "none"
         return (f"user={self.user} caps=[{caps}] nnp={self.no_new_privs} ProtectProc={self.protect_proc} "
-                f"ProtectSystem={self.protect_system} PrivateTmp={self.private_tmp}; not emulated: "
+                f"ProtectSystem={self.protect_system} PrivateTmp={self.private_tmp} "
+                f"seccomp={'SystemCallFilter+RestrictNamespaces+RestrictAddressFamilies' if self.seccomp else 'none'}"
+                "; not emulated: "
                 + ", ".join(sorted(self.not_emulated)))
+
+
+def _syscall_groups() -> dict[str, list[str]]:
+    """systemd's @groups and their members, as `systemd-analyze syscall-filter` lists them."""
+    out = subprocess.run(["systemd-analyze", "syscall-filter", "--no-pager"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    groups: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in out.splitlines():
+        if line.startswith("@"):
+            current = groups.setdefault(line.strip(), [])
+        elif not line.startswith(" "):
+            current = None
+        elif current is not None and line.strip() and not line.strip().startswith("#"):
+            current.append(line.strip())
+    return groups
+
+
+def _expand(names: list[str], groups: dict[str, list[str]]) -> set[str]:
+    out: set[str] = set()
+    for name in names:
+        out |= _expand(groups[name], groups) if name.startswith("@") else {name}
+    return out
+
+
+_NAMESPACE_FLAGS = {"cgroup": 0x02000000, "ipc": 0x08000000, "net": 0x40000000, "mnt": 0x00020000,
+                    "pid": 0x20000000, "user": 0x10000000, "uts": 0x04000000, "time": 0x00000080}
+_ERRNO_NAMES = {"EPERM": 1, "EACCES": 13, "ENOSYS": 38}
+
+
+def _seccomp_spec(settings: dict[str, list[str]]) -> dict[str, Any]:
+    """The unit's SystemCallFilter=, SystemCallErrorNumber=,
+    RestrictNamespaces= and RestrictAddressFamilies= as one seccomp filter
+    for the launcher (systemd's own semantics: the first list decides allow
+    or deny, later `~` lists take away, later plain lists add)."""
+    spec: dict[str, Any] = {}
+    lines = settings.get("SystemCallFilter", [])
+    if lines:
+        groups = _syscall_groups()
+        allow: set[str] | None = None
+        deny: set[str] = set()
+        for line in lines:
+            negate = line.startswith("~")
+            names = _expand(line.lstrip("~").split(), groups)
+            if allow is None and not negate:
+                allow = names | _expand(["@default"], groups)
+            elif allow is None:
+                deny |= names
+            elif negate:
+                allow -= names
+            else:
+                allow |= names
+        spec["allow"] = sorted(allow) if allow is not None else None
+        spec["deny"] = sorted(deny)
+        errno_name = (settings.get("SystemCallErrorNumber") or ["EPERM"])[-1]
+        spec["errno"] = _ERRNO_NAMES.get(errno_name, 1)
+    restrict = (settings.get("RestrictNamespaces") or [""])[-1]
+    if restrict:
+        allowed = {"yes": set(), "true": set(), "no": set(_NAMESPACE_FLAGS), "false": set(_NAMESPACE_FLAGS)}.get(
+            restrict, set(restrict.lstrip("~").split()))
+        if restrict.startswith("~"):
+            allowed = set(_NAMESPACE_FLAGS) - allowed
+        spec["forbidden_ns"] = sum(f for n, f in _NAMESPACE_FLAGS.items() if n not in allowed)
+    families = settings.get("RestrictAddressFamilies", [])
+    if families:
+        assert not families[0].startswith("~"), "a deny-list of families is not emulated"
+        spec["families"] = sorted({getattr(socket, f) for line in families for f in line.split()})
+    return spec
+
+
+def _load_seccomp(spec: dict[str, Any]) -> None:
+    """Build and load the filter with libseccomp (what systemd does)."""
+    if not spec:
+        return
+    lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+
+    class Cmp(ctypes.Structure):
+        _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("a", ctypes.c_uint64), ("b", ctypes.c_uint64)]
+
+    allow_act, masked_eq, eq = 0x7FFF0000, 7, 4
+
+    def errno_act(n: int) -> int:
+        return 0x00050000 | (n & 0xFFFF)
+
+    errno = spec.get("errno", 1)
+    default = errno_act(errno) if spec.get("allow") is not None else allow_act
+    ctx = ctypes.c_void_p(lib.seccomp_init(default))
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                           ctypes.POINTER(Cmp)]
+
+    def rule(action: int, name: str, *cmps: tuple[int, int, int, int]) -> None:
+        nr = lib.seccomp_syscall_resolve_name(name.encode())
+        if nr < 0:
+            return  # not a syscall of this architecture
+        arr = (Cmp * max(1, len(cmps)))(*[Cmp(*c) for c in cmps])
+        rc = lib.seccomp_rule_add_array(ctx, action, nr, len(cmps), arr)
+        if rc != 0:
+            raise OSError(-rc, f"seccomp rule for {name}")
+
+    special = {"socket", "unshare", "clone", "clone3", "setns"}
+    allow = spec.get("allow")
+    if allow is not None:
+        for name in allow:
+            if name not in special:
+                rule(allow_act, name)
+    for name in spec.get("deny", []):
+        rule(errno_act(errno), name)
+
+    def allowed(name: str) -> bool:
+        return allow is None or name in allow
+
+    forbidden = spec.get("forbidden_ns")
+    for name, arg in (("unshare", 0), ("clone", 0), ("setns", 1)):
+        if not allowed(name):
+            continue
+        if forbidden is None:
+            if allow is not None:
+                rule(allow_act, name)
+            continue
+        if allow is not None:  # allowed only without a forbidden namespace flag
+            rule(allow_act, name, (arg, masked_eq, forbidden, 0))
+        else:  # refused with any of them
+            for flag in [1 << i for i in range(32) if forbidden & (1 << i)]:
+                rule(errno_act(1), name, (arg, masked_eq, flag, flag))
+    if allowed("clone3"):
+        # As systemd: clone3's flags are out of a filter's reach; glibc falls back to clone.
+        rule(errno_act(38) if forbidden is not None else allow_act, "clone3")
+    if allowed("socket"):
+        families = spec.get("families")
+        if families is None:
+            if allow is not None:
+                rule(allow_act, "socket")
+        elif allow is not None:
+            for family in families:
+                rule(allow_act, "socket", (0, eq, family, 0))
+    if lib.seccomp_load(ctx) != 0:
+        raise OSError(ctypes.get_errno(), "seccomp_load")
+    lib.seccomp_release(ctx)
 
 
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
@@ -490,6 +636,8 @@ def enter_unit(argv: list[str]) -> None:
     if spec["hidepid"]:
         # ProtectProc=: a new instance of procfs, as systemd mounts it.
         _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, f"hidepid={spec['hidepid']}")
+    # Last, as systemd does: the filter holds for setpriv and the daemon.
+    _load_seccomp(spec["seccomp"])
     caps = ",".join(["-all", *(f"+{c.lower().removeprefix('cap_')}" for c in spec["caps"])])
     setpriv = ["setpriv", f"--bounding-set={caps}", "--inh-caps=-all", "--ambient-caps=-all"]
     if spec["nnp"]:

@@ -502,3 +502,104 @@ def test_a_fork_bomb_gets_eagain_at_max_processes(make_daemon, llm: FakeLLM, pee
     assert forked < 64, out
     victim_answers(d, llm, vid)
     assert_session_gone(d, sid, uid)
+
+
+# ---------------------------------------------------------------- the unit itself
+
+_CAP_BITS = {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_DAC_READ_SEARCH": 2, "CAP_FOWNER": 3, "CAP_KILL": 5,
+             "CAP_SETGID": 6, "CAP_SETUID": 7, "CAP_SYS_PTRACE": 19, "CAP_SYS_ADMIN": 21}
+
+
+def test_the_emulated_daemon_runs_as_the_unit_says(make_daemon, llm: FakeLLM, peer_pg: PeerPg,
+                                                   open_root: Path) -> None:
+    d, unit = start_unit(make_daemon, llm, peer_pg, open_root)
+    status = Path(f"/proc/{d.pid}/status").read_text()
+    field = lambda name: re.search(rf"^{name}:\s*(\S+)", status, re.M).group(1)  # noqa: E731
+    wanted = sum(1 << _CAP_BITS[c] for c in unit.capabilities)
+    assert int(field("CapBnd"), 16) == wanted and int(field("CapEff"), 16) == wanted, status
+    assert int(field("CapInh"), 16) == 0 and int(field("CapAmb"), 16) == 0
+    assert field("NoNewPrivs") == "1" and field("Seccomp") == "2"
+    assert field("Uid") == "0"
+    mounts = Path(f"/proc/{d.pid}/mountinfo").read_text().splitlines()
+    by_point = {line.split()[4]: line for line in mounts}
+    assert "hidepid=invisible" in by_point["/proc"], by_point["/proc"]
+    assert " ro," in by_point["/"] or by_point["/"].split()[5].startswith("ro"), by_point["/"]
+    assert by_point[str(d.root)].split()[5].startswith("rw"), by_point[str(d.root)]
+    assert by_point["/tmp"].split()[8] == "tmpfs"
+
+
+def _capability_scenario(make_daemon, llm: FakeLLM, root: Path, drop: tuple[str, ...]) -> str:
+    """Everything the daemon does with root's powers, in order; the first
+    step that fails, or '' when all did."""
+    from supervisor.client import RequestError
+
+    config = agent_config(llm, "[agent.limits]\nmemory_poll_interval_ms = 50\nmax_memory_mb = 200\n")
+    config = config.replace("[agent]\n", '[agent]\nallowed_handlers = ["agent", "echo"]\n', 1)
+    d = make_daemon(config, start=False, root=root / "d", trust=False)
+    d.run_as_unit(SERVICE, drop=drop)
+    d.start(timeout=60)
+    with d.client() as c:
+        try:
+            sid = c.create(session="caps").id  # a worker that becomes its session's uid
+        except RequestError as exc:
+            return f"create: {exc}"
+        uid = uid_of(c.status(sid).pid)
+    # A tool host in a workspace handed to that uid; files it made hard to remove.
+    out, _ = tool(d, llm, sid, "mkdir -p d/e s && echo x > d/e/f && chmod 0400 d/e/f && chmod 0500 d/e d "
+                               "&& touch s/f && chmod 1777 s && echo MADE")
+    if "MADE" not in out:
+        return f"tool: {out}"
+    # Forks sharing copy-on-write pages: 10 x 40 MiB of RSS, ~50 MiB of PSS.
+    forker = ("import os, signal\nb = b'x' * (40 << 20)\nfor _ in range(9):\n"
+              "    if os.fork() == 0:\n        break\nsignal.pause()")
+    tool(d, llm, sid, f'(python3 -c "{forker}" > /dev/null 2>&1 &) ; echo STARTED')
+    forks = lambda: [p for p in session_procs(uid) if "(40 << 20)" in _cmdline(p)]  # noqa: E731
+    with d.client() as c:
+        wait_for(lambda: len(forks()) == 10 or c.status(sid).last_exit is not None, 10, "ten forks")
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: c.status(sid).last_exit is not None, 3, "a wrong kill")
+        if c.status(sid).last_exit is not None:
+            return f"pss: killed on summed RSS: {c.status(sid).last_exit}"
+        # Past the cap for real: the session's processes are killed.
+        forget_script(llm)
+        llm.script(tool_call_stream(("t", "bash", {"command": "python3 -c \"b = bytearray(300 << 20); "
+                                                   "b[::4096] = b'x' * (75 << 10); import time; time.sleep(60)\""})),
+                   text_stream("done"))
+        list(c.send(sid, "hog"))
+        try:
+            wait_for(lambda: c.status(sid).last_exit is not None and not forks(), 15, "the kill")
+        except AssertionError:
+            return "kill: the session's processes outlived its kill"
+        workspace = d.workspace(sid)
+        try:
+            c.remove(sid)
+        except RequestError as exc:
+            return f"rm: {exc}"
+    if workspace.exists():
+        return f"rm: {sorted(str(p) for p in workspace.rglob('*'))} left behind"
+    return ""
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _unit_capabilities() -> list[str]:
+    return UnitEmulation.from_file(SERVICE).capabilities
+
+
+@pytest.mark.parametrize("drop", ["", *_unit_capabilities()])
+def test_every_capability_the_unit_keeps_is_needed(make_daemon, llm: FakeLLM, open_root: Path,
+                                                   drop: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The bounding set is found, not guessed: with all of it the daemon does
+    its job as root; without any one of it, something of that job fails."""
+    failed = _capability_scenario(make_daemon, llm, open_root, (drop,) if drop else ())
+    with capsys.disabled():
+        print(f"\n[unit without {drop or 'nothing'}] {failed[:300] or 'all of the daemon job done'}")
+    if drop:
+        assert failed, f"{drop} is in CapabilityBoundingSet= but nothing needed it"
+    else:
+        assert failed == "", failed
