@@ -138,6 +138,21 @@ class Daemon:
         lists a directory on sys.path to find a module in it.)"""
         for path in (self.root, self.sockdir):
             os.chown(path, uid, gid)
+        mounts = ""
+        for closed, cover, children in self._covers():
+            for child in children:
+                mounts += f"mount --rbind {closed / child} {cover / child} && "
+            mounts += f"mount --rbind {cover} {closed} && "
+        self.cmd_prefix = [
+            "unshare", "--mount", "--propagation", "private", "sh", "-c",
+            f'{mounts}exec setpriv --reuid={uid} --regid={gid} --clear-groups -- "$@"', "sh",
+        ]
+
+    def _covers(self) -> list[tuple[Path, Path, list[str]]]:
+        """(closed directory, its 0755 cover, the children to bind into it)
+        for each directory on the way to the interpreter, the venv and the
+        checkout that others cannot search; deepest first, so that a cover
+        made below is carried along when its parent is covered in turn."""
         needs: dict[Path, set[str]] = {}
         code = {"supervisor", "session_worker", "ipc", "tests"}
         for target, children in ((Path(sys.base_prefix).resolve(), set()),
@@ -147,24 +162,18 @@ class Daemon:
                 if os.stat(here).st_mode & 0o001:
                     continue
                 needs.setdefault(here, set()).update({below.name} if below is not None else children)
-        mounts = ""
-        # Deepest first, children bound recursively: a cover made below is
-        # carried along when its parent is covered in turn.
+        out = []
         for closed in sorted(needs, key=lambda p: len(p.parts), reverse=True):
             cover = Path(tempfile.mkdtemp(prefix="sd-expose-"))
             os.chmod(cover, 0o755)
             self._exposed.append(cover)
             for child in sorted(needs[closed]):
                 (cover / child).mkdir()
-                mounts += f"mount --rbind {closed / child} {cover / child} && "
-            mounts += f"mount --rbind {cover} {closed} && "
-        self.cmd_prefix = [
-            "unshare", "--mount", "--propagation", "private", "sh", "-c",
-            f'{mounts}exec setpriv --reuid={uid} --regid={gid} --clear-groups -- "$@"', "sh",
-        ]
+            out.append((closed, cover, sorted(needs[closed])))
+        return out
 
     def run_as_unit(self, service: Path = SERVICE, visible: tuple[Path, ...] = (),
-                    drop: tuple[str, ...] = ()) -> UnitEmulation:
+                    drop: tuple[str, ...] = (), user: str | None = None) -> UnitEmulation:
         """Start the daemon as systemd would start it from `service` (the
         shipped unit by default), as closely as this machine allows without
         systemd as PID 1: as the unit's user (root when it names none),
@@ -179,11 +188,24 @@ class Daemon:
         PostgreSQL server's socket directory, which would live in /run.
         What could not be emulated is in the returned `not_emulated`.
         `drop`: capabilities to take out of the unit's set (to show each
-        one it keeps is needed)."""
+        one it keeps is needed); `user`: who stands in for the unit's
+        User= (a unit's system user need not exist here).  A unit that is
+        not root gets the daemon's directories and, as `run_as_user` does,
+        covers for the closed directories on the way to its code."""
         unit = UnitEmulation.from_file(service)
         unit.capabilities = [c for c in unit.capabilities if c not in drop]
+        if user is not None:
+            unit.user = user
         keep_rw = [self.root, self.sockdir]
         spec = unit.launch_spec([str(p) for p in keep_rw], [str(p) for p in visible])
+        if unit.user not in ("root", "0"):
+            import pwd
+
+            pw = pwd.getpwnam(unit.user)
+            spec["ids"] = [pw.pw_uid, pw.pw_gid]
+            for path in keep_rw:
+                os.chown(path, pw.pw_uid, pw.pw_gid)
+            spec["covers"] = [[str(closed), str(cover), children] for closed, cover, children in self._covers()]
         self.cmd_prefix = [sys.executable, "-c", "import harness, sys; harness.enter_unit(sys.argv[1:])",
                            json.dumps(spec), "--"]
         return unit
@@ -603,6 +625,10 @@ def enter_unit(argv: list[str]) -> None:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
     keep = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in [*spec["rw"], *spec["visible"]]}
+    for closed, cover, children in spec.get("covers", []):
+        for child in children:
+            _mount(f"{closed}/{child}", f"{cover}/{child}", None, _MS_BIND | _MS_REC)
+        _mount(cover, closed, None, _MS_BIND | _MS_REC)
     # Their ancestors' owners and modes, to rebuild them in a private /tmp.
     ancestors = {str(a): os.stat(a) for p in keep for a in Path(p).parents}
     if spec["strict"]:
@@ -642,6 +668,6 @@ def enter_unit(argv: list[str]) -> None:
     setpriv = ["setpriv", f"--bounding-set={caps}", "--inh-caps=-all", "--ambient-caps=-all"]
     if spec["nnp"]:
         setpriv.append("--no-new-privs")
-    if spec["user"] not in ("root", "0"):
-        setpriv += [f"--reuid={spec['user']}", f"--regid={spec['user']}", "--clear-groups"]
+    if spec.get("ids"):
+        setpriv += [f"--reuid={spec['ids'][0]}", f"--regid={spec['ids'][1]}", "--clear-groups"]
     os.execvp("setpriv", [*setpriv, "--", *cmd])

@@ -63,7 +63,9 @@ class PeerPg:
     def __init__(self) -> None:
         self.server = PgServer()
         self.socket_dir = self.server.root
-        for sql in ("CREATE ROLE root LOGIN", "CREATE DATABASE sessiond OWNER root"):
+        # `nobody` stands in for the old unit's User=sessiond (the control test).
+        for sql in ("CREATE ROLE root LOGIN", "CREATE DATABASE sessiond OWNER root", "CREATE ROLE nobody LOGIN",
+                    "GRANT nobody TO root"):
             self.psql_as_postgres(sql)
         hba = self.server.data / "pg_hba.conf"
         hba.write_text("local all all peer\n")
@@ -108,19 +110,19 @@ def peer_pg() -> Iterator[PeerPg]:
         pg.close()
 
 
-def unit_config(llm: FakeLLM, pg: PeerPg, limits: str = "", daemon: str = "") -> str:
+def unit_config(llm: FakeLLM, pg: PeerPg, limits: str = "", daemon: str = "", role: str = "root") -> str:
     """The operator's config under the unit: defaults (a uid per session,
     sandbox auto) plus the fake provider, the PostgreSQL store and the test
     handlers; `root` is never allowed to run tools."""
     text = agent_config(llm, f"[agent.limits]\nmemory_poll_interval_ms = 50\n{limits}\n")
     data = tomllib.loads(text)
     data["agent"]["allowed_handlers"] = ["agent", "echo", "fixture_handlers:*"]
-    data["store"] = {"backend": "postgres", "dsn": pg.dsn}
     data["daemon"].update(tomllib.loads(daemon) if daemon else {})
     # A schema per daemon, so runs do not see each other's sessions.
     schema = f"t{os.getpid()}_{next(_schemas)}"
-    pg.query(f"CREATE SCHEMA {schema}")
-    data["store"]["dsn"] = f"{pg.dsn} options='-c search_path={schema}'"
+    pg.query(f"CREATE SCHEMA {schema} AUTHORIZATION {role}")
+    dsn = pg.dsn.replace("user=root", f"user={role}")
+    data["store"] = {"backend": "postgres", "dsn": f"{dsn} options='-c search_path={schema}'"}
     return tomli_w.dumps(data)
 
 
@@ -211,23 +213,51 @@ def test_the_store_is_out_of_a_tools_reach(make_daemon, llm: FakeLLM, peer_pg: P
     assert SESSION_UIDS[0] <= auid <= SESSION_UIDS[1]
     report = show("store", d, attacker, unit, capsys)
     assert {"namespaces", "landlock", "seccomp", "no_new_privs"} <= set(report["active"]), report
-    sock = f"{peer_pg.socket_dir}/.s.PGSQL.5432"
-    schema_dsn = json.dumps(tomllib.loads(d.config_path.read_text())["store"]["dsn"])
     owner_before = peer_pg.query(f"SET search_path={_schema(d)}; SELECT count(*) FROM sessiond_sessions")
-    out, _ = tool(d, llm, attacker, "\n".join([
-        f"psql -h {peer_pg.socket_dir} -d sessiond -U root -XAtc 'select count(*) from sessiond_sessions' "
-        "&& echo LEAK:psql-read",
-        f"psql -h {peer_pg.socket_dir} -d sessiond -U root -XAtc \"update sessiond_sessions set id=id\" "
-        "&& echo LEAK:psql-write",
-        f"python3 -c 'import socket; s=socket.socket(socket.AF_UNIX); s.connect({sock!r})' && echo LEAK:connect",
-        f"ls -la {peer_pg.socket_dir} && echo LEAK:listing",
-        f"echo dsn {schema_dsn}; echo PROBED",
-    ]))
+    out, _ = tool(d, llm, attacker, store_probe(peer_pg, d, "root"))
     assert "PROBED" in out, out
     assert "LEAK:" not in out, out
     # Nothing was changed behind the daemon's back.
     assert peer_pg.query(f"SET search_path={_schema(d)}; SELECT count(*) FROM sessiond_sessions") == owner_before
     victim_answers(d, llm, vid)
+    assert_session_gone(d, attacker, auid)
+
+
+def store_probe(pg: PeerPg, d: Daemon, role: str) -> str:
+    """Shell lines that print LEAK:... for each way into the store that works."""
+    sock = f"{pg.socket_dir}/.s.PGSQL.5432"
+    schema = _schema(d)
+    return "\n".join([
+        f"psql -h {pg.socket_dir} -d sessiond -U {role} -XAtc 'select id from {schema}.sessiond_sessions' "
+        "&& echo LEAK:psql-read",
+        f"psql -h {pg.socket_dir} -d sessiond -U {role} -XAtc 'update {schema}.sessiond_sessions set id=id' "
+        "&& echo LEAK:psql-write",
+        f"python3 -c 'import socket; s=socket.socket(socket.AF_UNIX); s.connect(\"{sock}\")' && echo LEAK:connect",
+        "echo PROBED",
+    ])
+
+
+def test_control_with_the_sandbox_off_the_paths_are_in_reach_but_the_store_still_refuses(
+        make_daemon, llm: FakeLLM, peer_pg: PeerPg, open_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The control: the same unit with `[sandbox] mode = "off"` (the
+    operator's explicit choice of a weaker mode).  The probes must find the
+    store's socket and a socket planted in /run there, or they would prove
+    nothing above; and even then a tool is not the daemon to the store:
+    peer authentication sees the session's own uid, which has no role."""
+    config = unit_config(llm, peer_pg) + '\n[sandbox]\nmode = "off"\n'
+    d = make_daemon(config, start=False, root=open_root / "d", trust=False)
+    unit = d.run_as_unit(SERVICE, visible=(peer_pg.socket_dir,))
+    d.start(timeout=60)
+    with d.client() as c:
+        attacker = c.create(session="attacker").id
+        auid = uid_of(c.status(attacker).pid)
+    assert show("sandbox off (control)", d, attacker, unit, capsys) == {}
+    out, _ = tool(d, llm, attacker, store_probe(peer_pg, d, "root"))
+    assert "PROBED" in out and "LEAK:connect" in out, out
+    assert "LEAK:psql" not in out and "Peer authentication failed" in out, out
+    with planted_sockets() as (_, paths):
+        out, _ = tool(d, llm, attacker, planted_probe(paths))
+    assert f"LEAK:{paths[0]}" in out, out
     assert_session_gone(d, attacker, auid)
 
 
@@ -241,9 +271,10 @@ def _schema(d: Daemon) -> str:
 # ---------------------------------------------------------------- 2. a planted socket
 
 
-def test_a_planted_world_writable_socket_is_unreachable(make_daemon, llm: FakeLLM, peer_pg: PeerPg,
-                                                         open_root: Path) -> None:
-    d, _ = start_unit(make_daemon, llm, peer_pg, open_root)
+@contextlib.contextmanager
+def planted_sockets() -> Iterator[tuple[list[socket.socket], list[str]]]:
+    """World-writable listening sockets outside any workspace, as another
+    local user (or service) could leave them: in /run, /var/tmp and /tmp."""
     planted: list[socket.socket] = []
     paths: list[str] = []
     try:
@@ -256,24 +287,34 @@ def test_a_planted_world_writable_socket_is_unreachable(make_daemon, llm: FakeLL
             s.setblocking(False)
             planted.append(s)
             paths.append(path)
+        yield planted, paths
+    finally:
+        for s in planted:
+            s.close()
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def planted_probe(paths: list[str]) -> str:
+    return "\n".join(
+        "python3 -c 'import socket; s=socket.socket(socket.AF_UNIX); s.settimeout(3); "
+        f"s.connect(\"{p}\")' && echo LEAK:{p}" for p in paths) + "\necho PROBED"
+
+
+def test_a_planted_world_writable_socket_is_unreachable(make_daemon, llm: FakeLLM, peer_pg: PeerPg,
+                                                         open_root: Path) -> None:
+    d, _ = start_unit(make_daemon, llm, peer_pg, open_root)
+    with planted_sockets() as (planted, paths):
         with d.client() as c:
             sid = c.create(session="planter").id
             uid = uid_of(c.status(sid).pid)
-        probe = "\n".join(
-            f"python3 -c 'import socket; s=socket.socket(socket.AF_UNIX); s.settimeout(3); s.connect({p!r})' "
-            f"&& echo LEAK:{p}" for p in paths) + "\necho PROBED"
-        out, _ = tool(d, llm, sid, probe)
+        out, _ = tool(d, llm, sid, planted_probe(paths))
         assert "PROBED" in out and "LEAK:" not in out, out
         for s in planted:  # nobody knocked
             with pytest.raises(BlockingIOError):
                 s.accept()
         assert_session_gone(d, sid, uid)
-    finally:
-        for s in planted:
-            s.close()
-        for p in paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
 
 
 # ---------------------------------------------------------------- 3. non-dumpable at the control socket
