@@ -182,8 +182,12 @@ class Daemon:
         namespace of its own where /proc is a new instance mounted with
         ProtectProc='s hidepid=, the system is read-only except the daemon's
         root and socket directory and /sys/fs/cgroup (ProtectSystem=strict,
-        ProtectKernelTunables=, ProtectControlGroups=no), and /tmp and
-        /var/tmp are private tmpfs (PrivateTmp=).  `visible` are paths from
+        ProtectKernelTunables=, ProtectControlGroups=no), /tmp and /var/tmp
+        are private tmpfs (PrivateTmp=), and its SystemCallFilter=,
+        SystemCallErrorNumber=, RestrictNamespaces= and
+        RestrictAddressFamilies= are one seccomp filter loaded with
+        libseccomp right before the daemon's exec, as systemd loads them (so
+        bubblewrap in the sessions runs under them).  `visible` are paths from
         the real /tmp that must stay in view (read-only), such as a
         PostgreSQL server's socket directory, which would live in /run.
         What could not be emulated is in the returned `not_emulated`.
@@ -662,12 +666,22 @@ def enter_unit(argv: list[str]) -> None:
     if spec["hidepid"]:
         # ProtectProc=: a new instance of procfs, as systemd mounts it.
         _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, f"hidepid={spec['hidepid']}")
-    # Last, as systemd does: the filter holds for setpriv and the daemon.
-    _load_seccomp(spec["seccomp"])
     caps = ",".join(["-all", *(f"+{c.lower().removeprefix('cap_')}" for c in spec["caps"])])
     setpriv = ["setpriv", f"--bounding-set={caps}", "--inh-caps=-all", "--ambient-caps=-all"]
     if spec["nnp"]:
         setpriv.append("--no-new-privs")
     if spec.get("ids"):
         setpriv += [f"--reuid={spec['ids'][0]}", f"--regid={spec['ids'][1]}", "--clear-groups"]
+    if spec["seccomp"]:
+        # Last, as systemd does: after the change of user and capabilities,
+        # right before the daemon's exec (one more stage: setpriv cannot).
+        cmd = [sys.executable, "-c", "import harness, sys; harness.enter_filter(sys.argv[1:])",
+               json.dumps(spec["seccomp"]), "--", *cmd]
     os.execvp("setpriv", [*setpriv, "--", *cmd])
+
+
+def enter_filter(argv: list[str]) -> None:
+    """`python -c ... FILTER -- CMD...`: load the unit's seccomp filter, exec CMD."""
+    assert argv[1] == "--"
+    _load_seccomp(json.loads(argv[0]))
+    os.execvp(argv[2], argv[2:])
