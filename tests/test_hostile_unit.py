@@ -382,16 +382,19 @@ def test_a_setsid_hog_of_a_killed_tool_host_is_capped_and_gone_after_rm(
     with d.client() as c:
         sid = c.create(session="hog", settings={"agent.limits.max_memory_mb": 64}).id
         uid = uid_of(c.status(sid).pid)
-    hog = ("setsid python3 -c \"import signal, time; b = bytearray(400 << 20); b[::4096] = b'x' * (100 << 10); "
-           "signal.pause()\" </dev/null >/dev/null 2>&1 & sleep 0.5; echo HOG $!; kill -9 $PPID; sleep 5")
-    out, events = tool(d, llm, sid, hog)
-    # The hog never outgrows the cap for long: the session is killed
-    # (memory), however the tool host went.
+    hog = ("setsid python3 -c \"import signal; b = bytearray(400 << 20); b[::4096] = b'x' * (100 << 10); "
+           "open('touched', 'w').close(); signal.pause()\" </dev/null >/dev/null 2>&1 & "
+           "for i in $(seq 100); do [ -e touched ] && break; sleep 0.1; done; kill -9 $PPID; sleep 5")
+    tool(d, llm, sid, hog)
+    # Whichever comes first, the sweep (the session is killed for its
+    # memory) or the end of the tool host: no process of the session keeps
+    # more than its cap for long, and the session is still the daemon's.
+    wait_for(lambda: not [p for p in session_procs(uid) if _rss(p) > 128 << 20], 20,
+             "no process of the session above its cap")
     with d.client() as c:
-        wait_for(lambda: c.status(sid).last_exit is not None, 20, "the session to be killed for its memory")
-        assert c.status(sid).last_exit.reason == "killed_memory", c.status(sid)
-    wait_for(lambda: not [p for p in session_procs(uid) if _rss(p) > 128 << 20], 10,
-             "no process of the session above the cap")
+        last = c.status(sid).last_exit
+        assert last is None or last.reason == "killed_memory", last
+        assert (c.status(sid).rss_bytes or 0) < 128 << 20
     victim_answers(d, llm, vid)
     assert_session_gone(d, sid, uid)
 
