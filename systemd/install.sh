@@ -9,7 +9,9 @@
 #      checkout into it (the units run /opt/sessiond/bin/sessiond);
 #   2. installs sessiond.service and sessiond.socket into /etc/systemd/system
 #      and the sysusers.d entry into /etc/sysusers.d, then creates the
-#      "sessiond" system user and group from it;
+#      "sessiond" system group from it (the group that may connect to the
+#      control socket; the daemon itself runs as root and gives every
+#      session a uid of its own, see sessiond.service);
 #   3. writes /etc/sessiond/config.toml from `sessiond config default` only if
 #      there is none (an existing config is checked, never overwritten), and an
 #      empty /etc/sessiond/environment (mode 0600) for secrets;
@@ -156,7 +158,7 @@ if [ "$do_pip" = 1 ]; then
     fi
 fi
 
-# 2. Units and the system user. install(1) overwrites, so upgrades get the
+# 2. Units and the socket's group. install(1) overwrites, so upgrades get the
 #    new units; local changes belong in drop-ins, which survive.
 say "units into $R/etc/systemd/system"
 install -d -m 0755 "$R/etc/systemd/system" "$R/etc/sysusers.d"
@@ -171,9 +173,8 @@ if command -v systemd-sysusers >/dev/null 2>&1; then
         # /etc/passwd; a bare one is left for systemd-sysusers at first boot.
         systemd-sysusers --root="$R" "$R/etc/sysusers.d/sessiond.conf"
     fi
-elif [ "$live" = 1 ] && ! getent passwd sessiond >/dev/null; then
-    useradd --system --user-group --home-dir /var/lib/sessiond --no-create-home \
-        --shell /usr/sbin/nologin --comment "sessiond LLM agent session supervisor" sessiond
+elif [ "$live" = 1 ] && ! getent group sessiond >/dev/null; then
+    groupadd --system sessiond
 fi
 
 # 3. Config: created once, then the operator's. Written to a temporary file

@@ -26,7 +26,17 @@ SOCKET = UNITS / "sessiond.socket"
 SYSUSERS = UNITS / "sysusers.d" / "sessiond.conf"
 INSTALL = UNITS / "install.sh"
 
-MAX_EXPOSURE = 2.0
+# A root daemon with privilege separation (see the unit's comments): systemd
+# scores what the daemon may do to the OS, not what one session may do to
+# another. The old User=sessiond unit scored 1.4; this one 3.9. The bound
+# catches a setting dropped by mistake (the stripped unit below scores far more).
+MAX_EXPOSURE = 4.0
+# What the daemon keeps as root, each one shown needed by
+# test_hostile_unit.py::test_every_capability_the_unit_keeps_is_needed.
+CAPABILITIES = {"CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL",
+                "CAP_SYS_PTRACE"}
+# The namespaces bubblewrap makes for a session, no more.
+BWRAP_NAMESPACES = {"user", "mnt", "pid", "ipc", "uts", "net", "cgroup"}
 # [daemon] shutdown_grace_secs default; systemd's stop timeout must exceed it
 # or it SIGKILLs sessions the daemon is still stopping in order.
 DAEMON_GRACE_SECS = 10
@@ -192,12 +202,27 @@ def test_service_contract() -> None:
         ("ProtectHome", "yes"),
         ("PrivateTmp", "yes"),
         ("PrivateDevices", "yes"),
-        ("CapabilityBoundingSet", ""),
-        ("RestrictAddressFamilies", "AF_UNIX AF_INET AF_INET6"),
+        ("ProtectProc", "invisible"),
+        ("AmbientCapabilities", ""),
         ("SystemCallArchitectures", "native"),
+        # Per-session cgroups: the tree stays writable and ours.
+        ("Delegate", "yes"),
+        ("ProtectControlGroups", "no"),
+        # Session uids pass through the state dir to their own workspace.
+        ("StateDirectoryMode", "0711"),
     ]:
         assert one(unit, svc, key) == value, key
-    assert "@system-service" in values(unit, svc, "SystemCallFilter")
+    # A root daemon (privilege separation): no User=, so no Group= either.
+    assert values(unit, svc, "User") == [] and values(unit, svc, "Group") == []
+    assert set(one(unit, svc, "CapabilityBoundingSet").split()) == CAPABILITIES
+    assert set(one(unit, svc, "RestrictNamespaces").split()) == BWRAP_NAMESPACES
+    # bubblewrap brings up a session's loopback over rtnetlink.
+    assert set(one(unit, svc, "RestrictAddressFamilies").split()) == {"AF_UNIX", "AF_INET", "AF_INET6",
+                                                                      "AF_NETLINK"}
+    filters = " ".join(values(unit, svc, "SystemCallFilter")).split()
+    assert "@system-service" in filters and "@mount" in filters, filters
+    # Nothing takes away what bubblewrap (mounts) and a worker (setuid) need.
+    assert not {"~@mount", "~@setuid", "~@privileged"} & set(filters), filters
     # Tools must be able to run JIT runtimes and reach the provider.
     assert values(unit, svc, "MemoryDenyWriteExecute") in ([], ["no"])
     assert values(unit, svc, "PrivateNetwork") in ([], ["no"])
@@ -207,26 +232,29 @@ def test_service_contract() -> None:
     assert one(unit, "Install", "Also") == "sessiond.socket"
 
 
+def sysusers_entries() -> list[list[str]]:
+    return [line.split() for line in SYSUSERS.read_text().splitlines() if line and not line.startswith("#")]
+
+
 @pytest.mark.pure
 def test_socket_contract() -> None:
     unit = parse_unit(SOCKET)
-    service_user = one(parse_unit(SERVICE), "Service", "Group")
     assert one(unit, "Socket", "ListenStream") == "/run/sessiond/sessiond.sock"
     assert one(unit, "Socket", "Accept") == "no"
     assert one(unit, "Socket", "SocketMode") == "0660"
-    # systemd chowns the (preserved) runtime directory, socket included, to
-    # the service's user and group on every start: only the service's own
-    # group keeps client access through that.
-    assert one(unit, "Socket", "SocketGroup") == service_user
+    # Who may connect: root and the group sysusers.d creates. The service
+    # runs as root, so systemd's chown of the runtime directory on start
+    # (to the service's user) leaves the socket's group alone.
+    assert one(unit, "Socket", "SocketUser") == "root"
+    assert [["g", one(unit, "Socket", "SocketGroup")]] == [e[:2] for e in sysusers_entries()]
     assert one(unit, "Install", "WantedBy") == "sockets.target"
 
 
 @pytest.mark.pure
-def test_sysusers_entry_creates_the_service_user() -> None:
+def test_sysusers_entry_creates_the_socket_group_only() -> None:
     service = parse_unit(SERVICE)
-    user = one(service, "Service", "User")
-    entries = [line.split() for line in SYSUSERS.read_text().splitlines() if line and not line.startswith("#")]
-    assert [e[:2] for e in entries] == [["u", user]]
+    # A group, no user: the daemon is root and every session has its own uid.
+    assert [e[:2] for e in sysusers_entries()] == [["g", "sessiond"]]
     # With DynamicUser=yes systemd would move or delete /run/sessiond.
     assert values(service, "Service", "DynamicUser") in ([], ["no"])
 
@@ -301,9 +329,10 @@ def test_install_script_into_a_temp_root_is_complete_and_idempotent(tmp_path: Pa
     assert not list((root / "etc/sessiond").glob(".config.toml.*")), "temporary file left behind"
     assert "systemctl enable --now sessiond.socket" in first.stdout
     if shutil.which("systemd-sysusers"):
-        passwd = (root / "etc/passwd").read_text().splitlines()
-        users = [line for line in passwd if line.startswith("sessiond:")]
-        assert len(users) == 1 and users[0].split(":")[5] == "/var/lib/sessiond", passwd
+        groups = [line for line in (root / "etc/group").read_text().splitlines() if line.startswith("sessiond:")]
+        assert len(groups) == 1, groups
+        # No user: the daemon runs as root, sessions as uids of their own.
+        assert "\nsessiond:" not in (root / "etc/passwd").read_text()
 
     # The operator edits the config; a re-run (an upgrade) keeps the edit,
     # checks it with the new binary, and refreshes the units.
@@ -315,7 +344,7 @@ def test_install_script_into_a_temp_root_is_complete_and_idempotent(tmp_path: Pa
     assert (root / "etc/systemd/system/sessiond.service").read_bytes() == SERVICE.read_bytes()
     assert calls.read_text().splitlines() == ["config default", f"config check {config}"]
     if shutil.which("systemd-sysusers"):
-        assert (root / "etc/passwd").read_text().count("\nsessiond:") == 1
+        assert (root / "etc/group").read_text().count("\nsessiond:") == 1
 
     assert Path("/etc/systemd/system/sessiond.service").exists() == real_units_before
 
