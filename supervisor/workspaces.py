@@ -258,20 +258,31 @@ def _rmtree(path: Path) -> None:
     """Remove a tree that a session's tools may have made hard to remove
     (directories without write or search permission); never follows links."""
 
+    opened: set[str] = set()  # each made listable once: no second try, no endless recursion
+
     def onerror(func: Any, target: str, exc_info: Any) -> None:
         exc = exc_info[1]
         if isinstance(exc, FileNotFoundError):
             return
         if not isinstance(exc, PermissionError):
             raise exc
+        changed = False
         for directory in (os.path.dirname(target), target):
             if os.path.isdir(directory) and not os.path.islink(directory):
-                with contextlib.suppress(OSError):
+                try:
                     os.chmod(directory, 0o700)
+                    changed = True
+                except OSError:
+                    pass
+        if not changed:
+            raise exc  # not ours to open up (no CAP_FOWNER): say so, once
         if func in (os.rmdir, os.unlink, os.remove):
             func(target)
-        else:  # it could not be opened or listed: now it can
+        elif target not in opened:  # it could not be opened or listed: now it can
+            opened.add(target)
             shutil.rmtree(target, onerror=onerror)
+        else:
+            raise exc
 
     if path.is_symlink() or not path.is_dir():
         with contextlib.suppress(FileNotFoundError):
