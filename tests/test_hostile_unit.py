@@ -251,7 +251,9 @@ def test_control_with_the_sandbox_off_the_paths_are_in_reach_but_the_store_still
     with d.client() as c:
         attacker = c.create(session="attacker").id
         auid = uid_of(c.status(attacker).pid)
-    assert show("sandbox off (control)", d, attacker, unit, capsys) == {}
+    # No sandbox mechanism; the session's cgroup (not the sandbox's) stays.
+    report = show("sandbox off (control)", d, attacker, unit, capsys)
+    assert [a for a in report.get("active", []) if not a.startswith("cgroup-")] == [], report
     out, _ = tool(d, llm, attacker, store_probe(peer_pg, d, "root"))
     assert "PROBED" in out and "LEAK:connect" in out, out
     assert "LEAK:psql" not in out and "Peer authentication failed" in out, out
@@ -470,7 +472,9 @@ def test_a_tool_starts_with_fds_0_1_2_only(make_daemon, llm: FakeLLM, peer_pg: P
         sid = c.create(session="fds").id
         uid = uid_of(c.status(sid).pid)
     # The shell's own descriptors (not ls's), then what each one reads.
-    out, _ = tool(d, llm, sid, "echo FDS $(ls /proc/$$/fd | sort -n | tr '\\n' ' '); "
+    # (listed into a file first: a command substitution's own pipe would be
+    # one of the shell's descriptors while it runs)
+    out, _ = tool(d, llm, sid, "ls /proc/$$/fd > .fds; echo FDS $(sort -n .fds | tr '\\n' ' '); "
                                "for n in $(ls /proc/$$/fd); do [ $n -gt 2 ] && "
                                "timeout 1 head -c 200 /proc/$$/fd/$n 2>/dev/null; done </dev/null; echo PROBED")
     assert "PROBED" in out and SECRET not in out, out
@@ -583,7 +587,19 @@ def _capability_scenario(make_daemon, llm: FakeLLM, root: Path, drop: tuple[str,
     config = config.replace("[agent]\n", '[agent]\nallowed_handlers = ["agent", "echo"]\n', 1)
     d = make_daemon(config, start=False, root=root / "d", trust=False)
     d.run_as_unit(SERVICE, drop=drop)
-    d.start(timeout=60)
+    try:
+        d.start(timeout=60)
+        return _capability_steps(d, llm)
+    except RequestError as exc:
+        # Without CAP_SYS_PTRACE the daemon cannot read /proc of a client
+        # with more capabilities than its own (root's sessionctl), so it
+        # cannot tell that client is not a session's: it refuses it.
+        return f"client: {exc}"
+
+
+def _capability_steps(d: Daemon, llm: FakeLLM) -> str:
+    from supervisor.client import RequestError
+
     with d.client() as c:
         try:
             sid = c.create(session="caps").id  # a worker that becomes its session's uid
