@@ -477,6 +477,10 @@ class SessionManager:
             return
         self.workers.cancel_restart(session)
         self.events.set_state(session, Trigger.STOP, reason=reason)
+        if exit_reason is not None and session.worker is not None:
+            # The worker's exit is recorded as the limit it was stopped for,
+            # from the moment it is seen: never a plain "stopped" meanwhile.
+            session.worker.stop_reason = exit_reason
         await self.workers.terminate(session, "stopped", self.config.daemon.stop_grace_secs)
         if exit_reason is not None and session.last_exit is not None:  # the limit it was stopped for
             session.last_exit = msgspec.structs.replace(session.last_exit, reason=exit_reason.value, detail=reason)

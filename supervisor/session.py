@@ -84,6 +84,9 @@ class WorkerProc:
     # Set when we killed it for a reason of its own (a limit, a broken link,
     # a failed boot): how its exit is classified.
     kill_reason: ExitReason | None = None
+    # What an expected exit is recorded as, when a limit stopped the
+    # session (killed_disk) rather than a client.
+    stop_reason: ExitReason | None = None
     kill_detail: str = ""
 
 

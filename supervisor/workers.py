@@ -32,7 +32,7 @@ from supervisor.config import Config
 from supervisor.errors import Capacity, Conflict, Internal, SessiondError
 from supervisor.events import EventLog
 from supervisor.ledger import TurnLedger
-from supervisor.limits import MIB, ProcTable, SessionMemory
+from supervisor.limits import REMOTE_PIDS, MIB, ProcTable, SessionMemory
 from supervisor.logtag import tagged
 from supervisor.metrics import NO_METRICS, Recorder
 from supervisor.seams import Spawner, SpawnerDied
@@ -221,12 +221,15 @@ class WorkerOwner:
                   f"memory cap {cap} MiB exceeded at {used:.0f} MiB (the kernel's cgroup limit)")
         return True
 
-    def _release_cgroup(self, session: Session) -> None:
+    def _release_cgroup(self, session: Session, pid: int) -> None:
         """Kill what is left of the session by what a process cannot shed:
-        its cgroup, else its own uid (a root daemon's session uid)."""
+        its cgroup, else its own uid (a root daemon's session uid).  Not
+        for a worker on another machine (cluster mode): its uid's processes
+        here, if any, are not its, and its node host kills its tree."""
         if self.cgroups is None:
             uid = session.meta.run_uid
-            if uid is not None and self._workspaces.session_uids is not None and os.geteuid() == 0:
+            if (uid is not None and self._workspaces.session_uids is not None and os.geteuid() == 0
+                    and pid < REMOTE_PIDS):
                 kill_uid(uid)
             return
         fd = self._oom_watched.pop(session.id, None)
@@ -350,7 +353,7 @@ class WorkerOwner:
             tagged(log, session.id).warning("its create failed; killing worker %d", session.worker.pid)
             session.worker.expected = "discarded"
             self.spawner.kill_tree(session.worker.pid, session.memory.escapees())
-            self._release_cgroup(session)
+            self._release_cgroup(session, session.worker.pid)
 
     def on_spawner_lost(self) -> None:
         for pid in list(self.by_pid):
@@ -371,7 +374,7 @@ class WorkerOwner:
             # terminate, after a grace.)
             self._oom_check(session, worker)  # the kernel's OOM killer took the worker itself
             self.spawner.kill_tree(pid, session.memory.escapees())
-            self._release_cgroup(session)
+            self._release_cgroup(session, pid)
         self._proc_table.forget(pid)
         reason = _classify(worker, code)
         self.metrics.worker_exit(reason)
@@ -440,7 +443,7 @@ class WorkerOwner:
                 if not self.cgroups.pids(session.id):
                     break
                 await asyncio.sleep(0.02)
-        self._release_cgroup(session)
+        self._release_cgroup(session, worker.pid)
 
     def _alive(self, session: Session, worker: WorkerProc) -> bool:
         """Anything of the session still running: its tree, the escapees
@@ -582,7 +585,7 @@ async def _no_room_needed(session: Session) -> None:
 
 def _classify(worker: WorkerProc, code: int | None) -> ExitReason:
     if worker.expected:
-        return ExitReason.STOPPED
+        return worker.stop_reason or ExitReason.STOPPED
     if worker.kill_reason is not None:
         return worker.kill_reason
     if not worker.booted or code == EXIT_BOOT_FAILED:
