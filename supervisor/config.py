@@ -25,6 +25,7 @@ import msgspec
 import tomli_w
 from msgspec import Meta
 
+from ipc import inputs
 from ipc.paths import default_socket_path
 from ipc.settings import ConfigSection, PermissionRule, SessionSettings
 
@@ -439,16 +440,12 @@ def _emit_table(obj: msgspec.Struct, path: str, out: list[str]) -> None:
 
 def parse_override(item: str) -> tuple[str, Any]:
     """`KEY=VALUE` from the command line; VALUE is read as a TOML value
-    (64, 1.5, true, "text", ["a", "b"]) and as a plain string otherwise."""
-    key, sep, raw = item.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
+    (64, 1.5, true, "text", ["a", "b"]) and as a plain string otherwise
+    (the parsing is ipc.inputs', shared with sessionctl)."""
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key, value
+        return inputs.parse_override(item)
+    except inputs.BadOverride as exc:
+        raise ConfigError(str(exc)) from None
 
 
 # ---------------------------------------------------------------- default paths

@@ -296,15 +296,13 @@ async def _run(args: argparse.Namespace) -> int:
     try:
         match args.command:
             case "create":
-                # Here, not at the top: daemon-side modules cost every
-                # command's start-up (bench/idle.py, `ls`).
-                from supervisor.config import ConfigError, parse_override
+                from ipc.inputs import BadOverride, parse_override
 
                 overrides: dict[str, Any] = {}
                 for item in args.overrides:
                     try:
                         key, value = parse_override(item)
-                    except ConfigError as exc:
+                    except BadOverride as exc:
                         print(f"sessionctl: {exc}", file=sys.stderr)
                         return EXIT_USAGE
                     overrides[key] = value
@@ -424,7 +422,7 @@ async def _run(args: argparse.Namespace) -> int:
 
 async def _import(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
     from supervisor.ctl_history import ImportFileError, read_document
-    from supervisor.session import valid_session_id  # (daemon-side: not at start-up)
+    from ipc.inputs import valid_session_id
 
     if args.session_id is not None and not valid_session_id(args.session_id):
         print(f"sessionctl: invalid session id {args.session_id!r}: 1-64 characters of "

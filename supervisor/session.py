@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from typing import Any, Protocol
 from ipc import messages as m
 from ipc.connection import FramedProtocol
 from ipc.contract import ExitReason
+from ipc.inputs import valid_session_id
 from ipc.settings import SessionSettings
 from supervisor.errors import SessiondError
 from supervisor.limits import SessionMemory
@@ -39,12 +39,6 @@ from supervisor.states import RestartPolicy, State
 from supervisor.state_store import Meta, SessionLog
 
 __all__ = ["PendingInput", "Session", "Subscriber", "WorkerProc", "valid_session_id"]
-
-_SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-
-
-def valid_session_id(session_id: str) -> bool:
-    return _SESSION_ID.fullmatch(session_id) is not None
 
 
 class Subscriber(Protocol):
