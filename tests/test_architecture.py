@@ -67,13 +67,13 @@ def test_the_daemon_and_the_worker_side_meet_only_in_ipc() -> None:
 
 
 def test_a_client_program_needs_only_ipc() -> None:
-    seen, todo = set(), ["supervisor.client"]
+    seen, todo = set(), ["supervisor.ctl.client"]
     while todo:
         name = todo.pop()
         if name not in seen:
             seen.add(name)
             todo.extend(GRAPH.get(name, ()))
-    assert {n for n in seen if not n.startswith("ipc")} <= {"supervisor", "supervisor.client"}, seen
+    assert {n for n in seen if not n.startswith("ipc")} <= {"supervisor", "supervisor.ctl.client"}, seen
 
 
 def test_no_import_cycles() -> None:
@@ -122,4 +122,4 @@ def test_modules_stay_readable(name: str) -> None:
 def test_the_checker_sees_a_crossing() -> None:
     # The graph is real: the worker's entry point imports the handler interface.
     assert "session_worker.handler" in GRAPH["session_worker.main"]
-    assert "ipc.messages" in GRAPH["supervisor.server"]
+    assert "ipc.messages" in GRAPH["supervisor.api.server"]
