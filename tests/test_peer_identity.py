@@ -327,7 +327,7 @@ def test_a_non_dumpable_tool_cannot_drive_the_unit_daemon(unit_daemon: Any, llm:
     with d.client() as c:
         sid = c.create().id
     code = ("import ctypes, sys; ctypes.CDLL(None).prctl(4, 0, 0, 0, 0); "
-            "from supervisor import ctl; sys.exit(ctl.main(['--socket', sys.argv[1], 'ls']))")
+            "from supervisor.ctl import cli as ctl; sys.exit(ctl.main(['--socket', sys.argv[1], 'ls']))")
     command = f"{sys.executable} -c \"{code}\" {d.socket}; echo rc=$?; grep -c hidepid /proc/mounts"
     llm.script(tool_call_stream(("c1", "bash", {"command": command})), text_stream("done"))
     with d.client() as c:

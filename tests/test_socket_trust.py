@@ -73,7 +73,7 @@ def _world_writable_dir(base: Path) -> Squatter:
 
 
 def _sessionctl(argv: list[str], fast: bool) -> subprocess.CompletedProcess[str]:
-    code = "import sys; from supervisor import ctl_fast, ctl; sys.exit((ctl_fast if {} else ctl).main(sys.argv[1:]))"
+    code = "import sys; from supervisor.ctl import fast as ctl_fast, cli as ctl; sys.exit((ctl_fast if {} else ctl).main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code.format(fast), *argv], capture_output=True, text=True,
                           timeout=60, env=env_for_children(), stdin=subprocess.DEVNULL)
 
