@@ -34,6 +34,8 @@ import socket
 import struct
 from typing import Any, NamedTuple
 
+from supervisor.core.workspaces import SessionUids
+
 __all__ = ["AncestryChanged", "PeerCredentials", "SessionUids", "credentials", "in_session", "session_cgroup"]
 
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
@@ -93,24 +95,6 @@ def _peer_groups_large(fd: int) -> bytes:
 @functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
-class SessionUids(NamedTuple):
-    """The uids a session's processes can run as here (from the daemon's
-    identities: supervisor.daemon.Identities)."""
-
-    daemon: int  # the daemon's own: the zygote's, and the sessions' when nothing else is set
-    worker: int | None  # [daemon] worker_user
-    span: range | None  # [daemon] session_uid_range, when each session gets a uid of its own
-
-    def only_sessions(self, uid: int) -> bool:
-        """A uid that no client of ours has: every process of it is a session's."""
-        if uid == self.daemon:
-            return False
-        return uid == self.worker or (self.span is not None and uid in self.span)
-
-    def could_be_session(self, uid: int) -> bool:
-        return uid == self.daemon or self.only_sessions(uid)
 
 
 def in_session(sock: Any, cred: PeerCredentials, roots: frozenset[int], uids: SessionUids) -> str:

@@ -27,20 +27,38 @@ import shutil
 import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from supervisor.config import Config, workspace_root
 from supervisor.errors import Capacity, SessiondError
 from supervisor.ops.logtag import tagged
-from supervisor.api.peer import SessionUids
 from supervisor.core.overrides import check_handler
 from supervisor.core.session import Session, valid_session_id
 from supervisor.store.state_store import Meta
 from supervisor.core.states import State
 
-__all__ = ["Workspaces"]
+__all__ = ["SessionUids", "Workspaces"]
 
 log = logging.getLogger("sessiond.manager")
+
+
+class SessionUids(NamedTuple):
+    """The uids a session's processes can run as here (from the daemon's
+    identities: supervisor.daemon.Identities); here, in the core that owns
+    them, for supervisor.api.peer, which tells a session's process by them."""
+
+    daemon: int  # the daemon's own: the zygote's, and the sessions' when nothing else is set
+    worker: int | None  # [daemon] worker_user
+    span: range | None  # [daemon] session_uid_range, when each session gets a uid of its own
+
+    def only_sessions(self, uid: int) -> bool:
+        """A uid that no client of ours has: every process of it is a session's."""
+        if uid == self.daemon:
+            return False
+        return uid == self.worker or (self.span is not None and uid in self.span)
+
+    def could_be_session(self, uid: int) -> bool:
+        return uid == self.daemon or self.only_sessions(uid)
 
 
 class Workspaces:
