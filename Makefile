@@ -67,7 +67,7 @@ typecheck: $(VENV)/.installed
 # sessionctl(1) from the argparse definitions: `man -l man/sessionctl.1`.
 man: $(VENV)/.installed
 	mkdir -p man
-	$(PY) -m supervisor.manpage > man/sessionctl.1
+	$(PY) -m supervisor.ctl.manpage > man/sessionctl.1
 
 BENCHES := spawn ipc memory limits restart persist agent hostile sandbox metrics load fsync_batch idle cluster pg_batch sweep
 

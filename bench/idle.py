@@ -12,7 +12,7 @@ and `sessionctl --json ls`.
   /proc/PID/task/*/schedstat; the default 100 ms memory poll;
 - ls: `sessionctl --json ls` as a user runs it (a new process: interpreter
   start included), median of CTL_ROUNDS, through both of sessionctl's paths
-  in the same run, interleaved: the one-shot path (supervisor/ctl_fast.py,
+  in the same run, interleaved: the one-shot path (supervisor/ctl/fast.py,
   the `sessionctl` entry point: blocking socket, msgpack, no asyncio) and
   the full path (`python -m supervisor.ctl`: asyncio, uvloop, argparse,
   msgspec), each beside a `--json ping` (the same process start, nothing
@@ -50,7 +50,7 @@ from bench import _common as c  # noqa: E402
 c.setup_path()
 
 from ipc.loop import run as loop_run  # noqa: E402
-from supervisor.client import AsyncClient  # noqa: E402
+from supervisor.ctl.client import AsyncClient  # noqa: E402
 
 CTL_ROUNDS = 9
 
@@ -78,7 +78,7 @@ async def _create(d: c.BenchDaemon, n: int) -> tuple[float, list[str]]:
 
 # The one-shot path as the `sessionctl` console script runs it, and the
 # full path as `python -m supervisor.ctl`.
-ONE_SHOT = [sys.executable, "-c", "from supervisor.ctl_fast import run; run()"]
+ONE_SHOT = [sys.executable, "-c", "from supervisor.ctl.fast import run; run()"]
 FULL = [sys.executable, "-m", "supervisor.ctl"]
 
 
@@ -152,11 +152,11 @@ def main() -> int:
         runs: dict[str, Any] = {
             "one-shot ls": lambda: _ctl(d, ONE_SHOT, "ls", env=cached),
             "one-shot ping": lambda: _ctl(d, ONE_SHOT, "ping", env=cached),
-            "one-shot imports": lambda: _timed([sys.executable, "-c", "import supervisor.ctl_fast"], cached),
+            "one-shot imports": lambda: _timed([sys.executable, "-c", "import supervisor.ctl.fast"], cached),
             "one-shot ls, no bytecode cache": lambda: _ctl(d, ONE_SHOT, "ls", env=uncached),
             "full ls": lambda: _ctl(d, FULL, "ls", env=cached),
             "full ping": lambda: _ctl(d, FULL, "ping", env=cached),
-            "full imports": lambda: _timed([sys.executable, "-c", "import supervisor.ctl"], cached),
+            "full imports": lambda: _timed([sys.executable, "-c", "import supervisor.ctl.cli"], cached),
             "python -c pass": lambda: _timed([sys.executable, "-c", "pass"], cached),
         }
         for run in runs.values():

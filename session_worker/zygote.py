@@ -5,7 +5,7 @@ running event loop, and copy-on-write only pays when the parent's heap stays
 still.  The daemon forks the zygote at start-up, before its loop or any
 thread exists; the zygote imports the worker side, calls `gc.freeze()` and
 from then on does nothing but fork on order and reap.  The daemon's side of
-this conversation is `supervisor.spawner`; they share only `ipc.messages`.
+this conversation is `supervisor.spawn.spawner`; they share only `ipc.messages`.
 
     daemon ──SEQPACKET── zygote ──fork──> worker (own process group)
       │   SpawnWorker  ─►                    │

@@ -38,9 +38,11 @@ import setproctitle
 from ipc import messages as m
 from ipc.loop import run as run_loop
 from ipc.linux import set_dumpable
-from supervisor import __version__, sandbox, sdnotify, seams
-from supervisor.cgroups import Cgroups
-from supervisor.cgroups_detect import detect as cgroup_detect
+from supervisor import __version__
+from supervisor.spawn import sandbox, seams
+from supervisor.ops import sdnotify
+from supervisor.spawn.cgroups import Cgroups
+from supervisor.spawn.cgroups_detect import detect as cgroup_detect
 from supervisor.config import (
     Config,
     ConfigError,
@@ -51,15 +53,16 @@ from supervisor.config import (
     uid_range,
     workspace_root,
 )
-from supervisor import cluster, fencing, metrics
-from supervisor.manager import SessionManager
-from supervisor.ray_spawner import RaySpawner  # (imports Ray only when used)
-from supervisor.server import ControlServer
-from supervisor.spawner import ZygoteSpawner
-from supervisor.state_store import StateStore, StoreError
+from supervisor.cluster import wiring as cluster, fencing
+from supervisor.ops import metrics
+from supervisor.core.manager import SessionManager
+from supervisor.cluster.ray_spawner import RaySpawner  # (imports Ray only when used)
+from supervisor.api.server import ControlServer
+from supervisor.spawn.spawner import ZygoteSpawner
+from supervisor.store.state_store import StateStore, StoreError
 
 if TYPE_CHECKING:
-    from supervisor.fronts import Fronts  # (psycopg: the optional `cluster` extra)
+    from supervisor.cluster.fronts import Fronts  # (psycopg: the optional `cluster` extra)
 
 __all__ = ["StartupError", "run_daemon"]
 
@@ -570,7 +573,7 @@ def _open_store(cfg: Config) -> StateStore | None:
     """The configured state store; None: the file store under state_dir."""
     if cfg.store.backend != "postgres":
         return None
-    from supervisor.pg_store import PgStateStore  # the optional `cluster` extra
+    from supervisor.store.postgres.store import PgStateStore  # the optional `cluster` extra
 
     try:
         store = PgStateStore(cfg.store.dsn, retry_secs=cfg.store.retry_secs)
@@ -582,11 +585,11 @@ def _open_store(cfg: Config) -> StateStore | None:
 
 def _share_store(cfg: Config, manager: SessionManager, state_dir: Path) -> Fronts | None:
     """With the PostgreSQL store, daemons may share the database: sessions
-    are claimed when used (supervisor.fronts)."""
+    are claimed when used (supervisor.cluster.fronts)."""
     if cfg.store.backend != "postgres":
         return None
-    from supervisor.fronts import Fronts
-    from supervisor.pg_store import PgStateStore
+    from supervisor.cluster.fronts import Fronts
+    from supervisor.store.postgres.store import PgStateStore
 
     assert isinstance(manager.store, PgStateStore)
     try:

@@ -28,12 +28,12 @@ from ipc import messages as m
 from ipc import operator as op
 from pg_server import PgServer
 from ray_cluster import NODE_IPS, RayCluster
-from supervisor import ctl
+from supervisor.ctl import cli as ctl
 from supervisor.config import ConfigError, parse_config
-from supervisor.ctl_drain import drain_exit_code, drain_json, drain_text
-from supervisor.drain import check_request
+from supervisor.ctl.drain import drain_exit_code, drain_json, drain_text
+from supervisor.cluster.drain import check_request
 from supervisor.errors import BadRequest
-from supervisor.nodehost import read_more
+from supervisor.cluster.nodehost import read_more
 from test_spawner_contract import CHECKS, Check
 
 

@@ -1,5 +1,5 @@
-"""sessionctl's one-shot path (supervisor/ctl_fast.py) says exactly what the
-full command line (supervisor/ctl.py) says: the same bytes on stdout and
+"""sessionctl's one-shot path (supervisor/ctl/fast.py) says exactly what the
+full command line (supervisor/ctl/cli.py) says: the same bytes on stdout and
 stderr and the same exit code, for every command it answers and for the
 errors (no daemon, no such session, refused, a reply it cannot vouch for);
 it imports neither asyncio nor msgspec; and its copies of the schema, the
@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from harness import Daemon, env_for_children, wait_for
 from ipc import messages as m
 from ipc.framing import encode_frame
-from supervisor import ctl, ctl_fast
+from supervisor.ctl import cli as ctl, fast as ctl_fast
 
 # ---------------------------------------------------------------- pure: the copies agree
 
@@ -198,10 +198,10 @@ def test_the_default_socket_path_is_the_full_paths(monkeypatch: pytest.MonkeyPat
 # back): the comparison must be between the two paths, not the full path twice.
 _FAST = """
 import os, sys
-from supervisor import ctl_fast
+from supervisor.ctl import fast as ctl_fast
 code = ctl_fast.main(sys.argv[1:])
 sys.stdout.flush(); sys.stderr.flush()
-heavy = [n for n in ("asyncio", "msgspec", "argparse", "supervisor.ctl") if n in sys.modules]
+heavy = [n for n in ("asyncio", "msgspec", "argparse", "supervisor.ctl.cli") if n in sys.modules]
 os._exit(99 if heavy and os.environ.get("CTL_FAST_MUST_STAY") else code)
 """
 
@@ -381,8 +381,8 @@ def test_a_refusal_before_hello_is_the_full_paths(tmp_path: Path, code: str) -> 
 
 @pytest.mark.process
 def test_the_one_shot_module_imports_no_asyncio_msgspec_or_argparse() -> None:
-    code = ("import sys, supervisor.ctl_fast; print(' '.join(n for n in ('asyncio', 'msgspec', "
-            "'argparse', 'curses', 'uvloop', 'json', 'supervisor.ctl', 'supervisor.client') "
+    code = ("import sys, supervisor.ctl.fast; print(' '.join(n for n in ('asyncio', 'msgspec', "
+            "'argparse', 'curses', 'uvloop', 'json', 'supervisor.ctl.cli', 'supervisor.ctl.client') "
             "if n in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=env_for_children(), timeout=30)
@@ -397,7 +397,7 @@ def test_the_console_script_answers_and_exits_as_the_full_path(daemon: Daemon) -
         # Its workspace's first walk (max_disk_mb), so that both asks see one figure.
         wait_for(lambda: c.status("one").disk_bytes is not None, 10, "the workspace's first walk")
     env = env_for_children()
-    script = "from supervisor.ctl_fast import run; run()"
+    script = "from supervisor.ctl.fast import run; run()"
     for argv, code in ((["--json", "ls"], 0), (["status", "one"], 0), (["status", "nosuch"], 4)):
         argv = ["--socket", str(daemon.socket), *argv]
         fast = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
@@ -416,4 +416,4 @@ def test_sessionctl_is_the_one_shot_entry_point() -> None:
     from importlib.metadata import entry_points
 
     (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "sessionctl"]
-    assert ep.value == "supervisor.ctl_fast:run"
+    assert ep.value == "supervisor.ctl.fast:run"

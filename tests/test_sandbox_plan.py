@@ -13,7 +13,7 @@ import pytest
 from ipc import messages as m
 from ipc.settings import SandboxSettings, SessionSettings
 from session_worker import _seccomp, sandbox
-from supervisor.overrides import OverrideError, resolve_overrides
+from supervisor.core.overrides import OverrideError, resolve_overrides
 
 pytestmark = pytest.mark.pure
 

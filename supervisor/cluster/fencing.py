@@ -1,0 +1,230 @@
+"""Sessions held by another daemon: let go of them here, and claim them
+back when asked.
+
+Runs in the daemon's loop.  Every store fences its writers (see
+supervisor.store.state_store): once another daemon loaded a session (a second
+daemon on the same PostgreSQL database, a front that was frozen or cut off
+while another took its sessions over), this daemon's next commit for it is
+refused with `Fenced`.  That is not a crash: restarting the worker would
+only boot it from the other daemon's records and be refused again at the
+next commit, with a second worker running the same session meanwhile.
+
+So the session is *released* here: its worker and tools are terminated as
+by `stop`, nothing more is written for it (its log is swapped for an
+`UnheldLog`, which refuses every write), and it becomes `hibernated` with
+`error` saying who holds it (`status --json`, `ls`); its clients see those
+state events.  The same happens when this daemon hears of the claim before
+writing anything (supervisor.cluster.fronts).
+
+Released is not lost: the next input, restart or stop that reaches this
+daemon for the session *claims* it back (`claim`: the store's `load`, which
+fences the other daemon in turn), refreshes what this daemon knows of it
+from the store (turns, sequence numbers, usage, a stop made elsewhere),
+and then goes on as with any hibernated session.  That is how any daemon
+serves any session; the store refuses a claim only while another live
+daemon runs a turn of it (`HeldElsewhere`, a conflict for the client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from ipc import messages as m
+from supervisor.errors import Conflict, NotFound
+from supervisor.ops.logtag import tagged
+from supervisor.core.session import Session
+from supervisor.store.state_store import (
+    Abort,
+    Fenced,
+    HeldElsewhere,
+    LoadedSession,
+    Mark,
+    Record,
+    SessionLog,
+    Snapshot,
+    StateStore,
+    StoreError,
+    settled,
+)
+from supervisor.core.states import LIVE, State, Trigger
+
+if TYPE_CHECKING:
+    from supervisor.core.manager import SessionManager
+
+__all__ = ["EXPECTED", "NotHeld", "UnheldLog", "claim", "held_elsewhere", "release", "release_soon", "wire"]
+
+log = logging.getLogger("sessiond.manager")
+
+# How its worker's exit is recorded (last_exit.detail; reason "stopped").
+EXPECTED = "held by another daemon"
+
+# Reads a session's stored history without claiming it (None: cannot).
+HistoryReader = Callable[[str], tuple[Snapshot | None, list[Record]]]
+
+
+class NotHeld(Fenced):
+    """A write for a session this daemon does not hold (released, or
+    never claimed since it started)."""
+
+    def __init__(self, session: str) -> None:
+        StoreError.__init__(self, f"session {session} is held by another daemon; this daemon writes "
+                                  "nothing for it until it claims it back (its next input, restart or stop)")
+        self.session = session
+        self.mine = self.current = 0
+
+
+class UnheldLog:
+    """The log of a session another daemon holds: reads go to the store,
+    every write is refused with `NotHeld`, except the sequence marks that
+    state events here make (they are this daemon's own numbering: the
+    holder keeps its own, and a claim takes the larger)."""
+
+    def __init__(self, store: StateStore, session_id: str, reader: HistoryReader | None) -> None:
+        self._store = store
+        self._id = session_id
+        self._reader = reader
+
+    @property
+    def generation(self) -> int:
+        return 0
+
+    def append(self, record: Record, durable: bool) -> None:
+        if not isinstance(record, Mark):
+            raise NotHeld(self._id)
+
+    def sync(self) -> None:
+        pass  # nothing of this daemon's is pending
+
+    def sync_soon(self) -> asyncio.Future[None]:
+        return settled(lambda: None)
+
+    def make_durable(self) -> None:
+        pass
+
+    def make_durable_soon(self) -> asyncio.Future[None]:
+        return settled(lambda: None)
+
+    def write_snapshot(self, snap: Snapshot) -> None:
+        raise NotHeld(self._id)
+
+    def write_snapshot_soon(self, snap: Snapshot) -> asyncio.Future[None]:
+        raise NotHeld(self._id)
+
+    def read_for_boot(self) -> tuple[bytes, list[bytes], int]:
+        raise NotHeld(self._id)  # claim first
+
+    def read_for_boot_soon(self) -> asyncio.Future[tuple[bytes, list[bytes], int]]:
+        raise NotHeld(self._id)
+
+    def read_history(self) -> tuple[Snapshot | None, list[Record]]:
+        if self._reader is None:
+            raise NotHeld(self._id)
+        return self._reader(self._id)
+
+    def close(self) -> None:
+        pass
+
+    def remove(self) -> None:
+        self._store.remove(self._id)
+
+    def remove_soon(self) -> asyncio.Future[None]:
+        return settled(self.remove)  # (rare: the store's own remove)
+
+
+def held_elsewhere(exc: Fenced) -> str:
+    """What a client is told: the session is another daemon's now."""
+    if isinstance(exc, NotHeld):
+        return str(exc)
+    return (f"held by another daemon: it opened the session since (generation {exc.current}, this "
+            f"daemon's {exc.mine}); this daemon stopped its worker here and writes nothing more for it "
+            "until it is asked for it again")
+
+
+def wire(manager: SessionManager, reader: HistoryReader | None = None) -> None:
+    """Route the ledger's `Fenced` to `release` instead of a restart, and
+    claim released sessions back before a worker starts for them."""
+    manager.ledger.on_fenced = lambda session, exc: release_soon(manager, session, held_elsewhere(exc))
+
+    async def claim_for(session: Session) -> None:
+        await claim(manager, session)
+
+    manager.workers.claim = claim_for
+    manager.unheld_reader = reader
+
+
+def release_soon(manager: SessionManager, session: Session, reason: str) -> None:
+    # Once per refusal: a second one of the same flow (the turn's commit,
+    # then its Abort) finds the session released.
+    if session.error != reason:
+        session.error = reason
+        tagged(log, session.id).warning("%s", reason)
+    manager.spawn_task(release(manager, session, reason))
+
+
+async def release(manager: SessionManager, session: Session, reason: str) -> None:
+    """Let go of a session another daemon holds now: stop its worker as
+    `stop` does, write nothing, leave it hibernated here."""
+    async with session.lock:
+        if isinstance(session.store, UnheldLog) or session.state in (State.DELETED, State.DAMAGED):
+            return
+        manager.workers.cancel_restart(session)
+        session.error = reason
+        held, session.store = session.store, UnheldLog(manager.store, session.id, manager.unheld_reader)
+        held.close()
+        if session.state in LIVE:
+            manager.events.set_state(session, Trigger.STOP, reason=reason)
+        if session.state is State.STOPPING:
+            await manager.workers.terminate(session, EXPECTED, manager.config.daemon.stop_grace_secs)
+        if session.state is not State.HIBERNATED:
+            manager.events.set_state(session, Trigger.RELEASE, reason=reason)
+
+
+async def claim(manager: SessionManager, session: Session) -> None:
+    """Take a released (or never claimed) session back before it gets a
+    worker here; a no-op for one this daemon holds.  Caller holds
+    session.lock."""
+    if not isinstance(session.store, UnheldLog):
+        return
+    try:
+        held, loaded = manager.store.load(session.id)
+    except HeldElsewhere as exc:
+        raise Conflict(str(exc)) from None
+    except KeyError:
+        raise NotFound(f"session {session.id} was removed by another daemon") from None
+    if (bad := manager.workspaces.stored_problem(loaded.meta, manager.sessions.values())) is not None:
+        held.close()  # checked again as on create (supervisor.core.workspaces): not acted on
+        raise Conflict(f"session {session.id} cannot be taken over: {bad[0]}")
+    await _refresh(manager, session, held, loaded)
+
+
+async def _refresh(manager: SessionManager, session: Session, held: SessionLog, loaded: LoadedSession) -> None:
+    """What the store says of a session just claimed, over what this daemon
+    knew (it may have run elsewhere since)."""
+    session.store = held
+    session.meta = loaded.meta
+    session.settings = manager.settings_for(session.id, loaded.meta.overrides)
+    session.turns, session.usage = loaded.turns, loaded.usage
+    session.restarts = loaded.mark.restarts
+    session.last_exit = (msgspec.convert(loaded.mark.last_exit, m.ExitInfo)
+                         if loaded.mark.last_exit else session.last_exit)
+    session.error = None
+    # Event numbers only go up, for this daemon's clients and the holder's.
+    session.seq = max(session.seq, loaded.seq)
+    session.reserved_seq = max(session.reserved_seq, loaded.seq)
+    if loaded.mark.state == "stopped" and session.state is State.HIBERNATED:
+        # Stopped where it ran: it stays stopped here until a restart.
+        manager.events.set_state(session, Trigger.STOP, reason="stopped on another daemon")
+        manager.events.set_state(session, Trigger.STOPPED, reason="stopped on another daemon")
+    if loaded.open_input is not None:
+        # Its holder died during this turn (a live one would have refused).
+        session.seq += 1
+        held.append(Abort(turn=loaded.open_input.turn, reason="the daemon that held it stopped during "
+                          "this turn", seq=session.seq), durable=False)
+    # The abort and this daemon's mark, by the group commit, off the loop.
+    await manager.ledger.save_mark(session)
+    tagged(log, session.id).info("claimed (generation %d): %d turn(s) so far", held.generation, loaded.turns)

@@ -1,0 +1,677 @@
+"""The daemon's core: the sessions it holds and what clients may do to them.
+
+Runs in the daemon's event loop, single-threaded.  `SessionManager` is the
+registry (ids, ownership, quotas, lookups) and the place where a client's
+request becomes work for the parts that own each concern:
+
+    EventLog     (events.py)     states, seq numbers, retention, fan-out
+    TurnLedger   (ledger.py)     inputs and commits: the durability promises
+    WorkerOwner  (workers.py)    spawn, boot, messages, kills, exits, restarts
+    Sweeper      (sweep.py)      memory caps, disk quotas, heartbeats, idleness, turn timeouts
+    Subagents    (subagents.py)  spawn_agent as child sessions
+    Workspaces   (workspaces.py) who workers run as, and their workspaces
+
+`supervisor.core.session` says which part may change which field of a session.
+Transitions come from `supervisor.core.states` (pure); decisions about limits
+from `supervisor.core.limits` (pure); state goes through the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ipc import messages as m
+from ipc.contract import ExitReason
+from ipc.settings import SessionSettings
+from supervisor.spawn.cgroups import Cgroups
+from supervisor.config import Config
+from supervisor.errors import BadRequest, Capacity, Conflict, Internal, NotFound, SessiondError
+from supervisor.core.events import EventLog
+from supervisor.core.ledger import TurnLedger, store_failure
+from supervisor.core.limits import ProcTable
+from supervisor.ops.logtag import tagged
+from supervisor.ops.metrics import Recorder
+from supervisor.core.overrides import OverrideError, check_handler, resolve_overrides
+from supervisor.spawn.seams import Spawner
+from supervisor.core.session import Session, Subscriber, WorkerProc, valid_session_id
+from supervisor.core.slots import LiveSlots
+from supervisor.core.states import LIVE, State, Trigger
+from supervisor.store.state_store import (
+    Abort,
+    DamagedLog,
+    LoadedSession,
+    Meta,
+    Record,
+    RepairMode,
+    RepairResult,
+    SessionLog,
+    Snapshot,
+    StateStore,
+    StoreDamaged,
+    StoreError,
+)
+from supervisor.store.files import FileStateStore
+from supervisor.core.subagents import Subagents
+from supervisor.core.sweep import Sweeper
+from supervisor.core.workers import WorkerOwner, describe_exit
+from supervisor.core.workspaces import Workspaces
+
+__all__ = ["SessionManager"]
+
+log = logging.getLogger("sessiond.manager")
+
+_message_settings = msgspec.msgpack.Encoder()
+
+
+class SessionManager:
+    def __init__(
+        self,
+        config: Config,
+        state_dir: Path,
+        spawner: Spawner,
+        *,
+        run_as: tuple[int, int] | None = None,
+        session_uids: range | None = None,
+        store: StateStore | None = None,
+        sandbox: m.SandboxBoot | None = None,
+        cgroups: Cgroups | None = None,
+    ) -> None:
+        self.config = config
+        self.state_dir = state_dir
+        self.sessions_dir = state_dir / "sessions"
+        self.store: StateStore = store if store is not None else FileStateStore(self.sessions_dir)
+        self.spawner = spawner
+        self.sessions: dict[str, Session] = {}
+        self.proc_table = ProcTable()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closing = False
+        self._hibernating: set[str] = set()
+        self._ping_nonce = 0
+
+        def current() -> Config:
+            return self.config
+
+        self.workspaces = Workspaces(current, state_dir, run_as, session_uids)
+        self.events = EventLog(lambda: self.config.daemon, self.sessions)
+        self.ledger = TurnLedger(self.events)
+        self.workers = WorkerOwner(current, spawner, self.events, self.ledger, self.proc_table,
+                                   self.workspaces, self.spawn_task)
+        self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
+                               self._hibernate_soon, stop=self.stop, workspaces=self.workspaces)
+        self.subagents = Subagents(self, self.sessions)
+        self.workers.sandbox = sandbox
+        self.workers.cgroups = cgroups
+        self.slots = LiveSlots(current, self.sessions, self.is_admin, self._hibernating, self._hibernate)
+        self.workers.make_room = self.slots.make_room
+        self.workers.on_spawn_agent = lambda session, worker, msg: self.spawn_task(
+            self.subagents.run(session, worker, msg))
+        self.ledger.on_turn_started = self.sweeper.arm_turn_timer
+        # How a stored session is opened at start: claimed (alone on the
+        # store), or only read (daemons sharing a database, supervisor.cluster.fronts).
+        self.open_stored: Callable[[str], tuple[SessionLog, LoadedSession]] = self.store.load
+        self.unheld_reader: Callable[[str], tuple[Snapshot | None, list[Record]]] | None = None
+
+    # For supervisor.api.transfer (import): create's checks, load's restore.
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def restore(self, store: SessionLog, loaded: LoadedSession) -> None:
+        self._restore(store, loaded)
+
+    def check_quota(self, uid: int) -> None:
+        self._check_quota(uid)
+
+    def use_metrics(self, recorder: Recorder) -> None:
+        """Count into `recorder` (the parts hold the no-op one until then)."""
+        self.workers.metrics = self.ledger.metrics = self.sweeper.metrics = recorder
+
+    # ================================================================ load
+
+    def load_all(self) -> None:
+        """Restore every session on disk; live ones come back hibernated."""
+        self.sessions_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.workspaces.separate_users:
+            # Workers running as another user must reach their workspace:
+            # traverse (not list) the state dir; sessions/ stays private.
+            workspaces = self.workspaces.root()
+            workspaces.mkdir(parents=True, exist_ok=True)
+            workspaces.chmod(0o711)
+            self.state_dir.chmod(0o711)
+        for session_id in self.store.ids():
+            try:
+                store, loaded = self.open_stored(session_id)
+            except StoreDamaged as exc:
+                self._add_damaged(session_id, exc.reason, exc.meta)
+                continue
+            except Exception as exc:
+                self._add_damaged(session_id, f"cannot be loaded: {exc}", None)
+                continue
+            try:
+                self._restore(store, loaded)
+            except Exception as exc:
+                store.close()
+                self._add_damaged(session_id, f"cannot be restored: {exc}", loaded.meta)
+        if self.sessions:
+            log.info("restored %d session(s) from %s", len(self.sessions), self.sessions_dir)
+        self.workspaces.remove_orphans(self.sessions.values())
+
+    def _restore(self, store: SessionLog, loaded: LoadedSession) -> None:
+        meta = loaded.meta
+        if (bad := self.workspaces.stored_problem(meta, self.sessions.values())) is not None:
+            store.close()  # checked again as on create: a store's values are data
+            self._add_damaged(meta.id, bad[0], meta if bad[1] else None)
+            return
+        mark = loaded.mark
+        state = {"stopped": State.STOPPED, "failed": State.FAILED}.get(mark.state, State.HIBERNATED)
+        session = Session(
+            id=meta.id, meta=meta, store=store, settings=self.settings_for(meta.id, meta.overrides),
+            state=state, turns=loaded.turns, seq=loaded.seq, reserved_seq=loaded.seq,
+            restarts=mark.restarts, ring=self.events.new_ring(),
+            last_exit=msgspec.convert(mark.last_exit, m.ExitInfo) if mark.last_exit else None,
+            usage=loaded.usage,
+        )
+        if loaded.open_input is not None:
+            # The daemon died during this turn; what it streamed is gone.
+            reason = "the daemon stopped during this turn"
+            session.seq += 1
+            store.append(Abort(turn=loaded.open_input.turn, reason=reason, seq=session.seq), durable=True)
+        self.sessions[meta.id] = session
+        if meta.parent and meta.parent in self.sessions:
+            self.sessions[meta.parent].children.append(meta.id)
+
+    def _add_damaged(self, session_id: str, reason: str, meta: Meta | None) -> None:
+        """A session whose stored state does not load stays visible (ls,
+        status: state "damaged" with the reason) and removable, and keeps
+        its id taken, its files untouched, until repaired or removed.
+        Without readable metadata only admins see it (owner uid 0)."""
+        tagged(log, session_id).error("is damaged and was not restored: %s", reason)
+        session = Session(
+            id=session_id, meta=meta or Meta(id=session_id, handler="?"),
+            store=DamagedLog(self.store, session_id, reason),
+            settings=self.config.session_settings(), state=State.DAMAGED,
+            error=reason, meta_lost=meta is None, ring=self.events.new_ring(),
+        )
+        self.sessions[session_id] = session
+        if session.meta.parent and session.meta.parent in self.sessions:
+            self.sessions[session.meta.parent].children.append(session_id)
+
+    def settings_for(self, session_id: str, overrides: dict[str, Any]) -> SessionSettings:
+        """A stored session's settings under the current config: overrides
+        that no longer fit are pulled back inside the operator's bounds."""
+        resolved = resolve_overrides(self.config.session_settings(), overrides, strict=False)
+        for line in resolved.adjusted:
+            tagged(log, session_id).warning("%s", line)
+        return resolved.settings
+
+    # ================================================================ the registry
+
+    def is_admin(self, uid: int) -> bool:
+        """Root and [daemon] admin_uids.  Not the daemon's own uid: under the
+        unit that is also the uid a session's tools run as."""
+        return uid == 0 or uid in self.config.daemon.admin_uids
+
+    def get(self, session_id: str, uid: int | None = None) -> Session:
+        """The session, if `uid` (None = the daemon itself) may touch it.
+        Another user's session is answered exactly as a missing one, so
+        that ids cannot be probed."""
+        session = self.sessions.get(session_id)
+        if session is None or (
+            uid is not None and session.meta.owner_uid != uid and not self.is_admin(uid)
+        ):
+            raise NotFound(f"no session {session_id!r}")
+        return session
+
+    def visible(self, uid: int) -> list[Session]:
+        if self.is_admin(uid):
+            return list(self.sessions.values())
+        return [s for s in self.sessions.values() if s.meta.owner_uid == uid]
+
+    def info(self, session: Session, with_rss: bool = True) -> m.SessionInfo:
+        worker = session.worker
+        pid = worker.pid if worker is not None and not worker.exited.done() else None
+        rss: int | None = None
+        if pid is not None and with_rss:
+            # The last sweep's figure (at most one poll interval old); a worker
+            # not swept yet is measured now.
+            rss = session.memory.rss_bytes or session.memory.measure(self.proc_table, pid)
+        node_pid, node = self.spawner.placement(pid) if pid is not None else (None, None)
+        return m.SessionInfo(
+            id=session.id, state=session.state.value, handler=session.meta.handler, pid=node_pid, node=node,
+            rss_bytes=rss, restarts=session.restarts, turns=session.turns,
+            created_at=session.meta.created_at, last_exit=session.last_exit, seq=session.seq,
+            parent=session.meta.parent, children=list(session.children),
+            owner_uid=session.meta.owner_uid, error=session.error, usage=dict(session.usage),
+            sandbox=self._sandbox_report(worker) if pid is not None and worker is not None else {},
+            disk_bytes=session.memory.disk_bytes,
+        )
+
+    def _sandbox_report(self, worker: WorkerProc) -> dict[str, Any]:
+        """The worker's own report, plus the cgroup the daemon put it in."""
+        cgroups = self.workers.cgroups
+        if cgroups is None:
+            return worker.sandbox
+        active = [*worker.sandbox.get("active", []), *(f"cgroup-{c}" for c in sorted(cgroups.controllers)),
+                  "cgroup-kill"]
+        return {**worker.sandbox, "active": active}
+
+    def live_workers(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.worker is not None)
+
+    def running_turns(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.current_turn is not None)
+
+    def _check_quota(self, uid: int) -> None:
+        if self.is_admin(uid):
+            return
+        limit = self.config.daemon.max_sessions_per_uid
+        held = sum(1 for s in self.sessions.values() if s.meta.owner_uid == uid)
+        if held >= limit:
+            raise Capacity(
+                f"uid {uid} already has {held} sessions (max_sessions_per_uid = {limit}); "
+                "remove some with `sessionctl rm`"
+            )
+
+    # ================================================================ create
+
+    async def create(
+        self,
+        owner_uid: int,
+        session_id: str | None,
+        handler: str | None,
+        overrides: dict[str, Any],
+        *,
+        parent: Session | None = None,
+    ) -> Session:
+        if self._closing:
+            raise Conflict("the daemon is shutting down")
+        if session_id is None:
+            session_id = secrets.token_hex(6)
+        elif not valid_session_id(session_id):
+            raise BadRequest(
+                f"invalid session id {session_id!r}: 1-64 characters of A-Z a-z 0-9 . _ -, "
+                "starting with a letter or digit"
+            )
+        if session_id in self.sessions:
+            existing = self.sessions[session_id]
+            if existing.state is State.DAMAGED:
+                raise Conflict(f"session {session_id!r} already exists and is damaged "
+                               f"({existing.error}); `sessionctl rm {session_id}` frees the id")
+            raise Conflict(f"session {session_id!r} already exists")
+        self._check_quota(owner_uid)
+        if parent is not None:
+            # The parent's own overrides, accepted when it was created, held
+            # to today's ceilings.
+            settings = self.settings_for(session_id, overrides)
+        else:
+            try:
+                settings = resolve_overrides(self.config.session_settings(), overrides).settings
+            except OverrideError as exc:
+                raise BadRequest(str(exc)) from None
+        named = handler is not None
+        if handler is None:
+            handler = settings.agent.handler
+        elif parent is None:
+            check_handler(handler, settings)
+        if handler == "agent" and (missing := settings.provider.missing()) is not None:
+            provider = settings.provider
+            if named or provider.base_url or provider.model:
+                # Asked for the agent, or half a provider: an echo session
+                # would look like a working agent that answers nonsense.
+                raise BadRequest(
+                    f"the agent handler needs an LLM provider: {missing} is not set "
+                    "([provider] in config.toml)"
+                )
+            handler = "echo"  # no provider at all: the offline default, said at start-up
+        # Order the worker first: the zygote forks (or hands over a spare)
+        # while this process fsyncs the new session to disk.
+        pending = self.spawner.request() if self.slots.has_room(owner_uid) else None
+        meta = Meta(
+            id=session_id, handler=handler, overrides=overrides, created_at=time.time(),
+            owner_uid=owner_uid, parent=parent.id if parent else None,
+            depth=parent.meta.depth + 1 if parent else 0,
+            # Never the same directory twice: a later session that reuses
+            # this id, whoever creates it, starts with an empty workspace.
+            workspace=f"{session_id}@{secrets.token_hex(8)}",
+            run_uid=self.workspaces.allocate_uid(self.sessions.values()),
+        )
+        try:
+            # Durable below, while the worker boots: the create is answered
+            # only once both are done.
+            store = self.store.create(meta, durable=False)
+        except FileExistsError:
+            self.workers.drop_pending(pending)
+            raise Conflict(f"session {session_id!r} already exists") from None
+        except StoreError as exc:
+            self.workers.drop_pending(pending)
+            raise store_failure("", exc) from None
+        session = Session(
+            id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING,
+            ring=self.events.new_ring(),
+        )
+        self.sessions[session_id] = session
+        if parent is not None:
+            parent.children.append(session_id)
+        try:
+            async with session.lock:
+                await self.workers.start(session, pending, during_boot=store.make_durable_soon)
+        except StoreError as exc:
+            self._discard(session)
+            raise store_failure(f"session {session_id!r} could not be saved: ", exc) from None
+        except SessiondError as exc:
+            # A create that cannot boot leaves nothing behind.
+            self._discard(session)
+            raise type(exc)(f"session {session_id!r} could not start: {exc.message}") from None
+        except BaseException:
+            self._discard(session)
+            raise
+        tagged(log, session_id).info("created (handler %s, pid %s)", handler,
+                                     session.worker.pid if session.worker else "-")
+        return session
+
+    def _discard(self, session: Session) -> None:
+        """A create that failed: nothing of it stays, not even in its parent's list."""
+        self.workers.kill_discarded(session)
+        self._unlink(session)
+        try:
+            self.workspaces.remove(session)
+        except OSError as exc:
+            tagged(log, session.id).warning("its workspace could not be removed: %s", exc)
+
+    def _unlink(self, session: Session) -> asyncio.Future[None]:
+        self.sessions.pop(session.id, None)
+        parent = self.sessions.get(session.meta.parent or "")
+        if parent is not None and session.id in parent.children:
+            parent.children.remove(session.id)
+        self.events.forget(session)
+        return session.store.remove_soon()  # behind its writes; `rm` is answered once it is done
+
+    # ================================================================ requests
+
+    async def send(
+        self,
+        session: Session,
+        text: str,
+        subscriber: Subscriber | None,
+        on_accepted: Callable[[m.Accepted], None] | None = None,
+    ) -> m.Accepted:
+        """Start a turn; returns once its input is durable.  `on_accepted`
+        is called at that moment, before any later event of the turn."""
+        if self._closing:
+            raise Conflict("the daemon is shutting down; no new turns")
+        async with session.lock:
+            if session.state is State.HIBERNATED:
+                await self.workers.claim(session)  # held elsewhere since? (supervisor.cluster.fencing)
+            if session.state is State.HIBERNATED:
+                # Room first, so that "no room" leaves it hibernated.
+                await self.slots.make_room(session)
+                self.events.set_state(session, Trigger.SPAWN, reason="input")
+                try:
+                    await self.workers.start(session)
+                except SessiondError:
+                    if session.is_(State.STARTING):
+                        self.events.set_state(session, Trigger.EXIT, reason="boot_failed")
+                        self.workers.schedule_restart(session)
+                    raise
+        if session.state in (State.STARTING, State.RESTARTING, State.CRASHED):
+            await self.events.wait_state(
+                session, (State.IDLE, State.FAILED, State.STOPPED, State.DELETED, State.RUNNING),
+                self.config.daemon.boot_timeout_secs,
+            )
+        match session.state:
+            case State.IDLE:
+                pass
+            case State.RUNNING | State.INTERRUPTING:
+                raise Conflict(f"session {session.id} is busy with turn {session.current_turn}; "
+                               "wait for it to end or interrupt it")
+            case State.STOPPED | State.STOPPING:
+                raise Conflict(f"session {session.id} is stopped; `sessionctl restart {session.id}` starts it")
+            case State.DAMAGED:
+                raise Conflict(_damaged_hint(session))
+            case State.FAILED:
+                raise Conflict(f"session {session.id} has failed ({describe_exit(session.last_exit)}); "
+                               f"`sessionctl restart {session.id}` starts it again")
+            case _:
+                raise Conflict(f"session {session.id} is {session.state}")
+        if subscriber is not None:
+            session.subscribers.add(subscriber)
+        return await self.ledger.begin(session, text, on_accepted)
+
+    def attach(self, session: Session, subscriber: Subscriber, from_seq: int | None) -> int:
+        return self.events.attach(session, subscriber, from_seq)
+
+    def detach(self, subscriber: Subscriber, session: Session | None = None) -> None:
+        self.events.detach(subscriber, [session] if session is not None else self.sessions.values())
+
+    def interrupt(self, session: Session) -> None:
+        if session.state is State.INTERRUPTING:
+            return
+        if session.state is not State.RUNNING or session.worker is None:
+            raise Conflict(f"session {session.id} has no running turn")
+        self.events.set_state(session, Trigger.INTERRUPT, reason="interrupted by a client")
+        session.worker.conn.send(m.InterruptTurn(turn=session.current_turn or 0))
+
+    async def stop(self, session: Session, reason: str = "stopped", exit_reason: ExitReason | None = None) -> None:
+        if session.state is State.DAMAGED:
+            raise Conflict(_damaged_hint(session))
+        for child_id in list(session.children):
+            child = self.sessions.get(child_id)
+            if child is not None:
+                await self.stop(child, f"parent {session.id} {reason}")
+        async with session.lock:
+            await self._stop_locked(session, reason, exit_reason)
+
+    async def _stop_locked(self, session: Session, reason: str, exit_reason: ExitReason | None = None) -> None:
+        if session.state in (State.STOPPED, State.DELETED, State.DAMAGED):
+            return  # (a damaged child of a stopped parent: nothing runs)
+        await self.workers.claim(session)  # stopped wherever it runs
+        if session.is_(State.STOPPED):  # (it was, there)
+            return
+        self.workers.cancel_restart(session)
+        self.events.set_state(session, Trigger.STOP, reason=reason)
+        if exit_reason is not None and session.worker is not None:
+            # The worker's exit is recorded as the limit it was stopped for,
+            # from the moment it is seen: never a plain "stopped" meanwhile.
+            session.worker.stop_reason = exit_reason
+        await self.workers.terminate(session, "stopped", self.config.daemon.stop_grace_secs)
+        if exit_reason is not None and session.last_exit is not None:  # the limit it was stopped for
+            session.last_exit = msgspec.structs.replace(session.last_exit, reason=exit_reason.value, detail=reason)
+        self.events.set_state(session, Trigger.STOPPED, reason=reason)
+        await self.ledger.save_mark(session)
+
+    async def restart(self, session: Session) -> None:
+        if session.state is State.DAMAGED:
+            raise Conflict(_damaged_hint(session))
+        async with session.lock:
+            await self.workers.claim(session)  # before anything changes here
+            if session.state in LIVE:
+                await self._stop_locked(session, "restart")
+            self.workers.cancel_restart(session)
+            await self.slots.make_room(session)
+            self.events.set_state(session, Trigger.RESTART, reason="restart requested")
+            if session.policy is not None:
+                session.policy.reset()
+            await self.ledger.save_mark(session)
+            try:
+                await self.workers.start(session)
+            except SessiondError:
+                if session.is_(State.STARTING):
+                    self.events.set_state(session, Trigger.GIVE_UP, reason="boot_failed")
+                    await self.ledger.save_mark(session)
+                raise
+
+    async def remove(self, session: Session) -> None:
+        for child_id in list(session.children):
+            child = self.sessions.get(child_id)
+            if child is not None:
+                await self.remove(child)
+        async with session.lock:
+            if session.state is State.DELETED:
+                return
+            if session.state in LIVE:
+                await self._stop_locked(session, "deleted")
+            self.workers.cancel_restart(session)
+            self.events.set_state(session, Trigger.DELETE, reason="deleted")
+            await self._unlink(session)
+            if session.meta_lost:
+                # Which workspace is its own is unknown; the next start's
+                # sweep of orphaned workspaces removes it.
+                tagged(log, session.id).info("deleted")
+                return
+            try:
+                await asyncio.to_thread(self.workspaces.remove, session)
+            except OSError as exc:
+                tagged(log, session.id).error("its workspace could not be removed: %s", exc)
+            tagged(log, session.id).info("deleted")
+
+    async def repair(self, session: Session, mode: str) -> tuple[Session, RepairResult]:
+        """Rewrite a damaged session's stored state per `mode`, then restore
+        it as at start-up (hibernated, or stopped/failed as it was)."""
+        try:
+            how = RepairMode(mode)
+        except ValueError:
+            raise BadRequest(f"unknown repair mode {mode!r}: use skip_bad or truncate") from None
+        async with session.lock:
+            if session.state is not State.DAMAGED:
+                raise Conflict(f"session {session.id} is {session.state}, not damaged; nothing to repair")
+            try:
+                result = self.store.repair(session.id, how)
+                store, loaded = self.store.load(session.id)
+            except StoreDamaged as exc:
+                session.error = exc.reason
+                raise Conflict(f"session {session.id} cannot be repaired: {exc.reason}") from None
+            except StoreError as exc:
+                raise store_failure(f"session {session.id} could not be repaired: ", exc) from None
+            except OSError as exc:
+                raise Internal(f"session {session.id} could not be repaired: {exc}") from None
+            tagged(log, session.id).warning("repaired (%s): %d record(s) kept, %d intact record(s) and "
+                                            "%d damaged byte(s) dropped", how.value, result.kept_records,
+                                            result.dropped_records, result.dropped_bytes)
+            self.events.set_state(session, Trigger.REPAIR, reason=f"repaired ({how.value})")
+            subscribers, children = set(session.subscribers), list(session.children)
+            self.sessions.pop(session.id)
+            parent = self.sessions.get(session.meta.parent or "")
+            if parent is not None and session.id in parent.children:
+                parent.children.remove(session.id)
+            self.events.forget(session)
+            try:
+                self._restore(store, loaded)
+            except BaseException:
+                store.close()
+                self._add_damaged(session.id, "cannot be restored after repair", loaded.meta)
+                raise
+            restored = self.sessions[session.id]
+            restored.subscribers = subscribers
+            restored.children = [c for c in children if c in self.sessions]
+            return restored, result
+
+    def ping(self, session: Session, answer: Callable[[SessiondError | None], None]) -> int:
+        """Round trip through the worker; `answer` is called with None when
+        it replies, or with the error if it dies first.  No timer: a worker
+        that stops answering stops its heartbeats too, and the sweep kills
+        it, which answers every ping in flight.  Returns the worker's pid."""
+        worker = session.worker
+        if worker is None or not worker.booted or worker.exited.done():
+            raise Conflict(f"session {session.id} has no live worker ({session.state})")
+        self._ping_nonce += 1
+        session.pings[self._ping_nonce] = answer
+        worker.conn.send(m.WorkerPing(nonce=self._ping_nonce))
+        return worker.pid
+
+    def answer(self, session: Session, request_id: str, allow: bool) -> None:
+        worker = session.worker
+        if worker is None or request_id not in session.pending_asks:
+            raise NotFound(f"session {session.id} has no pending permission request {request_id!r}")
+        session.pending_asks.discard(request_id)
+        worker.conn.send(m.PermissionAnswer(request_id=request_id, allow=allow))
+
+    # ================================================================ capacity
+
+    async def supervise(self) -> None:
+        await self.sweeper.run()
+
+    def spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _hibernate_soon(self, session: Session, reason: str) -> None:
+        if session.id not in self._hibernating:
+            self._hibernating.add(session.id)
+            self.spawn_task(self._hibernate(session, reason))
+
+    async def _hibernate(self, session: Session, reason: str) -> None:
+        try:
+            async with session.lock:
+                if session.state is not State.IDLE or session.worker is None:
+                    return
+                self.events.set_state(session, Trigger.HIBERNATE, reason=reason)
+                await self.workers.terminate(session, "hibernated", self.config.daemon.stop_grace_secs)
+        finally:
+            self._hibernating.discard(session.id)
+
+    # ================================================================ reload and shutdown
+
+    def reload(self, config: Config) -> None:
+        """New config (SIGHUP): every session, live ones included, runs
+        under it from now on, its own overrides pulled back inside the new
+        bounds.  What the daemon enforces (memory caps, heartbeats, turn
+        timeouts) applies at once; live workers get their new settings, so
+        permission rules and the loop's limits apply at the next tool call."""
+        self.config = config
+        now = time.monotonic()
+        for session in self.sessions.values():
+            old = session.settings
+            session.settings = self.settings_for(session.id, session.meta.overrides)
+            session.policy = None
+            self.events.resize(session)
+            worker = session.worker
+            if worker is None or worker.exited.done():
+                continue
+            # The worker may be asleep for one old interval before it beats
+            # at the new pace: do not count that against it.
+            worker.last_heartbeat = max(
+                worker.last_heartbeat, now + old.agent.worker.heartbeat_interval_secs
+            )
+            worker.conn.send(m.Reconfigure(settings=_message_settings.encode(session.settings)))
+            if self.workers.cgroups is not None:
+                limits = session.settings.agent.limits
+                self.workers.cgroups.limit(session.id, limits.max_memory_mb, limits.max_processes)
+            self.sweeper.retime_turn(session)
+
+    async def shutdown(self, grace: float) -> None:
+        """Let running turns finish for up to `grace`, then stop every worker.
+        Sessions stay on disk and come back hibernated."""
+        self._closing = self.workers.closing = self.sweeper.closing = True
+        deadline = time.monotonic() + grace
+        while self.running_turns() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for session in self.sessions.values():
+            self.workers.cancel_restart(session)
+        live = [s for s in self.sessions.values() if s.worker is not None]
+        await asyncio.gather(
+            *(self.workers.terminate(s, "stopped by the daemon's shutdown", self.config.daemon.stop_grace_secs)
+              for s in live),
+            return_exceptions=True,
+        )
+        for task in list(self._tasks):
+            task.cancel()
+        for session in self.sessions.values():
+            session.store.close()
+        self.store.close()
+        self.proc_table.close()
+
+
+def _damaged_hint(session: Session) -> str:
+    return (
+        f"session {session.id} is damaged ({session.error}); `sessionctl repair {session.id} "
+        f"--skip-bad` or `--truncate` recovers it, `sessionctl rm {session.id}` deletes it"
+    )
