@@ -1,6 +1,6 @@
 """The README's (and every page of docs/'s) commands and TOML, run as printed.
 
-The pages read are README.md and docs/*.md, in that order
+The pages read are README.md, ARCHITECTURE.md and docs/*.md, in that order
 (the README's "First session" creates the session later examples use), so a
 block that moves from the README to a page of docs/ stays tested.
 Every fenced `sh`/`console` block's command lines are either run here (the
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.process
 README = REPO / "README.md"
 # Every page a reader walks from the README; a missing one (a renamed page)
 # fails the extraction test below rather than silently testing less.
-PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [README, REPO / "ARCHITECTURE.md", *sorted((REPO / "docs").glob("*.md"))]
 # The venv the suite runs in holds the scripts the README names as .venv/bin/….
 VENV = Path(sys.prefix)
 
