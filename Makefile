@@ -10,7 +10,7 @@ CONFIG ?=
 # The checkout goes into the venv as a plain path line (.pth), not through
 # setuptools' default editable import hook: that hook runs at every start of
 # the venv's Python and imports pathlib, re and urllib.parse, ~25 ms of the
-# 50 a one-shot `sessionctl ls` may take (bench/README.md, issue 12).  A
+# 50 a one-shot `sessionctl ls` may take (bench/README.md, idle.py).  A
 # setuptools without the (transitional) compat mode gets the default one.
 EDITABLE := --config-settings editable_mode=compat
 

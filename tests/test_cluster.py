@@ -254,7 +254,7 @@ def test_a_lost_node_s_sessions_come_back_on_the_other_with_every_turn(
             # node_lost; or killed_heartbeat, when the worker's silence was
             # noticed while its node host still reported (its raylet gone
             # first): its exit is then a plain SIGKILL of ours, as the
-            # README says.
+            # cluster page (docs/cluster.md) says.
             assert isinstance(running[-1], m.TurnFailed)
             assert "node_lost" in running[-1].reason or running[-1].reason.startswith("killed_heartbeat")
             for sid in on_lost:
