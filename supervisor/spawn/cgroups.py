@@ -33,12 +33,22 @@ import contextlib
 import os
 from pathlib import Path
 
-__all__ = ["Cgroups", "cgroup_mounts", "nice_weight", "own_cgroups"]
+__all__ = ["Cgroups", "cgroup_mounts", "flat_key", "nice_weight", "own_cgroups"]
 
 # The kernel's weight of a task at each nice level (sched_prio_to_weight,
 # nice 0..19): the share a cgroup gets at the weight of one such task.
 _NICE_WEIGHT = (1024, 820, 655, 526, 423, 335, 272, 215, 172, 137,
                 110, 87, 70, 56, 45, 36, 29, 23, 18, 15)
+
+
+def flat_key(path: Path, key: str) -> int:
+    """A "key N" line of a flat-keyed cgroup file, or 0."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    return 0
 
 
 def nice_weight(nice: int) -> int:

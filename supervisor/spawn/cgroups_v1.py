@@ -40,7 +40,7 @@ import signal
 import time
 from pathlib import Path
 
-from supervisor.spawn.cgroups import Cgroups, cgroup_mounts, nice_weight, own_cgroups
+from supervisor.spawn.cgroups import Cgroups, cgroup_mounts, flat_key, nice_weight, own_cgroups
 
 __all__ = ["CgroupsV1", "detect"]
 
@@ -100,15 +100,6 @@ def _read_pids(cg: Path) -> list[int]:
         return [int(p) for p in (cg / "cgroup.procs").read_text().split()]
     except (OSError, ValueError):
         return []
-
-
-def _count(path: Path, key: str) -> int:
-    with contextlib.suppress(OSError, ValueError):
-        for line in path.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == key:
-                return int(value)
-    return 0
 
 
 class CgroupsV1(Cgroups):
@@ -304,7 +295,7 @@ class CgroupsV1(Cgroups):
         if mem is None:
             return 0
         control = mem / "memory.oom_control"
-        return _count(control, "oom_kill") + _count(control, "under_oom")
+        return flat_key(control, "oom_kill") + flat_key(control, "under_oom")
 
     def release(self, session_id: str, where: dict[str, Path] | None = None) -> None:
         dirs = where if where is not None else self._dirs(session_id)

@@ -23,7 +23,7 @@ import logging
 import os
 from pathlib import Path
 
-from supervisor.spawn.cgroups import Cgroups, cgroup_mounts, nice_weight, own_cgroups
+from supervisor.spawn.cgroups import Cgroups, cgroup_mounts, flat_key, nice_weight, own_cgroups
 
 __all__ = ["CgroupsV2", "detect"]
 
@@ -62,16 +62,6 @@ def _delegated_by_systemd(path: Path) -> bool:
             if os.getxattr(path, name) == b"1":
                 return True
     return False
-
-
-def _count(path: Path, key: str) -> int:
-    """A "key N" line of a flat-keyed cgroup file, or 0."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in path.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == key:
-                return int(value)
-    return 0
 
 
 class CgroupsV2(Cgroups):
@@ -168,7 +158,7 @@ class CgroupsV2(Cgroups):
     def ooms(self, session_id: str) -> int:
         if "memory" not in self.controllers:
             return 0
-        return _count(self._dir(session_id) / "memory.events", "oom_kill")
+        return flat_key(self._dir(session_id) / "memory.events", "oom_kill")
 
     def release(self, session_id: str) -> None:
         self._release_dir(self._dir(session_id))
