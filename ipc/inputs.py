@@ -10,18 +10,15 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["BadOverride", "parse_override", "valid_session_id"]
+from ipc.errors import BadOverride
+
+__all__ = ["parse_override", "valid_session_id"]
 
 _SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def valid_session_id(session_id: str) -> bool:
     return _SESSION_ID.fullmatch(session_id) is not None
-
-
-class BadOverride(ValueError):
-    """A `--set` item that is not KEY=VALUE (the daemon's config turns it
-    into its ConfigError)."""
 
 
 def parse_override(item: str) -> tuple[str, Any]:

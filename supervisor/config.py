@@ -26,8 +26,11 @@ import tomli_w
 from msgspec import Meta
 
 from ipc import inputs
+from ipc.errors import BadOverride
 from ipc.paths import default_socket_path
 from ipc.settings import ConfigSection, PermissionRule, SessionSettings
+# Re-exported: daemon.py and cli.py name it supervisor.config.ConfigError.
+from supervisor.errors import ConfigError
 
 __all__ = [
     "Config",
@@ -192,11 +195,6 @@ class Config(SessionSettings):
             agent=self.agent, provider=self.provider, tools=self.tools,
             permissions=self.permissions, sandbox=self.sandbox,
         )
-
-
-class ConfigError(Exception):
-    """A config file or an override that cannot be used; the text says which
-    key, in which file, and why."""
 
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
@@ -444,7 +442,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     (the parsing is ipc.inputs', shared with sessionctl)."""
     try:
         return inputs.parse_override(item)
-    except inputs.BadOverride as exc:
+    except BadOverride as exc:
         raise ConfigError(str(exc)) from None
 
 

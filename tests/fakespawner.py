@@ -25,7 +25,7 @@ import msgspec
 from ipc import messages as m
 from ipc.connection import FramedProtocol
 from supervisor.spawn.pidfd import PidFd
-from supervisor.spawn.seams import SpawnerDied
+from supervisor.errors import SpawnerDied
 
 _to_worker = msgspec.msgpack.Decoder(m.ToWorker)
 _pids = itertools.count(4_000_000)  # never a real pid of this machine

@@ -29,7 +29,8 @@ from ipc import operator as op
 from pg_server import PgServer
 from ray_cluster import NODE_IPS, RayCluster
 from supervisor.ctl import cli as ctl
-from supervisor.config import ConfigError, parse_config
+from supervisor.config import parse_config
+from supervisor.errors import ConfigError
 from supervisor.ctl.drain import drain_exit_code, drain_json, drain_text
 from supervisor.cluster.drain import check_request
 from supervisor.errors import BadRequest

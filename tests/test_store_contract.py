@@ -22,7 +22,6 @@ from pg_server import PgServer
 from supervisor.store.memory import InMemoryStateStore
 from supervisor.store.state_store import (
     Commit,
-    Fenced,
     InputRecord,
     Mark,
     Meta,
@@ -30,9 +29,8 @@ from supervisor.store.state_store import (
     SessionLog,
     Snapshot,
     StateStore,
-    StoreDamaged,
-    StoreFull,
 )
+from supervisor.errors import Fenced, StoreDamaged, StoreFull
 from supervisor.store.files import FileStateStore, SessionStore
 
 pytestmark = pytest.mark.component

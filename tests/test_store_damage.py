@@ -16,7 +16,8 @@ import msgspec
 import pytest
 
 from harness import Daemon, env_for_children, wait_for
-from supervisor.store.state_store import RepairMode, StoreDamaged, StoreFull
+from supervisor.store.state_store import RepairMode
+from supervisor.errors import StoreDamaged, StoreFull
 from supervisor.store.files import (
     Commit,
     FileStateStore,

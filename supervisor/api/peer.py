@@ -34,6 +34,8 @@ import socket
 import struct
 from typing import Any, NamedTuple
 
+# AncestryChanged is re-exported: the server catches peer.AncestryChanged.
+from supervisor.errors import AncestryChanged, AncestryHidden, AncestryMoved
 from supervisor.core.workspaces import SessionUids
 
 __all__ = ["AncestryChanged", "PeerCredentials", "SessionUids", "credentials", "in_session", "session_cgroup"]
@@ -57,10 +59,6 @@ class PeerCredentials(NamedTuple):
     uid: int
     gid: int
     groups: frozenset[int]  # supplementary, not including gid
-
-
-class AncestryChanged(Exception):
-    """The peer's ancestry kept changing while it was being walked."""
 
 
 def credentials(sock: Any) -> PeerCredentials:
@@ -161,7 +159,7 @@ def _signals(pidfd: int, pid: int, roots: frozenset[int], unknown: list[str], se
     try:
         if _descends_from(pidfd, pid, roots):
             return "it descends from the zygote"
-    except _Unreadable as exc:
+    except AncestryHidden as exc:
         unknown.append(str(exc))
     return ""
 
@@ -225,17 +223,9 @@ def _descends_from(pidfd: int, pid: int, roots: frozenset[int]) -> bool:
         try:
             found = _walk_pidfds(pidfd, pid, roots)
             return found if found is not None else _walk_proc(pid, roots)
-        except _Retry:
+        except AncestryMoved:
             continue
     raise AncestryChanged(f"the ancestry of pid {pid} kept changing while it was read")
-
-
-class _Retry(Exception):
-    pass
-
-
-class _Unreadable(Exception):
-    """Part of the ancestry is alive but hidden from us."""
 
 
 # PIDFD_GET_INFO (Linux >= 6.13): a process's parent and credentials from
@@ -283,7 +273,7 @@ def _walk_pidfds(pidfd: int, pid: int, roots: frozenset[int]) -> bool | None:
             except ProcessLookupError:
                 if fd == pidfd:
                     return False  # the peer itself: the caller's probe decides
-                raise _Retry from None
+                raise AncestryMoved from None
             if ppid is None:
                 return None
             if ppid in roots:
@@ -293,7 +283,7 @@ def _walk_pidfds(pidfd: int, pid: int, roots: frozenset[int]) -> bool | None:
             try:
                 parent = os.pidfd_open(ppid)
             except ProcessLookupError:
-                raise _Retry from None
+                raise AncestryMoved from None
             try:
                 # Still its parent: the pidfd is of that very process, not
                 # of one that took its pid after it exited (the child would
@@ -305,12 +295,12 @@ def _walk_pidfds(pidfd: int, pid: int, roots: frozenset[int]) -> bool | None:
                 os.close(fd)
             fd = parent
             if not same:
-                raise _Retry
+                raise AncestryMoved
             pid = ppid
     finally:
         if fd != pidfd:
             os.close(fd)
-    raise _Retry
+    raise AncestryMoved
 
 
 def _walk_proc(pid: int, roots: frozenset[int]) -> bool:
@@ -324,20 +314,20 @@ def _walk_proc(pid: int, roots: frozenset[int]) -> bool:
         stat = _read_stat(pid)
         if stat is None:
             if child_start is None:
-                raise _Unreadable("its /proc entry cannot be read")
+                raise AncestryHidden("its /proc entry cannot be read")
             try:
                 os.close(os.pidfd_open(pid))
             except ProcessLookupError:
-                raise _Retry from None  # an ancestor exited: its children were re-parented
-            raise _Unreadable(f"its ancestor {pid} cannot be read in /proc")
+                raise AncestryMoved from None  # an ancestor exited: its children were re-parented
+            raise AncestryHidden(f"its ancestor {pid} cannot be read in /proc")
         ppid, start = stat
         # A parent never starts after its child: if this "ancestor" did,
         # the real one exited and its pid was reused between our reads.
         if child_start is not None and start > child_start:
-            raise _Retry
+            raise AncestryMoved
         child_start = start
         pid = ppid
-    raise _Retry
+    raise AncestryMoved
 
 
 def _read_stat(pid: int) -> tuple[int, int] | None:

@@ -25,7 +25,8 @@ from ipc import messages as m
 from ipc.contract import INCOMPLETE_STOPS, StopReason
 from ipc.loop import run as run_loop
 from supervisor import __version__
-from supervisor.ctl.client import AsyncClient, DaemonUnavailable, RequestError
+from supervisor.ctl.client import AsyncClient
+from supervisor.ctl.errors import DaemonUnavailable, RequestError
 from supervisor.ctl.drain import drain_exit_code, drain_json, drain_text, timeout_secs
 from supervisor.ctl.render import (
     EXIT_FAILED,
@@ -296,7 +297,8 @@ async def _run(args: argparse.Namespace) -> int:
     try:
         match args.command:
             case "create":
-                from ipc.inputs import BadOverride, parse_override
+                from ipc.errors import BadOverride
+                from ipc.inputs import parse_override
 
                 overrides: dict[str, Any] = {}
                 for item in args.overrides:
@@ -421,7 +423,8 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 async def _import(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
-    from supervisor.ctl.history import ImportFileError, read_document
+    from supervisor.ctl.errors import ImportFileError
+    from supervisor.ctl.history import read_document
     from ipc.inputs import valid_session_id
 
     if args.session_id is not None and not valid_session_id(args.session_id):

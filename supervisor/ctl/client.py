@@ -43,6 +43,8 @@ from ipc.messages import (
     TurnFailed,
 )
 from ipc.paths import default_socket_path, socket_trust_problem
+# Re-exported: applications catch them as supervisor.client's (and this module's).
+from supervisor.ctl.errors import DaemonUnavailable, RequestError, TurnFailedError
 
 __all__ = [
     "AsyncClient",
@@ -63,25 +65,6 @@ def _reply_decoder() -> msgspec.msgpack.Decoder[op.AnyReply]:
     if not _decoders:
         _decoders.append(msgspec.msgpack.Decoder(op.AnyReply))
     return _decoders[0]
-
-
-class DaemonUnavailable(ConnectionError):
-    """The daemon cannot be reached, or it went away."""
-
-
-class RequestError(Exception):
-    """The daemon answered a request with an error."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class TurnFailedError(Exception):
-    def __init__(self, event: TurnFailed) -> None:
-        super().__init__(event.reason)
-        self.event = event
 
 
 _END = object()

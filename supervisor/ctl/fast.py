@@ -33,6 +33,10 @@ import time
 import msgpack  # type: ignore[import-untyped]  # (no stubs; used for two calls)
 
 from ipc.paths import default_socket_text, socket_trust_problem
+# The full path's own errors: an answer here fails as it would there.
+from supervisor.ctl.errors import DaemonUnavailable as _Unavailable
+from supervisor.ctl.errors import RequestError as _Refused
+from supervisor.ctl.errors import Unsure as _Unsure
 from supervisor.ctl.render import (
     EXIT_OK,
     EXIT_SIGINT,
@@ -61,23 +65,6 @@ _ERROR_CODES = frozenset({  # ipc.messages.ErrorCode
     "not_found", "bad_request", "capacity", "limit_exceeded", "permission_denied", "conflict",
     "protocol_mismatch", "internal", "no_space",
 })
-
-
-class _Unsure(Exception):
-    """Something this path does not vouch for: the full path takes over."""
-
-
-class _Unavailable(Exception):
-    """supervisor.ctl.client.DaemonUnavailable, as the full path words it."""
-
-
-class _Refused(Exception):
-    """supervisor.ctl.client.RequestError: the daemon answered with an Error."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 # ---------------------------------------------------------------- command line

@@ -12,9 +12,10 @@ from typing import Any
 
 from ipc import messages as m
 from ipc import operator as op
-from supervisor.ctl.client import AsyncClient, DaemonUnavailable
+from supervisor.ctl.client import AsyncClient
+from supervisor.ctl.errors import DaemonUnavailable, ImportFileError
 
-__all__ = ["follow_logs", "print_history", "print_logs", "read_document", "ImportFileError"]
+__all__ = ["follow_logs", "print_history", "print_logs", "read_document"]
 
 _TOOL_CHARS = 200
 
@@ -128,10 +129,6 @@ async def follow_logs(client: AsyncClient, reply: op.LogsReply, as_json: bool) -
             if isinstance(ev, m.StateChanged) and ev.new == "deleted":
                 return 0
     raise DaemonUnavailable("connection to sessiond lost")
-
-
-class ImportFileError(Exception):
-    """The file named on the command line cannot be read (a usage error)."""
 
 
 def read_document(path: str, limit: int) -> bytes:

@@ -24,16 +24,14 @@ from typing import Any
 from ipc import messages as m
 from ipc.contract import SECCOMP_MACHINES
 from ipc.settings import SandboxSettings
+# Re-exported: daemon.py catches sandbox.SandboxUnavailable.
+from supervisor.errors import SandboxUnavailable
 
 __all__ = ["SandboxUnavailable", "landlock_abi", "probe"]
 
 log = logging.getLogger("sessiond")
 
 _PROBE_TIMEOUT_SECS = 10.0
-
-
-class SandboxUnavailable(Exception):
-    """`sandbox.mode = "required"` on a host that cannot provide it."""
 
 
 def landlock_abi() -> int:

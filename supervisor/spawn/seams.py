@@ -18,16 +18,13 @@ import socket
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+# Re-exported with the protocol whose callers catch it (core/, cluster/).
+from supervisor.errors import SpawnerDied
 from supervisor.spawn.pidfd import PidFd
 
 __all__ = ["Spawner", "SpawnerDied"]
 
 _SIGKILL = signal.SIGKILL  # (the protocol has a method named `signal`)
-
-
-class SpawnerDied(Exception):
-    """No worker can be had right now (the zygote died and is being
-    restarted, or the spawner is closed); the text says which."""
 
 
 class Spawner(Protocol):

@@ -36,9 +36,9 @@ import msgspec
 
 from ipc import messages as m
 from supervisor.spawn.pidfd import PidFd
-from supervisor.spawn.seams import SpawnerDied
+from supervisor.errors import ZygoteDied
 
-__all__ = ["ZygoteBackoff", "ZygoteDied", "ZygoteSpawner"]
+__all__ = ["ZygoteBackoff", "ZygoteSpawner"]
 
 log = logging.getLogger("sessiond.zygote")
 
@@ -51,10 +51,6 @@ _RETIRE_CHECK_SECS = 0.25
 # The directory holding our packages, for the re-exec'd zygote.
 _CODE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ZYGOTE_MODULE = "session_worker.zygote"
-
-
-class ZygoteDied(SpawnerDied):
-    pass
 
 
 class ZygoteBackoff:

@@ -65,10 +65,10 @@ from supervisor.store.logscan import (
     scan_log,
 )
 from supervisor.ops.logtag import tagged
+from supervisor.errors import Fenced, StoreDamaged, StoreError, StoreFull
 from supervisor.store.state_store import (
     Abort,
     Commit,
-    Fenced,
     InputRecord,
     LoadedSession,
     Mark,
@@ -77,9 +77,6 @@ from supervisor.store.state_store import (
     RepairMode,
     RepairResult,
     Snapshot,
-    StoreDamaged,
-    StoreError,
-    StoreFull,
     boot_state,
     check_stored_id,
     settled,

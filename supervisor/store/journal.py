@@ -64,7 +64,7 @@ from typing import Protocol
 
 import msgspec
 
-from supervisor.store.state_store import StoreError, StoreFull
+from supervisor.errors import StoreError, StoreFull
 
 __all__ = ["FSYNC_DELAY_SECS", "Journal", "fdatasync", "write_all", "write_error"]
 

@@ -17,16 +17,14 @@ from dataclasses import dataclass, field
 
 from supervisor.store.journal import write_error
 from supervisor.ops.logtag import tagged
+from supervisor.errors import Fenced, StoreDamaged, StoreError
 from supervisor.store.state_store import (
-    Fenced,
     LoadedSession,
     Meta,
     Record,
     RepairMode,
     RepairResult,
     Snapshot,
-    StoreDamaged,
-    StoreError,
     boot_state,
     settled,
 )

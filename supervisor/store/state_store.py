@@ -59,6 +59,10 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
+# The errors a store raises are in supervisor/errors.py (the daemon's tree);
+# re-exported here, with the protocols that raise them, for the core and the
+# cluster code that import them from this seam.
+from supervisor.errors import Fenced, HeldElsewhere, IdTaken, StoreDamaged, StoreError, StoreFull
 from supervisor.ops.logtag import tagged
 
 _T = TypeVar("_T")
@@ -232,64 +236,6 @@ def boot_state(snapshot: Snapshot | None, records: list[Record]) -> tuple[bytes,
             if rec.record:
                 tail.append(rec.record)
     return state, tail, turns
-
-
-# ---------------------------------------------------------------- errors
-
-
-class StoreError(Exception):
-    """A write that did not become durable; nothing was acknowledged."""
-
-
-class StoreFull(StoreError):
-    """The write failed for want of space (ENOSPC, EDQUOT, EFBIG)."""
-
-
-class IdTaken(StoreError, FileExistsError):
-    """A create found its id taken after all (another daemon on the same
-    database created it first); the handle it returned writes nothing."""
-
-
-class Fenced(StoreError):
-    """This writer's generation is older than the session's: someone else
-    opened the session for writing since."""
-
-    def __init__(self, session: str, mine: int, current: int) -> None:
-        super().__init__(
-            f"session {session}: this writer holds generation {mine} but generation {current} "
-            "has opened the session since; refusing to write (another daemon shares this "
-            "state directory or database and took the session over)"
-        )
-        self.session = session
-        self.mine = mine
-        self.current = current
-
-
-class HeldElsewhere(StoreError):
-    """A claim refused: another daemon sharing the database holds the
-    session and is running a turn of it (nothing was written)."""
-
-    def __init__(self, session: str, holder: str, turn: int) -> None:
-        super().__init__(
-            f"session {session} is running turn {turn} on another daemon ({holder}); "
-            "wait for the turn to end, or interrupt it there, then ask again")
-        self.session = session
-        self.holder = holder
-        self.turn = turn
-
-
-class StoreDamaged(StoreError):
-    """The stored session is corrupt in a way that loading must not paper
-    over.  `meta` is what could still be read (None: nothing); `repairable`
-    says whether `repair()` can do anything about it."""
-
-    def __init__(self, session: str, reason: str, meta: Meta | None = None,
-                 repairable: bool = True) -> None:
-        super().__init__(f"session {session}: {reason}")
-        self.session = session
-        self.reason = reason
-        self.meta = meta
-        self.repairable = repairable
 
 
 class RepairMode(enum.StrEnum):

@@ -66,10 +66,10 @@ from typing import Any, Protocol, TypeVar
 
 import psycopg
 
-from supervisor.store.postgres.link import PgLink, Unreachable
-from supervisor.store.state_store import Fenced, IdTaken, StoreError
+from supervisor.errors import Diverged, Fenced, IdTaken, StoreError, Unreachable
+from supervisor.store.postgres.link import PgLink
 
-__all__ = ["BATCH_LIMIT", "CHANNEL", "COMMIT", "CREATE", "CommitWriter", "Diverged", "REMOVE", "Request", "SNAPSHOT", "SNAPSHOT_STATEMENT",
+__all__ = ["BATCH_LIMIT", "CHANNEL", "COMMIT", "CREATE", "CommitWriter", "REMOVE", "Request", "SNAPSHOT", "SNAPSHOT_STATEMENT",
            "finish"]
 
 log = logging.getLogger("sessiond.store")
@@ -600,15 +600,4 @@ def _op(cur: psycopg.Cursor[Any], req: Request) -> StoreError | None:
     if row is None:  # gone: nothing to snapshot; already removed
         return StoreError(f"session {req.sid}: it was removed") if req.kind == SNAPSHOT else None
     return Fenced(req.sid, req.gen, row[0])
-
-
-class Diverged(StoreError):
-    """The session's log does not end where this writer thought: a commit
-    reported failed (its server went away before the reply) did land.  The
-    log learns where it really ends, so its next commit lands after it."""
-
-    def __init__(self, session: str, log_end: int, expected: int) -> None:
-        super().__init__(f"session {session}: its log ends at {log_end}, this writer expected "
-                         f"{expected} (a commit reported failed had landed); refusing this one")
-        self.log_end = log_end
 

@@ -29,9 +29,9 @@ import psycopg
 from psycopg import errors as pgerr
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from supervisor.store.state_store import StoreError, StoreFull
+from supervisor.errors import StoreError, StoreFull, Unreachable
 
-__all__ = ["PgLink", "PgReader", "Unreachable", "first_line", "safe_dsn", "store_error"]
+__all__ = ["PgLink", "PgReader", "first_line", "safe_dsn", "store_error"]
 
 log = logging.getLogger("sessiond.store")
 
@@ -41,12 +41,6 @@ _T = TypeVar("_T")
 # loop on a dead peer (tcp_user_timeout: unacknowledged data, in ms).
 _DSN_DEFAULTS = {"connect_timeout": "5", "tcp_user_timeout": "5000", "keepalives_idle": "10",
                  "application_name": "sessiond"}
-
-
-class Unreachable(StoreError):
-    """The server could not be reached within `retry_secs`: whatever was
-    being written did not land (a commit names its start, so a late
-    landing of it is found, not repeated, by the next attempt)."""
 
 
 def safe_dsn(dsn: str) -> str:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
-from supervisor.store.state_store import LoadedSession, Meta, Record, Snapshot, StoreDamaged
+from supervisor.errors import StoreDamaged
+from supervisor.store.state_store import LoadedSession, Meta, Record, Snapshot
 from supervisor.store.files import scan_log
 
 __all__ = ["Rows", "decode_snapshot", "describe", "intact", "replay", "snap_encoder"]

@@ -9,7 +9,7 @@ from typing import Any
 
 import psycopg
 
-from supervisor.store.state_store import StoreError
+from supervisor.errors import StoreError
 
 __all__ = ["SCHEMA_VERSION", "migrate"]
 

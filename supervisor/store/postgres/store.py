@@ -69,6 +69,7 @@ from typing import Any, TypeVar
 
 import psycopg
 
+from supervisor.errors import Diverged, Fenced, StoreDamaged, StoreError, StoreFull
 from supervisor.ops.logtag import tagged
 from supervisor.store.postgres.batch import (
     CHANNEL,
@@ -77,7 +78,6 @@ from supervisor.store.postgres.batch import (
     SNAPSHOT,
     SNAPSHOT_STATEMENT,
     CommitWriter,
-    Diverged,
     Request,
 )
 from supervisor.store.postgres.link import PgLink, PgReader, safe_dsn
@@ -85,16 +85,12 @@ from supervisor.store.postgres.rows import Rows, decode_snapshot, describe, inta
 from supervisor.store.postgres.schema import SCHEMA_VERSION, migrate
 from supervisor.store.postgres.link import store_error as _store_error  # noqa: F401 (tests)
 from supervisor.store.state_store import (
-    Fenced,
     LoadedSession,
     Meta,
     Record,
     RepairMode,
     RepairResult,
     Snapshot,
-    StoreDamaged,
-    StoreError,
-    StoreFull,
     boot_state,
     logged,
     settled,
