@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgpack
 import msgspec
@@ -69,6 +69,73 @@ def test_the_schema_copy_matches_ipc_messages(tag: str, cls: type) -> None:
     table = ctl_fast.NESTED[tag] if tag in ctl_fast.NESTED else ctl_fast.REPLIES[tag]
     assert cls.__struct_config__.tag == tag  # type: ignore[attr-defined]
     assert _fields(table) == _struct_fields(cls)
+
+
+@pytest.mark.pure
+def test_the_checked_in_wire_table_is_what_ipc_messages_generates() -> None:
+    # One description of the schema: the Structs.  A field added to one
+    # reaches the one-shot path by `python -m ipc.wiregen`, and only so.
+    from ipc import wiregen
+
+    assert wiregen.TABLE_PATH.read_text() == wiregen.render(), \
+        "ipc/_wire_table.py is out of date: run `python -m ipc.wiregen`"
+
+
+class _Later(m._Msg, tag="later"):  # a reply as a later protocol might have it
+    id: int
+    infos: list[m.ExitInfo] = []
+    by_name: dict[str, m.SessionInfo] = {}
+    code: m.ErrorCode | None = None
+    ok: bool = False
+
+
+@pytest.mark.pure
+def test_a_new_field_reaches_the_one_shot_path_from_its_struct_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import msgspec.inspect as mi
+
+    from ipc import wiregen
+
+    walk = wiregen._Walk()
+    walk.struct(mi.type_info(_Later))  # type: ignore[arg-type]
+    kinds = {name: kind for name, kind, _ in walk.structs["later"]}
+    assert kinds == {"id": "int", "infos": "list[exit]", "by_name": "dict[str,session]",
+                     "code": "error_code?", "ok": "bool"}
+    structs = {tag: tuple((n, k, eval(d, {"REQUIRED": ctl_fast._REQUIRED}))  # noqa: S307 (our own text)
+                          for n, k, d in fields) for tag, fields in walk.structs.items()}
+    monkeypatch.setattr(ctl_fast._wire, "STRUCTS", structs)
+    monkeypatch.setattr(ctl_fast, "_checkers", {})
+    monkeypatch.setattr(ctl_fast, "_lanes", {})
+    later = _Later(id=3, infos=[m.ExitInfo(reason="crashed", signal=9)],
+                   by_name={"a": _SESSIONS[1]}, code=m.ErrorCode.NO_SPACE, ok=True)
+    for value in (later, _Later(id=4)):
+        raw = msgpack.unpackb(msgspec.msgpack.encode(value))
+        assert ctl_fast._plain(raw, structs["later"], "later") == ctl.to_plain(value)
+        assert ctl_fast._structs([raw, raw], "later") == ctl.to_plain([value, value])
+    for bad in ({"ok": 1}, {"code": "no_such_code"}, {"infos": [{"type": "exit"}]},
+                {"by_name": {"a": {"type": "session", "id": "x"}}}):
+        raw = msgpack.unpackb(msgspec.msgpack.encode(later))
+        raw.update(bad)
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.msgpack.decode(msgpack.packb(raw), type=_Later)
+        with pytest.raises(ctl_fast._Unsure):
+            ctl_fast._structs([raw], "later")
+
+
+@pytest.mark.pure
+def test_the_generator_refuses_a_field_the_one_shot_path_could_not_check() -> None:
+    import msgspec.inspect as mi
+
+    from ipc import wiregen
+
+    class Bounded(m._Msg, tag="bounded"):
+        n: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+    class Tupled(m._Msg, tag="tupled"):
+        pair: tuple[int, int] = (0, 0)
+
+    for cls, words in ((Bounded, "Bounded.n: a constraint (ge)"), (Tupled, "Tupled.pair: no kind")):
+        with pytest.raises(wiregen.UnsupportedField, match=re.escape(words)):
+            wiregen._Walk().struct(mi.type_info(cls))  # type: ignore[arg-type]
 
 
 @pytest.mark.pure

@@ -16,11 +16,13 @@ fully understands, and hands everything else to the full path, unchanged:
 - a command line outside its small grammar (any other command or flag,
   `--help`, an abbreviation, `--`): supervisor.ctl.cli parses it;
 - a reply it cannot vouch for (a tag, field type or value the schema
-  below does not allow, a frame it cannot decode, a reset): it asks again
+  does not allow, a frame it cannot decode, a reset): it asks again
   through the full path, whose output and exit code then are the full
   path's by construction.  Only read-only requests are answered here, so
   asking twice changes nothing.
-The schema tables are checked against ipc.messages by tests/test_ctl_fast.py.
+What a reply holds is not written here: ipc/_wire_table.py, generated from
+ipc.messages' Structs (`python -m ipc.wiregen`; tests/test_ctl_fast.py
+fails when it is out of date), says it, and the checks are built from it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import time
 
 import msgpack  # type: ignore[import-untyped]  # (no stubs; used for two calls)
 
+from ipc import _wire_table as _wire
 from ipc.paths import default_socket_text, socket_trust_problem
 from supervisor.ctl.render import (
     EXIT_OK,
@@ -55,12 +58,6 @@ __all__ = ["json_text", "main", "run"]
 # As supervisor.ctl.client: the waits the full path allows, and its frame limit.
 _CONNECT_TIMEOUT_SECS = 5.0
 _MAX_FRAME_BYTES = 1 << 30
-_PROTOCOL_VERSION = 1  # ipc.messages.PROTOCOL_VERSION
-_NEW_ERROR_CODES = ["no_space"]  # sorted(ipc.messages.NEW_ERROR_CODES)
-_ERROR_CODES = frozenset({  # ipc.messages.ErrorCode
-    "not_found", "bad_request", "capacity", "limit_exceeded", "permission_denied", "conflict",
-    "protocol_mismatch", "internal", "no_space",
-})
 
 
 class _Unsure(Exception):
@@ -149,44 +146,27 @@ def _socket_path(given: str | None) -> str:
 
 # ---------------------------------------------------------------- replies
 #
-# Each reply's fields in their declared order (the order `--json` prints),
-# with the kind of value and the default (_REQUIRED: none).  A field not on
-# the wire takes its default, as msgspec decodes it (`list` and `dict`
-# stand for a new empty one); an unknown field is ignored, as msgspec does.
+# What each reply holds comes from ipc/_wire_table.py, generated from the
+# msgspec Structs of ipc.messages (`python -m ipc.wiregen`): each Struct's
+# fields in declared order (the order `--json` prints), with the kind of
+# value and the default.  A field not on the wire takes its default, as
+# msgspec decodes it (`list` and `dict` stand for a new empty one); an
+# unknown field is ignored, as msgspec does.  The checks below are built
+# from the kinds (their grammar: ipc/wiregen.py), once per kind.
 
-_REQUIRED = object()
-
-_EXIT_INFO: tuple[tuple[str, str, object], ...] = (
-    ("reason", "str", _REQUIRED), ("code", "int?", None), ("signal", "int?", None),
-    ("at", "float", 0.0), ("detail", "str", ""),
-)
-_SESSION_INFO: tuple[tuple[str, str, object], ...] = (
-    ("id", "str", _REQUIRED), ("state", "str", _REQUIRED), ("handler", "str", _REQUIRED),
-    ("pid", "int?", None), ("rss_bytes", "int?", None), ("restarts", "int", 0), ("turns", "int", 0),
-    ("created_at", "float", 0.0), ("last_exit", "exit?", None), ("seq", "int", 0),
-    ("parent", "str?", None), ("children", "list[str]", list), ("owner_uid", "int", 0),
-    ("error", "str?", None), ("usage", "dict[str,int]", dict), ("sandbox", "dict[str,any]", dict),
-    ("node", "str?", None), ("disk_bytes", "int?", None),
-)
-REPLIES: dict[str, tuple[tuple[str, str, object], ...]] = {
-    "welcome": (("protocol", "int", _REQUIRED), ("server_version", "str", _REQUIRED),
-                ("pid", "int", _REQUIRED)),
-    "error": (("code", "error_code", _REQUIRED), ("message", "str", _REQUIRED), ("id", "int", 0)),
-    "sessions": (("id", "int", _REQUIRED), ("sessions", "list[session]", _REQUIRED)),
-    "status": (("id", "int", _REQUIRED), ("session", "session", _REQUIRED)),
-    "pong": (("id", "int", _REQUIRED), ("session", "str?", None), ("pid", "int", 0)),
-    "stats": (("id", "int", _REQUIRED), ("pid", "int", _REQUIRED), ("version", "str", _REQUIRED),
-              ("uptime_secs", "float", _REQUIRED), ("sessions", "int", _REQUIRED),
-              ("by_state", "dict[str,int]", _REQUIRED), ("live_workers", "int", _REQUIRED),
-              ("clients", "int", _REQUIRED), ("rss_bytes", "int", _REQUIRED),
-              ("sandbox", "dict[str,any]", dict)),
-}
+_REQUIRED = _wire.REQUIRED
+_PROTOCOL_VERSION = _wire.PROTOCOL_VERSION
+_NEW_ERROR_CODES = _wire.NEW_ERROR_CODES
+_ERROR_CODES = frozenset(_wire.ENUMS["error_code"])
+REPLIES = {tag: _wire.STRUCTS[tag] for tag in _wire.REPLIES}
+NESTED = {tag: fields for tag, fields in _wire.STRUCTS.items() if tag not in REPLIES}
 # The reply each command's request is answered with (besides an Error).
 _EXPECT = {"ls": "sessions", "status": "status", "ping": "pong", "stats": "stats"}
-NESTED = {"session": _SESSION_INFO, "exit": _EXIT_INFO}
+
+_Fields = tuple[tuple[str, str, object], ...]
 
 
-def _plain(raw: object, fields: tuple[tuple[str, str, object], ...], tag: str | None) -> dict[str, Any]:
+def _plain(raw: object, fields: _Fields, tag: str | None) -> dict[str, Any]:
     """A decoded map as `ctl.to_plain` shows the Struct msgspec would decode
     from it: every field, in order.  Raises _Unsure for whatever msgspec
     would reject (or might read differently)."""
@@ -202,8 +182,53 @@ def _plain(raw: object, fields: tuple[tuple[str, str, object], ...], tag: str | 
                 raise _Unsure(f"no {name}")
             out[name] = default() if default is list or default is dict else default
             continue
-        out[name] = _CHECK[kind](value)
+        out[name] = _checker(kind)(value)
     return out
+
+
+_SCALARS: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
+_checkers: dict[str, Callable[[object], Any]] = {}
+
+
+def _checker(kind: str) -> Callable[[object], Any]:
+    """The check of a value of `kind`: returns the value as to_plain shows
+    it (a nested Struct: a new dict), or raises _Unsure."""
+    check = _checkers.get(kind)
+    if check is None:
+        check = _checkers[kind] = _build(kind)
+    return check
+
+
+def _build(kind: str) -> Callable[[object], Any]:
+    if kind.endswith("?"):
+        inner = kind[:-1]
+        return lambda value: None if value is None else _checker(inner)(value)
+    if kind in _SCALARS:
+        return _exact(_SCALARS[kind])
+    if kind == "any":
+        # msgspec's Any: whatever msgpack holds, as msgpack decodes it here.
+        # Printed as JSON, json_text refuses what is not plain data; printed
+        # as text (stats), _json_native does.
+        return lambda value: value
+    if kind.startswith("list[") and kind.endswith("]"):
+        return _list_of(kind[5:-1])
+    if kind.startswith("dict[str,") and kind.endswith("]"):
+        return _dict_of(kind[9:-1])
+    if kind in _wire.ENUMS:
+        values = frozenset(_wire.ENUMS[kind])
+
+        def member(value: object) -> Any:
+            if type(value) is not str or value not in values:
+                raise _Unsure(f"a {kind} msgspec would refuse")
+            return value
+        return member
+    if kind in _wire.STRUCTS:
+        fields = _wire.STRUCTS[kind]
+        return lambda value: _plain(value, fields, kind)
+
+    def unknown(value: object) -> Any:  # a table newer than this code
+        raise _Unsure(f"a kind this path does not know: {kind}")
+    return unknown
 
 
 def _exact(t: type) -> Callable[[object], Any]:
@@ -214,29 +239,48 @@ def _exact(t: type) -> Callable[[object], Any]:
     return check
 
 
-def _optional(check: Callable[[object], Any]) -> Callable[[object], Any]:
-    return lambda value: None if value is None else check(value)
+def _list_of(item: str) -> Callable[[object], Any]:
+    if item in _wire.STRUCTS:
+        return lambda value: _structs(value, item)
+    if item in _SCALARS:
+        t = _SCALARS[item]
+
+        def scalars(value: object) -> Any:
+            if type(value) is not list or any(type(x) is not t for x in value):
+                raise _Unsure(f"not a list of {item}")
+            return value
+        return scalars
+
+    def items(value: object) -> Any:
+        if type(value) is not list:
+            raise _Unsure("not a list")
+        check = _checker(item)
+        return [check(x) for x in value]
+    return items
 
 
-def _str_list(value: object) -> list[str]:
-    if type(value) is not list or any(type(x) is not str for x in value):
-        raise _Unsure("not a list of str")
-    return value
+def _dict_of(kind: str) -> Callable[[object], Any]:
+    if kind == "any":
+        def anything(value: object) -> Any:
+            if type(value) is not dict or any(type(k) is not str for k in value):
+                raise _Unsure("not a dict with str keys")
+            return value
+        return anything
+    if kind in _SCALARS:
+        t = _SCALARS[kind]
 
+        def scalars(value: object) -> Any:
+            if type(value) is not dict or any(type(k) is not str or type(v) is not t for k, v in value.items()):
+                raise _Unsure(f"not a dict of str to {kind}")
+            return value
+        return scalars
 
-def _str_int_dict(value: object) -> dict[str, int]:
-    if type(value) is not dict or any(type(k) is not str or type(v) is not int for k, v in value.items()):
-        raise _Unsure("not a dict of str to int")
-    return value
-
-
-def _str_any_dict(value: object) -> dict[str, Any]:
-    # What is inside is msgspec's Any: whatever msgpack holds, as msgpack
-    # decodes it here, except ext types.  Printed as JSON, json_text refuses
-    # what is not plain data; printed as text (stats), _json_native does.
-    if type(value) is not dict or any(type(k) is not str for k in value):
-        raise _Unsure("not a dict with str keys")
-    return value
+    def values(value: object) -> Any:
+        if type(value) is not dict or any(type(k) is not str for k in value):
+            raise _Unsure("not a dict with str keys")
+        check = _checker(kind)
+        return {k: check(v) for k, v in value.items()}
+    return values
 
 
 def _json_native(value: object) -> bool:
@@ -247,69 +291,82 @@ def _json_native(value: object) -> bool:
     return type(value) in (str, int, float, bool) or value is None
 
 
-def _error_code(value: object) -> str:
-    if type(value) is not str or value not in _ERROR_CODES:
-        raise _Unsure("an error code msgspec would refuse")
-    return value
-
-
-def _list(value: object) -> list[Any]:
-    if type(value) is not list:
-        raise _Unsure("not a list")
-    return value
-
-
-_check_str, _check_int = _exact(str), _exact(int)
-_CHECK: dict[str, Callable[[object], Any]] = {
-    "str": _check_str, "int": _check_int, "float": _exact(float), "str?": _optional(_check_str),
-    "int?": _optional(_check_int), "list[str]": _str_list, "dict[str,int]": _str_int_dict,
-    "dict[str,any]": _str_any_dict, "error_code": _error_code,
-    "exit?": _optional(lambda v: _plain(v, _EXIT_INFO, "exit")),
-    "session": lambda v: _plain(v, _SESSION_INFO, "session"),
-    "list[session]": lambda v: _sessions(_list(v)),
-}
-
-# The listing's fast lane (1,000 sessions: the generic _plain took ~6 ms
-# here, this ~2): defaults and wire fields merged by dict.update (which
-# keeps the defaults' order), then the fields' types checked as one tuple
-# against the combinations already seen to be allowed.
+# A list of Structs' fast lane (a listing of 1,000 sessions: the generic
+# _plain took ~6 ms here, this ~2): defaults and wire fields merged by
+# dict.update (which keeps the defaults' order), then the fields' types
+# checked as one tuple against the combinations already seen to be allowed,
+# then what a type alone does not settle (what is inside a list, a dict, a
+# nested Struct, an enum) checked field by field.
 _NONE = type(None)
-_SHALLOW: dict[str, tuple[type, ...]] = {
-    "str": (str,), "int": (int,), "float": (float,), "str?": (str, _NONE), "int?": (int, _NONE),
-    "list[str]": (list,), "dict[str,int]": (dict,), "dict[str,any]": (dict,), "exit?": (dict, _NONE),
-}
-# Read only: the empty containers are shared by every session that omits them.
-_SESSION_DEFAULTS = {name: default() if default is list or default is dict else default
-                     for name, _, default in _SESSION_INFO}
-_SESSION_SHALLOW = [_SHALLOW[kind] for _, kind, _ in _SESSION_INFO]
-_seen_signatures: set[tuple[type, ...]] = set()
 
 
-def _sessions(raws: list[Any]) -> list[dict[str, Any]]:
+def _shallow(kind: str) -> tuple[type, ...] | None:
+    """The types a value of `kind` may have (None: any)."""
+    if kind.endswith("?"):
+        inner = _shallow(kind[:-1])
+        return None if inner is None else (*inner, _NONE)
+    if kind in _SCALARS:
+        return (_SCALARS[kind],)
+    if kind.startswith("list["):
+        return (list,)
+    if kind.startswith("dict[") or kind in _wire.STRUCTS:
+        return (dict,)
+    if kind in _wire.ENUMS:
+        return (str,)
+    return None  # any (an unknown kind: its deep check refuses it)
+
+
+class _Lane:
+    __slots__ = ("defaults", "count", "shallow", "deep", "seen")
+
+    def __init__(self, fields: _Fields) -> None:
+        # Read only: the empty containers are shared by every item that omits them.
+        self.defaults = {name: default() if default is list or default is dict else default
+                         for name, _, default in fields}
+        self.count = len(self.defaults)
+        self.shallow = [_shallow(kind) for _, kind, _ in fields]
+        # (name, check, an empty value needs no check)
+        self.deep = [(name, _checker(kind), kind.startswith(("list[", "dict[")))
+                     for name, kind, _ in fields if kind.rstrip("?") not in _SCALARS and kind != "any"]
+        self.seen: set[tuple[type, ...]] = set()
+
+
+_lanes: dict[str, _Lane] = {}
+
+
+def _structs(raws: object, tag: str) -> list[dict[str, Any]]:
+    if type(raws) is not list:
+        raise _Unsure("not a list")
+    fields = _wire.STRUCTS[tag]
+    lane = _lanes.get(tag)
+    if lane is None:
+        lane = _lanes[tag] = _Lane(fields)
     out = []
-    defaults, count, seen = _SESSION_DEFAULTS, len(_SESSION_DEFAULTS), _seen_signatures
+    defaults, count, seen, deep = lane.defaults, lane.count, lane.seen, lane.deep
     for raw in raws:
         if type(raw) is not dict:
-            raise _Unsure("not a session")
+            raise _Unsure(f"not a {tag}")
         s = defaults.copy()
         s.update(raw)
-        if s.pop("type", None) != "session" or len(s) != count:
-            out.append(_plain(raw, _SESSION_INFO, "session"))  # an unknown field: the long way
+        if s.pop("type", None) != tag or len(s) != count:
+            out.append(_plain(raw, fields, tag))  # an unknown field: the long way
             continue
         signature = tuple(map(type, s.values()))
         if signature not in seen:
-            if not all(t in allowed for t, allowed in zip(signature, _SESSION_SHALLOW)):
-                raise _Unsure("a session field of another type")
+            if not all(allowed is None or t in allowed for t, allowed in zip(signature, lane.shallow)):
+                raise _Unsure(f"a {tag} field of another type")
             seen.add(signature)
-        if s["children"]:
-            _str_list(s["children"])
-        if s["usage"]:
-            _str_int_dict(s["usage"])
-        if s["last_exit"] is not None:
-            s["last_exit"] = _plain(s["last_exit"], _EXIT_INFO, "exit")
-        _str_any_dict(s["sandbox"])
+        for name, check, empty_ok in deep:
+            value = s[name]
+            if value is None or (empty_ok and not value):
+                continue
+            s[name] = check(value)
         out.append(s)
     return out
+
+
+def _sessions(raws: list[Any]) -> list[dict[str, Any]]:
+    return _structs(raws, "session")
 
 
 # ---------------------------------------------------------------- JSON
