@@ -484,3 +484,29 @@ def test_sessionctl_is_the_one_shot_entry_point() -> None:
 
     (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "sessionctl"]
     assert ep.value == "supervisor.ctl.fast:run"
+
+
+# ---------------------------------------------------------------- pure: one table of exit codes
+
+
+@pytest.mark.pure
+def test_every_exit_code_comes_from_the_one_table() -> None:
+    # supervisor.ctl.render.EXIT_CODES is the contract: both paths and every
+    # command return its names, never a number of their own, and --help
+    # lists the table itself.
+    import ast
+
+    from supervisor.ctl import render
+
+    literal = []
+    for path in sorted(Path(render.__file__).parent.glob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    isinstance(fn.returns, ast.Name) and fn.returns.id == "int":
+                literal += [f"{path.name}:{node.lineno}" for node in ast.walk(fn)
+                            if isinstance(node, ast.Return) and isinstance(node.value, ast.Constant)]
+    assert literal == []
+    assert ctl._EPILOG.endswith("exit codes:\n" + render.exit_codes_text())
+    assert [code for code, _ in render.EXIT_CODES] == [0, 1, 2, 3, 4]
+    assert (ctl_fast.EXIT_OK, ctl_fast.EXIT_UNREACHABLE, ctl_fast.EXIT_SIGINT, ctl_fast.exit_code_for) == \
+        (render.EXIT_OK, render.EXIT_UNREACHABLE, render.EXIT_SIGINT, render.exit_code_for)

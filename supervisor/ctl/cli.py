@@ -2,9 +2,9 @@
 
     sessionctl [--socket PATH] [--json] COMMAND ...
 
-Exit codes: 0 done, 1 the operation failed, 2 usage, 3 cannot reach the
-daemon, 4 no such session.  With --json a command prints one JSON object and
-a stream prints JSON lines, one event each.
+Exit codes: supervisor.ctl.render.EXIT_CODES (`--help` lists them).  With
+--json a command prints one JSON object and a stream prints JSON lines, one
+event each.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from supervisor.ctl.render import (
     EXIT_USAGE,
     SORT_KEYS,
     exit_code_for,
+    exit_codes_text,
     pong_text,
     print_stats,
     print_status,
@@ -82,12 +83,7 @@ examples:
   sessionctl drain --undo 10.0.0.7       and take it back into use
 
 exit codes:
-  0  done
-  1  the operation failed (a turn failed, the daemon refused)
-  2  usage (bad arguments, a bad --id, --handler or --set)
-  3  cannot reach the daemon, or lost it
-  4  no such session
-"""
+""" + exit_codes_text()
 
 
 def _parser() -> argparse.ArgumentParser:
