@@ -2,6 +2,7 @@
 and `sessionctl --json ls`.
 
     .venv/bin/python bench/idle.py [--n 1000] [--idle-secs 10] [--profile FILE] [--json]
+                                   [--ctl-repo DIR]
 
 - create: N echo sessions, 16 creates in flight (`AsyncClient.create`), the
   rate over the whole batch, and the CPU each create cost in every process
@@ -22,7 +23,9 @@ and `sessionctl --json ls`.
   The CLI runs with a bytecode cache (PYTHONPYCACHEPREFIX in a temp dir,
   warmed once), as an installed sessionctl has; the one-shot `ls` is also
   timed without one (PYTHONDONTWRITEBYTECODE=1: our modules compiled at
-  every start).
+  every start).  --ctl-repo DIR also times another checkout's one-shot
+  `ls`, `ping` and imports in the same rounds, against the same daemon (a
+  before and after of a change to sessionctl, side by side).
 
 Goals (issue 12): daemon <= 5% of a core, workers together <= 2%, ls <= 50 ms,
 create >= 500 sessions/s.  With --profile the daemon runs under cProfile
@@ -86,9 +89,9 @@ def _ctl(d: c.BenchDaemon, path: list[str], *args: str, env: dict[str, str]) -> 
     return _timed([*path, "--socket", str(d.socket), "--json", *args], env)
 
 
-def _timed(cmd: list[str], env: dict[str, str]) -> float:
+def _timed(cmd: list[str], env: dict[str, str], cwd: str | None = None) -> float:
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env, cwd=cwd)
     return time.perf_counter() - t0
 
 
@@ -118,6 +121,7 @@ def main() -> int:
     p.add_argument("--idle-secs", type=float, default=10.0)
     p.add_argument("--profile", metavar="FILE")
     p.add_argument("--daemon-repo", metavar="DIR", help="run another checkout's daemon (a baseline)")
+    p.add_argument("--ctl-repo", metavar="DIR", help="also time another checkout's one-shot sessionctl")
     args = p.parse_args()
     rep = c.Report("idle", args.json)
     flags = ["-m", "cProfile", "-o", str(Path(args.profile).resolve())] if args.profile else []
@@ -159,6 +163,20 @@ def main() -> int:
             "full imports": lambda: _timed([sys.executable, "-c", "import supervisor.ctl.cli"], cached),
             "python -c pass": lambda: _timed([sys.executable, "-c", "pass"], cached),
         }
+        paths = ["one-shot", "full"]
+        if args.ctl_repo:
+            # `-c` puts the working directory first on sys.path: run there.
+            repo = str(Path(args.ctl_repo).resolve())
+            other = {**cached, "PYTHONPATH": repo}
+            runs.update({
+                "baseline one-shot ls": lambda: _timed([*ONE_SHOT, "--socket", str(d.socket), "--json", "ls"],
+                                                       other, repo),
+                "baseline one-shot ping": lambda: _timed([*ONE_SHOT, "--socket", str(d.socket), "--json", "ping"],
+                                                         other, repo),
+                "baseline one-shot imports": lambda: _timed([sys.executable, "-c", "import supervisor.ctl.fast"],
+                                                            other, repo),
+            })
+            paths.insert(0, "baseline one-shot")
         for run in runs.values():
             run()  # fills the bytecode cache
         times: dict[str, list[float]] = {k: [] for k in runs}
@@ -185,7 +203,7 @@ def main() -> int:
     rep.table(["path", "ls", "ping", "its imports", "ls vs the full path"],
               [[p, f"{cli_ms[p + ' ls']:.0f} ms", f"{cli_ms[p + ' ping']:.0f} ms",
                 f"{cli_ms[p + ' imports']:.0f} ms", f"{cli_ms['full ls'] / cli_ms[p + ' ls']:.2f}x"]
-               for p in ("one-shot", "full")])
+               for p in paths])
     rep.say(f"python -c pass {cli_ms['python -c pass']:.0f} ms; the one-shot ls without a bytecode "
             f"cache {cli_ms['one-shot ls, no bytecode cache']:.0f} ms; the listing in a warm "
             f"client (daemon + decode) {listed_ms:.1f} ms")

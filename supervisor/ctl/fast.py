@@ -317,7 +317,7 @@ def _shallow(kind: str) -> tuple[type, ...] | None:
 
 
 class _Lane:
-    __slots__ = ("defaults", "count", "shallow", "deep", "seen")
+    __slots__ = ("defaults", "count", "shallow", "verify", "replace", "seen")
 
     def __init__(self, fields: _Fields) -> None:
         # Read only: the empty containers are shared by every item that omits them.
@@ -325,9 +325,20 @@ class _Lane:
                          for name, _, default in fields}
         self.count = len(self.defaults)
         self.shallow = [_shallow(kind) for _, kind, _ in fields]
-        # (name, check, an empty value needs no check)
-        self.deep = [(name, _checker(kind), kind.startswith(("list[", "dict[")))
-                     for name, kind, _ in fields if kind.rstrip("?") not in _SCALARS and kind != "any"]
+        # What the types alone do not settle (None they do, so each check is
+        # its kind's without the "?"): `verify`, a list or dict of scalars
+        # (or of anything), which an empty one passes and which a check
+        # returns as it is; `replace`, the rest (a nested Struct becomes a
+        # new dict, an enum is checked even when empty).
+        self.verify: list[tuple[str, Callable[[object], Any]]] = []
+        self.replace: list[tuple[str, Callable[[object], Any]]] = []
+        for name, kind, _ in fields:
+            kind = kind.rstrip("?")
+            if kind in _SCALARS or kind == "any":
+                continue
+            inner = kind[kind.find("[") + 1:-1].rpartition(",")[2]
+            same = kind.startswith(("list[", "dict[")) and (inner in _SCALARS or inner == "any")
+            (self.verify if same else self.replace).append((name, _checker(kind)))
         self.seen: set[tuple[type, ...]] = set()
 
 
@@ -342,7 +353,7 @@ def _structs(raws: object, tag: str) -> list[dict[str, Any]]:
     if lane is None:
         lane = _lanes[tag] = _Lane(fields)
     out = []
-    defaults, count, seen, deep = lane.defaults, lane.count, lane.seen, lane.deep
+    defaults, count, seen, verify, replace = lane.defaults, lane.count, lane.seen, lane.verify, lane.replace
     for raw in raws:
         if type(raw) is not dict:
             raise _Unsure(f"not a {tag}")
@@ -356,11 +367,14 @@ def _structs(raws: object, tag: str) -> list[dict[str, Any]]:
             if not all(allowed is None or t in allowed for t, allowed in zip(signature, lane.shallow)):
                 raise _Unsure(f"a {tag} field of another type")
             seen.add(signature)
-        for name, check, empty_ok in deep:
+        for name, check in verify:
             value = s[name]
-            if value is None or (empty_ok and not value):
-                continue
-            s[name] = check(value)
+            if value:
+                check(value)
+        for name, check in replace:
+            value = s[name]
+            if value is not None:
+                s[name] = check(value)
         out.append(s)
     return out
 
