@@ -510,3 +510,13 @@ def test_every_exit_code_comes_from_the_one_table() -> None:
     assert [code for code, _ in render.EXIT_CODES] == [0, 1, 2, 3, 4]
     assert (ctl_fast.EXIT_OK, ctl_fast.EXIT_UNREACHABLE, ctl_fast.EXIT_SIGINT, ctl_fast.exit_code_for) == \
         (render.EXIT_OK, render.EXIT_UNREACHABLE, render.EXIT_SIGINT, render.exit_code_for)
+
+
+@pytest.mark.pure
+def test_every_command_of_the_parser_has_its_function() -> None:
+    # The full path dispatches through one table: a command added to the
+    # parser without its function would fail only when someone runs it.
+    import argparse
+
+    (sub,) = [a for a in ctl._parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(sub.choices) == set(ctl._COMMANDS) | {"completion"}
