@@ -224,7 +224,7 @@ def test_a_session_decodes_to_what_to_plain_shows(info: m.SessionInfo) -> None:
     # An unknown field (a newer daemon) is ignored, as msgspec ignores it.
     one = msgpack.unpackb(msgspec.msgpack.encode(info))
     one["later_field"] = [1]
-    assert ctl_fast._sessions([one]) == [ctl.to_plain(info)]
+    assert ctl_fast._structs([one], "session") == [ctl.to_plain(info)]
 
 
 @pytest.mark.pure
@@ -237,11 +237,11 @@ def test_a_session_msgspec_would_refuse_is_not_vouched_for(change: dict[str, Any
     raw = msgpack.unpackb(msgspec.msgpack.encode(_SESSIONS[1]))
     raw.update(change)
     with pytest.raises(ctl_fast._Unsure):
-        ctl_fast._sessions([raw])
+        ctl_fast._structs([raw], "session")
     missing = msgpack.unpackb(msgspec.msgpack.encode(_SESSIONS[0]))
     del missing["handler"]
     with pytest.raises(ctl_fast._Unsure):
-        ctl_fast._sessions([missing])
+        ctl_fast._structs([missing], "session")
 
 
 @pytest.mark.pure
@@ -467,9 +467,12 @@ def test_the_console_script_answers_and_exits_as_the_full_path(daemon: Daemon) -
     script = "from supervisor.ctl.fast import run; run()"
     for argv, code in ((["--json", "ls"], 0), (["status", "one"], 0), (["status", "nosuch"], 4)):
         argv = ["--socket", str(daemon.socket), *argv]
-        fast = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
-                              env=env, timeout=30)
-        full = _run(argv, False)
+        for _ in range(5):  # as _same: the session's RSS may move between the two asks
+            fast = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
+                                  env=env, timeout=30)
+            full = _run(argv, False)
+            if (fast.returncode, fast.stdout, fast.stderr) == (code, full.stdout, full.stderr):
+                break
         assert (fast.returncode, fast.stdout, fast.stderr) == (code, full.stdout, full.stderr)
         assert ("one" in fast.stdout) == (code == 0)
     # And what it does not answer goes through the full path, exit code included.

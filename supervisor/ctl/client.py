@@ -43,6 +43,7 @@ from ipc.messages import (
     TurnFailed,
 )
 from ipc.paths import default_socket_path, socket_trust_problem
+from supervisor.ctl.link import CONNECT_TIMEOUT_SECS, MAX_REPLY_FRAME_BYTES
 
 __all__ = [
     "AsyncClient",
@@ -104,7 +105,7 @@ class AsyncClient:
         socket_path: str | os.PathLike[str] | None = None,
         *,
         client_name: str = "sessiond-python",
-        timeout: float = 5.0,
+        timeout: float = CONNECT_TIMEOUT_SECS,
         reasoning: bool = False,
     ) -> AsyncClient:
         """`reasoning`: also receive `ReasoningDelta` events (the model's
@@ -141,7 +142,7 @@ class AsyncClient:
                 loop.create_unix_connection(
                     lambda: FramedProtocol(
                         _reply_decoder(), on_message=on_message, on_close=on_close,
-                        on_bad_message=on_bad, max_frame_bytes=1 << 30,
+                        on_bad_message=on_bad, max_frame_bytes=MAX_REPLY_FRAME_BYTES,
                     ),
                     path,
                 ),

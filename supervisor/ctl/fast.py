@@ -36,6 +36,7 @@ import msgpack  # type: ignore[import-untyped]  # (no stubs; used for two calls)
 
 from ipc import _wire_table as _wire
 from ipc.paths import default_socket_text, socket_trust_problem
+from supervisor.ctl.link import CONNECT_TIMEOUT_SECS, MAX_REPLY_FRAME_BYTES
 from supervisor.ctl.render import (
     EXIT_OK,
     EXIT_SIGINT,
@@ -55,9 +56,9 @@ if TYPE_CHECKING:
 __all__ = ["json_text", "main", "run"]
 
 
-# As supervisor.ctl.client: the waits the full path allows, and its frame limit.
-_CONNECT_TIMEOUT_SECS = 5.0
-_MAX_FRAME_BYTES = 1 << 30
+# The waits the full path allows, and its frame limit.
+_CONNECT_TIMEOUT_SECS = CONNECT_TIMEOUT_SECS
+_MAX_FRAME_BYTES = MAX_REPLY_FRAME_BYTES
 
 
 class _Unsure(Exception):
@@ -201,19 +202,26 @@ def _checker(kind: str) -> Callable[[object], Any]:
 
 def _build(kind: str) -> Callable[[object], Any]:
     if kind.endswith("?"):
-        inner = kind[:-1]
-        return lambda value: None if value is None else _checker(inner)(value)
+        return lambda value: None if value is None else _checker(kind[:-1])(value)
     if kind in _SCALARS:
-        return _exact(_SCALARS[kind])
+        t = _SCALARS[kind]
+
+        def exact(value: object) -> Any:
+            if type(value) is not t:  # no bool for int, no int for float
+                raise _Unsure(f"not a {kind}")
+            return value
+        return exact
     if kind == "any":
         # msgspec's Any: whatever msgpack holds, as msgpack decodes it here.
         # Printed as JSON, json_text refuses what is not plain data; printed
         # as text (stats), _json_native does.
         return lambda value: value
-    if kind.startswith("list[") and kind.endswith("]"):
-        return _list_of(kind[5:-1])
-    if kind.startswith("dict[str,") and kind.endswith("]"):
-        return _dict_of(kind[9:-1])
+    container, _, item = kind.partition("[")
+    item = item[:-1].removeprefix("str,")
+    if container == "list" and item in _wire.STRUCTS:
+        return lambda value: _structs(value, item)
+    if container in ("list", "dict"):
+        return _container(kind, container == "dict", item)
     if kind in _wire.ENUMS:
         values = frozenset(_wire.ENUMS[kind])
 
@@ -223,64 +231,39 @@ def _build(kind: str) -> Callable[[object], Any]:
             return value
         return member
     if kind in _wire.STRUCTS:
-        fields = _wire.STRUCTS[kind]
-        return lambda value: _plain(value, fields, kind)
+        return lambda value: _plain(value, _wire.STRUCTS[kind], kind)
 
     def unknown(value: object) -> Any:  # a table newer than this code
         raise _Unsure(f"a kind this path does not know: {kind}")
     return unknown
 
 
-def _exact(t: type) -> Callable[[object], Any]:
-    def check(value: object) -> Any:
-        if type(value) is not t:  # no bool for int, no int for float
-            raise _Unsure(f"not a {t.__name__}")
+def _container(kind: str, is_dict: bool, item: str) -> Callable[[object], Any]:
+    """A list, or a dict with str keys: the same one back if its items are
+    scalars (of one type) or anything, else a new one of the items' checks."""
+    t, scalar = (dict if is_dict else list), _SCALARS.get(item)
+
+    def refuse() -> NoReturn:
+        raise _Unsure(f"not a {kind}")
+
+    def scalar_dict(value: Any) -> Any:
+        if type(value) is not dict or any(type(k) is not str or type(v) is not scalar for k, v in value.items()):
+            refuse()
         return value
-    return check
 
+    def scalar_list(value: Any) -> Any:
+        if type(value) is not list or any(type(x) is not scalar for x in value):
+            refuse()
+        return value
 
-def _list_of(item: str) -> Callable[[object], Any]:
-    if item in _wire.STRUCTS:
-        return lambda value: _structs(value, item)
-    if item in _SCALARS:
-        t = _SCALARS[item]
-
-        def scalars(value: object) -> Any:
-            if type(value) is not list or any(type(x) is not t for x in value):
-                raise _Unsure(f"not a list of {item}")
+    def other(value: Any) -> Any:
+        if type(value) is not t or (is_dict and any(type(k) is not str for k in value)):
+            refuse()
+        if item == "any":
             return value
-        return scalars
-
-    def items(value: object) -> Any:
-        if type(value) is not list:
-            raise _Unsure("not a list")
         check = _checker(item)
-        return [check(x) for x in value]
-    return items
-
-
-def _dict_of(kind: str) -> Callable[[object], Any]:
-    if kind == "any":
-        def anything(value: object) -> Any:
-            if type(value) is not dict or any(type(k) is not str for k in value):
-                raise _Unsure("not a dict with str keys")
-            return value
-        return anything
-    if kind in _SCALARS:
-        t = _SCALARS[kind]
-
-        def scalars(value: object) -> Any:
-            if type(value) is not dict or any(type(k) is not str or type(v) is not t for k, v in value.items()):
-                raise _Unsure(f"not a dict of str to {kind}")
-            return value
-        return scalars
-
-    def values(value: object) -> Any:
-        if type(value) is not dict or any(type(k) is not str for k in value):
-            raise _Unsure("not a dict with str keys")
-        check = _checker(kind)
-        return {k: check(v) for k, v in value.items()}
-    return values
+        return {k: check(v) for k, v in value.items()} if type(value) is dict else [check(x) for x in value]
+    return other if scalar is None else scalar_dict if is_dict else scalar_list
 
 
 def _json_native(value: object) -> bool:
@@ -294,26 +277,23 @@ def _json_native(value: object) -> bool:
 # A list of Structs' fast lane (a listing of 1,000 sessions: the generic
 # _plain took ~6 ms here, this ~2): defaults and wire fields merged by
 # dict.update (which keeps the defaults' order), then the fields' types
-# checked as one tuple against the combinations already seen to be allowed,
-# then what a type alone does not settle (what is inside a list, a dict, a
-# nested Struct, an enum) checked field by field.
-_NONE = type(None)
+# checked as one tuple against the combinations already seen to be allowed
+# (None: any type), then what a type alone does not settle, field by field:
+# `verify`, a list or dict of scalars (or of anything), which an empty one
+# passes and whose check returns it as it is; `replace`, the rest (a nested
+# Struct becomes a new dict; an enum is checked even when empty).  None the
+# types settle, so each of those checks is its kind's without the "?".
 
 
 def _shallow(kind: str) -> tuple[type, ...] | None:
-    """The types a value of `kind` may have (None: any)."""
     if kind.endswith("?"):
         inner = _shallow(kind[:-1])
-        return None if inner is None else (*inner, _NONE)
-    if kind in _SCALARS:
-        return (_SCALARS[kind],)
-    if kind.startswith("list["):
-        return (list,)
-    if kind.startswith("dict[") or kind in _wire.STRUCTS:
-        return (dict,)
-    if kind in _wire.ENUMS:
-        return (str,)
-    return None  # any (an unknown kind: its deep check refuses it)
+        return None if inner is None else (*inner, type(None))
+    if kind in _SCALARS or kind in _wire.ENUMS:
+        return (_SCALARS.get(kind, str),)
+    if kind.startswith(("list[", "dict[")) or kind in _wire.STRUCTS:
+        return (list,) if kind.startswith("list[") else (dict,)
+    return None  # any (an unknown kind: its check in `replace` refuses it)
 
 
 class _Lane:
@@ -325,21 +305,15 @@ class _Lane:
                          for name, _, default in fields}
         self.count = len(self.defaults)
         self.shallow = [_shallow(kind) for _, kind, _ in fields]
-        # What the types alone do not settle (None they do, so each check is
-        # its kind's without the "?"): `verify`, a list or dict of scalars
-        # (or of anything), which an empty one passes and which a check
-        # returns as it is; `replace`, the rest (a nested Struct becomes a
-        # new dict, an enum is checked even when empty).
         self.verify: list[tuple[str, Callable[[object], Any]]] = []
         self.replace: list[tuple[str, Callable[[object], Any]]] = []
+        self.seen: set[tuple[type, ...]] = set()
         for name, kind, _ in fields:
             kind = kind.rstrip("?")
-            if kind in _SCALARS or kind == "any":
-                continue
-            inner = kind[kind.find("[") + 1:-1].rpartition(",")[2]
-            same = kind.startswith(("list[", "dict[")) and (inner in _SCALARS or inner == "any")
-            (self.verify if same else self.replace).append((name, _checker(kind)))
-        self.seen: set[tuple[type, ...]] = set()
+            inner = kind[kind.find("[") + 1:-1].removeprefix("str,")
+            if kind not in _SCALARS and kind != "any":
+                same = kind.startswith(("list[", "dict[")) and (inner in _SCALARS or inner == "any")
+                (self.verify if same else self.replace).append((name, _checker(kind)))
 
 
 _lanes: dict[str, _Lane] = {}
@@ -349,9 +323,7 @@ def _structs(raws: object, tag: str) -> list[dict[str, Any]]:
     if type(raws) is not list:
         raise _Unsure("not a list")
     fields = _wire.STRUCTS[tag]
-    lane = _lanes.get(tag)
-    if lane is None:
-        lane = _lanes[tag] = _Lane(fields)
+    lane = _lanes.get(tag) or _lanes.setdefault(tag, _Lane(fields))
     out = []
     defaults, count, seen, verify, replace = lane.defaults, lane.count, lane.seen, lane.verify, lane.replace
     for raw in raws:
@@ -377,10 +349,6 @@ def _structs(raws: object, tag: str) -> list[dict[str, Any]]:
                 s[name] = check(value)
         out.append(s)
     return out
-
-
-def _sessions(raws: list[Any]) -> list[dict[str, Any]]:
-    return _structs(raws, "session")
 
 
 # ---------------------------------------------------------------- JSON
