@@ -158,7 +158,6 @@ def _socket_path(given: str | None) -> str:
 _REQUIRED = _wire.REQUIRED
 _PROTOCOL_VERSION = _wire.PROTOCOL_VERSION
 _NEW_ERROR_CODES = _wire.NEW_ERROR_CODES
-_ERROR_CODES = frozenset(_wire.ENUMS["error_code"])
 REPLIES = {tag: _wire.STRUCTS[tag] for tag in _wire.REPLIES}
 NESTED = {tag: fields for tag, fields in _wire.STRUCTS.items() if tag not in REPLIES}
 # The reply each command's request is answered with (besides an Error).
