@@ -10,6 +10,9 @@ person types that sessionctl and the daemon check alike (ipc/inputs.py).
     ValueError
     └── BadOverride             a --set item that is not KEY=VALUE (sessionctl prints it; the
                                 daemon's config turns it into its ConfigError)
+    Exception
+    └── UnsupportedField        a message field the one-shot path's table cannot describe
+                                (python -m ipc.wiregen refuses to write the table)
 
 Each side's own errors are in its tree: supervisor/errors.py (the daemon),
 supervisor/ctl/errors.py (sessionctl and the client library),
@@ -18,7 +21,10 @@ session_worker/errors.py (the zygote, the workers, the tool host's client).
 
 from __future__ import annotations
 
-__all__ = ["BadMessage", "BadOverride", "ConnectionClosed", "FrameTimeout", "FrameTooLarge", "OverBudget", "ProtocolError"]
+__all__ = [
+    "BadMessage", "BadOverride", "ConnectionClosed", "FrameTimeout", "FrameTooLarge", "OverBudget", "ProtocolError",
+    "UnsupportedField",
+]
 
 
 class ProtocolError(Exception):
@@ -60,3 +66,7 @@ class ConnectionClosed(Exception):
 class BadOverride(ValueError):
     """A `--set` item that is not KEY=VALUE (the daemon's config turns it
     into its ConfigError)."""
+
+
+class UnsupportedField(Exception):
+    """A field the one-shot path's grammar has no kind for (ipc/wiregen.py)."""

@@ -2,9 +2,9 @@
 
     sessionctl [--socket PATH] [--json] COMMAND ...
 
-Exit codes: 0 done, 1 the operation failed, 2 usage, 3 cannot reach the
-daemon, 4 no such session.  With --json a command prints one JSON object and
-a stream prints JSON lines, one event each.
+Exit codes: supervisor.ctl.render.EXIT_CODES (`--help` lists them).  With
+--json a command prints one JSON object and a stream prints JSON lines, one
+event each.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -37,6 +38,7 @@ from supervisor.ctl.render import (
     EXIT_USAGE,
     SORT_KEYS,
     exit_code_for,
+    exit_codes_text,
     pong_text,
     print_stats,
     print_status,
@@ -83,12 +85,7 @@ examples:
   sessionctl drain --undo 10.0.0.7       and take it back into use
 
 exit codes:
-  0  done
-  1  the operation failed (a turn failed, the daemon refused)
-  2  usage (bad arguments, a bad --id, --handler or --set)
-  3  cannot reach the daemon, or lost it
-  4  no such session
-"""
+""" + exit_codes_text()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -290,136 +287,183 @@ def _read_answer(prompt: str) -> bool:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    as_json: bool = args.json
     client = await AsyncClient.connect(
         args.socket, client_name="sessionctl", reasoning=getattr(args, "reasoning", False)
     )
     try:
-        match args.command:
-            case "create":
-                from ipc.errors import BadOverride
-                from ipc.inputs import parse_override
-
-                overrides: dict[str, Any] = {}
-                for item in args.overrides:
-                    try:
-                        key, value = parse_override(item)
-                    except BadOverride as exc:
-                        print(f"sessionctl: {exc}", file=sys.stderr)
-                        return EXIT_USAGE
-                    overrides[key] = value
-                try:
-                    info = await client.create(args.session_id, args.handler, overrides)
-                except RequestError as exc:
-                    if exc.code != "bad_request":
-                        raise
-                    # A bad --id, --handler or --set: the command line's fault.
-                    print(f"sessionctl: {exc.message}", file=sys.stderr)
-                    return EXIT_USAGE
-                print(json.dumps(to_plain(info)) if as_json else info.id)
-            case "send":
-                return await _send_interruptibly(client, args.id, args.text, as_json)
-            case "attach":
-                deleted = False
-                async for ev in client.attach(args.id, args.from_seq):
-                    if as_json:
-                        print(event_json(ev), flush=True)
-                    else:
-                        _print_event(ev)
-                    deleted = isinstance(ev, m.StateChanged) and ev.new == "deleted"
-                if not deleted:
-                    # The stream ends by itself only when the session is
-                    # deleted; anything else is the daemon going away.
-                    raise DaemonUnavailable("connection to sessiond lost")
-            case "ls":
-                sessions = await client.list()
-                if args.quiet:
-                    for s in sessions:
-                        print(s.id)
-                elif as_json:
-                    print(json.dumps({"sessions": to_plain(sessions)}))
-                elif sessions:
-                    print_table(to_plain(sessions))
-                else:
-                    print("no sessions")
-            case "status":
-                info = await client.status(args.id)
-                print(json.dumps(to_plain(info))) if as_json else print_status(to_plain(info))
-            case "stats":
-                stats = await client.stats()
-                print(json.dumps(to_plain(stats))) if as_json else print_stats(to_plain(stats))
-            case "ping":
-                t0 = time.perf_counter()
-                pong = await client.ping(args.id)
-                rtt_ms = (time.perf_counter() - t0) * 1000
-                if as_json:
-                    print(json.dumps({"pid": pong.pid, "session": pong.session, "rtt_ms": round(rtt_ms, 3)}))
-                else:
-                    print(pong_text(pong.session, pong.pid, rtt_ms))
-            case "interrupt" | "stop" | "restart" | "rm":
-                action = {"interrupt": client.interrupt, "stop": client.stop,
-                          "restart": client.restart, "rm": client.remove}[args.command]
-                await action(args.id)
-                if as_json:
-                    print(json.dumps({"ok": True, "id": args.id}))
-            case "repair":
-                repaired = await client.repair(args.id, args.mode)
-                if as_json:
-                    print(json.dumps(to_plain(repaired)))
-                else:
-                    print(f"repaired {args.id}: {repaired.kept_records} record(s) kept, "
-                          f"{repaired.dropped_records} intact record(s) and "
-                          f"{repaired.dropped_bytes} damaged byte(s) dropped; now {repaired.session.state}")
-            case "top":
-                # Here and below, not at the top: curses and the history
-                # renderers cost every other command's start-up.
-                from supervisor.ctl.top import run_top
-
-                return await run_top(client, once=args.once, as_json=as_json, sort=args.sort,
-                                     interval=args.interval, sample_secs=args.sample_secs)
-            case "history":
-                from supervisor.ctl.history import print_history
-
-                print_history(await client.history(args.id, args.limit), as_json)
-            case "logs":
-                from supervisor.ctl.history import follow_logs, print_logs
-
-                logs = await client.logs(args.id, args.limit)
-                if args.follow:
-                    return await follow_logs(client, logs, as_json)
-                print_logs(logs, as_json)
-            case "export":
-                document = await client.export(args.id)
-                sys.stdout.buffer.write(document + b"\n")
-                sys.stdout.flush()
-            case "import":
-                return await _import(client, args, as_json)
-            case "drain":
-                try:
-                    drained = await client.drain(args.node, args.timeout, args.undo)
-                except RequestError as exc:
-                    if exc.code not in ("not_found", "bad_request"):
-                        raise
-                    print(f"sessionctl: {exc.message}", file=sys.stderr)  # a node, not a session
-                    return EXIT_USAGE if exc.code == "bad_request" else EXIT_FAILED
-                print(drain_json(drained)) if as_json else sys.stdout.write(drain_text(drained, args.undo))
-                return drain_exit_code(drained)
-            case "approve" | "deny":
-                try:
-                    await client.answer(args.id, args.request_id, args.command == "approve")
-                except RequestError as exc:
-                    if exc.code != "not_found":
-                        raise
-                    # not_found covers the request and the session; exit 4
-                    # is for "no such session" alone.
-                    await client.status(args.id)  # raises not_found (4) if that is it
-                    print(f"sessionctl: {exc.message}", file=sys.stderr)
-                    return EXIT_FAILED
-                if as_json:
-                    print(json.dumps({"ok": True, "id": args.id, "request_id": args.request_id}))
-        return EXIT_OK
+        return await _COMMANDS[args.command](client, args, args.json)
     finally:
         await client.close()
+
+
+# Each command: (the client, the parsed command line, --json) -> its exit
+# code.  A RequestError or DaemonUnavailable it does not handle itself ends
+# in main(), which maps it to the exit code (render.exit_code_for).
+
+
+async def _create(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    from ipc.errors import BadOverride
+    from ipc.inputs import parse_override
+
+    overrides: dict[str, Any] = {}
+    for item in args.overrides:
+        try:
+            key, value = parse_override(item)
+        except BadOverride as exc:
+            print(f"sessionctl: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        overrides[key] = value
+    try:
+        info = await client.create(args.session_id, args.handler, overrides)
+    except RequestError as exc:
+        if exc.code != "bad_request":
+            raise
+        # A bad --id, --handler or --set: the command line's fault.
+        print(f"sessionctl: {exc.message}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(to_plain(info)) if as_json else info.id)
+    return EXIT_OK
+
+
+async def _send_command(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    return await _send_interruptibly(client, args.id, args.text, as_json)
+
+
+async def _attach(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    deleted = False
+    async for ev in client.attach(args.id, args.from_seq):
+        if as_json:
+            print(event_json(ev), flush=True)
+        else:
+            _print_event(ev)
+        deleted = isinstance(ev, m.StateChanged) and ev.new == "deleted"
+    if not deleted:
+        # The stream ends by itself only when the session is deleted;
+        # anything else is the daemon going away.
+        raise DaemonUnavailable("connection to sessiond lost")
+    return EXIT_OK
+
+
+async def _ls(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    sessions = await client.list()
+    if args.quiet:
+        for s in sessions:
+            print(s.id)
+    elif as_json:
+        print(json.dumps({"sessions": to_plain(sessions)}))
+    elif sessions:
+        print_table(to_plain(sessions))
+    else:
+        print("no sessions")
+    return EXIT_OK
+
+
+async def _status(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    info = await client.status(args.id)
+    print(json.dumps(to_plain(info))) if as_json else print_status(to_plain(info))
+    return EXIT_OK
+
+
+async def _stats(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    stats = await client.stats()
+    print(json.dumps(to_plain(stats))) if as_json else print_stats(to_plain(stats))
+    return EXIT_OK
+
+
+async def _ping(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    t0 = time.perf_counter()
+    pong = await client.ping(args.id)
+    rtt_ms = (time.perf_counter() - t0) * 1000
+    if as_json:
+        print(json.dumps({"pid": pong.pid, "session": pong.session, "rtt_ms": round(rtt_ms, 3)}))
+    else:
+        print(pong_text(pong.session, pong.pid, rtt_ms))
+    return EXIT_OK
+
+
+async def _lifecycle(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    """interrupt, stop, restart, rm: one request, nothing to print but --json's ok."""
+    action = {"interrupt": client.interrupt, "stop": client.stop,
+              "restart": client.restart, "rm": client.remove}[args.command]
+    await action(args.id)
+    if as_json:
+        print(json.dumps({"ok": True, "id": args.id}))
+    return EXIT_OK
+
+
+async def _repair(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    repaired = await client.repair(args.id, args.mode)
+    if as_json:
+        print(json.dumps(to_plain(repaired)))
+    else:
+        print(f"repaired {args.id}: {repaired.kept_records} record(s) kept, "
+              f"{repaired.dropped_records} intact record(s) and "
+              f"{repaired.dropped_bytes} damaged byte(s) dropped; now {repaired.session.state}")
+    return EXIT_OK
+
+
+# top, history and logs import their modules when run, not at the top:
+# curses and the history renderers cost every other command's start-up.
+
+
+async def _top(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    from supervisor.ctl.top import run_top
+
+    return await run_top(client, once=args.once, as_json=as_json, sort=args.sort,
+                         interval=args.interval, sample_secs=args.sample_secs)
+
+
+async def _history(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    from supervisor.ctl.history import print_history
+
+    print_history(await client.history(args.id, args.limit), as_json)
+    return EXIT_OK
+
+
+async def _logs(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    from supervisor.ctl.history import follow_logs, print_logs
+
+    logs = await client.logs(args.id, args.limit)
+    if args.follow:
+        return await follow_logs(client, logs, as_json)
+    print_logs(logs, as_json)
+    return EXIT_OK
+
+
+async def _export(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    document = await client.export(args.id)
+    sys.stdout.buffer.write(document + b"\n")
+    sys.stdout.flush()
+    return EXIT_OK
+
+
+async def _drain(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    try:
+        drained = await client.drain(args.node, args.timeout, args.undo)
+    except RequestError as exc:
+        if exc.code not in ("not_found", "bad_request"):
+            raise
+        print(f"sessionctl: {exc.message}", file=sys.stderr)  # a node, not a session
+        return EXIT_USAGE if exc.code == "bad_request" else EXIT_FAILED
+    print(drain_json(drained)) if as_json else sys.stdout.write(drain_text(drained, args.undo))
+    return drain_exit_code(drained)
+
+
+async def _answer(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    """approve, deny."""
+    try:
+        await client.answer(args.id, args.request_id, args.command == "approve")
+    except RequestError as exc:
+        if exc.code != "not_found":
+            raise
+        # not_found covers the request and the session; exit 4 is for
+        # "no such session" alone.
+        await client.status(args.id)  # raises not_found (4) if that is it
+        print(f"sessionctl: {exc.message}", file=sys.stderr)
+        return EXIT_FAILED
+    if as_json:
+        print(json.dumps({"ok": True, "id": args.id, "request_id": args.request_id}))
+    return EXIT_OK
 
 
 async def _import(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
@@ -446,6 +490,16 @@ async def _import(client: AsyncClient, args: argparse.Namespace, as_json: bool) 
         raise
     print(json.dumps({"id": info.id}) if as_json else info.id)
     return EXIT_OK
+
+
+# Every command but `completion` (main() answers it without a daemon).
+_COMMANDS: dict[str, Callable[[AsyncClient, argparse.Namespace, bool], Awaitable[int]]] = {
+    "create": _create, "send": _send_command, "attach": _attach, "ls": _ls, "status": _status,
+    "stats": _stats, "ping": _ping, "interrupt": _lifecycle, "stop": _lifecycle,
+    "restart": _lifecycle, "rm": _lifecycle, "repair": _repair, "top": _top, "history": _history,
+    "logs": _logs, "export": _export, "import": _import, "drain": _drain, "approve": _answer,
+    "deny": _answer,
+}
 
 
 _STOP_TEXT: dict[str, str] = {

@@ -45,6 +45,7 @@ from ipc.messages import (
 from ipc.paths import default_socket_path, socket_trust_problem
 # Re-exported: applications catch them as supervisor.client's (and this module's).
 from supervisor.ctl.errors import DaemonUnavailable, RequestError, TurnFailedError
+from supervisor.ctl.link import CONNECT_TIMEOUT_SECS, MAX_REPLY_FRAME_BYTES
 
 __all__ = [
     "AsyncClient",
@@ -87,7 +88,7 @@ class AsyncClient:
         socket_path: str | os.PathLike[str] | None = None,
         *,
         client_name: str = "sessiond-python",
-        timeout: float = 5.0,
+        timeout: float = CONNECT_TIMEOUT_SECS,
         reasoning: bool = False,
     ) -> AsyncClient:
         """`reasoning`: also receive `ReasoningDelta` events (the model's
@@ -124,7 +125,7 @@ class AsyncClient:
                 loop.create_unix_connection(
                     lambda: FramedProtocol(
                         _reply_decoder(), on_message=on_message, on_close=on_close,
-                        on_bad_message=on_bad, max_frame_bytes=1 << 30,
+                        on_bad_message=on_bad, max_frame_bytes=MAX_REPLY_FRAME_BYTES,
                     ),
                     path,
                 ),

@@ -14,6 +14,7 @@ import json
 import math
 
 from ipc import operator as op
+from supervisor.ctl.render import EXIT_FAILED, EXIT_OK
 
 __all__ = ["drain_exit_code", "drain_json", "drain_text", "timeout_secs"]
 
@@ -56,4 +57,4 @@ def drain_text(reply: op.DrainReply, undo: bool) -> str:
 
 
 def drain_exit_code(reply: op.DrainReply) -> int:
-    return 1 if reply.left else 0
+    return EXIT_FAILED if reply.left else EXIT_OK

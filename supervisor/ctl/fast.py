@@ -16,11 +16,13 @@ fully understands, and hands everything else to the full path, unchanged:
 - a command line outside its small grammar (any other command or flag,
   `--help`, an abbreviation, `--`): supervisor.ctl.cli parses it;
 - a reply it cannot vouch for (a tag, field type or value the schema
-  below does not allow, a frame it cannot decode, a reset): it asks again
+  does not allow, a frame it cannot decode, a reset): it asks again
   through the full path, whose output and exit code then are the full
   path's by construction.  Only read-only requests are answered here, so
   asking twice changes nothing.
-The schema tables are checked against ipc.messages by tests/test_ctl_fast.py.
+What a reply holds is not written here: ipc/_wire_table.py, generated from
+ipc.messages' Structs (`python -m ipc.wiregen`; tests/test_ctl_fast.py
+fails when it is out of date), says it, and the checks are built from it.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ import time
 
 import msgpack  # type: ignore[import-untyped]  # (no stubs; used for two calls)
 
+from ipc import _wire_table as _wire
 from ipc.paths import default_socket_text, socket_trust_problem
 # The full path's own errors: an answer here fails as it would there.
 from supervisor.ctl.errors import DaemonUnavailable as _Unavailable
 from supervisor.ctl.errors import RequestError as _Refused
 from supervisor.ctl.errors import Unsure as _Unsure
+from supervisor.ctl.link import CONNECT_TIMEOUT_SECS, MAX_REPLY_FRAME_BYTES
 from supervisor.ctl.render import (
     EXIT_OK,
     EXIT_SIGINT,
@@ -56,15 +60,9 @@ if TYPE_CHECKING:
 __all__ = ["json_text", "main", "run"]
 
 
-# As supervisor.ctl.client: the waits the full path allows, and its frame limit.
-_CONNECT_TIMEOUT_SECS = 5.0
-_MAX_FRAME_BYTES = 1 << 30
-_PROTOCOL_VERSION = 1  # ipc.messages.PROTOCOL_VERSION
-_NEW_ERROR_CODES = ["no_space"]  # sorted(ipc.messages.NEW_ERROR_CODES)
-_ERROR_CODES = frozenset({  # ipc.messages.ErrorCode
-    "not_found", "bad_request", "capacity", "limit_exceeded", "permission_denied", "conflict",
-    "protocol_mismatch", "internal", "no_space",
-})
+# The waits the full path allows, and its frame limit.
+_CONNECT_TIMEOUT_SECS = CONNECT_TIMEOUT_SECS
+_MAX_FRAME_BYTES = MAX_REPLY_FRAME_BYTES
 
 
 # ---------------------------------------------------------------- command line
@@ -136,44 +134,26 @@ def _socket_path(given: str | None) -> str:
 
 # ---------------------------------------------------------------- replies
 #
-# Each reply's fields in their declared order (the order `--json` prints),
-# with the kind of value and the default (_REQUIRED: none).  A field not on
-# the wire takes its default, as msgspec decodes it (`list` and `dict`
-# stand for a new empty one); an unknown field is ignored, as msgspec does.
+# What each reply holds comes from ipc/_wire_table.py, generated from the
+# msgspec Structs of ipc.messages (`python -m ipc.wiregen`): each Struct's
+# fields in declared order (the order `--json` prints), with the kind of
+# value and the default.  A field not on the wire takes its default, as
+# msgspec decodes it (`list` and `dict` stand for a new empty one); an
+# unknown field is ignored, as msgspec does.  The checks below are built
+# from the kinds (their grammar: ipc/wiregen.py), once per kind.
 
-_REQUIRED = object()
-
-_EXIT_INFO: tuple[tuple[str, str, object], ...] = (
-    ("reason", "str", _REQUIRED), ("code", "int?", None), ("signal", "int?", None),
-    ("at", "float", 0.0), ("detail", "str", ""),
-)
-_SESSION_INFO: tuple[tuple[str, str, object], ...] = (
-    ("id", "str", _REQUIRED), ("state", "str", _REQUIRED), ("handler", "str", _REQUIRED),
-    ("pid", "int?", None), ("rss_bytes", "int?", None), ("restarts", "int", 0), ("turns", "int", 0),
-    ("created_at", "float", 0.0), ("last_exit", "exit?", None), ("seq", "int", 0),
-    ("parent", "str?", None), ("children", "list[str]", list), ("owner_uid", "int", 0),
-    ("error", "str?", None), ("usage", "dict[str,int]", dict), ("sandbox", "dict[str,any]", dict),
-    ("node", "str?", None), ("disk_bytes", "int?", None),
-)
-REPLIES: dict[str, tuple[tuple[str, str, object], ...]] = {
-    "welcome": (("protocol", "int", _REQUIRED), ("server_version", "str", _REQUIRED),
-                ("pid", "int", _REQUIRED)),
-    "error": (("code", "error_code", _REQUIRED), ("message", "str", _REQUIRED), ("id", "int", 0)),
-    "sessions": (("id", "int", _REQUIRED), ("sessions", "list[session]", _REQUIRED)),
-    "status": (("id", "int", _REQUIRED), ("session", "session", _REQUIRED)),
-    "pong": (("id", "int", _REQUIRED), ("session", "str?", None), ("pid", "int", 0)),
-    "stats": (("id", "int", _REQUIRED), ("pid", "int", _REQUIRED), ("version", "str", _REQUIRED),
-              ("uptime_secs", "float", _REQUIRED), ("sessions", "int", _REQUIRED),
-              ("by_state", "dict[str,int]", _REQUIRED), ("live_workers", "int", _REQUIRED),
-              ("clients", "int", _REQUIRED), ("rss_bytes", "int", _REQUIRED),
-              ("sandbox", "dict[str,any]", dict)),
-}
+_REQUIRED = _wire.REQUIRED
+_PROTOCOL_VERSION = _wire.PROTOCOL_VERSION
+_NEW_ERROR_CODES = _wire.NEW_ERROR_CODES
+REPLIES = {tag: _wire.STRUCTS[tag] for tag in _wire.REPLIES}
+NESTED = {tag: fields for tag, fields in _wire.STRUCTS.items() if tag not in REPLIES}
 # The reply each command's request is answered with (besides an Error).
 _EXPECT = {"ls": "sessions", "status": "status", "ping": "pong", "stats": "stats"}
-NESTED = {"session": _SESSION_INFO, "exit": _EXIT_INFO}
+
+_Fields = tuple[tuple[str, str, object], ...]
 
 
-def _plain(raw: object, fields: tuple[tuple[str, str, object], ...], tag: str | None) -> dict[str, Any]:
+def _plain(raw: object, fields: _Fields, tag: str | None) -> dict[str, Any]:
     """A decoded map as `ctl.to_plain` shows the Struct msgspec would decode
     from it: every field, in order.  Raises _Unsure for whatever msgspec
     would reject (or might read differently)."""
@@ -189,41 +169,87 @@ def _plain(raw: object, fields: tuple[tuple[str, str, object], ...], tag: str | 
                 raise _Unsure(f"no {name}")
             out[name] = default() if default is list or default is dict else default
             continue
-        out[name] = _CHECK[kind](value)
+        out[name] = _checker(kind)(value)
     return out
 
 
-def _exact(t: type) -> Callable[[object], Any]:
-    def check(value: object) -> Any:
-        if type(value) is not t:  # no bool for int, no int for float
-            raise _Unsure(f"not a {t.__name__}")
-        return value
+_SCALARS: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
+_checkers: dict[str, Callable[[object], Any]] = {}
+
+
+def _checker(kind: str) -> Callable[[object], Any]:
+    """The check of a value of `kind`: returns the value as to_plain shows
+    it (a nested Struct: a new dict), or raises _Unsure."""
+    check = _checkers.get(kind)
+    if check is None:
+        check = _checkers[kind] = _build(kind)
     return check
 
 
-def _optional(check: Callable[[object], Any]) -> Callable[[object], Any]:
-    return lambda value: None if value is None else check(value)
+def _build(kind: str) -> Callable[[object], Any]:
+    if kind.endswith("?"):
+        return lambda value: None if value is None else _checker(kind[:-1])(value)
+    if kind in _SCALARS:
+        t = _SCALARS[kind]
+
+        def exact(value: object) -> Any:
+            if type(value) is not t:  # no bool for int, no int for float
+                raise _Unsure(f"not a {kind}")
+            return value
+        return exact
+    if kind == "any":
+        # msgspec's Any: whatever msgpack holds, as msgpack decodes it here.
+        # Printed as JSON, json_text refuses what is not plain data; printed
+        # as text (stats), _json_native does.
+        return lambda value: value
+    container, _, item = kind.partition("[")
+    item = item[:-1].removeprefix("str,")
+    if container == "list" and item in _wire.STRUCTS:
+        return lambda value: _structs(value, item)
+    if container in ("list", "dict"):
+        return _container(kind, container == "dict", item)
+    if kind in _wire.ENUMS:
+        values = frozenset(_wire.ENUMS[kind])
+
+        def member(value: object) -> Any:
+            if type(value) is not str or value not in values:
+                raise _Unsure(f"a {kind} msgspec would refuse")
+            return value
+        return member
+    if kind in _wire.STRUCTS:
+        return lambda value: _plain(value, _wire.STRUCTS[kind], kind)
+
+    def unknown(value: object) -> Any:  # a table newer than this code
+        raise _Unsure(f"a kind this path does not know: {kind}")
+    return unknown
 
 
-def _str_list(value: object) -> list[str]:
-    if type(value) is not list or any(type(x) is not str for x in value):
-        raise _Unsure("not a list of str")
-    return value
+def _container(kind: str, is_dict: bool, item: str) -> Callable[[object], Any]:
+    """A list, or a dict with str keys: the same one back if its items are
+    scalars (of one type) or anything, else a new one of the items' checks."""
+    t, scalar = (dict if is_dict else list), _SCALARS.get(item)
 
+    def refuse() -> NoReturn:
+        raise _Unsure(f"not a {kind}")
 
-def _str_int_dict(value: object) -> dict[str, int]:
-    if type(value) is not dict or any(type(k) is not str or type(v) is not int for k, v in value.items()):
-        raise _Unsure("not a dict of str to int")
-    return value
+    def scalar_dict(value: Any) -> Any:
+        if type(value) is not dict or any(type(k) is not str or type(v) is not scalar for k, v in value.items()):
+            refuse()
+        return value
 
+    def scalar_list(value: Any) -> Any:
+        if type(value) is not list or any(type(x) is not scalar for x in value):
+            refuse()
+        return value
 
-def _str_any_dict(value: object) -> dict[str, Any]:
-    # What is inside is msgspec's Any: whatever msgpack holds, as msgpack
-    # decodes it here, except ext types.  Printed as JSON, json_text refuses
-    # what is not plain data; printed as text (stats), _json_native does.
-    if type(value) is not dict or any(type(k) is not str for k in value):
-        raise _Unsure("not a dict with str keys")
-    return value
+    def other(value: Any) -> Any:
+        if type(value) is not t or (is_dict and any(type(k) is not str for k in value)):
+            refuse()
+        if item == "any":
+            return value
+        check = _checker(item)
+        return {k: check(v) for k, v in value.items()} if type(value) is dict else [check(x) for x in value]
+    return other if scalar is None else scalar_dict if is_dict else scalar_list
 
 
 def _json_native(value: object) -> bool:
@@ -234,67 +260,79 @@ def _json_native(value: object) -> bool:
     return type(value) in (str, int, float, bool) or value is None
 
 
-def _error_code(value: object) -> str:
-    if type(value) is not str or value not in _ERROR_CODES:
-        raise _Unsure("an error code msgspec would refuse")
-    return value
+# A list of Structs' fast lane (a listing of 1,000 sessions: the generic
+# _plain took ~6 ms here, this ~2): defaults and wire fields merged by
+# dict.update (which keeps the defaults' order), then the fields' types
+# checked as one tuple against the combinations already seen to be allowed
+# (None: any type), then what a type alone does not settle, field by field:
+# `verify`, a list or dict of scalars (or of anything), which an empty one
+# passes and whose check returns it as it is; `replace`, the rest (a nested
+# Struct becomes a new dict; an enum is checked even when empty).  None the
+# types settle, so each of those checks is its kind's without the "?".
 
 
-def _list(value: object) -> list[Any]:
-    if type(value) is not list:
+def _shallow(kind: str) -> tuple[type, ...] | None:
+    if kind.endswith("?"):
+        inner = _shallow(kind[:-1])
+        return None if inner is None else (*inner, type(None))
+    if kind in _SCALARS or kind in _wire.ENUMS:
+        return (_SCALARS.get(kind, str),)
+    if kind.startswith(("list[", "dict[")) or kind in _wire.STRUCTS:
+        return (list,) if kind.startswith("list[") else (dict,)
+    return None  # any (an unknown kind: its check in `replace` refuses it)
+
+
+class _Lane:
+    __slots__ = ("defaults", "count", "shallow", "verify", "replace", "seen")
+
+    def __init__(self, fields: _Fields) -> None:
+        # Read only: the empty containers are shared by every item that omits them.
+        self.defaults = {name: default() if default is list or default is dict else default
+                         for name, _, default in fields}
+        self.count = len(self.defaults)
+        self.shallow = [_shallow(kind) for _, kind, _ in fields]
+        self.verify: list[tuple[str, Callable[[object], Any]]] = []
+        self.replace: list[tuple[str, Callable[[object], Any]]] = []
+        self.seen: set[tuple[type, ...]] = set()
+        for name, kind, _ in fields:
+            kind = kind.rstrip("?")
+            inner = kind[kind.find("[") + 1:-1].removeprefix("str,")
+            if kind not in _SCALARS and kind != "any":
+                same = kind.startswith(("list[", "dict[")) and (inner in _SCALARS or inner == "any")
+                (self.verify if same else self.replace).append((name, _checker(kind)))
+
+
+_lanes: dict[str, _Lane] = {}
+
+
+def _structs(raws: object, tag: str) -> list[dict[str, Any]]:
+    if type(raws) is not list:
         raise _Unsure("not a list")
-    return value
-
-
-_check_str, _check_int = _exact(str), _exact(int)
-_CHECK: dict[str, Callable[[object], Any]] = {
-    "str": _check_str, "int": _check_int, "float": _exact(float), "str?": _optional(_check_str),
-    "int?": _optional(_check_int), "list[str]": _str_list, "dict[str,int]": _str_int_dict,
-    "dict[str,any]": _str_any_dict, "error_code": _error_code,
-    "exit?": _optional(lambda v: _plain(v, _EXIT_INFO, "exit")),
-    "session": lambda v: _plain(v, _SESSION_INFO, "session"),
-    "list[session]": lambda v: _sessions(_list(v)),
-}
-
-# The listing's fast lane (1,000 sessions: the generic _plain took ~6 ms
-# here, this ~2): defaults and wire fields merged by dict.update (which
-# keeps the defaults' order), then the fields' types checked as one tuple
-# against the combinations already seen to be allowed.
-_NONE = type(None)
-_SHALLOW: dict[str, tuple[type, ...]] = {
-    "str": (str,), "int": (int,), "float": (float,), "str?": (str, _NONE), "int?": (int, _NONE),
-    "list[str]": (list,), "dict[str,int]": (dict,), "dict[str,any]": (dict,), "exit?": (dict, _NONE),
-}
-# Read only: the empty containers are shared by every session that omits them.
-_SESSION_DEFAULTS = {name: default() if default is list or default is dict else default
-                     for name, _, default in _SESSION_INFO}
-_SESSION_SHALLOW = [_SHALLOW[kind] for _, kind, _ in _SESSION_INFO]
-_seen_signatures: set[tuple[type, ...]] = set()
-
-
-def _sessions(raws: list[Any]) -> list[dict[str, Any]]:
+    fields = _wire.STRUCTS[tag]
+    lane = _lanes.get(tag) or _lanes.setdefault(tag, _Lane(fields))
     out = []
-    defaults, count, seen = _SESSION_DEFAULTS, len(_SESSION_DEFAULTS), _seen_signatures
+    defaults, count, seen, verify, replace = lane.defaults, lane.count, lane.seen, lane.verify, lane.replace
     for raw in raws:
         if type(raw) is not dict:
-            raise _Unsure("not a session")
+            raise _Unsure(f"not a {tag}")
         s = defaults.copy()
         s.update(raw)
-        if s.pop("type", None) != "session" or len(s) != count:
-            out.append(_plain(raw, _SESSION_INFO, "session"))  # an unknown field: the long way
+        if s.pop("type", None) != tag or len(s) != count:
+            out.append(_plain(raw, fields, tag))  # an unknown field: the long way
             continue
         signature = tuple(map(type, s.values()))
         if signature not in seen:
-            if not all(t in allowed for t, allowed in zip(signature, _SESSION_SHALLOW)):
-                raise _Unsure("a session field of another type")
+            if not all(allowed is None or t in allowed for t, allowed in zip(signature, lane.shallow)):
+                raise _Unsure(f"a {tag} field of another type")
             seen.add(signature)
-        if s["children"]:
-            _str_list(s["children"])
-        if s["usage"]:
-            _str_int_dict(s["usage"])
-        if s["last_exit"] is not None:
-            s["last_exit"] = _plain(s["last_exit"], _EXIT_INFO, "exit")
-        _str_any_dict(s["sandbox"])
+        for name, check in verify:
+            value = s[name]
+            if value:
+                check(value)
+        for name, check in replace:
+            value = s[name]
+            if value is not None:
+                s[name] = check(value)
         out.append(s)
     return out
 

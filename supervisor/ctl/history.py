@@ -14,6 +14,7 @@ from ipc import messages as m
 from ipc import operator as op
 from supervisor.ctl.client import AsyncClient
 from supervisor.ctl.errors import DaemonUnavailable, ImportFileError
+from supervisor.ctl.render import EXIT_OK
 
 __all__ = ["follow_logs", "print_history", "print_logs", "read_document"]
 
@@ -127,7 +128,7 @@ async def follow_logs(client: AsyncClient, reply: op.LogsReply, as_json: bool) -
             now = time.time()
             print(_entry_json(now, ev) if as_json else _entry_text(now, ev), flush=True)
             if isinstance(ev, m.StateChanged) and ev.new == "deleted":
-                return 0
+                return EXIT_OK
     raise DaemonUnavailable("connection to sessiond lost")
 
 

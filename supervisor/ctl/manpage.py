@@ -9,13 +9,14 @@ import sys
 
 from supervisor.ctl.completion import man_page
 from supervisor.ctl.cli import _parser
+from supervisor.ctl.render import EXIT_OK
 
 __all__ = ["main"]
 
 
 def main() -> int:
     sys.stdout.write(man_page(_parser()))
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

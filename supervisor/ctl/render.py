@@ -14,17 +14,31 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["EXIT_FAILED", "EXIT_NO_SESSION", "EXIT_OK", "EXIT_SIGINT", "EXIT_UNREACHABLE", "EXIT_USAGE",
-           "SORT_KEYS", "exit_code_for", "fmt_bytes", "pong_text", "print_stats", "print_status", "print_table",
+__all__ = ["EXIT_CODES", "EXIT_FAILED", "EXIT_NO_SESSION", "EXIT_OK", "EXIT_SIGINT", "EXIT_UNREACHABLE", "EXIT_USAGE",
+           "SORT_KEYS", "exit_code_for", "exit_codes_text", "fmt_bytes", "pong_text", "print_stats", "print_status", "print_table",
            "sandbox_line"]
 
-# sessionctl's exit codes (a contract: scripts test them), for both paths.
+# sessionctl's exit codes (a contract: scripts test them), for both paths
+# and every command; `sessionctl --help` and the man page list EXIT_CODES.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_SESSION = 0, 1, 2, 3, 4
 EXIT_SIGINT = 128 + 2  # as a shell reports a command SIGINT ended
+EXIT_CODES = (
+    (EXIT_OK, "done"),
+    (EXIT_FAILED, "the operation failed (a turn failed, the daemon refused)"),
+    (EXIT_USAGE, "usage (bad arguments, a bad --id, --handler or --set)"),
+    (EXIT_UNREACHABLE, "cannot reach the daemon, or lost it"),
+    (EXIT_NO_SESSION, "no such session"),
+)
+
+
+def exit_codes_text() -> str:
+    """The exit codes, one a line, as `--help` ends."""
+    return "".join(f"  {code}  {meaning}\n" for code, meaning in EXIT_CODES)
 
 
 def exit_code_for(error_code: str) -> int:
-    """The exit code for the daemon's error `error_code`."""
+    """The exit code for the daemon's error `error_code` (the wire's
+    ErrorCode: not_found is "no such session", any other a failure)."""
     return EXIT_NO_SESSION if error_code == "not_found" else EXIT_FAILED
 
 

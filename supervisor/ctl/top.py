@@ -23,7 +23,7 @@ from typing import Any
 from ipc import messages as m
 from ipc import operator as op
 from supervisor.ctl.client import AsyncClient
-from supervisor.ctl.render import SORT_KEYS
+from supervisor.ctl.render import EXIT_OK, EXIT_USAGE, SORT_KEYS
 
 __all__ = ["Row", "SORT_KEYS", "render", "rows_from", "run_top", "snapshot_json", "totals"]
 
@@ -209,13 +209,13 @@ async def run_top(client: AsyncClient, *, once: bool, as_json: bool, sort: str, 
             print(snapshot_json(rows, second, sort))
         else:
             print("\n".join(render(rows, second, sort, 80, 10_000)))
-        return 0
+        return EXIT_OK
     if as_json:
         return await _json_lines(client, sort, interval)
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         print("sessionctl: top needs a terminal; `top --once` prints one sample, "
               "`--json top` one JSON line per refresh", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     return await _live(client, sort, interval)
 
 
@@ -253,7 +253,7 @@ async def _live(client: AsyncClient, sort: str, interval: float) -> int:
             while time.monotonic() < deadline:
                 key = screen.getch()
                 if key in (ord("q"), 27):
-                    return 0
+                    return EXIT_OK
                 if 0 <= key < 256 and chr(key) in _KEYS_BY_LETTER:
                     sort = _KEYS_BY_LETTER[chr(key)]
                     break
