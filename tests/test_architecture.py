@@ -196,3 +196,73 @@ def test_the_checker_sees_a_crossing() -> None:
     # The graph is real: the worker's entry point imports the handler interface.
     assert "session_worker.handler" in GRAPH["session_worker.main"]
     assert "ipc.messages" in GRAPH["supervisor.api.server"]
+
+
+# ---------------------------------------------------------------- wiring
+# Parts get their collaborators when they are built (supervisor/daemon.py:_build,
+# SessionManager.__init__); nobody sets a hook onto another object afterwards.
+# A hook is a callable assigned onto an object that is not `self` (a lambda,
+# an `on_*` attribute, a bound method of the assigning class), or anything
+# assigned into a part reached through `self` or through a collaborator
+# (`self.workers.x = ...`, `manager.ledger.x = ...`).
+_PARTS = {"workers", "ledger", "events", "sweeper", "slots", "subagents", "workspaces", "spawner", "store",
+          "proc_table", "server", "manager", "mgr", "fronts", "recorder", "metrics", "fencing"}
+_COLLABORATORS = {"manager", "mgr", "spawner", "store", "server", "ledger", "workers", "fronts"}
+
+# What must stay, and why.
+HOOKS_ALLOWED: dict[tuple[str, str], str] = {
+    ("supervisor.core.workers", "spawner.on_exit"): "the spawner is built before the loop and the core (the "
+    "zygote is forked before any thread): its reports are routed once, by their owner, as it is built",
+    ("supervisor.core.workers", "spawner.on_zygote_lost"): "as on_exit",
+    ("supervisor.core.workers", "spawner.on_worker_lost"): "as on_exit (cluster mode)",
+}
+
+
+def _late_hooks(name: str, source: str) -> list[tuple[str, str]]:
+    found: list[tuple[str, str]] = []
+
+    def root(node: ast.expr) -> str | None:
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    def visit(node: ast.AST, cls: ast.ClassDef | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child if isinstance(child, ast.ClassDef) else cls
+            if isinstance(child, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and child.value is not None:
+                targets = child.targets if isinstance(child, ast.Assign) else [child.target]
+                flat = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
+                methods = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))} \
+                    if cls is not None else set()
+                for t in flat:
+                    if not isinstance(t, ast.Attribute) or (isinstance(t.value, ast.Name) and t.value.id == "self"):
+                        continue
+                    v = child.value
+                    hook = isinstance(v, ast.Lambda) or t.attr.startswith("on_") or (
+                        isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name) and v.value.id == "self"
+                        and v.attr in methods)
+                    into_part = isinstance(t.value, ast.Attribute) and t.value.attr.lstrip("_") in _PARTS \
+                        and root(t.value) in {"self"} | _COLLABORATORS
+                    onto = isinstance(t.value, ast.Name) and t.value.id in _COLLABORATORS
+                    if hook or into_part or onto:
+                        found.append((name, ast.unparse(t)))
+            visit(child, inner)
+
+    visit(ast.parse(source), None)
+    return found
+
+
+def test_no_hook_is_set_on_another_object_after_it_is_built() -> None:
+    found = [hit for name, path in MODULES.items() if name.startswith("supervisor.")
+             for hit in _late_hooks(name, path.read_text())]
+    assert [hit for hit in found if hit not in HOOKS_ALLOWED] == []
+    assert all(hit in found for hit in HOOKS_ALLOWED), "an allowed hook is gone: drop it from the list"
+
+
+def test_the_hook_checker_sees_a_late_hook() -> None:
+    src = ("class Owner:\n    def __init__(self, ledger):\n        ledger.on_unsaved = self.kill\n"
+           "    def kill(self): ...\n"
+           "def wire(manager, spawner):\n    manager.workers.claim = claim\n    spawner.metrics = rec\n"
+           "    x.make_room = lambda s: None\n")
+    assert [what for _, what in _late_hooks("m", src)] == [
+        "ledger.on_unsaved", "manager.workers.claim", "spawner.metrics", "x.make_room"]

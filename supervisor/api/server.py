@@ -441,7 +441,7 @@ class _ClientProtocol(FramedProtocol[op.AnyRequest]):
 
 
 class ControlServer:
-    def __init__(self, manager: SessionManager) -> None:
+    def __init__(self, manager: SessionManager, *, metrics: Recorder = NO_METRICS) -> None:
         self.manager = manager
         self.clients: set[ClientConn] = set()
         self.started = time.monotonic()
@@ -450,7 +450,7 @@ class ControlServer:
         self.own_uid = os.geteuid()
         self._connections: dict[int, int] = {}  # admitted, by non-exempt uid
         self._budgets: dict[int, SharedBudget] = {}  # by the same uids
-        self.metrics: Recorder = NO_METRICS
+        self.metrics = metrics
 
     def admits(self, cred: peer.PeerCredentials) -> bool:
         """Root, the daemon's own user (someone running the daemon as

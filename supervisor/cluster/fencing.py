@@ -56,7 +56,7 @@ from supervisor.core.states import LIVE, State, Trigger
 if TYPE_CHECKING:
     from supervisor.core.manager import SessionManager
 
-__all__ = ["EXPECTED", "NotHeld", "UnheldLog", "claim", "held_elsewhere", "release", "release_soon", "wire"]
+__all__ = ["EXPECTED", "Fencing", "NotHeld", "UnheldLog", "claim", "held_elsewhere", "release", "release_soon"]
 
 log = logging.getLogger("sessiond.manager")
 
@@ -145,28 +145,33 @@ def held_elsewhere(exc: Fenced) -> str:
             "until it is asked for it again")
 
 
-def wire(manager: SessionManager, reader: HistoryReader | None = None) -> None:
-    """Route the ledger's `Fenced` to `release` instead of a restart, and
-    claim released sessions back before a worker starts for them."""
-    manager.ledger.on_fenced = lambda session, exc: release_soon(manager, session, held_elsewhere(exc))
+class Fencing:
+    """The manager's `Holds` (supervisor.core.manager): a `Fenced` refusal
+    releases the session instead of restarting it, and a released session is
+    claimed back before a worker starts for it.  Built before the manager,
+    which passes itself to each call.  `reader` reads a session's history
+    without claiming it (daemons sharing a database; None: cannot)."""
 
-    async def claim_for(session: Session) -> None:
+    def __init__(self, reader: HistoryReader | None = None) -> None:
+        self._reader = reader
+
+    def fenced(self, manager: SessionManager, session: Session, exc: Fenced) -> None:
+        release_soon(manager, session, held_elsewhere(exc), self._reader)
+
+    async def claim(self, manager: SessionManager, session: Session) -> None:
         await claim(manager, session)
 
-    manager.workers.claim = claim_for
-    manager.unheld_reader = reader
 
-
-def release_soon(manager: SessionManager, session: Session, reason: str) -> None:
+def release_soon(manager: SessionManager, session: Session, reason: str, reader: HistoryReader | None) -> None:
     # Once per refusal: a second one of the same flow (the turn's commit,
     # then its Abort) finds the session released.
     if session.error != reason:
         session.error = reason
         tagged(log, session.id).warning("%s", reason)
-    manager.spawn_task(release(manager, session, reason))
+    manager.spawn_task(release(manager, session, reason, reader))
 
 
-async def release(manager: SessionManager, session: Session, reason: str) -> None:
+async def release(manager: SessionManager, session: Session, reason: str, reader: HistoryReader | None) -> None:
     """Let go of a session another daemon holds now: stop its worker as
     `stop` does, write nothing, leave it hibernated here."""
     async with session.lock:
@@ -174,7 +179,7 @@ async def release(manager: SessionManager, session: Session, reason: str) -> Non
             return
         manager.workers.cancel_restart(session)
         session.error = reason
-        held, session.store = session.store, UnheldLog(manager.store, session.id, manager.unheld_reader)
+        held, session.store = session.store, UnheldLog(manager.store, session.id, reader)
         held.close()
         if session.state in LIVE:
             manager.events.set_state(session, Trigger.STOP, reason=reason)

@@ -52,16 +52,25 @@ _QUICK_TURN_SECS = 0.002
 
 
 class TurnLedger:
-    def __init__(self, events: EventLog) -> None:
+    def __init__(
+        self,
+        events: EventLog,
+        *,
+        on_unsaved: Callable[[Session, WorkerProc, str], None],
+        on_turn_started: Callable[[Session, int], None],
+        on_fenced: Callable[[Session, Fenced], None] | None = None,
+        metrics: Recorder = NO_METRICS,
+    ) -> None:
         self._events = events
-        # Set by the daemon's core: what to do with a worker that is ahead of
-        # the disk (kill it; it restarts from the log), and with a turn that
-        # has begun (arm its timeout).
-        self.on_unsaved: Callable[[Session, WorkerProc, str], None] = lambda s, w, why: None
-        # ... and with a session that another daemon took over (supervisor.cluster.fencing).
-        self.on_fenced: Callable[[Session, Fenced], None] = self._unsaved
-        self.on_turn_started: Callable[[Session, int], None] = lambda s, turn: None
-        self.metrics: Recorder = NO_METRICS
+        # What to do with a worker that is ahead of the disk (kill it; it
+        # restarts from the log), and with a turn that has begun (arm its
+        # timeout): the manager's, passed in when it builds the ledger.
+        self.on_unsaved = on_unsaved
+        self.on_turn_started = on_turn_started
+        # ... and with a session that another daemon took over
+        # (supervisor.cluster.fencing); without one, as a worker ahead of the disk.
+        self.on_fenced: Callable[[Session, Fenced], None] = on_fenced or self._unsaved
+        self.metrics = metrics
         # The daemon's data-plane work, in bounded slices (ipc.pacing): the
         # workers' messages and exits, flushes' completions, clients' inputs.
         self.pacer = Pacer()

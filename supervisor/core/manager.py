@@ -24,7 +24,7 @@ import secrets
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -36,10 +36,10 @@ from supervisor.config import Config
 from supervisor.errors import BadRequest, Capacity, Conflict, Internal, NotFound, SessiondError
 from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger, store_failure
-from supervisor.core.limits import ProcTable
+from supervisor.core.limits import ProcTable, RemoteFigures
 from supervisor.ops.logtag import tagged
-from supervisor.ops.metrics import Recorder
-from supervisor.core.overrides import OverrideError, check_handler, resolve_overrides
+from supervisor.ops.metrics import NO_METRICS, Recorder
+from supervisor.core.overrides import OverrideError, choose_handler, resolve_overrides
 from supervisor.spawn.seams import Spawner
 from supervisor.core.session import Session, Subscriber, WorkerProc, valid_session_id
 from supervisor.core.slots import LiveSlots
@@ -47,6 +47,7 @@ from supervisor.core.states import LIVE, State, Trigger
 from supervisor.store.state_store import (
     Abort,
     DamagedLog,
+    Fenced,
     LoadedSession,
     Meta,
     Record,
@@ -61,14 +62,24 @@ from supervisor.store.state_store import (
 from supervisor.store.files import FileStateStore
 from supervisor.core.subagents import Subagents
 from supervisor.core.sweep import Sweeper
-from supervisor.core.workers import WorkerOwner, describe_exit
+from supervisor.core.workers import Pending, WorkerOwner, describe_exit
 from supervisor.core.workspaces import Workspaces
 
-__all__ = ["SessionManager"]
+__all__ = ["Holds", "SessionManager"]
 
 log = logging.getLogger("sessiond.manager")
 
 _message_settings = msgspec.msgpack.Encoder()
+
+
+class Holds(Protocol):
+    """Who holds a session when several daemons share one store
+    (supervisor.cluster.fencing.Fencing): the manager passes itself to each
+    call, so the holder is built before the manager without a late hook."""
+
+    def fenced(self, manager: SessionManager, session: Session, exc: Fenced) -> None: ...
+
+    async def claim(self, manager: SessionManager, session: Session) -> None: ...
 
 
 class SessionManager:
@@ -83,6 +94,11 @@ class SessionManager:
         store: StateStore | None = None,
         sandbox: m.SandboxBoot | None = None,
         cgroups: Cgroups | None = None,
+        cgroups_why: str = "not probed",
+        metrics: Recorder = NO_METRICS,
+        holds: Holds | None = None,
+        open_stored: Callable[[str], tuple[SessionLog, LoadedSession]] | None = None,
+        remote: RemoteFigures | None = None,
     ) -> None:
         self.config = config
         self.state_dir = state_dir
@@ -90,49 +106,55 @@ class SessionManager:
         self.store: StateStore = store if store is not None else FileStateStore(self.sessions_dir)
         self.spawner = spawner
         self.sessions: dict[str, Session] = {}
-        self.proc_table = ProcTable()
+        self.proc_table = ProcTable(remote)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
         self._hibernating: set[str] = set()
         self._ping_nonce = 0
+        self._holds = holds
 
         def current() -> Config:
             return self.config
 
+        def closing() -> bool:
+            return self._closing
+
+        # Built bottom-up, each part with its collaborators.  Two calls run
+        # against the order (the ledger's turn timer and unsaved-worker kill
+        # go to parts built after it): they go through this manager's own
+        # methods (`_turn_started`, `_kill_unsaved`), not a hook set later.
         self.workspaces = Workspaces(current, state_dir, run_as, session_uids)
         self.events = EventLog(lambda: self.config.daemon, self.sessions)
-        self.ledger = TurnLedger(self.events)
-        self.workers = WorkerOwner(current, spawner, self.events, self.ledger, self.proc_table,
-                                   self.workspaces, self.spawn_task)
-        self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
-                               self._hibernate_soon, stop=self.stop, workspaces=self.workspaces)
-        self.subagents = Subagents(self, self.sessions)
-        self.workers.sandbox = sandbox
-        self.workers.cgroups = cgroups
+        self.ledger = TurnLedger(
+            self.events, on_unsaved=self._kill_unsaved, on_turn_started=self._turn_started,
+            on_fenced=(lambda session, exc: holds.fenced(self, session, exc)) if holds is not None else None,
+            metrics=metrics,
+        )
         self.slots = LiveSlots(current, self.sessions, self.is_admin, self._hibernating, self._hibernate)
-        self.workers.make_room = self.slots.make_room
-        self.workers.on_spawn_agent = lambda session, worker, msg: self.spawn_task(
-            self.subagents.run(session, worker, msg))
-        self.ledger.on_turn_started = self.sweeper.arm_turn_timer
+        self.subagents = Subagents(self, self.sessions)
+        self.workers = WorkerOwner(
+            current, spawner, self.events, self.ledger, self.proc_table, self.workspaces, self.spawn_task,
+            closing=closing, make_room=self.slots.make_room,
+            on_spawn_agent=lambda session, worker, msg: self.spawn_task(self.subagents.run(session, worker, msg)),
+            claim=(lambda session: holds.claim(self, session)) if holds is not None else None,
+            sandbox=sandbox, cgroups=cgroups, cgroups_why=cgroups_why, metrics=metrics,
+        )
+        self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
+                               self._hibernate_soon, stop=self.stop, workspaces=self.workspaces,
+                               closing=closing, metrics=metrics)
         # How a stored session is opened at start: claimed (alone on the
         # store), or only read (daemons sharing a database, supervisor.cluster.fronts).
-        self.open_stored: Callable[[str], tuple[SessionLog, LoadedSession]] = self.store.load
-        self.unheld_reader: Callable[[str], tuple[Snapshot | None, list[Record]]] | None = None
+        self._open_stored = open_stored or self.store.load
 
-    # For supervisor.api.transfer (import): create's checks, load's restore.
+    def _turn_started(self, session: Session, turn: int) -> None:
+        self.sweeper.arm_turn_timer(session, turn)
+
+    def _kill_unsaved(self, session: Session, worker: WorkerProc, why: str) -> None:
+        self.workers.kill(session, worker, ExitReason.CRASHED, why)
+
     @property
     def closing(self) -> bool:
         return self._closing
-
-    def restore(self, store: SessionLog, loaded: LoadedSession) -> None:
-        self._restore(store, loaded)
-
-    def check_quota(self, uid: int) -> None:
-        self._check_quota(uid)
-
-    def use_metrics(self, recorder: Recorder) -> None:
-        """Count into `recorder` (the parts hold the no-op one until then)."""
-        self.workers.metrics = self.ledger.metrics = self.sweeper.metrics = recorder
 
     # ================================================================ load
 
@@ -148,7 +170,7 @@ class SessionManager:
             self.state_dir.chmod(0o711)
         for session_id in self.store.ids():
             try:
-                store, loaded = self.open_stored(session_id)
+                store, loaded = self._open_stored(session_id)
             except StoreDamaged as exc:
                 self._add_damaged(session_id, exc.reason, exc.meta)
                 continue
@@ -156,7 +178,7 @@ class SessionManager:
                 self._add_damaged(session_id, f"cannot be loaded: {exc}", None)
                 continue
             try:
-                self._restore(store, loaded)
+                self.restore(store, loaded)
             except Exception as exc:
                 store.close()
                 self._add_damaged(session_id, f"cannot be restored: {exc}", loaded.meta)
@@ -164,7 +186,8 @@ class SessionManager:
             log.info("restored %d session(s) from %s", len(self.sessions), self.sessions_dir)
         self.workspaces.remove_orphans(self.sessions.values())
 
-    def _restore(self, store: SessionLog, loaded: LoadedSession) -> None:
+    def restore(self, store: SessionLog, loaded: LoadedSession) -> None:
+        """A stored session into the registry (at start, on import, adopted from another daemon)."""
         meta = loaded.meta
         if (bad := self.workspaces.stored_problem(meta, self.sessions.values())) is not None:
             store.close()  # checked again as on create: a store's values are data
@@ -269,7 +292,7 @@ class SessionManager:
     def running_turns(self) -> int:
         return sum(1 for s in self.sessions.values() if s.current_turn is not None)
 
-    def _check_quota(self, uid: int) -> None:
+    def check_quota(self, uid: int) -> None:
         if self.is_admin(uid):
             return
         limit = self.config.daemon.max_sessions_per_uid
@@ -291,22 +314,12 @@ class SessionManager:
         *,
         parent: Session | None = None,
     ) -> Session:
+        """A new session, booted: checked, its worker ordered, registered
+        and stored, then started; a failure leaves nothing behind."""
         if self._closing:
             raise Conflict("the daemon is shutting down")
-        if session_id is None:
-            session_id = secrets.token_hex(6)
-        elif not valid_session_id(session_id):
-            raise BadRequest(
-                f"invalid session id {session_id!r}: 1-64 characters of A-Z a-z 0-9 . _ -, "
-                "starting with a letter or digit"
-            )
-        if session_id in self.sessions:
-            existing = self.sessions[session_id]
-            if existing.state is State.DAMAGED:
-                raise Conflict(f"session {session_id!r} already exists and is damaged "
-                               f"({existing.error}); `sessionctl rm {session_id}` frees the id")
-            raise Conflict(f"session {session_id!r} already exists")
-        self._check_quota(owner_uid)
+        session_id = self._free_id(session_id)
+        self.check_quota(owner_uid)
         if parent is not None:
             # The parent's own overrides, accepted when it was created, held
             # to today's ceilings.
@@ -316,24 +329,33 @@ class SessionManager:
                 settings = resolve_overrides(self.config.session_settings(), overrides).settings
             except OverrideError as exc:
                 raise BadRequest(str(exc)) from None
-        named = handler is not None
-        if handler is None:
-            handler = settings.agent.handler
-        elif parent is None:
-            check_handler(handler, settings)
-        if handler == "agent" and (missing := settings.provider.missing()) is not None:
-            provider = settings.provider
-            if named or provider.base_url or provider.model:
-                # Asked for the agent, or half a provider: an echo session
-                # would look like a working agent that answers nonsense.
-                raise BadRequest(
-                    f"the agent handler needs an LLM provider: {missing} is not set "
-                    "([provider] in config.toml)"
-                )
-            handler = "echo"  # no provider at all: the offline default, said at start-up
+        handler = choose_handler(handler, settings, checked=parent is not None)
         # Order the worker first: the zygote forks (or hands over a spare)
         # while this process fsyncs the new session to disk.
         pending = self.spawner.request() if self.slots.has_room(owner_uid) else None
+        session = self._register(owner_uid, session_id, handler, overrides, settings, parent, pending)
+        await self._boot_new(session, pending)
+        tagged(log, session_id).info("created (handler %s, pid %s)", handler,
+                                     session.worker.pid if session.worker else "-")
+        return session
+
+    def _free_id(self, session_id: str | None) -> str:
+        """The id asked for, checked and free, or a new one."""
+        if session_id is None:
+            return secrets.token_hex(6)
+        if not valid_session_id(session_id):
+            raise BadRequest(f"invalid session id {session_id!r}: 1-64 characters of A-Z a-z 0-9 . _ -, "
+                             "starting with a letter or digit")
+        if (existing := self.sessions.get(session_id)) is not None:
+            if existing.state is State.DAMAGED:
+                raise Conflict(f"session {session_id!r} already exists and is damaged "
+                               f"({existing.error}); `sessionctl rm {session_id}` frees the id")
+            raise Conflict(f"session {session_id!r} already exists")
+        return session_id
+
+    def _register(self, owner_uid: int, session_id: str, handler: str, overrides: dict[str, Any],
+                  settings: SessionSettings, parent: Session | None, pending: Pending | None) -> Session:
+        """Its metadata stored (not yet durable) and the session in the registry, STARTING."""
         meta = Meta(
             id=session_id, handler=handler, overrides=overrides, created_at=time.time(),
             owner_uid=owner_uid, parent=parent.id if parent else None,
@@ -344,8 +366,8 @@ class SessionManager:
             run_uid=self.workspaces.allocate_uid(self.sessions.values()),
         )
         try:
-            # Durable below, while the worker boots: the create is answered
-            # only once both are done.
+            # Durable while the worker boots (`_boot_new`): the create is
+            # answered only once both are done.
             store = self.store.create(meta, durable=False)
         except FileExistsError:
             self.workers.drop_pending(pending)
@@ -353,29 +375,27 @@ class SessionManager:
         except StoreError as exc:
             self.workers.drop_pending(pending)
             raise store_failure("", exc) from None
-        session = Session(
-            id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING,
-            ring=self.events.new_ring(),
-        )
+        session = Session(id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING,
+                          ring=self.events.new_ring())
         self.sessions[session_id] = session
         if parent is not None:
             parent.children.append(session_id)
+        return session
+
+    async def _boot_new(self, session: Session, pending: Pending | None) -> None:
         try:
             async with session.lock:
-                await self.workers.start(session, pending, during_boot=store.make_durable_soon)
+                await self.workers.start(session, pending, during_boot=session.store.make_durable_soon)
         except StoreError as exc:
             self._discard(session)
-            raise store_failure(f"session {session_id!r} could not be saved: ", exc) from None
+            raise store_failure(f"session {session.id!r} could not be saved: ", exc) from None
         except SessiondError as exc:
             # A create that cannot boot leaves nothing behind.
             self._discard(session)
-            raise type(exc)(f"session {session_id!r} could not start: {exc.message}") from None
+            raise type(exc)(f"session {session.id!r} could not start: {exc.message}") from None
         except BaseException:
             self._discard(session)
             raise
-        tagged(log, session_id).info("created (handler %s, pid %s)", handler,
-                                     session.worker.pid if session.worker else "-")
-        return session
 
     def _discard(self, session: Session) -> None:
         """A create that failed: nothing of it stays, not even in its parent's list."""
@@ -563,7 +583,7 @@ class SessionManager:
                 parent.children.remove(session.id)
             self.events.forget(session)
             try:
-                self._restore(store, loaded)
+                self.restore(store, loaded)
             except BaseException:
                 store.close()
                 self._add_damaged(session.id, "cannot be restored after repair", loaded.meta)
@@ -650,7 +670,7 @@ class SessionManager:
     async def shutdown(self, grace: float) -> None:
         """Let running turns finish for up to `grace`, then stop every worker.
         Sessions stay on disk and come back hibernated."""
-        self._closing = self.workers.closing = self.sweeper.closing = True
+        self._closing = True  # the workers' restarts and the sweep ask `closing`
         deadline = time.monotonic() + grace
         while self.running_turns() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -19,7 +19,7 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -57,6 +57,13 @@ _OOM_CHECKS = 50
 Pending = asyncio.Future[tuple[int, socket.socket]]
 
 
+@runtime_checkable
+class LosesWorkers(Protocol):
+    """A spawner whose workers can be lost with their machine (RaySpawner)."""
+
+    on_worker_lost: Callable[[int, str], None]
+
+
 class WorkerOwner:
     def __init__(
         self,
@@ -67,6 +74,15 @@ class WorkerOwner:
         proc_table: ProcTable,
         workspaces: Workspaces,
         spawn_task: Callable[[Coroutine[Any, Any, None]], None],
+        *,
+        closing: Callable[[], bool],
+        make_room: Callable[[Session], Awaitable[None]],
+        on_spawn_agent: Callable[[Session, WorkerProc, m.SpawnAgent], None],
+        claim: Callable[[Session], Awaitable[None]] | None = None,
+        sandbox: m.SandboxBoot | None = None,
+        cgroups: Cgroups | None = None,
+        cgroups_why: str = "not probed",
+        metrics: Recorder = NO_METRICS,
     ) -> None:
         self._config = config
         self.spawner = spawner
@@ -76,27 +92,38 @@ class WorkerOwner:
         self._workspaces = workspaces
         self._spawn_task = spawn_task
         self.by_pid: dict[int, Session] = {}
-        self.closing = False
+        # The daemon is shutting down: nothing is restarted (SessionManager's).
+        self._closing = closing
         # What the daemon found at start for confining tools (None: off).
-        self.sandbox: m.SandboxBoot | None = None
+        self.sandbox = sandbox
         # A cgroup per session (supervisor.spawn.cgroups), where the kernel offers one.
-        self.cgroups: Cgroups | None = None
-        self.cgroups_why = "not probed"  # why there is none, for stats
+        self.cgroups = cgroups
+        self.cgroups_why = cgroups_why  # why there is none, for stats
         # Per session: the kernel's OOM count of its cgroup when its worker
         # was attached (what is more is this worker's), and the OOM fd watched.
         self._oom_seen: dict[str, int] = {}
         self._oom_watched: dict[str, int] = {}
-        # Set by the daemon's core.
-        self.metrics: Recorder = NO_METRICS
-        self.make_room: Callable[[Session], Awaitable[None]] = _no_room_needed
+        self.metrics = metrics
+        # LiveSlots.make_room: a live worker's room, hibernating others for it.
+        self._make_room = make_room
         # Takes a session held by another daemon back first (supervisor.cluster.fencing).
-        self.claim: Callable[[Session], Awaitable[None]] = _no_room_needed
-        self.on_spawn_agent: Callable[[Session, WorkerProc, m.SpawnAgent], None] = lambda s, w, msg: None
+        self._claim = claim or _no_room_needed
+        # Subagents.run, as a task of the manager's.
+        self._on_spawn_agent = on_spawn_agent
+        # The spawner was built before any of the core (the zygote is forked
+        # before the loop exists), so its exit reports are routed here, by
+        # their owner, once: the one late connection left (ARCHITECTURE.md).
         # Through the pacer, like the workers' messages: an exit reported
         # after a worker's last message is handled after it.
         spawner.on_exit = lambda pid, code, sig: ledger.pacer.now_or_later(self.on_exit, pid, code, sig)
         spawner.on_zygote_lost = self.on_spawner_lost
-        ledger.on_unsaved = lambda session, worker, why: self.kill(session, worker, ExitReason.CRASHED, why)
+        if isinstance(spawner, LosesWorkers):
+            # Cluster mode: a worker lost with its node is a crash that names the node.
+            spawner.on_worker_lost = lambda pid, why: self.on_exit(pid, None, signal.SIGKILL, detail=why)
+
+    async def claim(self, session: Session) -> None:
+        """Take the session back if another daemon holds it (no-op alone)."""
+        await self._claim(session)
 
     # ---------------------------------------------------------------- start
 
@@ -112,8 +139,8 @@ class WorkerOwner:
         assert session.state is State.STARTING, session.state
         loop = asyncio.get_running_loop()
         try:
-            await self.claim(session)
-            await self.make_room(session)
+            await self._claim(session)
+            await self._make_room(session)
             snapshot, records, _ = await session.store.read_for_boot_soon()
         except BaseException as exc:
             self.drop_pending(pending)
@@ -330,7 +357,7 @@ class WorkerOwner:
                                         request_id=rid, tool=tool, arguments=arguments),
                 )
             case m.SpawnAgent():
-                self.on_spawn_agent(session, worker, msg)
+                self._on_spawn_agent(session, worker, msg)
 
     # ---------------------------------------------------------------- kills and exits
 
@@ -455,7 +482,7 @@ class WorkerOwner:
     # ---------------------------------------------------------------- restarts
 
     def schedule_restart(self, session: Session) -> None:
-        if self.closing:
+        if self._closing():
             return
         ws = session.settings.agent.worker
         if session.policy is None:
@@ -491,10 +518,10 @@ class WorkerOwner:
     async def _auto_restart(self, session: Session) -> None:
         session.restart_handle = None
         async with session.lock:
-            if session.state is not State.RESTARTING or self.closing:
+            if session.state is not State.RESTARTING or self._closing():
                 return
             try:
-                await self.make_room(session)
+                await self._make_room(session)
             except Capacity:
                 self._events.set_state(
                     session, Trigger.HIBERNATE,
