@@ -266,3 +266,80 @@ def test_the_hook_checker_sees_a_late_hook() -> None:
            "    x.make_room = lambda s: None\n")
     assert [what for _, what in _late_hooks("m", src)] == [
         "ledger.on_unsaved", "manager.workers.claim", "spawner.metrics", "x.make_room"]
+
+
+# ---------------------------------------------------------------- who owns a session's fields
+# The table in supervisor/core/session.py's docstring says which part writes
+# which field of a Session; a WorkerProc is WorkerOwner's.  Any assignment to
+# such a field (`session.state = ...`, `session.seq += 1`, `worker.expected = ...`)
+# outside its owner's module fails here.
+_SESSION_NAMES = {"session", "s", "restored", "parent", "child", "existing", "root", "sess"}
+_WORKER_NAMES = {"worker", "w", "proc"}
+# Writes shared on purpose, and why.
+FIELDS_SHARED: dict[tuple[str, str], str] = {
+    ("memory", "supervisor.core.workers"): "each new worker starts with fresh figures, which the Sweeper fills",
+}
+
+
+def _dataclass_fields(tree: ast.Module, name: str) -> set[str]:
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def _owners() -> tuple[dict[str, str], set[str]]:
+    import re
+
+    path = REPO / "supervisor" / "core" / "session.py"
+    tree = ast.parse(path.read_text())
+    fields = _dataclass_fields(tree, "Session")
+    owners: dict[str, str] = {}
+    module = ""
+    for line in (ast.get_docstring(tree) or "").splitlines():
+        if (head := re.match(r"\s{4}\w+\s+\((\w+)\.py\)(.*)", line)) is not None:
+            module, line = f"supervisor.core.{head[1]}", head[2]
+        elif not line.startswith(" " * 20):
+            module = ""
+        for word in re.findall(r"[a-z_]+", line):
+            if module and word in fields:
+                owners.setdefault(word, module)
+    return owners, _dataclass_fields(tree, "WorkerProc")
+
+
+def _field_writes(name: str, source: str, owners: dict[str, str], worker_fields: set[str]) -> list[str]:
+    wrong: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for t in (e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])):
+            if not isinstance(t, ast.Attribute):
+                continue
+            base = t.value
+            of = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
+            if of in _SESSION_NAMES and t.attr in owners and owners[t.attr] != name \
+                    and (t.attr, name) not in FIELDS_SHARED:
+                wrong.append(f"{name}:{node.lineno}: {ast.unparse(t)} (owner {owners[t.attr]})")
+            if of in _WORKER_NAMES | {"worker"} and t.attr in worker_fields and name != "supervisor.core.workers":
+                wrong.append(f"{name}:{node.lineno}: {ast.unparse(t)} (owner supervisor.core.workers)")
+    return wrong
+
+
+def test_the_ownership_table_covers_every_field() -> None:
+    owners, _ = _owners()
+    tree = ast.parse((REPO / "supervisor" / "core" / "session.py").read_text())
+    assert _dataclass_fields(tree, "Session") - set(owners) == {"id"}  # (set once, at construction)
+
+
+def test_a_session_s_fields_are_written_only_by_their_owner() -> None:
+    owners, worker_fields = _owners()
+    wrong = [w for name, path in MODULES.items() if name.startswith("supervisor.")
+             for w in _field_writes(name, path.read_text(), owners, worker_fields)]
+    assert wrong == []
+
+
+def test_the_ownership_checker_sees_a_stray_write() -> None:
+    owners, worker_fields = _owners()
+    src = "def f(session, manager):\n    session.seq += 1\n    session.worker.stop_reason = 1\n    session.state = 2\n"
+    assert len(_field_writes("supervisor.cluster.fencing", src, owners, worker_fields)) == 3
+    assert _field_writes("supervisor.core.events", "def f(session):\n    session.seq += 1\n",
+                         owners, worker_fields) == []

@@ -32,14 +32,10 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import msgspec
-
-from ipc import messages as m
 from supervisor.errors import Conflict, NotFound
 from supervisor.ops.logtag import tagged
 from supervisor.core.session import Session
 from supervisor.store.state_store import (
-    Abort,
     Fenced,
     HeldElsewhere,
     LoadedSession,
@@ -166,7 +162,7 @@ def release_soon(manager: SessionManager, session: Session, reason: str, reader:
     # Once per refusal: a second one of the same flow (the turn's commit,
     # then its Abort) finds the session released.
     if session.error != reason:
-        session.error = reason
+        manager.held_elsewhere(session, reason)
         tagged(log, session.id).warning("%s", reason)
     manager.spawn_task(release(manager, session, reason, reader))
 
@@ -178,8 +174,7 @@ async def release(manager: SessionManager, session: Session, reason: str, reader
         if isinstance(session.store, UnheldLog) or session.state in (State.DELETED, State.DAMAGED):
             return
         manager.workers.cancel_restart(session)
-        session.error = reason
-        held, session.store = session.store, UnheldLog(manager.store, session.id, reader)
+        held = manager.held_elsewhere(session, reason, UnheldLog(manager.store, session.id, reader))
         held.close()
         if session.state in LIVE:
             manager.events.set_state(session, Trigger.STOP, reason=reason)
@@ -210,26 +205,15 @@ async def claim(manager: SessionManager, session: Session) -> None:
 async def _refresh(manager: SessionManager, session: Session, held: SessionLog, loaded: LoadedSession) -> None:
     """What the store says of a session just claimed, over what this daemon
     knew (it may have run elsewhere since)."""
-    session.store = held
-    session.meta = loaded.meta
-    session.settings = manager.settings_for(session.id, loaded.meta.overrides)
-    session.turns, session.usage = loaded.turns, loaded.usage
-    session.restarts = loaded.mark.restarts
-    session.last_exit = (msgspec.convert(loaded.mark.last_exit, m.ExitInfo)
-                         if loaded.mark.last_exit else session.last_exit)
-    session.error = None
-    # Event numbers only go up, for this daemon's clients and the holder's.
-    session.seq = max(session.seq, loaded.seq)
-    session.reserved_seq = max(session.reserved_seq, loaded.seq)
+    manager.reclaimed(session, held, loaded)
     if loaded.mark.state == "stopped" and session.state is State.HIBERNATED:
         # Stopped where it ran: it stays stopped here until a restart.
         manager.events.set_state(session, Trigger.STOP, reason="stopped on another daemon")
         manager.events.set_state(session, Trigger.STOPPED, reason="stopped on another daemon")
     if loaded.open_input is not None:
         # Its holder died during this turn (a live one would have refused).
-        session.seq += 1
-        held.append(Abort(turn=loaded.open_input.turn, reason="the daemon that held it stopped during "
-                          "this turn", seq=session.seq), durable=False)
+        manager.ledger.abort_stored(session, held, loaded.open_input.turn,
+                                    "the daemon that held it stopped during this turn", durable=False)
     # The abort and this daemon's mark, by the group commit, off the loop.
     await manager.ledger.save_mark(session)
     tagged(log, session.id).info("claimed (generation %d): %d turn(s) so far", held.generation, loaded.turns)

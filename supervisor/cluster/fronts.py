@@ -329,11 +329,7 @@ class Fronts:
             return
         if session.state is not State.DELETED:
             manager.events.set_state(session, Trigger.DELETE, reason=f"removed by another daemon ({by})")
-        manager.sessions.pop(session.id, None)
-        parent = manager.sessions.get(session.meta.parent or "")
-        if parent is not None and session.id in parent.children:
-            parent.children.remove(session.id)
-        manager.events.forget(session)
+        manager.forget(session)
 
     def _resync(self) -> None:
         """After a lost connection: what was missed, from the table."""

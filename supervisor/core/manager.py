@@ -41,11 +41,10 @@ from supervisor.ops.logtag import tagged
 from supervisor.ops.metrics import NO_METRICS, Recorder
 from supervisor.core.overrides import OverrideError, choose_handler, resolve_overrides
 from supervisor.spawn.seams import Spawner
-from supervisor.core.session import Session, Subscriber, WorkerProc, valid_session_id
+from supervisor.core.session import Session, Subscriber, WorkerProc, damaged_hint, valid_session_id
 from supervisor.core.slots import LiveSlots
 from supervisor.core.states import LIVE, State, Trigger
 from supervisor.store.state_store import (
-    Abort,
     DamagedLog,
     Fenced,
     LoadedSession,
@@ -119,14 +118,17 @@ class SessionManager:
         def closing() -> bool:
             return self._closing
 
-        # Built bottom-up, each part with its collaborators.  Two calls run
-        # against the order (the ledger's turn timer and unsaved-worker kill
-        # go to parts built after it): they go through this manager's own
-        # methods (`_turn_started`, `_kill_unsaved`), not a hook set later.
+        # Built bottom-up, each part with its collaborators.  The calls that
+        # run against that order (the ledger arms and disarms the sweep's turn
+        # timer and has the workers kill a worker ahead of the disk) go
+        # through this manager, to parts it builds after the ledger.
         self.workspaces = Workspaces(current, state_dir, run_as, session_uids)
         self.events = EventLog(lambda: self.config.daemon, self.sessions)
         self.ledger = TurnLedger(
-            self.events, on_unsaved=self._kill_unsaved, on_turn_started=self._turn_started,
+            self.events,
+            on_unsaved=lambda session, worker, why: self.workers.kill(session, worker, ExitReason.CRASHED, why),
+            on_turn_started=lambda session, turn: self.sweeper.arm_turn_timer(session, turn),
+            on_turn_ended=lambda session: self.sweeper.disarm_turn(session),
             on_fenced=(lambda session, exc: holds.fenced(self, session, exc)) if holds is not None else None,
             metrics=metrics,
         )
@@ -145,12 +147,6 @@ class SessionManager:
         # How a stored session is opened at start: claimed (alone on the
         # store), or only read (daemons sharing a database, supervisor.cluster.fronts).
         self._open_stored = open_stored or self.store.load
-
-    def _turn_started(self, session: Session, turn: int) -> None:
-        self.sweeper.arm_turn_timer(session, turn)
-
-    def _kill_unsaved(self, session: Session, worker: WorkerProc, why: str) -> None:
-        self.workers.kill(session, worker, ExitReason.CRASHED, why)
 
     @property
     def closing(self) -> bool:
@@ -203,10 +199,8 @@ class SessionManager:
             usage=loaded.usage,
         )
         if loaded.open_input is not None:
-            # The daemon died during this turn; what it streamed is gone.
-            reason = "the daemon stopped during this turn"
-            session.seq += 1
-            store.append(Abort(turn=loaded.open_input.turn, reason=reason, seq=session.seq), durable=True)
+            self.ledger.abort_stored(session, store, loaded.open_input.turn, "the daemon stopped during this turn",
+                                     durable=True)
         self.sessions[meta.id] = session
         if meta.parent and meta.parent in self.sessions:
             self.sessions[meta.parent].children.append(meta.id)
@@ -455,7 +449,7 @@ class SessionManager:
             case State.STOPPED | State.STOPPING:
                 raise Conflict(f"session {session.id} is stopped; `sessionctl restart {session.id}` starts it")
             case State.DAMAGED:
-                raise Conflict(_damaged_hint(session))
+                raise Conflict(damaged_hint(session))
             case State.FAILED:
                 raise Conflict(f"session {session.id} has failed ({describe_exit(session.last_exit)}); "
                                f"`sessionctl restart {session.id}` starts it again")
@@ -481,7 +475,7 @@ class SessionManager:
 
     async def stop(self, session: Session, reason: str = "stopped", exit_reason: ExitReason | None = None) -> None:
         if session.state is State.DAMAGED:
-            raise Conflict(_damaged_hint(session))
+            raise Conflict(damaged_hint(session))
         for child_id in list(session.children):
             child = self.sessions.get(child_id)
             if child is not None:
@@ -497,19 +491,17 @@ class SessionManager:
             return
         self.workers.cancel_restart(session)
         self.events.set_state(session, Trigger.STOP, reason=reason)
-        if exit_reason is not None and session.worker is not None:
-            # The worker's exit is recorded as the limit it was stopped for,
-            # from the moment it is seen: never a plain "stopped" meanwhile.
-            session.worker.stop_reason = exit_reason
+        if exit_reason is not None:
+            self.workers.stopping_for(session, exit_reason)
         await self.workers.terminate(session, "stopped", self.config.daemon.stop_grace_secs)
-        if exit_reason is not None and session.last_exit is not None:  # the limit it was stopped for
-            session.last_exit = msgspec.structs.replace(session.last_exit, reason=exit_reason.value, detail=reason)
+        if exit_reason is not None:
+            self.workers.stopped_for(session, exit_reason, reason)
         self.events.set_state(session, Trigger.STOPPED, reason=reason)
         await self.ledger.save_mark(session)
 
     async def restart(self, session: Session) -> None:
         if session.state is State.DAMAGED:
-            raise Conflict(_damaged_hint(session))
+            raise Conflict(damaged_hint(session))
         async with session.lock:
             await self.workers.claim(session)  # before anything changes here
             if session.state in LIVE:
@@ -577,11 +569,7 @@ class SessionManager:
                                             result.dropped_records, result.dropped_bytes)
             self.events.set_state(session, Trigger.REPAIR, reason=f"repaired ({how.value})")
             subscribers, children = set(session.subscribers), list(session.children)
-            self.sessions.pop(session.id)
-            parent = self.sessions.get(session.meta.parent or "")
-            if parent is not None and session.id in parent.children:
-                parent.children.remove(session.id)
-            self.events.forget(session)
+            self.forget(session)
             try:
                 self.restore(store, loaded)
             except BaseException:
@@ -589,9 +577,41 @@ class SessionManager:
                 self._add_damaged(session.id, "cannot be restored after repair", loaded.meta)
                 raise
             restored = self.sessions[session.id]
-            restored.subscribers = subscribers
+            self.events.add_subscribers(restored, subscribers)
             restored.children = [c for c in children if c in self.sessions]
             return restored, result
+
+    def forget(self, session: Session) -> None:
+        """Out of the registry (repaired into a new one, or removed by
+        another daemon), and out of its parent's list."""
+        if self.sessions.get(session.id) is session:
+            self.sessions.pop(session.id)
+        parent = self.sessions.get(session.meta.parent or "")
+        if parent is not None and session.id in parent.children:
+            parent.children.remove(session.id)
+        self.events.forget(session)
+
+    # For supervisor.cluster.fencing: a session another daemon holds.
+    def held_elsewhere(self, session: Session, reason: str, unheld: SessionLog | None = None) -> SessionLog:
+        """Says why (`error`); with `unheld`, writes go there from now on.
+        Returns the log it held."""
+        session.error = reason
+        held = session.store
+        if unheld is not None:
+            session.store = unheld
+        return held
+
+    def reclaimed(self, session: Session, held: SessionLog, loaded: LoadedSession) -> None:
+        """Claimed back: what the store says of it, over what this daemon knew
+        (it may have run elsewhere since)."""
+        session.store = held
+        session.meta = loaded.meta
+        session.settings = self.settings_for(session.id, loaded.meta.overrides)
+        session.error = None
+        self.ledger.restore_totals(session, loaded.turns, loaded.usage)
+        last = loaded.mark.last_exit
+        self.workers.restore_exits(session, loaded.mark.restarts, msgspec.convert(last, m.ExitInfo) if last else None)
+        self.events.raise_seq(session, loaded.seq)  # event numbers only go up, here and at the holder
 
     def ping(self, session: Session, answer: Callable[[SessiondError | None], None]) -> int:
         """Round trip through the worker; `answer` is called with None when
@@ -647,25 +667,13 @@ class SessionManager:
         timeouts) applies at once; live workers get their new settings, so
         permission rules and the loop's limits apply at the next tool call."""
         self.config = config
-        now = time.monotonic()
         for session in self.sessions.values():
             old = session.settings
             session.settings = self.settings_for(session.id, session.meta.overrides)
-            session.policy = None
             self.events.resize(session)
-            worker = session.worker
-            if worker is None or worker.exited.done():
-                continue
-            # The worker may be asleep for one old interval before it beats
-            # at the new pace: do not count that against it.
-            worker.last_heartbeat = max(
-                worker.last_heartbeat, now + old.agent.worker.heartbeat_interval_secs
-            )
-            worker.conn.send(m.Reconfigure(settings=_message_settings.encode(session.settings)))
-            if self.workers.cgroups is not None:
-                limits = session.settings.agent.limits
-                self.workers.cgroups.limit(session.id, limits.max_memory_mb, limits.max_processes)
-            self.sweeper.retime_turn(session)
+            self.workers.reconfigure(session, old)
+            if session.worker is not None and not session.worker.exited.done():
+                self.sweeper.retime_turn(session)
 
     async def shutdown(self, grace: float) -> None:
         """Let running turns finish for up to `grace`, then stop every worker.
@@ -689,9 +697,3 @@ class SessionManager:
         self.store.close()
         self.proc_table.close()
 
-
-def _damaged_hint(session: Session) -> str:
-    return (
-        f"session {session.id} is damaged ({session.error}); `sessionctl repair {session.id} "
-        f"--skip-bad` or `--truncate` recovers it, `sessionctl rm {session.id}` deletes it"
-    )

@@ -422,10 +422,17 @@ class Sweeper:
         if session.worker is not None:
             # The worker goes to the full pace on its input (its next beat
             # one interval after it); the shorter allowance counts from now.
-            session.worker.last_heartbeat = time.monotonic()
+            self._workers.heard_from(session.worker, time.monotonic())
         session.turn_timer = asyncio.get_running_loop().call_later(
             session.settings.agent.turn_timeout_secs, self._on_turn_timeout, session, turn
         )
+
+    def disarm_turn(self, session: Session) -> None:
+        """The turn ended: its timeout and its kill are off."""
+        for timer in (session.turn_timer, session.kill_timer):
+            if timer is not None:
+                timer.cancel()
+        session.turn_timer = session.kill_timer = None
 
     def retime_turn(self, session: Session) -> None:
         """A running turn under a changed turn_timeout_secs: its deadline is

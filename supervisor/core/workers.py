@@ -27,6 +27,7 @@ from ipc import messages as m
 from ipc.connection import FramedProtocol
 from ipc.contract import EXIT_BOOT_FAILED, ExitReason, LimitKind
 from ipc.errors import ProtocolError
+from ipc.settings import SessionSettings
 from supervisor.spawn.cgroups import Cgroups
 from supervisor.config import Config
 from supervisor.errors import Capacity, Conflict, Internal, SessiondError
@@ -201,7 +202,7 @@ class WorkerOwner:
             self.kill(session, worker, ExitReason.BOOT_FAILED, "no Ready within boot_timeout_secs")
             raise Internal(f"worker did not become ready within {timeout:g}s") from None
         self._events.set_state(session, Trigger.READY)
-        session.last_active = time.monotonic()
+        self._ledger.active(session)
 
     def _attach(self, session: Session, pid: int) -> None:
         """The worker into its session's cgroup (under its owner's uid), and
@@ -420,7 +421,7 @@ class WorkerOwner:
         session.last_exit = info
         if worker.expected:
             tagged(log, session.id).info("worker %d exited (%s)", pid, worker.expected)
-            session.current_input = ""
+            self._ledger.take_input(session)  # not retried: it was asked to go
             self._ledger.abort(session, f"the session was {worker.expected}")
             return
         tagged(log, session.id).warning("worker %d %s", pid, describe_exit(info))
@@ -471,6 +472,42 @@ class WorkerOwner:
                     break
                 await asyncio.sleep(0.02)
         self._release_cgroup(session, worker.pid)
+
+    def stopping_for(self, session: Session, exit_reason: ExitReason) -> None:
+        """The worker's exit is recorded as the limit it is stopped for, from
+        the moment it is seen: never a plain "stopped" meanwhile."""
+        if session.worker is not None:
+            session.worker.stop_reason = exit_reason
+
+    def stopped_for(self, session: Session, exit_reason: ExitReason, detail: str) -> None:
+        """The last exit says the limit the session was stopped for."""
+        if session.last_exit is not None:
+            session.last_exit = msgspec.structs.replace(session.last_exit, reason=exit_reason.value, detail=detail)
+
+    def heard_from(self, worker: WorkerProc, at: float) -> None:
+        """Its heartbeat allowance counts from `at`."""
+        worker.last_heartbeat = max(worker.last_heartbeat, at)
+
+    def reconfigure(self, session: Session, old: SessionSettings) -> None:
+        """The session's settings changed (a reload): its restart policy
+        starts over, and a live worker gets the new settings and limits."""
+        session.policy = None
+        worker = session.worker
+        if worker is None or worker.exited.done():
+            return
+        # The worker may be asleep for one old interval before it beats
+        # at the new pace: do not count that against it.
+        self.heard_from(worker, time.monotonic() + old.agent.worker.heartbeat_interval_secs)
+        worker.conn.send(m.Reconfigure(settings=_settings_encoder.encode(session.settings)))
+        if self.cgroups is not None:
+            limits = session.settings.agent.limits
+            self.cgroups.limit(session.id, limits.max_memory_mb, limits.max_processes)
+
+    def restore_exits(self, session: Session, restarts: int, last_exit: m.ExitInfo | None) -> None:
+        """Restarts and the last exit as the store has them (claimed back)."""
+        session.restarts = restarts
+        if last_exit is not None:
+            session.last_exit = last_exit
 
     def _alive(self, session: Session, worker: WorkerProc) -> bool:
         """Anything of the session still running: its tree, the escapees
@@ -542,9 +579,8 @@ class WorkerOwner:
                     self._events.set_state(session, Trigger.EXIT, reason="boot_failed")
                     self.schedule_restart(session)
                 return
-            retry = session.settings.agent.worker.retry_aborted_turn and session.current_input
-            if retry:
-                text, session.current_input = session.current_input, ""
+            text = self._ledger.take_input(session)
+            if session.settings.agent.worker.retry_aborted_turn and text:
                 self._ledger.begin(session, text)
 
 
