@@ -53,7 +53,7 @@ from supervisor.config import (
     uid_range,
     workspace_root,
 )
-from supervisor.cluster import wiring as cluster, fencing
+from supervisor.cluster import drain, fencing, wiring as cluster
 from supervisor.ops import metrics
 from supervisor.core.manager import SessionManager
 from supervisor.cluster.ray_spawner import RaySpawner  # (imports Ray only when used)
@@ -548,14 +548,15 @@ def _build(
         # Cluster mode: remote workers' memory as their nodes measure it.
         remote=spawner if isinstance(spawner, RaySpawner) else None,
     )
-    server = ControlServer(manager, metrics=recorder or metrics.NO_METRICS)
+    drainer = drain.Drainer(manager, spawner, manager.events, manager.workers)
+    server = ControlServer(manager, metrics=recorder or metrics.NO_METRICS, drain=drainer.handle)
     return _Parts(manager, server, recorder, fronts)
 
 
 def _load(loop: asyncio.AbstractEventLoop, parts: _Parts) -> None:
     try:
         if parts.fronts is not None:
-            parts.fronts.start(loop, parts.manager)  # listening first: nothing said meanwhile is missed
+            parts.fronts.start(loop, parts.manager, parts.manager.holding)  # listening first: nothing said meanwhile is missed
         parts.manager.load_all()
     except StoreError as exc:  # the database went away since it was opened
         raise StartupError(f"cannot read the sessions: {exc}") from None

@@ -60,6 +60,7 @@ from supervisor.ops.logtag import tagged
 from supervisor.store.postgres.link import PgLink
 from supervisor.store.postgres.batch import CHANNEL
 from supervisor.store.postgres.store import PgSessionLog, PgStateStore
+from supervisor.core.holding import Holding
 from supervisor.core.session import Session
 from supervisor.store.sessiondir import fsync_dir
 from supervisor.store.postgres.rows import describe, replay
@@ -72,7 +73,7 @@ from supervisor.store.state_store import (
     StoreDamaged,
     StoreError,
 )
-from supervisor.core.states import State, Trigger
+from supervisor.core.states import State
 
 if TYPE_CHECKING:
     from supervisor.core.manager import SessionManager
@@ -213,19 +214,26 @@ class Fronts:
         self._store = store
         self.front = front
         self._manager: SessionManager | None = None
+        self._ops: Holding | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lease = _Lease(dsn, retry_secs, self.front, lease_secs, self._hear_threadsafe)
         # The manager's `Holds`: released sessions are read through this
         # daemon's reader (history without a claim).
         self.holds = fencing.Fencing(self.read_history)
 
-    def start(self, loop: asyncio.AbstractEventLoop, manager: SessionManager) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, manager: SessionManager, ops: Holding) -> None:
         """Listen, on behalf of `manager` (built after this: it opens its
-        sessions through `open_stored`)."""
+        sessions through `open_stored`); `ops` lets go of sessions."""
         self._loop = loop
         self._manager = manager
+        self._ops = ops
         self._lease.open()
         log.info("sharing the database as %s: sessions are claimed when used", self.front)
+
+    @property
+    def _holding(self) -> Holding:
+        assert self._ops is not None, "heard before start"
+        return self._ops
 
     @property
     def _core(self) -> SessionManager:
@@ -303,7 +311,7 @@ class Fronts:
 
     def _let_go(self, session: Session, holder: str) -> None:
         if not isinstance(session.store, UnheldLog):
-            fencing.release_soon(self._core, session, f"taken over by another daemon ({holder})", self.read_history)
+            fencing.release_soon(self._holding, session, f"taken over by another daemon ({holder})", self.read_history)
 
     def _adopt(self, session_id: str) -> None:
         try:
@@ -323,13 +331,8 @@ class Fronts:
         self._core.spawn_task(self._forget_released(session, by))
 
     async def _forget_released(self, session: Session, by: str) -> None:
-        manager = self._core
-        await fencing.release(manager, session, f"removed by another daemon ({by})", self.read_history)
-        if manager.sessions.get(session.id) is not session:
-            return
-        if session.state is not State.DELETED:
-            manager.events.set_state(session, Trigger.DELETE, reason=f"removed by another daemon ({by})")
-        manager.forget(session)
+        await fencing.release(self._holding, session, f"removed by another daemon ({by})", self.read_history)
+        self._holding.removed(session, f"removed by another daemon ({by})")
 
     def _resync(self) -> None:
         """After a lost connection: what was missed, from the table."""

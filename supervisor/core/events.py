@@ -104,6 +104,9 @@ class EventLog:
         session.seq = max(session.seq, seq)
         session.reserved_seq = max(session.reserved_seq, seq)
 
+    def subscribe(self, session: Session, subscriber: Subscriber) -> None:
+        session.subscribers.add(subscriber)
+
     def add_subscribers(self, session: Session, subscribers: set[Subscriber]) -> None:
         """Clients that followed a session's stand-in (a repaired session)."""
         session.subscribers |= subscribers

@@ -20,40 +20,40 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
 from ipc import messages as m
 from ipc.contract import ExitReason
+from ipc.pacing import Pacer
 from ipc.settings import SessionSettings
 from supervisor.spawn.cgroups import Cgroups
 from supervisor.config import Config
 from supervisor.errors import BadRequest, Capacity, Conflict, Internal, NotFound, SessiondError
 from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger, store_failure
+from supervisor.core.holding import Holding, Holds
 from supervisor.core.limits import ProcTable, RemoteFigures
 from supervisor.ops.logtag import tagged
 from supervisor.ops.metrics import NO_METRICS, Recorder
 from supervisor.core.overrides import OverrideError, choose_handler, resolve_overrides
 from supervisor.spawn.seams import Spawner
-from supervisor.core.session import Session, Subscriber, WorkerProc, damaged_hint, valid_session_id
+from supervisor.core.session import Session, Subscriber, damaged_hint, valid_session_id
 from supervisor.core.slots import LiveSlots
 from supervisor.core.states import LIVE, State, Trigger
 from supervisor.store.state_store import (
     DamagedLog,
-    Fenced,
     LoadedSession,
     Meta,
-    Record,
     RepairMode,
     RepairResult,
     SessionLog,
-    Snapshot,
     StateStore,
     StoreDamaged,
     StoreError,
@@ -62,23 +62,13 @@ from supervisor.store.files import FileStateStore
 from supervisor.core.subagents import Subagents
 from supervisor.core.sweep import Sweeper
 from supervisor.core.workers import Pending, WorkerOwner, describe_exit
-from supervisor.core.workspaces import Workspaces
+from supervisor.core.workspaces import SessionUids, Workspaces
 
-__all__ = ["Holds", "SessionManager"]
+__all__ = ["SessionManager"]
 
 log = logging.getLogger("sessiond.manager")
 
 _message_settings = msgspec.msgpack.Encoder()
-
-
-class Holds(Protocol):
-    """Who holds a session when several daemons share one store
-    (supervisor.cluster.fencing.Fencing): the manager passes itself to each
-    call, so the holder is built before the manager without a late hook."""
-
-    def fenced(self, manager: SessionManager, session: Session, exc: Fenced) -> None: ...
-
-    async def claim(self, manager: SessionManager, session: Session) -> None: ...
 
 
 class SessionManager:
@@ -129,7 +119,7 @@ class SessionManager:
             on_unsaved=lambda session, worker, why: self.workers.kill(session, worker, ExitReason.CRASHED, why),
             on_turn_started=lambda session, turn: self.sweeper.arm_turn_timer(session, turn),
             on_turn_ended=lambda session: self.sweeper.disarm_turn(session),
-            on_fenced=(lambda session, exc: holds.fenced(self, session, exc)) if holds is not None else None,
+            on_fenced=(lambda session, exc: holds.fenced(self.holding, session, exc)) if holds is not None else None,
             metrics=metrics,
         )
         self.slots = LiveSlots(current, self.sessions, self.is_admin, self._hibernating, self._hibernate)
@@ -138,12 +128,15 @@ class SessionManager:
             current, spawner, self.events, self.ledger, self.proc_table, self.workspaces, self.spawn_task,
             closing=closing, make_room=self.slots.make_room,
             on_spawn_agent=lambda session, worker, msg: self.spawn_task(self.subagents.run(session, worker, msg)),
-            claim=(lambda session: holds.claim(self, session)) if holds is not None else None,
+            claim=(lambda session: holds.claim(self.holding, session)) if holds is not None else None,
             sandbox=sandbox, cgroups=cgroups, cgroups_why=cgroups_why, metrics=metrics,
         )
         self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
                                self._hibernate_soon, stop=self.stop, workspaces=self.workspaces,
                                closing=closing, metrics=metrics)
+        # What a session held by another daemon may have done to it (supervisor.cluster.fencing).
+        self.holding = Holding(current, self.sessions, self.store, self.events, self.ledger, self.workers,
+                               self.workspaces, self.settings_for, self.spawn_task, self.forget)
         # How a stored session is opened at start: claimed (alone on the
         # store), or only read (daemons sharing a database, supervisor.cluster.fronts).
         self._open_stored = open_stored or self.store.load
@@ -151,6 +144,11 @@ class SessionManager:
     @property
     def closing(self) -> bool:
         return self._closing
+
+    @property
+    def pacer(self) -> Pacer:
+        """The data plane's pacer (ipc.pacing), shared with the control socket's clients."""
+        return self.ledger.pacer
 
     # ================================================================ load
 
@@ -267,18 +265,23 @@ class SessionManager:
             created_at=session.meta.created_at, last_exit=session.last_exit, seq=session.seq,
             parent=session.meta.parent, children=list(session.children),
             owner_uid=session.meta.owner_uid, error=session.error, usage=dict(session.usage),
-            sandbox=self._sandbox_report(worker) if pid is not None and worker is not None else {},
+            sandbox=self.workers.sandbox_report(worker) if pid is not None and worker is not None else {},
             disk_bytes=session.memory.disk_bytes,
         )
 
-    def _sandbox_report(self, worker: WorkerProc) -> dict[str, Any]:
-        """The worker's own report, plus the cgroup the daemon put it in."""
-        cgroups = self.workers.cgroups
-        if cgroups is None:
-            return worker.sandbox
-        active = [*worker.sandbox.get("active", []), *(f"cgroup-{c}" for c in sorted(cgroups.controllers)),
-                  "cgroup-kill"]
-        return {**worker.sandbox, "active": active}
+    def host_report(self) -> dict[str, Any]:
+        """What this host gives every session, for `stats`: the tools'
+        sandbox, the cgroups, the disk quota."""
+        return self.workers.host_report(self.config.sandbox) | {"disk_quota": self.sweeper.quota_text()}
+
+    def session_origins(self) -> tuple[frozenset[int], SessionUids]:
+        """What supervisor.api.peer checks a client against: the processes
+        sessions descend from (the zygote's pid read now: it may have been
+        re-executed; the daemon's own too: nothing it forked is a client, and
+        a replaced zygote's orphans are still session processes), and the
+        uids sessions run as."""
+        roots = frozenset(p for p in (self.spawner.zygote_pid, os.getpid()) if p > 0)
+        return roots, self.workspaces.session_uids_here()
 
     def live_workers(self) -> int:
         return sum(1 for s in self.sessions.values() if s.worker is not None)
@@ -350,15 +353,7 @@ class SessionManager:
     def _register(self, owner_uid: int, session_id: str, handler: str, overrides: dict[str, Any],
                   settings: SessionSettings, parent: Session | None, pending: Pending | None) -> Session:
         """Its metadata stored (not yet durable) and the session in the registry, STARTING."""
-        meta = Meta(
-            id=session_id, handler=handler, overrides=overrides, created_at=time.time(),
-            owner_uid=owner_uid, parent=parent.id if parent else None,
-            depth=parent.meta.depth + 1 if parent else 0,
-            # Never the same directory twice: a later session that reuses
-            # this id, whoever creates it, starts with an empty workspace.
-            workspace=f"{session_id}@{secrets.token_hex(8)}",
-            run_uid=self.workspaces.allocate_uid(self.sessions.values()),
-        )
+        meta = self.new_meta(session_id, handler, overrides, owner_uid, time.time(), parent)
         try:
             # Durable while the worker boots (`_boot_new`): the create is
             # answered only once both are done.
@@ -375,6 +370,18 @@ class SessionManager:
         if parent is not None:
             parent.children.append(session_id)
         return session
+
+    def new_meta(self, session_id: str, handler: str, overrides: dict[str, Any], owner_uid: int,
+                 created_at: float, parent: Session | None = None) -> Meta:
+        """A new session's metadata (created, or imported by supervisor.api.transfer)."""
+        return Meta(
+            id=session_id, handler=handler, overrides=overrides, created_at=created_at, owner_uid=owner_uid,
+            parent=parent.id if parent else None, depth=parent.meta.depth + 1 if parent else 0,
+            # Never the same directory twice: a later session that reuses
+            # this id, whoever creates it, starts with an empty workspace.
+            workspace=f"{session_id}@{secrets.token_hex(8)}",
+            run_uid=self.workspaces.allocate_uid(self.sessions.values()),
+        )
 
     async def _boot_new(self, session: Session, pending: Pending | None) -> None:
         try:
@@ -455,9 +462,24 @@ class SessionManager:
                                f"`sessionctl restart {session.id}` starts it again")
             case _:
                 raise Conflict(f"session {session.id} is {session.state}")
+        return await self._begin(session, text, subscriber, on_accepted)
+
+    def send_now(
+        self, session: Session, text: str, subscriber: Subscriber, on_accepted: Callable[[m.Accepted], None]
+    ) -> asyncio.Future[m.Accepted] | None:
+        """`send` for the one case where it would not wait (not shutting
+        down, no lock held, the session idle): the turn begins now, inside
+        the caller's slice of the pacer; the future resolves once the input
+        is durable.  None: call `send`."""
+        if self._closing or session.lock.locked() or session.state is not State.IDLE:
+            return None
+        return self._begin(session, text, subscriber, on_accepted)
+
+    def _begin(self, session: Session, text: str, subscriber: Subscriber | None,
+               on_accepted: Callable[[m.Accepted], None] | None) -> asyncio.Future[m.Accepted]:
         if subscriber is not None:
-            session.subscribers.add(subscriber)
-        return await self.ledger.begin(session, text, on_accepted)
+            self.events.subscribe(session, subscriber)
+        return self.ledger.begin(session, text, on_accepted)
 
     def attach(self, session: Session, subscriber: Subscriber, from_seq: int | None) -> int:
         return self.events.attach(session, subscriber, from_seq)
@@ -590,28 +612,6 @@ class SessionManager:
         if parent is not None and session.id in parent.children:
             parent.children.remove(session.id)
         self.events.forget(session)
-
-    # For supervisor.cluster.fencing: a session another daemon holds.
-    def held_elsewhere(self, session: Session, reason: str, unheld: SessionLog | None = None) -> SessionLog:
-        """Says why (`error`); with `unheld`, writes go there from now on.
-        Returns the log it held."""
-        session.error = reason
-        held = session.store
-        if unheld is not None:
-            session.store = unheld
-        return held
-
-    def reclaimed(self, session: Session, held: SessionLog, loaded: LoadedSession) -> None:
-        """Claimed back: what the store says of it, over what this daemon knew
-        (it may have run elsewhere since)."""
-        session.store = held
-        session.meta = loaded.meta
-        session.settings = self.settings_for(session.id, loaded.meta.overrides)
-        session.error = None
-        self.ledger.restore_totals(session, loaded.turns, loaded.usage)
-        last = loaded.mark.last_exit
-        self.workers.restore_exits(session, loaded.mark.restarts, msgspec.convert(last, m.ExitInfo) if last else None)
-        self.events.raise_seq(session, loaded.seq)  # event numbers only go up, here and at the holder
 
     def ping(self, session: Session, answer: Callable[[SessiondError | None], None]) -> int:
         """Round trip through the worker; `answer` is called with None when

@@ -3,8 +3,8 @@
 Runs in the daemon.  `Session` is plain data; the parts of the daemon's core
 each own some of its fields, and only they write them:
 
-    SessionManager (manager.py)   the registry, meta, settings, children, lock,
-                                  store, error, meta_lost
+    SessionManager (manager.py,   the registry, meta, settings, children, lock,
+                    holding.py)   store, error, meta_lost
     EventLog       (events.py)    state, seq, reserved_seq, ring, ring_bytes,
                                   subscribers, state_waiters, lifecycle
     TurnLedger     (ledger.py)    turns, current_turn, current_input,

@@ -27,7 +27,8 @@ from ipc import messages as m
 from ipc.connection import FramedProtocol
 from ipc.contract import EXIT_BOOT_FAILED, ExitReason, LimitKind
 from ipc.errors import ProtocolError
-from ipc.settings import SessionSettings
+from ipc.settings import SandboxSettings, SessionSettings
+from supervisor.spawn import sandbox
 from supervisor.spawn.cgroups import Cgroups
 from supervisor.config import Config
 from supervisor.errors import Capacity, Conflict, Internal, SessiondError
@@ -483,6 +484,19 @@ class WorkerOwner:
         """The last exit says the limit the session was stopped for."""
         if session.last_exit is not None:
             session.last_exit = msgspec.structs.replace(session.last_exit, reason=exit_reason.value, detail=detail)
+
+    def sandbox_report(self, worker: WorkerProc) -> dict[str, Any]:
+        """The worker's own report, plus the cgroup the daemon put it in."""
+        if self.cgroups is None:
+            return worker.sandbox
+        active = [*worker.sandbox.get("active", []),
+                  *(f"cgroup-{c}" for c in sorted(self.cgroups.controllers)), "cgroup-kill"]
+        return {**worker.sandbox, "active": active}
+
+    def host_report(self, settings: SandboxSettings) -> dict[str, Any]:
+        """The daemon-wide part of `stats` that is the workers' confinement."""
+        cgroups = self.cgroups.describe() if self.cgroups is not None else ""
+        return sandbox.summary(settings, self.sandbox, cgroups, self.cgroups_why)
 
     def heard_from(self, worker: WorkerProc, at: float) -> None:
         """Its heartbeat allowance counts from `at`."""
