@@ -68,8 +68,6 @@ __all__ = ["SessionManager"]
 
 log = logging.getLogger("sessiond.manager")
 
-_message_settings = msgspec.msgpack.Encoder()
-
 
 class SessionManager:
     def __init__(
