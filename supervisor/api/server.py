@@ -38,6 +38,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -48,15 +49,12 @@ from ipc import operator as op
 from ipc.connection import FramedProtocol, SharedBudget
 from ipc.errors import FrameTimeout, FrameTooLarge, OverBudget, ProtocolError
 from supervisor import __version__
-from supervisor.cluster import drain
 from supervisor.api import peer, transfer
-from supervisor.spawn import sandbox
 from supervisor.api.accept import Acceptor
-from supervisor.errors import BadRequest, SessiondError
+from supervisor.errors import BadRequest, Conflict, SessiondError
 from supervisor.core.manager import SessionManager
 from supervisor.ops.metrics import NO_METRICS, Recorder
 from supervisor.api.ratelog import RateLimitedLog
-from supervisor.core.states import State
 
 __all__ = ["ControlServer"]
 
@@ -92,7 +90,7 @@ class ClientConn:
         self.event_tags: frozenset[str] = frozenset()
         self.counted = False  # toward max_connections_per_uid
         self._hello_timer: asyncio.TimerHandle | None = None
-        self._pacer = server.manager.ledger.pacer
+        self._pacer = server.manager.pacer
         self._queued = 0  # requests of this connection the pacer holds
 
     # Subscriber protocol: called by the manager for every event.
@@ -229,8 +227,6 @@ class ClientConn:
             session = mgr.get(msg.session, self.uid)
         except SessiondError:
             return False  # the task answers with the error
-        if mgr.closing or session.lock.locked() or session.state is not State.IDLE:
-            return False
         rid = msg.id
 
         def on_accepted(accepted: m.Accepted) -> None:
@@ -248,14 +244,15 @@ class ClientConn:
                 self.proto.send(reply)
             self._count(msg, reply)
 
-        session.subscribers.add(self)
         try:
-            durable = mgr.ledger.begin(session, msg.text, on_accepted)
+            durable = mgr.send_now(session, msg.text, self, on_accepted)
         except Exception as exc:
             reply = self._error_reply(msg, exc)
             self.proto.send(reply)
             self._count(msg, reply)
             return True
+        if durable is None:
+            return False
         durable.add_done_callback(done)
         return True
 
@@ -395,7 +392,7 @@ class ClientConn:
                     dropped_bytes=result.dropped_bytes,
                 )
             case op.Drain():
-                return await drain.handle(mgr, msg, self.uid)
+                return await self.server.drain(msg, self.uid)
             case op.History(id=rid, session=sid, limit=limit):
                 reply = await transfer.history(mgr.get(sid, self.uid), limit)
                 reply.id = rid
@@ -441,8 +438,16 @@ class _ClientProtocol(FramedProtocol[op.AnyRequest]):
 
 
 class ControlServer:
-    def __init__(self, manager: SessionManager) -> None:
+    def __init__(
+        self,
+        manager: SessionManager,
+        *,
+        metrics: Recorder = NO_METRICS,
+        drain: Callable[[op.Drain, int], Awaitable[op.DrainReply]] | None = None,
+    ) -> None:
         self.manager = manager
+        # `sessionctl drain` (supervisor.cluster.drain.Drainer.handle, given by the daemon).
+        self.drain = drain or _no_drain
         self.clients: set[ClientConn] = set()
         self.started = time.monotonic()
         self._acceptor: Acceptor | None = None
@@ -450,7 +455,7 @@ class ControlServer:
         self.own_uid = os.geteuid()
         self._connections: dict[int, int] = {}  # admitted, by non-exempt uid
         self._budgets: dict[int, SharedBudget] = {}  # by the same uids
-        self.metrics: Recorder = NO_METRICS
+        self.metrics = metrics
 
     def admits(self, cred: peer.PeerCredentials) -> bool:
         """Root, the daemon's own user (someone running the daemon as
@@ -479,13 +484,10 @@ class ControlServer:
                 code=m.ErrorCode.PERMISSION_DENIED,
                 message=f"uid {cred.uid} may not use this daemon ([daemon] allowed_uids / allowed_gids)",
             )
-        # Read at each check: the zygote may have been re-executed with a
-        # new pid.  The daemon's own pid too: nothing it forked is a client,
-        # and a replaced zygote's orphans, not yet re-parented away from us,
-        # are still session processes.
-        roots = frozenset(p for p in (self.manager.spawner.zygote_pid, os.getpid()) if p > 0)
+        # Read at each check: the zygote may have been re-executed.
+        roots, uids = self.manager.session_origins()
         try:
-            inside = peer.in_session(sock, cred, roots, self.manager.workspaces.session_uids_here())
+            inside = peer.in_session(sock, cred, roots, uids)
         except OSError as exc:
             # Typically EMFILE: we cannot tell, and must not guess either way.
             log.warning("cannot check where %s comes from: %s", client.name, exc)
@@ -586,15 +588,12 @@ class ControlServer:
             id=rid, pid=os.getpid(), version=__version__,
             uptime_secs=time.monotonic() - self.started, sessions=len(sessions),
             by_state=by_state, live_workers=sum(1 for s in sessions if s.worker is not None),
-            clients=clients, rss_bytes=rss, sandbox=self._sandbox_summary(),
+            clients=clients, rss_bytes=rss, sandbox=self.manager.host_report(),
         )
 
-    def _sandbox_summary(self) -> dict[str, Any]:
-        workers = self.manager.workers
-        cgroups = workers.cgroups.describe() if workers.cgroups is not None else ""
-        summary = sandbox.summary(self.manager.config.sandbox, workers.sandbox, cgroups, workers.cgroups_why)
-        summary["disk_quota"] = self.manager.sweeper.quota_text()
-        return summary
+
+async def _no_drain(msg: op.Drain, uid: int) -> op.DrainReply:
+    raise Conflict("this daemon cannot drain nodes")
 
 
 def _printable(name: str) -> str:

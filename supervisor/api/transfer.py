@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -51,7 +50,6 @@ from supervisor.store.state_store import (
     Commit,
     InputRecord,
     LoadedSession,
-    Meta,
     Record,
     Snapshot,
     StoreError,
@@ -354,12 +352,7 @@ async def import_session(mgr: SessionManager, owner_uid: int, data: bytes, sessi
     if doc.handler == "agent" and (missing := settings.provider.missing()) is not None:
         raise BadRequest(f"the agent handler needs an LLM provider: {missing} is not set "
                          "([provider] in config.toml)")
-    meta = Meta(
-        id=session_id, handler=doc.handler, overrides=dict(doc.overrides),
-        created_at=min(doc.created_at, time.time()), owner_uid=owner_uid,
-        workspace=f"{session_id}@{secrets.token_hex(8)}",
-        run_uid=mgr.workspaces.allocate_uid(mgr.sessions.values()),
-    )
+    meta = mgr.new_meta(session_id, doc.handler, dict(doc.overrides), owner_uid, min(doc.created_at, time.time()))
     try:
         # The id is taken from here on: a create or import of it meets the
         # store's FileExistsError (or IdTaken) until this one is done.

@@ -34,20 +34,21 @@ import ipaddress
 import logging
 import math
 import re
-import weakref
 from typing import TYPE_CHECKING, Any
 
 from ipc import operator as op
 from supervisor.errors import BadRequest, Conflict, NotFound, PermissionDenied, SessiondError
 from supervisor.cluster.ray_spawner import RaySpawner
-from supervisor.spawn.seams import SpawnerDied
+from supervisor.spawn.seams import Spawner, SpawnerDied
+from supervisor.core.events import EventLog
 from supervisor.core.session import Session
+from supervisor.core.workers import WorkerOwner
 from supervisor.core.states import State, Trigger
 
 if TYPE_CHECKING:
     from supervisor.core.manager import SessionManager
 
-__all__ = ["DEFAULT_MARGIN_SECS", "MAX_TIMEOUT_SECS", "Drainer", "check_request", "handle"]
+__all__ = ["DEFAULT_MARGIN_SECS", "MAX_TIMEOUT_SECS", "Drainer", "check_request"]
 
 log = logging.getLogger("sessiond.drain")
 
@@ -82,39 +83,39 @@ def check_request(node: object, timeout_secs: object) -> tuple[str, float | None
     return node, float(timeout_secs)
 
 
-_drainers: weakref.WeakKeyDictionary[SessionManager, Drainer] = weakref.WeakKeyDictionary()
-
-
-async def handle(manager: SessionManager, msg: op.Drain, uid: int) -> op.DrainReply:
-    """The `Drain` request (server dispatch): checked, then done by the
-    manager's one Drainer."""
-    if not manager.is_admin(uid):
-        raise PermissionDenied("draining a node is for admins (root or [daemon] admin_uids)")
-    node, timeout = check_request(msg.node, msg.timeout_secs)
-    spawner = manager.spawner
-    if not isinstance(spawner, RaySpawner):
-        raise Conflict("this daemon runs every session on this machine ([cluster] backend = \"off\"): "
-                       "there is no node to drain")
-    drainer = _drainers.get(manager)
-    if drainer is None:
-        drainer = _drainers[manager] = Drainer(manager, spawner)
-    reply = await (drainer.undo(node) if msg.undo else drainer.drain(node, timeout))
-    reply.id = msg.id
-    return reply
-
-
 class Drainer:
-    """The drains of one daemon, one task per node at a time."""
+    """The drains of one daemon, one task per node at a time.  Built by the
+    daemon (supervisor.daemon._build) with the parts a move uses; the control
+    server is handed `handle`."""
 
-    def __init__(self, manager: SessionManager, spawner: RaySpawner) -> None:
+    def __init__(self, manager: SessionManager, spawner: Spawner, events: EventLog, workers: WorkerOwner) -> None:
         self._manager = manager
-        self._spawner = spawner
+        self._spawner = spawner if isinstance(spawner, RaySpawner) else None
+        self._events = events
+        self._workers = workers
         self._running: dict[str, asyncio.Task[op.DrainReply]] = {}  # node id -> its drain
         self._stops: dict[str, asyncio.Event] = {}  # node id -> set by an undo
 
+    async def handle(self, msg: op.Drain, uid: int) -> op.DrainReply:
+        """The `Drain` request (server dispatch): checked, then done."""
+        if not self._manager.is_admin(uid):
+            raise PermissionDenied("draining a node is for admins (root or [daemon] admin_uids)")
+        node, timeout = check_request(msg.node, msg.timeout_secs)
+        if self._spawner is None:
+            raise Conflict("this daemon runs every session on this machine ([cluster] backend = \"off\"): "
+                           "there is no node to drain")
+        reply = await (self.undo(node) if msg.undo else self.drain(node, timeout))
+        reply.id = msg.id
+        return reply
+
+    @property
+    def _ray(self) -> RaySpawner:
+        assert self._spawner is not None  # (handle checked)
+        return self._spawner
+
     async def _find(self, node: str, alive: bool) -> tuple[str, str]:
         try:
-            return await self._spawner.find_node(node, alive)
+            return await self._ray.find_node(node, alive)
         except LookupError as exc:
             raise NotFound(str(exc)) from None
 
@@ -141,20 +142,20 @@ class Drainer:
             alive = True
         except NotFound:
             alive = False  # its mark goes from this front; no host is left to tell
-        await self._spawner.mark_draining(node_id, ip, False, alive=alive)
+        await self._ray.mark_draining(node_id, ip, False, alive=alive)
         return op.DrainReply(id=0, node=ip, node_id=node_id, draining=False)
 
     def _on(self, node_id: str) -> list[Session]:
         """The sessions whose worker runs on the node now."""
         return [s for s in self._manager.sessions.values()
-                if s.worker is not None and self._spawner.node_of(s.worker.pid) == node_id]
+                if s.worker is not None and self._ray.node_of(s.worker.pid) == node_id]
 
     async def _drain(self, node_id: str, ip: str, timeout: float) -> op.DrainReply:
         loop = asyncio.get_running_loop()
         began = loop.time()
         stop = self._stops.setdefault(node_id, asyncio.Event())
         stop.clear()
-        await self._spawner.mark_draining(node_id, ip, True)
+        await self._ray.mark_draining(node_id, ip, True)
         deadline_handle = loop.call_at(began + timeout, stop.set)
         moved: list[op.DrainMoved] = []
         failed: dict[str, str] = {}  # session -> why its move failed (not tried again)
@@ -167,7 +168,7 @@ class Drainer:
                         moves[session.id] = loop.create_task(
                             self._move(session, node_id, ip, stop, moved, failed))
                 busy = [t for t in moves.values() if not t.done()]
-                if node_id not in self._spawner.draining:
+                if node_id not in self._ray.draining:
                     stop.set()  # undone meanwhile, by another front (its host no longer holds the mark)
                 if (not here and not busy) or stop.is_set():
                     break
@@ -186,7 +187,7 @@ class Drainer:
             deadline_handle.cancel()
             if self._stops.get(node_id) is stop:
                 del self._stops[node_id]
-        undone = node_id not in self._spawner.draining
+        undone = node_id not in self._ray.draining
         left = []
         for session in self._on(node_id):
             if session.id in failed:
@@ -204,15 +205,15 @@ class Drainer:
     async def _move(self, session: Session, node_id: str, ip: str, stop: asyncio.Event,
                     moved: list[op.DrainMoved], failed: dict[str, str]) -> None:
         """Move one session off the node once it is idle (until `stop`)."""
-        mgr = self._manager
+        grace = self._manager.config.daemon.stop_grace_secs
         while not stop.is_set():
             if session.lock.locked() or not self._movable(session, node_id):
-                if session.worker is None or self._spawner.node_of(session.worker.pid) != node_id:
+                if session.worker is None or self._ray.node_of(session.worker.pid) != node_id:
                     return  # it left the node by itself (stopped, crashed and restarted elsewhere)
                 await _state_change(session, stop)
                 continue
             # A worker elsewhere first: the node is marked, so Ray places it on another.
-            pending = self._spawner.request()
+            pending = self._ray.request()
             try:
                 await asyncio.shield(pending)
             except SpawnerDied as exc:
@@ -220,28 +221,28 @@ class Drainer:
                 return
             async with session.lock:
                 if not self._movable(session, node_id):
-                    mgr.workers.drop_pending(pending)  # a turn began meanwhile: wait again
+                    self._workers.drop_pending(pending)  # a turn began meanwhile: wait again
                     continue
-                mgr.events.set_state(session, Trigger.HIBERNATE, reason=f"drain: moving off {ip}")
-                await mgr.workers.terminate(session, "hibernated", mgr.config.daemon.stop_grace_secs)
-                mgr.events.set_state(session, Trigger.SPAWN, reason=f"drain: moved off {ip}")
+                self._events.set_state(session, Trigger.HIBERNATE, reason=f"drain: moving off {ip}")
+                await self._workers.terminate(session, "hibernated", grace)
+                self._events.set_state(session, Trigger.SPAWN, reason=f"drain: moved off {ip}")
                 try:
-                    await mgr.workers.start(session, pending)
+                    await self._workers.start(session, pending)
                 except SessiondError as exc:
                     # As a failed revive: restarted with backoff, elsewhere.
                     if session.is_(State.STARTING):
-                        mgr.events.set_state(session, Trigger.EXIT, reason="boot_failed")
-                        mgr.workers.schedule_restart(session)
+                        self._events.set_state(session, Trigger.EXIT, reason="boot_failed")
+                        self._workers.schedule_restart(session)
                     failed[session.id] = f"its worker on the new node did not boot: {exc.message}"
                     return
             worker = session.worker
-            where = self._spawner.placement(worker.pid)[1] if worker is not None else None
+            where = self._ray.placement(worker.pid)[1] if worker is not None else None
             moved.append(op.DrainMoved(session=session.id, node=where or ""))
             return
 
     def _movable(self, session: Session, node_id: str) -> bool:
         return (session.state is State.IDLE and session.worker is not None
-                and self._spawner.node_of(session.worker.pid) == node_id)
+                and self._ray.node_of(session.worker.pid) == node_id)
 
 
 async def _state_change(session: Session, stop: asyncio.Event) -> None:

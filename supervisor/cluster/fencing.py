@@ -30,33 +30,25 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-import msgspec
-
-from ipc import messages as m
 from supervisor.errors import Conflict, NotFound
 from supervisor.ops.logtag import tagged
+from supervisor.core.holding import Holding
 from supervisor.core.session import Session
 from supervisor.store.state_store import (
-    Abort,
     Fenced,
     HeldElsewhere,
-    LoadedSession,
     Mark,
     Record,
-    SessionLog,
     Snapshot,
     StateStore,
     StoreError,
     settled,
 )
-from supervisor.core.states import LIVE, State, Trigger
+from supervisor.core.states import State
 
-if TYPE_CHECKING:
-    from supervisor.core.manager import SessionManager
 
-__all__ = ["EXPECTED", "NotHeld", "UnheldLog", "claim", "held_elsewhere", "release", "release_soon", "wire"]
+__all__ = ["EXPECTED", "Fencing", "NotHeld", "UnheldLog", "claim", "held_elsewhere", "release", "release_soon"]
 
 log = logging.getLogger("sessiond.manager")
 
@@ -145,86 +137,55 @@ def held_elsewhere(exc: Fenced) -> str:
             "until it is asked for it again")
 
 
-def wire(manager: SessionManager, reader: HistoryReader | None = None) -> None:
-    """Route the ledger's `Fenced` to `release` instead of a restart, and
-    claim released sessions back before a worker starts for them."""
-    manager.ledger.on_fenced = lambda session, exc: release_soon(manager, session, held_elsewhere(exc))
+class Fencing:
+    """The manager's `Holds` (supervisor.core.holding): a `Fenced` refusal
+    releases the session instead of restarting it, and a released session is
+    claimed back before a worker starts for it.  Built before the manager,
+    which hands it the core's `Holding` at each call.  `reader` reads a
+    session's history without claiming it (daemons sharing a database;
+    None: cannot)."""
 
-    async def claim_for(session: Session) -> None:
-        await claim(manager, session)
+    def __init__(self, reader: HistoryReader | None = None) -> None:
+        self._reader = reader
 
-    manager.workers.claim = claim_for
-    manager.unheld_reader = reader
+    def fenced(self, ops: Holding, session: Session, exc: Fenced) -> None:
+        release_soon(ops, session, held_elsewhere(exc), self._reader)
+
+    async def claim(self, ops: Holding, session: Session) -> None:
+        await claim(ops, session)
 
 
-def release_soon(manager: SessionManager, session: Session, reason: str) -> None:
+def release_soon(ops: Holding, session: Session, reason: str, reader: HistoryReader | None) -> None:
     # Once per refusal: a second one of the same flow (the turn's commit,
     # then its Abort) finds the session released.
     if session.error != reason:
-        session.error = reason
+        ops.note(session, reason)
         tagged(log, session.id).warning("%s", reason)
-    manager.spawn_task(release(manager, session, reason))
+    ops.spawn_task(release(ops, session, reason, reader))
 
 
-async def release(manager: SessionManager, session: Session, reason: str) -> None:
+async def release(ops: Holding, session: Session, reason: str, reader: HistoryReader | None) -> None:
     """Let go of a session another daemon holds now: stop its worker as
     `stop` does, write nothing, leave it hibernated here."""
     async with session.lock:
         if isinstance(session.store, UnheldLog) or session.state in (State.DELETED, State.DAMAGED):
             return
-        manager.workers.cancel_restart(session)
-        session.error = reason
-        held, session.store = session.store, UnheldLog(manager.store, session.id, manager.unheld_reader)
-        held.close()
-        if session.state in LIVE:
-            manager.events.set_state(session, Trigger.STOP, reason=reason)
-        if session.state is State.STOPPING:
-            await manager.workers.terminate(session, EXPECTED, manager.config.daemon.stop_grace_secs)
-        if session.state is not State.HIBERNATED:
-            manager.events.set_state(session, Trigger.RELEASE, reason=reason)
+        await ops.release(session, reason, UnheldLog(ops.store, session.id, reader), EXPECTED)
 
 
-async def claim(manager: SessionManager, session: Session) -> None:
+async def claim(ops: Holding, session: Session) -> None:
     """Take a released (or never claimed) session back before it gets a
     worker here; a no-op for one this daemon holds.  Caller holds
     session.lock."""
     if not isinstance(session.store, UnheldLog):
         return
     try:
-        held, loaded = manager.store.load(session.id)
+        held, loaded = ops.store.load(session.id)
     except HeldElsewhere as exc:
         raise Conflict(str(exc)) from None
     except KeyError:
         raise NotFound(f"session {session.id} was removed by another daemon") from None
-    if (bad := manager.workspaces.stored_problem(loaded.meta, manager.sessions.values())) is not None:
+    if (bad := ops.stored_problem(loaded.meta)) is not None:
         held.close()  # checked again as on create (supervisor.core.workspaces): not acted on
         raise Conflict(f"session {session.id} cannot be taken over: {bad[0]}")
-    await _refresh(manager, session, held, loaded)
-
-
-async def _refresh(manager: SessionManager, session: Session, held: SessionLog, loaded: LoadedSession) -> None:
-    """What the store says of a session just claimed, over what this daemon
-    knew (it may have run elsewhere since)."""
-    session.store = held
-    session.meta = loaded.meta
-    session.settings = manager.settings_for(session.id, loaded.meta.overrides)
-    session.turns, session.usage = loaded.turns, loaded.usage
-    session.restarts = loaded.mark.restarts
-    session.last_exit = (msgspec.convert(loaded.mark.last_exit, m.ExitInfo)
-                         if loaded.mark.last_exit else session.last_exit)
-    session.error = None
-    # Event numbers only go up, for this daemon's clients and the holder's.
-    session.seq = max(session.seq, loaded.seq)
-    session.reserved_seq = max(session.reserved_seq, loaded.seq)
-    if loaded.mark.state == "stopped" and session.state is State.HIBERNATED:
-        # Stopped where it ran: it stays stopped here until a restart.
-        manager.events.set_state(session, Trigger.STOP, reason="stopped on another daemon")
-        manager.events.set_state(session, Trigger.STOPPED, reason="stopped on another daemon")
-    if loaded.open_input is not None:
-        # Its holder died during this turn (a live one would have refused).
-        session.seq += 1
-        held.append(Abort(turn=loaded.open_input.turn, reason="the daemon that held it stopped during "
-                          "this turn", seq=session.seq), durable=False)
-    # The abort and this daemon's mark, by the group commit, off the loop.
-    await manager.ledger.save_mark(session)
-    tagged(log, session.id).info("claimed (generation %d): %d turn(s) so far", held.generation, loaded.turns)
+    await ops.refresh(session, held, loaded)

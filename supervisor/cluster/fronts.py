@@ -60,6 +60,7 @@ from supervisor.ops.logtag import tagged
 from supervisor.store.postgres.link import PgLink
 from supervisor.store.postgres.batch import CHANNEL
 from supervisor.store.postgres.store import PgSessionLog, PgStateStore
+from supervisor.core.holding import Holding
 from supervisor.core.session import Session
 from supervisor.store.sessiondir import fsync_dir
 from supervisor.store.postgres.rows import describe, replay
@@ -72,12 +73,12 @@ from supervisor.store.state_store import (
     StoreDamaged,
     StoreError,
 )
-from supervisor.core.states import State, Trigger
+from supervisor.core.states import State
 
 if TYPE_CHECKING:
     from supervisor.core.manager import SessionManager
 
-__all__ = ["Fronts", "front_id"]
+__all__ = ["Fronts", "claim_check", "front_id"]
 
 log = logging.getLogger("sessiond.fronts")
 
@@ -187,24 +188,57 @@ class _Lease:
         self._link.close()
 
 
+def claim_check(front: str) -> Callable[[psycopg.Cursor[Any], str, LoadedSession], None]:
+    """What a claim checks inside its transaction (the row locked), for
+    `PgStateStore(check_claim=...)`: refuse to take a turn away from a live
+    daemon (one whose row is renewed); a dead one's turn is the claimer's to
+    end.  An idle session is taken from anyone: that is what lets any daemon
+    serve any session."""
+
+    def check(cur: psycopg.Cursor[Any], session_id: str, loaded: LoadedSession) -> None:
+        if loaded.open_input is None:
+            return
+        cur.execute("SELECT s.holder, f.host, f.pid FROM sessiond_sessions s JOIN sessiond_fronts f "
+                    "ON f.id = s.holder WHERE s.id = %s AND f.expires_at > now()", (session_id,))
+        row = cur.fetchone()
+        if row is not None and row[0] != front:
+            raise HeldElsewhere(session_id, f"{row[1]} (pid {row[2]})", loaded.open_input.turn)
+
+    return check
+
+
 class Fronts:
     """The daemon's side: open sessions at start, act on what is heard."""
 
-    def __init__(self, manager: SessionManager, store: PgStateStore, dsn: str, retry_secs: float,
-                 lease_secs: float, state_dir: Path) -> None:
-        self._manager = manager
+    def __init__(self, store: PgStateStore, dsn: str, retry_secs: float, lease_secs: float, front: str) -> None:
         self._store = store
-        self.front = store.front = front_id(state_dir)
-        store.check_claim = self._check_claim
+        self.front = front
+        self._manager: SessionManager | None = None
+        self._ops: Holding | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lease = _Lease(dsn, retry_secs, self.front, lease_secs, self._hear_threadsafe)
-        manager.open_stored = self.open_stored
-        fencing.wire(manager, self.read_history)
+        # The manager's `Holds`: released sessions are read through this
+        # daemon's reader (history without a claim).
+        self.holds = fencing.Fencing(self.read_history)
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, manager: SessionManager, ops: Holding) -> None:
+        """Listen, on behalf of `manager` (built after this: it opens its
+        sessions through `open_stored`); `ops` lets go of sessions."""
         self._loop = loop
+        self._manager = manager
+        self._ops = ops
         self._lease.open()
         log.info("sharing the database as %s: sessions are claimed when used", self.front)
+
+    @property
+    def _holding(self) -> Holding:
+        assert self._ops is not None, "heard before start"
+        return self._ops
+
+    @property
+    def _core(self) -> SessionManager:
+        assert self._manager is not None, "heard before start"
+        return self._manager
 
     def close(self) -> None:
         self._lease.close()
@@ -230,19 +264,6 @@ class Fronts:
 
         return self._store.run(op, f"session {session_id}")
 
-    def _check_claim(self, cur: psycopg.Cursor[Any], session_id: str, loaded: LoadedSession) -> None:
-        """Inside a claim's transaction (the row locked): refuse to take a
-        turn away from a live daemon (one whose row is renewed); a dead
-        one's turn is the claimer's to end.  An idle session is taken from
-        anyone: that is what lets any daemon serve any session."""
-        if loaded.open_input is None:
-            return
-        cur.execute("SELECT s.holder, f.host, f.pid FROM sessiond_sessions s JOIN sessiond_fronts f "
-                    "ON f.id = s.holder WHERE s.id = %s AND f.expires_at > now()", (session_id,))
-        row = cur.fetchone()
-        if row is not None and row[0] != self.front:
-            raise HeldElsewhere(session_id, f"{row[1]} (pid {row[2]})", loaded.open_input.turn)
-
     def read_history(self, session_id: str) -> tuple[Snapshot | None, list[Record]]:
         """Read, never written: a log of generation 0 writes nothing."""
         return PgSessionLog(self._store, session_id, 0, 0, 0).read_history()
@@ -259,7 +280,7 @@ class Fronts:
 
     def hear(self, payload: str) -> None:
         """One message from the channel (or "resync"), on the loop."""
-        if self._manager.closing:
+        if self._manager is None or self._manager.closing:
             return
         try:
             if payload == "resync":
@@ -280,7 +301,7 @@ class Fronts:
             return
         if front == self.front:
             return
-        session = self._manager.sessions.get(session_id)
+        session = self._core.sessions.get(session_id)
         if kind == "claim" and session is not None and gen is not None and gen > session.store.generation:
             self._let_go(session, front)
         elif kind == "create" and session is None:
@@ -290,7 +311,7 @@ class Fronts:
 
     def _let_go(self, session: Session, holder: str) -> None:
         if not isinstance(session.store, UnheldLog):
-            fencing.release_soon(self._manager, session, f"taken over by another daemon ({holder})")
+            fencing.release_soon(self._holding, session, f"taken over by another daemon ({holder})", self.read_history)
 
     def _adopt(self, session_id: str) -> None:
         try:
@@ -300,27 +321,18 @@ class Fronts:
         except StoreError as exc:
             tagged(log, session_id).warning("created elsewhere, not readable here yet: %s", exc)
             return
-        if session_id not in self._manager.sessions:
+        if session_id not in self._core.sessions:
             loaded.open_input = None
-            self._manager.restore(UnheldLog(self._store, session_id, self.read_history), loaded)
+            self._core.restore(UnheldLog(self._store, session_id, self.read_history), loaded)
 
     def _forget(self, session: Session, by: str) -> None:
         """Removed by another daemon, which claimed it first: let go of it
         (if that message is still on its way), then forget it."""
-        self._manager.spawn_task(self._forget_released(session, by))
+        self._core.spawn_task(self._forget_released(session, by))
 
     async def _forget_released(self, session: Session, by: str) -> None:
-        manager = self._manager
-        await fencing.release(manager, session, f"removed by another daemon ({by})")
-        if manager.sessions.get(session.id) is not session:
-            return
-        if session.state is not State.DELETED:
-            manager.events.set_state(session, Trigger.DELETE, reason=f"removed by another daemon ({by})")
-        manager.sessions.pop(session.id, None)
-        parent = manager.sessions.get(session.meta.parent or "")
-        if parent is not None and session.id in parent.children:
-            parent.children.remove(session.id)
-        manager.events.forget(session)
+        await fencing.release(self._holding, session, f"removed by another daemon ({by})", self.read_history)
+        self._holding.removed(session, f"removed by another daemon ({by})")
 
     def _resync(self) -> None:
         """After a lost connection: what was missed, from the table."""
@@ -329,11 +341,11 @@ class Fronts:
             return {row[0]: row[1] for row in cur.fetchall()}
 
         holders = self._store.run(op, "the session list")
-        for session_id, session in list(self._manager.sessions.items()):
+        for session_id, session in list(self._core.sessions.items()):
             if session_id not in holders:
                 if session.state is not State.DAMAGED:
                     self._forget(session, "unknown")
             elif holders[session_id] != self.front:
                 self._let_go(session, holders[session_id] or "none")
-        for session_id in holders.keys() - self._manager.sessions.keys():
+        for session_id in holders.keys() - self._core.sessions.keys():
             self._adopt(session_id)

@@ -108,9 +108,8 @@ class NodeHost:
 
     def _zygote(self) -> ZygoteSpawner:
         if self._spawner is None:
-            spawner = ZygoteSpawner()
-            spawner.on_exit = lambda pid, code, sig: self._exited(pid, code, sig, "")
-            spawner.on_zygote_lost = self._zygote_lost
+            spawner = ZygoteSpawner(on_exit=lambda pid, code, sig: self._exited(pid, code, sig, ""),
+                                    on_zygote_lost=self._zygote_lost)
             spawner.start_by_exec()
             spawner.attach(asyncio.get_running_loop())
             self._spawner = spawner

@@ -7,8 +7,10 @@ changes between one machine and many is in one place:
 - no local zygote: every worker runs on a node host (`supervisor.cluster.nodehost`);
 - no cgroups on the front: the workers are not on this machine (the node's
   zygote, the worker's own rlimits and sandbox still confine them);
-- the memory sweep reads remote workers' figures from their node hosts;
-- a worker lost with its node is a crash that names the node;
+- the memory sweep reads remote workers' figures from their node hosts
+  (the spawner is the manager's `remote`, supervisor.daemon);
+- a worker lost with its node is a crash that names the node (the
+  spawner's `on_worker_lost`, routed by supervisor.core.workers);
 - joining checks the head first (reachable; Ray's token authentication,
   `[cluster] auth_token_file`), so a start fails in one line, not after
   Ray's own minutes of retries.
@@ -20,19 +22,14 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import stat
-from typing import TYPE_CHECKING
 
 from supervisor.config import Config
 from supervisor.cluster.ray_spawner import RaySpawner
 from supervisor.spawn.seams import SpawnerDied
 
-if TYPE_CHECKING:
-    from supervisor.core.manager import SessionManager
-
-__all__ = ["ClusterUnavailable", "join", "wire"]
+__all__ = ["ClusterUnavailable", "join"]
 
 # How long joining waits for the Ray head's port to answer at all.
 _CONNECT_TIMEOUT_SECS = 5.0
@@ -122,11 +119,3 @@ def _check_token(address: str) -> None:
                           "[cluster] auth_token_file to a file holding its token") from None
     except Exception:
         return
-
-
-def wire(spawner: RaySpawner, manager: SessionManager) -> None:
-    """Remote workers' memory as their nodes measure it, for the sweep; a
-    worker lost with its node: a crash whose detail names the node."""
-    manager.proc_table.remote = spawner.reported_rss
-    manager.proc_table.remote_procs = spawner.reported_procs
-    spawner.on_worker_lost = lambda pid, why: manager.workers.on_exit(pid, None, signal.SIGKILL, detail=why)

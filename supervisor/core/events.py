@@ -92,6 +92,25 @@ class EventLog:
             self.write_mark(session, durable=False)
         return session.seq
 
+    def advance_seq(self, session: Session) -> int:
+        """The next number for a record written before the session serves
+        (an abort found at load or claim): no reservation is written."""
+        session.seq += 1
+        return session.seq
+
+    def raise_seq(self, session: Session, seq: int) -> None:
+        """Numbers only go up: a session claimed back from another daemon
+        goes on from the larger of its numbering and the holder's."""
+        session.seq = max(session.seq, seq)
+        session.reserved_seq = max(session.reserved_seq, seq)
+
+    def subscribe(self, session: Session, subscriber: Subscriber) -> None:
+        session.subscribers.add(subscriber)
+
+    def add_subscribers(self, session: Session, subscribers: set[Subscriber]) -> None:
+        """Clients that followed a session's stand-in (a repaired session)."""
+        session.subscribers |= subscribers
+
     def write_mark(self, session: Session, durable: bool) -> None:
         """What must survive a daemon restart besides the turns: the seq
         reservation, stopped/failed, restarts and the last exit."""

@@ -38,7 +38,7 @@ from supervisor.ops.metrics import NO_METRICS, Recorder
 from supervisor.core.session import PendingInput, Session, WorkerProc
 from supervisor.core.states import State, Trigger
 from supervisor.store.state_store import (
-    Abort, Commit, Fenced, IdTaken, InputRecord, Mark, Snapshot, StoreError, StoreFull, add_usage,
+    Abort, Commit, Fenced, IdTaken, InputRecord, Mark, SessionLog, Snapshot, StoreError, StoreFull, add_usage,
 )
 
 __all__ = ["TurnLedger", "store_failure"]
@@ -52,16 +52,27 @@ _QUICK_TURN_SECS = 0.002
 
 
 class TurnLedger:
-    def __init__(self, events: EventLog) -> None:
+    def __init__(
+        self,
+        events: EventLog,
+        *,
+        on_unsaved: Callable[[Session, WorkerProc, str], None],
+        on_turn_started: Callable[[Session, int], None],
+        on_turn_ended: Callable[[Session], None],
+        on_fenced: Callable[[Session, Fenced], None] | None = None,
+        metrics: Recorder = NO_METRICS,
+    ) -> None:
         self._events = events
-        # Set by the daemon's core: what to do with a worker that is ahead of
-        # the disk (kill it; it restarts from the log), and with a turn that
-        # has begun (arm its timeout).
-        self.on_unsaved: Callable[[Session, WorkerProc, str], None] = lambda s, w, why: None
-        # ... and with a session that another daemon took over (supervisor.cluster.fencing).
-        self.on_fenced: Callable[[Session, Fenced], None] = self._unsaved
-        self.on_turn_started: Callable[[Session, int], None] = lambda s, turn: None
-        self.metrics: Recorder = NO_METRICS
+        # What to do with a worker that is ahead of the disk (kill it; it
+        # restarts from the log), and with a turn that has begun (arm its
+        # timeout): the manager's, passed in when it builds the ledger.
+        self.on_unsaved = on_unsaved
+        self.on_turn_started = on_turn_started
+        self.on_turn_ended = on_turn_ended  # (disarm its timeout)
+        # ... and with a session that another daemon took over
+        # (supervisor.cluster.fencing); without one, as a worker ahead of the disk.
+        self.on_fenced: Callable[[Session, Fenced], None] = on_fenced or self._unsaved
+        self.metrics = metrics
         # The daemon's data-plane work, in bounded slices (ipc.pacing): the
         # workers' messages and exits, flushes' completions, clients' inputs.
         self.pacer = Pacer()
@@ -301,6 +312,24 @@ class TurnLedger:
         self._events.next_seq(session)
         self._events.emit(session, m.TurnFailed(session=session.id, seq=seq, turn=turn, reason=reason))
 
+    def abort_stored(self, session: Session, store: SessionLog, turn: int, reason: str, durable: bool) -> None:
+        """A turn the log holds open, found at load or at a claim: the daemon
+        that ran it died during it, and what it streamed is gone."""
+        store.append(Abort(turn=turn, reason=reason, seq=self._events.advance_seq(session)), durable=durable)
+
+    def take_input(self, session: Session) -> str:
+        """The aborted turn's input, once (retried after a restart, or dropped)."""
+        text, session.current_input = session.current_input, ""
+        return text
+
+    def active(self, session: Session) -> None:
+        """The idle clock starts again (a worker started)."""
+        session.last_active = time.monotonic()
+
+    def restore_totals(self, session: Session, turns: int, usage: dict[str, int]) -> None:
+        """The turns and usage as the store has them (claimed from another daemon)."""
+        session.turns, session.usage = turns, usage
+
     def end(self, session: Session, failed: str) -> None:
         self.abort(session, failed)
         if session.state in (State.RUNNING, State.INTERRUPTING):
@@ -315,10 +344,7 @@ class TurnLedger:
         self.metrics.turn_ended(session, outcome[0], outcome[1], session.last_turn_secs)
         session.pending_asks.clear()
         session.last_active = time.monotonic()
-        for timer in (session.turn_timer, session.kill_timer):
-            if timer is not None:
-                timer.cancel()
-        session.turn_timer = session.kill_timer = None
+        self.on_turn_ended(session)
 
 
 def _snapshot_failed(session: Session, written: asyncio.Future[None]) -> None:

@@ -35,6 +35,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from supervisor.spawn.pidfd import PidFd
 
@@ -45,6 +46,7 @@ __all__ = [
     "ProcTable",
     "PssEstimate",
     "PssRead",
+    "RemoteFigures",
     "SessionMemory",
     "disk_over",
     "heartbeat_overdue",
@@ -64,18 +66,31 @@ MIB = 1024 * 1024
 REMOTE_PIDS = 1 << 30
 
 
+class RemoteFigures(Protocol):
+    """Where remote workers' figures come from (cluster mode: the RaySpawner,
+    as their node hosts report them)."""
+
+    def reported_rss(self, pid: int) -> int | None: ...
+
+    def reported_procs(self, pid: int) -> int | None: ...
+
+
+def _unknown(pid: int) -> int | None:
+    return None
+
+
 class ProcTable:
     """Open /proc files by pid.  Runs in the daemon."""
 
     __slots__ = ("_children", "_statm", "remote", "remote_procs")
 
-    def __init__(self) -> None:
+    def __init__(self, remote: RemoteFigures | None = None) -> None:
         self._statm: dict[int, int] = {}
         self._children: dict[int, int] = {}
         # A remote worker's tree's memory as its node last reported it.
-        self.remote: Callable[[int], int | None] = lambda pid: None
+        self.remote: Callable[[int], int | None] = remote.reported_rss if remote else _unknown
         # ... and the number of processes in that tree, the worker included.
-        self.remote_procs: Callable[[int], int | None] = lambda pid: None
+        self.remote_procs: Callable[[int], int | None] = remote.reported_procs if remote else _unknown
 
     def _read(self, table: dict[int, int], pid: int, path: str) -> bytes | None:
         """The file's content; None once the process is gone (ESRCH)."""

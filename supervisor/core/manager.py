@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable, Coroutine
@@ -30,30 +31,29 @@ import msgspec
 
 from ipc import messages as m
 from ipc.contract import ExitReason
+from ipc.pacing import Pacer
 from ipc.settings import SessionSettings
 from supervisor.spawn.cgroups import Cgroups
 from supervisor.config import Config
 from supervisor.errors import BadRequest, Capacity, Conflict, Internal, NotFound, SessiondError
 from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger, store_failure
-from supervisor.core.limits import ProcTable
+from supervisor.core.holding import Holding, Holds
+from supervisor.core.limits import ProcTable, RemoteFigures
 from supervisor.ops.logtag import tagged
-from supervisor.ops.metrics import Recorder
-from supervisor.core.overrides import OverrideError, check_handler, resolve_overrides
+from supervisor.ops.metrics import NO_METRICS, Recorder
+from supervisor.core.overrides import OverrideError, choose_handler, resolve_overrides
 from supervisor.spawn.seams import Spawner
-from supervisor.core.session import Session, Subscriber, WorkerProc, valid_session_id
+from supervisor.core.session import Session, Subscriber, damaged_hint, valid_session_id
 from supervisor.core.slots import LiveSlots
 from supervisor.core.states import LIVE, State, Trigger
 from supervisor.store.state_store import (
-    Abort,
     DamagedLog,
     LoadedSession,
     Meta,
-    Record,
     RepairMode,
     RepairResult,
     SessionLog,
-    Snapshot,
     StateStore,
     StoreDamaged,
     StoreError,
@@ -61,14 +61,12 @@ from supervisor.store.state_store import (
 from supervisor.store.files import FileStateStore
 from supervisor.core.subagents import Subagents
 from supervisor.core.sweep import Sweeper
-from supervisor.core.workers import WorkerOwner, describe_exit
-from supervisor.core.workspaces import Workspaces
+from supervisor.core.workers import Pending, WorkerOwner, describe_exit
+from supervisor.core.workspaces import SessionUids, Workspaces
 
 __all__ = ["SessionManager"]
 
 log = logging.getLogger("sessiond.manager")
-
-_message_settings = msgspec.msgpack.Encoder()
 
 
 class SessionManager:
@@ -83,6 +81,11 @@ class SessionManager:
         store: StateStore | None = None,
         sandbox: m.SandboxBoot | None = None,
         cgroups: Cgroups | None = None,
+        cgroups_why: str = "not probed",
+        metrics: Recorder = NO_METRICS,
+        holds: Holds | None = None,
+        open_stored: Callable[[str], tuple[SessionLog, LoadedSession]] | None = None,
+        remote: RemoteFigures | None = None,
     ) -> None:
         self.config = config
         self.state_dir = state_dir
@@ -90,49 +93,60 @@ class SessionManager:
         self.store: StateStore = store if store is not None else FileStateStore(self.sessions_dir)
         self.spawner = spawner
         self.sessions: dict[str, Session] = {}
-        self.proc_table = ProcTable()
+        self.proc_table = ProcTable(remote)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
         self._hibernating: set[str] = set()
         self._ping_nonce = 0
+        self._holds = holds
 
         def current() -> Config:
             return self.config
 
+        def closing() -> bool:
+            return self._closing
+
+        # Built bottom-up, each part with its collaborators.  The calls that
+        # run against that order (the ledger arms and disarms the sweep's turn
+        # timer and has the workers kill a worker ahead of the disk) go
+        # through this manager, to parts it builds after the ledger.
         self.workspaces = Workspaces(current, state_dir, run_as, session_uids)
         self.events = EventLog(lambda: self.config.daemon, self.sessions)
-        self.ledger = TurnLedger(self.events)
-        self.workers = WorkerOwner(current, spawner, self.events, self.ledger, self.proc_table,
-                                   self.workspaces, self.spawn_task)
-        self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
-                               self._hibernate_soon, stop=self.stop, workspaces=self.workspaces)
-        self.subagents = Subagents(self, self.sessions)
-        self.workers.sandbox = sandbox
-        self.workers.cgroups = cgroups
+        self.ledger = TurnLedger(
+            self.events,
+            on_unsaved=lambda session, worker, why: self.workers.kill(session, worker, ExitReason.CRASHED, why),
+            on_turn_started=lambda session, turn: self.sweeper.arm_turn_timer(session, turn),
+            on_turn_ended=lambda session: self.sweeper.disarm_turn(session),
+            on_fenced=(lambda session, exc: holds.fenced(self.holding, session, exc)) if holds is not None else None,
+            metrics=metrics,
+        )
         self.slots = LiveSlots(current, self.sessions, self.is_admin, self._hibernating, self._hibernate)
-        self.workers.make_room = self.slots.make_room
-        self.workers.on_spawn_agent = lambda session, worker, msg: self.spawn_task(
-            self.subagents.run(session, worker, msg))
-        self.ledger.on_turn_started = self.sweeper.arm_turn_timer
+        self.subagents = Subagents(self, self.sessions)
+        self.workers = WorkerOwner(
+            current, spawner, self.events, self.ledger, self.proc_table, self.workspaces, self.spawn_task,
+            closing=closing, make_room=self.slots.make_room,
+            on_spawn_agent=lambda session, worker, msg: self.spawn_task(self.subagents.run(session, worker, msg)),
+            claim=(lambda session: holds.claim(self.holding, session)) if holds is not None else None,
+            sandbox=sandbox, cgroups=cgroups, cgroups_why=cgroups_why, metrics=metrics,
+        )
+        self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
+                               self._hibernate_soon, stop=self.stop, workspaces=self.workspaces,
+                               closing=closing, metrics=metrics)
+        # What a session held by another daemon may have done to it (supervisor.cluster.fencing).
+        self.holding = Holding(current, self.sessions, self.store, self.events, self.ledger, self.workers,
+                               self.workspaces, self.settings_for, self.spawn_task, self.forget)
         # How a stored session is opened at start: claimed (alone on the
         # store), or only read (daemons sharing a database, supervisor.cluster.fronts).
-        self.open_stored: Callable[[str], tuple[SessionLog, LoadedSession]] = self.store.load
-        self.unheld_reader: Callable[[str], tuple[Snapshot | None, list[Record]]] | None = None
+        self._open_stored = open_stored or self.store.load
 
-    # For supervisor.api.transfer (import): create's checks, load's restore.
     @property
     def closing(self) -> bool:
         return self._closing
 
-    def restore(self, store: SessionLog, loaded: LoadedSession) -> None:
-        self._restore(store, loaded)
-
-    def check_quota(self, uid: int) -> None:
-        self._check_quota(uid)
-
-    def use_metrics(self, recorder: Recorder) -> None:
-        """Count into `recorder` (the parts hold the no-op one until then)."""
-        self.workers.metrics = self.ledger.metrics = self.sweeper.metrics = recorder
+    @property
+    def pacer(self) -> Pacer:
+        """The data plane's pacer (ipc.pacing), shared with the control socket's clients."""
+        return self.ledger.pacer
 
     # ================================================================ load
 
@@ -148,7 +162,7 @@ class SessionManager:
             self.state_dir.chmod(0o711)
         for session_id in self.store.ids():
             try:
-                store, loaded = self.open_stored(session_id)
+                store, loaded = self._open_stored(session_id)
             except StoreDamaged as exc:
                 self._add_damaged(session_id, exc.reason, exc.meta)
                 continue
@@ -156,7 +170,7 @@ class SessionManager:
                 self._add_damaged(session_id, f"cannot be loaded: {exc}", None)
                 continue
             try:
-                self._restore(store, loaded)
+                self.restore(store, loaded)
             except Exception as exc:
                 store.close()
                 self._add_damaged(session_id, f"cannot be restored: {exc}", loaded.meta)
@@ -164,7 +178,8 @@ class SessionManager:
             log.info("restored %d session(s) from %s", len(self.sessions), self.sessions_dir)
         self.workspaces.remove_orphans(self.sessions.values())
 
-    def _restore(self, store: SessionLog, loaded: LoadedSession) -> None:
+    def restore(self, store: SessionLog, loaded: LoadedSession) -> None:
+        """A stored session into the registry (at start, on import, adopted from another daemon)."""
         meta = loaded.meta
         if (bad := self.workspaces.stored_problem(meta, self.sessions.values())) is not None:
             store.close()  # checked again as on create: a store's values are data
@@ -180,10 +195,8 @@ class SessionManager:
             usage=loaded.usage,
         )
         if loaded.open_input is not None:
-            # The daemon died during this turn; what it streamed is gone.
-            reason = "the daemon stopped during this turn"
-            session.seq += 1
-            store.append(Abort(turn=loaded.open_input.turn, reason=reason, seq=session.seq), durable=True)
+            self.ledger.abort_stored(session, store, loaded.open_input.turn, "the daemon stopped during this turn",
+                                     durable=True)
         self.sessions[meta.id] = session
         if meta.parent and meta.parent in self.sessions:
             self.sessions[meta.parent].children.append(meta.id)
@@ -250,18 +263,23 @@ class SessionManager:
             created_at=session.meta.created_at, last_exit=session.last_exit, seq=session.seq,
             parent=session.meta.parent, children=list(session.children),
             owner_uid=session.meta.owner_uid, error=session.error, usage=dict(session.usage),
-            sandbox=self._sandbox_report(worker) if pid is not None and worker is not None else {},
+            sandbox=self.workers.sandbox_report(worker) if pid is not None and worker is not None else {},
             disk_bytes=session.memory.disk_bytes,
         )
 
-    def _sandbox_report(self, worker: WorkerProc) -> dict[str, Any]:
-        """The worker's own report, plus the cgroup the daemon put it in."""
-        cgroups = self.workers.cgroups
-        if cgroups is None:
-            return worker.sandbox
-        active = [*worker.sandbox.get("active", []), *(f"cgroup-{c}" for c in sorted(cgroups.controllers)),
-                  "cgroup-kill"]
-        return {**worker.sandbox, "active": active}
+    def host_report(self) -> dict[str, Any]:
+        """What this host gives every session, for `stats`: the tools'
+        sandbox, the cgroups, the disk quota."""
+        return self.workers.host_report(self.config.sandbox) | {"disk_quota": self.sweeper.quota_text()}
+
+    def session_origins(self) -> tuple[frozenset[int], SessionUids]:
+        """What supervisor.api.peer checks a client against: the processes
+        sessions descend from (the zygote's pid read now: it may have been
+        re-executed; the daemon's own too: nothing it forked is a client, and
+        a replaced zygote's orphans are still session processes), and the
+        uids sessions run as."""
+        roots = frozenset(p for p in (self.spawner.zygote_pid, os.getpid()) if p > 0)
+        return roots, self.workspaces.session_uids_here()
 
     def live_workers(self) -> int:
         return sum(1 for s in self.sessions.values() if s.worker is not None)
@@ -269,7 +287,7 @@ class SessionManager:
     def running_turns(self) -> int:
         return sum(1 for s in self.sessions.values() if s.current_turn is not None)
 
-    def _check_quota(self, uid: int) -> None:
+    def check_quota(self, uid: int) -> None:
         if self.is_admin(uid):
             return
         limit = self.config.daemon.max_sessions_per_uid
@@ -291,22 +309,12 @@ class SessionManager:
         *,
         parent: Session | None = None,
     ) -> Session:
+        """A new session, booted: checked, its worker ordered, registered
+        and stored, then started; a failure leaves nothing behind."""
         if self._closing:
             raise Conflict("the daemon is shutting down")
-        if session_id is None:
-            session_id = secrets.token_hex(6)
-        elif not valid_session_id(session_id):
-            raise BadRequest(
-                f"invalid session id {session_id!r}: 1-64 characters of A-Z a-z 0-9 . _ -, "
-                "starting with a letter or digit"
-            )
-        if session_id in self.sessions:
-            existing = self.sessions[session_id]
-            if existing.state is State.DAMAGED:
-                raise Conflict(f"session {session_id!r} already exists and is damaged "
-                               f"({existing.error}); `sessionctl rm {session_id}` frees the id")
-            raise Conflict(f"session {session_id!r} already exists")
-        self._check_quota(owner_uid)
+        session_id = self._free_id(session_id)
+        self.check_quota(owner_uid)
         if parent is not None:
             # The parent's own overrides, accepted when it was created, held
             # to today's ceilings.
@@ -316,36 +324,37 @@ class SessionManager:
                 settings = resolve_overrides(self.config.session_settings(), overrides).settings
             except OverrideError as exc:
                 raise BadRequest(str(exc)) from None
-        named = handler is not None
-        if handler is None:
-            handler = settings.agent.handler
-        elif parent is None:
-            check_handler(handler, settings)
-        if handler == "agent" and (missing := settings.provider.missing()) is not None:
-            provider = settings.provider
-            if named or provider.base_url or provider.model:
-                # Asked for the agent, or half a provider: an echo session
-                # would look like a working agent that answers nonsense.
-                raise BadRequest(
-                    f"the agent handler needs an LLM provider: {missing} is not set "
-                    "([provider] in config.toml)"
-                )
-            handler = "echo"  # no provider at all: the offline default, said at start-up
+        handler = choose_handler(handler, settings, checked=parent is not None)
         # Order the worker first: the zygote forks (or hands over a spare)
         # while this process fsyncs the new session to disk.
         pending = self.spawner.request() if self.slots.has_room(owner_uid) else None
-        meta = Meta(
-            id=session_id, handler=handler, overrides=overrides, created_at=time.time(),
-            owner_uid=owner_uid, parent=parent.id if parent else None,
-            depth=parent.meta.depth + 1 if parent else 0,
-            # Never the same directory twice: a later session that reuses
-            # this id, whoever creates it, starts with an empty workspace.
-            workspace=f"{session_id}@{secrets.token_hex(8)}",
-            run_uid=self.workspaces.allocate_uid(self.sessions.values()),
-        )
+        session = self._register(owner_uid, session_id, handler, overrides, settings, parent, pending)
+        await self._boot_new(session, pending)
+        tagged(log, session_id).info("created (handler %s, pid %s)", handler,
+                                     session.worker.pid if session.worker else "-")
+        return session
+
+    def _free_id(self, session_id: str | None) -> str:
+        """The id asked for, checked and free, or a new one."""
+        if session_id is None:
+            return secrets.token_hex(6)
+        if not valid_session_id(session_id):
+            raise BadRequest(f"invalid session id {session_id!r}: 1-64 characters of A-Z a-z 0-9 . _ -, "
+                             "starting with a letter or digit")
+        if (existing := self.sessions.get(session_id)) is not None:
+            if existing.state is State.DAMAGED:
+                raise Conflict(f"session {session_id!r} already exists and is damaged "
+                               f"({existing.error}); `sessionctl rm {session_id}` frees the id")
+            raise Conflict(f"session {session_id!r} already exists")
+        return session_id
+
+    def _register(self, owner_uid: int, session_id: str, handler: str, overrides: dict[str, Any],
+                  settings: SessionSettings, parent: Session | None, pending: Pending | None) -> Session:
+        """Its metadata stored (not yet durable) and the session in the registry, STARTING."""
+        meta = self.new_meta(session_id, handler, overrides, owner_uid, time.time(), parent)
         try:
-            # Durable below, while the worker boots: the create is answered
-            # only once both are done.
+            # Durable while the worker boots (`_boot_new`): the create is
+            # answered only once both are done.
             store = self.store.create(meta, durable=False)
         except FileExistsError:
             self.workers.drop_pending(pending)
@@ -353,29 +362,39 @@ class SessionManager:
         except StoreError as exc:
             self.workers.drop_pending(pending)
             raise store_failure("", exc) from None
-        session = Session(
-            id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING,
-            ring=self.events.new_ring(),
-        )
+        session = Session(id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING,
+                          ring=self.events.new_ring())
         self.sessions[session_id] = session
         if parent is not None:
             parent.children.append(session_id)
+        return session
+
+    def new_meta(self, session_id: str, handler: str, overrides: dict[str, Any], owner_uid: int,
+                 created_at: float, parent: Session | None = None) -> Meta:
+        """A new session's metadata (created, or imported by supervisor.api.transfer)."""
+        return Meta(
+            id=session_id, handler=handler, overrides=overrides, created_at=created_at, owner_uid=owner_uid,
+            parent=parent.id if parent else None, depth=parent.meta.depth + 1 if parent else 0,
+            # Never the same directory twice: a later session that reuses
+            # this id, whoever creates it, starts with an empty workspace.
+            workspace=f"{session_id}@{secrets.token_hex(8)}",
+            run_uid=self.workspaces.allocate_uid(self.sessions.values()),
+        )
+
+    async def _boot_new(self, session: Session, pending: Pending | None) -> None:
         try:
             async with session.lock:
-                await self.workers.start(session, pending, during_boot=store.make_durable_soon)
+                await self.workers.start(session, pending, during_boot=session.store.make_durable_soon)
         except StoreError as exc:
             self._discard(session)
-            raise store_failure(f"session {session_id!r} could not be saved: ", exc) from None
+            raise store_failure(f"session {session.id!r} could not be saved: ", exc) from None
         except SessiondError as exc:
             # A create that cannot boot leaves nothing behind.
             self._discard(session)
-            raise type(exc)(f"session {session_id!r} could not start: {exc.message}") from None
+            raise type(exc)(f"session {session.id!r} could not start: {exc.message}") from None
         except BaseException:
             self._discard(session)
             raise
-        tagged(log, session_id).info("created (handler %s, pid %s)", handler,
-                                     session.worker.pid if session.worker else "-")
-        return session
 
     def _discard(self, session: Session) -> None:
         """A create that failed: nothing of it stays, not even in its parent's list."""
@@ -435,15 +454,30 @@ class SessionManager:
             case State.STOPPED | State.STOPPING:
                 raise Conflict(f"session {session.id} is stopped; `sessionctl restart {session.id}` starts it")
             case State.DAMAGED:
-                raise Conflict(_damaged_hint(session))
+                raise Conflict(damaged_hint(session))
             case State.FAILED:
                 raise Conflict(f"session {session.id} has failed ({describe_exit(session.last_exit)}); "
                                f"`sessionctl restart {session.id}` starts it again")
             case _:
                 raise Conflict(f"session {session.id} is {session.state}")
+        return await self._begin(session, text, subscriber, on_accepted)
+
+    def send_now(
+        self, session: Session, text: str, subscriber: Subscriber, on_accepted: Callable[[m.Accepted], None]
+    ) -> asyncio.Future[m.Accepted] | None:
+        """`send` for the one case where it would not wait (not shutting
+        down, no lock held, the session idle): the turn begins now, inside
+        the caller's slice of the pacer; the future resolves once the input
+        is durable.  None: call `send`."""
+        if self._closing or session.lock.locked() or session.state is not State.IDLE:
+            return None
+        return self._begin(session, text, subscriber, on_accepted)
+
+    def _begin(self, session: Session, text: str, subscriber: Subscriber | None,
+               on_accepted: Callable[[m.Accepted], None] | None) -> asyncio.Future[m.Accepted]:
         if subscriber is not None:
-            session.subscribers.add(subscriber)
-        return await self.ledger.begin(session, text, on_accepted)
+            self.events.subscribe(session, subscriber)
+        return self.ledger.begin(session, text, on_accepted)
 
     def attach(self, session: Session, subscriber: Subscriber, from_seq: int | None) -> int:
         return self.events.attach(session, subscriber, from_seq)
@@ -461,7 +495,7 @@ class SessionManager:
 
     async def stop(self, session: Session, reason: str = "stopped", exit_reason: ExitReason | None = None) -> None:
         if session.state is State.DAMAGED:
-            raise Conflict(_damaged_hint(session))
+            raise Conflict(damaged_hint(session))
         for child_id in list(session.children):
             child = self.sessions.get(child_id)
             if child is not None:
@@ -477,19 +511,17 @@ class SessionManager:
             return
         self.workers.cancel_restart(session)
         self.events.set_state(session, Trigger.STOP, reason=reason)
-        if exit_reason is not None and session.worker is not None:
-            # The worker's exit is recorded as the limit it was stopped for,
-            # from the moment it is seen: never a plain "stopped" meanwhile.
-            session.worker.stop_reason = exit_reason
+        if exit_reason is not None:
+            self.workers.stopping_for(session, exit_reason)
         await self.workers.terminate(session, "stopped", self.config.daemon.stop_grace_secs)
-        if exit_reason is not None and session.last_exit is not None:  # the limit it was stopped for
-            session.last_exit = msgspec.structs.replace(session.last_exit, reason=exit_reason.value, detail=reason)
+        if exit_reason is not None:
+            self.workers.stopped_for(session, exit_reason, reason)
         self.events.set_state(session, Trigger.STOPPED, reason=reason)
         await self.ledger.save_mark(session)
 
     async def restart(self, session: Session) -> None:
         if session.state is State.DAMAGED:
-            raise Conflict(_damaged_hint(session))
+            raise Conflict(damaged_hint(session))
         async with session.lock:
             await self.workers.claim(session)  # before anything changes here
             if session.state in LIVE:
@@ -557,21 +589,27 @@ class SessionManager:
                                             result.dropped_records, result.dropped_bytes)
             self.events.set_state(session, Trigger.REPAIR, reason=f"repaired ({how.value})")
             subscribers, children = set(session.subscribers), list(session.children)
-            self.sessions.pop(session.id)
-            parent = self.sessions.get(session.meta.parent or "")
-            if parent is not None and session.id in parent.children:
-                parent.children.remove(session.id)
-            self.events.forget(session)
+            self.forget(session)
             try:
-                self._restore(store, loaded)
+                self.restore(store, loaded)
             except BaseException:
                 store.close()
                 self._add_damaged(session.id, "cannot be restored after repair", loaded.meta)
                 raise
             restored = self.sessions[session.id]
-            restored.subscribers = subscribers
+            self.events.add_subscribers(restored, subscribers)
             restored.children = [c for c in children if c in self.sessions]
             return restored, result
+
+    def forget(self, session: Session) -> None:
+        """Out of the registry (repaired into a new one, or removed by
+        another daemon), and out of its parent's list."""
+        if self.sessions.get(session.id) is session:
+            self.sessions.pop(session.id)
+        parent = self.sessions.get(session.meta.parent or "")
+        if parent is not None and session.id in parent.children:
+            parent.children.remove(session.id)
+        self.events.forget(session)
 
     def ping(self, session: Session, answer: Callable[[SessiondError | None], None]) -> int:
         """Round trip through the worker; `answer` is called with None when
@@ -627,30 +665,18 @@ class SessionManager:
         timeouts) applies at once; live workers get their new settings, so
         permission rules and the loop's limits apply at the next tool call."""
         self.config = config
-        now = time.monotonic()
         for session in self.sessions.values():
             old = session.settings
             session.settings = self.settings_for(session.id, session.meta.overrides)
-            session.policy = None
             self.events.resize(session)
-            worker = session.worker
-            if worker is None or worker.exited.done():
-                continue
-            # The worker may be asleep for one old interval before it beats
-            # at the new pace: do not count that against it.
-            worker.last_heartbeat = max(
-                worker.last_heartbeat, now + old.agent.worker.heartbeat_interval_secs
-            )
-            worker.conn.send(m.Reconfigure(settings=_message_settings.encode(session.settings)))
-            if self.workers.cgroups is not None:
-                limits = session.settings.agent.limits
-                self.workers.cgroups.limit(session.id, limits.max_memory_mb, limits.max_processes)
-            self.sweeper.retime_turn(session)
+            self.workers.reconfigure(session, old)
+            if session.worker is not None and not session.worker.exited.done():
+                self.sweeper.retime_turn(session)
 
     async def shutdown(self, grace: float) -> None:
         """Let running turns finish for up to `grace`, then stop every worker.
         Sessions stay on disk and come back hibernated."""
-        self._closing = self.workers.closing = self.sweeper.closing = True
+        self._closing = True  # the workers' restarts and the sweep ask `closing`
         deadline = time.monotonic() + grace
         while self.running_turns() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -669,9 +695,3 @@ class SessionManager:
         self.store.close()
         self.proc_table.close()
 
-
-def _damaged_hint(session: Session) -> str:
-    return (
-        f"session {session.id} is damaged ({session.error}); `sessionctl repair {session.id} "
-        f"--skip-bad` or `--truncate` recovers it, `sessionctl rm {session.id}` deletes it"
-    )

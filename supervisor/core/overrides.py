@@ -41,7 +41,7 @@ from ipc.settings import NETWORK_LEVELS, PermissionRule, SessionSettings
 from supervisor.config import valid_handler_name
 from supervisor.errors import BadRequest
 
-__all__ = ["OverrideError", "Resolved", "check_handler", "resolve_overrides"]
+__all__ = ["OverrideError", "Resolved", "check_handler", "choose_handler", "resolve_overrides"]
 
 
 class OverrideError(Exception):
@@ -377,3 +377,26 @@ def check_handler(name: str, settings: SessionSettings) -> None:
         f"handler {name!r} is not allowed here; the operator allows "
         f"{', '.join(allowed) or 'none'} ([agent] allowed_handlers in config.toml)"
     )
+
+
+def choose_handler(handler: str | None, settings: SessionSettings, *, checked: bool) -> str:
+    """The handler a new session runs: the one named (checked against the
+    allow-list unless `checked`: a child session's came from its parent), or
+    the settings' default; the agent without a provider falls back to echo
+    only when nothing asked for it."""
+    named = handler is not None
+    if handler is None:
+        handler = settings.agent.handler
+    elif not checked:
+        check_handler(handler, settings)
+    if handler == "agent" and (missing := settings.provider.missing()) is not None:
+        provider = settings.provider
+        if named or provider.base_url or provider.model:
+            # Asked for the agent, or half a provider: an echo session
+            # would look like a working agent that answers nonsense.
+            raise BadRequest(
+                f"the agent handler needs an LLM provider: {missing} is not set "
+                "([provider] in config.toml)"
+            )
+        handler = "echo"  # no provider at all: the offline default, said at start-up
+    return handler

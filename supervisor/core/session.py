@@ -3,20 +3,27 @@
 Runs in the daemon.  `Session` is plain data; the parts of the daemon's core
 each own some of its fields, and only they write them:
 
-    SessionManager (manager.py)   the registry, meta, settings, children, lock,
-                                  store, error, meta_lost
-    EventLog       (events.py)    state, seq, reserved_seq, ring, subscribers,
-                                  state_waiters
+    SessionManager (manager.py,   the registry, meta, settings, children, lock,
+                    holding.py)   store, error, meta_lost
+    EventLog       (events.py)    state, seq, reserved_seq, ring, ring_bytes,
+                                  subscribers, state_waiters, lifecycle
     TurnLedger     (ledger.py)    turns, current_turn, current_input,
                                   pending_input, pending_asks, turn_results,
                                   turn_started, last_turn_secs, last_active,
                                   usage (token totals of committed turns:
                                   prompt_tokens, completion_tokens,
-                                  reasoning_tokens; restored from the log)
+                                  reasoning_tokens; restored from the log),
+                                  committing
     WorkerOwner    (workers.py)   worker, last_exit, restarts, policy,
                                   restart_handle, pings
     Sweeper        (sweep.py)     memory, turn_timer, kill_timer
     Subagents      (subagents.py) spawned
+
+A `WorkerProc` is WorkerOwner's alone.  Others ask the owner through its
+public operations (`EventLog.raise_seq`, `TurnLedger.take_input`,
+`WorkerOwner.reconfigure`, `SessionManager.reclaimed`...); the one shared
+write: WorkerOwner gives each new worker fresh `memory` figures, which the
+Sweeper fills.  tests/test_architecture.py reads this table and holds it.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from supervisor.core.limits import SessionMemory
 from supervisor.core.states import RestartPolicy, State
 from supervisor.store.state_store import Meta, SessionLog
 
-__all__ = ["PendingInput", "Session", "Subscriber", "WorkerProc", "valid_session_id"]
+__all__ = ["PendingInput", "Session", "Subscriber", "WorkerProc", "damaged_hint", "valid_session_id"]
 
 
 class Subscriber(Protocol):
@@ -148,3 +155,11 @@ class Session:
         """`session.state is state`, as a call: the state changes under
         awaits and callbacks, which type narrowing cannot see."""
         return self.state is state
+
+
+def damaged_hint(session: Session) -> str:
+    """What a client is told when it acts on a damaged session."""
+    return (
+        f"session {session.id} is damaged ({session.error}); `sessionctl repair {session.id} "
+        f"--skip-bad` or `--truncate` recovers it, `sessionctl rm {session.id}` deletes it"
+    )

@@ -89,6 +89,9 @@ class Sweeper:
         hibernate: Callable[[Session, str], None],
         stop: Callable[..., Coroutine[Any, Any, None]] | None = None,
         workspaces: Workspaces | None = None,
+        *,
+        closing: Callable[[], bool],
+        metrics: Recorder = NO_METRICS,
     ) -> None:
         self._config = config
         self._sessions = sessions
@@ -101,8 +104,9 @@ class Sweeper:
         self._stopping: set[asyncio.Task[None]] = set()
         self._workspaces = workspaces
         self.quota = detect(workspaces.root()) if workspaces is not None else None
-        self.closing = False
-        self.metrics: Recorder = NO_METRICS
+        # The daemon is shutting down: the sweep ends (SessionManager's).
+        self._closing = closing
+        self.metrics = metrics
         self._tick = 0
         # The measuring thread, one batch at a time (supervisor.core.measure).
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sessiond-measure", initializer=name_thread)
@@ -122,7 +126,7 @@ class Sweeper:
         """The periodic sweep, as one task for the daemon's life."""
         loop = asyncio.get_running_loop()
         next_tick = loop.time()
-        while not self.closing:
+        while not self._closing():
             interval = self._config().agent.limits.memory_poll_interval_ms / 1000.0
             next_tick = max(next_tick + interval, loop.time())
             await asyncio.sleep(next_tick - loop.time())
@@ -418,10 +422,17 @@ class Sweeper:
         if session.worker is not None:
             # The worker goes to the full pace on its input (its next beat
             # one interval after it); the shorter allowance counts from now.
-            session.worker.last_heartbeat = time.monotonic()
+            self._workers.heard_from(session.worker, time.monotonic())
         session.turn_timer = asyncio.get_running_loop().call_later(
             session.settings.agent.turn_timeout_secs, self._on_turn_timeout, session, turn
         )
+
+    def disarm_turn(self, session: Session) -> None:
+        """The turn ended: its timeout and its kill are off."""
+        for timer in (session.turn_timer, session.kill_timer):
+            if timer is not None:
+                timer.cancel()
+        session.turn_timer = session.kill_timer = None
 
     def retime_turn(self, session: Session) -> None:
         """A running turn under a changed turn_timeout_secs: its deadline is

@@ -19,7 +19,7 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -27,6 +27,8 @@ from ipc import messages as m
 from ipc.connection import FramedProtocol
 from ipc.contract import EXIT_BOOT_FAILED, ExitReason, LimitKind
 from ipc.errors import ProtocolError
+from ipc.settings import SandboxSettings, SessionSettings
+from supervisor.spawn import sandbox
 from supervisor.spawn.cgroups import Cgroups
 from supervisor.config import Config
 from supervisor.errors import Capacity, Conflict, Internal, SessiondError
@@ -57,6 +59,13 @@ _OOM_CHECKS = 50
 Pending = asyncio.Future[tuple[int, socket.socket]]
 
 
+@runtime_checkable
+class LosesWorkers(Protocol):
+    """A spawner whose workers can be lost with their machine (RaySpawner)."""
+
+    on_worker_lost: Callable[[int, str], None]
+
+
 class WorkerOwner:
     def __init__(
         self,
@@ -67,6 +76,15 @@ class WorkerOwner:
         proc_table: ProcTable,
         workspaces: Workspaces,
         spawn_task: Callable[[Coroutine[Any, Any, None]], None],
+        *,
+        closing: Callable[[], bool],
+        make_room: Callable[[Session], Awaitable[None]],
+        on_spawn_agent: Callable[[Session, WorkerProc, m.SpawnAgent], None],
+        claim: Callable[[Session], Awaitable[None]] | None = None,
+        sandbox: m.SandboxBoot | None = None,
+        cgroups: Cgroups | None = None,
+        cgroups_why: str = "not probed",
+        metrics: Recorder = NO_METRICS,
     ) -> None:
         self._config = config
         self.spawner = spawner
@@ -76,27 +94,38 @@ class WorkerOwner:
         self._workspaces = workspaces
         self._spawn_task = spawn_task
         self.by_pid: dict[int, Session] = {}
-        self.closing = False
+        # The daemon is shutting down: nothing is restarted (SessionManager's).
+        self._closing = closing
         # What the daemon found at start for confining tools (None: off).
-        self.sandbox: m.SandboxBoot | None = None
+        self.sandbox = sandbox
         # A cgroup per session (supervisor.spawn.cgroups), where the kernel offers one.
-        self.cgroups: Cgroups | None = None
-        self.cgroups_why = "not probed"  # why there is none, for stats
+        self.cgroups = cgroups
+        self.cgroups_why = cgroups_why  # why there is none, for stats
         # Per session: the kernel's OOM count of its cgroup when its worker
         # was attached (what is more is this worker's), and the OOM fd watched.
         self._oom_seen: dict[str, int] = {}
         self._oom_watched: dict[str, int] = {}
-        # Set by the daemon's core.
-        self.metrics: Recorder = NO_METRICS
-        self.make_room: Callable[[Session], Awaitable[None]] = _no_room_needed
+        self.metrics = metrics
+        # LiveSlots.make_room: a live worker's room, hibernating others for it.
+        self._make_room = make_room
         # Takes a session held by another daemon back first (supervisor.cluster.fencing).
-        self.claim: Callable[[Session], Awaitable[None]] = _no_room_needed
-        self.on_spawn_agent: Callable[[Session, WorkerProc, m.SpawnAgent], None] = lambda s, w, msg: None
+        self._claim = claim or _no_room_needed
+        # Subagents.run, as a task of the manager's.
+        self._on_spawn_agent = on_spawn_agent
+        # The spawner was built before any of the core (the zygote is forked
+        # before the loop exists), so its exit reports are routed here, by
+        # their owner, once: the one late connection left (ARCHITECTURE.md).
         # Through the pacer, like the workers' messages: an exit reported
         # after a worker's last message is handled after it.
         spawner.on_exit = lambda pid, code, sig: ledger.pacer.now_or_later(self.on_exit, pid, code, sig)
         spawner.on_zygote_lost = self.on_spawner_lost
-        ledger.on_unsaved = lambda session, worker, why: self.kill(session, worker, ExitReason.CRASHED, why)
+        if isinstance(spawner, LosesWorkers):
+            # Cluster mode: a worker lost with its node is a crash that names the node.
+            spawner.on_worker_lost = lambda pid, why: self.on_exit(pid, None, signal.SIGKILL, detail=why)
+
+    async def claim(self, session: Session) -> None:
+        """Take the session back if another daemon holds it (no-op alone)."""
+        await self._claim(session)
 
     # ---------------------------------------------------------------- start
 
@@ -112,8 +141,8 @@ class WorkerOwner:
         assert session.state is State.STARTING, session.state
         loop = asyncio.get_running_loop()
         try:
-            await self.claim(session)
-            await self.make_room(session)
+            await self._claim(session)
+            await self._make_room(session)
             snapshot, records, _ = await session.store.read_for_boot_soon()
         except BaseException as exc:
             self.drop_pending(pending)
@@ -174,7 +203,7 @@ class WorkerOwner:
             self.kill(session, worker, ExitReason.BOOT_FAILED, "no Ready within boot_timeout_secs")
             raise Internal(f"worker did not become ready within {timeout:g}s") from None
         self._events.set_state(session, Trigger.READY)
-        session.last_active = time.monotonic()
+        self._ledger.active(session)
 
     def _attach(self, session: Session, pid: int) -> None:
         """The worker into its session's cgroup (under its owner's uid), and
@@ -330,7 +359,7 @@ class WorkerOwner:
                                         request_id=rid, tool=tool, arguments=arguments),
                 )
             case m.SpawnAgent():
-                self.on_spawn_agent(session, worker, msg)
+                self._on_spawn_agent(session, worker, msg)
 
     # ---------------------------------------------------------------- kills and exits
 
@@ -393,7 +422,7 @@ class WorkerOwner:
         session.last_exit = info
         if worker.expected:
             tagged(log, session.id).info("worker %d exited (%s)", pid, worker.expected)
-            session.current_input = ""
+            self._ledger.take_input(session)  # not retried: it was asked to go
             self._ledger.abort(session, f"the session was {worker.expected}")
             return
         tagged(log, session.id).warning("worker %d %s", pid, describe_exit(info))
@@ -445,6 +474,55 @@ class WorkerOwner:
                 await asyncio.sleep(0.02)
         self._release_cgroup(session, worker.pid)
 
+    def stopping_for(self, session: Session, exit_reason: ExitReason) -> None:
+        """The worker's exit is recorded as the limit it is stopped for, from
+        the moment it is seen: never a plain "stopped" meanwhile."""
+        if session.worker is not None:
+            session.worker.stop_reason = exit_reason
+
+    def stopped_for(self, session: Session, exit_reason: ExitReason, detail: str) -> None:
+        """The last exit says the limit the session was stopped for."""
+        if session.last_exit is not None:
+            session.last_exit = msgspec.structs.replace(session.last_exit, reason=exit_reason.value, detail=detail)
+
+    def sandbox_report(self, worker: WorkerProc) -> dict[str, Any]:
+        """The worker's own report, plus the cgroup the daemon put it in."""
+        if self.cgroups is None:
+            return worker.sandbox
+        active = [*worker.sandbox.get("active", []),
+                  *(f"cgroup-{c}" for c in sorted(self.cgroups.controllers)), "cgroup-kill"]
+        return {**worker.sandbox, "active": active}
+
+    def host_report(self, settings: SandboxSettings) -> dict[str, Any]:
+        """The daemon-wide part of `stats` that is the workers' confinement."""
+        cgroups = self.cgroups.describe() if self.cgroups is not None else ""
+        return sandbox.summary(settings, self.sandbox, cgroups, self.cgroups_why)
+
+    def heard_from(self, worker: WorkerProc, at: float) -> None:
+        """Its heartbeat allowance counts from `at`."""
+        worker.last_heartbeat = max(worker.last_heartbeat, at)
+
+    def reconfigure(self, session: Session, old: SessionSettings) -> None:
+        """The session's settings changed (a reload): its restart policy
+        starts over, and a live worker gets the new settings and limits."""
+        session.policy = None
+        worker = session.worker
+        if worker is None or worker.exited.done():
+            return
+        # The worker may be asleep for one old interval before it beats
+        # at the new pace: do not count that against it.
+        self.heard_from(worker, time.monotonic() + old.agent.worker.heartbeat_interval_secs)
+        worker.conn.send(m.Reconfigure(settings=_settings_encoder.encode(session.settings)))
+        if self.cgroups is not None:
+            limits = session.settings.agent.limits
+            self.cgroups.limit(session.id, limits.max_memory_mb, limits.max_processes)
+
+    def restore_exits(self, session: Session, restarts: int, last_exit: m.ExitInfo | None) -> None:
+        """Restarts and the last exit as the store has them (claimed back)."""
+        session.restarts = restarts
+        if last_exit is not None:
+            session.last_exit = last_exit
+
     def _alive(self, session: Session, worker: WorkerProc) -> bool:
         """Anything of the session still running: its tree, the escapees
         seen, and (with cgroups) whatever is in its cgroup."""
@@ -455,7 +533,7 @@ class WorkerOwner:
     # ---------------------------------------------------------------- restarts
 
     def schedule_restart(self, session: Session) -> None:
-        if self.closing:
+        if self._closing():
             return
         ws = session.settings.agent.worker
         if session.policy is None:
@@ -491,10 +569,10 @@ class WorkerOwner:
     async def _auto_restart(self, session: Session) -> None:
         session.restart_handle = None
         async with session.lock:
-            if session.state is not State.RESTARTING or self.closing:
+            if session.state is not State.RESTARTING or self._closing():
                 return
             try:
-                await self.make_room(session)
+                await self._make_room(session)
             except Capacity:
                 self._events.set_state(
                     session, Trigger.HIBERNATE,
@@ -515,9 +593,8 @@ class WorkerOwner:
                     self._events.set_state(session, Trigger.EXIT, reason="boot_failed")
                     self.schedule_restart(session)
                 return
-            retry = session.settings.agent.worker.retry_aborted_turn and session.current_input
-            if retry:
-                text, session.current_input = session.current_input, ""
+            text = self._ledger.take_input(session)
+            if session.settings.agent.worker.retry_aborted_turn and text:
                 self._ledger.begin(session, text)
 
 

@@ -78,6 +78,14 @@ class ZygoteBackoff:
         return delay
 
 
+def _no_exit(pid: int, code: int | None, sig: int | None) -> None:
+    pass
+
+
+def _nothing() -> None:
+    pass
+
+
 class ZygoteSpawner:
     """Daemon-side owner of the zygote and of every worker process.
 
@@ -86,9 +94,16 @@ class ZygoteSpawner:
     zygote and must be called before the event loop exists.
     """
 
-    def __init__(self) -> None:
-        self.on_exit: Callable[[int, int | None, int | None], None] = lambda pid, code, sig: None
-        self.on_zygote_lost: Callable[[], None] = lambda: None
+    def __init__(
+        self,
+        on_exit: Callable[[int, int | None, int | None], None] | None = None,
+        on_zygote_lost: Callable[[], None] | None = None,
+    ) -> None:
+        # Where exits go: given here by an owner built first (the node
+        # host); the daemon's owner (WorkerOwner) is built after the fork,
+        # and routes them itself.
+        self.on_exit: Callable[[int, int | None, int | None], None] = on_exit or _no_exit
+        self.on_zygote_lost: Callable[[], None] = on_zygote_lost or _nothing
         self._sock: socket.socket | None = None
         self._pid = 0
         self._proc: subprocess.Popen[bytes] | None = None

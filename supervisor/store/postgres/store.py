@@ -497,16 +497,24 @@ class PgStateStore:
     `batch=False`: no group commit, every commit a round trip of its own on
     the caller's thread (the path before group commit; benches compare)."""
 
-    def __init__(self, dsn: str, retry_secs: float = 5.0, batch: bool | None = None) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        retry_secs: float = 5.0,
+        batch: bool | None = None,
+        *,
+        front: str | None = None,
+        check_claim: Callable[[psycopg.Cursor[Any], str, LoadedSession], None] | None = None,
+    ) -> None:
         self._link = PgLink(dsn, retry_secs)
         if batch is None:
             batch = BATCH_BY_DEFAULT
         self.writer = CommitWriter(dsn, retry_secs) if batch else None
         # This daemon's name in `sessiond_sessions.holder` once it shares
         # the database with others, and what a claim checks first inside its
-        # transaction (supervisor.cluster.fronts sets both); None: alone.
-        self.front: str | None = None
-        self.check_claim: Callable[[psycopg.Cursor[Any], str, LoadedSession], None] | None = None
+        # transaction (supervisor.cluster.fronts.claim_check); None: alone.
+        self.front = front
+        self.check_claim = check_claim
         self.reader = PgReader(dsn, retry_secs) if batch else None
         self.run(self._migrate, "the schema")
 
