@@ -38,6 +38,7 @@ import setproctitle
 from ipc import messages as m
 from ipc.loop import run as run_loop
 from ipc.linux import set_dumpable
+from supervisor.errors import StartupError
 from supervisor import __version__
 from supervisor.spawn import sandbox, seams
 from supervisor.ops import sdnotify
@@ -75,8 +76,6 @@ class Spawner(seams.Spawner, Protocol):
     def attach(self, loop: asyncio.AbstractEventLoop) -> None: ...
 
 
-class StartupError(Exception):
-    """The daemon cannot start; the text tells the operator what to fix."""
 
 
 def check_ancestors(path: Path, what: str) -> None:

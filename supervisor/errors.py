@@ -23,12 +23,16 @@ Answered to a client (the server maps each to an ipc Error{code, message}):
 The daemon's own (the core turns them into one of the above, or into a
 session's state, at the point that knows what they mean):
 
+    StartupError                        the daemon cannot start; the text says what to fix (daemon.py)
+    ClusterUnavailable                  cluster mode cannot start: Ray or its token (cluster/wiring.py)
     ConfigError                         config.toml or a --set value cannot be used (config.py)
+    OverrideError                       a --set a client may not make; names the key (core/overrides.py)
+    InvalidTransition                   no such state transition: a bug of ours, answered as internal
     StoreError                          a write did not become durable; nothing was acknowledged
     ├── StoreFull                       for want of space (ENOSPC, EDQUOT, EFBIG; PostgreSQL's disk)
     ├── IdTaken (also FileExistsError)  a create found its id taken by another daemon
     ├── Fenced                          a newer generation opened the session for writing
-    │   └── NotHeld                     (cluster/fencing.py) this front lost the session's lease
+    │   └── NotHeld                     this front does not hold the session (cluster/fencing.py)
     ├── HeldElsewhere                   a claim refused: another daemon is running a turn of it
     ├── StoreDamaged                    the stored session is corrupt; loading must not paper over it
     ├── Unreachable                     PostgreSQL could not be reached within retry_secs
@@ -42,11 +46,6 @@ Signals raised and caught inside one module (never escape it):
 
     AncestryMoved                       api/peer.py: an ancestor changed mid-walk; walk again
     AncestryHidden                      api/peer.py: part of the ancestry is alive but hidden
-
-Still defined next to their code (issue 22's wiring work moves them here):
-StartupError (daemon.py), InvalidTransition (core/states.py), OverrideError
-(core/overrides.py), ClusterUnavailable (cluster/wiring.py), NotHeld
-(cluster/fencing.py).
 
 Anything else escaping a request handler is logged with its traceback and
 answered as `internal`; the daemon never dies of one request.
@@ -64,6 +63,7 @@ __all__ = [
     "AncestryMoved",
     "BadRequest",
     "Capacity",
+    "ClusterUnavailable",
     "ConfigError",
     "Conflict",
     "Diverged",
@@ -71,13 +71,17 @@ __all__ = [
     "HeldElsewhere",
     "IdTaken",
     "Internal",
+    "InvalidTransition",
     "LimitError",
     "NoSpace",
     "NotFound",
+    "NotHeld",
+    "OverrideError",
     "PermissionDenied",
     "SandboxUnavailable",
     "SessiondError",
     "SpawnerDied",
+    "StartupError",
     "StoreDamaged",
     "StoreError",
     "StoreFull",
@@ -133,6 +137,27 @@ class NoSpace(SessiondError):
 # ---------------------------------------------------------------- configuration
 
 
+class StartupError(Exception):
+    """The daemon cannot start; the text tells the operator what to fix."""
+
+
+class ClusterUnavailable(Exception):
+    """Cluster mode cannot start; the text says what to fix."""
+
+
+class OverrideError(Exception):
+    """An override a client may not make; the text names the key and why."""
+
+
+class InvalidTransition(Exception):
+    """No transition from this state on this trigger (core/states.py)."""
+
+    def __init__(self, state: Any, trigger: Any) -> None:
+        super().__init__(f"no transition from {state} on {trigger}")
+        self.state = state
+        self.trigger = trigger
+
+
 class ConfigError(Exception):
     """A config file or an override that cannot be used; the text says which
     key, in which file, and why."""
@@ -167,6 +192,17 @@ class Fenced(StoreError):
         self.session = session
         self.mine = mine
         self.current = current
+
+
+class NotHeld(Fenced):
+    """A write for a session this daemon does not hold (released, or
+    never claimed since it started)."""
+
+    def __init__(self, session: str) -> None:
+        StoreError.__init__(self, f"session {session} is held by another daemon; this daemon writes "
+                                  "nothing for it until it claims it back (its next input, restart or stop)")
+        self.session = session
+        self.mine = self.current = 0
 
 
 class HeldElsewhere(StoreError):

@@ -31,7 +31,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from supervisor.errors import Conflict, NotFound
+from supervisor.errors import Conflict, NotFound, NotHeld
 from supervisor.ops.logtag import tagged
 from supervisor.core.holding import Holding
 from supervisor.core.session import Session
@@ -57,17 +57,6 @@ EXPECTED = "held by another daemon"
 
 # Reads a session's stored history without claiming it (None: cannot).
 HistoryReader = Callable[[str], tuple[Snapshot | None, list[Record]]]
-
-
-class NotHeld(Fenced):
-    """A write for a session this daemon does not hold (released, or
-    never claimed since it started)."""
-
-    def __init__(self, session: str) -> None:
-        StoreError.__init__(self, f"session {session} is held by another daemon; this daemon writes "
-                                  "nothing for it until it claims it back (its next input, restart or stop)")
-        self.session = session
-        self.mine = self.current = 0
 
 
 class UnheldLog:

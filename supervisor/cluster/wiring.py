@@ -27,6 +27,7 @@ import stat
 
 from supervisor.config import Config
 from supervisor.cluster.ray_spawner import RaySpawner
+from supervisor.errors import ClusterUnavailable
 from supervisor.spawn.seams import SpawnerDied
 
 __all__ = ["ClusterUnavailable", "join"]
@@ -35,10 +36,6 @@ __all__ = ["ClusterUnavailable", "join"]
 _CONNECT_TIMEOUT_SECS = 5.0
 
 log = logging.getLogger("sessiond.cluster")
-
-
-class ClusterUnavailable(Exception):
-    """Cluster mode cannot start; the text says what to fix."""
 
 
 def join(cfg: Config) -> RaySpawner:

@@ -39,13 +39,9 @@ import msgspec
 
 from ipc.settings import NETWORK_LEVELS, PermissionRule, SessionSettings
 from supervisor.config import valid_handler_name
-from supervisor.errors import BadRequest
+from supervisor.errors import BadRequest, OverrideError
 
 __all__ = ["OverrideError", "Resolved", "check_handler", "choose_handler", "resolve_overrides"]
-
-
-class OverrideError(Exception):
-    """An override a client may not make; the text names the key and why."""
 
 
 class Rule(enum.Enum):

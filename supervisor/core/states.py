@@ -23,6 +23,8 @@ import collections
 import enum
 from dataclasses import dataclass, field
 
+from supervisor.errors import InvalidTransition
+
 __all__ = [
     "InvalidTransition",
     "RestartDecision",
@@ -107,13 +109,6 @@ for _s in State:
         TRANSITIONS[(_s, T.STOP)] = S.STOPPING
     if _s is not S.DELETED:
         TRANSITIONS[(_s, T.DELETE)] = S.DELETED
-
-
-class InvalidTransition(Exception):
-    def __init__(self, state: State, trigger: Trigger) -> None:
-        super().__init__(f"no transition from {state} on {trigger}")
-        self.state = state
-        self.trigger = trigger
 
 
 def transition(state: State, trigger: Trigger) -> State:
