@@ -240,6 +240,14 @@ class CgroupsV1(Cgroups):
                 with contextlib.suppress(OSError):
                     (freezer / "freezer.state").write_text("THAWED")  # the SIGKILLs land
             time.sleep(0.002)
+        # Not empty: our kills did not land (no CAP_KILL, a process we may
+        # not signal).  A process at the cap would wait in the kernel for
+        # ever with the OOM killer off: hand the cgroup back to the kernel's.
+        if "memory" in dirs and _read_pids(procs):
+            log.warning("cgroup %s: processes outlived the kill; the kernel's OOM killer is on for it",
+                        dirs["memory"])
+            with contextlib.suppress(OSError):
+                (dirs["memory"] / "memory.oom_control").write_text("0")
 
     @staticmethod
     def _freeze(freezer: Path) -> bool:
