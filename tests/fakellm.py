@@ -292,6 +292,9 @@ class FakeLLM:
 class _Handler(BaseHTTPRequestHandler):
     owner: FakeLLM
     protocol_version = "HTTP/1.1"
+    # Each event is its own small write: without TCP_NODELAY, Nagle holds one
+    # back until the client's delayed ACK (~40 ms on loopback), per request.
+    disable_nagle_algorithm = True
 
     def setup(self) -> None:
         super().setup()

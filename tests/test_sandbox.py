@@ -38,7 +38,9 @@ from ipc import messages as m
 from test_access import NOBODY, open_root, root_only  # noqa: F401 (fixture)
 from test_agent_e2e import agent_config, tool_results
 
-pytestmark = [pytest.mark.process, root_only]
+# One xdist worker runs them all (make test: -n 3 --dist loadgroup): they find
+# their tools' processes by command line among all of the machine's.
+pytestmark = [pytest.mark.process, root_only, pytest.mark.xdist_group("sandbox")]
 
 SECRET = "victim-secret-0815"
 
