@@ -60,13 +60,16 @@ system-deps:
 
 # The process tier's tests wait on daemons, sockets and polls more than they
 # compute: PYTEST_WORKERS of them run side by side (pytest-xdist), also on
-# two cores.  Tests that share one heavy module fixture, or find their
-# processes among all of the machine's, carry an xdist_group: one worker
-# runs each group.  PYTEST_WORKERS=0: one process, in order.
+# two cores.  One worker runs each file whole (--dist loadfile): a module's
+# fixtures (the Ray cluster, test_hostile_unit's PostgreSQL) start once, and
+# tests that find their tools' processes by command line among all of the
+# machine's (test_sandbox, test_session_cost, test_cgroups) never see a
+# sibling's.  (Not loadgroup: pytest 9.2 drops its node id suffix and so
+# its grouping, pytest-dev/pytest-xdist#1386.)  PYTEST_WORKERS=0: in order.
 PYTEST_WORKERS ?= 3
 
 test: $(VENV)/.installed-test system-deps
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 # The pure, protocol and component tiers: no daemon, no child processes.
 test-fast: $(VENV)/.installed-test system-deps

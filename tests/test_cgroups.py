@@ -27,9 +27,7 @@ from harness import wait_for
 from test_access import root_only
 from test_agent_e2e import agent_config
 
-# One xdist worker runs them all (make test: -n 3 --dist loadgroup): they find
-# their tools' processes by command line among all of the machine's.
-pytestmark = [pytest.mark.process, root_only, pytest.mark.xdist_group("cgroups")]
+pytestmark = [pytest.mark.process, root_only]
 
 
 @pytest.fixture

@@ -36,10 +36,6 @@ from supervisor.errors import BadRequest
 from supervisor.nodehost import read_more
 from test_spawner_contract import CHECKS, Check
 
-# One xdist worker runs them all (make test: -n 3 --dist loadgroup): they
-# share module-scoped fixtures.
-pytestmark = pytest.mark.xdist_group("ray_cluster")
-
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayCluster]:

@@ -43,9 +43,7 @@ from test_access import NOBODY, open_root, root_only  # noqa: F401 (fixture)
 from test_agent_e2e import agent_config, tool_results
 from test_sandbox import mechanisms, shell_quote
 
-# One xdist worker runs them all (make test: -n 3 --dist loadgroup): they
-# share a module-scoped PostgreSQL server.
-pytestmark = [pytest.mark.process, root_only, pytest.mark.xdist_group("hostile_unit_pg")]
+pytestmark = [pytest.mark.process, root_only]
 
 SECRET = "victim-secret-2121"
 SESSION_UIDS = (1879048192, 1879113727)  # [daemon] session_uid_range default

@@ -34,10 +34,6 @@ REPO = Path(__file__).resolve().parent.parent
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces, mounts and other uids need root")
 SESSION_UIDS = range(1879048192, 1879113728)  # the default [daemon] session_uid_range
 
-# One xdist worker runs them all (make test: -n 3 --dist loadgroup): they
-# share module-scoped fixtures.
-pytestmark = pytest.mark.xdist_group("peer_identity_hidden")
-
 
 def _check(conn: Any, cred: Any, roots: frozenset[int], daemon_uid: int, span: range | None = None) -> str:
     """The check as the daemon makes it: a reason to refuse, '' to admit."""

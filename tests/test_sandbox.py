@@ -38,9 +38,7 @@ from ipc import messages as m
 from test_access import NOBODY, open_root, root_only  # noqa: F401 (fixture)
 from test_agent_e2e import agent_config, tool_results
 
-# One xdist worker runs them all (make test: -n 3 --dist loadgroup): they find
-# their tools' processes by command line among all of the machine's.
-pytestmark = [pytest.mark.process, root_only, pytest.mark.xdist_group("sandbox")]
+pytestmark = [pytest.mark.process, root_only]
 
 SECRET = "victim-secret-0815"
 

@@ -28,9 +28,7 @@ from supervisor.measure import THREAD_NAME
 from test_access import NOBODY, open_root, root_only  # noqa: F401 (fixture)
 from test_agent_e2e import agent_config
 
-# One xdist worker runs them all (make test: -n 3 --dist loadgroup): they find
-# their tools' processes by command line among all of the machine's.
-pytestmark = [pytest.mark.process, root_only, pytest.mark.xdist_group("session_cost")]
+pytestmark = [pytest.mark.process, root_only]
 
 
 @pytest.fixture(autouse=True)
