@@ -1,6 +1,8 @@
-"""The suite itself (tests/conftest.py): a failed test that ran a daemon
-shows the daemon's log in its report.  Runs pytest on a small file of its
-own in a child process, so the failure it provokes is that child's."""
+"""The suite itself: a failed test that ran a daemon shows the daemon's log
+in its report (tests/conftest.py; pytest runs a small file of its own in a
+child process, so the failure it provokes is that child's), and the
+suite's PostgreSQL listens on no network address (tests/pg_server.py; the
+Ray cluster's namespace is checked in tests/test_cluster.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness import env_for_children
+from pg_server import PgServer
 
 TESTS = Path(__file__).resolve().parent
 
@@ -50,3 +53,16 @@ def test_a_failed_test_shows_the_tail_of_each_daemon_log(tmp_path: Path) -> None
     failed = out[out.index("test_fails_after_the_daemon_said_something"):]
     section = failed[failed.index("sessiond log (call)"):]
     assert "marked" in section, out
+
+
+@pytest.mark.component
+def test_the_suite_s_postgresql_listens_on_its_unix_socket_only(pg_server: PgServer) -> None:
+    """tests/pg_server.py starts PostgreSQL with no TCP address at all: only
+    processes of this machine that can open its socket directory reach it."""
+    import psycopg
+
+    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+        row = conn.execute("SHOW listen_addresses").fetchone()
+        assert row is not None and row[0] == ""
+        row = conn.execute("SELECT inet_server_addr()").fetchone()
+        assert row is not None and row[0] is None  # this very connection came over the Unix socket
