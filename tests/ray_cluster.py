@@ -206,7 +206,13 @@ class RayCluster:
         proc.wait(timeout=30)
         psutil.wait_procs(members, timeout=30)
 
-    def close(self) -> None:
+    def close(self, keep_logs: bool = False) -> None:
+        """Kill every node; `keep_logs`: leave the temp dir (each node's
+        log and Ray's session_*/logs, the node hosts' among them) for a
+        failure to be read, and say where on stderr."""
         for ip in reversed(list(self.nodes)):
             self._kill_group(self.nodes[ip])
+        if keep_logs:
+            sys.stderr.write(f"\nray_cluster: a test failed; the nodes' logs stay in {self.root}\n")
+            return
         shutil.rmtree(self.root, ignore_errors=True)

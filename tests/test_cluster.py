@@ -49,14 +49,16 @@ def loopback_netns() -> Iterator[LoopbackNetns]:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(loopback_netns: LoopbackNetns) -> Iterator[RayCluster]:
+def ray_cluster(loopback_netns: LoopbackNetns, request: pytest.FixtureRequest) -> Iterator[RayCluster]:
     """One cluster for this module's tests, gone once they are done: an
-    idle Ray costs the rest of the run a share of its two cores."""
+    idle Ray costs the rest of the run a share of its two cores.  After a
+    failure its logs stay (the node hosts' say what the front cannot)."""
     cluster = RayCluster(netns=loopback_netns)
+    failed = request.session.testsfailed
     try:
         yield cluster
     finally:
-        cluster.close()
+        cluster.close(keep_logs=request.session.testsfailed > failed)
 
 
 @pytest.fixture
