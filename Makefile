@@ -10,7 +10,7 @@ CONFIG ?=
 # The checkout goes into the venv as a plain path line (.pth), not through
 # setuptools' default editable import hook: that hook runs at every start of
 # the venv's Python and imports pathlib, re and urllib.parse, ~25 ms of the
-# 50 a one-shot `sessionctl ls` may take (bench/README.md, issue 12).  A
+# 50 a one-shot `sessionctl ls` may take (bench/README.md, idle.py).  A
 # setuptools without the (transitional) compat mode gets the default one.
 EDITABLE := --config-settings editable_mode=compat
 
@@ -35,13 +35,14 @@ run: $(VENV)/.installed
 	$(VENV)/bin/sessiond run$(if $(CONFIG), --config "$(CONFIG)")
 
 # What the tests start for real and a fresh machine may lack: bubblewrap
-# (each session's sandbox) and PostgreSQL's server binaries (the postgres
-# store).  As root with apt-get they are installed from the distribution;
+# (each session's sandbox), PostgreSQL's server binaries (the postgres
+# store) and zsh (its completion script is parsed by zsh itself).  As root with apt-get they are installed from the distribution;
 # otherwise make stops and names them.  PG_BIN=/path/to/bin points at a
 # PostgreSQL installed elsewhere.
 system-deps:
 	@missing=""; \
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
+	command -v zsh >/dev/null 2>&1 || missing="$$missing zsh"; \
 	{ test -n "$$PG_BIN" && test -x "$$PG_BIN/initdb"; } || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
 	  || command -v initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
 	if [ -n "$$missing" ]; then \
@@ -81,7 +82,7 @@ typecheck: $(VENV)/.installed-test
 # sessionctl(1) from the argparse definitions: `man -l man/sessionctl.1`.
 man: $(VENV)/.installed
 	mkdir -p man
-	$(PY) -m supervisor.manpage > man/sessionctl.1
+	$(PY) -m supervisor.ctl.manpage > man/sessionctl.1
 
 BENCHES := spawn ipc memory limits restart persist agent hostile sandbox metrics load fsync_batch idle cluster pg_batch sweep
 

@@ -155,7 +155,7 @@ class ProbedAgent(AgentHandler):
 def _probe_daemon(path: str) -> None:
     import json
 
-    from supervisor.workers import WorkerOwner
+    from supervisor.core.workers import WorkerOwner
 
     out = open(path, "a", buffering=1)  # noqa: SIM115 (open for the daemon's life)
     seen: set[tuple[str, int]] = set()

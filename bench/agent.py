@@ -86,7 +86,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from ipc import messages as m  # noqa: E402
-from supervisor.client import AsyncClient  # noqa: E402
+from supervisor.ctl.client import AsyncClient  # noqa: E402
 
 TESTS = c.REPO / "tests"
 MODEL = "fake-model"

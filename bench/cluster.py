@@ -55,7 +55,7 @@ c.setup_path()
 from pg_server import PgServer  # noqa: E402
 from ray_cluster import HEALTH_ENV, NODE_IPS, RayCluster  # noqa: E402
 
-from supervisor.client import Client  # noqa: E402
+from supervisor.ctl.client import Client  # noqa: E402
 
 IDLE_SESSIONS = 20
 IDLE_ROUNDS = 3

@@ -2,6 +2,7 @@
 and `sessionctl --json ls`.
 
     .venv/bin/python bench/idle.py [--n 1000] [--idle-secs 10] [--profile FILE] [--json]
+                                   [--ctl-repo DIR] [--ctl-rounds 9]
 
 - create: N echo sessions, 16 creates in flight (`AsyncClient.create`), the
   rate over the whole batch, and the CPU each create cost in every process
@@ -12,7 +13,7 @@ and `sessionctl --json ls`.
   /proc/PID/task/*/schedstat; the default 100 ms memory poll;
 - ls: `sessionctl --json ls` as a user runs it (a new process: interpreter
   start included), median of CTL_ROUNDS, through both of sessionctl's paths
-  in the same run, interleaved: the one-shot path (supervisor/ctl_fast.py,
+  in the same run, interleaved: the one-shot path (supervisor/ctl/fast.py,
   the `sessionctl` entry point: blocking socket, msgpack, no asyncio) and
   the full path (`python -m supervisor.ctl`: asyncio, uvloop, argparse,
   msgspec), each beside a `--json ping` (the same process start, nothing
@@ -22,7 +23,9 @@ and `sessionctl --json ls`.
   The CLI runs with a bytecode cache (PYTHONPYCACHEPREFIX in a temp dir,
   warmed once), as an installed sessionctl has; the one-shot `ls` is also
   timed without one (PYTHONDONTWRITEBYTECODE=1: our modules compiled at
-  every start).
+  every start).  --ctl-repo DIR also times another checkout's one-shot
+  `ls`, `ping` and imports in the same rounds, against the same daemon (a
+  before and after of a change to sessionctl, side by side).
 
 Goals (issue 12): daemon <= 5% of a core, workers together <= 2%, ls <= 50 ms,
 create >= 500 sessions/s.  With --profile the daemon runs under cProfile
@@ -50,7 +53,7 @@ from bench import _common as c  # noqa: E402
 c.setup_path()
 
 from ipc.loop import run as loop_run  # noqa: E402
-from supervisor.client import AsyncClient  # noqa: E402
+from supervisor.ctl.client import AsyncClient  # noqa: E402
 
 CTL_ROUNDS = 9
 
@@ -78,7 +81,7 @@ async def _create(d: c.BenchDaemon, n: int) -> tuple[float, list[str]]:
 
 # The one-shot path as the `sessionctl` console script runs it, and the
 # full path as `python -m supervisor.ctl`.
-ONE_SHOT = [sys.executable, "-c", "from supervisor.ctl_fast import run; run()"]
+ONE_SHOT = [sys.executable, "-c", "from supervisor.ctl.fast import run; run()"]
 FULL = [sys.executable, "-m", "supervisor.ctl"]
 
 
@@ -86,9 +89,9 @@ def _ctl(d: c.BenchDaemon, path: list[str], *args: str, env: dict[str, str]) -> 
     return _timed([*path, "--socket", str(d.socket), "--json", *args], env)
 
 
-def _timed(cmd: list[str], env: dict[str, str]) -> float:
+def _timed(cmd: list[str], env: dict[str, str], cwd: str | None = None) -> float:
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env, cwd=cwd)
     return time.perf_counter() - t0
 
 
@@ -118,6 +121,8 @@ def main() -> int:
     p.add_argument("--idle-secs", type=float, default=10.0)
     p.add_argument("--profile", metavar="FILE")
     p.add_argument("--daemon-repo", metavar="DIR", help="run another checkout's daemon (a baseline)")
+    p.add_argument("--ctl-repo", metavar="DIR", help="also time another checkout's one-shot sessionctl")
+    p.add_argument("--ctl-rounds", type=int, default=CTL_ROUNDS, help="rounds of the sessionctl timings")
     args = p.parse_args()
     rep = c.Report("idle", args.json)
     flags = ["-m", "cProfile", "-o", str(Path(args.profile).resolve())] if args.profile else []
@@ -152,27 +157,42 @@ def main() -> int:
         runs: dict[str, Any] = {
             "one-shot ls": lambda: _ctl(d, ONE_SHOT, "ls", env=cached),
             "one-shot ping": lambda: _ctl(d, ONE_SHOT, "ping", env=cached),
-            "one-shot imports": lambda: _timed([sys.executable, "-c", "import supervisor.ctl_fast"], cached),
+            "one-shot imports": lambda: _timed([sys.executable, "-c", "import supervisor.ctl.fast"], cached),
             "one-shot ls, no bytecode cache": lambda: _ctl(d, ONE_SHOT, "ls", env=uncached),
             "full ls": lambda: _ctl(d, FULL, "ls", env=cached),
             "full ping": lambda: _ctl(d, FULL, "ping", env=cached),
-            "full imports": lambda: _timed([sys.executable, "-c", "import supervisor.ctl"], cached),
+            "full imports": lambda: _timed([sys.executable, "-c", "import supervisor.ctl.cli"], cached),
             "python -c pass": lambda: _timed([sys.executable, "-c", "pass"], cached),
         }
+        paths = ["one-shot", "full"]
+        if args.ctl_repo:
+            # `-c` puts the working directory first on sys.path: run there.
+            repo = str(Path(args.ctl_repo).resolve())
+            other = {**cached, "PYTHONPATH": repo}
+            runs.update({
+                "baseline one-shot ls": lambda: _timed([*ONE_SHOT, "--socket", str(d.socket), "--json", "ls"],
+                                                       other, repo),
+                "baseline one-shot ping": lambda: _timed([*ONE_SHOT, "--socket", str(d.socket), "--json", "ping"],
+                                                         other, repo),
+                "baseline one-shot imports": lambda: _timed([sys.executable, "-c", "import supervisor.ctl.fast"],
+                                                            other, repo),
+            })
+            paths.insert(0, "baseline one-shot")
         for run in runs.values():
             run()  # fills the bytecode cache
         times: dict[str, list[float]] = {k: [] for k in runs}
-        for _ in range(CTL_ROUNDS):
+        for _ in range(args.ctl_rounds):
             for name, run in runs.items():
                 times[name].append(run())
         cli_ms = {k: statistics.median(v) * 1000 for k, v in times.items()}
+        cli_min_ms = {k: min(v) * 1000 for k, v in times.items()}
         ls_ms, ping_ms = cli_ms["one-shot ls"], cli_ms["one-shot ping"]
         listed_ms = statistics.median(loop_run(_listed(d, 20))) * 1000
     finally:
         d.cleanup()
     fig: dict[str, Any] = {"n": args.n, "create_per_sec": rate, "daemon_cpu_pct": daemon_pct,
                            "workers_cpu_pct": workers_pct, "ls_ms": ls_ms, "ping_ms": ping_ms,
-                           "cli_ms": cli_ms, "ls_in_process_ms": listed_ms, "workers": len(workers),
+                           "cli_ms": cli_ms, "cli_min_ms": cli_min_ms, "ls_in_process_ms": listed_ms, "workers": len(workers),
                            "cpu_per_create_ms": {k: v * 1000 for k, v in per_create.items()},
                            "create_ceiling_per_sec": ceiling}
     rep.figures.update(fig)
@@ -181,11 +201,11 @@ def main() -> int:
               [[str(args.n), f"{rate:.0f}", f"{daemon_pct:.1f}%", f"{workers_pct:.1f}%",
                 f"{ls_ms:.0f} ms", f"{ping_ms:.0f} ms"]])
     rep.say()
-    rep.say(f"`sessionctl --json ls` of {args.n} (medians of {CTL_ROUNDS}, same run, interleaved):")
-    rep.table(["path", "ls", "ping", "its imports", "ls vs the full path"],
-              [[p, f"{cli_ms[p + ' ls']:.0f} ms", f"{cli_ms[p + ' ping']:.0f} ms",
+    rep.say(f"`sessionctl --json ls` of {args.n} (medians of {args.ctl_rounds}, same run, interleaved):")
+    rep.table(["path", "ls", "ls, fastest", "ping", "its imports", "ls vs the full path"],
+              [[p, f"{cli_ms[p + ' ls']:.0f} ms", f"{cli_min_ms[p + ' ls']:.0f} ms", f"{cli_ms[p + ' ping']:.0f} ms",
                 f"{cli_ms[p + ' imports']:.0f} ms", f"{cli_ms['full ls'] / cli_ms[p + ' ls']:.2f}x"]
-               for p in ("one-shot", "full")])
+               for p in paths])
     rep.say(f"python -c pass {cli_ms['python -c pass']:.0f} ms; the one-shot ls without a bytecode "
             f"cache {cli_ms['one-shot ls, no bytecode cache']:.0f} ms; the listing in a warm "
             f"client (daemon + decode) {listed_ms:.1f} ms")

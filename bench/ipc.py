@@ -55,7 +55,7 @@ import msgspec  # noqa: E402
 from ipc import messages as m  # noqa: E402
 from ipc.connection import FramedProtocol  # noqa: E402
 from ipc.framing import FrameEncoder  # noqa: E402
-from supervisor.client import AsyncClient  # noqa: E402
+from supervisor.ctl.client import AsyncClient  # noqa: E402
 
 LAUNCHER = _BENCH / "_loop_launcher.py"
 TEXT = ("0123456789" * 10)[:100]

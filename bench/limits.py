@@ -60,7 +60,7 @@ c.setup_path()
 import psutil  # noqa: E402
 
 from ipc import messages as m  # noqa: E402
-from supervisor.client import AsyncClient  # noqa: E402
+from supervisor.ctl.client import AsyncClient  # noqa: E402
 
 BASELINE_MS = 60000
 CAP_MB = 64

@@ -40,7 +40,7 @@ hogs, now the sessions' own: what weighting is for).
 Slow disk: with --slow-ms X (default 3; 0 skips it) the whole table is
 measured again with the daemon started with SESSIOND_BENCH_FSYNC_DELAY_MS=X,
 which makes the file store sleep X ms before every fdatasync/fsync of a log,
-a stand-in for network block storage (bench-only: see supervisor/store.py).
+a stand-in for network block storage (bench-only: see supervisor/store/files.py).
 A daemon that fsyncs once per turn caps at ~1000/X turns/s whatever N; one
 that groups commits scales with the batch.
 """
@@ -68,7 +68,7 @@ from bench import _common as c  # noqa: E402
 c.setup_path()
 
 from ipc.loop import run as loop_run  # noqa: E402
-from supervisor.client import AsyncClient  # noqa: E402
+from supervisor.ctl.client import AsyncClient  # noqa: E402
 
 TEXT = ("0123456789" * 10)[:100]
 WARMUP_SECS = 0.5

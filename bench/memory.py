@@ -42,7 +42,7 @@ c.setup_path()
 
 import psutil  # noqa: E402
 
-from supervisor.client import AsyncClient  # noqa: E402
+from supervisor.ctl.client import AsyncClient  # noqa: E402
 
 CONFIG = """
 [agent.limits]

@@ -42,7 +42,7 @@ from bench import _common as c  # noqa: E402
 
 c.setup_path()
 
-from supervisor.client import AsyncClient  # noqa: E402
+from supervisor.ctl.client import AsyncClient  # noqa: E402
 
 CONFIG = """
 [agent.limits]

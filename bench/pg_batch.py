@@ -8,7 +8,7 @@ binaries, a Unix socket only) and two daemons on it, each in a schema of
 its own:
 
 - `batched`: the store as it ships, every session's pending commits landed
-  by a writer thread as one statement, off the loop (supervisor.pg_batch);
+  by a writer thread as one statement, off the loop (supervisor.store.postgres.batch);
 - `synchronous`: the same daemon started with SESSIOND_BENCH_PG_BATCH=0
   (bench-only), where every commit is its own round trip made on the
   daemon's loop (the path before group commit).
@@ -51,7 +51,7 @@ c.setup_path()
 
 from ipc.loop import run as loop_run  # noqa: E402
 from pg_server import PgServer  # noqa: E402
-from supervisor.client import AsyncClient  # noqa: E402
+from supervisor.ctl.client import AsyncClient  # noqa: E402
 
 WARMUP_SECS = 0.5  # as load.py's generator
 PING_GAP_SECS = 0.002

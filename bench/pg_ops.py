@@ -53,7 +53,7 @@ c.setup_path()
 
 from ipc.loop import run as loop_run  # noqa: E402
 from pg_server import PgServer  # noqa: E402
-from supervisor.client import AsyncClient  # noqa: E402
+from supervisor.ctl.client import AsyncClient  # noqa: E402
 
 WARMUP_SECS = 0.3
 PING_GAP_SECS = 0.002

@@ -50,7 +50,7 @@ from bench import _common as c  # noqa: E402
 c.setup_path()
 
 from ipc import messages as m  # noqa: E402
-from supervisor.client import AsyncClient  # noqa: E402
+from supervisor.ctl.client import AsyncClient  # noqa: E402
 
 BACKOFF_MS = 1
 CONFIG = f"""

@@ -41,7 +41,7 @@ from ipc import messages as m  # noqa: E402
 from ipc.settings import SessionSettings  # noqa: E402
 from session_worker import sandbox  # noqa: E402
 from session_worker.agent._bash import run_bash  # noqa: E402
-from supervisor.client import AsyncClient  # noqa: E402
+from supervisor.ctl.client import AsyncClient  # noqa: E402
 
 CONFIG = """
 [agent.limits]

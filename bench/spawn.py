@@ -41,7 +41,7 @@ c.setup_path()
 import msgspec  # noqa: E402
 
 from ipc import messages as m  # noqa: E402
-from supervisor.client import AsyncClient  # noqa: E402
+from supervisor.ctl.client import AsyncClient  # noqa: E402
 
 CONFIG = """
 [agent.limits]
@@ -196,7 +196,7 @@ def fork_helper(n: int, kind: str, workspace: Path | None = None) -> list[int]:
 
 
 def store_create_times(root: Path, n: int) -> list[int]:
-    from supervisor.store import Meta, SessionStore
+    from supervisor.store.files import Meta, SessionStore
 
     out = []
     for i in range(n):

@@ -41,7 +41,7 @@ import psutil  # noqa: E402
 from bench import _common as c  # noqa: E402
 from ipc import messages as m  # noqa: E402
 from ipc.framing import encode_frame  # noqa: E402
-from supervisor.client import Client  # noqa: E402
+from supervisor.ctl.client import Client  # noqa: E402
 
 _reply = msgspec.msgpack.Decoder(m.Reply)
 CONFIG = """

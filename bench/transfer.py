@@ -36,7 +36,7 @@ _TURN_BYTES = 5000
 
 
 def document(mb: float, turn_bytes: int = _TURN_BYTES) -> bytes:
-    from supervisor.transfer import ExportDocument, ExportedCommit, ExportedInput
+    from supervisor.api.transfer import ExportDocument, ExportedCommit, ExportedInput
 
     turns = max(1, int(mb * 1_000_000 / (2 * turn_bytes + 60)))
     records: list[ExportedInput | ExportedCommit] = []
@@ -50,7 +50,7 @@ def document(mb: float, turn_bytes: int = _TURN_BYTES) -> bytes:
 
 async def _pinger(sock: str) -> None:
     """Ping until stdin closes, then print [(sent_at, secs), ...] as JSON."""
-    from supervisor.client import AsyncClient
+    from supervisor.ctl.client import AsyncClient
 
     client = await AsyncClient.connect(sock, client_name="pinger")
     done = asyncio.Event()
@@ -66,7 +66,7 @@ async def _pinger(sock: str) -> None:
 
 
 async def _phases(sock: str, doc: bytes, rounds: int, idle_secs: float) -> dict[str, list[tuple[float, float]]]:
-    from supervisor.client import AsyncClient
+    from supervisor.ctl.client import AsyncClient
 
     client = await AsyncClient.connect(sock, client_name="bench-transfer")
     windows: dict[str, list[tuple[float, float]]] = {"none": [], "import": [], "export": [], "history": []}

@@ -1,4 +1,5 @@
-"""Errors of the wire layer.
+"""Errors of the contract every process shares: the wire layer, and what a
+person types that sessionctl and the daemon check alike (ipc/inputs.py).
 
     ProtocolError               the peer sent something we cannot accept
     ├── FrameTooLarge           length prefix over max_frame_bytes (connection is closed)
@@ -6,11 +7,24 @@
     ├── OverBudget              connections sharing a budget hold too many bytes (connection is closed)
     └── BadMessage              a whole frame that is not a valid message (connection survives)
     ConnectionClosed            the peer went away (EOF or reset); nothing more will arrive
+    ValueError
+    └── BadOverride             a --set item that is not KEY=VALUE (sessionctl prints it; the
+                                daemon's config turns it into its ConfigError)
+    Exception
+    └── UnsupportedField        a message field the one-shot path's table cannot describe
+                                (python -m ipc.wiregen refuses to write the table)
+
+Each side's own errors are in its tree: supervisor/errors.py (the daemon),
+supervisor/ctl/errors.py (sessionctl and the client library),
+session_worker/errors.py (the zygote, the workers, the tool host's client).
 """
 
 from __future__ import annotations
 
-__all__ = ["BadMessage", "ConnectionClosed", "FrameTimeout", "FrameTooLarge", "OverBudget", "ProtocolError"]
+__all__ = [
+    "BadMessage", "BadOverride", "ConnectionClosed", "FrameTimeout", "FrameTooLarge", "OverBudget", "ProtocolError",
+    "UnsupportedField",
+]
 
 
 class ProtocolError(Exception):
@@ -47,3 +61,12 @@ class BadMessage(ProtocolError):
 
 class ConnectionClosed(Exception):
     pass
+
+
+class BadOverride(ValueError):
+    """A `--set` item that is not KEY=VALUE (the daemon's config turns it
+    into its ConfigError)."""
+
+
+class UnsupportedField(Exception):
+    """A field the one-shot path's grammar has no kind for (ipc/wiregen.py)."""

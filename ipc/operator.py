@@ -99,7 +99,7 @@ class Export(_Msg, tag="export"):
 class ExportReply(_Msg, tag="exported"):
     id: int
     session: str
-    document: bytes  # JSON (supervisor.transfer.ExportDocument)
+    document: bytes  # JSON (supervisor.api.transfer.ExportDocument)
 
 
 class Import(_Msg, tag="import"):
@@ -145,7 +145,7 @@ class Drain(_Msg, tag="drain"):
 
     id: int
     node: str  # its IP address as `ls --json` shows it (`node`), or its Ray node id
-    timeout_secs: float | None = None  # None: the daemon's default (supervisor.drain)
+    timeout_secs: float | None = None  # None: the daemon's default (supervisor.cluster.drain)
     undo: bool = False
 
 

@@ -10,7 +10,7 @@ so that a socket another user planted on the path (a squatted
 prompt.
 
 The rule is written once, as text (`default_socket_text`): sessionctl's
-one-shot path (supervisor.ctl_fast) must not import pathlib, which costs
+one-shot path (supervisor.ctl.fast) must not import pathlib, which costs
 more at start-up (~5-20 ms here) than that whole path's own work."""
 
 from __future__ import annotations

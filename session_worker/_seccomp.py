@@ -35,8 +35,9 @@ import os
 import struct
 
 from ipc.contract import SECCOMP_MACHINES
+from session_worker.errors import UnsupportedArch
 
-__all__ = ["UnsupportedArch", "build", "denied_syscalls", "socket_families", "unsupported"]
+__all__ = ["build", "denied_syscalls", "socket_families", "unsupported"]
 
 # linux/audit.h
 _AUDIT_ARCH_X86_64 = 0xC000003E
@@ -75,10 +76,6 @@ _KILL_PROCESS = 0x80000000
 _ERRNO = 0x00050000
 # struct seccomp_data: nr (u32), arch (u32), instruction_pointer (u64), args[6] (u64)
 _NR, _ARCH, _ARG0_LOW = 0, 4, 16
-
-
-class UnsupportedArch(Exception):
-    """No syscall table for this machine: run without seccomp, and say so."""
 
 
 def unsupported(machine: str | None = None) -> str:

@@ -7,13 +7,10 @@ this: no cycle.  Runs in a worker, at boot.
 
 from __future__ import annotations
 
+from session_worker.errors import HandlerLoadError
 from session_worker.handler import HandlerFactory, import_object
 
-__all__ = ["HandlerLoadError", "load_factory"]
-
-
-class HandlerLoadError(Exception):
-    """A handler name that cannot be resolved to a factory."""
+__all__ = ["load_factory"]
 
 
 def load_factory(name: str) -> HandlerFactory:

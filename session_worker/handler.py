@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ipc.settings import SessionSettings
+# Re-exported: a handler's author raises them as this interface's (docs/agent.md).
+from session_worker.errors import SpawnError, TurnFailure
 
 __all__ = [
     "Handler",
@@ -62,19 +64,6 @@ class TurnResult:
     stop_detail: str = ""
     # Tokens spent by the turn: prompt_tokens, completion_tokens, reasoning_tokens.
     usage: dict[str, int] = field(default_factory=dict)
-
-
-class SpawnError(Exception):
-    """A sub-agent could not be run; the message is readable by the model."""
-
-
-class TurnFailure(Exception):
-    """Fails the current turn; `record` (if not None) is still committed."""
-
-    def __init__(self, reason: str, record: Any = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.record = record
 
 
 @dataclass(slots=True, frozen=True)

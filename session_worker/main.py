@@ -55,12 +55,11 @@ from ipc.settings import SessionSettings
 from session_worker import sandbox
 from session_worker._signals import set_signal
 from session_worker.factories import load_factory
+from session_worker.errors import SpawnError, StopWhileIdle, TurnFailure
 from session_worker.handler import (
     Handler,
     HandlerInit,
-    SpawnError,
     TurnContext,
-    TurnFailure,
     TurnResult,
 )
 
@@ -392,10 +391,6 @@ def _confine(settings: SessionSettings, uid: int | None, gid: int | None) -> Non
     set_dumpable(False)
 
 
-class _Stop(Exception):
-    """SIGTERM while the worker waits for its first input (see `_Link`)."""
-
-
 class _Link:
     """The daemon's socket before the event loop exists: blocking reads of
     whole frames, the first byte with a timeout (the next heartbeat);
@@ -404,7 +399,7 @@ class _Link:
     Reads take exactly one frame, so nothing of a later frame is buffered
     here when the event loop's transport takes the socket over.  SIGTERM
     (the daemon's stop, to our process group) is noted; while we wait for
-    a frame it also interrupts the wait (`_Stop`), so a stop is never left
+    a frame it also interrupts the wait (`StopWhileIdle`), so a stop is never left
     waiting for the next heartbeat."""
 
     def __init__(self, sock: socket.socket) -> None:
@@ -416,7 +411,7 @@ class _Link:
     def _on_sigterm(self, signum: int, frame: object) -> None:
         self.stop_requested = True
         if self._waiting:
-            raise _Stop
+            raise StopWhileIdle
 
     def recv(self, timeout: float | None) -> m.ToWorker | BadMessage | None | bool:
         """The next message; False if none began within `timeout`; None when
@@ -430,7 +425,7 @@ class _Link:
             head = sock.recv(_HEADER.size)
         except TimeoutError:
             return False
-        except (_Stop, OSError):
+        except (StopWhileIdle, OSError):
             return None
         finally:
             self._waiting = False

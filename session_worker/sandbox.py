@@ -48,8 +48,9 @@ from typing import Any
 from ipc import messages as m
 from ipc.settings import SessionSettings
 from session_worker import _seccomp, _spawn
+from session_worker.errors import CommandError, OrderNotSent, SandboxError
 
-__all__ = ["CommandError", "HostCommand", "Plan", "SandboxError", "ToolHost", "configure", "current"]
+__all__ = ["HostCommand", "Plan", "ToolHost", "configure", "current"]
 
 log = logging.getLogger("sessiond.sandbox")
 
@@ -82,18 +83,6 @@ _START_TIMEOUT_SECS = 10.0
 _LOG_LINES = 64
 _LOG_LINE_CHARS = 400
 _EARLY_BYTES = 8192  # before the host is ready: the reason it did not start
-
-
-class SandboxError(Exception):
-    """The tool host could not be started or has gone away."""
-
-
-class CommandError(SandboxError):
-    """The host is up but could not start this command."""
-
-
-class _NotSent(SandboxError):
-    """The host was gone before it took the order: safe to start it again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -432,11 +421,11 @@ class ToolHost:
         (its `exited` fails), not a reason to run it twice."""
         try:
             return await self._spawn(argv, env, outfd)
-        except _NotSent:
+        except OrderNotSent:
             self.close()
             try:
                 return await self._spawn(argv, env, outfd)
-            except _NotSent as exc:
+            except OrderNotSent as exc:
                 raise SandboxError(str(exc)) from None
 
     async def _spawn(self, argv: list[str], env: dict[str, str], outfd: int) -> HostCommand:
@@ -449,7 +438,7 @@ class ToolHost:
         try:
             socket.send_fds(sock, [json.dumps(order).encode()], [outfd])
         except OSError as exc:
-            raise _NotSent(f"the tool host is gone: {exc}") from None
+            raise OrderNotSent(f"the tool host is gone: {exc}") from None
         if self._reader is None or self._reader.done():
             # It died after taking the order, and the reader has already
             # failed everything it knew of: this command too.

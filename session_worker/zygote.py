@@ -5,7 +5,7 @@ running event loop, and copy-on-write only pays when the parent's heap stays
 still.  The daemon forks the zygote at start-up, before its loop or any
 thread exists; the zygote imports the worker side, calls `gc.freeze()` and
 from then on does nothing but fork on order and reap.  The daemon's side of
-this conversation is `supervisor.spawner`; they share only `ipc.messages`.
+this conversation is `supervisor.spawn.spawner`; they share only `ipc.messages`.
 
     daemon ──SEQPACKET── zygote ──fork──> worker (own process group)
       │   SpawnWorker  ─►                    │
@@ -57,7 +57,7 @@ from ipc import messages as m
 from ipc.linux import set_child_subreaper, set_dumpable, set_pdeathsig
 from session_worker._signals import set_signal
 
-__all__ = ["zygote_main"]
+__all__ = ["Zygote", "zygote_main"]
 
 _to_zygote = msgspec.msgpack.Decoder(m.ToZygote)
 _encode = msgspec.msgpack.Encoder().encode
@@ -123,42 +123,133 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
     setproctitle.setproctitle(title)
     _configure_logging()
     _preload()
+    return Zygote(sock).serve()
 
-    parent_died = False
 
-    def on_parent_death(signum: int, frame: object) -> None:
-        nonlocal parent_died
-        parent_died = True  # the loop sees it; the wakeup fd wakes the loop
+class Zygote:
+    """The zygote's life after its preload: fork on order (and spares ahead
+    of demand), reap every child, report each worker's exit to the daemon,
+    hunt a killed worker's strays; at the end, kill everything.
 
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.signal(signal.SIGUSR1, on_parent_death)
-    sock.setblocking(True)
-    gc.collect()
-    gc.freeze()
+    Single-threaded and without an event loop, so that every fork is safe;
+    the signal handlers only set a flag or wake the select (the wakeup fd),
+    and all the work happens in `serve`'s loop."""
 
-    workers: dict[int, int] = {}  # pid -> token
-    # Forked ahead of demand and waiting for Boot: the daemon's end of each,
-    # and its pidfd.
-    spares: dict[int, tuple[socket.socket, int]] = {}
-    keep_spares = 0
-    sel = selectors.DefaultSelector()
-    sel.register(sock, selectors.EVENT_READ, "sock")
-    sel.register(wake_r, selectors.EVENT_READ, "wake")
-    my_pid = os.getpid()
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.parent_died = False
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGUSR1, self._on_parent_death)
+        sock.setblocking(True)
+        # Everything preloaded so far out of the collector's reach: its
+        # passes would write to those pages and undo copy-on-write in every
+        # worker.  What follows (the zygote's bookkeeping) is not frozen.
+        gc.collect()
+        gc.freeze()
 
-    def fork_worker(spare: bool) -> tuple[int, socket.socket, int]:
+        self.workers: dict[int, int] = {}  # pid -> token
+        # Forked ahead of demand and waiting for Boot: the daemon's end of
+        # each, and its pidfd.
+        self.spares: dict[int, tuple[socket.socket, int]] = {}
+        self.keep_spares = 0
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(sock, selectors.EVENT_READ, "sock")
+        self.sel.register(self.wake_r, selectors.EVENT_READ, "wake")
+        self.my_pid = os.getpid()
+        # Until when to hunt strays (see _kill_strays) after a worker was
+        # killed, and whose: the dead workers' marks.
+        self.hunt_until = 0.0
+        self.hunted: list[_Mark] = []
+        self.my_uid = os.getuid()
+
+    def _on_parent_death(self, signum: int, frame: object) -> None:
+        self.parent_died = True  # the loop sees it; the wakeup fd wakes the loop
+
+    # ---------------------------------------------------------------- the loop
+
+    def serve(self) -> int:
+        """Until the daemon closes its end or dies; then nothing of ours
+        outlives it."""
+        while not self.parent_died:
+            # With spares to make, poll instead of blocking: an order always
+            # comes first, a spare is forked only when nothing is waiting.
+            hunting = time.monotonic() < self.hunt_until
+            events = self.sel.select(0 if self._short() else _HUNT_POLL_SECS if hunting else None)
+            if hunting:
+                self.reap()
+            if not events and self._short():  # asked again: the reap may have lost a spare
+                pid, ours, pidfd = self.fork_worker(spare=True)
+                self.spares[pid] = (ours, pidfd)
+                continue
+            daemon_there = self._handle(events)
+            self.reap()
+            if not daemon_there:
+                break
+        self._shut_down()
+        return 0
+
+    def _short(self) -> bool:
+        return len(self.spares) < self.keep_spares
+
+    def _handle(self, events: list[tuple[selectors.SelectorKey, int]]) -> bool:
+        """Drain the wakeup fd (then reap) and obey the daemon's order;
+        False once the daemon has closed its end."""
+        for key, _ in events:
+            if key.data == "wake":
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self.wake_r, 512)
+                self.reap()
+                continue
+            try:
+                data = self.sock.recv(_MAX_PACKET)
+            except OSError:
+                data = b""
+            if not data:
+                return False
+            match _to_zygote.decode(data):
+                case m.KeepSpares(count=count):
+                    self._keep(count)
+                case m.SpawnWorker(token=token):
+                    self._spawn(token)
+        return True
+
+    def _keep(self, count: int) -> None:
+        self.keep_spares = max(0, count)
+        while len(self.spares) > self.keep_spares:
+            _, (extra, extra_pidfd) = self.spares.popitem()
+            extra.close()  # EOF: the spare exits by itself
+            os.close(extra_pidfd)
+
+    def _spawn(self, token: int) -> None:
+        """A worker for the daemon's order: a spare if one waits, else a
+        fresh fork; its socket and pidfd go to the daemon, none stay here."""
+        if self.spares:
+            pid, (ours, pidfd) = self.spares.popitem()
+        else:
+            pid, ours, pidfd = self.fork_worker(spare=False)
+        self.workers[pid] = token
+        try:
+            socket.send_fds(self.sock, [_encode(m.Spawned(token=token, pid=pid))],
+                            [ours.fileno(), pidfd])
+        finally:
+            ours.close()
+            os.close(pidfd)
+
+    # ---------------------------------------------------------------- forking
+
+    def fork_worker(self, spare: bool) -> tuple[int, socket.socket, int]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         pid = os.fork()
         if pid == 0:
             ours.close()
             # fork ignores CLOEXEC: drop the other spares' daemon ends and
             # pidfds, or this worker would keep them open.
-            for other, other_pidfd in spares.values():
+            for other, other_pidfd in self.spares.values():
                 other.close()
                 os.close(other_pidfd)
-            _worker_child(theirs.detach(), sock, wake_r, wake_w, my_pid, spare)
+            _worker_child(theirs.detach(), self.sock, self.wake_r, self.wake_w, self.my_pid, spare)
         # The daemon kills by pidfd, never by pid number.  Opened here, right
         # after fork: only we reap this child, and not before this line, so
         # the number cannot have passed to another process yet.
@@ -175,87 +266,43 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
                 os.setpgid(pid, pid)  # dead or stuck before setsid: a group of its own at least
         return pid, ours, pidfd
 
-    # Until when to hunt strays (see _kill_strays) after a worker was
-    # killed, and whose: the dead workers' marks.
-    hunt_until = 0.0
-    hunted: list[_Mark] = []
-    my_uid = os.getuid()
+    # ---------------------------------------------------------------- reaping
 
-    def reap() -> None:
-        nonlocal hunt_until
+    def reap(self) -> None:
+        """Every child that exited, then the hunt for a killed worker's strays."""
+        self._reap_exits()
+        self._hunt()
+
+    def _reap_exits(self) -> None:
         for pid, code, uid in _reap_any():
-            spare = spares.pop(pid, None)
+            spare = self.spares.pop(pid, None)
             if spare is not None:
                 spare[0].close()  # a spare that died unused: nobody to tell
                 os.close(spare[1])
                 continue
-            if workers.pop(pid, None) is None:
+            if self.workers.pop(pid, None) is None:
                 continue  # an orphaned tool process we adopted as subreaper
             exited = m.Exited(pid=pid, code=code) if code >= 0 else m.Exited(pid=pid, signal=-code)
             with contextlib.suppress(OSError):
-                sock.send(_encode(exited))
+                self.sock.send(_encode(exited))
             if code < 0:
-                hunt_until = time.monotonic() + _HUNT_SECS
+                self.hunt_until = time.monotonic() + _HUNT_SECS
                 # A uid of its own (a root daemon's session uid) marks the
                 # session's processes; the zygote's own uid marks nobody's.
-                hunted.append(_Mark(pid, uid if uid != my_uid else None))
-        if time.monotonic() < hunt_until:
-            _kill_strays(workers.keys() | spares.keys(), hunted)
-        elif hunted:
-            hunted.clear()
+                self.hunted.append(_Mark(pid, uid if uid != self.my_uid else None))
 
-    running = True
-    while running and not parent_died:
-        # With spares to make, poll instead of blocking: an order always
-        # comes first, a spare is forked only when nothing is waiting.
-        hunting = time.monotonic() < hunt_until
-        events = sel.select(0 if len(spares) < keep_spares else _HUNT_POLL_SECS if hunting else None)
-        if hunting:
-            reap()
-        if not events and len(spares) < keep_spares:
-            pid, ours, pidfd = fork_worker(spare=True)
-            spares[pid] = (ours, pidfd)
-            continue
-        for key, _ in events:
-            if key.data == "wake":
-                with contextlib.suppress(BlockingIOError):
-                    os.read(wake_r, 512)
-                reap()
-                continue
-            try:
-                data = sock.recv(_MAX_PACKET)
-            except OSError:
-                data = b""
-            if not data:
-                running = False
-                break
-            match _to_zygote.decode(data):
-                case m.KeepSpares(count=count):
-                    keep_spares = max(0, count)
-                    while len(spares) > keep_spares:
-                        _, (extra, extra_pidfd) = spares.popitem()
-                        extra.close()  # EOF: the spare exits by itself
-                        os.close(extra_pidfd)
-                case m.SpawnWorker(token=token):
-                    if spares:
-                        pid, (ours, pidfd) = spares.popitem()
-                    else:
-                        pid, ours, pidfd = fork_worker(spare=False)
-                    workers[pid] = token
-                    try:
-                        socket.send_fds(sock, [_encode(m.Spawned(token=token, pid=pid))],
-                                        [ours.fileno(), pidfd])
-                    finally:
-                        ours.close()
-                        os.close(pidfd)
-        reap()
+    def _hunt(self) -> None:
+        if time.monotonic() < self.hunt_until:
+            _kill_strays(self.workers.keys() | self.spares.keys(), self.hunted)
+        elif self.hunted:
+            self.hunted.clear()
 
-    signal.set_wakeup_fd(-1)
-    for spare, spare_pidfd in spares.values():
-        spare.close()
-        os.close(spare_pidfd)
-    _kill_everything({**workers, **dict.fromkeys(spares, 0)})
-    return 0
+    def _shut_down(self) -> None:
+        signal.set_wakeup_fd(-1)
+        for spare, spare_pidfd in self.spares.values():
+            spare.close()
+            os.close(spare_pidfd)
+        _kill_everything({**self.workers, **dict.fromkeys(self.spares, 0)})
 
 
 def _kill_everything(workers: dict[int, int], settle_secs: float = 1.0) -> None:

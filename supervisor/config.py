@@ -6,7 +6,7 @@ key.  Every error names the dotted key and the file.  `sessiond config
 default` prints the embedded defaults with tomli-w.
 
 Per-session overrides (`sessionctl create --set agent.limits.max_memory_mb=64`)
-are not configuration but a client's request: `supervisor.overrides` says
+are not configuration but a client's request: `supervisor.core.overrides` says
 which leaf keys a session may set and within which bounds.
 """
 
@@ -25,8 +25,12 @@ import msgspec
 import tomli_w
 from msgspec import Meta
 
+from ipc import inputs
+from ipc.errors import BadOverride
 from ipc.paths import default_socket_path
 from ipc.settings import ConfigSection, PermissionRule, SessionSettings
+# Re-exported: daemon.py and cli.py name it supervisor.config.ConfigError.
+from supervisor.errors import ConfigError
 
 __all__ = [
     "Config",
@@ -173,7 +177,7 @@ class ClusterSettings(ConfigSection):
     # A node host kills a front's workers once that front has not renewed
     # its lease for this long (it died, or cannot reach the node); and with
     # the PostgreSQL store, another daemon may end a turn this daemon was
-    # running once its row in sessiond_fronts is this old (supervisor.fronts).
+    # running once its row in sessiond_fronts is this old (supervisor.cluster.fronts).
     front_lease_secs: Annotated[float, Meta(ge=1, le=600)] = 10.0
     # Ray's token authentication: a file holding the cluster's token (the
     # one its nodes were started with: RAY_AUTH_MODE=token). Readable by the
@@ -191,11 +195,6 @@ class Config(SessionSettings):
             agent=self.agent, provider=self.provider, tools=self.tools,
             permissions=self.permissions, sandbox=self.sandbox,
         )
-
-
-class ConfigError(Exception):
-    """A config file or an override that cannot be used; the text says which
-    key, in which file, and why."""
 
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
@@ -439,16 +438,12 @@ def _emit_table(obj: msgspec.Struct, path: str, out: list[str]) -> None:
 
 def parse_override(item: str) -> tuple[str, Any]:
     """`KEY=VALUE` from the command line; VALUE is read as a TOML value
-    (64, 1.5, true, "text", ["a", "b"]) and as a plain string otherwise."""
-    key, sep, raw = item.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
+    (64, 1.5, true, "text", ["a", "b"]) and as a plain string otherwise
+    (the parsing is ipc.inputs', shared with sessionctl)."""
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key, value
+        return inputs.parse_override(item)
+    except BadOverride as exc:
+        raise ConfigError(str(exc)) from None
 
 
 # ---------------------------------------------------------------- default paths

@@ -38,9 +38,12 @@ import setproctitle
 from ipc import messages as m
 from ipc.loop import run as run_loop
 from ipc.linux import set_dumpable
-from supervisor import __version__, sandbox, sdnotify, seams
-from supervisor.cgroups import Cgroups
-from supervisor.cgroups_detect import detect as cgroup_detect
+from supervisor.errors import StartupError
+from supervisor import __version__
+from supervisor.spawn import sandbox, seams
+from supervisor.ops import sdnotify
+from supervisor.spawn.cgroups import Cgroups
+from supervisor.spawn.cgroups_detect import detect as cgroup_detect
 from supervisor.config import (
     Config,
     ConfigError,
@@ -51,15 +54,16 @@ from supervisor.config import (
     uid_range,
     workspace_root,
 )
-from supervisor import cluster, fencing, metrics
-from supervisor.manager import SessionManager
-from supervisor.ray_spawner import RaySpawner  # (imports Ray only when used)
-from supervisor.server import ControlServer
-from supervisor.spawner import ZygoteSpawner
-from supervisor.state_store import StateStore, StoreError
+from supervisor.cluster import drain, fencing, wiring as cluster
+from supervisor.ops import metrics
+from supervisor.core.manager import SessionManager
+from supervisor.cluster.ray_spawner import RaySpawner  # (imports Ray only when used)
+from supervisor.api.server import ControlServer
+from supervisor.spawn.spawner import ZygoteSpawner
+from supervisor.store.state_store import StateStore, StoreError
 
 if TYPE_CHECKING:
-    from supervisor.fronts import Fronts  # (psycopg: the optional `cluster` extra)
+    from supervisor.cluster.fronts import Fronts  # (psycopg: the optional `cluster` extra)
 
 __all__ = ["StartupError", "run_daemon"]
 
@@ -72,8 +76,6 @@ class Spawner(seams.Spawner, Protocol):
     def attach(self, loop: asyncio.AbstractEventLoop) -> None: ...
 
 
-class StartupError(Exception):
-    """The daemon cannot start; the text tells the operator what to fix."""
 
 
 def check_ancestors(path: Path, what: str) -> None:
@@ -478,44 +480,88 @@ async def _serve(
     cgroups: tuple[Cgroups | None, str],
     metrics_sock: socket.socket | None = None,
 ) -> int:
+    """The daemon's life on its loop: build, load, listen, run until a
+    signal, stop."""
     loop = asyncio.get_running_loop()
     spawner.attach(loop)
     spawner.keep_spares(cfg.daemon.spare_workers)
-    # Connected only now, after the zygote was forked: no worker may inherit
-    # the daemon's database connection.
-    store = _open_store(cfg)
-    manager = SessionManager(
-        cfg, state_dir, spawner, run_as=identities.run_as, session_uids=identities.session_uids,
-        sandbox=sandbox_boot, cgroups=cgroups[0], store=store,
-    )
-    manager.workers.cgroups_why = cgroups[1]
-    fencing.wire(manager)
-    fronts = _share_store(cfg, manager, state_dir)
-    if isinstance(spawner, RaySpawner):
-        cluster.wire(spawner, manager)
-    try:
-        if fronts is not None:
-            fronts.start(loop)  # listening first: nothing said meanwhile is missed
-        manager.load_all()
-    except StoreError as exc:  # the database went away since it was opened
-        raise StartupError(f"cannot read the sessions: {exc}") from None
-    server = ControlServer(manager)
+    parts = _build(cfg, state_dir, spawner, identities, sandbox_boot, cgroups, metrics_sock is not None)
+    manager, server = parts.manager, parts.server
+    _load(loop, parts)
     metrics_server: asyncio.AbstractServer | None = None
-    if metrics_sock is not None:
-        per_session = cfg.daemon.metrics_top_sessions if cfg.daemon.metrics_per_session else 0
-        recorder = metrics.PrometheusRecorder(lambda: manager.sessions.values(), lambda: len(server.clients),
-                                              per_session)
-        manager.use_metrics(recorder)
-        server.metrics = recorder
-        metrics_server = await metrics.serve(metrics_sock, recorder)
+    if metrics_sock is not None and parts.recorder is not None:
+        metrics_server = await metrics.serve(metrics_sock, parts.recorder)
         log.info("metrics on %s ([daemon] metrics_listen)", metrics.address_of(metrics_sock))
     await server.start(sock)
-
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: _reload(manager, config_path))
+    _say_provider(cfg)
+    where = sock.getsockname() or str(socket_path)
+    log.info("sessiond %s (pid %d) listening on %s; state in %s", __version__, os.getpid(), where, state_dir)
+    log.info("try: SESSIOND_SOCKET=%s %s create", where, _sessionctl_command())
+    sdnotify.ready(_status_line(manager))
+    background = _background(loop, manager)
+    await stop.wait()
+    await _stop(cfg, parts, metrics_server, background)
+    return 0
 
+
+class _Parts(NamedTuple):
+    manager: SessionManager
+    server: ControlServer
+    recorder: metrics.PrometheusRecorder | None  # with metrics on
+    fronts: Fronts | None
+
+
+def _build(
+    cfg: Config,
+    state_dir: Path,
+    spawner: Spawner,
+    identities: Identities,
+    sandbox_boot: m.SandboxBoot | None,
+    cgroups: tuple[Cgroups | None, str],
+    with_metrics: bool,
+) -> _Parts:
+    """The composition root: every part of the daemon, each given its
+    collaborators as it is built (the core's own parts are built by
+    SessionManager, from what it is given here)."""
+    # Connected only now, after the zygote was forked: no worker may inherit
+    # the daemon's database connection.
+    store, fronts = _open_store(cfg, state_dir)
+    manager: SessionManager
+    server: ControlServer
+    recorder: metrics.PrometheusRecorder | None = None
+    if with_metrics:
+        per_session = cfg.daemon.metrics_top_sessions if cfg.daemon.metrics_per_session else 0
+        # Reads what it counts when scraped, from the parts built below.
+        recorder = metrics.PrometheusRecorder(lambda: manager.sessions.values(), lambda: len(server.clients),
+                                              per_session)
+    manager = SessionManager(
+        cfg, state_dir, spawner, run_as=identities.run_as, session_uids=identities.session_uids,
+        sandbox=sandbox_boot, cgroups=cgroups[0], cgroups_why=cgroups[1], store=store, metrics=recorder or metrics.NO_METRICS,
+        # Another daemon may take a session over (the store fences): release, claim back.
+        holds=fronts.holds if fronts is not None else fencing.Fencing(),
+        open_stored=fronts.open_stored if fronts is not None else None,
+        # Cluster mode: remote workers' memory as their nodes measure it.
+        remote=spawner if isinstance(spawner, RaySpawner) else None,
+    )
+    drainer = drain.Drainer(manager, spawner, manager.events, manager.workers)
+    server = ControlServer(manager, metrics=recorder or metrics.NO_METRICS, drain=drainer.handle)
+    return _Parts(manager, server, recorder, fronts)
+
+
+def _load(loop: asyncio.AbstractEventLoop, parts: _Parts) -> None:
+    try:
+        if parts.fronts is not None:
+            parts.fronts.start(loop, parts.manager, parts.manager.holding)  # listening first: nothing said meanwhile is missed
+        parts.manager.load_all()
+    except StoreError as exc:  # the database went away since it was opened
+        raise StartupError(f"cannot read the sessions: {exc}") from None
+
+
+def _say_provider(cfg: Config) -> None:
     if cfg.provider.api_key_env and not os.environ.get(cfg.provider.api_key_env):
         # Said now, not at the first turn of the first session.
         log.error(
@@ -530,10 +576,10 @@ async def _serve(
             "no [provider] configured: sessions run the echo handler; set [provider] base_url and "
             "model in config.toml to run the LLM agent"
         )
-    where = sock.getsockname() or str(socket_path)
-    log.info("sessiond %s (pid %d) listening on %s; state in %s", __version__, os.getpid(), where, state_dir)
-    log.info("try: SESSIOND_SOCKET=%s %s create", where, _sessionctl_command())
-    sdnotify.ready(_status_line(manager))
+
+
+def _background(loop: asyncio.AbstractEventLoop, manager: SessionManager) -> list[asyncio.Task[None]]:
+    """The sweep, and systemd's watchdog or status line."""
     background: list[asyncio.Task[None]] = [loop.create_task(manager.supervise())]
     interval = sdnotify.watchdog_interval_secs()
     if interval:
@@ -542,22 +588,24 @@ async def _serve(
         )
     elif os.environ.get("NOTIFY_SOCKET"):
         background.append(loop.create_task(_status_loop(manager)))
+    return background
 
-    await stop.wait()
+
+async def _stop(cfg: Config, parts: _Parts, metrics_server: asyncio.AbstractServer | None,
+                background: list[asyncio.Task[None]]) -> None:
     log.info("shutting down: no new connections; letting running turns finish (up to %gs)",
              cfg.daemon.shutdown_grace_secs)
     sdnotify.stopping()
-    server.stop_accepting()
+    parts.server.stop_accepting()
     if metrics_server is not None:
         metrics_server.close()
-    await manager.shutdown(cfg.daemon.shutdown_grace_secs)
-    if fronts is not None:
-        fronts.close()  # after its workers are gone: others may claim its sessions at once
-    server.close_clients()
+    await parts.manager.shutdown(cfg.daemon.shutdown_grace_secs)
+    if parts.fronts is not None:
+        parts.fronts.close()  # after its workers are gone: others may claim its sessions at once
+    parts.server.close_clients()
     for task in background:
         task.cancel()
     log.info("stopped")
-    return 0
 
 
 def _check_store_driver(cfg: Config) -> None:
@@ -566,37 +614,32 @@ def _check_store_driver(cfg: Config) -> None:
                            "installed: pip install 'sessiond[cluster]'")
 
 
-def _open_store(cfg: Config) -> StateStore | None:
-    """The configured state store; None: the file store under state_dir."""
+def _open_store(cfg: Config, state_dir: Path) -> tuple[StateStore | None, Fronts | None]:
+    """The configured state store (None: the file store under state_dir)
+    and, with PostgreSQL, this daemon's place among the daemons that may
+    share the database: sessions are claimed when used (supervisor.cluster.fronts)."""
     if cfg.store.backend != "postgres":
-        return None
-    from supervisor.pg_store import PgStateStore  # the optional `cluster` extra
+        return None, None
+    from supervisor.cluster.fronts import Fronts, claim_check, front_id
+    from supervisor.store.postgres.store import PgStateStore  # the optional `cluster` extra
 
     try:
-        store = PgStateStore(cfg.store.dsn, retry_secs=cfg.store.retry_secs)
-    except StoreError as exc:
-        raise StartupError(f"[store] backend = \"postgres\": {exc}") from None
-    log.info("state in PostgreSQL (%s)", store.where)
-    return store
-
-
-def _share_store(cfg: Config, manager: SessionManager, state_dir: Path) -> Fronts | None:
-    """With the PostgreSQL store, daemons may share the database: sessions
-    are claimed when used (supervisor.fronts)."""
-    if cfg.store.backend != "postgres":
-        return None
-    from supervisor.fronts import Fronts
-    from supervisor.pg_store import PgStateStore
-
-    assert isinstance(manager.store, PgStateStore)
-    try:
-        return Fronts(manager, manager.store, cfg.store.dsn, cfg.store.retry_secs,
-                      cfg.cluster.front_lease_secs, state_dir)
+        front = front_id(state_dir)
     except StoreError as exc:
         raise StartupError(str(exc)) from None
     except OSError as exc:
         raise StartupError(f"{state_dir / 'front-id'}: cannot write this daemon's name there: "
                            f"{exc.strerror or exc}") from None
+    try:
+        store = PgStateStore(cfg.store.dsn, retry_secs=cfg.store.retry_secs, front=front,
+                             check_claim=claim_check(front))
+    except StoreError as exc:
+        raise StartupError(f"[store] backend = \"postgres\": {exc}") from None
+    log.info("state in PostgreSQL (%s)", store.where)
+    try:
+        return store, Fronts(store, cfg.store.dsn, cfg.store.retry_secs, cfg.cluster.front_lease_secs, front)
+    except StoreError as exc:
+        raise StartupError(str(exc)) from None
 
 
 def _sessionctl_command() -> str:

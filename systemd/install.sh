@@ -145,6 +145,13 @@ if [ "$do_pip" = 1 ]; then
     if [ -f "$repo/README.md" ]; then
         install -m 0644 "$repo/README.md" "$venv/README.md"
     fi
+    # The README links to these; keep them beside it (the unit's
+    # Documentation= names the README).
+    [ ! -f "$repo/ARCHITECTURE.md" ] || install -m 0644 "$repo/ARCHITECTURE.md" "$venv/ARCHITECTURE.md"
+    if [ -d "$repo/docs" ]; then
+        install -d -m 0755 "$venv/docs"
+        install -m 0644 "$repo"/docs/*.md "$venv/docs/"
+    fi
     if [ -n "$R" ]; then
         # Staged: the venv names $venv in its scripts (shebangs, activate)
         # and pyvenv.cfg; make them name the final path.

@@ -24,8 +24,8 @@ import msgspec
 
 from ipc import messages as m
 from ipc.connection import FramedProtocol
-from supervisor.pidfd import PidFd
-from supervisor.seams import SpawnerDied
+from supervisor.spawn.pidfd import PidFd
+from supervisor.errors import SpawnerDied
 
 _to_worker = msgspec.msgpack.Decoder(m.ToWorker)
 _pids = itertools.count(4_000_000)  # never a real pid of this machine

@@ -26,7 +26,7 @@ import msgspec
 import psutil
 import tomli_w
 
-from supervisor.client import Client
+from supervisor.ctl.client import Client
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"

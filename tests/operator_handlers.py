@@ -9,8 +9,8 @@ from session_worker.handler import HandlerInit, TurnContext, TurnResult
 
 
 class Counter(_Base):
-    """The README's own example: streams a progress word, returns the reply
-    without streaming it."""
+    """The example of docs/agent.md ("Your own handler"): streams a progress
+    word, returns the reply without streaming it."""
 
     async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
         ctx.emit("counting… ")

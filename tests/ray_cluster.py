@@ -49,7 +49,7 @@ HEAD_IP = "127.0.0.10"
 NODE_IPS = ("127.0.0.11", "127.0.0.12")
 SLOTS = 2
 # Ray's own settings (RAY_<name>), read by the head's GCS: how soon a dead
-# node is declared dead.  The README's "Running on a cluster" names them.
+# node is declared dead.  docs/cluster.md (Set-up) names them.
 HEALTH_ENV = {
     "RAY_health_check_initial_delay_ms": "0",
     "RAY_health_check_period_ms": "500",

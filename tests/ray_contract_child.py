@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_spawner_contract import CHECKS, Exits  # noqa: E402
 
 from supervisor.config import ClusterSettings  # noqa: E402
-from supervisor.ray_spawner import RaySpawner  # noqa: E402
+from supervisor.cluster.ray_spawner import RaySpawner  # noqa: E402
 
 
 async def _run(address: str) -> None:

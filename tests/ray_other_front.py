@@ -14,7 +14,7 @@ import asyncio
 import sys
 
 from supervisor.config import ClusterSettings
-from supervisor.ray_spawner import RaySpawner
+from supervisor.cluster.ray_spawner import RaySpawner
 
 
 async def _run(address: str, ip: str) -> None:

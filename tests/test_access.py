@@ -16,7 +16,7 @@ import pytest
 from harness import Daemon, _alive, run_as, wait_for
 from ipc import messages as m
 from ipc.framing import encode_frame
-from supervisor.client import RequestError
+from supervisor.ctl.client import RequestError
 
 pytestmark = pytest.mark.process
 

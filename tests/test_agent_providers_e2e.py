@@ -157,7 +157,7 @@ def test_reasoning_reaches_only_clients_that_ask_for_it(make_daemon, llm: FakeLL
     texts = [x for x in lines if x["type"] == "text"]
     assert reasoning["seq"] < texts[0]["seq"] and "".join(x["text"] for x in texts) == "three"
     # Live only: a replay has the text, not the reasoning.
-    from supervisor.client import Client
+    from supervisor.ctl.client import Client
     from ipc import messages as m
 
     last = lines[-1]["seq"]

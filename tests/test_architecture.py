@@ -1,7 +1,9 @@
 """The layout's rules, checked on the source (pure): the daemon and the worker
-side meet only in ipc/; a client program pulls in nothing but ipc/ and the
-standard library; no module imports itself back through others; no module is
-past the size a reader can hold."""
+side meet only in ipc/; inside supervisor/, each folder imports only the
+folders its allow-list names (FOLDER_MAY_IMPORT); sessionctl and the client
+library (supervisor/ctl/) pull in nothing but ipc/ and the standard library;
+no module imports itself back through others; no module is past the size a
+reader can hold."""
 
 from __future__ import annotations
 
@@ -66,14 +68,84 @@ def test_the_daemon_and_the_worker_side_meet_only_in_ipc() -> None:
                for name, deps in GRAPH.items() if name.startswith("ipc") for dep in deps)
 
 
+# Which of our folders each part of the daemon's package may import, read as
+# "the folder on the left runs in this process and may use these".  A module
+# may always import its own folder, ipc/ (the contract every process shares)
+# and `supervisor` itself (its __init__ holds only the version).  The folder
+# of supervisor.x.y is supervisor.x; supervisor/*.py at the top are folders
+# of their own.
+FOLDER_MAY_IMPORT: dict[str, set[str]] = {
+    # sessiond's leaves: what everything else reads.
+    "supervisor.errors": set(),
+    "supervisor.config": {"supervisor.errors"},
+    "supervisor.ops": {"supervisor.config", "supervisor.errors"},
+    # The seams the core is handed, and what stands behind them.
+    "supervisor.spawn": {"supervisor.config", "supervisor.errors", "supervisor.ops"},
+    "supervisor.store": {"supervisor.config", "supervisor.errors", "supervisor.ops"},
+    # The core: sessions and their supervision; it sees the seams, never who calls it.
+    "supervisor.core": {"supervisor.config", "supervisor.errors", "supervisor.ops",
+                        "supervisor.spawn", "supervisor.store"},
+    # The control socket: calls into the core.
+    "supervisor.api": {"supervisor.config", "supervisor.errors", "supervisor.ops",
+                       "supervisor.spawn", "supervisor.store", "supervisor.core"},
+    # Several machines: wires the core to Ray and to other daemons.
+    "supervisor.cluster": {"supervisor.config", "supervisor.errors", "supervisor.ops",
+                           "supervisor.spawn", "supervisor.store", "supervisor.core"},
+    # The composition root: the one place that builds and connects the parts.
+    "supervisor.daemon": {"supervisor.config", "supervisor.errors", "supervisor.ops",
+                          "supervisor.spawn", "supervisor.store", "supervisor.core",
+                          "supervisor.api", "supervisor.cluster"},
+    "supervisor.cli": {"supervisor.config", "supervisor.daemon"},
+    # Another process (sessionctl, an application): none of the daemon.
+    "supervisor.ctl": set(),
+    "supervisor.client": {"supervisor.ctl"},  # the library's public name
+}
+
+# Arrows between two folders the rules above do not allow, each with why.
+EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("supervisor.ops.metrics", "supervisor.core.session"): "metrics reads the sessions it counts",
+    ("supervisor.ops.metrics", "supervisor.core.states"): "metrics counts sessions by state",
+}
+
+
+def _folder(name: str) -> str:
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "supervisor" else parts[0]
+
+
+def test_every_daemon_folder_has_rules() -> None:
+    folders = {_folder(n) for n in MODULES if n.startswith("supervisor.")}
+    assert folders == set(FOLDER_MAY_IMPORT), folders ^ set(FOLDER_MAY_IMPORT)
+
+
+def test_each_folder_imports_only_what_its_rules_allow() -> None:
+    wrong = [
+        f"{a} imports {b}" for a, deps in GRAPH.items() if a.startswith("supervisor.") for b in deps
+        if b.startswith("supervisor.") and _folder(b) != _folder(a)
+        and _folder(b) not in FOLDER_MAY_IMPORT[_folder(a)] and (a, b) not in EXCEPTIONS
+    ]
+    assert wrong == []
+    assert all(b in GRAPH.get(a, ()) for a, b in EXCEPTIONS), "an exception no longer needed: drop it"
+
+
+def test_each_subpackage_says_who_runs_it_and_what_it_may_import() -> None:
+    for path in (REPO / "supervisor").rglob("__init__.py"):
+        if path.parent.name == "supervisor":
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert "run" in doc and "May import" in doc, path
+
+
 def test_a_client_program_needs_only_ipc() -> None:
-    seen, todo = set(), ["supervisor.client"]
+    # From the library's public name and from every module of sessionctl.
+    seen, todo = set(), ["supervisor.client", *(n for n in MODULES if _folder(n) == "supervisor.ctl")]
     while todo:
         name = todo.pop()
         if name not in seen:
             seen.add(name)
             todo.extend(GRAPH.get(name, ()))
-    assert {n for n in seen if not n.startswith("ipc")} <= {"supervisor", "supervisor.client"}, seen
+    assert {n for n in seen if not n.startswith("ipc") and _folder(n) != "supervisor.ctl"} \
+        <= {"supervisor", "supervisor.client"}, seen
 
 
 def test_no_import_cycles() -> None:
@@ -122,4 +194,161 @@ def test_modules_stay_readable(name: str) -> None:
 def test_the_checker_sees_a_crossing() -> None:
     # The graph is real: the worker's entry point imports the handler interface.
     assert "session_worker.handler" in GRAPH["session_worker.main"]
-    assert "ipc.messages" in GRAPH["supervisor.server"]
+    assert "ipc.messages" in GRAPH["supervisor.api.server"]
+
+
+# ---------------------------------------------------------------- wiring
+# Parts get their collaborators when they are built (supervisor/daemon.py:_build,
+# SessionManager.__init__); nobody sets a hook onto another object afterwards.
+# A hook is a callable assigned onto an object that is not `self` (a lambda,
+# an `on_*` attribute, a bound method of the assigning class), or anything
+# assigned into a part reached through `self` or through a collaborator
+# (`self.workers.x = ...`, `manager.ledger.x = ...`).
+_PARTS = {"workers", "ledger", "events", "sweeper", "slots", "subagents", "workspaces", "spawner", "store",
+          "proc_table", "server", "manager", "mgr", "fronts", "recorder", "metrics", "fencing"}
+_COLLABORATORS = {"manager", "mgr", "spawner", "store", "server", "ledger", "workers", "fronts"}
+
+# What must stay, and why.
+HOOKS_ALLOWED: dict[tuple[str, str], str] = {
+    ("supervisor.core.workers", "spawner.on_exit"): "the spawner is built before the loop and the core (the "
+    "zygote is forked before any thread): its reports are routed once, by their owner, as it is built",
+    ("supervisor.core.workers", "spawner.on_zygote_lost"): "as on_exit",
+    ("supervisor.core.workers", "spawner.on_worker_lost"): "as on_exit (cluster mode)",
+}
+
+
+def _late_hooks(name: str, source: str) -> list[tuple[str, str]]:
+    found: list[tuple[str, str]] = []
+
+    def root(node: ast.expr) -> str | None:
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    def visit(node: ast.AST, cls: ast.ClassDef | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child if isinstance(child, ast.ClassDef) else cls
+            if isinstance(child, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and child.value is not None:
+                targets = child.targets if isinstance(child, ast.Assign) else [child.target]
+                flat = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
+                methods = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))} \
+                    if cls is not None else set()
+                for t in flat:
+                    if not isinstance(t, ast.Attribute) or (isinstance(t.value, ast.Name) and t.value.id == "self"):
+                        continue
+                    v = child.value
+                    hook = isinstance(v, ast.Lambda) or t.attr.startswith("on_") or (
+                        isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name) and v.value.id == "self"
+                        and v.attr in methods)
+                    into_part = isinstance(t.value, ast.Attribute) and t.value.attr.lstrip("_") in _PARTS \
+                        and root(t.value) in {"self"} | _COLLABORATORS
+                    onto = isinstance(t.value, ast.Name) and t.value.id in _COLLABORATORS
+                    if hook or into_part or onto:
+                        found.append((name, ast.unparse(t)))
+            visit(child, inner)
+
+    visit(ast.parse(source), None)
+    return found
+
+
+def test_no_hook_is_set_on_another_object_after_it_is_built() -> None:
+    found = [hit for name, path in MODULES.items() if name.startswith("supervisor.")
+             for hit in _late_hooks(name, path.read_text())]
+    assert [hit for hit in found if hit not in HOOKS_ALLOWED] == []
+    assert all(hit in found for hit in HOOKS_ALLOWED), "an allowed hook is gone: drop it from the list"
+
+
+def test_the_hook_checker_sees_a_late_hook() -> None:
+    src = ("class Owner:\n    def __init__(self, ledger):\n        ledger.on_unsaved = self.kill\n"
+           "    def kill(self): ...\n"
+           "def wire(manager, spawner):\n    manager.workers.claim = claim\n    spawner.metrics = rec\n"
+           "    x.make_room = lambda s: None\n")
+    assert [what for _, what in _late_hooks("m", src)] == [
+        "ledger.on_unsaved", "manager.workers.claim", "spawner.metrics", "x.make_room"]
+
+
+# ---------------------------------------------------------------- who owns a session's fields
+# The table in supervisor/core/session.py's docstring says which part writes
+# which field of a Session; a WorkerProc is WorkerOwner's.  Any assignment to
+# such a field (`session.state = ...`, `session.seq += 1`, `worker.expected = ...`)
+# outside its owner's module fails here.
+_SESSION_NAMES = {"session", "s", "restored", "parent", "child", "existing", "root", "sess"}
+_WORKER_NAMES = {"worker", "w", "proc"}
+# Writes shared on purpose, and why.
+FIELDS_SHARED: dict[tuple[str, str], str] = {
+    ("memory", "supervisor.core.workers"): "each new worker starts with fresh figures, which the Sweeper fills",
+}
+
+
+def _dataclass_fields(tree: ast.Module, name: str) -> set[str]:
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def _owners() -> tuple[dict[str, set[str]], set[str]]:
+    import re
+
+    path = REPO / "supervisor" / "core" / "session.py"
+    tree = ast.parse(path.read_text())
+    fields = _dataclass_fields(tree, "Session")
+    # One block per owner: "    Owner (module.py[,  fields...]" then lines indented
+    # past the owner column; a line may name a second module ("module.py)").
+    blocks: list[tuple[set[str], list[str]]] = []
+    for line in (ast.get_docstring(tree) or "").splitlines():
+        if (head := re.match(r"\s{4}\w+\s+\((\w+)\.py,?\)?(.*)", line)) is not None:
+            blocks.append(({f"supervisor.core.{head[1]}"}, [head[2]]))
+        elif blocks and line.startswith(" " * 20):
+            if (more := re.match(r"\s+(\w+)\.py\)(.*)", line)) is not None:
+                blocks[-1][0].add(f"supervisor.core.{more[1]}")
+                line = more[2]
+            blocks[-1][1].append(line)
+        elif blocks and blocks[-1][1]:
+            blocks.append((set(), []))  # the table ended
+    owners: dict[str, set[str]] = {}
+    for modules, lines in blocks:
+        for word in re.findall(r"[a-z_]+", " ".join(lines)):
+            if modules and word in fields:
+                owners.setdefault(word, set()).update(modules)
+    return owners, _dataclass_fields(tree, "WorkerProc")
+
+
+def _field_writes(name: str, source: str, owners: dict[str, set[str]], worker_fields: set[str]) -> list[str]:
+    wrong: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for t in (e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])):
+            if not isinstance(t, ast.Attribute):
+                continue
+            base = t.value
+            of = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
+            if of in _SESSION_NAMES and t.attr in owners and name not in owners[t.attr] \
+                    and (t.attr, name) not in FIELDS_SHARED:
+                wrong.append(f"{name}:{node.lineno}: {ast.unparse(t)} (owner {sorted(owners[t.attr])})")
+            if of in _WORKER_NAMES | {"worker"} and t.attr in worker_fields and name != "supervisor.core.workers":
+                wrong.append(f"{name}:{node.lineno}: {ast.unparse(t)} (owner supervisor.core.workers)")
+    return wrong
+
+
+def test_the_ownership_table_covers_every_field() -> None:
+    owners, _ = _owners()
+    assert owners["error"] == {"supervisor.core.manager", "supervisor.core.holding"}
+    assert owners["seq"] == {"supervisor.core.events"}
+    tree = ast.parse((REPO / "supervisor" / "core" / "session.py").read_text())
+    assert _dataclass_fields(tree, "Session") - set(owners) == {"id"}  # (set once, at construction)
+
+
+def test_a_session_s_fields_are_written_only_by_their_owner() -> None:
+    owners, worker_fields = _owners()
+    wrong = [w for name, path in MODULES.items() if name.startswith("supervisor.")
+             for w in _field_writes(name, path.read_text(), owners, worker_fields)]
+    assert wrong == []
+
+
+def test_the_ownership_checker_sees_a_stray_write() -> None:
+    owners, worker_fields = _owners()
+    src = "def f(session, manager):\n    session.seq += 1\n    session.worker.stop_reason = 1\n    session.state = 2\n"
+    assert len(_field_writes("supervisor.cluster.fencing", src, owners, worker_fields)) == 3
+    assert _field_writes("supervisor.core.events", "def f(session):\n    session.seq += 1\n",
+                         owners, worker_fields) == []

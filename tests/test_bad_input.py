@@ -208,7 +208,7 @@ def test_full_disk_refuses_input_and_loses_nothing(make_daemon) -> None:
     with d.client() as c:
         sid = c.create().id
         assert c.send_text(sid, "small") == "1: small"
-        from supervisor.client import RequestError
+        from supervisor.ctl.client import RequestError
 
         big = "y" * (300 * 1024)
         with pytest.raises(RequestError) as err:

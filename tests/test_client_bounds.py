@@ -124,7 +124,7 @@ def test_out_of_fds_other_clients_are_told_capacity(tmp_path) -> None:
     once the flood is gone the daemon serves again."""
     import resource
 
-    from supervisor.client import Client, DaemonUnavailable, RequestError
+    from supervisor.ctl.client import Client, DaemonUnavailable, RequestError
     from test_metrics import tcp_metrics_url
 
     d = Daemon(tmp_path / "d", '[daemon]\nspare_workers = 0\nmetrics_listen = "127.0.0.1:0"\n')
@@ -190,7 +190,7 @@ def test_unread_replies_count_toward_the_uids_bound(make_daemon) -> None:
     """Bytes a non-reading client leaves queued count too: one watcher that
     never reads is cut off (Lagged) once its uid's connections hold more
     than client_buffer_bytes_per_uid, well before client_buffer_bytes."""
-    from supervisor.client import Client
+    from supervisor.ctl.client import Client
 
     d: Daemon = make_daemon(f'[daemon]\nsocket_mode = "0666"\nallowed_uids = [{NOBODY}]\n'
                             'max_frame_bytes = 1048576\nclient_buffer_bytes_per_uid = 1048576\n'

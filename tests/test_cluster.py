@@ -28,12 +28,13 @@ from ipc import messages as m
 from ipc import operator as op
 from pg_server import PgServer
 from ray_cluster import NODE_IPS, LoopbackNetns, RayCluster
-from supervisor import ctl
-from supervisor.config import ConfigError, parse_config
-from supervisor.ctl_drain import drain_exit_code, drain_json, drain_text
-from supervisor.drain import check_request
+from supervisor.ctl import cli as ctl
+from supervisor.config import parse_config
+from supervisor.errors import ConfigError
+from supervisor.ctl.drain import drain_exit_code, drain_json, drain_text
+from supervisor.cluster.drain import check_request
 from supervisor.errors import BadRequest
-from supervisor.nodehost import read_more
+from supervisor.cluster.nodehost import read_more
 from test_spawner_contract import CHECKS, Check
 
 
@@ -281,7 +282,7 @@ def test_a_lost_node_s_sessions_come_back_on_the_other_with_every_turn(
             # node_lost; or killed_heartbeat, when the worker's silence was
             # noticed while its node host still reported (its raylet gone
             # first): its exit is then a plain SIGKILL of ours, as the
-            # README says.
+            # cluster page (docs/cluster.md) says.
             assert isinstance(running[-1], m.TurnFailed)
             assert "node_lost" in running[-1].reason or running[-1].reason.startswith("killed_heartbeat")
             for sid in on_lost:

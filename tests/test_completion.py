@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from harness import env_for_children
-from supervisor.completion import bash_script, commands, man_page, zsh_script
-from supervisor.ctl import _parser
+from supervisor.ctl.completion import bash_script, commands, man_page, zsh_script
+from supervisor.ctl.cli import _parser
 
 SUBCOMMANDS = [c.name for c in commands(_parser())]
 

@@ -12,12 +12,12 @@ import pytest
 from harness import env_for_children
 from supervisor.config import (
     Config,
-    ConfigError,
     default_toml,
     load_config,
     parse_config,
     parse_override,
 )
+from supervisor.errors import ConfigError
 
 
 @pytest.mark.pure

@@ -21,10 +21,10 @@ from ipc import messages as m
 from ipc.settings import SessionSettings
 from supervisor.config import parse_config
 from supervisor.errors import Capacity
-from supervisor.manager import SessionManager
-from supervisor.memory_store import InMemoryStateStore
-from supervisor.session import Session, valid_session_id
-from supervisor.workspaces import Workspaces
+from supervisor.core.manager import SessionManager
+from supervisor.store.memory import InMemoryStateStore
+from supervisor.core.session import Session, valid_session_id
+from supervisor.core.workspaces import Workspaces
 
 
 pytestmark = pytest.mark.component

@@ -1,5 +1,5 @@
-"""sessionctl's one-shot path (supervisor/ctl_fast.py) says exactly what the
-full command line (supervisor/ctl.py) says: the same bytes on stdout and
+"""sessionctl's one-shot path (supervisor/ctl/fast.py) says exactly what the
+full command line (supervisor/ctl/cli.py) says: the same bytes on stdout and
 stderr and the same exit code, for every command it answers and for the
 errors (no daemon, no such session, refused, a reply it cannot vouch for);
 it imports neither asyncio nor msgspec; and its copies of the schema, the
@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgpack
 import msgspec
@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from harness import Daemon, env_for_children, wait_for
 from ipc import messages as m
 from ipc.framing import encode_frame
-from supervisor import ctl, ctl_fast
+from supervisor.ctl import cli as ctl, fast as ctl_fast
 
 # ---------------------------------------------------------------- pure: the copies agree
 
@@ -72,10 +72,77 @@ def test_the_schema_copy_matches_ipc_messages(tag: str, cls: type) -> None:
 
 
 @pytest.mark.pure
+def test_the_checked_in_wire_table_is_what_ipc_messages_generates() -> None:
+    # One description of the schema: the Structs.  A field added to one
+    # reaches the one-shot path by `python -m ipc.wiregen`, and only so.
+    from ipc import wiregen
+
+    assert wiregen.TABLE_PATH.read_text() == wiregen.render(), \
+        "ipc/_wire_table.py is out of date: run `python -m ipc.wiregen`"
+
+
+class _Later(m._Msg, tag="later"):  # a reply as a later protocol might have it
+    id: int
+    infos: list[m.ExitInfo] = []
+    by_name: dict[str, m.SessionInfo] = {}
+    code: m.ErrorCode | None = None
+    ok: bool = False
+
+
+@pytest.mark.pure
+def test_a_new_field_reaches_the_one_shot_path_from_its_struct_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import msgspec.inspect as mi
+
+    from ipc import wiregen
+
+    walk = wiregen._Walk()
+    walk.struct(mi.type_info(_Later))  # type: ignore[arg-type]
+    kinds = {name: kind for name, kind, _ in walk.structs["later"]}
+    assert kinds == {"id": "int", "infos": "list[exit]", "by_name": "dict[str,session]",
+                     "code": "error_code?", "ok": "bool"}
+    structs = {tag: tuple((n, k, eval(d, {"REQUIRED": ctl_fast._REQUIRED}))  # noqa: S307 (our own text)
+                          for n, k, d in fields) for tag, fields in walk.structs.items()}
+    monkeypatch.setattr(ctl_fast._wire, "STRUCTS", structs)
+    monkeypatch.setattr(ctl_fast, "_checkers", {})
+    monkeypatch.setattr(ctl_fast, "_lanes", {})
+    later = _Later(id=3, infos=[m.ExitInfo(reason="crashed", signal=9)],
+                   by_name={"a": _SESSIONS[1]}, code=m.ErrorCode.NO_SPACE, ok=True)
+    for value in (later, _Later(id=4)):
+        raw = msgpack.unpackb(msgspec.msgpack.encode(value))
+        assert ctl_fast._plain(raw, structs["later"], "later") == ctl.to_plain(value)
+        assert ctl_fast._structs([raw, raw], "later") == ctl.to_plain([value, value])
+    for bad in ({"ok": 1}, {"code": "no_such_code"}, {"infos": [{"type": "exit"}]},
+                {"by_name": {"a": {"type": "session", "id": "x"}}}):
+        raw = msgpack.unpackb(msgspec.msgpack.encode(later))
+        raw.update(bad)
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.msgpack.decode(msgpack.packb(raw), type=_Later)
+        with pytest.raises(ctl_fast._Unsure):
+            ctl_fast._structs([raw], "later")
+
+
+@pytest.mark.pure
+def test_the_generator_refuses_a_field_the_one_shot_path_could_not_check() -> None:
+    import msgspec.inspect as mi
+
+    from ipc import wiregen
+
+    class Bounded(m._Msg, tag="bounded"):
+        n: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+    class Tupled(m._Msg, tag="tupled"):
+        pair: tuple[int, int] = (0, 0)
+
+    for cls, words in ((Bounded, "Bounded.n: a constraint (ge)"), (Tupled, "Tupled.pair: no kind")):
+        with pytest.raises(wiregen.UnsupportedField, match=re.escape(words)):
+            wiregen._Walk().struct(mi.type_info(cls))  # type: ignore[arg-type]
+
+
+@pytest.mark.pure
 def test_the_protocol_constants_match_ipc_messages() -> None:
     assert ctl_fast._PROTOCOL_VERSION == m.PROTOCOL_VERSION
     assert ctl_fast._NEW_ERROR_CODES == sorted(m.NEW_ERROR_CODES)
-    assert ctl_fast._ERROR_CODES == {c.value for c in m.ErrorCode}
+    assert set(ctl_fast._wire.ENUMS["error_code"]) == {c.value for c in m.ErrorCode}
     assert set(ctl_fast._EXPECT.values()) == {"sessions", "status", "pong", "stats"}
 
 
@@ -157,7 +224,7 @@ def test_a_session_decodes_to_what_to_plain_shows(info: m.SessionInfo) -> None:
     # An unknown field (a newer daemon) is ignored, as msgspec ignores it.
     one = msgpack.unpackb(msgspec.msgpack.encode(info))
     one["later_field"] = [1]
-    assert ctl_fast._sessions([one]) == [ctl.to_plain(info)]
+    assert ctl_fast._structs([one], "session") == [ctl.to_plain(info)]
 
 
 @pytest.mark.pure
@@ -170,11 +237,11 @@ def test_a_session_msgspec_would_refuse_is_not_vouched_for(change: dict[str, Any
     raw = msgpack.unpackb(msgspec.msgpack.encode(_SESSIONS[1]))
     raw.update(change)
     with pytest.raises(ctl_fast._Unsure):
-        ctl_fast._sessions([raw])
+        ctl_fast._structs([raw], "session")
     missing = msgpack.unpackb(msgspec.msgpack.encode(_SESSIONS[0]))
     del missing["handler"]
     with pytest.raises(ctl_fast._Unsure):
-        ctl_fast._sessions([missing])
+        ctl_fast._structs([missing], "session")
 
 
 @pytest.mark.pure
@@ -198,10 +265,10 @@ def test_the_default_socket_path_is_the_full_paths(monkeypatch: pytest.MonkeyPat
 # back): the comparison must be between the two paths, not the full path twice.
 _FAST = """
 import os, sys
-from supervisor import ctl_fast
+from supervisor.ctl import fast as ctl_fast
 code = ctl_fast.main(sys.argv[1:])
 sys.stdout.flush(); sys.stderr.flush()
-heavy = [n for n in ("asyncio", "msgspec", "argparse", "supervisor.ctl") if n in sys.modules]
+heavy = [n for n in ("asyncio", "msgspec", "argparse", "supervisor.ctl.cli") if n in sys.modules]
 os._exit(99 if heavy and os.environ.get("CTL_FAST_MUST_STAY") else code)
 """
 
@@ -381,8 +448,8 @@ def test_a_refusal_before_hello_is_the_full_paths(tmp_path: Path, code: str) -> 
 
 @pytest.mark.process
 def test_the_one_shot_module_imports_no_asyncio_msgspec_or_argparse() -> None:
-    code = ("import sys, supervisor.ctl_fast; print(' '.join(n for n in ('asyncio', 'msgspec', "
-            "'argparse', 'curses', 'uvloop', 'json', 'supervisor.ctl', 'supervisor.client') "
+    code = ("import sys, supervisor.ctl.fast; print(' '.join(n for n in ('asyncio', 'msgspec', "
+            "'argparse', 'curses', 'uvloop', 'json', 'supervisor.ctl.cli', 'supervisor.ctl.client') "
             "if n in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=env_for_children(), timeout=30)
@@ -397,12 +464,15 @@ def test_the_console_script_answers_and_exits_as_the_full_path(daemon: Daemon) -
         # Its workspace's first walk (max_disk_mb), so that both asks see one figure.
         wait_for(lambda: c.status("one").disk_bytes is not None, 10, "the workspace's first walk")
     env = env_for_children()
-    script = "from supervisor.ctl_fast import run; run()"
+    script = "from supervisor.ctl.fast import run; run()"
     for argv, code in ((["--json", "ls"], 0), (["status", "one"], 0), (["status", "nosuch"], 4)):
         argv = ["--socket", str(daemon.socket), *argv]
-        fast = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
-                              env=env, timeout=30)
-        full = _run(argv, False)
+        for _ in range(5):  # as _same: the session's RSS may move between the two asks
+            fast = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
+                                  env=env, timeout=30)
+            full = _run(argv, False)
+            if (fast.returncode, fast.stdout, fast.stderr) == (code, full.stdout, full.stderr):
+                break
         assert (fast.returncode, fast.stdout, fast.stderr) == (code, full.stdout, full.stderr)
         assert ("one" in fast.stdout) == (code == 0)
     # And what it does not answer goes through the full path, exit code included.
@@ -416,4 +486,40 @@ def test_sessionctl_is_the_one_shot_entry_point() -> None:
     from importlib.metadata import entry_points
 
     (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "sessionctl"]
-    assert ep.value == "supervisor.ctl_fast:run"
+    assert ep.value == "supervisor.ctl.fast:run"
+
+
+# ---------------------------------------------------------------- pure: one table of exit codes
+
+
+@pytest.mark.pure
+def test_every_exit_code_comes_from_the_one_table() -> None:
+    # supervisor.ctl.render.EXIT_CODES is the contract: both paths and every
+    # command return its names, never a number of their own, and --help
+    # lists the table itself.
+    import ast
+
+    from supervisor.ctl import render
+
+    literal = []
+    for path in sorted(Path(render.__file__).parent.glob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    isinstance(fn.returns, ast.Name) and fn.returns.id == "int":
+                literal += [f"{path.name}:{node.lineno}" for node in ast.walk(fn)
+                            if isinstance(node, ast.Return) and isinstance(node.value, ast.Constant)]
+    assert literal == []
+    assert ctl._EPILOG.endswith("exit codes:\n" + render.exit_codes_text())
+    assert [code for code, _ in render.EXIT_CODES] == [0, 1, 2, 3, 4]
+    assert (ctl_fast.EXIT_OK, ctl_fast.EXIT_UNREACHABLE, ctl_fast.EXIT_SIGINT, ctl_fast.exit_code_for) == \
+        (render.EXIT_OK, render.EXIT_UNREACHABLE, render.EXIT_SIGINT, render.exit_code_for)
+
+
+@pytest.mark.pure
+def test_every_command_of_the_parser_has_its_function() -> None:
+    # The full path dispatches through one table: a command added to the
+    # parser without its function would fail only when someone runs it.
+    import argparse
+
+    (sub,) = [a for a in ctl._parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(sub.choices) == set(ctl._COMMANDS) | {"completion"}

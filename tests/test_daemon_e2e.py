@@ -11,7 +11,7 @@ import pytest
 
 from harness import Daemon, wait_for
 from ipc import messages as m
-from supervisor.client import Client, RequestError
+from supervisor.ctl.client import Client, RequestError
 
 pytestmark = pytest.mark.process
 

@@ -1,5 +1,5 @@
-"""Several daemons on one PostgreSQL database (supervisor.fronts,
-supervisor.fencing): a daemon that starts takes nothing from the others;
+"""Several daemons on one PostgreSQL database (supervisor.cluster.fronts,
+supervisor.cluster.fencing): a daemon that starts takes nothing from the others;
 any daemon serves any session by claiming it when used; the daemon that
 held it lets go (its worker stopped, the session hibernated there) and
 can claim it back; a turn running on a live daemon is never taken; a
@@ -23,7 +23,7 @@ import tomli_w
 from conftest import FAST_CONFIG
 from harness import wait_for
 from pg_server import PgServer
-from supervisor.client import RequestError, TurnFailedError
+from supervisor.ctl.client import RequestError, TurnFailedError
 
 pytestmark = pytest.mark.process
 

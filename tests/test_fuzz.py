@@ -44,7 +44,7 @@ from ipc import messages as m
 from ipc.errors import BadMessage, FrameTooLarge
 from ipc.framing import FrameParser, encode_frame
 from ipc.settings import SessionSettings
-from supervisor.client import RequestError
+from supervisor.ctl.client import RequestError
 from test_bad_input import hello
 
 MAX_FRAME = 64 * 1024  # the fuzzed daemon's [daemon] max_frame_bytes: cheap to pad up to

@@ -28,7 +28,7 @@ from test_bad_input import assert_closed, hello, read_frame
 
 pytestmark = pytest.mark.process
 
-HANDSHAKE_TIMEOUT_SECS = 10.0  # supervisor/server.py _HANDSHAKE_TIMEOUT_SECS
+HANDSHAKE_TIMEOUT_SECS = 10.0  # supervisor/api/server.py _HANDSHAKE_TIMEOUT_SECS
 
 
 def num_fds(pid: int) -> int:

@@ -2,7 +2,7 @@
 
 A worker with no turn running beats IDLE_HEARTBEAT_FACTOR times more
 slowly, and a session with no turn and no process of its own has its memory
-read every QUIET_EVERY-th sweep (supervisor.sweep).  A stuck loop or a
+read every QUIET_EVERY-th sweep (supervisor.core.sweep).  A stuck loop or a
 background allocation between turns is still caught, only later.
 """
 
@@ -14,7 +14,7 @@ import pytest
 
 from harness import FAST_SWEEP, wait_for
 from ipc.contract import IDLE_HEARTBEAT_FACTOR
-from supervisor.sweep import QUIET_EVERY
+from supervisor.core.sweep import QUIET_EVERY
 
 pytestmark = pytest.mark.process
 

@@ -1,4 +1,4 @@
-"""The file store's daemon-wide journal (supervisor/journal.py): what a crash
+"""The file store's daemon-wide journal (supervisor/store/journal.py): what a crash
 leaves of it and what replay makes of that, checkpoints, tombstones, locks,
 and a daemon SIGKILLed in the middle of many sessions' batches."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import journal as journal_mod
-from supervisor.client import AsyncClient
-from supervisor.state_store import Commit, Meta, Snapshot
-from supervisor.store import FileStateStore, SessionStore
+from supervisor.store import journal as journal_mod
+from supervisor.ctl.client import AsyncClient
+from supervisor.store.state_store import Commit, Meta, Snapshot
+from supervisor.store.files import FileStateStore, SessionStore
 from harness import Daemon, wait_for
 
 

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from harness import Daemon, run_as
-from supervisor.client import Client, RequestError
+from supervisor.ctl.client import Client, RequestError
 
 NOBODY = 65534
 OTHER = 65533

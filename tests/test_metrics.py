@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness import FAST_SWEEP, Daemon, wait_for
 from ipc import messages as m
-from supervisor.client import RequestError
+from supervisor.ctl.client import RequestError
 
 pytestmark = pytest.mark.process
 
@@ -183,8 +183,8 @@ def test_with_metrics_off_the_library_is_not_even_imported() -> None:
 
     from harness import env_for_children
 
-    code = ("import sys, supervisor.daemon, supervisor.manager, supervisor.server\n"
-            "from supervisor.metrics import NO_METRICS, Recorder\n"
+    code = ("import sys, supervisor.daemon, supervisor.core.manager, supervisor.api.server\n"
+            "from supervisor.ops.metrics import NO_METRICS, Recorder\n"
             "assert type(NO_METRICS) is Recorder\n"
             "assert 'prometheus_client' not in sys.modules, 'imported'\n")
     done = subprocess.run([sys.executable, "-c", code], env=env_for_children(),

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from harness import FAST_SWEEP, Daemon, wait_for
-from supervisor.metrics import _MAX_CONNECTIONS
+from supervisor.ops.metrics import _MAX_CONNECTIONS
 from test_metrics import parse, tcp_metrics_url, value
 
 pytestmark = pytest.mark.process

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.metrics import FAILURE_KINDS, NO_METRICS, Recorder, failure_kind, provider_status
+from supervisor.ops.metrics import FAILURE_KINDS, NO_METRICS, Recorder, failure_kind, provider_status
 
 
 @pytest.mark.pure
@@ -51,7 +51,7 @@ def test_the_grafana_dashboard_queries_only_metrics_the_daemon_exports() -> None
     import re
 
     from harness import REPO
-    from supervisor.metrics import PrometheusRecorder
+    from supervisor.ops.metrics import PrometheusRecorder
 
     registry = PrometheusRecorder(lambda: [], lambda: 0).registry
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}

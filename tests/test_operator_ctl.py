@@ -36,7 +36,7 @@ def _create(d: Daemon, handler: str) -> str:
 
 
 def test_send_prints_a_reply_that_was_not_streamed(opd: Daemon) -> None:
-    # The README's Counter: streams "counting… ", returns the reply unstreamed.
+    # docs/agent.md's Counter: streams "counting… ", returns the reply unstreamed.
     sid = _create(opd, "operator_handlers:counter")
     r = opd.ctl("send", sid, "hello")
     assert r.returncode == 0, r.stderr

@@ -9,7 +9,7 @@ import pytest
 
 from ipc import messages as m
 from ipc import operator as op
-from supervisor.top import SORT_KEYS, render, rows_from, sort_rows
+from supervisor.ctl.top import SORT_KEYS, render, rows_from, sort_rows
 
 
 def reply(at: float, *entries: tuple[str, str, int | None, float | None], created: float = 1000.0) -> op.TopReply:

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from ipc.settings import PermissionRule, SessionSettings
-from supervisor.overrides import ALLOWED, OverrideError, Rule, resolve_overrides
+from supervisor.core.overrides import ALLOWED, OverrideError, Rule, resolve_overrides
 
 pytestmark = pytest.mark.pure
 

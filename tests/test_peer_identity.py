@@ -1,4 +1,4 @@
-"""Who counts as a session's process (supervisor.peer.in_session), with real
+"""Who counts as a session's process (supervisor.api.peer.in_session), with real
 processes: by what a tool cannot shed (its uid, its PID namespace, its
 cgroup, its ancestry read through pidfds), not by what /proc shows.
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from supervisor import peer
+from supervisor.api import peer
 
 REPO = Path(__file__).resolve().parent.parent
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces, mounts and other uids need root")
@@ -51,7 +51,7 @@ _HIDDEN = r"""
 import ctypes, json, os, socket, sys
 sys.path.insert(0, sys.argv[2])
 from test_peer_identity import _check
-from supervisor import peer
+from supervisor.api import peer
 
 libc = ctypes.CDLL(None, use_errno=True)
 path = os.path.join(sys.argv[1], "ctl.sock")
@@ -327,7 +327,7 @@ def test_a_non_dumpable_tool_cannot_drive_the_unit_daemon(unit_daemon: Any, llm:
     with d.client() as c:
         sid = c.create().id
     code = ("import ctypes, sys; ctypes.CDLL(None).prctl(4, 0, 0, 0, 0); "
-            "from supervisor import ctl; sys.exit(ctl.main(['--socket', sys.argv[1], 'ls']))")
+            "from supervisor.ctl import cli as ctl; sys.exit(ctl.main(['--socket', sys.argv[1], 'ls']))")
     command = f"{sys.executable} -c \"{code}\" {d.socket}; echo rc=$?; grep -c hidepid /proc/mounts"
     llm.script(tool_call_stream(("c1", "bash", {"command": command})), text_stream("done"))
     with d.client() as c:
@@ -357,7 +357,7 @@ def test_the_unit_daemons_own_user_with_a_hidden_parent_is_served(unit_daemon: A
             code = 1
             try:
                 libc.prctl(4, 1, 0, 0, 0)
-                from supervisor.client import Client
+                from supervisor.ctl.client import Client
 
                 with Client(d.socket) as c:
                     os.write(w, str(len(c.list())).encode())

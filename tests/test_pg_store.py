@@ -21,12 +21,14 @@ import tomli_w
 from conftest import FAST_CONFIG
 from harness import wait_for
 from pg_server import PgServer
-from supervisor.client import Client, RequestError, TurnFailedError
-from supervisor.config import ConfigError, parse_config
-from supervisor import pg_batch
-from supervisor.pg_store import SCHEMA_VERSION, PgSessionLog, PgStateStore, safe_dsn
-from supervisor.state_store import Commit, Fenced, IdTaken, InputRecord, Meta, Snapshot, StoreError, StoreFull
-from supervisor.store import frame_record
+from supervisor.ctl.client import Client, RequestError, TurnFailedError
+from supervisor.config import parse_config
+from supervisor.errors import ConfigError
+from supervisor.store.postgres import batch as pg_batch
+from supervisor.store.postgres.store import SCHEMA_VERSION, PgSessionLog, PgStateStore, safe_dsn
+from supervisor.store.state_store import Commit, InputRecord, Meta, Snapshot
+from supervisor.errors import Fenced, IdTaken, StoreError, StoreFull
+from supervisor.store.files import frame_record
 
 
 def meta(sid: str = "s1") -> Meta:
@@ -463,8 +465,8 @@ def test_a_daemon_whose_database_cannot_be_reached_says_so(make_daemon, tmp_path
 def test_a_server_out_of_space_is_store_full() -> None:
     from psycopg import errors as pgerr
 
-    from supervisor.pg_store import _store_error
-    from supervisor.state_store import StoreFull
+    from supervisor.store.postgres.store import _store_error
+    from supervisor.errors import StoreFull
 
     full = _store_error("the log of s1", pgerr.DiskFull("could not extend file: No space left on device"))
     assert isinstance(full, StoreFull) and "out of space" in str(full)

@@ -10,8 +10,8 @@ import struct
 import pytest
 
 from harness import Daemon, raw_connect
-from supervisor import ratelog
-from supervisor.ratelog import RateLimitedLog
+from supervisor.api import ratelog
+from supervisor.api.ratelog import RateLimitedLog
 
 
 class _Clock:

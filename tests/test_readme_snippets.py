@@ -1,5 +1,8 @@
-"""The README's commands and TOML, run as printed.
+"""The README's (and every page of docs/'s) commands and TOML, run as printed.
 
+The pages read are README.md, ARCHITECTURE.md and docs/*.md, in that order
+(the README's "First session" creates the session later examples use), so a
+block that moves from the README to a page of docs/ stays tested.
 Every fenced `sh`/`console` block's command lines are either run here (the
 `sessiond config …` and `sessionctl …` lines, against a daemon this test
 starts, and `make …` as `make -n …`) or listed in NOT_RUN with the reason,
@@ -25,6 +28,9 @@ from harness import REPO, Daemon, env_for_children
 pytestmark = pytest.mark.process
 
 README = REPO / "README.md"
+# Every page a reader walks from the README; a missing one (a renamed page)
+# fails the extraction test below rather than silently testing less.
+PAGES = [README, REPO / "ARCHITECTURE.md", *sorted((REPO / "docs").glob("*.md"))]
 # The venv the suite runs in holds the scripts the README names as .venv/bin/….
 VENV = Path(sys.prefix)
 
@@ -58,9 +64,10 @@ class Block:
     lang: str
     body: str
     lineno: int
+    page: str = "README.md"
 
 
-def fenced_blocks(text: str) -> list[Block]:
+def fenced_blocks(text: str, page: str = "README.md") -> list[Block]:
     blocks: list[Block] = []
     lines = text.splitlines()
     i = 0
@@ -75,7 +82,7 @@ def fenced_blocks(text: str) -> list[Block]:
         while not re.match(rf"^{indent}```\s*$", lines[i]):
             body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
             i += 1
-        blocks.append(Block(lang, "\n".join(body) + "\n", start))
+        blocks.append(Block(lang, "\n".join(body) + "\n", start, page))
         i += 1
     return blocks
 
@@ -94,7 +101,8 @@ def commands(blocks: list[Block]) -> list[Command]:
     return found
 
 
-BLOCKS = fenced_blocks(README.read_text())
+BLOCKS = [b for page in PAGES if page.exists()
+          for b in fenced_blocks(page.read_text(), str(page.relative_to(REPO)))]
 COMMANDS = commands(BLOCKS)
 TOML_BLOCKS = [b for b in BLOCKS if b.lang == "toml"]
 
@@ -121,8 +129,12 @@ def test_the_readme_has_the_commands_this_test_expects() -> None:
     assert any(line.startswith(".venv/bin/sessionctl send ") for line in lines)
     assert any(line.startswith(".venv/bin/sessiond config check ") for line in lines)
     assert len(TOML_BLOCKS) >= 5
+    for page in PAGES:
+        assert page.exists(), f"{page} is gone: update PAGES (and the README's contents)"
+    # The pages the cluster and agent blocks moved to are read too.
+    assert {b.page for b in TOML_BLOCKS} >= {"README.md", "docs/agent.md", "docs/cluster.md"}
     for exempt in NOT_RUN:
-        assert exempt in lines, f"NOT_RUN names {exempt!r}, which the README no longer prints"
+        assert exempt in lines, f"NOT_RUN names {exempt!r}, which no page prints any more"
 
 
 def test_readme_commands_run_as_printed(tmp_path: Path, workdir: Path) -> None:
@@ -162,7 +174,7 @@ def test_readme_commands_run_as_printed(tmp_path: Path, workdir: Path) -> None:
                     actual = done.stdout.splitlines()
                     assert [a.split()[:1] for a in actual] == [e.split()[:1] for e in expected], (line, actual)
             else:
-                raise AssertionError(f"README command {line!r} is neither run here nor listed in NOT_RUN")
+                raise AssertionError(f"documented command {line!r} is neither run here nor listed in NOT_RUN")
             ran += 1
         assert ran >= 7
         # `sessiond config default > config.toml` wrote a config that checks.
@@ -172,7 +184,7 @@ def test_readme_commands_run_as_printed(tmp_path: Path, workdir: Path) -> None:
     daemon.assert_no_leftovers()
 
 
-@pytest.mark.parametrize("block", TOML_BLOCKS, ids=lambda b: f"README.md:{b.lineno}")
+@pytest.mark.parametrize("block", TOML_BLOCKS, ids=lambda b: f"{b.page}:{b.lineno}")
 def test_readme_toml_parses_and_passes_config_check(tmp_path: Path, block: Block) -> None:
     data = tomllib.loads(block.body)
     assert data

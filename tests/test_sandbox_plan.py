@@ -13,7 +13,8 @@ import pytest
 from ipc import messages as m
 from ipc.settings import SandboxSettings, SessionSettings
 from session_worker import _seccomp, sandbox
-from supervisor.overrides import OverrideError, resolve_overrides
+from session_worker.errors import UnsupportedArch
+from supervisor.core.overrides import OverrideError, resolve_overrides
 
 pytestmark = pytest.mark.pure
 
@@ -96,7 +97,7 @@ def test_jumps_stay_inside_the_program() -> None:
 
 def test_other_machines_say_why_there_is_no_filter() -> None:
     assert "aarch64" in _seccomp.unsupported("aarch64")
-    with pytest.raises(_seccomp.UnsupportedArch):
+    with pytest.raises(UnsupportedArch):
         _seccomp.build("none", machine="aarch64")
 
 

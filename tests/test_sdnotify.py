@@ -1,4 +1,4 @@
-"""supervisor.sdnotify against real sockets: a fake NOTIFY_SOCKET that checks
+"""supervisor.ops.sdnotify against real sockets: a fake NOTIFY_SOCKET that checks
 the sender's kernel credentials as systemd does, systemd-socket-activate for
 the listen-fd handover, and journald's $JOURNAL_STREAM convention."""
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import sdnotify
+from supervisor.ops import sdnotify
 
 REPO = Path(__file__).resolve().parent.parent
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -283,7 +283,7 @@ def test_watchdog_loop_keeps_pinging_when_the_status_callback_fails(
         finally:
             task.cancel()
 
-    with caplog.at_level(logging.ERROR, logger="supervisor.sdnotify"):
+    with caplog.at_level(logging.ERROR, logger="supervisor.ops.sdnotify"):
         got = asyncio.run(main())
     assert calls["n"] >= 5
     assert [m for _, m in got if m.startswith("STATUS=")] == ["STATUS=ok"]
@@ -303,7 +303,7 @@ _ACTIVATED_CHILD = textwrap.dedent(
     """
     import json, os, socket, sys
     sys.path.insert(0, sys.argv[1])
-    from supervisor import sdnotify
+    from supervisor.ops import sdnotify
 
     names = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
     before = {k: os.environ.get(k) for k in names}
@@ -384,7 +384,7 @@ _PID_CHECK_CHILD = textwrap.dedent(
     """
     import json, os, socket, sys
     sys.path.insert(0, sys.argv[1])
-    from supervisor import sdnotify
+    from supervisor.ops import sdnotify
 
     # A listening socket at fd 3, inheritable, as a parent would leave it.
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -543,7 +543,7 @@ def test_sdnotify_module_has_no_third_party_imports() -> None:
     # The glue must work before the venv's packages load (and in a minimal
     # unit test of the daemon); check that importing it alone pulls nothing in.
     code = (
-        "import sys; before = set(sys.modules); import supervisor.sdnotify; "
+        "import sys; before = set(sys.modules); import supervisor.ops.sdnotify; "
         "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
         "std = sys.stdlib_module_names; "
         "print(sorted(m for m in new if m not in std and m != 'supervisor'))"

@@ -199,7 +199,7 @@ def test_a_new_zygote_does_not_import_from_the_daemons_cwd(daemon: Daemon) -> No
 
 
 def _try_create(c: Any) -> str | None:
-    from supervisor.client import RequestError
+    from supervisor.ctl.client import RequestError
 
     try:
         return str(c.create().id)
@@ -212,7 +212,7 @@ def test_a_zygote_that_keeps_dying_is_restarted_with_backoff(daemon: Daemon) -> 
     """Before: 84 zygotes in 2.5 s.  Now the delay doubles after each quick
     death; meanwhile creating a session fails with a clear error and the
     daemon answers everything else."""
-    from supervisor.client import RequestError
+    from supervisor.ctl.client import RequestError
 
     seen: set[int] = set()
     deadline = time.monotonic() + 3.0
@@ -242,7 +242,7 @@ def test_a_zygote_that_keeps_dying_is_restarted_with_backoff(daemon: Daemon) -> 
 
 @pytest.mark.pure
 def test_zygote_backoff_policy() -> None:
-    from supervisor.spawner import ZygoteBackoff
+    from supervisor.spawn.spawner import ZygoteBackoff
 
     b = ZygoteBackoff(initial_secs=0.1, max_secs=1.0, stable_secs=10.0)
     assert [b.delay_after_death(0.5) for _ in range(7)] == [0.0, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
@@ -389,7 +389,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.process
 @root_only
 def test_proc_table_pidfd_refuses_a_reused_number() -> None:
-    from supervisor.limits import ProcTable
+    from supervisor.core.limits import ProcTable
 
     table = ProcTable()
     first = subprocess.Popen(["sleep", "60"])

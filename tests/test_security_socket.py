@@ -43,10 +43,10 @@ from ipc import messages as m
 from ipc.connection import FramedProtocol
 from ipc.errors import FrameTimeout, ProtocolError
 from ipc.framing import encode_frame
-from supervisor import peer
+from supervisor.api import peer
 from supervisor.config import Config, DaemonSettings
-from supervisor.manager import SessionManager
-from supervisor.server import ControlServer
+from supervisor.core.manager import SessionManager
+from supervisor.api.server import ControlServer
 from test_bad_input import assert_closed, hello, read_frame
 
 NOBODY = 65534
@@ -170,7 +170,7 @@ def _peer_child(path: str, linger: bool) -> subprocess.Popen[bytes]:
 
 @pytest.mark.process
 def test_peer_ancestry_and_a_dead_peers_reused_pid(tmp_path: Path) -> None:
-    """supervisor.peer without a daemon: our child descends from us and not
+    """supervisor.api.peer without a daemon: our child descends from us and not
     from pid 1's other children; a peer that has exited is refused even
     though its pid now names nobody (or someone else)."""
     srv = _listener(tmp_path)

@@ -2,8 +2,8 @@
 anything (OpenSSH's StrictModes, on the client's side): a socket another
 user planted, or one in a directory anyone may write, gets a clear error
 naming the path and its owner, exit 3, and the squatter receives nothing,
-on the one-shot path (supervisor.ctl_fast), the full path (supervisor.ctl)
-and the library (supervisor.client)."""
+on the one-shot path (supervisor.ctl.fast), the full path (supervisor.ctl.cli)
+and the library (supervisor.ctl.client)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def _world_writable_dir(base: Path) -> Squatter:
 
 
 def _sessionctl(argv: list[str], fast: bool) -> subprocess.CompletedProcess[str]:
-    code = "import sys; from supervisor import ctl_fast, ctl; sys.exit((ctl_fast if {} else ctl).main(sys.argv[1:]))"
+    code = "import sys; from supervisor.ctl import fast as ctl_fast, cli as ctl; sys.exit((ctl_fast if {} else ctl).main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code.format(fast), *argv], capture_output=True, text=True,
                           timeout=60, env=env_for_children(), stdin=subprocess.DEVNULL)
 
@@ -99,7 +99,7 @@ def test_sessionctl_refuses_an_untrusted_socket_and_sends_nothing(base: Path, se
         done = subprocess.run([sys.executable, "-m", "supervisor.ctl", "ls"], capture_output=True, text=True,
                               timeout=60, env=env)
         assert done.returncode == 3 and "refusing to connect" in done.stderr, done.stderr
-        from supervisor.client import Client, DaemonUnavailable
+        from supervisor.ctl.client import Client, DaemonUnavailable
 
         with pytest.raises(DaemonUnavailable, match="refusing to connect"):
             Client(squatter.path)
@@ -124,7 +124,7 @@ def test_a_squatted_default_path_gets_nothing_from_its_user(base: Path) -> None:
         import io
         import contextlib
 
-        from supervisor import ctl, ctl_fast
+        from supervisor.ctl import cli as ctl, fast as ctl_fast
 
         os.environ.pop("SESSIOND_SOCKET", None)
         os.environ["XDG_RUNTIME_DIR"] = str(runtime)

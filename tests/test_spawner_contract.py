@@ -26,8 +26,9 @@ from fakespawner import FakeSpawner
 from ipc import messages as m
 from ipc.connection import FramedProtocol
 from ipc.settings import SessionSettings
-from supervisor.seams import Spawner, SpawnerDied
-from supervisor.spawner import ZygoteSpawner
+from supervisor.spawn.seams import Spawner
+from supervisor.errors import SpawnerDied
+from supervisor.spawn.spawner import ZygoteSpawner
 
 _from_worker = msgspec.msgpack.Decoder(m.FromWorker)
 _settings = msgspec.msgpack.encode(SessionSettings())

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from supervisor.states import (
+from supervisor.core.states import (
     LIVE,
     InvalidTransition,
     RestartPolicy,
@@ -21,7 +21,7 @@ S, T = State, Trigger
 
 
 # The whole transition table, written out by hand from the design (DESIGN.md,
-# "Session state machine", and the diagram in supervisor/states.py), not
+# "Session state machine", and the diagram in supervisor/core/states.py), not
 # derived from TRANSITIONS: adding, removing or redirecting any move in the
 # code must fail the test below until this table is changed to match.
 EXPECTED: dict[tuple[State, Trigger], State] = {
@@ -69,7 +69,7 @@ EXPECTED: dict[tuple[State, Trigger], State] = {
     (S.DAMAGED, T.REPAIR): S.HIBERNATED,
     (S.DAMAGED, T.DELETE): S.DELETED,
     # DELETED: nothing leaves it.
-    # Another daemon took it over (supervisor.fencing): no worker here.
+    # Another daemon took it over (supervisor.cluster.fencing): no worker here.
     (S.STOPPING, T.RELEASE): S.HIBERNATED,
     (S.STOPPED, T.RELEASE): S.HIBERNATED,
     (S.FAILED, T.RELEASE): S.HIBERNATED,

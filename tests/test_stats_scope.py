@@ -8,7 +8,7 @@ import os
 import pytest
 
 from harness import Daemon, run_as
-from supervisor.client import Client
+from supervisor.ctl.client import Client
 
 pytestmark = pytest.mark.process
 

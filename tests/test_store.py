@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.store import (
+from supervisor.store.files import (
     Commit,
     InputRecord,
     Mark,

@@ -1,6 +1,6 @@
 """The StateStore contract, run over every implementation.
 
-What `supervisor.state_store` promises, checked through the seam only.
+What `supervisor.store.state_store` promises, checked through the seam only.
 Each implementation comes with an adapter that plays the part of the world
 around it (a crash, a torn write, a flipped byte); a store for which a
 fault cannot happen says so with a skip.  A PostgreSQL store joins by
@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 
 from pg_server import PgServer
-from supervisor.memory_store import InMemoryStateStore
-from supervisor.state_store import (
+from supervisor.store.memory import InMemoryStateStore
+from supervisor.store.state_store import (
     Commit,
-    Fenced,
     InputRecord,
     Mark,
     Meta,
@@ -30,10 +29,9 @@ from supervisor.state_store import (
     SessionLog,
     Snapshot,
     StateStore,
-    StoreDamaged,
-    StoreFull,
 )
-from supervisor.store import FileStateStore, SessionStore
+from supervisor.errors import Fenced, StoreDamaged, StoreFull
+from supervisor.store.files import FileStateStore, SessionStore
 
 pytestmark = pytest.mark.component
 
@@ -170,7 +168,7 @@ class PgAdapter(Adapter):
     """A real PostgreSQL server (tests/pg_server.py), a schema per test."""
 
     def __init__(self, server: PgServer) -> None:
-        from supervisor.pg_store import PgStateStore
+        from supervisor.store.postgres.store import PgStateStore
 
         self.server = server
         self.dsn = server.fresh_dsn()

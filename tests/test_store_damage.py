@@ -16,8 +16,9 @@ import msgspec
 import pytest
 
 from harness import Daemon, env_for_children, wait_for
-from supervisor.state_store import RepairMode, StoreDamaged, StoreFull
-from supervisor.store import (
+from supervisor.store.state_store import RepairMode
+from supervisor.errors import StoreDamaged, StoreFull
+from supervisor.store.files import (
     Commit,
     FileStateStore,
     InputRecord,
@@ -316,8 +317,8 @@ def test_manager_lists_removes_and_repairs_a_damaged_session_in_memory(tmp_path:
     import asyncio
 
     from supervisor.config import parse_config
-    from supervisor.manager import SessionManager
-    from supervisor.memory_store import InMemoryStateStore
+    from supervisor.core.manager import SessionManager
+    from supervisor.store.memory import InMemoryStateStore
 
     mem = InMemoryStateStore()
     for sid in ("good", "bad", "gone"):

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from test_store_contract import ad, commit, meta  # noqa: F401  (ad: the adapter fixture)
 
-from supervisor.state_store import Abort, InputRecord, Meta, Snapshot
+from supervisor.store.state_store import Abort, InputRecord, Meta, Snapshot
 
 pytestmark = pytest.mark.component
 
@@ -38,10 +38,10 @@ def test_read_history_is_the_snapshot_and_the_records_after_it(ad) -> None:  # n
 
 def test_history_keeps_the_newest_turns_that_fit_one_reply() -> None:
     from ipc.settings import SessionSettings
-    from supervisor import transfer
-    from supervisor.memory_store import InMemoryStateStore
-    from supervisor.session import Session
-    from supervisor.states import State
+    from supervisor.api import transfer
+    from supervisor.store.memory import InMemoryStateStore
+    from supervisor.core.session import Session
+    from supervisor.core.states import State
 
     store = InMemoryStateStore()
     log = store.create(meta())

@@ -23,9 +23,9 @@ import tomli_w
 from conftest import FAST_CONFIG
 from harness import Daemon
 from pg_server import PgServer
-from supervisor.logscan import frame_record
-from supervisor.state_store import Meta, Snapshot
-from supervisor.store import SessionStore
+from supervisor.store.logscan import frame_record
+from supervisor.store.state_store import Meta, Snapshot
+from supervisor.store.files import SessionStore
 from test_access import open_root  # noqa: F401 (fixture)
 
 STRANGER = 4321  # a uid the daemon does not admit

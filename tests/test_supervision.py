@@ -15,7 +15,7 @@ import pytest
 
 from harness import FAST_SWEEP, Daemon, wait_for
 from ipc import messages as m
-from supervisor.client import AsyncClient, Client, RequestError
+from supervisor.ctl.client import AsyncClient, Client, RequestError
 
 pytestmark = pytest.mark.process
 

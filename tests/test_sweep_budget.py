@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from supervisor.diskquota import DiskWalk, detect
-from supervisor.limits import (
+from supervisor.core.diskquota import DiskWalk, detect
+from supervisor.core.limits import (
     MIB,
     PssEstimate,
     PssRead,
@@ -20,7 +20,7 @@ from supervisor.limits import (
     settled_figure,
     unmapped_total,
 )
-from supervisor.measure import FDS_PER_UNIT, Kind, Read, host_identity, run_batch
+from supervisor.core.measure import FDS_PER_UNIT, Kind, Read, host_identity, run_batch
 
 CAP = 100 * MIB
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.limits import HEARTBEATS_MISSED, heartbeat_overdue, idle_expired, turn_deadline_left
+from supervisor.core.limits import HEARTBEATS_MISSED, heartbeat_overdue, idle_expired, turn_deadline_left
 
 pytestmark = pytest.mark.pure
 

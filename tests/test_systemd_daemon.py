@@ -104,7 +104,7 @@ def _watchdogs(items: list[tuple[float, int, list[str]]]) -> list[float]:
 @pytest.mark.skipif(shutil.which("systemd-socket-activate") is None,
                     reason="systemd-socket-activate is not installed (package systemd)")
 def test_socket_activation_starts_the_daemon_on_the_first_connection(tmp_path: Path, sockdir: Path) -> None:
-    from supervisor.client import Client
+    from supervisor.ctl.client import Client
 
     path = sockdir / "ctl.sock"
     config = tmp_path / "config.toml"

@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 from harness import Daemon
-from supervisor.client import RequestError
-from supervisor.transfer import ExportDocument, ExportedCommit, ExportedInput
+from supervisor.ctl.client import RequestError
+from supervisor.api.transfer import ExportDocument, ExportedCommit, ExportedInput
 
 pytestmark = pytest.mark.process
 

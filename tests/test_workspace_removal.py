@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.workspaces import _rmtree
+from supervisor.core.workspaces import _rmtree
 
 pytestmark = pytest.mark.process
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 
 from session_worker import _spawn, sandbox
+from session_worker.errors import SandboxError
 from session_worker.agent._errors import ToolError
 
 __all__ = ["OutputCap", "run_bash", "tool_environment"]
@@ -126,7 +127,7 @@ class _Hosted:
     async def wait(self) -> int:
         try:
             return await asyncio.shield(self.command.exited)
-        except sandbox.SandboxError as exc:
+        except SandboxError as exc:
             # A tool killed the host (its parent), or the host died: its
             # namespace, and the command, went with it.
             self.lost = str(exc)
@@ -170,7 +171,7 @@ async def run_bash(command: str, workspace: Path, timeout_secs: float, limit: in
             (await starting).kill()
         os.close(rfd)
         raise
-    except sandbox.SandboxError as exc:
+    except SandboxError as exc:
         os.close(rfd)
         raise ToolError(str(exc)) from None
     except BaseException:

@@ -23,7 +23,7 @@ import session_worker.agent._beneath as _beneath
 from session_worker.agent._bash import run_bash
 from session_worker.agent._errors import ToolError
 from session_worker.agent._tools import Tool, ToolEnv
-from session_worker.handler import SpawnError
+from session_worker.errors import SpawnError
 
 __all__ = ["BUILTIN_NAMES", "builtin_tools", "resolve_inside"]
 

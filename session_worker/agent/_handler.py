@@ -18,7 +18,8 @@ from session_worker.agent._history import History
 from session_worker.agent._loop import Turn
 from session_worker.agent._provider import Provider
 from session_worker.agent._tools import Tool, ToolRegistry
-from session_worker.handler import HandlerInit, TurnContext, TurnFailure, TurnResult
+from session_worker.errors import TurnFailure
+from session_worker.handler import HandlerInit, TurnContext, TurnResult
 from ipc.settings import SessionSettings
 
 __all__ = ["AgentHandler", "build_registry"]

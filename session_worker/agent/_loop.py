@@ -29,7 +29,8 @@ from session_worker.agent._permissions import decide
 from session_worker.agent._provider import Provider
 from session_worker.agent._stream import Completion, ToolCall, stop_reason_of, usage_counts
 from session_worker.agent._tools import ToolEnv, ToolRegistry, check_arguments
-from session_worker.handler import TurnContext, TurnFailure, TurnResult
+from session_worker.errors import TurnFailure
+from session_worker.handler import TurnContext, TurnResult
 from ipc.contract import LimitKind, StopReason
 from ipc.settings import SessionSettings
 

@@ -1,0 +1,88 @@
+"""Errors of the worker side: run by the zygote (which imports everything
+before it forks), by each session's worker, and by a handler inside it.
+The tool host (_toolhost.py) is a standalone standard-library script and
+imports none of this; its failures reach the worker as messages, which
+sandbox.py turns into these.
+
+    TurnFailure(reason, record)     a handler fails the current turn; `record` is still committed
+    SpawnError                      a sub-agent could not be run; the model reads the message
+    HandlerLoadError                a handler name that resolves to no factory (the boot fails)
+    SandboxError                    the tools' host could not be started or has gone away
+    ├── CommandError                the host is up but could not start this command
+    └── OrderNotSent                the host was gone before it took the order: safe to start
+                                    it again (raised and caught inside sandbox.py)
+    UnsupportedArch                 no seccomp syscall table for this machine: run without
+                                    seccomp, and say so
+    StopWhileIdle                   SIGTERM while the worker waits for its first input
+                                    (raised and caught inside main.py)
+
+The agent handler's own tree (AgentError: the provider's failures, tools that
+cannot load) is session_worker/agent/_errors.py: it stays inside the agent,
+which maps it to TurnFailure at one place.  Errors that cross to the daemon
+are never these objects: a turn's failure, a boot's failure go out as the
+ipc messages' typed fields (reason, exit code), never pickled.
+
+TurnFailure and SpawnError are also importable from session_worker.handler,
+the interface a handler's author programs against (docs/agent.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "CommandError",
+    "HandlerLoadError",
+    "OrderNotSent",
+    "SandboxError",
+    "SpawnError",
+    "StopWhileIdle",
+    "TurnFailure",
+    "UnsupportedArch",
+]
+
+
+# ---------------------------------------------------------------- a handler's
+
+
+class TurnFailure(Exception):
+    """Fails the current turn; `record` (if not None) is still committed."""
+
+    def __init__(self, reason: str, record: Any = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.record = record
+
+
+class SpawnError(Exception):
+    """A sub-agent could not be run; the message is readable by the model."""
+
+
+class HandlerLoadError(Exception):
+    """A handler name that cannot be resolved to a factory."""
+
+
+# ---------------------------------------------------------------- the tools' sandbox
+
+
+class SandboxError(Exception):
+    """The tool host could not be started or has gone away."""
+
+
+class CommandError(SandboxError):
+    """The host is up but could not start this command."""
+
+
+class OrderNotSent(SandboxError):
+    """The host was gone before it took the order: safe to start it again."""
+
+
+class UnsupportedArch(Exception):
+    """No syscall table for this machine: run without seccomp, and say so."""
+
+
+# ---------------------------------------------------------------- the worker's own
+
+
+class StopWhileIdle(Exception):
+    """SIGTERM while the worker waits for its first input (see main.py's `_Link`)."""

@@ -1,0 +1,10 @@
+"""The daemon's core (run by sessiond): sessions, their states and events,
+the turn ledger, the workers' supervision, the sweep, limits and the
+per-session overrides.
+
+Owns every Session and its fields (core/session.py says which part owns
+which field).  May import: ipc/, supervisor.config and supervisor.errors,
+the seams it is handed (supervisor.spawn: the Spawner seam, pidfd, cgroups;
+supervisor.store: the StateStore seam and the file store it defaults to) and
+supervisor.ops.  Never the API, the cluster or sessionctl: those call into it.
+"""

@@ -1,0 +1,418 @@
+"""Measuring sessions' memory, and the pure decisions about limits.
+
+A session's memory is the RSS of its worker plus every descendant (a tool
+that allocates 2 GiB is the session's).  One sweep reads each process once:
+`/proc/PID/statm` for the resident pages and `/proc/PID/task/PID/children`
+for the next generation, both kept open between sweeps and re-read with
+`pread` (about a microsecond each, against 7-10 for psutil's
+`memory_info()`), so the cost per sweep is proportional to processes, not to
+sessions x processes.
+
+A descendant stays counted after it re-parents (a tool that double-forks
+lands on the zygote, our subreaper): once seen as a session's, a pid is
+tracked until it exits, and it is killed with the session.
+
+The PSS of a session's processes, the memory they hold outside any
+mapping and the workspace's size are read off the loop (`supervisor.core.measure`,
+a thread of the daemon); this module holds what was read and the pure
+decisions on it (`pss_estimate`, `settled_figure`, `read_order`,
+`unmapped_total`, `disk_over`).
+
+A worker on another machine (cluster mode) has a pid of REMOTE_PIDS or
+above, a handle of its spawner's that names no process here: the table
+reads nothing of this machine for it, and gives what its node measured of
+the worker's whole tree (`remote`), with no children of its own.
+
+Kept-open /proc files are safe against pid reuse: they stay bound to the
+process they were opened for and fail with ESRCH once it is gone.  Kills
+must be too: a descendant gets a pidfd when first seen (`ProcTable.pidfd`),
+checked against its statm fd, and the session is killed through those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from supervisor.spawn.pidfd import PidFd
+
+__all__ = [
+    "HEARTBEATS_MISSED",
+    "REMOTE_PIDS",
+    "MemoryVerdict",
+    "ProcTable",
+    "PssEstimate",
+    "PssRead",
+    "RemoteFigures",
+    "SessionMemory",
+    "disk_over",
+    "heartbeat_overdue",
+    "idle_expired",
+    "memory_verdict",
+    "patience",
+    "pss_estimate",
+    "read_order",
+    "settled_figure",
+    "turn_deadline_left",
+    "unmapped_total",
+]
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+MIB = 1024 * 1024
+# Above the largest pid_max Linux allows (2**22): never a pid of this machine.
+REMOTE_PIDS = 1 << 30
+
+
+class RemoteFigures(Protocol):
+    """Where remote workers' figures come from (cluster mode: the RaySpawner,
+    as their node hosts report them)."""
+
+    def reported_rss(self, pid: int) -> int | None: ...
+
+    def reported_procs(self, pid: int) -> int | None: ...
+
+
+def _unknown(pid: int) -> int | None:
+    return None
+
+
+class ProcTable:
+    """Open /proc files by pid.  Runs in the daemon."""
+
+    __slots__ = ("_children", "_statm", "remote", "remote_procs")
+
+    def __init__(self, remote: RemoteFigures | None = None) -> None:
+        self._statm: dict[int, int] = {}
+        self._children: dict[int, int] = {}
+        # A remote worker's tree's memory as its node last reported it.
+        self.remote: Callable[[int], int | None] = remote.reported_rss if remote else _unknown
+        # ... and the number of processes in that tree, the worker included.
+        self.remote_procs: Callable[[int], int | None] = remote.reported_procs if remote else _unknown
+
+    def _read(self, table: dict[int, int], pid: int, path: str) -> bytes | None:
+        """The file's content; None once the process is gone (ESRCH)."""
+        fd = table.get(pid)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return None
+            table[pid] = fd
+        try:
+            return os.pread(fd, 4096, 0)
+        except OSError:
+            self.forget(pid)
+            return None
+
+    def rss(self, pid: int) -> int | None:
+        if pid >= REMOTE_PIDS:
+            return self.remote(pid)
+        data = self._read(self._statm, pid, f"/proc/{pid}/statm")
+        if not data:  # gone, or a zombie's empty statm
+            return None
+        try:
+            return int(data.split(None, 2)[1]) * PAGE_SIZE
+        except (IndexError, ValueError):
+            return None
+
+    def children(self, pid: int) -> list[int]:
+        # Empty is the common case (no children), not a sign of exit: the
+        # file stays open for the next sweep.
+        if pid >= REMOTE_PIDS:
+            return []
+        data = self._read(self._children, pid, f"/proc/{pid}/task/{pid}/children")
+        return [int(x) for x in data.split()] if data else []
+
+    def pidfd(self, pid: int) -> PidFd | None:
+        """A pidfd for the process whose statm this table holds open, or
+        None.  pidfd_open(pid) names whichever process has the number now;
+        the statm fd, opened earlier, still reads afterwards only if the
+        process it was opened for was not reaped meanwhile, and then that
+        process held the number all along: the pidfd is its."""
+        statm = self._statm.get(pid)
+        if statm is None or pid >= REMOTE_PIDS:
+            return None
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return None
+        try:
+            os.pread(statm, 1, 0)
+        except OSError:
+            os.close(fd)
+            self.forget(pid)
+            return None
+        return PidFd(fd, pid)
+
+    def forget(self, pid: int) -> None:
+        for table in (self._statm, self._children):
+            fd = table.pop(pid, None)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def keep_only(self, pids: set[int]) -> None:
+        for pid in [p for p in self._statm if p not in pids]:
+            self.forget(pid)
+        for pid in [p for p in self._children if p not in pids]:
+            self.forget(pid)
+
+    def close(self) -> None:
+        self.keep_only(set())
+
+
+@dataclass(slots=True, frozen=True)
+class PssRead:
+    """One process's PSS as the measuring thread read it."""
+
+    pss: int  # bytes (its RSS where the kernel would not say)
+    rss: int  # its RSS at the sweep that asked: growth since is counted in full
+    tick: int  # that sweep's number: the oldest reads are refreshed first
+
+
+@dataclass(slots=True)
+class SessionMemory:
+    """What the last sweep saw of one session's processes."""
+
+    rss_bytes: int = 0
+    pids: set[int] = field(default_factory=set)  # worker excluded
+    high: bool = False  # above memory_high_mb at the last sweep
+    # Owned handles of the tracked descendants, to kill them by (not by pid).
+    pidfds: dict[int, PidFd] = field(default_factory=dict)
+    # Each process's RSS at the last sweep, the worker included.
+    rss_by_pid: dict[int, int] = field(default_factory=dict)
+    # What the measuring thread has read (supervisor.core.measure), applied on
+    # the loop; an entry goes with its process.
+    pss_reads: dict[int, PssRead] = field(default_factory=dict)
+    waited: int = 0  # sweeps over the cap by RSS with PSS reads missing
+    # Memory no mapping shows: memfds (and, outside a mount namespace of
+    # the session's own, POSIX shm) each process holds open, by inode
+    # (dev, ino) -> allocated bytes; when each process's fds were last read.
+    held: dict[int, dict[tuple[int, int], int]] = field(default_factory=dict)
+    held_at: dict[int, float] = field(default_factory=dict)
+    # A process in the sandbox's own mount namespace, whose /tmp (and /dev)
+    # tmpfs the session fills; 0 = none seen (no namespaces).
+    sandbox_pid: int = 0
+    tmpfs_bytes: int = 0
+    tmpfs_at: float = 0.0
+    # The workspace's allocated bytes at the end of the last walk (None:
+    # no walk finished for this worker yet), and when that walk ended.
+    disk_bytes: int | None = None
+    disk_at: float = 0.0
+    # A stop for a limit the session cannot be restarted out of is under way.
+    stopping: bool = False
+
+    def escapees(self) -> list[PidFd]:
+        """Handles of every tracked descendant: the ones that left the
+        worker's process group are reached only through these."""
+        return list(self.pidfds.values())
+
+    def close(self) -> None:
+        for fd in self.pidfds.values():
+            fd.close()
+        self.pidfds.clear()
+
+    def measure(self, table: ProcTable, worker_pid: int) -> int:
+        """Sum the RSS of the worker, its descendants and known escapees."""
+        by_pid = self.rss_by_pid
+        by_pid.clear()
+        if not self.pids:
+            # The common case, an idle worker with no tools: two preads.
+            rss = table.rss(worker_pid)
+            kids = table.children(worker_pid) if rss is not None else []
+            if not kids:
+                if rss is not None:
+                    by_pid[worker_pid] = rss
+                self.rss_bytes = rss or 0
+                self._forget_gone()
+                return self.rss_bytes
+        total = 0
+        stack = [worker_pid, *self.pids]
+        while stack:
+            pid = stack.pop()
+            if pid in by_pid:
+                continue
+            rss = table.rss(pid)
+            if rss is None:
+                continue
+            by_pid[pid] = rss
+            total += rss
+            stack.extend(table.children(pid))
+        seen = set(by_pid)
+        seen.discard(worker_pid)
+        self.pids = seen
+        for pid in [p for p in self.pidfds if p not in seen]:
+            self.pidfds.pop(pid).close()  # gone (or a zombie): nothing to kill
+        for pid in seen:
+            if pid not in self.pidfds:
+                handle = table.pidfd(pid)
+                if handle is not None:
+                    self.pidfds[pid] = handle
+        self._forget_gone()
+        self.rss_bytes = total
+        return total
+
+    def _forget_gone(self) -> None:
+        """Drop what was read of processes that are gone (cheap when the
+        tables are empty, the common case)."""
+        alive = self.rss_by_pid
+        for table in (self.pss_reads, self.held, self.held_at):
+            if len(table) > len(alive) or any(p not in alive for p in table):
+                for pid in [p for p in table if p not in alive]:
+                    del table[pid]
+        if self.sandbox_pid and self.sandbox_pid not in alive:
+            # Another process of that namespace, if any, is found by the
+            # next fd listing (within HELD_EVERY_SECS); none: the tmpfs went
+            # with the namespace.
+            self.sandbox_pid = self.tmpfs_bytes = 0
+
+    def unmapped(self) -> int:
+        """Memfds and shm held (each inode once) plus the private tmpfs."""
+        return unmapped_total(self.held.values(), self.tmpfs_bytes)
+
+
+# ---------------------------------------------------------------- pure decisions
+
+
+@dataclass(slots=True, frozen=True)
+class PssEstimate:
+    total: int  # PSS where read (plus RSS growth since), RSS where not
+    known: int  # the read part alone: sum of min(PSS read, RSS now)
+    unread: int  # processes with no PSS read yet
+
+
+def pss_estimate(rss: Mapping[int, int], reads: Mapping[int, PssRead]) -> PssEstimate:
+    """A session's PSS from reads that may be partial or a few sweeps old.
+
+    A process never read counts its RSS (never below its PSS).  A process
+    read earlier counts that PSS plus whatever its RSS grew by since: new
+    pages are its own until it forks, so a tool that allocates after its
+    read is not hidden by the stale figure.  `known` takes only the read
+    part, each capped by the RSS now (PSS is never above RSS): what the
+    session holds at least, whatever the unread processes turn out to be."""
+    total = known = unread = 0
+    for pid, now in rss.items():
+        read = reads.get(pid)
+        if read is None:
+            total += now
+            unread += 1
+        else:
+            total += read.pss + max(0, now - read.rss)
+            known += min(read.pss, now)
+    return PssEstimate(total, known, unread)
+
+
+# Sweeps a session over its cap by RSS may wait for missing PSS reads on
+# top of twice the sweeps needed to read every process once.
+PATIENCE_SLACK = 5
+
+
+def patience(processes: int, budget: int) -> int:
+    """How many sweeps a session over its cap by RSS, not yet read in full,
+    is given before its unread processes count their RSS: twice a full
+    round of reads at `budget` a sweep, and a few more."""
+    rounds = -(-processes // max(budget, 1))
+    return 2 * rounds + PATIENCE_SLACK
+
+
+def settled_figure(est: PssEstimate, extra: int, cap_bytes: int, waited: int, limit: int) -> int | None:
+    """The figure to judge a session by, or None: not known well enough
+    yet to kill, and not yet waited for long enough.
+
+    Safe both ways.  Under the cap counting RSS for the unread: under it
+    by PSS too, no need to wait.  Over it by the read part alone: over
+    whatever the rest holds, kill now.  Between the two, wait for the
+    reads: a session that forks faster than they are made cannot wait
+    for ever, after `limit` sweeps the estimate stands (the unread count
+    their RSS), so none escapes; and one that is under its cap by PSS is
+    read in full well within `limit` (its processes are read oldest
+    first, at a budget a sweep), so none is killed for what we could not
+    read in time.  `extra` (unmapped memory) is known, not estimated."""
+    if est.unread == 0 or est.total + extra <= cap_bytes:
+        return est.total + extra
+    if est.known + extra > cap_bytes:
+        return est.known + extra
+    if waited < limit:
+        return None
+    return est.total + extra
+
+
+def read_order(rss: Mapping[int, int], reads: Mapping[int, PssRead], budget: int,
+               stale_before: int | None = None) -> list[int]:
+    """Which processes' PSS to read this sweep: never read first (largest
+    RSS first: they move the figure most), then the oldest reads, those
+    made before sweep `stale_before` only (a read's RSS growth since is
+    counted anyway: refreshing is for what RSS does not show, sharers
+    gone, and need not be every sweep)."""
+    unread = sorted((p for p in rss if p not in reads), key=lambda p: -rss[p])
+    if len(unread) >= budget:
+        return unread[:budget]
+    stale = sorted((p for p in rss if p in reads and (stale_before is None or reads[p].tick < stale_before)),
+                   key=lambda p: reads[p].tick)
+    return unread + stale[:budget - len(unread)]
+
+
+def unmapped_total(held: Iterable[Mapping[tuple[int, int], int]], tmpfs_bytes: int) -> int:
+    """Bytes held outside any mapping: every inode once, however many
+    processes (or fds) hold it, plus the session's private tmpfs."""
+    inodes: dict[tuple[int, int], int] = {}
+    for one in held:
+        inodes.update(one)
+    return sum(inodes.values()) + tmpfs_bytes
+
+
+def disk_over(used_bytes: int, max_disk_mb: int | None) -> bool:
+    """A workspace over its quota.  `used_bytes` may come from a walk not
+    finished yet: blocks counted are held, so a partial sum over the cap
+    is over it already."""
+    return max_disk_mb is not None and used_bytes > max_disk_mb * MIB
+
+
+@dataclass(slots=True, frozen=True)
+class MemoryVerdict:
+    kill: bool = False
+    high_crossed: bool = False  # newly above memory_high_mb: tell once
+    high_cleared: bool = False
+
+
+_OK = MemoryVerdict()
+_KILL = MemoryVerdict(kill=True)
+_CROSSED = MemoryVerdict(high_crossed=True)
+_CLEARED = MemoryVerdict(high_cleared=True)
+
+
+def memory_verdict(rss_bytes: int, max_mb: int, high_mb: int | None, was_high: bool) -> MemoryVerdict:
+    """What one sweep's figure means for one session (runs per session per
+    sweep: shared constant verdicts, no allocation)."""
+    if rss_bytes > max_mb * MIB:
+        return _KILL
+    above = high_mb is not None and rss_bytes > high_mb * MIB
+    if above and not was_high:
+        return _CROSSED
+    if was_high and not above:
+        return _CLEARED
+    return _OK
+
+
+# Missed heartbeats before a worker's loop counts as stuck.
+HEARTBEATS_MISSED = 3
+
+
+def heartbeat_overdue(now: float, last_heartbeat: float, interval_secs: float, booted: bool) -> bool:
+    """A booted worker silent for more than HEARTBEATS_MISSED intervals: its
+    event loop is stuck (a busy loop, a blocking call)."""
+    return booted and now - last_heartbeat > HEARTBEATS_MISSED * interval_secs
+
+
+def idle_expired(now: float, last_active: float, idle_secs: float, idle: bool, busy: bool) -> bool:
+    """An idle session untouched for longer than session_timeout_secs, and
+    not busy with anything else: time to hibernate it."""
+    return idle and not busy and now - last_active > idle_secs
+
+
+def turn_deadline_left(now: float, turn_started: float, timeout_secs: float) -> float:
+    """Seconds left of a turn's timeout, counted from its start (0 when past)."""
+    return max(timeout_secs - (now - turn_started), 0.0)

@@ -1,0 +1,697 @@
+"""The daemon's core: the sessions it holds and what clients may do to them.
+
+Runs in the daemon's event loop, single-threaded.  `SessionManager` is the
+registry (ids, ownership, quotas, lookups) and the place where a client's
+request becomes work for the parts that own each concern:
+
+    EventLog     (events.py)     states, seq numbers, retention, fan-out
+    TurnLedger   (ledger.py)     inputs and commits: the durability promises
+    WorkerOwner  (workers.py)    spawn, boot, messages, kills, exits, restarts
+    Sweeper      (sweep.py)      memory caps, disk quotas, heartbeats, idleness, turn timeouts
+    Subagents    (subagents.py)  spawn_agent as child sessions
+    Workspaces   (workspaces.py) who workers run as, and their workspaces
+
+`supervisor.core.session` says which part may change which field of a session.
+Transitions come from `supervisor.core.states` (pure); decisions about limits
+from `supervisor.core.limits` (pure); state goes through the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ipc import messages as m
+from ipc.contract import ExitReason
+from ipc.pacing import Pacer
+from ipc.settings import SessionSettings
+from supervisor.spawn.cgroups import Cgroups
+from supervisor.config import Config
+from supervisor.errors import BadRequest, Capacity, Conflict, Internal, NotFound, SessiondError
+from supervisor.core.events import EventLog
+from supervisor.core.ledger import TurnLedger, store_failure
+from supervisor.core.holding import Holding, Holds
+from supervisor.core.limits import ProcTable, RemoteFigures
+from supervisor.ops.logtag import tagged
+from supervisor.ops.metrics import NO_METRICS, Recorder
+from supervisor.core.overrides import OverrideError, choose_handler, resolve_overrides
+from supervisor.spawn.seams import Spawner
+from supervisor.core.session import Session, Subscriber, damaged_hint, valid_session_id
+from supervisor.core.slots import LiveSlots
+from supervisor.core.states import LIVE, State, Trigger
+from supervisor.store.state_store import (
+    DamagedLog,
+    LoadedSession,
+    Meta,
+    RepairMode,
+    RepairResult,
+    SessionLog,
+    StateStore,
+    StoreDamaged,
+    StoreError,
+)
+from supervisor.store.files import FileStateStore
+from supervisor.core.subagents import Subagents
+from supervisor.core.sweep import Sweeper
+from supervisor.core.workers import Pending, WorkerOwner, describe_exit
+from supervisor.core.workspaces import SessionUids, Workspaces
+
+__all__ = ["SessionManager"]
+
+log = logging.getLogger("sessiond.manager")
+
+
+class SessionManager:
+    def __init__(
+        self,
+        config: Config,
+        state_dir: Path,
+        spawner: Spawner,
+        *,
+        run_as: tuple[int, int] | None = None,
+        session_uids: range | None = None,
+        store: StateStore | None = None,
+        sandbox: m.SandboxBoot | None = None,
+        cgroups: Cgroups | None = None,
+        cgroups_why: str = "not probed",
+        metrics: Recorder = NO_METRICS,
+        holds: Holds | None = None,
+        open_stored: Callable[[str], tuple[SessionLog, LoadedSession]] | None = None,
+        remote: RemoteFigures | None = None,
+    ) -> None:
+        self.config = config
+        self.state_dir = state_dir
+        self.sessions_dir = state_dir / "sessions"
+        self.store: StateStore = store if store is not None else FileStateStore(self.sessions_dir)
+        self.spawner = spawner
+        self.sessions: dict[str, Session] = {}
+        self.proc_table = ProcTable(remote)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closing = False
+        self._hibernating: set[str] = set()
+        self._ping_nonce = 0
+        self._holds = holds
+
+        def current() -> Config:
+            return self.config
+
+        def closing() -> bool:
+            return self._closing
+
+        # Built bottom-up, each part with its collaborators.  The calls that
+        # run against that order (the ledger arms and disarms the sweep's turn
+        # timer and has the workers kill a worker ahead of the disk) go
+        # through this manager, to parts it builds after the ledger.
+        self.workspaces = Workspaces(current, state_dir, run_as, session_uids)
+        self.events = EventLog(lambda: self.config.daemon, self.sessions)
+        self.ledger = TurnLedger(
+            self.events,
+            on_unsaved=lambda session, worker, why: self.workers.kill(session, worker, ExitReason.CRASHED, why),
+            on_turn_started=lambda session, turn: self.sweeper.arm_turn_timer(session, turn),
+            on_turn_ended=lambda session: self.sweeper.disarm_turn(session),
+            on_fenced=(lambda session, exc: holds.fenced(self.holding, session, exc)) if holds is not None else None,
+            metrics=metrics,
+        )
+        self.slots = LiveSlots(current, self.sessions, self.is_admin, self._hibernating, self._hibernate)
+        self.subagents = Subagents(self, self.sessions)
+        self.workers = WorkerOwner(
+            current, spawner, self.events, self.ledger, self.proc_table, self.workspaces, self.spawn_task,
+            closing=closing, make_room=self.slots.make_room,
+            on_spawn_agent=lambda session, worker, msg: self.spawn_task(self.subagents.run(session, worker, msg)),
+            claim=(lambda session: holds.claim(self.holding, session)) if holds is not None else None,
+            sandbox=sandbox, cgroups=cgroups, cgroups_why=cgroups_why, metrics=metrics,
+        )
+        self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
+                               self._hibernate_soon, stop=self.stop, workspaces=self.workspaces,
+                               closing=closing, metrics=metrics)
+        # What a session held by another daemon may have done to it (supervisor.cluster.fencing).
+        self.holding = Holding(current, self.sessions, self.store, self.events, self.ledger, self.workers,
+                               self.workspaces, self.settings_for, self.spawn_task, self.forget)
+        # How a stored session is opened at start: claimed (alone on the
+        # store), or only read (daemons sharing a database, supervisor.cluster.fronts).
+        self._open_stored = open_stored or self.store.load
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    @property
+    def pacer(self) -> Pacer:
+        """The data plane's pacer (ipc.pacing), shared with the control socket's clients."""
+        return self.ledger.pacer
+
+    # ================================================================ load
+
+    def load_all(self) -> None:
+        """Restore every session on disk; live ones come back hibernated."""
+        self.sessions_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.workspaces.separate_users:
+            # Workers running as another user must reach their workspace:
+            # traverse (not list) the state dir; sessions/ stays private.
+            workspaces = self.workspaces.root()
+            workspaces.mkdir(parents=True, exist_ok=True)
+            workspaces.chmod(0o711)
+            self.state_dir.chmod(0o711)
+        for session_id in self.store.ids():
+            try:
+                store, loaded = self._open_stored(session_id)
+            except StoreDamaged as exc:
+                self._add_damaged(session_id, exc.reason, exc.meta)
+                continue
+            except Exception as exc:
+                self._add_damaged(session_id, f"cannot be loaded: {exc}", None)
+                continue
+            try:
+                self.restore(store, loaded)
+            except Exception as exc:
+                store.close()
+                self._add_damaged(session_id, f"cannot be restored: {exc}", loaded.meta)
+        if self.sessions:
+            log.info("restored %d session(s) from %s", len(self.sessions), self.sessions_dir)
+        self.workspaces.remove_orphans(self.sessions.values())
+
+    def restore(self, store: SessionLog, loaded: LoadedSession) -> None:
+        """A stored session into the registry (at start, on import, adopted from another daemon)."""
+        meta = loaded.meta
+        if (bad := self.workspaces.stored_problem(meta, self.sessions.values())) is not None:
+            store.close()  # checked again as on create: a store's values are data
+            self._add_damaged(meta.id, bad[0], meta if bad[1] else None)
+            return
+        mark = loaded.mark
+        state = {"stopped": State.STOPPED, "failed": State.FAILED}.get(mark.state, State.HIBERNATED)
+        session = Session(
+            id=meta.id, meta=meta, store=store, settings=self.settings_for(meta.id, meta.overrides),
+            state=state, turns=loaded.turns, seq=loaded.seq, reserved_seq=loaded.seq,
+            restarts=mark.restarts, ring=self.events.new_ring(),
+            last_exit=msgspec.convert(mark.last_exit, m.ExitInfo) if mark.last_exit else None,
+            usage=loaded.usage,
+        )
+        if loaded.open_input is not None:
+            self.ledger.abort_stored(session, store, loaded.open_input.turn, "the daemon stopped during this turn",
+                                     durable=True)
+        self.sessions[meta.id] = session
+        if meta.parent and meta.parent in self.sessions:
+            self.sessions[meta.parent].children.append(meta.id)
+
+    def _add_damaged(self, session_id: str, reason: str, meta: Meta | None) -> None:
+        """A session whose stored state does not load stays visible (ls,
+        status: state "damaged" with the reason) and removable, and keeps
+        its id taken, its files untouched, until repaired or removed.
+        Without readable metadata only admins see it (owner uid 0)."""
+        tagged(log, session_id).error("is damaged and was not restored: %s", reason)
+        session = Session(
+            id=session_id, meta=meta or Meta(id=session_id, handler="?"),
+            store=DamagedLog(self.store, session_id, reason),
+            settings=self.config.session_settings(), state=State.DAMAGED,
+            error=reason, meta_lost=meta is None, ring=self.events.new_ring(),
+        )
+        self.sessions[session_id] = session
+        if session.meta.parent and session.meta.parent in self.sessions:
+            self.sessions[session.meta.parent].children.append(session_id)
+
+    def settings_for(self, session_id: str, overrides: dict[str, Any]) -> SessionSettings:
+        """A stored session's settings under the current config: overrides
+        that no longer fit are pulled back inside the operator's bounds."""
+        resolved = resolve_overrides(self.config.session_settings(), overrides, strict=False)
+        for line in resolved.adjusted:
+            tagged(log, session_id).warning("%s", line)
+        return resolved.settings
+
+    # ================================================================ the registry
+
+    def is_admin(self, uid: int) -> bool:
+        """Root and [daemon] admin_uids.  Not the daemon's own uid: under the
+        unit that is also the uid a session's tools run as."""
+        return uid == 0 or uid in self.config.daemon.admin_uids
+
+    def get(self, session_id: str, uid: int | None = None) -> Session:
+        """The session, if `uid` (None = the daemon itself) may touch it.
+        Another user's session is answered exactly as a missing one, so
+        that ids cannot be probed."""
+        session = self.sessions.get(session_id)
+        if session is None or (
+            uid is not None and session.meta.owner_uid != uid and not self.is_admin(uid)
+        ):
+            raise NotFound(f"no session {session_id!r}")
+        return session
+
+    def visible(self, uid: int) -> list[Session]:
+        if self.is_admin(uid):
+            return list(self.sessions.values())
+        return [s for s in self.sessions.values() if s.meta.owner_uid == uid]
+
+    def info(self, session: Session, with_rss: bool = True) -> m.SessionInfo:
+        worker = session.worker
+        pid = worker.pid if worker is not None and not worker.exited.done() else None
+        rss: int | None = None
+        if pid is not None and with_rss:
+            # The last sweep's figure (at most one poll interval old); a worker
+            # not swept yet is measured now.
+            rss = session.memory.rss_bytes or session.memory.measure(self.proc_table, pid)
+        node_pid, node = self.spawner.placement(pid) if pid is not None else (None, None)
+        return m.SessionInfo(
+            id=session.id, state=session.state.value, handler=session.meta.handler, pid=node_pid, node=node,
+            rss_bytes=rss, restarts=session.restarts, turns=session.turns,
+            created_at=session.meta.created_at, last_exit=session.last_exit, seq=session.seq,
+            parent=session.meta.parent, children=list(session.children),
+            owner_uid=session.meta.owner_uid, error=session.error, usage=dict(session.usage),
+            sandbox=self.workers.sandbox_report(worker) if pid is not None and worker is not None else {},
+            disk_bytes=session.memory.disk_bytes,
+        )
+
+    def host_report(self) -> dict[str, Any]:
+        """What this host gives every session, for `stats`: the tools'
+        sandbox, the cgroups, the disk quota."""
+        return self.workers.host_report(self.config.sandbox) | {"disk_quota": self.sweeper.quota_text()}
+
+    def session_origins(self) -> tuple[frozenset[int], SessionUids]:
+        """What supervisor.api.peer checks a client against: the processes
+        sessions descend from (the zygote's pid read now: it may have been
+        re-executed; the daemon's own too: nothing it forked is a client, and
+        a replaced zygote's orphans are still session processes), and the
+        uids sessions run as."""
+        roots = frozenset(p for p in (self.spawner.zygote_pid, os.getpid()) if p > 0)
+        return roots, self.workspaces.session_uids_here()
+
+    def live_workers(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.worker is not None)
+
+    def running_turns(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.current_turn is not None)
+
+    def check_quota(self, uid: int) -> None:
+        if self.is_admin(uid):
+            return
+        limit = self.config.daemon.max_sessions_per_uid
+        held = sum(1 for s in self.sessions.values() if s.meta.owner_uid == uid)
+        if held >= limit:
+            raise Capacity(
+                f"uid {uid} already has {held} sessions (max_sessions_per_uid = {limit}); "
+                "remove some with `sessionctl rm`"
+            )
+
+    # ================================================================ create
+
+    async def create(
+        self,
+        owner_uid: int,
+        session_id: str | None,
+        handler: str | None,
+        overrides: dict[str, Any],
+        *,
+        parent: Session | None = None,
+    ) -> Session:
+        """A new session, booted: checked, its worker ordered, registered
+        and stored, then started; a failure leaves nothing behind."""
+        if self._closing:
+            raise Conflict("the daemon is shutting down")
+        session_id = self._free_id(session_id)
+        self.check_quota(owner_uid)
+        if parent is not None:
+            # The parent's own overrides, accepted when it was created, held
+            # to today's ceilings.
+            settings = self.settings_for(session_id, overrides)
+        else:
+            try:
+                settings = resolve_overrides(self.config.session_settings(), overrides).settings
+            except OverrideError as exc:
+                raise BadRequest(str(exc)) from None
+        handler = choose_handler(handler, settings, checked=parent is not None)
+        # Order the worker first: the zygote forks (or hands over a spare)
+        # while this process fsyncs the new session to disk.
+        pending = self.spawner.request() if self.slots.has_room(owner_uid) else None
+        session = self._register(owner_uid, session_id, handler, overrides, settings, parent, pending)
+        await self._boot_new(session, pending)
+        tagged(log, session_id).info("created (handler %s, pid %s)", handler,
+                                     session.worker.pid if session.worker else "-")
+        return session
+
+    def _free_id(self, session_id: str | None) -> str:
+        """The id asked for, checked and free, or a new one."""
+        if session_id is None:
+            return secrets.token_hex(6)
+        if not valid_session_id(session_id):
+            raise BadRequest(f"invalid session id {session_id!r}: 1-64 characters of A-Z a-z 0-9 . _ -, "
+                             "starting with a letter or digit")
+        if (existing := self.sessions.get(session_id)) is not None:
+            if existing.state is State.DAMAGED:
+                raise Conflict(f"session {session_id!r} already exists and is damaged "
+                               f"({existing.error}); `sessionctl rm {session_id}` frees the id")
+            raise Conflict(f"session {session_id!r} already exists")
+        return session_id
+
+    def _register(self, owner_uid: int, session_id: str, handler: str, overrides: dict[str, Any],
+                  settings: SessionSettings, parent: Session | None, pending: Pending | None) -> Session:
+        """Its metadata stored (not yet durable) and the session in the registry, STARTING."""
+        meta = self.new_meta(session_id, handler, overrides, owner_uid, time.time(), parent)
+        try:
+            # Durable while the worker boots (`_boot_new`): the create is
+            # answered only once both are done.
+            store = self.store.create(meta, durable=False)
+        except FileExistsError:
+            self.workers.drop_pending(pending)
+            raise Conflict(f"session {session_id!r} already exists") from None
+        except StoreError as exc:
+            self.workers.drop_pending(pending)
+            raise store_failure("", exc) from None
+        session = Session(id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING,
+                          ring=self.events.new_ring())
+        self.sessions[session_id] = session
+        if parent is not None:
+            parent.children.append(session_id)
+        return session
+
+    def new_meta(self, session_id: str, handler: str, overrides: dict[str, Any], owner_uid: int,
+                 created_at: float, parent: Session | None = None) -> Meta:
+        """A new session's metadata (created, or imported by supervisor.api.transfer)."""
+        return Meta(
+            id=session_id, handler=handler, overrides=overrides, created_at=created_at, owner_uid=owner_uid,
+            parent=parent.id if parent else None, depth=parent.meta.depth + 1 if parent else 0,
+            # Never the same directory twice: a later session that reuses
+            # this id, whoever creates it, starts with an empty workspace.
+            workspace=f"{session_id}@{secrets.token_hex(8)}",
+            run_uid=self.workspaces.allocate_uid(self.sessions.values()),
+        )
+
+    async def _boot_new(self, session: Session, pending: Pending | None) -> None:
+        try:
+            async with session.lock:
+                await self.workers.start(session, pending, during_boot=session.store.make_durable_soon)
+        except StoreError as exc:
+            self._discard(session)
+            raise store_failure(f"session {session.id!r} could not be saved: ", exc) from None
+        except SessiondError as exc:
+            # A create that cannot boot leaves nothing behind.
+            self._discard(session)
+            raise type(exc)(f"session {session.id!r} could not start: {exc.message}") from None
+        except BaseException:
+            self._discard(session)
+            raise
+
+    def _discard(self, session: Session) -> None:
+        """A create that failed: nothing of it stays, not even in its parent's list."""
+        self.workers.kill_discarded(session)
+        self._unlink(session)
+        try:
+            self.workspaces.remove(session)
+        except OSError as exc:
+            tagged(log, session.id).warning("its workspace could not be removed: %s", exc)
+
+    def _unlink(self, session: Session) -> asyncio.Future[None]:
+        self.sessions.pop(session.id, None)
+        parent = self.sessions.get(session.meta.parent or "")
+        if parent is not None and session.id in parent.children:
+            parent.children.remove(session.id)
+        self.events.forget(session)
+        return session.store.remove_soon()  # behind its writes; `rm` is answered once it is done
+
+    # ================================================================ requests
+
+    async def send(
+        self,
+        session: Session,
+        text: str,
+        subscriber: Subscriber | None,
+        on_accepted: Callable[[m.Accepted], None] | None = None,
+    ) -> m.Accepted:
+        """Start a turn; returns once its input is durable.  `on_accepted`
+        is called at that moment, before any later event of the turn."""
+        if self._closing:
+            raise Conflict("the daemon is shutting down; no new turns")
+        async with session.lock:
+            if session.state is State.HIBERNATED:
+                await self.workers.claim(session)  # held elsewhere since? (supervisor.cluster.fencing)
+            if session.state is State.HIBERNATED:
+                # Room first, so that "no room" leaves it hibernated.
+                await self.slots.make_room(session)
+                self.events.set_state(session, Trigger.SPAWN, reason="input")
+                try:
+                    await self.workers.start(session)
+                except SessiondError:
+                    if session.is_(State.STARTING):
+                        self.events.set_state(session, Trigger.EXIT, reason="boot_failed")
+                        self.workers.schedule_restart(session)
+                    raise
+        if session.state in (State.STARTING, State.RESTARTING, State.CRASHED):
+            await self.events.wait_state(
+                session, (State.IDLE, State.FAILED, State.STOPPED, State.DELETED, State.RUNNING),
+                self.config.daemon.boot_timeout_secs,
+            )
+        match session.state:
+            case State.IDLE:
+                pass
+            case State.RUNNING | State.INTERRUPTING:
+                raise Conflict(f"session {session.id} is busy with turn {session.current_turn}; "
+                               "wait for it to end or interrupt it")
+            case State.STOPPED | State.STOPPING:
+                raise Conflict(f"session {session.id} is stopped; `sessionctl restart {session.id}` starts it")
+            case State.DAMAGED:
+                raise Conflict(damaged_hint(session))
+            case State.FAILED:
+                raise Conflict(f"session {session.id} has failed ({describe_exit(session.last_exit)}); "
+                               f"`sessionctl restart {session.id}` starts it again")
+            case _:
+                raise Conflict(f"session {session.id} is {session.state}")
+        return await self._begin(session, text, subscriber, on_accepted)
+
+    def send_now(
+        self, session: Session, text: str, subscriber: Subscriber, on_accepted: Callable[[m.Accepted], None]
+    ) -> asyncio.Future[m.Accepted] | None:
+        """`send` for the one case where it would not wait (not shutting
+        down, no lock held, the session idle): the turn begins now, inside
+        the caller's slice of the pacer; the future resolves once the input
+        is durable.  None: call `send`."""
+        if self._closing or session.lock.locked() or session.state is not State.IDLE:
+            return None
+        return self._begin(session, text, subscriber, on_accepted)
+
+    def _begin(self, session: Session, text: str, subscriber: Subscriber | None,
+               on_accepted: Callable[[m.Accepted], None] | None) -> asyncio.Future[m.Accepted]:
+        if subscriber is not None:
+            self.events.subscribe(session, subscriber)
+        return self.ledger.begin(session, text, on_accepted)
+
+    def attach(self, session: Session, subscriber: Subscriber, from_seq: int | None) -> int:
+        return self.events.attach(session, subscriber, from_seq)
+
+    def detach(self, subscriber: Subscriber, session: Session | None = None) -> None:
+        self.events.detach(subscriber, [session] if session is not None else self.sessions.values())
+
+    def interrupt(self, session: Session) -> None:
+        if session.state is State.INTERRUPTING:
+            return
+        if session.state is not State.RUNNING or session.worker is None:
+            raise Conflict(f"session {session.id} has no running turn")
+        self.events.set_state(session, Trigger.INTERRUPT, reason="interrupted by a client")
+        session.worker.conn.send(m.InterruptTurn(turn=session.current_turn or 0))
+
+    async def stop(self, session: Session, reason: str = "stopped", exit_reason: ExitReason | None = None) -> None:
+        if session.state is State.DAMAGED:
+            raise Conflict(damaged_hint(session))
+        for child_id in list(session.children):
+            child = self.sessions.get(child_id)
+            if child is not None:
+                await self.stop(child, f"parent {session.id} {reason}")
+        async with session.lock:
+            await self._stop_locked(session, reason, exit_reason)
+
+    async def _stop_locked(self, session: Session, reason: str, exit_reason: ExitReason | None = None) -> None:
+        if session.state in (State.STOPPED, State.DELETED, State.DAMAGED):
+            return  # (a damaged child of a stopped parent: nothing runs)
+        await self.workers.claim(session)  # stopped wherever it runs
+        if session.is_(State.STOPPED):  # (it was, there)
+            return
+        self.workers.cancel_restart(session)
+        self.events.set_state(session, Trigger.STOP, reason=reason)
+        if exit_reason is not None:
+            self.workers.stopping_for(session, exit_reason)
+        await self.workers.terminate(session, "stopped", self.config.daemon.stop_grace_secs)
+        if exit_reason is not None:
+            self.workers.stopped_for(session, exit_reason, reason)
+        self.events.set_state(session, Trigger.STOPPED, reason=reason)
+        await self.ledger.save_mark(session)
+
+    async def restart(self, session: Session) -> None:
+        if session.state is State.DAMAGED:
+            raise Conflict(damaged_hint(session))
+        async with session.lock:
+            await self.workers.claim(session)  # before anything changes here
+            if session.state in LIVE:
+                await self._stop_locked(session, "restart")
+            self.workers.cancel_restart(session)
+            await self.slots.make_room(session)
+            self.events.set_state(session, Trigger.RESTART, reason="restart requested")
+            if session.policy is not None:
+                session.policy.reset()
+            await self.ledger.save_mark(session)
+            try:
+                await self.workers.start(session)
+            except SessiondError:
+                if session.is_(State.STARTING):
+                    self.events.set_state(session, Trigger.GIVE_UP, reason="boot_failed")
+                    await self.ledger.save_mark(session)
+                raise
+
+    async def remove(self, session: Session) -> None:
+        for child_id in list(session.children):
+            child = self.sessions.get(child_id)
+            if child is not None:
+                await self.remove(child)
+        async with session.lock:
+            if session.state is State.DELETED:
+                return
+            if session.state in LIVE:
+                await self._stop_locked(session, "deleted")
+            self.workers.cancel_restart(session)
+            self.events.set_state(session, Trigger.DELETE, reason="deleted")
+            await self._unlink(session)
+            if session.meta_lost:
+                # Which workspace is its own is unknown; the next start's
+                # sweep of orphaned workspaces removes it.
+                tagged(log, session.id).info("deleted")
+                return
+            try:
+                await asyncio.to_thread(self.workspaces.remove, session)
+            except OSError as exc:
+                tagged(log, session.id).error("its workspace could not be removed: %s", exc)
+            tagged(log, session.id).info("deleted")
+
+    async def repair(self, session: Session, mode: str) -> tuple[Session, RepairResult]:
+        """Rewrite a damaged session's stored state per `mode`, then restore
+        it as at start-up (hibernated, or stopped/failed as it was)."""
+        try:
+            how = RepairMode(mode)
+        except ValueError:
+            raise BadRequest(f"unknown repair mode {mode!r}: use skip_bad or truncate") from None
+        async with session.lock:
+            if session.state is not State.DAMAGED:
+                raise Conflict(f"session {session.id} is {session.state}, not damaged; nothing to repair")
+            try:
+                result = self.store.repair(session.id, how)
+                store, loaded = self.store.load(session.id)
+            except StoreDamaged as exc:
+                session.error = exc.reason
+                raise Conflict(f"session {session.id} cannot be repaired: {exc.reason}") from None
+            except StoreError as exc:
+                raise store_failure(f"session {session.id} could not be repaired: ", exc) from None
+            except OSError as exc:
+                raise Internal(f"session {session.id} could not be repaired: {exc}") from None
+            tagged(log, session.id).warning("repaired (%s): %d record(s) kept, %d intact record(s) and "
+                                            "%d damaged byte(s) dropped", how.value, result.kept_records,
+                                            result.dropped_records, result.dropped_bytes)
+            self.events.set_state(session, Trigger.REPAIR, reason=f"repaired ({how.value})")
+            subscribers, children = set(session.subscribers), list(session.children)
+            self.forget(session)
+            try:
+                self.restore(store, loaded)
+            except BaseException:
+                store.close()
+                self._add_damaged(session.id, "cannot be restored after repair", loaded.meta)
+                raise
+            restored = self.sessions[session.id]
+            self.events.add_subscribers(restored, subscribers)
+            restored.children = [c for c in children if c in self.sessions]
+            return restored, result
+
+    def forget(self, session: Session) -> None:
+        """Out of the registry (repaired into a new one, or removed by
+        another daemon), and out of its parent's list."""
+        if self.sessions.get(session.id) is session:
+            self.sessions.pop(session.id)
+        parent = self.sessions.get(session.meta.parent or "")
+        if parent is not None and session.id in parent.children:
+            parent.children.remove(session.id)
+        self.events.forget(session)
+
+    def ping(self, session: Session, answer: Callable[[SessiondError | None], None]) -> int:
+        """Round trip through the worker; `answer` is called with None when
+        it replies, or with the error if it dies first.  No timer: a worker
+        that stops answering stops its heartbeats too, and the sweep kills
+        it, which answers every ping in flight.  Returns the worker's pid."""
+        worker = session.worker
+        if worker is None or not worker.booted or worker.exited.done():
+            raise Conflict(f"session {session.id} has no live worker ({session.state})")
+        self._ping_nonce += 1
+        session.pings[self._ping_nonce] = answer
+        worker.conn.send(m.WorkerPing(nonce=self._ping_nonce))
+        return worker.pid
+
+    def answer(self, session: Session, request_id: str, allow: bool) -> None:
+        worker = session.worker
+        if worker is None or request_id not in session.pending_asks:
+            raise NotFound(f"session {session.id} has no pending permission request {request_id!r}")
+        session.pending_asks.discard(request_id)
+        worker.conn.send(m.PermissionAnswer(request_id=request_id, allow=allow))
+
+    # ================================================================ capacity
+
+    async def supervise(self) -> None:
+        await self.sweeper.run()
+
+    def spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _hibernate_soon(self, session: Session, reason: str) -> None:
+        if session.id not in self._hibernating:
+            self._hibernating.add(session.id)
+            self.spawn_task(self._hibernate(session, reason))
+
+    async def _hibernate(self, session: Session, reason: str) -> None:
+        try:
+            async with session.lock:
+                if session.state is not State.IDLE or session.worker is None:
+                    return
+                self.events.set_state(session, Trigger.HIBERNATE, reason=reason)
+                await self.workers.terminate(session, "hibernated", self.config.daemon.stop_grace_secs)
+        finally:
+            self._hibernating.discard(session.id)
+
+    # ================================================================ reload and shutdown
+
+    def reload(self, config: Config) -> None:
+        """New config (SIGHUP): every session, live ones included, runs
+        under it from now on, its own overrides pulled back inside the new
+        bounds.  What the daemon enforces (memory caps, heartbeats, turn
+        timeouts) applies at once; live workers get their new settings, so
+        permission rules and the loop's limits apply at the next tool call."""
+        self.config = config
+        for session in self.sessions.values():
+            old = session.settings
+            session.settings = self.settings_for(session.id, session.meta.overrides)
+            self.events.resize(session)
+            self.workers.reconfigure(session, old)
+            if session.worker is not None and not session.worker.exited.done():
+                self.sweeper.retime_turn(session)
+
+    async def shutdown(self, grace: float) -> None:
+        """Let running turns finish for up to `grace`, then stop every worker.
+        Sessions stay on disk and come back hibernated."""
+        self._closing = True  # the workers' restarts and the sweep ask `closing`
+        deadline = time.monotonic() + grace
+        while self.running_turns() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for session in self.sessions.values():
+            self.workers.cancel_restart(session)
+        live = [s for s in self.sessions.values() if s.worker is not None]
+        await asyncio.gather(
+            *(self.workers.terminate(s, "stopped by the daemon's shutdown", self.config.daemon.stop_grace_secs)
+              for s in live),
+            return_exceptions=True,
+        )
+        for task in list(self._tasks):
+            task.cancel()
+        for session in self.sessions.values():
+            session.store.close()
+        self.store.close()
+        self.proc_table.close()
+

@@ -1,0 +1,165 @@
+"""A session as the daemon holds it, and who may change what of it.
+
+Runs in the daemon.  `Session` is plain data; the parts of the daemon's core
+each own some of its fields, and only they write them:
+
+    SessionManager (manager.py,   the registry, meta, settings, children, lock,
+                    holding.py)   store, error, meta_lost
+    EventLog       (events.py)    state, seq, reserved_seq, ring, ring_bytes,
+                                  subscribers, state_waiters, lifecycle
+    TurnLedger     (ledger.py)    turns, current_turn, current_input,
+                                  pending_input, pending_asks, turn_results,
+                                  turn_started, last_turn_secs, last_active,
+                                  usage (token totals of committed turns:
+                                  prompt_tokens, completion_tokens,
+                                  reasoning_tokens; restored from the log),
+                                  committing
+    WorkerOwner    (workers.py)   worker, last_exit, restarts, policy,
+                                  restart_handle, pings
+    Sweeper        (sweep.py)     memory, turn_timer, kill_timer
+    Subagents      (subagents.py) spawned
+
+A `WorkerProc` is WorkerOwner's alone.  Others ask the owner through its
+public operations (`EventLog.raise_seq`, `TurnLedger.take_input`,
+`WorkerOwner.reconfigure`, `SessionManager.reclaimed`...); the one shared
+write: WorkerOwner gives each new worker fresh `memory` figures, which the
+Sweeper fills.  tests/test_architecture.py reads this table and holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ipc import messages as m
+from ipc.connection import FramedProtocol
+from ipc.contract import ExitReason
+from ipc.inputs import valid_session_id
+from ipc.settings import SessionSettings
+from supervisor.errors import SessiondError
+from supervisor.core.limits import SessionMemory
+from supervisor.core.states import RestartPolicy, State
+from supervisor.store.state_store import Meta, SessionLog
+
+__all__ = ["PendingInput", "Session", "Subscriber", "WorkerProc", "damaged_hint", "valid_session_id"]
+
+
+class Subscriber(Protocol):
+    """A client attached to sessions (supervisor.api.server.ClientConn)."""
+
+    uid: int
+    # Tags of m.NEW_EVENT_TAGS this subscriber asked for in its Hello.
+    event_tags: frozenset[str]
+
+    def deliver(self, frame: bytes | bytearray) -> None: ...
+
+
+@dataclass(slots=True)
+class PendingInput:
+    """The running turn's input, written but not yet fsync'd."""
+
+    accepted: m.Accepted
+    durable: asyncio.Future[m.Accepted]
+    on_accepted: Callable[[m.Accepted], None] | None
+    timer: asyncio.TimerHandle | None = None  # asks for its flush if the turn is slow
+    flushing: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class WorkerProc:
+    pid: int
+    conn: FramedProtocol[m.FromWorker]
+    ready: asyncio.Future[None]
+    exited: asyncio.Future[m.ExitInfo]
+    started_at: float
+    last_heartbeat: float
+    booted: bool = False
+    boot_error: str = ""
+    sandbox: dict[str, Any] = field(default_factory=dict)  # from its Ready
+    # Why we asked it to go, so its exit is not mistaken for a crash.
+    expected: str = ""
+    # Set when we killed it for a reason of its own (a limit, a broken link,
+    # a failed boot): how its exit is classified.
+    kill_reason: ExitReason | None = None
+    # What an expected exit is recorded as, when a limit stopped the
+    # session (killed_disk) rather than a client.
+    stop_reason: ExitReason | None = None
+    kill_detail: str = ""
+
+
+LIFECYCLE_KEEP = 500
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    id: str
+    meta: Meta
+    store: SessionLog
+    settings: SessionSettings
+    state: State
+    turns: int = 0
+    seq: int = 0
+    reserved_seq: int = 0
+    restarts: int = 0
+    last_exit: m.ExitInfo | None = None
+    worker: WorkerProc | None = None
+    current_turn: int | None = None
+    current_input: str = ""
+    subscribers: set[Subscriber] = field(default_factory=set)
+    ring: collections.deque[tuple[int, bytes | bytearray]] = field(
+        default_factory=collections.deque
+    )
+    ring_bytes: int = 0
+    policy: RestartPolicy | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    state_waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    # Session pings in flight: nonce -> callback(error or None).
+    pings: dict[int, Callable[[SessiondError | None], None]] = field(default_factory=dict)
+    restart_handle: asyncio.TimerHandle | None = None
+    last_active: float = field(default_factory=time.monotonic)
+    children: list[str] = field(default_factory=list)
+    memory: SessionMemory = field(default_factory=SessionMemory)
+    pending_input: PendingInput | None = None
+    # The turn whose Commit is written and waiting for its flush (ledger).
+    committing: int | None = None
+    # Permission requests of the running turn awaiting a client's answer.
+    pending_asks: set[str] = field(default_factory=set)
+    # Resolved with (ok, reply or reason) when that turn ends; used to run
+    # a sub-agent's task and hand its reply to the parent.
+    turn_results: dict[int, asyncio.Future[tuple[bool, str]]] = field(default_factory=dict)
+    spawned: int = 0  # sub-agents started under this session (its whole tree, for a root)
+    turn_started: float = 0.0
+    last_turn_secs: float = float("inf")  # how long the last turn took
+    turn_timer: asyncio.TimerHandle | None = None
+    kill_timer: asyncio.TimerHandle | None = None
+    # Why its stored state failed to load (state DAMAGED), or that another
+    # daemon holds it (supervisor.cluster.fencing); None otherwise.
+    error: str | None = None
+    # DAMAGED with no readable metadata: meta is a stand-in.
+    meta_lost: bool = False
+    usage: dict[str, int] = field(default_factory=dict)
+    # Lifecycle events with their unix time, for `sessionctl logs` (since
+    # the daemon started; the last exit is persisted apart).
+    lifecycle: collections.deque[tuple[float, m.StateChanged | m.LimitExceeded | m.TurnFailed]] = field(
+        default_factory=lambda: collections.deque(maxlen=LIFECYCLE_KEEP))
+
+    @property
+    def persisted_state(self) -> str:
+        return self.state.value if self.state in (State.STOPPED, State.FAILED) else ""
+
+    def is_(self, state: State) -> bool:
+        """`session.state is state`, as a call: the state changes under
+        awaits and callbacks, which type narrowing cannot see."""
+        return self.state is state
+
+
+def damaged_hint(session: Session) -> str:
+    """What a client is told when it acts on a damaged session."""
+    return (
+        f"session {session.id} is damaged ({session.error}); `sessionctl repair {session.id} "
+        f"--skip-bad` or `--truncate` recovers it, `sessionctl rm {session.id}` deletes it"
+    )

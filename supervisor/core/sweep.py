@@ -1,0 +1,470 @@
+"""The limits the daemon enforces on live sessions: the periodic sweep
+(memory caps, disk quotas, heartbeats, idleness) and each turn's timeout.
+
+Runs in the daemon's loop.  The decisions are the pure functions of
+`supervisor.core.limits` (`memory_verdict`, `settled_figure`, `disk_over`,
+`heartbeat_overdue`, `idle_expired`, `turn_deadline_left`); this module
+gathers the figures and acts on the verdicts: kills go through
+`WorkerOwner.kill`, hibernation and stops through the core's callbacks.
+
+What a session costs is read in two halves.  On the loop, each sweep: the
+RSS of the worker and every descendant (a pread of a kept-open statm each,
+about a microsecond) and the count of its processes.  Off the loop, in the
+measuring thread (`supervisor.core.measure`), within a budget a sweep: the PSS
+of processes of a session over a limit by RSS, the memfds and shm its
+processes hold, its private tmpfs, and its workspace's size.  The loop
+plans the reads, the thread makes them, the loop applies what came back
+at the next sweep; a session whose figure depends on reads not made yet is
+judged by `settled_figure` (never killed on a guess, never let off for
+good either).
+
+Where the kernel counts a session's memory (a cgroup with a memory
+controller: `Cgroups.memory_bytes`), its figure is the memory figure and
+its `memory.max` the cap; none of the reads above are made for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ipc import messages as m
+from ipc.contract import IDLE_HEARTBEAT_FACTOR, ExitReason, LimitKind
+from supervisor.config import Config
+from supervisor.core.diskquota import DISK_EVERY_SECS, DiskWalk, detect
+from supervisor.errors import SessiondError
+from supervisor.core.events import EventLog
+from supervisor.core.limits import (
+    HEARTBEATS_MISSED,
+    MIB,
+    REMOTE_PIDS,
+    ProcTable,
+    PssRead,
+    SessionMemory,
+    disk_over,
+    heartbeat_overdue,
+    idle_expired,
+    memory_verdict,
+    patience,
+    pss_estimate,
+    read_order,
+    settled_figure,
+    turn_deadline_left,
+)
+from supervisor.core.measure import PROC_READS, Kind, Read, host_identity, name_thread, run_batch
+from supervisor.ops.metrics import NO_METRICS, Recorder
+from supervisor.core.session import Session, WorkerProc
+from supervisor.core.states import State, Trigger
+from supervisor.core.workers import WorkerOwner
+from supervisor.core.workspaces import Workspaces
+
+__all__ = ["Sweeper"]
+
+log = logging.getLogger("sessiond.manager")
+
+# A quiet session's memory is read every this many sweeps (see _quiet).
+QUIET_EVERY = 10
+# Seconds between two readings of a process's open fds, and of a session's
+# tmpfs: a listing per process is dearer than a statm pread, and the memory
+# found there only grows as fast as a tool writes.
+HELD_EVERY_SECS = 1.0
+# A process's PSS read is read again after this many sweeps (2 s at the
+# default poll), while its session stays over a limit by RSS.
+REFRESH_SWEEPS = 20
+
+
+class Sweeper:
+    def __init__(
+        self,
+        config: Callable[[], Config],
+        sessions: Mapping[str, Session],
+        events: EventLog,
+        workers: WorkerOwner,
+        proc_table: ProcTable,
+        hibernate: Callable[[Session, str], None],
+        stop: Callable[..., Coroutine[Any, Any, None]] | None = None,
+        workspaces: Workspaces | None = None,
+        *,
+        closing: Callable[[], bool],
+        metrics: Recorder = NO_METRICS,
+    ) -> None:
+        self._config = config
+        self._sessions = sessions
+        self._events = events
+        self._workers = workers
+        self._proc_table = proc_table
+        self._hibernate = hibernate
+        # SessionManager.stop: for a limit a restart would not cure (disk).
+        self._stop = stop
+        self._stopping: set[asyncio.Task[None]] = set()
+        self._workspaces = workspaces
+        self.quota = detect(workspaces.root()) if workspaces is not None else None
+        # The daemon is shutting down: the sweep ends (SessionManager's).
+        self._closing = closing
+        self.metrics = metrics
+        self._tick = 0
+        # The measuring thread, one batch at a time (supervisor.core.measure).
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sessiond-measure", initializer=name_thread)
+        self._host = host_identity()
+        self._batch: asyncio.Future[list[Read]] | None = None
+        self._plan: list[tuple[Read, SessionMemory]] = []
+        self._walks: dict[str, tuple[DiskWalk, SessionMemory]] = {}
+        self._planning = False
+        self._over = self._over_before = 0  # sessions that asked for PSS reads, this batch and the last
+        log.info("disk quota per session (max_disk_mb): %s", self.quota_text())
+
+    def quota_text(self) -> str:
+        """How max_disk_mb is enforced here, for the start-up log and `stats`."""
+        return self.quota.describe() if self.quota is not None else "not enforced"
+
+    async def run(self) -> None:
+        """The periodic sweep, as one task for the daemon's life."""
+        loop = asyncio.get_running_loop()
+        next_tick = loop.time()
+        while not self._closing():
+            interval = self._config().agent.limits.memory_poll_interval_ms / 1000.0
+            next_tick = max(next_tick + interval, loop.time())
+            await asyncio.sleep(next_tick - loop.time())
+            try:
+                began = time.monotonic()
+                self.sweep(began)
+                self._submit()
+                self.metrics.sweep(time.monotonic() - began)
+            except Exception:
+                log.exception("supervision sweep failed; carrying on")
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def sweep(self, now: float) -> None:
+        self._tick += 1
+        # Plan reads only when the last batch is back (one in flight at a time).
+        self._planning = self._batch is None
+        self._plan = []
+        if self._planning:
+            # How many sessions shared the last batch's PSS reads (at least this one's).
+            self._over_before, self._over = max(self._over, 1), 0
+        # Every QUIET_EVERY-th sweep also closes the /proc files of
+        # processes no session holds any more, so it must see them all.
+        tidy = self._tick % QUIET_EVERY == 0
+        seen: set[int] = set()
+        for session in list(self._sessions.values()):
+            worker = session.worker
+            if worker is None or worker.kill_reason is not None or worker.exited.done():
+                continue
+            if session.memory.stopping:
+                continue
+            if not self._quiet(session):
+                self._check(session, worker, now)
+            elif session.memory.disk_bytes is None:
+                self._check_disk(session, worker, now)  # a worker just started: once
+            if tidy:
+                seen.add(worker.pid)
+                seen.update(session.memory.pids)
+        if tidy:
+            self._proc_table.keep_only(seen)
+        if tidy and self._planning:  # (never a walk the thread may be stepping)
+            for sid, (walk, mem) in list(self._walks.items()):
+                held = self._sessions.get(sid)
+                if held is None or held.memory is not mem:  # removed, or a new worker since
+                    walk.close()
+                    del self._walks[sid]
+        self._events.trim()
+
+    def _quiet(self, session: Session) -> bool:
+        """No turn running and no process of its own seen: nothing in the
+        session runs code that could allocate (a handler's background task
+        aside) and its worker beats slowly, so it is checked (memory,
+        heartbeat, idleness) every QUIET_EVERY-th sweep, its turn spread by
+        a per-session offset.  1,000 idle sessions then cost a tenth."""
+        if session.current_turn is not None or session.memory.pids:
+            return False
+        return (self._tick + hash(session.id)) % QUIET_EVERY != 0
+
+    def _check(self, session: Session, worker: WorkerProc, now: float) -> None:
+        self._check_memory(session, worker, now)
+        if worker.kill_reason is not None:
+            return
+        self._check_disk(session, worker, now)
+        if session.memory.stopping:
+            return
+        self._check_liveness(session, worker, now)
+
+    def _check_memory(self, session: Session, worker: WorkerProc, now: float) -> None:
+        limits = session.settings.agent.limits
+        mem = session.memory
+        rss = mem.measure(self._proc_table, worker.pid)
+        if self._too_many_processes(session, worker):
+            return
+        kernel = self._kernel_figure(session)
+        if kernel is not None:
+            mem.rss_bytes = rss = kernel  # the kernel's cap holds; the figure is shown, high is told
+        elif worker.pid < REMOTE_PIDS:
+            figure = self._local_figure(session, mem, now)
+            if figure is None:
+                return  # over by RSS, PSS reads still missing: see settled_figure
+            rss = figure
+        verdict = memory_verdict(rss, limits.max_memory_mb, limits.memory_high_mb, session.memory.high)
+        if kernel is not None and verdict.kill:
+            return  # memory.max is the kernel's to enforce (and its oom kill, the whole cgroup)
+        if verdict.kill:
+            self._events.emit_limit(session, LimitKind.MEMORY, rss / MIB, limits.max_memory_mb)
+            self._workers.kill(session, worker, ExitReason.KILLED_MEMORY,
+                               f"memory cap {limits.max_memory_mb} MiB exceeded at {rss / MIB:.0f} MiB")
+            return
+        if verdict.high_crossed:
+            assert limits.memory_high_mb is not None
+            session.memory.high = True
+            self._events.emit_limit(session, LimitKind.MEMORY_HIGH, rss / MIB, limits.memory_high_mb)
+            worker.conn.send(m.MemoryHigh(rss_bytes=rss, limit_bytes=limits.memory_high_mb * MIB))
+        elif verdict.high_cleared:
+            session.memory.high = False
+
+    def _kernel_figure(self, session: Session) -> int | None:
+        """The session's memory as its cgroup's memory controller counts it
+        (every page charged to it: mapped, memfd, tmpfs), or None where
+        there is no such controller for it."""
+        cgroups = self._workers.cgroups
+        reader = getattr(cgroups, "memory_bytes", None)
+        if reader is None:
+            return None
+        figure = reader(session.id)
+        return figure if isinstance(figure, int) else None
+
+    def _local_figure(self, session: Session, mem: SessionMemory, now: float) -> int | None:
+        """RSS, or PSS near a limit, plus what no mapping shows; None while
+        that cannot be told yet.  Plans the reads that will tell it."""
+        limits = session.settings.agent.limits
+        cap = limits.max_memory_mb * MIB
+        bound = min(limits.max_memory_mb, limits.memory_high_mb or limits.max_memory_mb) * MIB
+        if self._planning:
+            self._plan_held(session.id, mem, now)
+        extra = mem.unmapped()
+        if mem.rss_bytes + extra <= bound:
+            mem.waited = 0
+            mem.rss_bytes += extra
+            return mem.rss_bytes
+        # Over a limit by RSS: what do the processes' PSS say?
+        if self._planning:
+            self._over += 1
+            for i, pid in enumerate(read_order(mem.rss_by_pid, mem.pss_reads, PROC_READS,
+                                               self._tick - REFRESH_SWEEPS)):
+                read = Read(Kind.PSS, session.id, pid, rss=mem.rss_by_pid[pid], tick=self._tick, rank=(0.0, i))
+                self._plan.append((read, mem))
+        estimate = pss_estimate(mem.rss_by_pid, mem.pss_reads)
+        # Sessions over a limit share a batch's reads (interleaved: _submit).
+        share = max(PROC_READS // max(self._over_before, 1), 1)
+        figure = settled_figure(estimate, extra, cap, mem.waited, patience(len(mem.rss_by_pid), share))
+        mem.rss_bytes = estimate.total + extra
+        if figure is None:
+            if self._planning:  # counted in batches: a slow thread does not shorten the wait
+                mem.waited += 1
+            return None
+        mem.waited = 0
+        return figure
+
+    def _plan_held(self, sid: str, mem: SessionMemory, now: float) -> None:
+        """The fds of processes not listed for HELD_EVERY_SECS, and the
+        tmpfs of the sandbox's mount namespace (once a process there is
+        known)."""
+        held_at = mem.held_at
+        due = [pid for pid in mem.rss_by_pid if now - held_at.get(pid, 0.0) >= HELD_EVERY_SECS]
+        # No more than a batch can take, the longest unlisted first (never
+        # listed: first of all), so that none waits behind the others.
+        for i, pid in enumerate(heapq.nsmallest(PROC_READS, due, key=lambda p: held_at.get(p, 0.0))):
+            self._plan.append((Read(Kind.FDS, sid, pid, rank=(held_at.get(pid, 0.0), i)), mem))
+        if mem.sandbox_pid and now - mem.tmpfs_at >= HELD_EVERY_SECS:
+            self._plan.append((Read(Kind.TMPFS, sid, mem.sandbox_pid), mem))
+
+    def _check_disk(self, session: Session, worker: WorkerProc, now: float) -> None:
+        """max_disk_mb where the kernel does not enforce it: walk the
+        workspace off the loop, every DISK_EVERY_SECS, and stop the session
+        past it (a kill would restart it into the same full workspace)."""
+        cap = session.settings.agent.limits.max_disk_mb
+        mem = session.memory
+        if cap is None or self._workspaces is None or worker.pid >= REMOTE_PIDS:
+            return
+        if not self._planning:
+            return  # a batch is out: a walk is stepped by one thread at a time
+        walk = self._walks.get(session.id)
+        if walk is not None and walk[1] is not mem:
+            walk[0].close()  # a walk for a worker since replaced
+            walk = None
+        if walk is None:
+            if mem.disk_bytes is not None and now - mem.disk_at < DISK_EVERY_SECS:
+                return
+            walk = (DiskWalk(str(self._workspaces.path(session))), mem)
+            self._walks[session.id] = walk
+        self._plan.append((Read(Kind.DISK, session.id, walk=walk[0]), mem))
+
+    def _disk_stop(self, session: Session, used: int) -> None:
+        limits = session.settings.agent.limits
+        assert limits.max_disk_mb is not None
+        worker = session.worker
+        detail = (f"workspace holds {used / MIB:.0f} MiB, over max_disk_mb = {limits.max_disk_mb}: "
+                  "remove files from it, then `sessionctl restart`")
+        self._events.emit_limit(session, LimitKind.DISK, used / MIB, limits.max_disk_mb)
+        session.memory.stopping = True
+        if self._stop is not None:
+            task = asyncio.get_running_loop().create_task(self._stop_for(session, detail))
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
+        elif worker is not None:
+            self._workers.kill(session, worker, ExitReason.KILLED_DISK, detail)
+
+    async def _stop_for(self, session: Session, detail: str) -> None:
+        """Stopped, not killed: a kill restarts the worker into the same full
+        workspace; a stopped session waits for its user (see README, Limits)."""
+        assert self._stop is not None
+        try:
+            await self._stop(session, detail, exit_reason=ExitReason.KILLED_DISK)
+        except SessiondError as exc:
+            log.warning("session %s over its disk quota: cannot stop it: %s", session.id, exc.message)
+
+    # ---------------------------------------------------------------- the measuring thread
+
+    def _submit(self) -> None:
+        """Hand this sweep's plan to the measuring thread (PSS first: what a
+        kill may wait on; then tmpfs, fds and walks)."""
+        if not self._planning or not self._plan:
+            return
+        order = {Kind.PSS: 0, Kind.TMPFS: 1, Kind.FDS: 2, Kind.DISK: 3}
+        plan = sorted(self._plan, key=lambda item: (order[item[0].kind], item[0].rank))
+        self._plan = plan
+        reads = [read for read, _ in plan]
+        loop = asyncio.get_running_loop()
+        self._batch = batch = loop.run_in_executor(self._pool, run_batch, reads, self._host)
+        batch.add_done_callback(lambda fut: self._apply(plan, fut))
+
+    def _apply(self, plan: list[tuple[Read, SessionMemory]], fut: asyncio.Future[list[Read]]) -> None:
+        """On the loop: take in what the thread read, for the sessions
+        whose worker is still the one it was read for."""
+        self._batch = None
+        if fut.cancelled() or fut.exception() is not None:
+            if not fut.cancelled():
+                log.error("the measuring thread failed: %r", fut.exception())
+            return
+        now = time.monotonic()
+        for read, mem in plan:
+            if not read.done:
+                continue
+            if read.kind is Kind.PSS:
+                if read.pid in mem.rss_by_pid:
+                    pss = read.pss if read.pss is not None else read.rss
+                    mem.pss_reads[read.pid] = PssRead(pss, read.rss, read.tick)
+            elif read.kind is Kind.FDS:
+                if read.pid in mem.rss_by_pid:
+                    mem.held[read.pid] = read.held
+                    mem.held_at[read.pid] = now
+                    if read.mnt_ns and read.mnt_ns != self._host.mnt_ns and not mem.sandbox_pid:
+                        mem.sandbox_pid = read.pid
+            elif read.kind is Kind.TMPFS:
+                mem.tmpfs_bytes, mem.tmpfs_at = read.tmpfs, now
+            elif read.walk is not None:
+                self._walked(read.session, read.walk, mem, now)
+
+    def _walked(self, sid: str, walk: DiskWalk, mem: SessionMemory, now: float) -> None:
+        session = self._sessions.get(sid)
+        if session is None or session.memory is not mem or mem.stopping:
+            walk.close()
+            self._walks.pop(sid, None)
+            return
+        if walk.done:
+            mem.disk_bytes, mem.disk_at = walk.total, now
+            self._walks.pop(sid, None)
+        if disk_over(walk.total, session.settings.agent.limits.max_disk_mb):
+            walk.close()
+            self._walks.pop(sid, None)
+            mem.disk_bytes = max(walk.total, mem.disk_bytes or 0)
+            self._disk_stop(session, walk.total)
+
+    def _check_liveness(self, session: Session, worker: WorkerProc, now: float) -> None:
+        hb = session.settings.agent.worker.heartbeat_interval_secs
+        if session.current_turn is None:
+            hb *= IDLE_HEARTBEAT_FACTOR  # the worker beats more slowly too
+        if heartbeat_overdue(now, worker.last_heartbeat, hb, worker.booted):
+            silent = now - worker.last_heartbeat
+            self._events.emit_limit(session, LimitKind.HEARTBEAT, silent, HEARTBEATS_MISSED * hb)
+            self._workers.kill(session, worker, ExitReason.KILLED_HEARTBEAT,
+                               f"no heartbeat for {silent:.1f}s (interval {hb:g}s): its event loop is stuck")
+            return
+        idle_limit = session.settings.agent.session_timeout_secs
+        if idle_expired(now, session.last_active, idle_limit, session.state is State.IDLE,
+                        session.lock.locked()):
+            self._hibernate(session, f"idle for more than {idle_limit:g}s")
+
+    def _too_many_processes(self, session: Session, worker: WorkerProc) -> bool:
+        """max_processes, counted here where the kernel does not count it
+        per session (no uid and no user namespace of its own)."""
+        limit = session.settings.agent.limits.max_processes
+        if limit is None or "rlimit-nproc" in worker.sandbox.get("active", ()):
+            return False
+        cgroups = self._workers.cgroups
+        if cgroups is not None and "pids" in cgroups.controllers:
+            return False  # pids.max
+        if worker.pid >= REMOTE_PIDS:  # counted on its node (supervisor.cluster.nodehost)
+            count = self._proc_table.remote_procs(worker.pid) or 1
+        else:
+            count = 1 + len(session.memory.pids)
+        if count <= limit:
+            return False
+        self._events.emit_limit(session, LimitKind.PROCESSES, count, limit)
+        self._workers.kill(session, worker, ExitReason.KILLED_PROCESSES,
+                           f"{count} processes, over max_processes = {limit}")
+        return True
+
+    # ---------------------------------------------------------------- turn timeouts
+
+    def arm_turn_timer(self, session: Session, turn: int) -> None:
+        if session.worker is not None:
+            # The worker goes to the full pace on its input (its next beat
+            # one interval after it); the shorter allowance counts from now.
+            self._workers.heard_from(session.worker, time.monotonic())
+        session.turn_timer = asyncio.get_running_loop().call_later(
+            session.settings.agent.turn_timeout_secs, self._on_turn_timeout, session, turn
+        )
+
+    def disarm_turn(self, session: Session) -> None:
+        """The turn ended: its timeout and its kill are off."""
+        for timer in (session.turn_timer, session.kill_timer):
+            if timer is not None:
+                timer.cancel()
+        session.turn_timer = session.kill_timer = None
+
+    def retime_turn(self, session: Session) -> None:
+        """A running turn under a changed turn_timeout_secs: its deadline is
+        counted from its start, and one already past fires now."""
+        if session.turn_timer is None or session.current_turn is None:
+            return
+        session.turn_timer.cancel()
+        left = turn_deadline_left(time.monotonic(), session.turn_started,
+                                  session.settings.agent.turn_timeout_secs)
+        session.turn_timer = asyncio.get_running_loop().call_later(
+            left, self._on_turn_timeout, session, session.current_turn
+        )
+
+    def _on_turn_timeout(self, session: Session, turn: int) -> None:
+        """Interrupt first; kill if the handler ignores it for stop_grace_secs."""
+        session.turn_timer = None
+        worker = session.worker
+        if session.current_turn != turn or worker is None:
+            return
+        timeout = session.settings.agent.turn_timeout_secs
+        grace = self._config().daemon.stop_grace_secs
+        self._events.emit_limit(session, LimitKind.TURN_TIMEOUT, time.monotonic() - session.turn_started, timeout)
+        if session.state is State.RUNNING:
+            self._events.set_state(session, Trigger.INTERRUPT, reason=f"turn_timeout_secs={timeout:g} reached")
+        worker.conn.send(m.InterruptTurn(turn=turn))
+        session.kill_timer = asyncio.get_running_loop().call_later(
+            grace, self._on_turn_kill, session, worker, turn, timeout, grace
+        )
+
+    def _on_turn_kill(self, session: Session, worker: WorkerProc, turn: int, timeout: float, grace: float) -> None:
+        session.kill_timer = None
+        if session.current_turn != turn or session.worker is not worker:
+            return
+        self._workers.kill(session, worker, ExitReason.KILLED_TURN_TIMEOUT,
+                           f"turn {turn} still running {grace:g}s after its timeout of {timeout:g}s")

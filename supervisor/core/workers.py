@@ -1,0 +1,687 @@
+"""Each session's worker, from spawn to exit: boot, messages, kills, exits
+and restarts.
+
+Runs in the daemon's loop.  Gunicorn's arbiter is the model: one owner for
+a worker's life.  Workers are started through the `Spawner` seam (today the
+zygote, `supervisor.spawn.spawner`), killed through one path (`kill`, which
+records why, so the exit is classified once into an `ExitReason`), stopped
+trio-style (`terminate`: ask, wait, then kill) and restarted by the pure
+`RestartPolicy` with backoff, until the restart intensity says `failed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from ipc import messages as m
+from ipc.connection import FramedProtocol
+from ipc.contract import EXIT_BOOT_FAILED, ExitReason, LimitKind
+from ipc.errors import ProtocolError
+from ipc.settings import SandboxSettings, SessionSettings
+from supervisor.spawn import sandbox
+from supervisor.spawn.cgroups import Cgroups
+from supervisor.config import Config
+from supervisor.errors import Capacity, Conflict, Internal, SessiondError
+from supervisor.core.events import EventLog
+from supervisor.core.ledger import TurnLedger
+from supervisor.core.limits import MIB, REMOTE_PIDS, ProcTable, SessionMemory
+from supervisor.ops.logtag import tagged
+from supervisor.ops.metrics import NO_METRICS, Recorder
+from supervisor.spawn.seams import Spawner, SpawnerDied
+from supervisor.core.session import Session, WorkerProc
+from supervisor.store.state_store import Fenced, StoreError
+from supervisor.core.states import LIVE, RestartPolicy, State, Trigger
+from supervisor.core.workspaces import Workspaces
+
+__all__ = ["WorkerOwner", "describe_exit"]
+
+log = logging.getLogger("sessiond.manager")
+
+_worker_decoder = msgspec.msgpack.Decoder(m.FromWorker)
+_settings_encoder = msgspec.msgpack.Encoder()
+_WORKER_FRAME_LIMIT = 1 << 30
+
+# After an OOM notification, look for the kernel's kill this often, this
+# many times (it reclaims first, and may find enough).
+_OOM_CHECK_SECS = 0.02
+_OOM_CHECKS = 50
+
+Pending = asyncio.Future[tuple[int, socket.socket]]
+
+
+@runtime_checkable
+class LosesWorkers(Protocol):
+    """A spawner whose workers can be lost with their machine (RaySpawner)."""
+
+    on_worker_lost: Callable[[int, str], None]
+
+
+class WorkerOwner:
+    def __init__(
+        self,
+        config: Callable[[], Config],
+        spawner: Spawner,
+        events: EventLog,
+        ledger: TurnLedger,
+        proc_table: ProcTable,
+        workspaces: Workspaces,
+        spawn_task: Callable[[Coroutine[Any, Any, None]], None],
+        *,
+        closing: Callable[[], bool],
+        make_room: Callable[[Session], Awaitable[None]],
+        on_spawn_agent: Callable[[Session, WorkerProc, m.SpawnAgent], None],
+        claim: Callable[[Session], Awaitable[None]] | None = None,
+        sandbox: m.SandboxBoot | None = None,
+        cgroups: Cgroups | None = None,
+        cgroups_why: str = "not probed",
+        metrics: Recorder = NO_METRICS,
+    ) -> None:
+        self._config = config
+        self.spawner = spawner
+        self._events = events
+        self._ledger = ledger
+        self._proc_table = proc_table
+        self._workspaces = workspaces
+        self._spawn_task = spawn_task
+        self.by_pid: dict[int, Session] = {}
+        # The daemon is shutting down: nothing is restarted (SessionManager's).
+        self._closing = closing
+        # What the daemon found at start for confining tools (None: off).
+        self.sandbox = sandbox
+        # A cgroup per session (supervisor.spawn.cgroups), where the kernel offers one.
+        self.cgroups = cgroups
+        self.cgroups_why = cgroups_why  # why there is none, for stats
+        # Per session: the kernel's OOM count of its cgroup when its worker
+        # was attached (what is more is this worker's), and the OOM fd watched.
+        self._oom_seen: dict[str, int] = {}
+        self._oom_watched: dict[str, int] = {}
+        self.metrics = metrics
+        # LiveSlots.make_room: a live worker's room, hibernating others for it.
+        self._make_room = make_room
+        # Takes a session held by another daemon back first (supervisor.cluster.fencing).
+        self._claim = claim or _no_room_needed
+        # Subagents.run, as a task of the manager's.
+        self._on_spawn_agent = on_spawn_agent
+        # The spawner was built before any of the core (the zygote is forked
+        # before the loop exists), so its exit reports are routed here, by
+        # their owner, once: the one late connection left (ARCHITECTURE.md).
+        # Through the pacer, like the workers' messages: an exit reported
+        # after a worker's last message is handled after it.
+        spawner.on_exit = lambda pid, code, sig: ledger.pacer.now_or_later(self.on_exit, pid, code, sig)
+        spawner.on_zygote_lost = self.on_spawner_lost
+        if isinstance(spawner, LosesWorkers):
+            # Cluster mode: a worker lost with its node is a crash that names the node.
+            spawner.on_worker_lost = lambda pid, why: self.on_exit(pid, None, signal.SIGKILL, detail=why)
+
+    async def claim(self, session: Session) -> None:
+        """Take the session back if another daemon holds it (no-op alone)."""
+        await self._claim(session)
+
+    # ---------------------------------------------------------------- start
+
+    async def start(
+        self,
+        session: Session,
+        pending: Pending | None = None,
+        during_boot: Callable[[], Awaitable[None] | None] | None = None,
+    ) -> None:
+        """Spawn (or take the worker already ordered), boot and wait for
+        Ready; `during_boot` runs while the worker boots.  Caller holds
+        session.lock and has put the session in STARTING."""
+        assert session.state is State.STARTING, session.state
+        loop = asyncio.get_running_loop()
+        try:
+            await self._claim(session)
+            await self._make_room(session)
+            snapshot, records, _ = await session.store.read_for_boot_soon()
+        except BaseException as exc:
+            self.drop_pending(pending)
+            if isinstance(exc, OSError):
+                raise Internal(f"cannot read its state: {exc}") from None
+            raise
+        try:
+            pid, sock = await (pending if pending is not None else self.spawner.request())
+        except SpawnerDied as exc:
+            raise Internal(str(exc)) from None
+        now = time.monotonic()
+        worker: WorkerProc
+        proto: FramedProtocol[m.FromWorker] = FramedProtocol(
+            _worker_decoder,
+            max_frame_bytes=_WORKER_FRAME_LIMIT,
+            on_message=lambda msg: self._on_message(session, worker, msg),
+            on_bad_message=lambda exc: self._on_bad_frame(session, worker, exc),
+            pacer=self._ledger.pacer,
+        )
+        worker = WorkerProc(
+            pid=pid, conn=proto, ready=loop.create_future(), exited=loop.create_future(),
+            started_at=now, last_heartbeat=now,
+        )
+        session.worker = worker
+        session.memory = SessionMemory()
+        self.by_pid[pid] = session
+        await loop.create_unix_connection(lambda: proto, sock=sock)
+        workspace = self._workspaces.prepare(session)
+        run_as = self._workspaces.run_as(session)
+        if self.cgroups is not None:
+            # Before Boot: no code of the session has run yet.
+            self._attach(session, pid)
+        proto.send(
+            m.Boot(
+                session=session.id, handler=session.meta.handler,
+                settings=_settings_encoder.encode(session.settings),
+                workspace=str(workspace), depth=session.meta.depth,
+                turns=session.turns, snapshot=snapshot, records=records,
+                run_as_uid=run_as[0] if run_as else None,
+                run_as_gid=run_as[1] if run_as else None,
+                sandbox=self.sandbox,
+            )
+        )
+        if during_boot is not None:
+            proto.flush()  # Boot goes out first, then our own work
+            try:
+                durable = during_boot()
+                if durable is not None:
+                    await durable  # its fsyncs run off the loop, beside the boot
+            except BaseException:
+                worker.expected = "discarded"
+                self.spawner.kill_tree(pid)
+                raise
+        timeout = self._config().daemon.boot_timeout_secs
+        try:
+            await asyncio.wait_for(asyncio.shield(worker.ready), timeout)
+        except asyncio.TimeoutError:
+            self.kill(session, worker, ExitReason.BOOT_FAILED, "no Ready within boot_timeout_secs")
+            raise Internal(f"worker did not become ready within {timeout:g}s") from None
+        self._events.set_state(session, Trigger.READY)
+        self._ledger.active(session)
+
+    def _attach(self, session: Session, pid: int) -> None:
+        """The worker into its session's cgroup (under its owner's uid), and
+        the cgroup's OOM notification watched: the session dies whole."""
+        assert self.cgroups is not None
+        limits = session.settings.agent.limits
+        try:
+            self.cgroups.attach(session.id, pid, limits.max_memory_mb, limits.max_processes,
+                                uid=session.meta.owner_uid)
+        except OSError as exc:
+            tagged(log, session.id).warning("cannot put worker %d in its cgroup: %s", pid, exc)
+            return
+        self._oom_seen[session.id] = self.cgroups.ooms(session.id)
+        fd = self.cgroups.oom_fd(session.id)
+        if fd is not None and self._oom_watched.get(session.id) != fd:
+            asyncio.get_running_loop().add_reader(fd, self._on_oom, session, fd)
+            self._oom_watched[session.id] = fd
+
+    def _on_oom(self, session: Session, fd: int, tries: int = 0) -> None:
+        """The session met its cap (an eventfd on v1's memory.oom_control,
+        signalled as the OOM begins, and also when the cgroup goes): once
+        the kernel says so (under_oom, or a kill counted a moment later),
+        the whole session goes."""
+        if not tries:
+            with contextlib.suppress(OSError):
+                os.read(fd, 8)
+        worker = session.worker
+        if worker is None or worker.kill_reason is not None or worker.exited.done():
+            return
+        if not self._oom_check(session, worker) and tries < _OOM_CHECKS:
+            asyncio.get_running_loop().call_later(_OOM_CHECK_SECS, self._on_oom, session, fd, tries + 1)
+
+    def _oom_check(self, session: Session, worker: WorkerProc) -> bool:
+        """Kill the whole session, classified `killed_memory` as the sweep's
+        kill is, if it met its cap in the kernel since its worker came."""
+        if self.cgroups is None or worker.kill_reason is not None:
+            return False
+        if self.cgroups.ooms(session.id) <= self._oom_seen.get(session.id, 0):
+            return False
+        cap = session.settings.agent.limits.max_memory_mb
+        used = (self.cgroups.memory_bytes(session.id) or cap * MIB) / MIB
+        self._events.emit_limit(session, LimitKind.MEMORY, used, cap)
+        self.kill(session, worker, ExitReason.KILLED_MEMORY,
+                  f"memory cap {cap} MiB exceeded at {used:.0f} MiB (the kernel's cgroup limit)")
+        return True
+
+    def _release_cgroup(self, session: Session, pid: int) -> None:
+        """Kill what is left of the session by what a process cannot shed:
+        its cgroup, else its own uid (a root daemon's session uid).  Not
+        for a worker on another machine (cluster mode): its uid's processes
+        here, if any, are not its, and its node host kills its tree."""
+        if self.cgroups is None:
+            uid = session.meta.run_uid
+            if (uid is not None and self._workspaces.session_uids is not None and os.geteuid() == 0
+                    and pid < REMOTE_PIDS):
+                kill_uid(uid)
+            return
+        fd = self._oom_watched.pop(session.id, None)
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+        self._oom_seen.pop(session.id, None)
+        self.cgroups.release(session.id)
+
+    def drop_pending(self, pending: Pending | None) -> None:
+        """A worker was ordered but will not be used: kill it when it comes."""
+        if pending is None:
+            return
+
+        def discard(fut: Pending) -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                pid, sock = fut.result()
+                sock.close()
+                self.spawner.signal(pid, signal.SIGKILL)
+
+        pending.add_done_callback(discard)
+
+    # ---------------------------------------------------------------- messages
+
+    def _on_bad_frame(self, session: Session, worker: WorkerProc, exc: ProtocolError) -> None:
+        # A worker that speaks garbage is broken: kill it; it restarts from the log.
+        self.kill(session, worker, ExitReason.CRASHED, f"protocol error: {exc}")
+
+    def _on_message(self, session: Session, worker: WorkerProc, msg: m.FromWorker) -> None:
+        """The one boundary between a worker's messages and the daemon: a
+        bug in handling one fails the running turn with `internal` (logged
+        with its traceback) and keeps the session and its worker."""
+        if session.worker is not worker:
+            return  # a message from a worker we have already replaced
+        try:
+            self._dispatch(session, worker, msg)
+        except Exception as exc:
+            tagged(log, session.id).exception("handling %s from worker %d failed",
+                                              type(msg).__name__, worker.pid)
+            with contextlib.suppress(Exception):
+                self._ledger.end(session, failed=f"internal error: {type(exc).__name__}: {exc}")
+
+    def _dispatch(self, session: Session, worker: WorkerProc, msg: m.FromWorker) -> None:
+        events = self._events
+        match msg:
+            case m.Heartbeat():
+                worker.last_heartbeat = time.monotonic()
+            case m.Delta(turn=turn, text=text):
+                if session.pending_input is not None:
+                    self._ledger.streaming(session)
+                if turn == session.current_turn:
+                    self.metrics.delta(session)
+                    events.emit(
+                        session,
+                        m.TextDelta(session=session.id, seq=events.next_seq(session), turn=turn, text=text),
+                    )
+            case m.WorkerReasoning(turn=turn, text=text):
+                if turn == session.current_turn:
+                    events.emit_live(
+                        session,
+                        m.ReasoningDelta(session=session.id, seq=events.next_seq(session), turn=turn, text=text),
+                    )
+            case m.Done():
+                self._ledger.commit(session, worker, msg)
+            case m.Failed():
+                self._ledger.fail(session, msg)
+            case m.Ready(sandbox=report):
+                worker.sandbox = report
+                worker.booted = True
+                worker.last_heartbeat = time.monotonic()
+                if not worker.ready.done():
+                    worker.ready.set_result(None)
+            case m.BootFailed(reason=reason):
+                worker.boot_error = reason
+                if not worker.ready.done():
+                    worker.ready.set_exception(Internal(f"boot failed: {reason}"))
+                    worker.ready.exception()  # mark retrieved
+            case m.WorkerPong(nonce=nonce):
+                answer = session.pings.pop(nonce, None)
+                if answer is not None:
+                    answer(None)
+            case m.WorkerNotice(turn=turn, kind=kind, data=data):
+                self.metrics.notice(kind, data)
+                events.emit(
+                    session,
+                    m.Notice(session=session.id, seq=events.next_seq(session), turn=turn, kind=kind, data=data),
+                )
+            case m.WorkerLimit(kind=kind, value=value, limit=limit):
+                events.emit(
+                    session,
+                    m.LimitExceeded(session=session.id, seq=events.next_seq(session), kind=kind,
+                                    value=value, limit=limit),
+                )
+            case m.AskPermission(turn=turn, request_id=rid, tool=tool, arguments=arguments):
+                session.pending_asks.add(rid)
+                events.emit(
+                    session,
+                    m.PermissionRequest(session=session.id, seq=events.next_seq(session), turn=turn,
+                                        request_id=rid, tool=tool, arguments=arguments),
+                )
+            case m.SpawnAgent():
+                self._on_spawn_agent(session, worker, msg)
+
+    # ---------------------------------------------------------------- kills and exits
+
+    def kill(self, session: Session, worker: WorkerProc, reason: ExitReason, detail: str) -> None:
+        """The one way a live session's worker is killed for a reason of its
+        own: recorded (so its exit is classified once, as `reason`), logged,
+        and its whole tree killed.  The first reason stands."""
+        if worker.kill_reason is None:
+            worker.kill_reason = reason
+            worker.kill_detail = detail
+        tagged(log, session.id).warning("%s: %s; killing worker %d and its processes",
+                                        reason, detail, worker.pid)
+        self.spawner.kill_tree(worker.pid, session.memory.escapees())
+        if self.cgroups is not None:
+            self.cgroups.kill(session.id)
+
+    def kill_discarded(self, session: Session) -> None:
+        """A session that is being thrown away (its create failed)."""
+        if session.worker is not None:
+            tagged(log, session.id).warning("its create failed; killing worker %d", session.worker.pid)
+            session.worker.expected = "discarded"
+            self.spawner.kill_tree(session.worker.pid, session.memory.escapees())
+            self._release_cgroup(session, session.worker.pid)
+
+    def on_spawner_lost(self) -> None:
+        for pid in list(self.by_pid):
+            self.on_exit(pid, None, signal.SIGKILL, detail="the zygote died")
+
+    def on_exit(self, pid: int, code: int | None, sig: int | None, detail: str = "") -> None:
+        session = self.by_pid.pop(pid, None)
+        if session is None:
+            return
+        worker = session.worker
+        if worker is None or worker.pid != pid:
+            self.spawner.kill_tree(pid)
+            return
+        if not worker.expected:
+            # Tools left behind die with the worker: its group, the ones
+            # that left the group but were seen as its descendants, and
+            # everything in its cgroup.  (An expected exit is tidied up by
+            # terminate, after a grace.)
+            self._oom_check(session, worker)  # the kernel's OOM killer took the worker itself
+            self.spawner.kill_tree(pid, session.memory.escapees())
+            self._release_cgroup(session, pid)
+        self._proc_table.forget(pid)
+        reason = _classify(worker, code)
+        self.metrics.worker_exit(reason)
+        info = m.ExitInfo(
+            reason=reason, code=code, signal=sig, at=time.time(),
+            detail=detail or worker.expected or worker.kill_detail or worker.boot_error,
+        )
+        worker.exited.set_result(info)
+        if not worker.ready.done():
+            worker.ready.set_exception(Internal(describe_exit(info)))
+            worker.ready.exception()
+        pings, session.pings = session.pings, {}
+        for answer in pings.values():
+            answer(Conflict(f"session {session.id}: the worker exited before answering"))
+        session.worker = None
+        session.last_exit = info
+        if worker.expected:
+            tagged(log, session.id).info("worker %d exited (%s)", pid, worker.expected)
+            self._ledger.take_input(session)  # not retried: it was asked to go
+            self._ledger.abort(session, f"the session was {worker.expected}")
+            return
+        tagged(log, session.id).warning("worker %d %s", pid, describe_exit(info))
+        self._ledger.abort(session, describe_exit(info))
+        if session.state is State.STARTING and not worker.booted:
+            return  # start()'s caller decides (create fails, revive retries)
+        if session.state in LIVE:
+            self._events.set_state(session, Trigger.EXIT, reason=reason)
+            self.schedule_restart(session)
+
+    async def terminate(self, session: Session, expected: str, grace: float) -> None:
+        """Stop a worker and everything it started, trio-style: ask, wait,
+        then kill.  Shutdown to the worker and SIGTERM to its process group
+        (the worker takes SIGTERM as Shutdown; tools get their chance to
+        exit cleanly); after `grace`, SIGKILL to whatever is left."""
+        worker = session.worker
+        if worker is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        worker.expected = expected
+        # Learn its descendants now, while they are still its descendants:
+        # those that left the process group are signalled through the pidfds
+        # taken as they were seen, never by a number that may be reused.
+        session.memory.measure(self._proc_table, worker.pid)
+        worker.conn.send(m.Shutdown())
+        self.spawner.kill_tree(worker.pid, session.memory.escapees(), signal.SIGTERM)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(worker.exited), grace)
+        while loop.time() < deadline and self._alive(session, worker):
+            await asyncio.sleep(0.02)
+        if self._alive(session, worker):
+            tagged(log, session.id).warning("processes still running %.1fs after SIGTERM; killing them",
+                                            grace)
+            if not worker.exited.done():
+                # Children started during the grace: their handles too.
+                session.memory.measure(self._proc_table, worker.pid)
+        self.spawner.kill_tree(worker.pid, session.memory.escapees())
+        if self.cgroups is not None:
+            self.cgroups.kill(session.id)
+        if not worker.exited.done():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(worker.exited), 10.0)
+        if self.cgroups is not None:
+            # cgroup.kill is asynchronous: a cgroup goes only once empty.
+            for _ in range(50):
+                if not self.cgroups.pids(session.id):
+                    break
+                await asyncio.sleep(0.02)
+        self._release_cgroup(session, worker.pid)
+
+    def stopping_for(self, session: Session, exit_reason: ExitReason) -> None:
+        """The worker's exit is recorded as the limit it is stopped for, from
+        the moment it is seen: never a plain "stopped" meanwhile."""
+        if session.worker is not None:
+            session.worker.stop_reason = exit_reason
+
+    def stopped_for(self, session: Session, exit_reason: ExitReason, detail: str) -> None:
+        """The last exit says the limit the session was stopped for."""
+        if session.last_exit is not None:
+            session.last_exit = msgspec.structs.replace(session.last_exit, reason=exit_reason.value, detail=detail)
+
+    def sandbox_report(self, worker: WorkerProc) -> dict[str, Any]:
+        """The worker's own report, plus the cgroup the daemon put it in."""
+        if self.cgroups is None:
+            return worker.sandbox
+        active = [*worker.sandbox.get("active", []),
+                  *(f"cgroup-{c}" for c in sorted(self.cgroups.controllers)), "cgroup-kill"]
+        return {**worker.sandbox, "active": active}
+
+    def host_report(self, settings: SandboxSettings) -> dict[str, Any]:
+        """The daemon-wide part of `stats` that is the workers' confinement."""
+        cgroups = self.cgroups.describe() if self.cgroups is not None else ""
+        return sandbox.summary(settings, self.sandbox, cgroups, self.cgroups_why)
+
+    def heard_from(self, worker: WorkerProc, at: float) -> None:
+        """Its heartbeat allowance counts from `at`."""
+        worker.last_heartbeat = max(worker.last_heartbeat, at)
+
+    def reconfigure(self, session: Session, old: SessionSettings) -> None:
+        """The session's settings changed (a reload): its restart policy
+        starts over, and a live worker gets the new settings and limits."""
+        session.policy = None
+        worker = session.worker
+        if worker is None or worker.exited.done():
+            return
+        # The worker may be asleep for one old interval before it beats
+        # at the new pace: do not count that against it.
+        self.heard_from(worker, time.monotonic() + old.agent.worker.heartbeat_interval_secs)
+        worker.conn.send(m.Reconfigure(settings=_settings_encoder.encode(session.settings)))
+        if self.cgroups is not None:
+            limits = session.settings.agent.limits
+            self.cgroups.limit(session.id, limits.max_memory_mb, limits.max_processes)
+
+    def restore_exits(self, session: Session, restarts: int, last_exit: m.ExitInfo | None) -> None:
+        """Restarts and the last exit as the store has them (claimed back)."""
+        session.restarts = restarts
+        if last_exit is not None:
+            session.last_exit = last_exit
+
+    def _alive(self, session: Session, worker: WorkerProc) -> bool:
+        """Anything of the session still running: its tree, the escapees
+        seen, and (with cgroups) whatever is in its cgroup."""
+        if self.spawner.tree_alive(worker.pid, session.memory.escapees()):
+            return True
+        return self.cgroups is not None and bool(self.cgroups.pids(session.id))
+
+    # ---------------------------------------------------------------- restarts
+
+    def schedule_restart(self, session: Session) -> None:
+        if self._closing():
+            return
+        ws = session.settings.agent.worker
+        if session.policy is None:
+            session.policy = RestartPolicy(
+                ws.max_restart_attempts, ws.restart_window_secs,
+                ws.restart_backoff_initial_ms, ws.restart_backoff_max_ms,
+            )
+        decision = session.policy.on_failure(time.monotonic())
+        if not decision.restart:
+            tagged(log, session.id).error("giving up restarting it after %d failures within %gs (last: %s); "
+                                          "`sessionctl restart %s` tries again",
+                                          decision.attempts_in_window, ws.restart_window_secs,
+                                          describe_exit(session.last_exit), session.id)
+            self._events.set_state(
+                session, Trigger.GIVE_UP,
+                reason=f"{decision.attempts_in_window} failures within {ws.restart_window_secs:g}s",
+            )
+            self._events.emit_limit(session, LimitKind.RESTARTS, decision.attempts_in_window,
+                                    ws.max_restart_attempts)
+            self._events.write_mark(session, durable=True)
+            return
+        self._events.set_state(session, Trigger.BACKOFF, reason=f"restart in {decision.delay_secs:.3f}s")
+        loop = asyncio.get_running_loop()
+        session.restart_handle = loop.call_later(
+            decision.delay_secs, lambda: self._spawn_task(self._auto_restart(session))
+        )
+
+    def cancel_restart(self, session: Session) -> None:
+        if session.restart_handle is not None:
+            session.restart_handle.cancel()
+            session.restart_handle = None
+
+    async def _auto_restart(self, session: Session) -> None:
+        session.restart_handle = None
+        async with session.lock:
+            if session.state is not State.RESTARTING or self._closing():
+                return
+            try:
+                await self._make_room(session)
+            except Capacity:
+                self._events.set_state(
+                    session, Trigger.HIBERNATE,
+                    reason="no room to restart (max_concurrent_sessions); the next input revives it",
+                )
+                return
+            session.restarts += 1
+            self.metrics.restart()
+            self._events.write_mark(session, durable=False)
+            if await self._held_elsewhere(session):
+                return
+            self._events.set_state(session, Trigger.SPAWN, reason=f"restart #{session.restarts}")
+            try:
+                await self.start(session)
+            except SessiondError as exc:
+                tagged(log, session.id).warning("restart failed: %s", exc)
+                if session.is_(State.STARTING):
+                    self._events.set_state(session, Trigger.EXIT, reason="boot_failed")
+                    self.schedule_restart(session)
+                return
+            text = self._ledger.take_input(session)
+            if session.settings.agent.worker.retry_aborted_turn and text:
+                self._ledger.begin(session, text)
+
+
+    async def _held_elsewhere(self, session: Session) -> bool:
+        """Whether another daemon took the session over since it was loaded
+        (daemons sharing a database): then it is not restarted here, where a
+        second worker would run on the other daemon's records, but handed
+        to the ledger's `on_fenced` (supervisor.cluster.fencing stops it).  Checked
+        by making the restart's mark durable: the commit is fenced.  A
+        store that cannot write for another reason does not stop the
+        restart (the mark was never a promise to anyone)."""
+        try:
+            await session.store.sync_soon()
+        except Fenced as exc:
+            self._ledger.on_fenced(session, exc)
+            return True
+        except StoreError as exc:
+            tagged(log, session.id).warning("restart mark not saved: %s", exc)
+        return False
+
+
+def kill_uid(uid: int, rounds: int = 20) -> None:
+    """SIGKILL every process whose real uid is `uid` (a session's own uid:
+    nothing else runs as it), through pidfds, checked after opening; again
+    while any are found, for those forked meanwhile (bounded: it runs on
+    the daemon's loop, and a cgroup is the complete kill)."""
+    for _ in range(rounds):
+        found = False
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or _real_uid(name) != uid:
+                continue
+            try:
+                fd = os.pidfd_open(int(name))
+            except OSError:
+                continue
+            try:
+                if _real_uid(name) == uid:  # the pidfd names this very process
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    found = True
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        if not found:
+            return
+
+
+def _real_uid(pid: str) -> int | None:
+    """A live process's real uid (None for a zombie: it is dead already)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"State:") and line.split()[1] == b"Z":
+                    return None
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+async def _no_room_needed(session: Session) -> None:
+    return None  # (nor a claim: alone on its store)
+
+
+def _classify(worker: WorkerProc, code: int | None) -> ExitReason:
+    if worker.expected:
+        return worker.stop_reason or ExitReason.STOPPED
+    if worker.kill_reason is not None:
+        return worker.kill_reason
+    if not worker.booted or code == EXIT_BOOT_FAILED:
+        return ExitReason.BOOT_FAILED
+    if code == 0:
+        return ExitReason.EXITED
+    return ExitReason.CRASHED
+
+
+def describe_exit(info: m.ExitInfo | None) -> str:
+    """e.g. "killed_memory: memory cap 64 MiB exceeded at 131 MiB (signal SIGKILL)"."""
+    if info is None:
+        return "no exit recorded"
+    how = f"signal {_signame(info.signal)}" if info.signal else f"exit code {info.code}"
+    return f"{info.reason}: {info.detail} ({how})" if info.detail else f"{info.reason} ({how})"
+
+
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)

@@ -1,0 +1,309 @@
+"""Who a session's worker runs as, and its workspace on disk.
+
+Runs in the daemon.  A session's worker runs as one user for all
+(`[daemon] worker_user`), as a uid of its own from `session_uid_range` (a
+root daemon's default; kept in the session's meta for its life), or as the
+daemon.  Its workspace is `<root>/ID@TOKEN`: a new TOKEN for every session,
+so a later session that reuses an id never sees an old workspace; created
+and chowned only by the daemon, never through a link; removed with the
+session.
+
+What a store gives back is data (`stored_problem`): a session's owner,
+workspace name, uid and handler are checked again whenever one is
+materialised from stored data (start, import, repair, a claim), as they
+were on create, and `path` only ever names one directory right beneath
+the root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import logging
+import os
+import pwd
+import secrets
+import shutil
+import stat
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from supervisor.config import Config, workspace_root
+from supervisor.errors import Capacity, SessiondError
+from supervisor.ops.logtag import tagged
+from supervisor.core.overrides import check_handler
+from supervisor.core.session import Session, valid_session_id
+from supervisor.store.state_store import Meta
+from supervisor.core.states import State
+
+__all__ = ["SessionUids", "Workspaces"]
+
+log = logging.getLogger("sessiond.manager")
+
+
+class SessionUids(NamedTuple):
+    """The uids a session's processes can run as here (from the daemon's
+    identities: supervisor.daemon.Identities); here, in the core that owns
+    them, for supervisor.api.peer, which tells a session's process by them."""
+
+    daemon: int  # the daemon's own: the zygote's, and the sessions' when nothing else is set
+    worker: int | None  # [daemon] worker_user
+    span: range | None  # [daemon] session_uid_range, when each session gets a uid of its own
+
+    def only_sessions(self, uid: int) -> bool:
+        """A uid that no client of ours has: every process of it is a session's."""
+        if uid == self.daemon:
+            return False
+        return uid == self.worker or (self.span is not None and uid in self.span)
+
+    def could_be_session(self, uid: int) -> bool:
+        return uid == self.daemon or self.only_sessions(uid)
+
+
+class Workspaces:
+    def __init__(
+        self,
+        config: Callable[[], Config],
+        state_dir: Path,
+        run_as: tuple[int, int] | None,
+        session_uids: range | None,
+    ) -> None:
+        self._config = config
+        self._state_dir = state_dir
+        self.shared_user = run_as
+        self.session_uids = session_uids if run_as is None else None
+
+    @property
+    def separate_users(self) -> bool:
+        """Whether workers run as a user other than the daemon's."""
+        return self.shared_user is not None or self.session_uids is not None
+
+    def session_uids_here(self) -> SessionUids:
+        """Which uids sessions run as, for supervisor.api.peer."""
+        worker = self.shared_user[0] if self.shared_user is not None else None
+        return SessionUids(os.geteuid(), worker, self.session_uids)
+
+    def stored_problem(self, meta: Meta, others: Iterable[Session]) -> tuple[str, bool] | None:
+        """Why a session read back from a store must not be acted on, and
+        whether the rest of what it says may still be believed (False:
+        its owner and workspace are not); None when it passes.  Checked as
+        on create: whoever reached the store could have written anything
+        (an owner of their choosing, a workspace of `..`, a handler)."""
+        if not valid_session_id(meta.id):
+            return f"its stored id {meta.id!r} is not a session id", False
+        if meta.workspace and not _own_workspace(meta.id, meta.workspace):
+            return f"its stored workspace {meta.workspace!r} is not one of its own ({meta.id}@TOKEN)", False
+        if meta.parent is not None and not valid_session_id(meta.parent):
+            return f"its stored parent {meta.parent!r} is not a session id", False
+        if not self.may_own(meta.owner_uid):
+            return (f"its stored owner uid {meta.owner_uid} may not own sessions here (neither root, the "
+                    "daemon's user, admin_uids, allowed_uids nor a member of allowed_gids or the "
+                    "socket's group; or a session's own uid)"), False
+        if (problem := self._uid_problem(meta, others)) is not None:
+            return problem
+        settings = self._config().session_settings()
+        if meta.handler not in ("agent", "echo", *settings.agent.subagents.allowed_handlers):
+            try:
+                check_handler(meta.handler, settings)
+            except SessiondError as exc:
+                return f"its stored handler is not allowed: {exc.message}", True
+        return None
+
+    def _uid_problem(self, meta: Meta, others: Iterable[Session]) -> tuple[str, bool] | None:
+        """Where each session runs as a uid of its own: the stored one is of
+        the range, no other session's, and the one its workspace was made
+        for (a uid rewritten to another session's does not match it)."""
+        if self.shared_user is not None or self.session_uids is None:
+            return None  # not used (run_as)
+        span, uid = self.session_uids, meta.run_uid
+        if uid is None or uid not in span:
+            return f"its stored uid {uid} is not one of [daemon] session_uid_range ({span.start}-{span.stop - 1})", False
+        if any(s.meta.run_uid == uid and s.id != meta.id and not s.is_(State.DAMAGED) for s in others):
+            return f"its stored uid {uid} is another session's", False
+        where = self.root() / (meta.workspace or meta.id)
+        try:
+            st = os.lstat(where)
+        except FileNotFoundError:
+            # Not made yet (an import; a create cut short): then no other
+            # workspace may be that uid's either.
+            if _owns_a_workspace(self.root(), uid):
+                return f"its stored uid {uid} owns another session's workspace", False
+            return None
+        except OSError as exc:
+            return f"its workspace {where} cannot be checked ({exc.strerror}); `rm` it", True
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+            return f"its workspace {where} is not a directory of its stored uid {uid}", False
+        return None
+
+    def may_own(self, uid: int) -> bool:
+        """Whether `uid` may own sessions: one the control socket admits
+        (supervisor.api.server.ControlServer.admits) that is not a session's."""
+        if self.session_uids_here().only_sessions(uid):
+            return False
+        cfg = self._config().daemon
+        if uid in (0, os.geteuid()) or uid in cfg.admin_uids or uid in cfg.allowed_uids:
+            return True
+        groups = set(cfg.allowed_gids)
+        if os.getegid() != 0:
+            groups.add(os.getegid())  # the socket's group, unless socket_group says otherwise
+        if cfg.socket_group:
+            with contextlib.suppress(KeyError):
+                name = cfg.socket_group
+                groups.add(int(name) if name.isdigit() else grp.getgrnam(name).gr_gid)
+        try:
+            entry = pwd.getpwuid(uid)
+            return not groups.isdisjoint(os.getgrouplist(entry.pw_name, entry.pw_gid))
+        except (KeyError, OSError):
+            return False
+
+    def root(self) -> Path:
+        return workspace_root(self._config(), self._state_dir)
+
+    def path(self, session: Session) -> Path:
+        """One directory right beneath the root, whatever the meta says:
+        a stored name was checked on load (stored_problem), and should one
+        ever get past that, a name of the daemon's own making stands in."""
+        name = session.meta.workspace or session.id
+        if not (_own_workspace(session.id, name) or name == session.id) or not valid_session_id(session.id):
+            name = f"{session.id}@{'0' * 16}"
+            tagged(log, session.id).error("its stored workspace %r is not its own; using %s instead",
+                                          session.meta.workspace, name)
+        return self.root() / name
+
+    def run_as(self, session: Session) -> tuple[int, int] | None:
+        if self.shared_user is not None:
+            return self.shared_user
+        if self.session_uids is None:
+            return None  # a stored run_uid says nothing once sessions get no uid of their own
+        uid = session.meta.run_uid
+        return (uid, uid) if uid is not None else None
+
+    def allocate_uid(self, sessions: Iterable[Session]) -> int | None:
+        """A uid of session_uid_range that no session holds and no user owns.
+        Picked at random, so that a uid just freed is unlikely to be handed
+        out again soon (what its last session left in /tmp stays its own)."""
+        span = self.session_uids
+        if span is None:
+            return None
+        taken = {s.meta.run_uid for s in sessions}
+        for _ in range(64):
+            uid = span[secrets.randbelow(len(span))]
+            if uid not in taken and _no_such_user(uid):
+                return uid
+        free = [u for u in span if u not in taken and _no_such_user(u)]
+        if not free:
+            raise Capacity(f"every uid of [daemon] session_uid_range ({span.start}-{span.stop - 1}) is in use")
+        return free[secrets.randbelow(len(free))]
+
+    def prepare(self, session: Session) -> Path:
+        """Create the session's workspace (0700, owned by whoever its worker
+        runs as).  Only a directory the daemon itself named and created is
+        chowned: never one that was already there, never through a link."""
+        workspace = self.path(session)
+        run_as = self.run_as(session)
+        try:
+            workspace.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.mkdir(workspace, 0o700)
+            except FileExistsError:
+                st = os.lstat(workspace)
+                if not stat.S_ISDIR(st.st_mode):
+                    raise OSError(f"{workspace} exists and is not a directory") from None
+                if run_as is not None and st.st_uid != run_as[0]:
+                    raise OSError(
+                        f"{workspace} belongs to uid {st.st_uid}, not to the session's uid {run_as[0]}"
+                    ) from None
+            else:
+                if run_as is not None:
+                    os.lchown(workspace, *run_as)
+        except OSError as exc:
+            tagged(log, session.id).warning("cannot prepare workspace %s: %s", workspace, exc)
+        return workspace
+
+    def remove(self, session: Session) -> None:
+        """Blocking: call from a thread, a workspace can be large."""
+        _rmtree(self.path(session))
+
+    def remove_orphans(self, sessions: Iterable[Session]) -> None:
+        """Workspaces ("ID@TOKEN") whose session is gone: the daemon died
+        between removing a session and removing its workspace."""
+        root = self.root()
+        sessions = list(sessions)
+        wanted = {s.meta.workspace for s in sessions}
+        # A damaged session whose metadata is unreadable keeps whatever may be its own.
+        lost = tuple(f"{s.id}@" for s in sessions if s.meta_lost)
+        try:
+            entries = list(os.scandir(root))
+        except OSError:
+            return
+        for entry in entries:
+            if (
+                "@" in entry.name and entry.name not in wanted and not entry.name.startswith(lost)
+                and entry.is_dir(follow_symlinks=False)
+            ):
+                log.info("removing the workspace of a deleted session: %s", entry.path)
+                _rmtree(Path(entry.path))
+
+
+def _own_workspace(session_id: str, name: str) -> bool:
+    """Whether `name` is one create gives `session_id`'s workspace: ID@ and
+    16 lowercase hex digits (secrets.token_hex(8))."""
+    token = name[len(session_id) + 1 :]
+    return (name.startswith(f"{session_id}@") and len(token) == 16
+            and all(c in "0123456789abcdef" for c in token))
+
+
+def _owns_a_workspace(root: Path, uid: int) -> bool:
+    try:
+        with os.scandir(root) as entries:
+            return any(e.stat(follow_symlinks=False).st_uid == uid for e in entries)
+    except FileNotFoundError:
+        return False  # no workspace at all yet
+    except OSError:
+        return True  # cannot tell: not believed
+
+
+def _no_such_user(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return True
+    return False
+
+
+def _rmtree(path: Path) -> None:
+    """Remove a tree that a session's tools may have made hard to remove
+    (directories without write or search permission); never follows links."""
+
+    opened: set[str] = set()  # each made listable once: no second try, no endless recursion
+
+    def onerror(func: Any, target: str, exc_info: Any) -> None:
+        exc = exc_info[1]
+        if isinstance(exc, FileNotFoundError):
+            return
+        if not isinstance(exc, PermissionError):
+            raise exc
+        changed = False
+        for directory in (os.path.dirname(target), target):
+            if os.path.isdir(directory) and not os.path.islink(directory):
+                try:
+                    os.chmod(directory, 0o700)
+                    changed = True
+                except OSError:
+                    pass
+        if not changed:
+            raise exc  # not ours to open up (no CAP_FOWNER): say so, once
+        if func in (os.rmdir, os.unlink, os.remove):
+            func(target)
+        elif target not in opened:  # it could not be opened or listed: now it can
+            opened.add(target)
+            shutil.rmtree(target, onerror=onerror)
+        else:
+            raise exc
+
+    if path.is_symlink() or not path.is_dir():
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return
+    shutil.rmtree(path, onerror=onerror)

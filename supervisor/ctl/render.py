@@ -1,0 +1,139 @@
+"""How sessionctl prints sessions, stats and pongs as text: shared by the
+full command line (supervisor.ctl.cli) and its one-shot path
+(supervisor.ctl.fast), so that both print the same bytes.
+
+Everything here works on the plain form of a reply (`ctl.to_plain`: the
+dicts `--json` prints, every field present) and imports only the standard
+library's built-in modules: the one-shot path imports it at start-up."""
+
+from __future__ import annotations
+
+import time
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+__all__ = ["EXIT_CODES", "EXIT_FAILED", "EXIT_NO_SESSION", "EXIT_OK", "EXIT_SIGINT", "EXIT_UNREACHABLE", "EXIT_USAGE",
+           "SORT_KEYS", "exit_code_for", "exit_codes_text", "fmt_bytes", "pong_text", "print_stats", "print_status", "print_table",
+           "sandbox_line"]
+
+# sessionctl's exit codes (a contract: scripts test them), for both paths
+# and every command; `sessionctl --help` and the man page list EXIT_CODES.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_SESSION = 0, 1, 2, 3, 4
+EXIT_SIGINT = 128 + 2  # as a shell reports a command SIGINT ended
+EXIT_CODES = (
+    (EXIT_OK, "done"),
+    (EXIT_FAILED, "the operation failed (a turn failed, the daemon refused)"),
+    (EXIT_USAGE, "usage (bad arguments, a bad --id, --handler or --set)"),
+    (EXIT_UNREACHABLE, "cannot reach the daemon, or lost it"),
+    (EXIT_NO_SESSION, "no such session"),
+)
+
+
+def exit_codes_text() -> str:
+    """The exit codes, one a line, as `--help` ends."""
+    return "".join(f"  {code}  {meaning}\n" for code, meaning in EXIT_CODES)
+
+
+def exit_code_for(error_code: str) -> int:
+    """The exit code for the daemon's error `error_code` (the wire's
+    ErrorCode: not_found is "no such session", any other a failure)."""
+    return EXIT_NO_SESSION if error_code == "not_found" else EXIT_FAILED
+
+
+# `top --sort`: here, not in supervisor.ctl.top, so that the command line's
+# parser need not import curses.
+SORT_KEYS = ("cpu", "rss", "turns", "restarts", "age", "id", "state")
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size: float = n
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
+        size /= 1024
+    return str(size)
+
+
+def sandbox_line(sb: dict[str, Any]) -> str:
+    if sb.get("mode") == "off":
+        return "sandbox: off (sandbox.mode = off)"
+    have = [name for name, on in (("namespaces", sb.get("namespaces")),
+                                  (f"Landlock ABI {sb.get('landlock_abi')}", sb.get("landlock_abi")),
+                                  ("seccomp", sb.get("seccomp")), ("cgroups", sb.get("cgroups"))) if on]
+    missing = "; ".join(f"no {k}: {v}" for k, v in sb.get("why_not", {}).items())
+    refused = f"; {sb['refused']}" if sb.get("refused") else ""  # fail closed: tools do not run
+    return f"sandbox ({sb.get('mode')}): {', '.join(have) or 'nothing'}" + (f"; {missing}" if missing else "") + refused
+
+
+def print_table(sessions: list[dict[str, Any]]) -> None:
+    """`ls`: one row a session, children indented under their parent."""
+    by_id = {s["id"]: s for s in sessions}
+    rows: list[tuple[str, dict[str, Any]]] = []
+
+    def walk(s: dict[str, Any], depth: int) -> None:
+        rows.append(("  " * depth + ("└ " if depth else "") + s["id"], s))
+        for child in s["children"]:
+            if child in by_id:
+                walk(by_id[child], depth + 1)
+
+    for s in sessions:
+        if s["parent"] is None or s["parent"] not in by_id:
+            walk(s, 0)
+    header = ("ID", "STATE", "PID", "RSS", "TURNS", "RESTARTS", "HANDLER")
+    table = [header] + [
+        (name, s["state"], str(s["pid"] or "-"), fmt_bytes(s["rss_bytes"]), str(s["turns"]),
+         str(s["restarts"]), s["handler"])
+        for name, s in rows
+    ]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for r in table:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    for s in sessions:
+        if s["error"]:
+            print(f"{s['id']}: {s['state']}: {s['error']}")
+
+
+def print_status(s: dict[str, Any]) -> None:
+    """`status`: one field a line."""
+    exit_text = "-"
+    e = s["last_exit"]
+    if e is not None:
+        how = f"signal {e['signal']}" if e["signal"] else f"code {e['code']}"
+        exit_text = f"{e['reason']} ({how}){': ' + e['detail'] if e['detail'] else ''}"
+    fields = [
+        ("id", s["id"]), ("state", s["state"]), ("handler", s["handler"]), ("pid", s["pid"] or "-"),
+        ("rss", fmt_bytes(s["rss_bytes"])), ("disk", fmt_bytes(s["disk_bytes"])),
+        ("turns", s["turns"]), ("restarts", s["restarts"]),
+        ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["created_at"]))),
+        ("last exit", exit_text), ("seq", s["seq"]),
+    ]
+    if s["node"]:
+        fields.append(("node", s["node"]))  # cluster mode: where its worker runs
+    if s["error"]:
+        fields.append(("error", s["error"]))
+    if s["parent"]:
+        fields.append(("parent", s["parent"]))
+    if s["children"]:
+        fields.append(("children", ", ".join(s["children"])))
+    for k, v in fields:
+        print(f"{k + ':':<11}{v}")
+
+
+def print_stats(stats: dict[str, Any]) -> None:
+    """`stats`: the daemon in three lines."""
+    print(f"sessiond {stats['version']}, pid {stats['pid']}, up {stats['uptime_secs']:.0f}s, "
+          f"rss {fmt_bytes(stats['rss_bytes'])}")
+    states = ", ".join(f"{n} {k}" for k, n in sorted(stats["by_state"].items()))
+    print(f"{stats['sessions']} sessions ({states or 'none'}), {stats['live_workers']} live "
+          f"workers, {stats['clients']} clients")
+    if stats["sandbox"]:
+        print(sandbox_line(stats["sandbox"]))
+
+
+def pong_text(session: str | None, pid: int, rtt_ms: float) -> str:
+    who = f"worker of {session}" if session else "sessiond"
+    return f"pong from {who} (pid {pid}) in {rtt_ms:.2f} ms"

@@ -1,0 +1,426 @@
+"""Prometheus metrics: what the daemon's parts count, and `/metrics`.
+
+Runs in the daemon's loop.  The parts (WorkerOwner, TurnLedger, Sweeper,
+the control server) call a `Recorder`; with `[daemon] metrics_listen = ""`
+(the default) that is `NO_METRICS`, whose methods do nothing, and
+`prometheus_client` is never imported (importing it costs ~70 ms), so a
+turn pays one call of an empty method per event counted.
+
+With metrics on, `PrometheusRecorder` keeps counters and histograms in a
+registry of its own (not the library's global one, which would add the
+library's process and GC collectors and anything an import registered).
+Gauges that describe the daemon's state (sessions by state, clients, the
+largest sessions' RSS) are not updated as things happen: a custom
+collector reads the manager's dicts when a scrape comes, so the hot path
+pays nothing for them.
+
+The endpoint is served from the daemon's own loop, not from the library's
+threaded HTTP server: the collectors read dicts only the loop may touch,
+the daemon stays free of threads (STYLE rule 7), and a thread would hold
+the GIL for as long as the formatting takes anyway (~0.7 ms for ~90
+samples; bench/metrics.py measures turns with and without scrapes).
+Failure reasons and provider statuses become labels from fixed sets
+(`failure_kind`, `provider_status`), so no label grows with the input.
+`serve` is a small
+HTTP/1.0-style responder: one request per connection, the request head
+capped at `_MAX_HEAD_BYTES` and due within `_READ_TIMEOUT_SECS`, at most
+`_MAX_CONNECTIONS` at once; a slow or hostile client holds a coroutine and
+a socket for a few seconds, never the loop.  Slots are not first come,
+first served: when all are taken, a new connection takes the slot of the
+one that has waited longest without sending its request, so clients that
+connect and stay silent (reconnecting as they are timed out) cannot deny
+scrapes; only connections being answered, each for at most
+`_WRITE_TIMEOUT_SECS`, are never displaced.
+
+Who can read what: the endpoint has no authentication.  Whoever can
+connect (any local user for a loopback address; for a Unix socket, whoever
+its mode and directory let in) reads the daemon-wide figures: sessions by
+state, turns, failures, requests, provider errors, memory totals.  Series
+naming sessions (`sessiond_session_rss_bytes{session=...}`) exist only
+with `[daemon] metrics_per_session = true`, as they tell every reader
+other users' session ids and sizes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import re
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from ipc.contract import ExitReason
+from supervisor.core.session import Session
+from supervisor.core.states import State
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.registry import CollectorRegistry
+
+__all__ = [
+    "NO_METRICS",
+    "PrometheusRecorder",
+    "Recorder",
+    "FAILURE_KINDS",
+    "TOP_RSS_SESSIONS",
+    "failure_kind",
+    "provider_status",
+    "address_of",
+    "bind_listener",
+    "serve",
+]
+
+log = logging.getLogger("sessiond.metrics")
+
+# sessiond_session_rss_bytes carries only this many sessions (the largest
+# at the last sweep; [daemon] metrics_top_sessions): a series per session
+# would grow without bound.
+TOP_RSS_SESSIONS = 20
+
+_READ_TIMEOUT_SECS = 5.0
+_WRITE_TIMEOUT_SECS = 10.0
+_MAX_HEAD_BYTES = 8192
+_MAX_CONNECTIONS = 32
+
+_TURN_BUCKETS = (0.005, 0.025, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
+_FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class Recorder:
+    """The calls the parts make.  This base is the no-op used when metrics
+    are off: each method is an empty call."""
+
+    def worker_exit(self, reason: str) -> None:
+        pass
+
+    def restart(self) -> None:
+        pass
+
+    def turn_started(self, session: Session) -> None:
+        pass
+
+    def delta(self, session: Session) -> None:
+        """A piece of reply text of the running turn (time to first token)."""
+
+    def turn_ended(self, session: Session, done: bool, reason: str, secs: float) -> None:
+        pass
+
+    def commit(self, secs: float, records: int = 1) -> None:
+        """One durable append (write + fsync) of `records` records.  A group
+        commit passes the size of its batch."""
+
+    def sweep(self, secs: float) -> None:
+        pass
+
+    def request(self, kind: str, code: str) -> None:
+        pass
+
+    def notice(self, kind: str, data: dict[str, Any]) -> None:
+        """A worker's notice (provider retries are counted by HTTP status)."""
+
+
+NO_METRICS = Recorder()
+
+
+# Why a turn failed, as a bounded label.  A worker's death reads
+# "killed_memory: ... (signal SIGKILL)" (supervisor.core.workers.describe_exit):
+# its ExitReason.  Otherwise the first rule whose words are in the reason
+# wins; the texts come from supervisor.core.ledger, .workers and the agent loop.
+_FAILURE_WORDS = (
+    ("the session was ", "stopped"), ("stopped during this turn", "daemon_restart"),
+    ("LLM provider error", "provider"), ("could not be saved", "store"), ("internal error", "internal"),
+)
+FAILURE_KINDS = tuple(dict.fromkeys((*ExitReason, *(kind for _, kind in _FAILURE_WORDS), "handler")))
+_HTTP_STATUS = re.compile(r"\bHTTP ([1-5][0-9][0-9])\b")
+
+
+def failure_kind(reason: str) -> str:
+    """`reason` as one of FAILURE_KINDS ("handler": the handler failed the
+    turn, or raised, in words of its own)."""
+    head = reason.partition(":")[0].partition(" (")[0]
+    if head in ExitReason.__members__.values():
+        return head
+    for words, kind in _FAILURE_WORDS:
+        if words in reason:
+            return kind
+    return "handler"
+
+
+def provider_status(error: str) -> str:
+    """The HTTP status in a provider error's text ("provider answered HTTP
+    429: ..."), or "none" (connection refused, timeout, a broken stream)."""
+    found = _HTTP_STATUS.search(error)
+    return found.group(1) if found else "none"
+
+
+class PrometheusRecorder(Recorder):
+    """Metrics on: counters and histograms, plus the scrape-time gauges
+    read from `sessions()` and `clients()`."""
+
+    def __init__(self, sessions: Callable[[], Iterable[Session]], clients: Callable[[], int],
+                 top_sessions: int = TOP_RSS_SESSIONS) -> None:
+        # Here, not at the top: a daemon without metrics never pays the import.
+        from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+
+        # The `_created` series: in the text format each is a gauge family of
+        # its own that nobody queries, and a third of a scrape's samples
+        # (a scrape's cost is per sample).  Process-wide; the daemon has no
+        # other registry.
+        disable_created_metrics()  # type: ignore[no-untyped-call]
+        self.registry: CollectorRegistry = CollectorRegistry()
+        r = self.registry
+        self._exits = Counter("sessiond_worker_exits", "Worker exits, by how they were classified.",
+                              ["reason"], registry=r)
+        self._restarts = Counter("sessiond_restarts", "Automatic restarts of a session's worker.",
+                                 registry=r)
+        self._turns = Counter("sessiond_turns", "Turns started, and ended (done: committed; failed: aborted).",
+                              ["outcome"], registry=r)
+        self._failed = Counter("sessiond_turns_failed", "Turns that failed, by why.", ["reason"],
+                               registry=r)
+        self._turn_secs = Histogram("sessiond_turn_duration_seconds",
+                                    "Turns from input to commit or abort.", registry=r,
+                                    buckets=_TURN_BUCKETS)
+        self._ttft = Histogram("sessiond_turn_first_token_seconds",
+                               "From a turn's input to its first piece of reply text.", registry=r,
+                               buckets=_TURN_BUCKETS)
+        self._commit_secs = Histogram("sessiond_commit_seconds",
+                                      "A durable append (write and fsync) of turn commits.",
+                                      registry=r, buckets=_FAST_BUCKETS)
+        self._commit_batch = Histogram("sessiond_commit_batch_records",
+                                       "Records made durable by one fsync.", registry=r,
+                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+        self._sweep_secs = Histogram("sessiond_sweep_duration_seconds",
+                                     "One supervision sweep (memory, heartbeats, idleness).",
+                                     registry=r, buckets=_FAST_BUCKETS)
+        self._requests = Counter("sessiond_control_requests",
+                                 "Control socket requests, by type and outcome (ok or the error code).",
+                                 ["type", "code"], registry=r)
+        self._provider = Counter("sessiond_provider_errors",
+                                 "LLM provider errors seen by agents (retried or failing a turn), "
+                                 "by HTTP status (none: no HTTP answer).", ["status"], registry=r)
+        # Children created up front: a series that is 0 says "none yet",
+        # where a missing one says nothing.
+        # (kept: `labels()` takes a lock and a dict lookup; a turn counts
+        # into these without either).
+        self._started, self._done, self._failed_turns = (
+            self._turns.labels(outcome) for outcome in ("started", "done", "failed"))
+        self._request_children: dict[tuple[str, str], Any] = {}
+        self._restarts.inc(0)
+        self._awaiting_first: set[str] = set()  # sessions whose turn has streamed nothing yet
+        r.register(_StateCollector(sessions, clients, top_sessions))
+
+    def worker_exit(self, reason: str) -> None:
+        self._exits.labels(reason).inc()
+
+    def restart(self) -> None:
+        self._restarts.inc()
+
+    def turn_started(self, session: Session) -> None:
+        self._started.inc()
+        self._awaiting_first.add(session.id)
+
+    def delta(self, session: Session) -> None:
+        if session.id in self._awaiting_first:
+            self._awaiting_first.discard(session.id)
+            self._ttft.observe(time.monotonic() - session.turn_started)
+
+    def turn_ended(self, session: Session, done: bool, reason: str, secs: float) -> None:
+        self._awaiting_first.discard(session.id)
+        if done:
+            self._done.inc()
+        else:
+            self._failed_turns.inc()
+            kind = failure_kind(reason)
+            self._failed.labels(kind).inc()
+            if kind == "provider":
+                self._provider.labels(provider_status(reason)).inc()
+        self._turn_secs.observe(secs)
+
+    def commit(self, secs: float, records: int = 1) -> None:
+        self._commit_secs.observe(secs)
+        self._commit_batch.observe(records)
+
+    def sweep(self, secs: float) -> None:
+        self._sweep_secs.observe(secs)
+
+    def request(self, kind: str, code: str) -> None:
+        child = self._request_children.get((kind, code))
+        if child is None:
+            # Bounded: kinds are the Request tags (and "invalid"), codes ErrorCode.
+            child = self._request_children[(kind, code)] = self._requests.labels(kind, code)
+        child.inc()
+
+    def notice(self, kind: str, data: dict[str, Any]) -> None:
+        if kind == "provider_retry":
+            self._provider.labels(provider_status(str(data.get("error", "")))).inc()
+
+    def exposition(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _StateCollector:
+    """Gauges computed when scraped, from the manager's own dicts."""
+
+    def __init__(self, sessions: Callable[[], Iterable[Session]], clients: Callable[[], int],
+                 top_sessions: int) -> None:
+        self._sessions = sessions
+        self._clients = clients
+        self._top = top_sessions
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        counts = dict.fromkeys((s.value for s in State), 0)
+        live: list[tuple[int, str]] = []
+        for session in self._sessions():
+            counts[session.state.value] += 1
+            if session.worker is not None:
+                live.append((session.memory.rss_bytes, session.id))
+        states = GaugeMetricFamily("sessiond_sessions", "Sessions, by state.", labels=["state"])
+        for state, n in counts.items():
+            states.add_metric([state], n)
+        yield states
+        rss = GaugeMetricFamily(
+            "sessiond_session_rss_bytes",
+            f"RSS of a session's processes at the last sweep; the {self._top} largest only.",
+            labels=["session"],
+        )
+        for value, sid in heapq.nlargest(self._top, live):
+            rss.add_metric([sid], value)
+        yield rss
+        yield GaugeMetricFamily("sessiond_workers_rss_bytes",
+                                "RSS of all live sessions' processes together, at the last sweep.",
+                                value=sum(value for value, _ in live))
+        yield GaugeMetricFamily("sessiond_clients", "Connected control clients.", value=self._clients())
+
+
+# ---------------------------------------------------------------- the endpoint
+
+
+def bind_listener(where: tuple[str, int] | str) -> socket.socket:
+    """A listening socket for `[daemon] metrics_listen`, as
+    `config.metrics_address` parsed it: (host, port) or a Unix socket path.
+    Raises OSError."""
+    if isinstance(where, str):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        addr: str | tuple[Any, ...] = where
+    else:
+        host, port = where
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def address_of(sock: socket.socket) -> str:
+    """Where a bound listener is, for the log: "http://127.0.0.1:9464/metrics"."""
+    name = sock.getsockname()
+    if isinstance(name, str):
+        return name
+    host, port = name[0], name[1]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
+async def serve(sock: socket.socket, recorder: PrometheusRecorder) -> asyncio.AbstractServer:
+    """Answer `GET /metrics` on `sock` from this loop until the server is closed."""
+    silent: dict[asyncio.StreamWriter, None] = {}  # not yet sent a request, oldest first
+    answering = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal answering
+        if len(silent) + answering >= _MAX_CONNECTIONS and silent:
+            oldest = next(iter(silent))
+            del silent[oldest]
+            oldest.transport.abort()  # its read ends; its handler lets go
+        counted = len(silent) + answering < _MAX_CONNECTIONS
+        try:
+            if counted:
+                silent[writer] = None
+                head = await _read_head(reader, writer)
+                silent.pop(writer, None)  # (gone already if displaced meanwhile)
+                answering += 1
+                try:
+                    if head is not None:
+                        await _answer(head, writer, recorder)
+                finally:
+                    answering -= 1
+            writer.close()
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+            # Gone, too slow to send its request or to read the reply:
+            # drop it with whatever is still queued for it.
+            writer.transport.abort()
+        except Exception:
+            log.exception("answering a metrics request failed")
+            writer.transport.abort()
+        except BaseException:
+            writer.transport.abort()
+            raise
+        finally:
+            silent.pop(writer, None)
+
+    if sock.family == socket.AF_UNIX:
+        return await asyncio.start_unix_server(handle, sock=sock, limit=_MAX_HEAD_BYTES)
+    return await asyncio.start_server(handle, sock=sock, limit=_MAX_HEAD_BYTES)
+
+
+async def _read_head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes | None:
+    """The request head, or None once a too-large one was answered."""
+    try:
+        async with asyncio.timeout(_READ_TIMEOUT_SECS):
+            return await reader.readuntil(b"\r\n\r\n")
+    except asyncio.LimitOverrunError:
+        await _reply(writer, 431, b"request head too large\n", "text/plain")
+        return None
+
+
+async def _answer(head: bytes, writer: asyncio.StreamWriter, recorder: PrometheusRecorder) -> None:
+    method, target, version = _request_line(head)
+    if method is None:
+        await _reply(writer, 400, b"bad request\n", "text/plain")
+    elif method not in ("GET", "HEAD"):
+        await _reply(writer, 405, b"only GET\n", "text/plain")
+    elif target.partition("?")[0] != "/metrics":
+        await _reply(writer, 404, b"not found; try /metrics\n", "text/plain")
+    else:
+        body, content_type = recorder.exposition()
+        await _reply(writer, 200, body, content_type, head_only=method == "HEAD")
+
+
+def _request_line(head: bytes) -> tuple[str | None, str, str]:
+    line = head.split(b"\r\n", 1)[0]
+    parts = line.split(b" ")
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+        return None, "", ""
+    try:
+        method, target, version = (p.decode("ascii") for p in parts)
+    except UnicodeDecodeError:
+        return None, "", ""
+    return method, target, version
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            431: "Request Header Fields Too Large"}
+
+
+async def _reply(writer: asyncio.StreamWriter, status: int, body: bytes, content_type: str,
+                 head_only: bool = False) -> None:
+    head = (
+        f"HTTP/1.0 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode("ascii")
+    writer.write(head if head_only else head + body)
+    async with asyncio.timeout(_WRITE_TIMEOUT_SECS):
+        await writer.drain()

@@ -1,0 +1,9 @@
+"""Starting and containing workers (run by sessiond; spawner.py's other half
+is session_worker/zygote.py, and cluster/nodehost.py runs it on a Ray node):
+the Spawner seam, the zygote's daemon side, pidfds, cgroups (v1, v2 and the
+choice between them) and the sandbox probe.
+
+Owns the worker processes until they are handed to the core.  May import:
+ipc/, supervisor.config and supervisor.errors, supervisor.ops.  Never the
+core: the core is handed a Spawner.
+"""

@@ -1,0 +1,8 @@
+"""Where sessions are kept (run by sessiond): the StateStore seam, the file
+store (files, journal, logscan, sessiondir), the in-memory store and the
+PostgreSQL store (postgres/).
+
+Owns what is on disk or in the database.  May import: ipc/,
+supervisor.config and supervisor.errors, supervisor.ops.  Never the core:
+the core is handed a StateStore.
+"""
