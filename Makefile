@@ -14,14 +14,19 @@ CONFIG ?=
 # setuptools without the (transitional) compat mode gets the default one.
 EDITABLE := --config-settings editable_mode=compat
 
+# Two stamps: `make run` needs the package alone (a one-machine daemon never
+# imports Ray: 21 s and 240 MB of the venv); `make test` adds the `test`
+# extra and the `cluster` extra (PostgreSQL driver, Ray), whose tests it runs.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]' $(EDITABLE) || $(PY) -m pip install -q -e '.[test]'
-	@# The `cluster` extra (PostgreSQL driver, Ray): its tests run in `make test`.
+	$(PY) -m pip install -q -e . $(EDITABLE) || $(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e '.[test,cluster]' $(EDITABLE) || \
 	  $(PY) -m pip install -q -e '.[test,cluster]' || { \
-	  echo "make: could not install the 'cluster' extra (psycopg[binary], the PostgreSQL driver; ray):" \
+	  echo "make: could not install the 'test' and 'cluster' extras (pytest; psycopg[binary], the PostgreSQL driver; ray):" \
 	       "check that a package index is reachable (pip config list), then run make again" >&2; \
 	  exit 1; }
 	touch $@
@@ -54,14 +59,24 @@ system-deps:
 	  fi; \
 	fi
 
-test: $(VENV)/.installed system-deps
-	$(PY) -m pytest -q
+# The process tier's tests wait on daemons, sockets and polls more than they
+# compute: PYTEST_WORKERS of them run side by side (pytest-xdist), also on
+# two cores.  One worker runs each file whole (--dist loadfile): a module's
+# fixtures (the Ray cluster, test_hostile_unit's PostgreSQL) start once, and
+# tests that find their tools' processes by command line among all of the
+# machine's (test_sandbox, test_session_cost, test_cgroups) never see a
+# sibling's.  (Not loadgroup: pytest 9.2 drops its node id suffix and so
+# its grouping, pytest-dev/pytest-xdist#1386.)  PYTEST_WORKERS=0: in order.
+PYTEST_WORKERS ?= 3
+
+test: $(VENV)/.installed-test system-deps
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 # The pure, protocol and component tiers: no daemon, no child processes.
-test-fast: $(VENV)/.installed system-deps
+test-fast: $(VENV)/.installed-test system-deps
 	$(PY) -m pytest -q -m "not process"
 
-typecheck: $(VENV)/.installed
+typecheck: $(VENV)/.installed-test
 	$(PY) -m mypy
 
 # sessionctl(1) from the argparse definitions: `man -l man/sessionctl.1`.
@@ -71,7 +86,7 @@ man: $(VENV)/.installed
 
 BENCHES := spawn ipc memory limits restart persist agent hostile sandbox metrics load fsync_batch idle cluster pg_batch sweep
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed-test
 	for b in $(BENCHES); do $(PY) bench/$$b.py || exit 1; done
 
 clean:

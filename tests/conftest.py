@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+import harness
 from fakellm import FakeLLM
 from harness import Daemon
 from pg_server import pg_server  # noqa: F401 (a session-scoped fixture: one server a run)
@@ -69,4 +70,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"every test needs exactly one tier marker ({', '.join(TIERS)}): "
             "`pytestmark = pytest.mark.<tier>` for a file of one tier, "
             "`@pytest.mark.<tier>` on each test otherwise (see STYLE.md)\n" + "\n".join(problems)
+        )
+
+
+# A failed test that ran a daemon shows that daemon's log: what it said
+# before the assertion is most often the reason.  Each daemon made from the
+# start of the test's setup on (tests/harness.py `MADE`) counts, whichever
+# fixture or helper made it; the tail only, so a chatty daemon does not
+# bury the assertion.
+LOG_TAIL_LINES = 80
+LOG_TAIL_CHARS = 12_000
+_FIRST_DAEMON = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_FIRST_DAEMON] = len(harness.MADE)
+
+
+def _log_tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - LOG_TAIL_CHARS))
+            text = f.read().decode(errors="replace")
+    except OSError as exc:
+        return f"(no log: {exc})"
+    lines = text.splitlines()[-LOG_TAIL_LINES:]
+    return "\n".join(lines) if lines else "(empty)"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if not report.failed or _FIRST_DAEMON not in item.stash:
+        return
+    for d in harness.MADE[item.stash[_FIRST_DAEMON]:]:
+        report.sections.append(
+            (f"sessiond log ({report.when}): {d.log_path} (last {LOG_TAIL_LINES} lines)",
+             _log_tail(d.log_path))
         )

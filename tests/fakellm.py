@@ -216,7 +216,7 @@ class FakeLLM:
         server.daemon_threads = True
         self._server = server
         self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+            target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
         )
         self._thread.start()
         return self
@@ -292,6 +292,9 @@ class FakeLLM:
 class _Handler(BaseHTTPRequestHandler):
     owner: FakeLLM
     protocol_version = "HTTP/1.1"
+    # Each event is its own small write: without TCP_NODELAY, Nagle holds one
+    # back until the client's delayed ACK (~40 ms on loopback), per request.
+    disable_nagle_algorithm = True
 
     def setup(self) -> None:
         super().setup()

@@ -84,10 +84,16 @@ stop_grace_secs = 1.0
 """
 
 
+# Every Daemon made in this process, in order: tests/conftest.py puts the
+# log of each one a failed test made into its report.
+MADE: list[Daemon] = []
+
+
 class Daemon:
     def __init__(
         self, root: Path, config: str = "", extra_args: list[str] | None = None, trust: bool = True
     ) -> None:
+        MADE.append(self)
         self.root = root
         # Unix socket paths are short (108 bytes): keep it out of pytest's long tmp path.
         self.sockdir = Path(tempfile.mkdtemp(prefix="sd-"))

@@ -10,6 +10,15 @@ sessions lands on both.  The head checks nodes' health every 0.5 s, so a
 killed node is noticed in seconds.  The cluster requires Ray's token
 authentication (`token_file`, `auth_env()`).
 
+Ray binds some of its ports on every interface (the GCS and the raylet
+on `::`, an agent on 0.0.0.0) whatever --node-ip-address says, so as root
+every node runs in a network namespace of the suite's own (`LoopbackNetns`)
+where only `lo` is up: nothing of the test cluster can be reached from, or
+reach, another machine.  Whatever talks to the cluster (the fronts under
+test, tests/ray_contract_child.py, tests/ray_other_front.py) is started in
+the same namespace (`enter`, a command prefix); the tests reach the fronts
+over their Unix sockets, which a network namespace does not divide.
+
 Started once per test run, by tests/test_cluster.py (all the Ray tests
 are there) and stopped when that module is done.  No Ray installed: the
 test fails saying what to install; it is never skipped.
@@ -33,7 +42,7 @@ import pytest
 
 from harness import env_for_children
 
-__all__ = ["HEALTH_ENV", "NODE_IPS", "RayCluster"]
+__all__ = ["HEALTH_ENV", "NODE_IPS", "LoopbackNetns", "RayCluster"]
 
 _INSTALL_HINT = "Ray is not installed: pip install -e '.[cluster]' (make test does)"
 HEAD_IP = "127.0.0.10"
@@ -55,9 +64,44 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class LoopbackNetns:
+    """A network namespace with only `lo` up, held open by a sleeping
+    process of its own; `enter` runs a command in it.  Not root (no
+    namespaces to make): `enter` is empty and everything runs as before,
+    on loopback addresses of the machine's own namespace."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.enter: list[str] = []
+        if os.geteuid() != 0:
+            return
+        self.proc = subprocess.Popen(
+            ["unshare", "--net", "sh", "-c", "ip link set lo up && echo up && exec sleep infinity"],
+            stdout=subprocess.PIPE, start_new_session=True,
+        )
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != b"up":
+            self.close()
+            raise RuntimeError("could not make a network namespace with lo up (unshare --net, ip link)")
+        self.enter = ["nsenter", f"--net=/proc/{self.proc.pid}/ns/net", "--"]
+
+    @property
+    def inode(self) -> int | None:
+        """The namespace's identity (what /proc/PID/ns/net of its members stats to)."""
+        return None if self.proc is None else os.stat(f"/proc/{self.proc.pid}/ns/net").st_ino
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
 class RayCluster:
-    def __init__(self, slots: int = SLOTS) -> None:
+    def __init__(self, slots: int = SLOTS, netns: LoopbackNetns | None = None) -> None:
         self.slots = slots
+        self.netns = netns
+        # Before any command that talks to the cluster (see the module's docstring).
+        self.enter: list[str] = netns.enter if netns is not None else []
         self.ray = Path(sys.executable).parent / "ray"
         if not self.ray.exists():
             found = shutil.which("ray")
@@ -103,7 +147,7 @@ class RayCluster:
         env = {**env_for_children(), **HEALTH_ENV, **self.auth_env(), "RAY_USAGE_STATS_ENABLED": "0"}
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                [str(self.ray), "start", "--block", f"--node-ip-address={ip}", "--num-cpus=1",
+                [*self.enter, str(self.ray), "start", "--block", f"--node-ip-address={ip}", "--num-cpus=1",
                  "--object-store-memory=80000000", "--disable-usage-stats",
                  f"--temp-dir={self.root}", *args],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -162,7 +206,13 @@ class RayCluster:
         proc.wait(timeout=30)
         psutil.wait_procs(members, timeout=30)
 
-    def close(self) -> None:
+    def close(self, keep_logs: bool = False) -> None:
+        """Kill every node; `keep_logs`: leave the temp dir (each node's
+        log and Ray's session_*/logs, the node hosts' among them) for a
+        failure to be read, and say where on stderr."""
         for ip in reversed(list(self.nodes)):
             self._kill_group(self.nodes[ip])
+        if keep_logs:
+            sys.stderr.write(f"\nray_cluster: a test failed; the nodes' logs stay in {self.root}\n")
+            return
         shutil.rmtree(self.root, ignore_errors=True)

@@ -86,7 +86,7 @@ def reference_parse(stream: bytes) -> list[SSEEvent]:
     return events
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.sampled_from(_PIECES), max_size=40).map(b"".join).flatmap(
         lambda stream: st.tuples(

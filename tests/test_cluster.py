@@ -27,7 +27,7 @@ from harness import env_for_children, wait_for
 from ipc import messages as m
 from ipc import operator as op
 from pg_server import PgServer
-from ray_cluster import NODE_IPS, RayCluster
+from ray_cluster import NODE_IPS, LoopbackNetns, RayCluster
 from supervisor.ctl import cli as ctl
 from supervisor.config import parse_config
 from supervisor.errors import ConfigError
@@ -39,14 +39,41 @@ from test_spawner_contract import CHECKS, Check
 
 
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[RayCluster]:
+def loopback_netns() -> Iterator[LoopbackNetns]:
+    """Where this module's Ray nodes and the fronts that join them run:
+    only `lo` is up there (tests/ray_cluster.py says why)."""
+    netns = LoopbackNetns()
+    try:
+        yield netns
+    finally:
+        netns.close()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(loopback_netns: LoopbackNetns, request: pytest.FixtureRequest) -> Iterator[RayCluster]:
     """One cluster for this module's tests, gone once they are done: an
-    idle Ray costs the rest of the run a share of its two cores."""
-    cluster = RayCluster()
+    idle Ray costs the rest of the run a share of its two cores.  After a
+    failure its logs stay (the node hosts' say what the front cannot)."""
+    cluster = RayCluster(netns=loopback_netns)
+    failed = request.session.testsfailed
     try:
         yield cluster
     finally:
-        cluster.close()
+        cluster.close(keep_logs=request.session.testsfailed > failed)
+
+
+@pytest.fixture
+def make_daemon(make_daemon: Any, loopback_netns: LoopbackNetns) -> Any:
+    """The suite's make_daemon (tests/conftest.py), each daemon started in
+    the cluster's network namespace: a front must reach the Ray nodes, and
+    the test reaches it over its Unix socket."""
+    def make(config: str = FAST_CONFIG, start: bool = True, **kwargs: Any) -> Any:
+        d = make_daemon(config, start=False, **kwargs)
+        d.cmd_prefix = [*loopback_netns.enter, *d.cmd_prefix]
+        if start:
+            d.start()
+        return d
+    return make
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +82,7 @@ def ray_contract(ray_cluster: RayCluster) -> dict[str, dict[str, Any]]:
     (tests/ray_contract_child.py: joining Ray starts threads, and this
     process must stay single-threaded for the zygote's run): check -> result."""
     child = Path(__file__).parent / "ray_contract_child.py"
-    done = subprocess.run([sys.executable, str(child), ray_cluster.address], capture_output=True,
+    done = subprocess.run([*ray_cluster.enter, sys.executable, str(child), ray_cluster.address], capture_output=True,
                           text=True, timeout=300, env={**env_for_children(), **ray_cluster.auth_env()})
     results = {}
     for line in done.stdout.splitlines():
@@ -612,7 +639,8 @@ def test_a_drain_mark_set_by_another_front_is_learned_and_so_is_its_undo(
     d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
     marked, free = NODE_IPS
     other = subprocess.Popen(
-        [sys.executable, str(Path(__file__).parent / "ray_other_front.py"), ray_cluster.address, marked],
+        [*ray_cluster.enter, sys.executable, str(Path(__file__).parent / "ray_other_front.py"), ray_cluster.address,
+         marked],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**env_for_children(), **ray_cluster.auth_env()},
     )
     try:
@@ -648,3 +676,39 @@ def test_frames_ready_together_cross_together_up_to_the_batch_limit() -> None:
         theirs.close()
         assert read_more(ours, ours.recv(1000)) == b"d" * 2000
         assert ours.recv(10) == b""  # the end is left for the next read to find
+
+
+def _net_ns(pid: int) -> int:
+    return os.stat(f"/proc/{pid}/ns/net").st_ino
+
+
+@pytest.mark.process
+def test_the_cluster_and_its_fronts_reach_no_interface_but_loopback(
+    make_daemon, ray_cluster: RayCluster, pg_server: PgServer
+) -> None:
+    """Ray listens on every interface (`::`, 0.0.0.0) whatever
+    --node-ip-address says: every process of the test cluster, and a front
+    with its workers, runs in a network namespace where `lo` is the only
+    interface, so none of it can be reached from another machine or reach one."""
+    if os.geteuid() != 0:
+        pytest.skip("a network namespace of our own needs root")
+    d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
+    with d.client() as c:
+        sid = c.create(handler="echo").id
+        assert c.send_text(sid, "hi") == "1: hi"
+    # Every node's processes (raylet, GCS, agents, the node hosts and the
+    # zygotes and workers below them), the front and what it started.
+    ours = {p.pid for ip in ray_cluster.nodes for p in ray_cluster._members(ray_cluster.nodes[ip])}
+    ours |= {d.pid, *(p.pid for p in d.descendants())}
+    names = set()
+    for pid in ours:
+        with contextlib.suppress(psutil.Error):
+            names.add(psutil.Process(pid).name())
+    assert {"raylet", "gcs_server"} <= names, names  # the cluster's processes were found
+    namespaces = {pid: _net_ns(pid) for pid in ours if os.path.exists(f"/proc/{pid}")}
+    outside = {pid for pid, ns in namespaces.items() if ns != ray_cluster.netns.inode}
+    assert not outside, f"processes outside the loopback namespace: {sorted(outside)}"
+    assert ray_cluster.netns.inode != _net_ns(os.getpid())
+    links = subprocess.run([*ray_cluster.enter, "ip", "-o", "link", "show", "up"], capture_output=True,
+                           text=True, check=True).stdout.splitlines()
+    assert [line.split(":")[1].strip() for line in links] == ["lo"], links

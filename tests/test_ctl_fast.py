@@ -154,7 +154,7 @@ _json_values = st.recursive(
 
 
 @pytest.mark.pure
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(_json_values)
 def test_json_text_is_json_dumps(value: Any) -> None:
     assert ctl_fast.json_text(value) == json.dumps(value)

@@ -433,7 +433,7 @@ def _as_kinds(items: list[Any]) -> list[Any]:
 
 
 @pytest.mark.pure
-@fuzz_settings(300)
+@fuzz_settings(120)
 @given(data=st.data())
 def test_worker_decoder_matches_the_reference_however_the_bytes_are_chunked(data: st.DataObject) -> None:
     """The parser's messages, malformed-frame markers and leftover bytes
@@ -485,7 +485,7 @@ def worker_streams(draw: st.DrawFn) -> bytes:
 
 
 @pytest.mark.pure
-@fuzz_settings(300)
+@fuzz_settings(120)
 @given(stream=worker_streams(), cut_points=st.lists(st.integers(0, 1 << 16), max_size=6))
 @example(stream=_INVALID_UTF8, cut_points=[])
 @example(stream=_DEEP_FRAME, cut_points=[])

@@ -38,6 +38,9 @@ from ipc import messages as m
 from test_access import NOBODY, open_root, root_only  # noqa: F401 (fixture)
 from test_agent_e2e import agent_config, tool_results
 
+# A tool script here ends in an argument of its own (sandbox-bomb, sandbox-hog,
+# sandbox-pages), which the tests look for among all of the machine's processes:
+# test_hostile_unit runs the same scripts, perhaps at the same time (make test -n 3).
 pytestmark = [pytest.mark.process, root_only]
 
 SECRET = "victim-secret-0815"
@@ -231,7 +234,7 @@ def test_a_fork_bomb_stays_inside_its_session(
         'python3 -c "\nimport os, signal\nn = 0\nfor _ in range(2000):\n'
         "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
         "    if pid == 0:\n        signal.pause()\n        os._exit(0)\n    n += 1\n"
-        "print('FORKED', n)\n\"; echo BOMB-DONE"
+        "print('FORKED', n)\n\" sandbox-bomb; echo BOMB-DONE"
     )
     llm.script(tool_call_stream(("b", "bash", {"command": bomb})), text_stream("bombed"))
     with d.client() as c:
@@ -263,7 +266,7 @@ def _sleepers() -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if len(cmd) >= 2 and cmd[0] == "python3" and cmd[1] == "-c" and "FORKED" in cmd[2]:
+        if cmd[:2] == ["python3", "-c"] and cmd[-1] == "sandbox-bomb":
             out.append(p)
     return out
 
@@ -276,7 +279,7 @@ def test_memory_past_the_cap_kills_the_session_and_spares_the_others(
     with d.client() as c:
         other = c.create(session="other", handler="echo").id
         hog = c.create(session="hog").id
-    grab = 'python3 -c "import signal; b = b\'x\' * (400 << 20); signal.pause()"; echo UNREACHED'
+    grab = 'python3 -c "import signal; b = b\'x\' * (400 << 20); signal.pause()" sandbox-hog; echo UNREACHED'
     llm.script(tool_call_stream(("g", "bash", {"command": grab})), text_stream("hogged"))
     with d.client() as c:
         events = list(c.send(hog, "go"))
@@ -286,7 +289,7 @@ def test_memory_past_the_cap_kills_the_session_and_spares_the_others(
         assert c.send_text(other, "ping") == "1: ping"
         c.remove(hog)
     wait_for(lambda: not [p for p in psutil.process_iter(["cmdline"])
-                          if "(400 << 20)" in " ".join(p.info["cmdline"] or [])], 10, "the hog to be gone")
+                          if "sandbox-hog" in (p.info["cmdline"] or [])], 10, "the hog to be gone")
 
 
 @pytest.mark.parametrize("setup", ["root-uid-per-session", "landlock-only"])
@@ -374,11 +377,11 @@ def test_pages_forks_share_count_once_against_the_cap(make_daemon, llm: FakeLLM,
         pid = c.status(sid).pid
     forker = ("import os, signal\nb = b'x' * (40 << 20)\nfor _ in range(9):\n"
               "    if os.fork() == 0:\n        break\nsignal.pause()")
-    out = run_tool(d, llm, sid, f'(python3 -c "{forker}" > /dev/null 2>&1 &) ; echo STARTED', {})
+    out = run_tool(d, llm, sid, f'(python3 -c "{forker}" sandbox-pages > /dev/null 2>&1 &) ; echo STARTED', {})
     assert "STARTED" in out, out
 
     def forks() -> list[psutil.Process]:
-        return [p for p in psutil.process_iter(["cmdline"]) if "(40 << 20)" in " ".join(p.info["cmdline"] or [])]
+        return [p for p in psutil.process_iter(["cmdline"]) if "sandbox-pages" in (p.info["cmdline"] or [])]
 
     cap = 200 << 20
     wait_for(lambda: len(forks()) == 10 and sum(p.memory_info().rss for p in forks()) > cap, 10,

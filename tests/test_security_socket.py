@@ -489,7 +489,7 @@ def test_a_frame_completed_in_slow_pieces_within_the_timeout_is_served(make_daem
             assert isinstance(reply, m.Pong) and reply.id == i + 1
 
 
-@pytest.mark.component
+@pytest.mark.protocol
 def test_protocol_backlog_in_bytes_always_takes_one_frame() -> None:
     """FramedProtocol over a socketpair: an empty queue takes a frame of any
     size; past the byte bound the next frame is refused and on_lagged told."""
@@ -508,7 +508,7 @@ def test_protocol_backlog_in_bytes_always_takes_one_frame() -> None:
     asyncio.run(main())
 
 
-@pytest.mark.component
+@pytest.mark.protocol
 def test_protocol_frame_timeout_fires_once_per_unfinished_frame() -> None:
     async def main() -> None:
         ours, theirs = socket.socketpair()

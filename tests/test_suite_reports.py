@@ -1,0 +1,68 @@
+"""The suite itself: a failed test that ran a daemon shows the daemon's log
+in its report (tests/conftest.py; pytest runs a small file of its own in a
+child process, so the failure it provokes is that child's), and the
+suite's PostgreSQL listens on no network address (tests/pg_server.py; the
+Ray cluster's namespace is checked in tests/test_cluster.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from harness import env_for_children
+from pg_server import PgServer
+
+TESTS = Path(__file__).resolve().parent
+
+INNER = textwrap.dedent(
+    """\
+    import pytest
+
+    @pytest.mark.process
+    def test_fails_after_the_daemon_said_something(make_daemon):
+        d = make_daemon()
+        with d.client() as c:
+            c.create("marked", handler="echo")
+        assert False, "the failure itself"
+
+    @pytest.mark.process
+    def test_passes_with_a_daemon(make_daemon):
+        make_daemon()
+    """
+)
+
+
+@pytest.mark.process
+def test_a_failed_test_shows_the_tail_of_each_daemon_log(tmp_path: Path) -> None:
+    (tmp_path / "test_inner.py").write_text(INNER)
+    env = {**env_for_children(), "PYTHONPATH": str(TESTS)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+         "--rootdir", str(tmp_path), "-o", "addopts=", str(tmp_path / "test_inner.py")],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "1 failed, 1 passed" in out, out
+    # One log section, for the failed test's daemon, holding what it logged.
+    assert out.count("sessiond log (call)") == 1, out
+    failed = out[out.index("test_fails_after_the_daemon_said_something"):]
+    section = failed[failed.index("sessiond log (call)"):]
+    assert "marked" in section, out
+
+
+@pytest.mark.component
+def test_the_suite_s_postgresql_listens_on_its_unix_socket_only(pg_server: PgServer) -> None:
+    """tests/pg_server.py starts PostgreSQL with no TCP address at all: only
+    processes of this machine that can open its socket directory reach it."""
+    import psycopg
+
+    with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+        row = conn.execute("SHOW listen_addresses").fetchone()
+        assert row is not None and row[0] == ""
+        row = conn.execute("SELECT inet_server_addr()").fetchone()
+        assert row is not None and row[0] is None  # this very connection came over the Unix socket
