@@ -207,7 +207,14 @@ class Daemon:
         if user is not None:
             unit.user = user
         keep_rw = [self.root, self.sockdir]
-        spec = unit.launch_spec([str(p) for p in keep_rw], [str(p) for p in visible])
+        # The code the daemon runs stays in view when it lives in a private
+        # /tmp (a clean clone in a mktemp directory, as CI makes).
+        code = [REPO, Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()]
+        seen: list[Path] = []
+        for path in [*code, *visible]:
+            if not any(path == s or s in path.parents for s in seen):
+                seen.append(path)
+        spec = unit.launch_spec([str(p) for p in keep_rw], [str(p) for p in seen])
         if unit.user not in ("root", "0"):
             import pwd
 

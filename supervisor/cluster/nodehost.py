@@ -185,9 +185,19 @@ class NodeHost:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch_leases())
 
     async def _watch_leases(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(_LEASE_CHECK_SECS)
             now = time.monotonic()
+            stalled = now - last - _LEASE_CHECK_SECS
+            last = now
+            if stalled > _LEASE_CHECK_SECS:
+                # Our own loop was held up (a busy node): renewals sent
+                # meanwhile are still queued behind us.  The stall is ours,
+                # never a front's: it does not count against any lease.
+                for front in self._leases:
+                    self._leases[front] += stalled
+                continue
             for pid, worker in list(self._workers.items()):
                 if self._leases.get(worker.front, 0.0) < now and not worker.exit.done():
                     log.warning("worker %d: its front %s stopped renewing its lease; killing it",
