@@ -209,7 +209,8 @@ class Daemon:
         keep_rw = [self.root, self.sockdir]
         # The code the daemon runs stays in view when it lives in a private
         # /tmp (a clean clone in a mktemp directory, as CI makes).
-        code = [REPO, Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()]
+        code = [REPO, Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(),
+                *(Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.isdir(p))]
         seen: list[Path] = []
         for path in [*code, *visible]:
             if not any(path == s or s in path.parents for s in seen):

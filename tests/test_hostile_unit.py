@@ -39,6 +39,9 @@ from fakellm import FakeLLM, text_stream, tool_call_stream
 from harness import SERVICE, Daemon, UnitEmulation, run_as, wait_for
 from ipc import messages as m
 from pg_server import PgServer
+# Imported here, not in the function run_as forks as nobody: a clean clone
+# in a 0700 mktemp directory is out of that user's reach.
+from supervisor.client import Client, RequestError
 from test_access import NOBODY, open_root, root_only  # noqa: F401 (fixture)
 from test_agent_e2e import agent_config, tool_results
 from test_sandbox import mechanisms, shell_quote
@@ -506,8 +509,6 @@ def test_one_user_holding_every_live_slot_leaves_room_for_another(
     def hog_all() -> list[str]:
         """As another user: a turn that never ends in as many sessions as
         the daemon lets it have; the connection goes, the turns stay."""
-        from supervisor.client import Client, RequestError
-
         got = []
         for i in range(live):
             try:

@@ -158,7 +158,10 @@ def test_the_endpoint_refuses_junk_and_slow_clients_without_hurting_the_daemon(m
         # sending a byte of its request head and then nothing.
         slow = [connect(path) for _ in range(40)]
         for s in slow:
-            s.sendall(b"G")
+            # (past the cap a new connection takes the slot of the longest
+            # silent one, which may be closed already: its byte goes nowhere)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                s.sendall(b"G")
         # The control socket still answers meanwhile (the ctl's own timeout
         # is the bound: no timing assertion of ours).
         ping = d.ctl("ping", timeout=10)
