@@ -183,7 +183,9 @@ def test_300_forks_over_the_cap_by_rss_are_read_off_the_loop_and_spared(
     assert sum(p.memory_info().rss for p in forks()) > 4 * cap
     with d.client() as c:
         wait_for(lambda: (c.status(sid).rss_bytes or 0) < cap, 20, "the sweep to count their PSS")
-        assert _measuring_thread_cpu(d.pid) > 0  # the reads were the thread's
+        # The reads are the thread's (a clock tick is 10 ms: it may take a
+        # few sweeps of these 300 reads to show one).
+        wait_for(lambda: _measuring_thread_cpu(d.pid) > 0, 20, "the measuring thread to have read")
         assert c.send_text(other, "ping") == "1: ping"
         assert c.status(sid).last_exit is None and c.status(sid).pid == pid
         c.remove(sid)
