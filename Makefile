@@ -72,9 +72,13 @@ PYTEST_WORKERS ?= 3
 test: $(VENV)/.installed-test system-deps
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
-# The pure, protocol and component tiers: no daemon, no child processes.
+# The pure, protocol and component tiers: no daemon, no child processes;
+# in-process and independent, so two workers split them test by test (on 2
+# cores: 14 s against 26 s in one process, same run).
+FAST_WORKERS ?= 2
+
 test-fast: $(VENV)/.installed-test system-deps
-	$(PY) -m pytest -q -m "not process"
+	$(PY) -m pytest -q -m "not process" -n $(FAST_WORKERS)
 
 typecheck: $(VENV)/.installed-test
 	$(PY) -m mypy
