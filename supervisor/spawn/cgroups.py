@@ -30,10 +30,15 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import errno
+import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["Cgroups", "cgroup_mounts", "flat_key", "nice_weight", "own_cgroups"]
+log = logging.getLogger("sessiond")
+
+__all__ = ["Cgroups", "cgroup_mounts", "flat_key", "nice_weight", "own_cgroups", "remove_empty"]
 
 # The kernel's weight of a task at each nice level (sched_prio_to_weight,
 # nice 0..19): the share a cgroup gets at the weight of one such task.
@@ -49,6 +54,24 @@ def flat_key(path: Path, key: str) -> int:
             if name == key:
                 return int(value)
     return 0
+
+
+def remove_empty(cg: Path, stop: Callable[[Path], bool]) -> None:
+    """Remove a session's cgroup and then its u-UID parent, while empty;
+    never a directory `stop` names (the daemon's own levels)."""
+    for d in (cg, cg.parent):
+        if stop(d):
+            return
+        try:
+            d.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            # EBUSY: processes still dying (a kill is asynchronous), or
+            # (u-UID) another session of the uid: the next release retries.
+            if exc.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+                log.warning("cannot remove cgroup %s: %s", d, exc.strerror)
+            return
 
 
 def nice_weight(nice: int) -> int:

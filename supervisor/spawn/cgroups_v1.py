@@ -33,14 +33,13 @@ Runs in the daemon only.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import signal
 import time
 from pathlib import Path
 
-from supervisor.spawn.cgroups import Cgroups, cgroup_mounts, flat_key, nice_weight, own_cgroups
+from supervisor.spawn.cgroups import Cgroups, cgroup_mounts, flat_key, nice_weight, own_cgroups, remove_empty
 
 __all__ = ["CgroupsV1", "detect"]
 
@@ -312,18 +311,8 @@ class CgroupsV1(Cgroups):
             if efd_ocfd is not None:
                 for fd in efd_ocfd:
                     os.close(fd)
-        for ctrl, cg in dirs.items():
-            for d in (cg, cg.parent):
-                if d == self.base.get(ctrl) or d.name.startswith("d-"):
-                    break
-                try:
-                    d.rmdir()
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    # EBUSY: still dying; (u-UID) another session of the uid.
-                    if exc.errno not in (errno.EBUSY, errno.ENOTEMPTY):
-                        log.warning("cannot remove cgroup %s: %s", d, exc.strerror)
-                    break
+        tops = set(self.base.values())
+        for cg in dirs.values():
+            remove_empty(cg, lambda d: d in tops or d.name.startswith("d-"))
         if where is None:
             self._uid.pop(session_id, None)

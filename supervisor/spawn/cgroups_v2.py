@@ -18,12 +18,11 @@ Runs in the daemon only.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 from pathlib import Path
 
-from supervisor.spawn.cgroups import Cgroups, cgroup_mounts, flat_key, nice_weight, own_cgroups
+from supervisor.spawn.cgroups import Cgroups, cgroup_mounts, flat_key, nice_weight, own_cgroups, remove_empty
 
 __all__ = ["CgroupsV2", "detect"]
 
@@ -167,16 +166,4 @@ class CgroupsV2(Cgroups):
     def _release_dir(self, cg: Path) -> None:
         with contextlib.suppress(OSError):
             (cg / "cgroup.kill").write_text("1")
-        for d in (cg, cg.parent):
-            if d == self.sessions:
-                break
-            try:
-                d.rmdir()
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                # EBUSY: processes still dying (cgroup.kill is asynchronous),
-                # or (u-UID) another session of the uid: the next one retries.
-                if exc.errno not in (errno.EBUSY, errno.ENOTEMPTY):
-                    log.warning("cannot remove cgroup %s: %s", d, exc.strerror)
-                return
+        remove_empty(cg, lambda d: d == self.sessions)
