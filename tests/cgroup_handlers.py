@@ -21,15 +21,15 @@ from typing import Any
 
 from session_worker.handler import HandlerInit, TurnContext, TurnResult
 
-_SLEEP = "exec -a sessiond-esc-{tag}-{kind} sleep 600"
-_MEMFD = ("import os, time\n"
+_SLEEP = "exec -a sessiond-esc-{tag}-{kind} sleep infinity"  # held until the session's kill
+_MEMFD = ("import os, signal\n"
           "fd = os.memfd_create(\"hold\")\n"
           "for _ in range({mib}): os.write(fd, bytes(1 << 20))\n"
-          "time.sleep(600)\n")
-_HOG = ("import sys, time\n"
+          "signal.pause()\n")  # held until the session's kill
+_HOG = ("import signal\n"
         "x = bytearray({mib} << 20)\n"
         "for i in range(0, len(x), 4096): x[i] = 1\n"
-        "time.sleep(600)\n")
+        "signal.pause()\n")  # held until the session's kill
 
 
 def _detached(cmd: list[str]) -> None:

@@ -148,7 +148,7 @@ def test_without_a_cgroup_a_root_daemon_kills_a_session_by_its_uid(
         a = c.create(session="a").id
         b = c.create(session="b").id
     for sid in (a, b):
-        cmd = f"(setsid bash -c 'exec -a sessiond-esc-{sid}-setsid sleep 600' &) ; echo LAUNCHED"
+        cmd = f"(setsid bash -c 'exec -a sessiond-esc-{sid}-setsid sleep infinity' &) ; echo LAUNCHED"
         llm.script(tool_call_stream(("t", "bash", {"command": cmd})), text_stream("done"))
         with d.client() as c:
             assert c.send_text(sid, "go") == "done"

@@ -112,7 +112,7 @@ def test_a_workspace_past_its_quota_stops_the_session_until_files_are_removed(
         assert c.status(sid).disk_bytes < 1 << 20
         # stats names how the quota is enforced here (no project quotas on this machine).
         assert c.stats().sandbox["disk_quota"].startswith("measured"), c.stats().sandbox
-    llm.script(tool_call_stream(("t1", "bash", {"command": "fallocate -l 300M big && echo ALLOCATED; sleep 60"})),
+    llm.script(tool_call_stream(("t1", "bash", {"command": "fallocate -l 300M big && echo ALLOCATED; sleep infinity"})),
                text_stream("done"))
     with d.client() as c:
         events = list(c.send(sid, "go"))

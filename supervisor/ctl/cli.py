@@ -34,11 +34,11 @@ from supervisor.ctl.render import (
     EXIT_NO_SESSION,
     EXIT_OK,
     EXIT_SIGINT,
-    EXIT_UNREACHABLE,
     EXIT_USAGE,
     SORT_KEYS,
     exit_code_for,
     exit_codes_text,
+    failed,
     pong_text,
     print_stats,
     print_status,
@@ -639,12 +639,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     try:
         return run_loop(_run(args))
-    except DaemonUnavailable as exc:
-        print(f"sessionctl: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    except RequestError as exc:
-        print(f"sessionctl: {exc.message}", file=sys.stderr)
-        return exit_code_for(exc.code)
+    except (DaemonUnavailable, RequestError) as exc:
+        return failed(exc)
     except KeyboardInterrupt:
         return EXIT_SIGINT
 

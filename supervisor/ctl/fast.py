@@ -41,11 +41,13 @@ from supervisor.ctl.errors import DaemonUnavailable as _Unavailable
 from supervisor.ctl.errors import RequestError as _Refused
 from supervisor.ctl.errors import Unsure as _Unsure
 from supervisor.ctl.link import CONNECT_TIMEOUT_SECS, MAX_REPLY_FRAME_BYTES
+# (EXIT_UNREACHABLE and exit_code_for are render's, re-exported: both paths exit alike)
 from supervisor.ctl.render import (
     EXIT_OK,
     EXIT_SIGINT,
     EXIT_UNREACHABLE,
     exit_code_for,
+    failed,
     pong_text,
     print_stats,
     print_status,
@@ -641,12 +643,8 @@ def _one_shot(argv: list[str]) -> int | None:
         return None
     try:
         return _run(args)
-    except _Unavailable as exc:
-        print(f"sessionctl: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    except _Refused as exc:
-        print(f"sessionctl: {exc.message}", file=sys.stderr)
-        return exit_code_for(exc.code)
+    except (_Unavailable, _Refused) as exc:
+        return failed(exc)
     except _Unsure:
         return None
     except KeyboardInterrupt:

@@ -4,18 +4,22 @@ full command line (supervisor.ctl.cli) and its one-shot path
 
 Everything here works on the plain form of a reply (`ctl.to_plain`: the
 dicts `--json` prints, every field present) and imports only the standard
-library's built-in modules: the one-shot path imports it at start-up."""
+library's built-in modules and supervisor.ctl.errors (which imports
+nothing): the one-shot path imports it at start-up."""
 
 from __future__ import annotations
 
+import sys
 import time
+
+from supervisor.ctl.errors import DaemonUnavailable, RequestError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
 __all__ = ["EXIT_CODES", "EXIT_FAILED", "EXIT_NO_SESSION", "EXIT_OK", "EXIT_SIGINT", "EXIT_UNREACHABLE", "EXIT_USAGE",
-           "SORT_KEYS", "exit_code_for", "exit_codes_text", "fmt_bytes", "pong_text", "print_stats", "print_status", "print_table",
+           "SORT_KEYS", "exit_code_for", "exit_codes_text", "failed", "fmt_bytes", "pong_text", "print_stats", "print_status", "print_table",
            "sandbox_line"]
 
 # sessionctl's exit codes (a contract: scripts test them), for both paths
@@ -40,6 +44,16 @@ def exit_code_for(error_code: str) -> int:
     """The exit code for the daemon's error `error_code` (the wire's
     ErrorCode: not_found is "no such session", any other a failure)."""
     return EXIT_NO_SESSION if error_code == "not_found" else EXIT_FAILED
+
+
+def failed(exc: DaemonUnavailable | RequestError) -> int:
+    """Say on stderr why a command ended, and return its exit code: both
+    paths of sessionctl end the same way."""
+    if isinstance(exc, DaemonUnavailable):
+        print(f"sessionctl: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    print(f"sessionctl: {exc.message}", file=sys.stderr)
+    return exit_code_for(exc.code)
 
 
 # `top --sort`: here, not in supervisor.ctl.top, so that the command line's
