@@ -7,6 +7,8 @@ them.  Here each spare holds a slot (its placement group) like any worker,
 so spares must never cost a session its place:
 - a spare is placed only if a slot is free at once (a short wait), and the
   pool waits a while after a spare could not be placed;
+- a create that comes while a spare is being made waits for it (it is
+  placed or given up within a short wait) rather than hold one more slot;
 - a create that waits for a slot gets a spare's slot: the newest spare is
   killed (its group removed) and the pool waits before making another;
 - a spare on a node that is draining, shunned or gone is killed when seen
@@ -55,6 +57,8 @@ class SpareWorkers:
         self._making = 0
         self._held_off: asyncio.TimerHandle | None = None
         self._closed = False
+        # Takers waiting for a spare being made: woken when one is done.
+        self._waiting: list[asyncio.Future[None]] = []
 
     def __len__(self) -> int:
         return len(self._ready)
@@ -76,6 +80,18 @@ class SpareWorkers:
         self._fill()
         return None
 
+    async def take_soon(self) -> Made | None:
+        """A spare that is ready, or else the next one being made: it is
+        placed (or fails) within a short wait, and a worker placed afresh
+        beside it would hold one more slot.  None if none is on its way."""
+        made = self.take()
+        if made is not None or not self._making:
+            return made
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(done)
+        await done
+        return self.take()
+
     def give_slot_back(self) -> None:
         """A create waits for a slot: the newest spare's is the create's."""
         if self._ready:
@@ -91,6 +107,9 @@ class SpareWorkers:
 
     def close(self) -> None:
         self._closed = True
+        for waiter in self._waiting:
+            _resolve(waiter)
+        self._waiting.clear()
         if self._held_off is not None:
             self._held_off.cancel()
         while self._ready:
@@ -122,10 +141,20 @@ class SpareWorkers:
             return
         finally:
             self._making -= 1
+            self._wake()
         if self._closed or len(self._ready) >= self._want:
             self._discard(made)
         else:
             self._ready.append(made)
+
+    def _wake(self) -> None:
+        """Wake one waiting taker per spare made (or failed); from the loop's
+        next turn, so a spare made is in the queue before it looks."""
+        while self._waiting:
+            waiter = self._waiting.pop(0)
+            if not waiter.done():  # (else its taker was cancelled)
+                asyncio.get_running_loop().call_soon(_resolve, waiter)
+                return
 
     def _hold_off(self) -> None:
         if self._held_off is not None or self._closed:
@@ -136,3 +165,8 @@ class SpareWorkers:
             self._fill()
 
         self._held_off = asyncio.get_running_loop().call_later(HOLD_OFF_SECS, again)
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -293,7 +293,7 @@ class RaySpawner:
         return fut
 
     async def _place(self, fut: asyncio.Future[tuple[int, socket.socket]]) -> None:
-        while (spare := self._spares.take()) is not None:
+        while (spare := await self._spares.take_soon()) is not None:
             if await self._claim_spare(spare[0]):
                 if fut.done() or self._closing:
                     self._spares.discard(spare)
