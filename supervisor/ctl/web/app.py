@@ -1,0 +1,241 @@
+"""The console's HTTP side (runs in the `sessionctl web` process): an ASGI
+app built with starlette.
+
+    GET  /?token=T                         the page (static/index.html)
+    GET  /static/NAME                      its script and style sheet
+    GET  /api/events?token=T               the session list (server-sent events)
+    GET  /api/sessions/ID/events?token=T   one session's conversation (server-sent events)
+    POST /api/sessions/ID/ACTION           send {text}, interrupt, stop, restart,
+                                           answer {request_id, allow}; JSON in, JSON out
+
+Every request first passes the guard (guard.py); a refusal is a 403 with
+the reason, and a line on stderr.  Every response carries a Content
+Security Policy that lets the page run only its own script (no inline
+script, no other origin), and no CORS header.  The page puts what sessions
+produce into the document as text only (static/app.js).
+
+Each event stream and each action opens its own connection to the daemon
+(an action: for the one request), as the user who runs the console.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import AsyncIterator, Callable, Coroutine
+from importlib import resources
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ipc.inputs import valid_session_id
+from supervisor.ctl.errors import DaemonUnavailable, RequestError
+from supervisor.ctl.web.feed import Connect, Emit, session_list, session_view
+from supervisor.ctl.web.guard import Guard
+
+__all__ = ["build_app"]
+
+SECURITY_HEADERS = {
+    "content-security-policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    ),
+    "x-frame-options": "DENY",
+    "x-content-type-options": "nosniff",
+    # The token is in the page's URL: never hand it on.
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-store",
+}
+_ASSET_TYPES = {"app.js": "text/javascript; charset=utf-8", "app.css": "text/css; charset=utf-8"}
+MAX_BODY_BYTES = 2 * 1024 * 1024
+# A stream that a page stopped reading is cut past this many unsent
+# events; the page's EventSource reconnects and starts from a snapshot.
+MAX_QUEUED_EVENTS = 10_000
+KEEPALIVE_SECS = 15.0
+# What the daemon's errors are, in HTTP.
+_STATUS = {"not_found": 404, "bad_request": 400, "conflict": 409, "permission_denied": 403,
+           "capacity": 503, "limit_exceeded": 429}
+
+
+def _asset(name: str) -> bytes:
+    return resources.files("supervisor.ctl.web").joinpath("static", name).read_bytes()
+
+
+class _Guarded:
+    """ASGI middleware: the guard before anything else, the security
+    headers on everything."""
+
+    def __init__(self, app: ASGIApp, guard: Guard) -> None:
+        self.app = app
+        self.guard = guard
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        path = request.url.path
+        why = self.guard.refusal(
+            request.method, request.headers, request.query_params.get("token"),
+            needs_token=not path.startswith("/static/"), page=path == "/",
+        )
+        if why is not None:
+            print(f"sessionctl web: refused {request.method} {path}: {why}", file=sys.stderr, flush=True)
+            await _with_headers(PlainTextResponse(f"refused: {why}\n", status_code=403))(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []),
+                                      *((k.encode(), v.encode()) for k, v in SECURITY_HEADERS.items())]
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+def _with_headers(response: Response) -> Response:
+    response.headers.update(SECURITY_HEADERS)
+    return response
+
+
+def build_app(guard: Guard, connect: Connect) -> ASGIApp:
+    page = _asset("index.html")
+    assets = {name: _asset(name) for name in _ASSET_TYPES}
+
+    async def index(request: Request) -> Response:
+        return Response(page, media_type="text/html; charset=utf-8")
+
+    async def static(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in assets:
+            return PlainTextResponse("not found\n", status_code=404)
+        return Response(assets[name], media_type=_ASSET_TYPES[name])
+
+    async def list_events(request: Request) -> Response:
+        return _stream(lambda emit: session_list(connect, emit))
+
+    async def session_events(request: Request) -> Response:
+        sid = request.path_params["sid"]
+        if not valid_session_id(sid):
+            return JSONResponse({"ok": False, "message": f"invalid session id {sid!r}"}, status_code=400)
+        return _stream(lambda emit: session_view(connect, sid, emit))
+
+    async def action(request: Request) -> Response:
+        sid, name = request.path_params["sid"], request.path_params["action"]
+        if not valid_session_id(sid):
+            return _failed(400, f"invalid session id {sid!r}")
+        if name not in _ACTIONS:
+            return _failed(404, f"no action {name!r}")
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            return _failed(413, "request body too large")
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError:
+            return _failed(400, "the body is not JSON")
+        if not isinstance(body, dict):
+            return _failed(400, "the body must be a JSON object")
+        try:
+            client = await connect()
+        except (DaemonUnavailable, RequestError) as exc:
+            return _failed(503, str(exc))
+        try:
+            return JSONResponse({"ok": True, **await _ACTIONS[name](client, sid, body)})
+        except _BadBody as exc:
+            return _failed(400, str(exc))
+        except RequestError as exc:
+            return _failed(_STATUS.get(exc.code, 500), exc.message, exc.code)
+        except DaemonUnavailable as exc:
+            return _failed(503, str(exc))
+        finally:
+            await client.close()
+
+    routes = [
+        Route("/", index),
+        Route("/static/{name}", static),
+        Route("/api/events", list_events),
+        Route("/api/sessions/{sid}/events", session_events),
+        Route("/api/sessions/{sid}/{action}", action, methods=["POST"]),
+    ]
+    return _Guarded(Starlette(routes=routes), guard)
+
+
+def _failed(status: int, message: str, code: str = "") -> Response:
+    return JSONResponse({"ok": False, "code": code, "message": message}, status_code=status)
+
+
+class _BadBody(ValueError):
+    pass
+
+
+def _text(body: dict[str, Any], key: str, limit: int = MAX_BODY_BYTES) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or not value or len(value) > limit:
+        raise _BadBody(f"expected {key!r}: a non-empty string")
+    return value
+
+
+async def _send(client: Any, sid: str, body: dict[str, Any]) -> dict[str, Any]:
+    accepted = await client.send_input(sid, _text(body, "text"))
+    return {"turn": accepted.turn}
+
+
+async def _answer(client: Any, sid: str, body: dict[str, Any]) -> dict[str, Any]:
+    allow = body.get("allow")
+    if not isinstance(allow, bool):
+        raise _BadBody("expected 'allow': true or false")
+    await client.answer(sid, _text(body, "request_id", 200), allow)
+    return {}
+
+
+def _simple(method: str) -> Callable[[Any, str, dict[str, Any]], Coroutine[Any, Any, dict[str, Any]]]:
+    async def act(client: Any, sid: str, body: dict[str, Any]) -> dict[str, Any]:
+        await getattr(client, method)(sid)
+        return {}
+    return act
+
+
+_ACTIONS = {"send": _send, "answer": _answer, "interrupt": _simple("interrupt"),
+            "stop": _simple("stop"), "restart": _simple("restart")}
+
+
+def _stream(feed: Callable[[Emit], Coroutine[Any, Any, None]]) -> Response:
+    return StreamingResponse(_sse(feed), media_type="text/event-stream",
+                             headers={"x-accel-buffering": "no"})
+
+
+async def _sse(feed: Callable[[Emit], Coroutine[Any, Any, None]]) -> AsyncIterator[bytes]:
+    """The feed runs in a task of its own and hands its events over a
+    queue, so that a quiet feed still lets a keep-alive through (and so a
+    page that went away is noticed) and the feed is cancelled cleanly when
+    the page goes."""
+    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    async def run() -> None:
+        try:
+            await feed(queue.put_nowait)
+        except Exception as exc:  # a defect: tell the page rather than hang it
+            queue.put_nowait({"type": "error", "message": f"{type(exc).__name__}: {exc}"})
+        queue.put_nowait(None)
+
+    task = asyncio.create_task(run())
+    try:
+        # Reconnect soon if the console restarts (EventSource's retry).
+        yield b"retry: 1000\n\n"
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), KEEPALIVE_SECS)
+            except asyncio.TimeoutError:
+                yield b": keep-alive\n\n"
+                continue
+            if item is None or queue.qsize() > MAX_QUEUED_EVENTS:
+                return
+            yield b"data: " + json.dumps(item).encode() + b"\n\n"
+    finally:
+        # Not awaited: this generator may itself be being cancelled (the
+        # page went away); the task closes its daemon connection on its own.
+        task.cancel()
