@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -135,6 +136,24 @@ def test_the_list_shows_a_new_session_within_a_second(console: Console, browser:
     assert "idle" in browser.text(row) or "starting" in browser.text(row)
 
 
+def test_sub_agents_are_listed_under_their_parent(console: Console, browser: Browser, scripted: FakeLLM) -> None:
+    scripted.script(
+        tool_call_stream(("r1", "spawn_agent", {"task": "child task"})),  # the parent
+        text_stream("child result"),                                       # the sub-agent
+        text_stream("parent done"),                                        # the parent
+    )
+    browser.get(console.url)
+    with console.daemon.client() as c:
+        parent = c.create().id
+        assert c.send_text(parent, "delegate") == "parent done"
+        child = next(s.id for s in c.list() if s.parent == parent)
+    order = "return [...document.querySelectorAll('#session-rows tr')].map(r => r.getAttribute('data-session'))"
+    browser.wait(lambda: child in browser.js(order), 5, "the sub-agent in the list")
+    rows = browser.js(order)
+    assert rows.index(child) == rows.index(parent) + 1
+    assert browser.text(f'#session-rows tr[data-session="{child}"] .tree') == "└ "
+
+
 def test_a_reply_streams_token_by_token_and_is_shown_as_text(
         console: Console, browser: Browser, scripted: FakeLLM) -> None:
     hostile = '<img src=x onerror="window.__pwned=1">'
@@ -172,7 +191,8 @@ def test_a_permission_request_is_approved_from_the_page_and_the_tool_runs(
     command = "echo approved-$((6*7)) > proof.txt && echo wrote proof.txt"
     scripted.script(
         tool_call_stream(("c1", "bash", {"command": command, "timeout_secs": 20})),
-        text_stream("The tool wrote ", "proof.txt."),
+        Stream([*text_stream("The tool wrote ", "proof.txt.").events,
+                {**chunk(), "choices": [], "usage": {"prompt_tokens": 812, "completion_tokens": 64}}]),
     )
     with console.daemon.client() as c:
         sid = c.create().id
@@ -193,8 +213,27 @@ def test_a_permission_request_is_approved_from_the_page_and_the_tool_runs(
     assert "wrote proof.txt" in browser.text(turn(1, "details.tool.result pre"))
     assert browser.text(turn(1, ".say")) == "The tool wrote proof.txt."
     if path := os.environ.get("SESSIOND_CONSOLE_SCREENSHOT"):
+        row = f'#session-rows tr[data-session="{sid}"]'
+        browser.wait(lambda: "idle" in browser.text(row), 5, "the list to catch up")
         browser.js("document.querySelector(arguments[0]).open = true", turn(1, "details.tool.result"))
         Path(path).write_bytes(browser.png())
+
+
+def test_limit_hits_and_restarts_are_marked(console: Console, browser: Browser, scripted: FakeLLM) -> None:
+    scripted.script(tool_call_stream(("c1", "list_dir", {"path": "."})))
+    with console.daemon.client() as c:
+        info = c.create(settings={"agent.max_turns": 1})
+    open_session(browser, console, info.id)
+    send_from_page(browser, "look around")
+    browser.wait(lambda: "limit turns hit" in (browser.text("#conversation .marker.limit") or ""), 15,
+                 "the limit hit")
+    with console.daemon.client() as c:
+        pid = c.status(info.id).pid
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: c.status(info.id).state == "idle" and c.status(info.id).pid != pid, 15, "the restart")
+    markers = "return [...document.querySelectorAll('#conversation .marker.restart')].map(e => e.textContent)"
+    browser.wait(lambda: any("crashed → restarting" in m for m in browser.js(markers)), 5,
+                 "the restart to be marked")
 
 
 def test_interrupt_stop_restart_from_the_page_and_a_daemon_restart_underneath(
@@ -216,6 +255,7 @@ def test_interrupt_stop_restart_from_the_page_and_a_daemon_restart_underneath(
     browser.click("#btn-stop")
     wait_for(lambda: state() == "stopped", 15, "the stop")
     browser.wait(lambda: browser.text("#view-state") == "stopped", 5, "the page to show it stopped")
+    assert "→ stopped" in browser.js("return document.querySelector('#conversation').innerText")
     browser.click("#btn-restart")
     wait_for(lambda: state() == "idle", 15, "the restart")
 

@@ -103,7 +103,9 @@ def _with_headers(response: Response) -> Response:
     return response
 
 
-def build_app(guard: Guard, connect: Connect) -> ASGIApp:
+def build_app(guard: Guard, connect: Connect, closing: asyncio.Event) -> ASGIApp:
+    """`closing`: set when the console is stopping; the event streams end
+    then, so that the server's graceful shutdown does not wait on them."""
     page = _asset("index.html")
     assets = {name: _asset(name) for name in _ASSET_TYPES}
 
@@ -117,13 +119,13 @@ def build_app(guard: Guard, connect: Connect) -> ASGIApp:
         return Response(assets[name], media_type=_ASSET_TYPES[name])
 
     async def list_events(request: Request) -> Response:
-        return _stream(lambda emit: session_list(connect, emit))
+        return _stream(lambda emit: session_list(connect, emit), closing)
 
     async def session_events(request: Request) -> Response:
         sid = request.path_params["sid"]
         if not valid_session_id(sid):
             return JSONResponse({"ok": False, "message": f"invalid session id {sid!r}"}, status_code=400)
-        return _stream(lambda emit: session_view(connect, sid, emit))
+        return _stream(lambda emit: session_view(connect, sid, emit), closing)
 
     async def action(request: Request) -> Response:
         sid, name = request.path_params["sid"], request.path_params["action"]
@@ -203,16 +205,17 @@ _ACTIONS = {"send": _send, "answer": _answer, "interrupt": _simple("interrupt"),
             "stop": _simple("stop"), "restart": _simple("restart")}
 
 
-def _stream(feed: Callable[[Emit], Coroutine[Any, Any, None]]) -> Response:
-    return StreamingResponse(_sse(feed), media_type="text/event-stream",
+def _stream(feed: Callable[[Emit], Coroutine[Any, Any, None]], closing: asyncio.Event) -> Response:
+    return StreamingResponse(_sse(feed, closing), media_type="text/event-stream",
                              headers={"x-accel-buffering": "no"})
 
 
-async def _sse(feed: Callable[[Emit], Coroutine[Any, Any, None]]) -> AsyncIterator[bytes]:
+async def _sse(feed: Callable[[Emit], Coroutine[Any, Any, None]],
+               closing: asyncio.Event) -> AsyncIterator[bytes]:
     """The feed runs in a task of its own and hands its events over a
     queue, so that a quiet feed still lets a keep-alive through (and so a
-    page that went away is noticed) and the feed is cancelled cleanly when
-    the page goes."""
+    page that went away is noticed), the stream ends when the console
+    stops, and the feed is cancelled cleanly when the page goes."""
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
     async def run() -> None:
@@ -223,15 +226,21 @@ async def _sse(feed: Callable[[Emit], Coroutine[Any, Any, None]]) -> AsyncIterat
         queue.put_nowait(None)
 
     task = asyncio.create_task(run())
+    closed = asyncio.ensure_future(closing.wait())
     try:
         # Reconnect soon if the console restarts (EventSource's retry).
         yield b"retry: 1000\n\n"
         while True:
-            try:
-                item = await asyncio.wait_for(queue.get(), KEEPALIVE_SECS)
-            except asyncio.TimeoutError:
+            getter = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({getter, closed}, timeout=KEEPALIVE_SECS,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                if closed in done:
+                    return
                 yield b": keep-alive\n\n"
                 continue
+            item = getter.result()
             if item is None or queue.qsize() > MAX_QUEUED_EVENTS:
                 return
             yield b"data: " + json.dumps(item).encode() + b"\n\n"
@@ -239,3 +248,4 @@ async def _sse(feed: Callable[[Emit], Coroutine[Any, Any, None]]) -> AsyncIterat
         # Not awaited: this generator may itself be being cancelled (the
         # page went away); the task closes its daemon connection on its own.
         task.cancel()
+        closed.cancel()

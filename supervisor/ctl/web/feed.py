@@ -115,7 +115,7 @@ async def session_list(connect: Connect, emit: Emit, poll_secs: float = LIST_POL
 
 
 async def session_view(connect: Connect, session: str, emit: Emit) -> None:
-    """Until the session is deleted or not found (then it returns)."""
+    """Until the session is deleted, or the daemon refuses to show it."""
     link = _Link(connect, emit)
     while True:
         client = await link.up()
@@ -124,10 +124,10 @@ async def session_view(connect: Connect, session: str, emit: Emit) -> None:
                 return
             link.lost("connection to sessiond lost")
         except RequestError as exc:
-            if exc.code == "not_found":
-                emit({"type": "gone", "message": exc.message})
-                return
-            link.lost(exc.message)
+            # The daemon answered: no use asking again (a session it cannot
+            # show, such as a damaged one, says why and stays so).
+            emit({"type": "gone" if exc.code == "not_found" else "error", "message": exc.message})
+            return
         except DaemonUnavailable as exc:
             link.lost(str(exc))
         finally:

@@ -7,9 +7,11 @@ is reached through the client library over the control socket.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import secrets
 import socket
 import sys
+from types import FrameType
 
 from ipc.loop import run as run_loop
 from supervisor.ctl.client import AsyncClient
@@ -59,20 +61,31 @@ def run_web(socket_path: str | None, port: int) -> int:
     async def connect() -> AsyncClient:
         return await AsyncClient.connect(socket_path, client_name="sessionctl-web")
 
+    closing = asyncio.Event()
     config = uvicorn.Config(
-        build_app(Guard(token, port), connect), http="h11", ws="none", lifespan="off",
+        build_app(Guard(token, port), connect, closing), http="h11", ws="none", lifespan="off",
         log_config=None, log_level="warning", access_log=False, server_header=False,
         # Never take the client's address from X-Forwarded-For: the guard
         # needs the request as the browser sent it.
         proxy_headers=False, timeout_graceful_shutdown=1,
     )
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)
+            # A signal handler: only enqueue.  The streams end on the loop.
+            loop.call_soon_threadsafe(closing.set)
+
+    server = Server(config)
+    loop: asyncio.AbstractEventLoop
 
     print(f"http://127.0.0.1:{port}/?token={token}", flush=True)
     print("sessionctl web: open the URL above in a browser on this machine; Ctrl-C stops",
           file=sys.stderr, flush=True)
 
     async def serve() -> None:
+        nonlocal loop
+        loop = asyncio.get_running_loop()
         try:
             client = await connect()
             await client.close()

@@ -117,8 +117,11 @@
     const state = el("td");
     state.append(el("span", "state state-" + s.state, s.state));
     if (s.error) state.title = s.error;
+    name.title = s.id;
+    const used = el("td", "num", tokens(s.usage));
+    used.title = "tokens the session's turns used (prompt · completion)";
     tr.append(name, state, el("td", "num", bytes(s.rss_bytes)), el("td", "num", s.turns),
-              el("td", "num", tokens(s.usage)), el("td", "num", s.restarts));
+              used, el("td", "num", s.restarts));
     tr.addEventListener("click", () => select(s.id));
     return tr;
   }
@@ -190,7 +193,7 @@
       const reply = el("div", "reply");
       const end = el("div", "end");
       node.append(head, reply, end);
-      t = {node, inputText: text, reply, end, say: null, streamed: "", calls: new Map(), asks: []};
+      t = {node, inputText: text, reply, end, say: null, streamed: "", asks: []};
       view.turns.set(turn, t);
       conversation().append(node);
     }
@@ -221,7 +224,6 @@
     const args = typeof data.arguments === "string" ? data.arguments : json(data.arguments);
     const node = folded("⚙ " + data.name + " " + oneLine(args, 100), args, "tool call");
     t.reply.append(node);
-    if (data.id) t.calls.set(data.id, node);
   }
 
   function toolResult(t, data) {
@@ -231,8 +233,7 @@
     const status = data.ok === false ? "failed" : "ok";
     const node = folded("↳ " + (data.name || "result") + " " + status + ": " + first +
                         (data.truncated ? " (cut)" : ""), output, "tool result " + status);
-    const call = data.id && t.calls.get(data.id);
-    if (call && call.nextSibling) call.after(node); else t.reply.append(node);
+    t.reply.append(node);
     // The request for this tool, if one was waiting, has been answered.
     const ask = t.asks.find((a) => a.pending && a.tool === data.name);
     if (ask) settle(ask, "answered");
@@ -251,7 +252,7 @@
   }
 
   function limitMarker(ev, at) {
-    marker((at ? clock(at) + "  " : "") + "limit " + ev.kind + " exceeded: " + ev.value + " > " + ev.limit, "limit");
+    marker((at ? clock(at) + "  " : "") + "limit " + ev.kind + " hit: " + ev.value + " (limit " + ev.limit + ")", "limit");
   }
 
   function permission(t, ev) {
@@ -375,7 +376,7 @@
         }
         case "limit": limitMarker(ev, Date.now() / 1000); break;
         case "gone": marker("session " + view.sid + ": " + ev.message, "limit"); view.source.close(); break;
-        case "error": marker("console error: " + ev.message, "limit"); break;
+        case "error": marker(ev.message, "limit"); view.source.close(); break;
         default: break;  // "daemon": the list's feed says it
       }
     });
