@@ -34,6 +34,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ipc.inputs import valid_session_id
+from supervisor.ctl.client import AsyncClient
 from supervisor.ctl.errors import DaemonUnavailable, RequestError
 from supervisor.ctl.web.feed import Connect, Emit, session_list, session_view
 from supervisor.ctl.web.guard import Guard
@@ -141,14 +142,15 @@ def build_app(guard: Guard, connect: Connect, closing: asyncio.Event) -> ASGIApp
             return _failed(400, "the body is not JSON")
         if not isinstance(body, dict):
             return _failed(400, "the body must be a JSON object")
+        args = _arguments(name, body)
+        if isinstance(args, str):
+            return _failed(400, args)
         try:
             client = await connect()
         except (DaemonUnavailable, RequestError) as exc:
             return _failed(503, str(exc))
         try:
-            return JSONResponse({"ok": True, **await _ACTIONS[name](client, sid, body)})
-        except _BadBody as exc:
-            return _failed(400, str(exc))
+            return JSONResponse({"ok": True, **await _act(client, sid, name, args)})
         except RequestError as exc:
             return _failed(_STATUS.get(exc.code, 500), exc.message, exc.code)
         except DaemonUnavailable as exc:
@@ -170,39 +172,40 @@ def _failed(status: int, message: str, code: str = "") -> Response:
     return JSONResponse({"ok": False, "code": code, "message": message}, status_code=status)
 
 
-class _BadBody(ValueError):
-    pass
+_ACTIONS = ("send", "answer", "interrupt", "stop", "restart")
 
 
-def _text(body: dict[str, Any], key: str, limit: int = MAX_BODY_BYTES) -> str:
-    value = body.get(key)
-    if not isinstance(value, str) or not value or len(value) > limit:
-        raise _BadBody(f"expected {key!r}: a non-empty string")
-    return value
-
-
-async def _send(client: Any, sid: str, body: dict[str, Any]) -> dict[str, Any]:
-    accepted = await client.send_input(sid, _text(body, "text"))
-    return {"turn": accepted.turn}
-
-
-async def _answer(client: Any, sid: str, body: dict[str, Any]) -> dict[str, Any]:
-    allow = body.get("allow")
-    if not isinstance(allow, bool):
-        raise _BadBody("expected 'allow': true or false")
-    await client.answer(sid, _text(body, "request_id", 200), allow)
+def _arguments(action: str, body: dict[str, Any]) -> dict[str, Any] | str:
+    """The action's arguments from its JSON body, or why they are wrong."""
+    if action == "send":
+        text = body.get("text")
+        if not isinstance(text, str) or not text:
+            return "expected 'text': a non-empty string"
+        return {"text": text}
+    if action == "answer":
+        request_id, allow = body.get("request_id"), body.get("allow")
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= 200:
+            return "expected 'request_id': the request's id"
+        if not isinstance(allow, bool):
+            return "expected 'allow': true or false"
+        return {"request_id": request_id, "allow": allow}
     return {}
 
 
-def _simple(method: str) -> Callable[[Any, str, dict[str, Any]], Coroutine[Any, Any, dict[str, Any]]]:
-    async def act(client: Any, sid: str, body: dict[str, Any]) -> dict[str, Any]:
-        await getattr(client, method)(sid)
-        return {}
-    return act
-
-
-_ACTIONS = {"send": _send, "answer": _answer, "interrupt": _simple("interrupt"),
-            "stop": _simple("stop"), "restart": _simple("restart")}
+async def _act(client: AsyncClient, sid: str, action: str, args: dict[str, Any]) -> dict[str, Any]:
+    match action:
+        case "send":
+            accepted = await client.send_input(sid, args["text"])
+            return {"turn": accepted.turn}
+        case "answer":
+            await client.answer(sid, args["request_id"], args["allow"])
+        case "interrupt":
+            await client.interrupt(sid)
+        case "stop":
+            await client.stop(sid)
+        case "restart":
+            await client.restart(sid)
+    return {}
 
 
 def _stream(feed: Callable[[Emit], Coroutine[Any, Any, None]], closing: asyncio.Event) -> Response:
