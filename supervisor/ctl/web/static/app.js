@@ -93,37 +93,57 @@
   let sessions = [];
   let selected = null;
 
+  // Rows are kept and updated in place: the list changes several times a
+  // second (memory figures), and a row replaced under the pointer would
+  // swallow the click that was meant for it.
+  const rowsById = new Map();
+
   function renderList() {
     const body = $("session-rows");
     const byId = new Map(sessions.map((s) => [s.id, s]));
-    const rows = [];
+    const order = [];
     const walk = (s, depth) => {
-      rows.push([s, depth]);
+      order.push(rowFor(s, depth));
       for (const child of s.children || []) if (byId.has(child)) walk(byId.get(child), depth + 1);
     };
     for (const s of sessions) if (!s.parent || !byId.has(s.parent)) walk(s, 0);
-    body.replaceChildren(...rows.map(([s, depth]) => row(s, depth)));
+    for (const id of [...rowsById.keys()]) if (!byId.has(id)) rowsById.delete(id);
+    const current = [...body.children];
+    if (current.length !== order.length || current.some((tr, i) => tr !== order[i])) body.replaceChildren(...order);
     $("no-sessions").hidden = sessions.length > 0;
     if (selected && byId.has(selected)) showFacts(byId.get(selected));
   }
 
-  function row(s, depth) {
-    const tr = el("tr", s.id === selected ? "selected" : "");
-    tr.setAttribute("data-session", s.id);
-    const name = el("td", "id");
-    name.style.paddingLeft = (0.5 + depth * 1.2) + "em";
-    name.append(el("span", "tree", depth ? "└ " : ""), el("span", "", s.id));
-    if (s.handler) name.append(el("span", "muted handler", " " + s.handler));
-    const state = el("td");
-    state.append(el("span", "state state-" + s.state, s.state));
-    if (s.error) state.title = s.error;
-    name.title = s.id;
-    const used = el("td", "num", tokens(s.usage));
-    used.title = "tokens the session's turns used (prompt · completion)";
-    tr.append(name, state, el("td", "num", bytes(s.rss_bytes)), el("td", "num", s.turns),
-              used, el("td", "num", s.restarts));
-    tr.addEventListener("click", () => select(s.id));
-    return tr;
+  function rowFor(s, depth) {
+    let r = rowsById.get(s.id);
+    if (!r) {
+      const tr = el("tr");
+      tr.setAttribute("data-session", s.id);
+      tr.addEventListener("click", () => select(s.id));
+      const name = el("td", "id");
+      name.title = s.id;
+      const tree = el("span", "tree");
+      name.append(tree, el("span", "", s.id), el("span", "muted handler", " " + (s.handler || "")));
+      const badge = el("span");
+      const state = el("td");
+      state.append(badge);
+      const memory = el("td", "num"), turns = el("td", "num"), used = el("td", "num"), restarts = el("td", "num");
+      used.title = "tokens the session's turns used (prompt · completion)";
+      tr.append(name, state, memory, turns, used, restarts);
+      r = {tr, name, tree, badge, state, memory, turns, used, restarts};
+      rowsById.set(s.id, r);
+    }
+    r.tr.classList.toggle("selected", s.id === selected);
+    r.name.style.paddingLeft = (0.5 + depth * 1.2) + "em";
+    r.tree.textContent = depth ? "└ " : "";
+    r.badge.textContent = s.state;
+    r.badge.className = "state state-" + s.state;
+    r.state.title = s.error || "";
+    r.memory.textContent = bytes(s.rss_bytes);
+    r.turns.textContent = String(s.turns);
+    r.used.textContent = tokens(s.usage);
+    r.restarts.textContent = String(s.restarts);
+    return r.tr;
   }
 
   function showFacts(s) {

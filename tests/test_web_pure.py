@@ -1,8 +1,12 @@
-"""The web console's guard (supervisor/ctl/web/guard.py): which requests
-pass, on headers alone.  The browser test (test_web_console.py) shows a
-real browser sending them."""
+"""The web console without a browser: the guard (supervisor/ctl/web/guard.py,
+which requests pass, on headers alone; test_web_console.py shows a real
+browser sending them), and the page's files shipped as package data."""
 
 from __future__ import annotations
+
+import fnmatch
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +72,13 @@ def test_a_request_from_another_site_is_refused(site: str) -> None:
 def test_none_is_for_the_page_alone() -> None:
     # Sec-Fetch-Site: none is a typed URL: the page, not the API.
     assert "another site" in (refusal(sec_fetch_site="none") or "")
+
+
+def test_the_page_s_files_are_package_data() -> None:
+    # A wheel carries only the files package-data names: the page must be among them.
+    repo = Path(__file__).resolve().parent.parent
+    globs = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    web = repo / "supervisor" / "ctl" / "web"
+    shipped = [p for p in (web / "static").iterdir()
+               if any(fnmatch.fnmatch(str(p.relative_to(web)), g) for g in globs["supervisor.ctl.web"])]
+    assert {p.name for p in shipped} == {"index.html", "app.js", "app.css"}
