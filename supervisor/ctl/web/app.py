@@ -134,10 +134,13 @@ def build_app(guard: Guard, connect: Connect, closing: asyncio.Event) -> ASGIApp
             return _failed(400, f"invalid session id {sid!r}")
         if name not in _ACTIONS:
             return _failed(404, f"no action {name!r}")
-        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            return _failed(413, "request body too large")
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > MAX_BODY_BYTES:
+                return _failed(413, "request body too large")
         try:
-            body = json.loads(await request.body() or b"{}")
+            body = json.loads(raw or b"{}")
         except ValueError:
             return _failed(400, "the body is not JSON")
         if not isinstance(body, dict):
