@@ -352,3 +352,25 @@ def test_a_port_in_use_or_out_of_range_is_said(console: Console) -> None:
     assert taken.returncode == 1
     assert f"cannot listen on 127.0.0.1:{console.port}" in taken.stderr
     assert console.daemon.ctl("web", "--port", "70000").returncode == 2
+
+
+def test_ctrl_c_stops_a_console_with_pages_open_cleanly(console: Console, browser: Browser,
+                                                         tmp_path: Path) -> None:
+    with console.daemon.client() as c:
+        sid = c.create().id
+    with open(tmp_path / "err", "w") as err:
+        second = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.ctl", "--socket", str(console.daemon.socket), "web"],
+            stdout=subprocess.PIPE, stderr=err, text=True, env=env_for_children(), start_new_session=True)
+    try:
+        assert second.stdout is not None
+        other = Console(console.daemon, second, second.stdout.readline().strip(), 0, "", tmp_path / "err")
+        open_session(browser, other, sid)  # both event streams open
+        second.send_signal(signal.SIGINT)
+        assert second.wait(15) == 130
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait(10)
+    assert "Traceback" not in other.refusals(), other.refusals()
+    browser.wait(lambda: "not answering" in (browser.text("#banner") or ""), 10, "the page to say so")
