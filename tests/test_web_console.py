@@ -352,6 +352,17 @@ def test_a_port_in_use_or_out_of_range_is_said(console: Console) -> None:
     assert taken.returncode == 1
     assert f"cannot listen on 127.0.0.1:{console.port}" in taken.stderr
     assert console.daemon.ctl("web", "--port", "70000").returncode == 2
+    # --json: the URL as one object.
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor.ctl", "--socket", str(console.daemon.socket),
+                             "--json", "web"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env_for_children())
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert re.fullmatch(rf"http://127\.0\.0\.1:{first['port']}/\?token=[\w-]{{40,}}", first["url"]), first
 
 
 def test_ctrl_c_stops_a_console_with_pages_open_cleanly(console: Console, browser: Browser,

@@ -643,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "web":  # serves until Ctrl-C, reconnecting to the daemon
         from supervisor.ctl.web.serve import run_web
 
-        return run_web(args.socket, args.port)
+        return run_web(args.socket, args.port, args.json)
     try:
         return run_loop(_run(args))
     except (DaemonUnavailable, RequestError) as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import secrets
 import socket
 import sys
@@ -35,7 +36,9 @@ def port_number(text: str) -> int:
     return port
 
 
-def run_web(socket_path: str | None, port: int) -> int:
+def run_web(socket_path: str | None, port: int, as_json: bool = False) -> int:
+    """Serve until Ctrl-C.  The URL is the first line on stdout (with
+    `as_json`: `{"url": ..., "port": ...}`), once the port is bound."""
     try:
         import uvicorn
 
@@ -79,7 +82,8 @@ def run_web(socket_path: str | None, port: int) -> int:
     server = Server(config)
     loop: asyncio.AbstractEventLoop
 
-    print(f"http://127.0.0.1:{port}/?token={token}", flush=True)
+    url = f"http://127.0.0.1:{port}/?token={token}"
+    print(json.dumps({"url": url, "port": port}) if as_json else url, flush=True)
     print("sessionctl web: open the URL above in a browser on this machine; Ctrl-C stops",
           file=sys.stderr, flush=True)
 
