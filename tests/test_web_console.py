@@ -260,7 +260,7 @@ def test_interrupt_stop_restart_from_the_page_and_a_daemon_restart_underneath(
 
     # The daemon goes away and comes back: the page says both, and goes on.
     d.stop()
-    browser.wait(lambda: "not answering" in (browser.text("#banner") or ""), 10, "the page to say so")
+    browser.wait(lambda: "cannot reach sessiond" in (browser.text("#banner") or ""), 10, "the page to say so")
     d.start()
     browser.wait(lambda: "reconnected" in (browser.text("#banner") or ""), 15, "the page to reconnect")
     browser.wait(lambda: browser.text(f'#session-rows tr[data-session="{sid}"]'), 5, "the list again")

@@ -84,7 +84,7 @@
     } else {
       $("daemon").textContent = "sessiond unreachable";
       $("daemon").className = "daemon down";
-      banner("sessiond is not answering (" + ev.message + "): reconnecting…", "down");
+      banner("cannot reach sessiond (" + ev.message + "): reconnecting…", "down");
     }
   }
 
