@@ -403,6 +403,10 @@ class Client:
         result: str = self._run(self._client.send_text(session, text))
         return result
 
+    def send_input(self, session: str, text: str) -> m.Accepted:
+        result: m.Accepted = self._run(self._client.send_input(session, text))
+        return result
+
     def attach(self, session: str, from_seq: int | None = None) -> Iterator[Event]:
         return self._iterate(self._client.attach(session, from_seq))
 
