@@ -167,6 +167,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="give up waiting for running turns after SECS (default: the daemon's "
                         "agent.turn_timeout_secs plus 60: every turn running now has ended by then)")
     p.add_argument("--undo", action="store_true", help="take the node back into use")
+    p = add("web", "serve the web console on 127.0.0.1 (prints its URL, with its token)")
+    from supervisor.ctl.web.serve import port_number
+    p.add_argument("--port", type=port_number, default=0, help="the port (default: a free one)")
     p = add("completion", "print a shell completion script")
     p.add_argument("shell", choices=("bash", "zsh"))
     return parser
@@ -637,6 +640,10 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stdout.write((bash_script if args.shell == "bash" else zsh_script)(parser))
         return EXIT_OK
+    if args.command == "web":  # serves until Ctrl-C, reconnecting to the daemon
+        from supervisor.ctl.web.serve import run_web
+
+        return run_web(args.socket, args.port, args.json)
     try:
         return run_loop(_run(args))
     except (DaemonUnavailable, RequestError) as exc:

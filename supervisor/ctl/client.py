@@ -255,6 +255,13 @@ class AsyncClient:
                 raise TurnFailedError(ev)
         raise DaemonUnavailable("the turn ended without a result")
 
+    async def send_input(self, session: str, text: str) -> m.Accepted:
+        """Send an input without following its turn: returns once the input
+        is durable.  The turn's events come to this connection too (the
+        daemon attaches it), for whoever also `attach`es here; the turn goes
+        on whatever becomes of this connection."""
+        return await self._request(m.Send(id=self._next_id(), session=session, text=text), m.Accepted)
+
     async def attach(self, session: str, from_seq: int | None = None) -> AsyncIterator[Event]:
         """Yield the session's events (retained ones from `from_seq` first)
         until the session is deleted or the connection ends."""
@@ -394,6 +401,10 @@ class Client:
 
     def send_text(self, session: str, text: str) -> str:
         result: str = self._run(self._client.send_text(session, text))
+        return result
+
+    def send_input(self, session: str, text: str) -> m.Accepted:
+        result: m.Accepted = self._run(self._client.send_input(session, text))
         return result
 
     def attach(self, session: str, from_seq: int | None = None) -> Iterator[Event]:
