@@ -455,9 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "completion":  # no daemon needed
-            from supervisor.ctl.completion import bash_script, zsh_script
+            from supervisor.ctl.completion import bash_script, this_program, zsh_script
 
-            sys.stdout.write((bash_script if args.shell == "bash" else zsh_script)(parser))
+            sys.stdout.write((bash_script if args.shell == "bash" else zsh_script)(parser, this_program()))
             sys.stdout.flush()
             return EXIT_OK
         return run_loop(_run(args))
