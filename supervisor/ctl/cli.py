@@ -52,6 +52,8 @@ examples:
   sessionctl attach ID --from 0          replay retained events, then follow
   sessionctl approve ID REQUEST_ID       answer a permission request
   sessionctl --json status ID            one JSON object
+  sessionctl ls --state idle --sort cpu  filter and order the listing
+  sessionctl rm --state failed --dry-run what `rm --state failed` would remove
   sessionctl top                         live view; sessionctl --json top --once
   sessionctl history ID --limit 5        the last five turns, tool calls included
   sessionctl logs ID -f                  state changes, limits, exits; then follow
