@@ -72,11 +72,13 @@ _COUNTED = frozenset({LimitKind.RESTARTS, LimitKind.TURNS, LimitKind.TOOL_CALLS,
 
 
 def limit_text(kind: str, value: float, limit: float) -> str:
-    """`1.0 s > 1 s`: a LimitExceeded's figures with their unit."""
+    """A LimitExceeded's figures with their unit: `1.0 s > 1 s` (measured),
+    `26 > 25 model calls` (counted)."""
     unit = _LIMIT_UNITS.get(kind)  # type: ignore[call-overload]
     suffix = f" {unit}" if unit else ""
-    shown = f"{value:.0f}" if kind in _COUNTED else f"{value:.1f}"
-    return f"{shown}{suffix} > {limit:g}{suffix}"
+    if kind in _COUNTED:
+        return f"{value:.0f} > {limit:g}{suffix}"
+    return f"{value:.1f}{suffix} > {limit:g}{suffix}"
 
 
 # The session states (supervisor.core.states.State, which a test holds to

@@ -70,8 +70,8 @@ def test_ls_sorts_as_top_does() -> None:
 def test_limit_lines_carry_units() -> None:
     assert limit_text(LimitKind.TURN_TIMEOUT, 1.0004, 1) == "1.0 s > 1 s"
     assert limit_text(LimitKind.MEMORY, 117.672, 96) == "117.7 MiB > 96 MiB"
-    assert limit_text(LimitKind.TURNS, 3, 3) == "3 model calls > 3 model calls"
-    assert limit_text(LimitKind.PROCESSES, 65, 64) == "65 processes > 64 processes"
+    assert limit_text(LimitKind.TURNS, 3, 3) == "3 > 3 model calls"
+    assert limit_text(LimitKind.PROCESSES, 65, 64) == "65 > 64 processes"
     assert limit_text("a_kind_from_later", 2.5, 2) == "2.5 > 2"  # an old client, a newer daemon
 
 
