@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["EXIT_BOOT_FAILED", "ExitReason", "LimitKind", "StopReason", "INCOMPLETE_STOPS"]
+__all__ = ["EXIT_BOOT_FAILED", "ExitReason", "LimitKind", "SESSION_STATES", "StopReason", "INCOMPLETE_STOPS",
+           "limit_text"]
 
 # Like gunicorn's WORKER_BOOT_ERROR: a worker that cannot boot exits with
 # this, and the daemon reads it as "do not respawn in a tight loop".
@@ -57,6 +58,33 @@ class LimitKind(enum.StrEnum):
     TOOL_CALLS = "tool_calls"
     PROCESSES = "processes"
     DISK = "disk"  # max_disk_mb, in MiB
+
+
+# Units of LimitExceeded.value and .limit, by kind (what `limit_text` prints).
+_LIMIT_UNITS = {
+    LimitKind.MEMORY: "MiB", LimitKind.MEMORY_HIGH: "MiB", LimitKind.DISK: "MiB",
+    LimitKind.TURN_TIMEOUT: "s", LimitKind.HEARTBEAT: "s",
+    LimitKind.RESTARTS: "restarts", LimitKind.TURNS: "model calls", LimitKind.TOOL_CALLS: "tool calls",
+    LimitKind.PROCESSES: "processes",
+}
+# Kinds whose figures are whole counts; the others are measured (one decimal).
+_COUNTED = frozenset({LimitKind.RESTARTS, LimitKind.TURNS, LimitKind.TOOL_CALLS, LimitKind.PROCESSES})
+
+
+def limit_text(kind: str, value: float, limit: float) -> str:
+    """A LimitExceeded's figures with their unit: `1.0 s > 1 s` (measured),
+    `26 > 25 model calls` (counted)."""
+    unit = _LIMIT_UNITS.get(kind)  # type: ignore[call-overload]
+    suffix = f" {unit}" if unit else ""
+    if kind in _COUNTED:
+        return f"{value:.0f} > {limit:g}{suffix}"
+    return f"{value:.1f}{suffix} > {limit:g}{suffix}"
+
+
+# The session states (supervisor.core.states.State, which a test holds to
+# this list): what `ls --state` and the bulk commands' `--state` accept.
+SESSION_STATES = ("starting", "idle", "running", "interrupting", "stopping", "stopped", "crashed",
+                  "restarting", "failed", "hibernated", "deleted", "damaged")
 
 
 class StopReason(enum.StrEnum):

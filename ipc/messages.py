@@ -244,6 +244,10 @@ class SessionInfo(_Msg, tag="session"):
     # Blocks its workspace held at the sweep's last walk of it (max_disk_mb);
     # None when not measured (no quota, or no walk since its worker started).
     disk_bytes: int | None = None
+    # Its worker tree's CPU use (user + system, % of one core) between the
+    # sweep's two last samples, about a second apart; None without a live
+    # worker or before the second sample.
+    cpu_percent: float | None = None
 
 
 class Created(_Msg, tag="created"):

@@ -1,5 +1,5 @@
 """Control requests and replies added after protocol 1: history, logs,
-export, import and top (issue 14); drain (issue 15).
+export, import and top (issue 14); drain (issue 15); reload (issue 25).
 
 Kept apart from `ipc.messages` (the protocol-1 set, which every peer
 speaks); a daemon that predates these answers `bad_request`, since their
@@ -25,7 +25,7 @@ from ipc.messages import (
 __all__ = [
     "History", "HistoryTurn", "HistoryReply", "Logs", "LogEntry", "LogsReply", "Export",
     "ExportReply", "Import", "Top", "TopEntry", "TopReply", "Drain", "DrainMoved", "DrainLeft",
-    "DrainReply", "DRAIN_MAX_TIMEOUT_SECS", "AnyRequest", "AnyReply",
+    "DrainReply", "DRAIN_MAX_TIMEOUT_SECS", "Reload", "ReloadReply", "AnyRequest", "AnyReply",
 ]
 
 class History(_Msg, tag="history"):
@@ -170,7 +170,25 @@ class DrainReply(_Msg, tag="drain"):
     elapsed_secs: float = 0.0
 
 
+class Reload(_Msg, tag="reload"):
+    """Re-read the daemon's config file, as SIGHUP does.  Admins only.
+    Replied to with `ReloadReply` (a refused file is a reply, not an error)."""
+
+    id: int
+
+
+class ReloadReply(_Msg, tag="reloaded"):
+    id: int
+    taken: bool  # False: the file was refused and the running config kept
+    source: str = ""  # the file read (or "the embedded defaults")
+    # What changed, one "dotted.key: old -> new" a line (taken only).
+    changed: list[str] = []
+    # Said about a change that does not apply at once (e.g. [store]).
+    notes: list[str] = []
+    error: str = ""  # why it was refused, naming the key and the file
+
+
 # The unions as the daemon and sessionctl decode them: the protocol 1 ones
 # and the requests/replies added since.
-AnyRequest = Request | History | Logs | Export | Import | Top | Drain
-AnyReply = Reply | HistoryReply | LogsReply | ExportReply | TopReply | DrainReply
+AnyRequest = Request | History | Logs | Export | Import | Top | Drain | Reload
+AnyReply = Reply | HistoryReply | LogsReply | ExportReply | TopReply | DrainReply | ReloadReply

@@ -19,6 +19,7 @@ from msgspec import Meta
 
 __all__ = [
     "AgentSettings",
+    "BUILTIN_TOOLS",
     "ConfigSection",
     "LimitsSettings",
     "LoopSettings",
@@ -166,6 +167,11 @@ class ProviderSettings(ConfigSection):
         if not self.model:
             return "provider.model"
         return None
+
+
+# The built-in tools' names (a contract: DESIGN.md): what `tools.enabled`
+# may list besides the names of `tools.custom` functions.
+BUILTIN_TOOLS = ("bash", "read_file", "write_file", "list_dir", "spawn_agent")
 
 
 class ToolsSettings(ConfigSection):

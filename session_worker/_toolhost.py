@@ -1,7 +1,9 @@
 """The tool host: the one process a session's tools are started from.
 
 Started by the worker at a session's first tool call, with the system's
-Python in isolated mode and no site (`python -I -S -c SOURCE CONFIG FD`): it
+Python in isolated mode and no site (`python -I -S -c BOOT FD`, BOOT a line
+that reads this source and its config from the socket FD, as its first two
+messages, and runs it with `argv = [name, CONFIG, FD]`: session_worker.sandbox): it
 imports nothing but the standard library, so it needs nothing but the
 interpreter, and under bubblewrap nothing of the venv or the checkout has to
 be visible.  Before it reads its first order it confines itself, and every

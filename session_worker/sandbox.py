@@ -55,6 +55,13 @@ __all__ = ["HostCommand", "Plan", "ToolHost", "configure", "current"]
 log = logging.getLogger("sessiond.sandbox")
 
 _HOST_SOURCE = Path(__file__).with_name("_toolhost.py").read_text()
+# What the tool host is started with (`python -I -S -c _HOST_BOOT FD`): it
+# reads its source and its config as the first two messages on its socket
+# and runs them.  Not the source itself on the command line: ~19 KB of
+# argv, shown by `ps` for the host and for bubblewrap above it.
+_HOST_BOOT = ("import socket,sys;s=socket.socket(fileno=int(sys.argv[1]));src=s.recv(1<<20);"
+              "cfg=s.recv(1<<20);sys.argv=['sessiond-toolhost',cfg.decode(),str(s.detach())];"
+              "exec(compile(src,'sessiond-toolhost','exec'),{'__name__':'__main__'})")
 _SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 # Never visible, whatever tree holds them.
 _SECRETS = (
@@ -344,8 +351,10 @@ class ToolHost:
         self._errors.ready = False
         self._errors.early.clear()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        argv = [plan.python, "-I", "-S", "-c", _HOST_SOURCE,
-                json.dumps(plan.host_config()), str(theirs.fileno())]
+        argv = [plan.python, "-I", "-S", "-c", _HOST_BOOT, str(theirs.fileno())]
+        # Queued before it starts (a datagram each; it reads them first thing).
+        ours.sendall(_HOST_SOURCE.encode())
+        ours.sendall(json.dumps(plan.host_config()).encode())
         if plan.namespaces:
             argv = [*plan.bwrap_argv(), "--", *argv]
         try:

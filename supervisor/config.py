@@ -12,11 +12,13 @@ which leaf keys a session may set and within which bounds.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import re
 import textwrap
 import tomllib
+import types
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -28,7 +30,7 @@ from msgspec import Meta
 from ipc import inputs
 from ipc.errors import BadOverride
 from ipc.paths import default_socket_path
-from ipc.settings import ConfigSection, PermissionRule, SessionSettings
+from ipc.settings import BUILTIN_TOOLS, ConfigSection, PermissionRule, SessionSettings
 # Re-exported: daemon.py and cli.py name it supervisor.config.ConfigError.
 from supervisor.errors import ConfigError
 
@@ -44,6 +46,7 @@ __all__ = [
     "load_config",
     "metrics_address",
     "parse_override",
+    "plain_error",
     "uid_range",
     "valid_handler_name",
     "workspace_root",
@@ -201,7 +204,7 @@ _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _UNKNOWN = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`")
 
 
-def _describe(exc: msgspec.ValidationError, source: str) -> str:
+def _describe(exc: msgspec.ValidationError, source: str, data: Any = None) -> str:
     """Turn msgspec's `... - at `$.agent.limits`` into a dotted key."""
     text = str(exc)
     path = ""
@@ -214,8 +217,86 @@ def _describe(exc: msgspec.ValidationError, source: str) -> str:
         key = f"{path}.{unknown.group('field')}" if path else unknown.group("field")
         return f"{source}: unknown key '{key}'"
     if path:
-        return f"{source}: invalid value for '{path}': {text}"
+        return f"{source}: invalid value for '{path}': {plain_error(text, Config, path, _value_at(data, path))}"
     return f"{source}: {text}"
+
+
+_MISSING: Any = object()
+_EXPECTED = re.compile(r"Expected `(?P<want>[^`]+)`, got `(?P<got>[^`]+)`")
+# msgspec's type names as a person reading a config file says them.
+_TYPE_WORDS = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "a string",
+               "array": "a list", "object": "a table", "null": "nothing"}
+
+
+def plain_error(text: str, root: Any, path: str, value: Any = _MISSING) -> str:
+    """msgspec's message about the value at `path` of a `root` (a Struct
+    type), said plainly: an enum's allowed values listed, a type by its
+    name in TOML, the value given shown."""
+    given = "" if value is _MISSING else f" {_shown(value)}"
+    if text.startswith("Invalid enum value"):
+        choices = _literal_choices(root, path)
+        if choices:
+            return f"{given.strip() or 'the value'} is not one of: {', '.join(map(str, choices))}"
+    expected = _EXPECTED.fullmatch(text)
+    if expected:
+        want = " or ".join(_TYPE_WORDS.get(w.strip(), w.strip()) for w in expected.group("want").split("|"))
+        got = _TYPE_WORDS.get(expected.group("got"), expected.group("got"))
+        return f"expected {want}, got {given.strip() if given else got}"
+    return text
+
+
+def _shown(value: Any) -> str:
+    """A value as TOML (and JSON) write it: "x", true, 1.5."""
+    try:
+        return msgspec.json.encode(value).decode()[:200]
+    except (TypeError, msgspec.EncodeError):
+        return repr(value)[:200]
+
+
+def _literal_choices(root: Any, path: str) -> tuple[Any, ...]:
+    """The values a Literal field at `path` allows (empty if it is no Literal)."""
+    tp: Any = root
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+        tp = _unwrap(tp)
+        if part.startswith("["):
+            args = typing.get_args(tp)
+            tp = args[0] if args else Any
+        else:
+            try:
+                tp = typing.get_type_hints(tp, include_extras=True).get(part, Any)
+            except TypeError:
+                return ()
+    tp = _unwrap(tp)
+    return typing.get_args(tp) if typing.get_origin(tp) is Literal else ()
+
+
+def _unwrap(tp: Any) -> Any:
+    while typing.get_origin(tp) is Annotated:
+        tp = typing.get_args(tp)[0]
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _unwrap(args[0])
+    return tp
+
+
+def _value_at(data: Any, path: str) -> Any:
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+        try:
+            data = data[int(part[1:-1])] if part.startswith("[") else data[part]
+        except (KeyError, IndexError, TypeError, ValueError):
+            return _MISSING
+    return data
+
+
+def _unimportable(module: str) -> str | None:
+    """Why the workers could not import `module` (they are forks of this
+    process: the same sys.path); None if they can.  Only found, not
+    imported (its parent packages are)."""
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:
+        return f"module {module!r} cannot be imported: {exc}"
+    return None if found is not None else f"no module named {module!r} on the daemon's Python path"
 
 
 def _validate_mode(cfg: Config, source: str) -> None:
@@ -284,6 +365,20 @@ def valid_handler_name(name: str, pattern: bool = False) -> bool:
 
 
 def _validate_handlers(cfg: Config, source: str) -> None:
+    """The default handler and the enabled tools are checked here, at
+    `config check` and at start, not at each `create`: a handler the
+    workers cannot load would fail every session, one by one."""
+    handler = cfg.agent.handler
+    if not valid_handler_name(handler):
+        raise ConfigError(f"{source}: invalid value for 'agent.handler': {_shown(handler)} (use \"agent\", "
+                          "\"echo\" or \"package.module:factory\")")
+    if handler not in ("agent", "echo") and (why := _unimportable(handler.partition(":")[0])):
+        raise ConfigError(f"{source}: invalid value for 'agent.handler': {_shown(handler)}: {why}")
+    customs = {spec.rpartition(":")[2] for spec in cfg.tools.custom}
+    for tool in cfg.tools.enabled:
+        if tool not in BUILTIN_TOOLS and tool not in customs:
+            raise ConfigError(f"{source}: invalid value for 'tools.enabled': unknown tool {_shown(tool)} "
+                              f"(allowed: {', '.join(BUILTIN_TOOLS)}, or the name of a tools.custom function)")
     for name in cfg.agent.allowed_handlers:
         if valid_handler_name(name, pattern=True):
             continue
@@ -297,7 +392,7 @@ def parse_config(data: dict[str, Any], source: str) -> Config:
     try:
         cfg = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_describe(exc, source)) from None
+        raise ConfigError(_describe(exc, source, data)) from None
     _validate_mode(cfg, source)
     _validate_handlers(cfg, source)
     if cfg.daemon.event_retention_bytes > cfg.daemon.client_buffer_bytes:

@@ -46,16 +46,15 @@ from supervisor.spawn.cgroups import Cgroups
 from supervisor.spawn.cgroups_detect import detect as cgroup_detect
 from supervisor.config import (
     Config,
-    ConfigError,
     daemon_socket_path,
     default_state_dir,
-    load_config,
     metrics_address,
     uid_range,
     workspace_root,
 )
 from supervisor.cluster import drain, fencing, wiring as cluster
 from supervisor.ops import metrics
+from supervisor.ops.reload import Reloader
 from supervisor.core.manager import SessionManager
 from supervisor.cluster.ray_spawner import RaySpawner  # (imports Ray only when used)
 from supervisor.api.server import ControlServer
@@ -485,7 +484,8 @@ async def _serve(
     loop = asyncio.get_running_loop()
     spawner.attach(loop)
     spawner.keep_spares(cfg.daemon.spare_workers)
-    parts = _build(cfg, state_dir, spawner, identities, sandbox_boot, cgroups, metrics_sock is not None)
+    parts = _build(cfg, config_path, state_dir, spawner, identities, sandbox_boot, cgroups,
+                   metrics_sock is not None)
     manager, server = parts.manager, parts.server
     _load(loop, parts)
     metrics_server: asyncio.AbstractServer | None = None
@@ -496,7 +496,7 @@ async def _serve(
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: _reload(manager, config_path))
+    loop.add_signal_handler(signal.SIGHUP, parts.reloader.reload)
     _say_provider(cfg)
     where = sock.getsockname() or str(socket_path)
     log.info("sessiond %s (pid %d) listening on %s; state in %s", __version__, os.getpid(), where, state_dir)
@@ -513,10 +513,12 @@ class _Parts(NamedTuple):
     server: ControlServer
     recorder: metrics.PrometheusRecorder | None  # with metrics on
     fronts: Fronts | None
+    reloader: Reloader  # SIGHUP and `sessionctl reload`
 
 
 def _build(
     cfg: Config,
+    config_path: Path | None,
     state_dir: Path,
     spawner: Spawner,
     identities: Identities,
@@ -548,8 +550,15 @@ def _build(
         remote=spawner if isinstance(spawner, RaySpawner) else None,
     )
     drainer = drain.Drainer(manager, spawner, manager.events, manager.workers)
-    server = ControlServer(manager, metrics=recorder or metrics.NO_METRICS, drain=drainer.handle)
-    return _Parts(manager, server, recorder, fronts)
+
+    def apply(new: Config) -> None:
+        manager.reload(new)
+        spawner.keep_spares(new.daemon.spare_workers)
+
+    reloader = Reloader(config_path, lambda: manager.config, apply, lambda: _status_line(manager))
+    server = ControlServer(manager, metrics=recorder or metrics.NO_METRICS, drain=drainer.handle,
+                           reload=reloader.reload)
+    return _Parts(manager, server, recorder, fronts, reloader)
 
 
 def _load(loop: asyncio.AbstractEventLoop, parts: _Parts) -> None:
@@ -599,6 +608,7 @@ async def _stop(cfg: Config, parts: _Parts, metrics_server: asyncio.AbstractServ
     parts.server.stop_accepting()
     if metrics_server is not None:
         metrics_server.close()
+    await parts.server.settle(cfg.daemon.shutdown_grace_secs)  # an `rm` half done would come back
     await parts.manager.shutdown(cfg.daemon.shutdown_grace_secs)
     if parts.fronts is not None:
         parts.fronts.close()  # after its workers are gone: others may claim its sessions at once
@@ -671,26 +681,6 @@ async def _status_loop(manager: SessionManager) -> None:
             sdnotify.status(line)
             last = line
         await asyncio.sleep(5.0)
-
-
-def _reload(manager: SessionManager, config_path: Path | None) -> None:
-    """SIGHUP: re-read the config; a bad one is refused and the old one kept."""
-    sdnotify.reloading()
-    try:
-        cfg = load_config(config_path)
-    except ConfigError as exc:
-        log.error("reload refused, keeping the running config: %s", exc)
-    else:
-        if cfg.store != manager.config.store:
-            log.warning("[store] changed: it takes effect at the next start, not on reload")
-        if cfg.sandbox != manager.config.sandbox:
-            log.info("[sandbox] changed: workers started from now on use it (a live session's on its "
-                     "next worker); mode = \"required\" is checked at the next start")
-        manager.reload(cfg)
-        manager.spawner.keep_spares(cfg.daemon.spare_workers)
-        sdnotify.configure_logging(cfg.daemon.log_level.upper())
-        log.info("config reloaded from %s", config_path or "the embedded defaults")
-    sdnotify.ready(_status_line(manager))
 
 
 def configure_logging(level: str) -> None:

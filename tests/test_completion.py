@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +83,34 @@ def test_bash_completes_commands_options_and_session_ids_from_the_daemon(make_da
     assert complete("logs", "alpha", "--f") == ["--follow"]
     assert complete("top", "--sort", "r") == ["restarts", "rss"]
     assert complete("completion", "") == ["bash", "zsh"]
+
+
+@pytest.mark.process
+def test_bash_completes_session_ids_when_sessionctl_is_not_on_path(make_daemon, tmp_path) -> None:
+    """The README runs `.venv/bin/sessionctl`; the script used to call a
+    bare `sessionctl` for the ids, which is not on PATH there."""
+    d = make_daemon()
+    with d.client() as c:
+        c.create(session="gamma")
+    venv_bin = Path(sys.prefix) / "bin"
+    assert (venv_bin / "sessionctl").exists()
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / ".venv").symlink_to(sys.prefix)
+    generated = subprocess.run([str(venv_bin / "sessionctl"), "completion", "bash"], capture_output=True,
+                               text=True, env=env_for_children(), timeout=30)
+    assert generated.returncode == 0 and generated.stdout, generated.stderr
+    (tmp_path / "c.bash").write_text(generated.stdout)
+
+    def complete(command: str) -> list[str]:
+        script = (f"source {tmp_path / 'c.bash'}\n"
+                  f"COMP_WORDS=({command} status ''); COMP_CWORD=2\n"
+                  f"_sessionctl\nprintf '%s\\n' \"${{COMPREPLY[@]}}\"\n")
+        env = env_for_children() | {"PATH": "/usr/bin:/bin", "SESSIOND_SOCKET": str(d.socket)}
+        done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, cwd=work,
+                              timeout=30)
+        assert done.returncode == 0, done.stderr
+        return sorted(w for w in done.stdout.split("\n") if w)
+
+    assert complete(".venv/bin/sessionctl") == ["gamma"]  # as typed
+    assert complete("sessionctl") == ["gamma"]  # not on PATH: the one that wrote the script

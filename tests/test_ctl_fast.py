@@ -32,7 +32,7 @@ from supervisor.ctl import cli as ctl, fast as ctl_fast
 # ---------------------------------------------------------------- pure: the copies agree
 
 _KINDS: dict[str, Any] = {
-    "str": str, "int": int, "float": float, "str?": str | None, "int?": int | None,
+    "str": str, "int": int, "float": float, "str?": str | None, "int?": int | None, "float?": float | None,
     "list[str]": list[str], "dict[str,int]": dict[str, int], "dict[str,any]": dict[str, Any],
     "exit?": m.ExitInfo | None, "error_code": m.ErrorCode, "session": m.SessionInfo,
     "list[session]": list[m.SessionInfo],

@@ -11,6 +11,7 @@ Every `toml` block parses and passes `sessiond config check`."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -44,6 +45,8 @@ NOT_RUN = {
         "needs a Ray head; tests/ray_cluster.py starts nodes so",
     "export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=/etc/sessiond/ray-token   # on every machine":
         "the environment of the ray start commands; tests/ray_cluster.py sets the same (RayCluster.auth_env)",
+    "sudo install -m 644 sessionctl.bash /etc/bash_completion.d/sessionctl":
+        "installs into /etc as root; the line before it writes the file, and is run",
 }
 # TOML blocks that only a real provider key could check: none today (an unset
 # api_key_env variable is a warning, not an error). Name them here by their
@@ -65,6 +68,7 @@ class Block:
     body: str
     lineno: int
     page: str = "README.md"
+    before: str = ""  # the last non-empty line above the fence ("prints" announces a python block's output)
 
 
 def fenced_blocks(text: str, page: str = "README.md") -> list[Block]:
@@ -77,12 +81,13 @@ def fenced_blocks(text: str, page: str = "README.md") -> list[Block]:
             i += 1
             continue
         indent, lang, start = m.group(1), m.group(2), i + 1
+        before = next((line.strip() for line in reversed(lines[:i]) if line.strip()), "")
         body: list[str] = []
         i += 1
         while not re.match(rf"^{indent}```\s*$", lines[i]):
             body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
             i += 1
-        blocks.append(Block(lang, "\n".join(body) + "\n", start, page))
+        blocks.append(Block(lang, "\n".join(body) + "\n", start, page, before))
         i += 1
     return blocks
 
@@ -105,6 +110,11 @@ BLOCKS = [b for page in PAGES if page.exists()
           for b in fenced_blocks(page.read_text(), str(page.relative_to(REPO)))]
 COMMANDS = commands(BLOCKS)
 TOML_BLOCKS = [b for b in BLOCKS if b.lang == "toml"]
+# Python blocks, each with the output the page says it prints (None: not said).
+PYTHON_BLOCKS = [(b, after.body if after.lang == "text" and after.before == "prints" else None)
+                 for b, after in zip(BLOCKS, [*BLOCKS[1:], Block("", "", 0)]) if b.lang == "python"]
+# A command whose output a page sends into a file (`> f`, `| tee f`).
+_INTO_A_FILE = re.compile(r"(?<![<>&2])>(?!&)|\|\s*(sudo\s+)?tee\b")
 
 
 @pytest.fixture
@@ -164,6 +174,10 @@ def test_readme_commands_run_as_printed(tmp_path: Path, workdir: Path) -> None:
                     line = line.replace(EXAMPLE_ID, created)
                 done = run(line, workdir, env)
                 assert done.returncode == 0, (line, done.stdout, done.stderr)
+                if _INTO_A_FILE.search(line):
+                    # An empty file would mean the command printed nothing.
+                    target = workdir / shlex.split(line.split(">")[-1])[0]
+                    assert target.stat().st_size > 0, (line, done.stderr)
                 if line == ".venv/bin/sessionctl create":
                     created = done.stdout.strip()
                     assert re.fullmatch(r"[0-9a-f]{12}", created), done.stdout
@@ -179,6 +193,11 @@ def test_readme_commands_run_as_printed(tmp_path: Path, workdir: Path) -> None:
         assert ran >= 7
         # `sessiond config default > config.toml` wrote a config that checks.
         assert tomllib.loads((workdir / "config.toml").read_text())
+        for block, prints in PYTHON_BLOCKS:
+            _run_python_block(block, prints, workdir, env)
+        assert created is not None
+        _the_log_lines_look_as_documented(daemon, created)
+        _an_export_holds_what_the_page_says(daemon, workdir, env)
     finally:
         daemon.cleanup()
     daemon.assert_no_leftovers()
@@ -198,3 +217,56 @@ def test_readme_toml_parses_and_passes_config_check(tmp_path: Path, block: Block
                           env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, (block.body, done.stdout, done.stderr)
     assert done.stdout.startswith(f"{config}: ok"), done.stdout
+
+
+def _run_python_block(block: Block, prints: str | None, workdir: Path, env: dict[str, str]) -> None:
+    """As printed: the block is the whole program (its sessions on the test's
+    daemon).  The README's blocks say what they print, and print exactly that
+    (a snippet once printed `2: stream meidle`, and its `main()` never ran)."""
+    if block.page == "README.md":
+        assert prints is not None, f"README.md:{block.lineno}: say what the block prints (a `prints` text block)"
+    script = workdir / f"snippet_{block.lineno}.py"
+    script.write_text(block.body)
+    done = subprocess.run([sys.executable, str(script)], cwd=workdir, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, (block.page, block.lineno, done.stderr)
+    if prints is not None:
+        assert done.stdout == prints, (block.page, block.lineno, done.stdout)
+
+
+def _the_log_lines_look_as_documented(daemon: Daemon, session: str) -> None:
+    """docs/operations.md shows a log line about a session; the daemon's
+    (here in its plain format: the time and level before it) has that shape."""
+    text = (REPO / "docs" / "operations.md").read_text()
+    example = re.search(r"`(?:<\d>)?([\w.]+: session=)" + EXAMPLE_ID + r" (\w+)[^`]*`", text)
+    assert example, "docs/operations.md shows no log line about a session"
+    line = f"{example.group(1)}{session} {example.group(2)} "
+    assert line in daemon.log, (line, daemon.log[-2000:])
+
+
+def _an_export_holds_what_the_page_says(daemon: Daemon, workdir: Path, env: dict[str, str]) -> None:
+    """docs/operations.md lists the fields every export has; a new session's
+    export has exactly those (the rest are left out when empty)."""
+    text = (REPO / "docs" / "operations.md").read_text()
+    span = re.search(r"The export is one JSON document: `([^`]*)`", text)
+    assert span, "docs/operations.md no longer says what an export holds"
+    documented = set(re.findall(r'"([a-z_]+)"\s*[:,}]', span.group(1)))
+    with daemon.client() as c:
+        sid = c.create(handler="echo").id
+    done = run(f".venv/bin/sessionctl export {sid}", workdir, env)
+    assert done.returncode == 0, done.stderr
+    assert set(json.loads(done.stdout)) == documented, (documented, done.stdout)
+
+
+def test_commands_that_write_a_file_name_a_command_that_runs_as_printed() -> None:
+    """`sessionctl … > f` (or `| sudo tee f`) with a bare `sessionctl` that
+    is not on PATH (it is in .venv/bin) writes an empty file and, in a
+    pipe, exits 0: every such line on every page names the command by its
+    path, in any block."""
+    bare = []
+    for block in BLOCKS:
+        for line in block.body.splitlines():
+            line = line.removeprefix("$ ")
+            if _INTO_A_FILE.search(line) and re.match(r"(sudo\s+)?(sessionctl|sessiond)\b", line):
+                bare.append(f"{block.page}:{block.lineno}: {line}")
+    assert not bare, bare

@@ -20,6 +20,7 @@ were active is printed for each set-up.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -391,3 +392,23 @@ def test_pages_forks_share_count_once_against_the_cap(make_daemon, llm: FakeLLM,
         assert c.status(sid).last_exit is None and c.status(sid).pid == pid
         c.remove(sid)
     wait_for(lambda: not forks(), 10, "the forks to go with their session")
+
+
+def test_the_tool_host_command_line_is_short(make_daemon, llm: FakeLLM, open_root: Path) -> None:
+    """`ps` used to show the tool host's whole source (~19 KB) as its
+    command line, twice (bubblewrap's and the host's); the source and its
+    config now come over its socket."""
+    d = make(make_daemon, llm, open_root, "root-uid-per-session")
+    with d.client() as c:
+        sid = c.create(session="cmdline").id
+    assert "ran" in run_tool(d, llm, sid, "echo ran", {})
+    hosts = []
+    for p in d.descendants():
+        with contextlib.suppress(psutil.Error):
+            cmdline = p.cmdline()
+            if "-I" in cmdline and "-S" in cmdline:
+                hosts.append(cmdline)
+    assert hosts, "no tool host among the daemon's descendants"
+    for cmdline in hosts:
+        assert len("\0".join(cmdline)) < 2048, (len("\0".join(cmdline)), cmdline[:3])
+        assert not any("def confine" in arg for arg in cmdline)

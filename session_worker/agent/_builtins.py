@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import session_worker.agent._beneath as _beneath
+from ipc.settings import BUILTIN_TOOLS
 from session_worker.agent._bash import run_bash
 from session_worker.agent._errors import ToolError
 from session_worker.agent._tools import Tool, ToolEnv
@@ -27,7 +28,7 @@ from session_worker.errors import SpawnError
 
 __all__ = ["BUILTIN_NAMES", "builtin_tools", "resolve_inside"]
 
-BUILTIN_NAMES = ("bash", "read_file", "write_file", "list_dir", "spawn_agent")
+BUILTIN_NAMES = BUILTIN_TOOLS  # (the daemon checks tools.enabled against the same list)
 
 
 def resolve_inside(workspace: Path, raw: str) -> Path:

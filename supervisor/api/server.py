@@ -51,7 +51,7 @@ from ipc.errors import FrameTimeout, FrameTooLarge, OverBudget, ProtocolError
 from supervisor import __version__
 from supervisor.api import peer, transfer
 from supervisor.api.accept import Acceptor
-from supervisor.errors import BadRequest, Conflict, SessiondError
+from supervisor.errors import BadRequest, Conflict, PermissionDenied, SessiondError
 from supervisor.core.manager import SessionManager
 from supervisor.ops.metrics import NO_METRICS, Recorder
 from supervisor.api.ratelog import RateLimitedLog
@@ -68,10 +68,17 @@ _LAGGED_GRACE_SECS = 1.0
 _LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 _CLIENT_NAME_CHARS = 64
 # (history, export and import work off the loop: supervisor.api.transfer)
-_SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove, m.Repair, op.Drain, op.History, op.Export, op.Import)
+_SLOW = (m.Create, m.Send, m.Stop, m.Restart, m.Remove, m.Repair, op.Drain, op.History, op.Export, op.Import,
+         op.Reload)
 # Data-plane requests: through the pacer.  The rest (ping, status, ls,
 # interrupt, stop...) is answered in the pass that reads it.
 _PACED = (m.Send, m.Create, m.Restart, m.Remove, m.Repair, op.Export, op.Import)
+# Requests that change sessions: once read, each runs to its end whatever
+# its client does (a client gone mid-`rm` must not leave the session half
+# stopped, nor have the delete come back after a restart).  Only the reply
+# is lost.  (An input the pacer still holds is dropped with its client: it
+# was never acknowledged.)
+_ACTIONS = (m.Create, m.Stop, m.Restart, m.Remove, m.Repair, op.Import, op.Drain, op.Reload)
 
 
 class ClientConn:
@@ -81,7 +88,6 @@ class ClientConn:
         self.proto = proto
         self.cred = cred
         self.uid, self.gid, self.pid = cred.uid, cred.gid, cred.pid
-        self.tasks: set[asyncio.Task[None]] = set()
         self.name = f"client pid={self.pid} uid={self.uid}"
         self.said_hello = False
         # Error codes newer than protocol 1 that this client said it decodes.
@@ -167,8 +173,8 @@ class ClientConn:
     def closed(self, exc: BaseException | None) -> None:
         if self._hello_timer is not None:
             self._hello_timer.cancel()
-        for task in self.tasks:
-            task.cancel()
+        # Its request tasks are not cancelled (see _ACTIONS): the server
+        # holds them until they end; an input's turn goes on, unwatched.
         self.server.manager.detach(self)
         self.server.clients.discard(self)
         if self.counted:
@@ -194,7 +200,7 @@ class ClientConn:
 
     def _paced(self, msg: op.AnyRequest) -> None:
         self._queued -= 1
-        if not self.proto.is_closed:
+        if not self.proto.is_closed or (self.said_hello and isinstance(msg, _ACTIONS)):
             self._handle(msg)
 
     def _handle(self, msg: op.AnyRequest) -> None:
@@ -203,9 +209,7 @@ class ClientConn:
         elif isinstance(msg, m.Send) and self._send_now(msg):
             pass
         elif isinstance(msg, _SLOW):
-            task = asyncio.get_running_loop().create_task(self._answer_later(msg))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            self.server.track(asyncio.get_running_loop().create_task(self._answer_later(msg)))
         else:
             try:
                 reply = self._handle_now(msg)
@@ -308,6 +312,8 @@ class ClientConn:
             reply = self._error_reply(msg, exc)
         if reply is not None:
             self.proto.send(reply)
+        if self.proto.is_closed:
+            self.server.manager.detach(self)  # a `send` that subscribed a client gone meanwhile
         self._count(msg, reply)
 
     def _handle_now(self, msg: op.AnyRequest) -> Any:
@@ -393,6 +399,13 @@ class ClientConn:
                 )
             case op.Drain():
                 return await self.server.drain(msg, self.uid)
+            case op.Reload(id=rid):
+                if not mgr.is_admin(self.uid):
+                    raise PermissionDenied("only an admin may reload the daemon's config "
+                                           "(root, [daemon] admin_uids)")
+                reloaded = self.server.reload()
+                reloaded.id = rid
+                return reloaded
             case op.History(id=rid, session=sid, limit=limit):
                 reply = await transfer.history(mgr.get(sid, self.uid), limit)
                 reply.id = rid
@@ -444,6 +457,7 @@ class ControlServer:
         *,
         metrics: Recorder = NO_METRICS,
         drain: Callable[[op.Drain, int], Awaitable[op.DrainReply]] | None = None,
+        reload: Callable[[], op.ReloadReply] | None = None,
     ) -> None:
         self.manager = manager
         # `sessionctl drain` (supervisor.cluster.drain.Drainer.handle, given by the daemon).
@@ -456,6 +470,21 @@ class ControlServer:
         self._connections: dict[int, int] = {}  # admitted, by non-exempt uid
         self._budgets: dict[int, SharedBudget] = {}  # by the same uids
         self.metrics = metrics
+        # `sessionctl reload` (supervisor.ops.reload.Reloader.reload, given by the daemon).
+        self.reload = reload or _no_reload
+        # Request tasks of every connection, held here so that one whose
+        # client has gone still runs to its end (see _ACTIONS).
+        self.requests: set[asyncio.Task[None]] = set()
+
+    def track(self, task: asyncio.Task[None]) -> None:
+        self.requests.add(task)
+        task.add_done_callback(self.requests.discard)
+
+    async def settle(self, timeout: float) -> None:
+        """At shutdown: let the requests in flight end (an `rm` half done
+        would come back after the restart), for up to `timeout`."""
+        if self.requests:
+            await asyncio.wait(set(self.requests), timeout=timeout)
 
     def admits(self, cred: peer.PeerCredentials) -> bool:
         """Root, the daemon's own user (someone running the daemon as
@@ -594,6 +623,10 @@ class ControlServer:
 
 async def _no_drain(msg: op.Drain, uid: int) -> op.DrainReply:
     raise Conflict("this daemon cannot drain nodes")
+
+
+def _no_reload() -> op.ReloadReply:
+    raise Conflict("this daemon was started without a way to reload its config")
 
 
 def _printable(name: str) -> str:

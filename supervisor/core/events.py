@@ -161,7 +161,8 @@ class EventLog:
         session.subscribers.add(subscriber)
         if from_seq is not None:
             oldest = session.ring[0][0] if session.ring else session.seq + 1
-            if from_seq < oldest:
+            # Seqs start at 1: asking from 0 (or below) misses nothing that was ever sent.
+            if max(from_seq, 1) < oldest:
                 subscriber.deliver(
                     self._encoder.encode(m.Gap(session=session.id, seq=oldest, from_seq=from_seq))
                 )

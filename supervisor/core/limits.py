@@ -40,6 +40,8 @@ from typing import Protocol
 from supervisor.spawn.pidfd import PidFd
 
 __all__ = [
+    "CLOCK_TICKS",
+    "CPU_SAMPLE_SECS",
     "HEARTBEATS_MISSED",
     "REMOTE_PIDS",
     "MemoryVerdict",
@@ -61,6 +63,10 @@ __all__ = [
 ]
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# A session's CPU % is measured over at least this long (`ls`, `top`):
+# a /proc/PID/stat read per process of its tree, not at every sweep.
+CPU_SAMPLE_SECS = 1.0
 MIB = 1024 * 1024
 # Above the largest pid_max Linux allows (2**22): never a pid of this machine.
 REMOTE_PIDS = 1 << 30
@@ -82,11 +88,12 @@ def _unknown(pid: int) -> int | None:
 class ProcTable:
     """Open /proc files by pid.  Runs in the daemon."""
 
-    __slots__ = ("_children", "_statm", "remote", "remote_procs")
+    __slots__ = ("_children", "_stat", "_statm", "remote", "remote_procs")
 
     def __init__(self, remote: RemoteFigures | None = None) -> None:
         self._statm: dict[int, int] = {}
         self._children: dict[int, int] = {}
+        self._stat: dict[int, int] = {}
         # A remote worker's tree's memory as its node last reported it.
         self.remote: Callable[[int], int | None] = remote.reported_rss if remote else _unknown
         # ... and the number of processes in that tree, the worker included.
@@ -115,6 +122,21 @@ class ProcTable:
             return None
         try:
             return int(data.split(None, 2)[1]) * PAGE_SIZE
+        except (IndexError, ValueError):
+            return None
+
+    def cpu_ticks(self, pid: int) -> int | None:
+        """Clock ticks the process ran (user + system) plus those of its
+        reaped children; None once it is gone, or for a remote worker."""
+        if pid >= REMOTE_PIDS:
+            return None
+        data = self._read(self._stat, pid, f"/proc/{pid}/stat")
+        if not data:
+            return None
+        # The command name (field 2) may hold spaces and parentheses: split after its last ")".
+        fields = data[data.rfind(b")") + 2:].split()
+        try:
+            return int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
         except (IndexError, ValueError):
             return None
 
@@ -148,7 +170,7 @@ class ProcTable:
         return PidFd(fd, pid)
 
     def forget(self, pid: int) -> None:
-        for table in (self._statm, self._children):
+        for table in (self._statm, self._children, self._stat):
             fd = table.pop(pid, None)
             if fd is not None:
                 with contextlib.suppress(OSError):
@@ -158,6 +180,8 @@ class ProcTable:
         for pid in [p for p in self._statm if p not in pids]:
             self.forget(pid)
         for pid in [p for p in self._children if p not in pids]:
+            self.forget(pid)
+        for pid in [p for p in self._stat if p not in pids]:
             self.forget(pid)
 
     def close(self) -> None:
@@ -204,6 +228,12 @@ class SessionMemory:
     disk_at: float = 0.0
     # A stop for a limit the session cannot be restarted out of is under way.
     stopping: bool = False
+    # CPU: the tree's clock ticks at the last sample, when (monotonic), and
+    # the share of one core used between the two last samples (None: not
+    # two samples yet).
+    cpu_ticks: int | None = None
+    cpu_at: float = 0.0
+    cpu_percent: float | None = None
 
     def escapees(self) -> list[PidFd]:
         """Handles of every tracked descendant: the ones that left the
@@ -254,6 +284,20 @@ class SessionMemory:
         self._forget_gone()
         self.rss_bytes = total
         return total
+
+    def sample_cpu(self, table: ProcTable, now: float) -> None:
+        """Sum the CPU ticks of the processes the last `measure` saw (the
+        worker and its descendants; their reaped children's included) and
+        set `cpu_percent` against the previous sample.  A process that
+        exits unreaped takes its ticks with it: a drop reads as 0 %."""
+        ticks = 0
+        for pid in self.rss_by_pid:
+            t = table.cpu_ticks(pid)
+            if t is not None:
+                ticks += t
+        if self.cpu_ticks is not None and now > self.cpu_at:
+            self.cpu_percent = max(0.0, (ticks - self.cpu_ticks) / CLOCK_TICKS / (now - self.cpu_at) * 100)
+        self.cpu_ticks, self.cpu_at = ticks, now
 
     def _forget_gone(self) -> None:
         """Drop what was read of processes that are gone (cheap when the

@@ -264,7 +264,7 @@ class SessionManager:
             parent=session.meta.parent, children=list(session.children),
             owner_uid=session.meta.owner_uid, error=session.error, usage=dict(session.usage),
             sandbox=self.workers.sandbox_report(worker) if pid is not None and worker is not None else {},
-            disk_bytes=session.memory.disk_bytes,
+            disk_bytes=session.memory.disk_bytes, cpu_percent=session.memory.cpu_percent if pid is not None else None,
         )
 
     def host_report(self) -> dict[str, Any]:

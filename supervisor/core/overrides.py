@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 
 from ipc.settings import NETWORK_LEVELS, PermissionRule, SessionSettings
-from supervisor.config import valid_handler_name
+from supervisor.config import plain_error, valid_handler_name
 from supervisor.errors import BadRequest, OverrideError
 
 __all__ = ["OverrideError", "Resolved", "check_handler", "choose_handler", "resolve_overrides"]
@@ -240,7 +240,7 @@ def _convert(
         return msgspec.convert(tree, SessionSettings)
     except msgspec.ValidationError as exc:
         if strict:
-            raise OverrideError(_describe(exc)) from None
+            raise OverrideError(_describe(exc, tree)) from None
     # Clamping a stored override that the schema no longer takes: drop the
     # offending keys one at a time until the rest fits.
     kept = dict(overrides)
@@ -254,13 +254,18 @@ def _convert(
     return base
 
 
-def _describe(exc: msgspec.ValidationError) -> str:
+def _describe(exc: msgspec.ValidationError, tree: dict[str, Any]) -> str:
     text = str(exc)
     marker = " - at `$."
     if marker in text:
         msg, _, path = text.partition(marker)
-        return f"--set {path.rstrip('`')}: {msg}"
+        path = path.rstrip("`")
+        value = _get(tree, path) if "[" not in path else _NO_VALUE
+        return f"--set {path}: {plain_error(msg, SessionSettings, path, *(() if value is _NO_VALUE else (value,)))}"
     return f"--set: {text}"
+
+
+_NO_VALUE: Any = object()
 
 
 class _Keep:

@@ -40,6 +40,7 @@ from supervisor.core.diskquota import DISK_EVERY_SECS, DiskWalk, detect
 from supervisor.errors import SessiondError
 from supervisor.core.events import EventLog
 from supervisor.core.limits import (
+    CPU_SAMPLE_SECS,
     HEARTBEATS_MISSED,
     MIB,
     REMOTE_PIDS,
@@ -188,6 +189,8 @@ class Sweeper:
         self._check_memory(session, worker, now)
         if worker.kill_reason is not None:
             return
+        if now - session.memory.cpu_at >= CPU_SAMPLE_SECS:
+            session.memory.sample_cpu(self._proc_table, now)
         self._check_disk(session, worker, now)
         if session.memory.stopping:
             return

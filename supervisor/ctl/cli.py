@@ -10,20 +10,14 @@ event each.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
-import os
-import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import msgspec
-
 from ipc import messages as m
-from ipc.contract import INCOMPLETE_STOPS, StopReason
+from ipc.contract import SESSION_STATES
 from ipc.loop import run as run_loop
 from supervisor import __version__
 from supervisor.ctl.client import AsyncClient
@@ -43,29 +37,11 @@ from supervisor.ctl.render import (
     print_stats,
     print_status,
     print_table,
+    stdout_gone,
 )
+from supervisor.ctl.stream import event_json, print_event, send_interruptibly, to_plain
 
 __all__ = ["main"]
-
-
-
-def to_plain(obj: Any) -> Any:
-    """A Struct as a dict with every field (the wire omits defaults; JSON
-    output must not: `status --json` always has pid, rss_bytes, last_exit)."""
-    if isinstance(obj, msgspec.Struct):
-        return {f: to_plain(getattr(obj, f)) for f in obj.__struct_fields__}
-    if isinstance(obj, list):
-        return [to_plain(x) for x in obj]
-    if isinstance(obj, dict):
-        return {k: to_plain(v) for k, v in obj.items()}
-    return obj
-
-
-def event_json(ev: Any) -> str:
-    data = {"type": type(ev).__struct_config__.tag}
-    data.update(to_plain(ev))
-    return json.dumps(data)
-
 
 _EPILOG = """\
 examples:
@@ -76,6 +52,8 @@ examples:
   sessionctl attach ID --from 0          replay retained events, then follow
   sessionctl approve ID REQUEST_ID       answer a permission request
   sessionctl --json status ID            one JSON object
+  sessionctl ls --state idle --sort cpu  filter and order the listing
+  sessionctl rm --state failed --dry-run what `rm --state failed` would remove
   sessionctl top                         live view; sessionctl --json top --once
   sessionctl history ID --limit 5        the last five turns, tool calls included
   sessionctl logs ID -f                  state changes, limits, exits; then follow
@@ -121,12 +99,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="from_seq", type=int, help="replay retained events from this seq")
     p = add("ls", "list sessions")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the ids, one a line")
+    _add_selection(p)
+    p.add_argument("--sort", choices=SORT_KEYS, metavar="KEY",
+                   help=f"order by KEY: {', '.join(SORT_KEYS)} (figures largest first)")
+    add("status", "show one session").add_argument("id")
     for name, help_text in (
-        ("status", "show one session"), ("interrupt", "interrupt the running turn"),
-        ("stop", "stop a session's worker"), ("restart", "(re)start a session's worker"),
-        ("rm", "delete a session and its state"),
+        ("interrupt", "interrupt the running turn"), ("stop", "stop a session's worker"),
+        ("restart", "(re)start a session's worker"), ("rm", "delete a session and its state"),
     ):
-        add(name, help_text).add_argument("id")
+        p = add(name, help_text)
+        p.add_argument("id", nargs="?", help="the session; or select sessions with the options below")
+        p.add_argument("--all", dest="every", action="store_true", help="every session you can see (`ls`)")
+        _add_selection(p)
+        p.add_argument("--dry-run", action="store_true", help="print what would be done, and do nothing")
+    add("reload", "re-read the daemon's config file, as SIGHUP does (admins only): what changed, or why not")
     for name in ("approve", "deny"):
         p = add(name, f"{name} a pending permission request")
         p.add_argument("id")
@@ -175,6 +161,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_selection(p: argparse.ArgumentParser) -> None:
+    """--state, --owner, --handler: each repeatable (any of the values), all
+    together (every one must match)."""
+    p.add_argument("--state", dest="states", action="append", default=[], choices=SESSION_STATES,
+                   metavar="S", help=f"sessions in state S: {', '.join(SESSION_STATES)}")
+    p.add_argument("--owner", dest="owners", action="append", default=[], type=_uid, metavar="UID",
+                   help="sessions created by this uid (others' sessions are an admin's to see)")
+    p.add_argument("--handler", dest="handlers", action="append", default=[], metavar="H",
+                   help="sessions running handler H (agent, echo, package.module:factory)")
+
+
+def _uid(text: str) -> int:
+    try:
+        uid = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a numeric uid, got {text!r}") from None
+    if not 0 <= uid < 2**32:
+        raise argparse.ArgumentTypeError(f"not a uid: {uid}")
+    return uid
+
+
 def _count(text: str) -> int:
     try:
         n = int(text)
@@ -195,98 +202,7 @@ def _positive_secs(text: str) -> float:
     return secs
 
 
-_TOOL_LINE_CHARS = 200
-
-
-def _clip(text: str, limit: int = _TOOL_LINE_CHARS) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _tool_line(kind: str, data: dict[str, Any]) -> str | None:
-    """One compact line for a `tool_call` or `tool_result` notice (None for
-    other notices): what the agent runs, and how it went."""
-    name = str(data.get("name", "?"))
-    if kind == "tool_call":
-        args = data.get("arguments", {})
-        shown = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        return _clip(f"[tool] {name} {shown}")
-    if kind == "tool_result":
-        lines = str(data.get("output", "")).strip().splitlines() or [""]
-        more = len(lines) - 1
-        tail = f" (+{more} line{'s' if more > 1 else ''})" if more else ""
-        if data.get("truncated"):
-            tail += " (cut)"
-        status = "ok" if data.get("ok") else "failed"
-        return _clip(f"[tool] {name} {status}: {lines[0]}", _TOOL_LINE_CHARS - len(tail)) + tail
-    return None
-
-
-def _permission_text(ev: m.PermissionRequest) -> str:
-    """The whole request, arguments uncut: the user decides on exactly this."""
-    return f"{ev.tool} {json.dumps(ev.arguments, ensure_ascii=False)}"
-
-
 _REASONING_HELP = "also show the model's reasoning (dimmed, on stderr; with --json, as events)"
-
-
-def _print_reasoning(text: str) -> None:
-    # stderr, so that stdout stays the reply alone; dimmed on a terminal.
-    if sys.stderr.isatty():
-        text = f"\x1b[2m{text}\x1b[0m"
-    sys.stderr.write(text)
-    sys.stderr.flush()
-
-
-def _print_event(ev: Any) -> None:
-    match ev:
-        case m.TextDelta(text=text):
-            sys.stdout.write(text)
-        case m.ReasoningDelta(text=text):
-            _print_reasoning(text)
-        case m.TurnDone(turn=turn, interrupted=interrupted, stop_reason=stop):
-            how = " (interrupted)" if interrupted else f" ({stop})" if stop else ""
-            print(f"\n[turn {turn} done{how}]")
-        case m.TurnFailed(turn=turn, reason=reason):
-            print(f"\n[turn {turn} failed: {reason}]")
-        case m.StateChanged(old=old, new=new, reason=reason):
-            print(f"[{old} -> {new}{': ' + reason if reason else ''}]")
-        case m.LimitExceeded(kind=kind, value=value, limit=limit):
-            print(f"[limit {kind}: {value:g} > {limit:g}]")
-        case m.Notice(kind=kind, data=data):
-            print(_tool_line(kind, data) or f"[{kind}: {json.dumps(data)}]")
-        case m.PermissionRequest(request_id=rid):
-            print(f"[permission request {rid}: {_permission_text(ev)}]")
-        case m.Gap(seq=seq, from_seq=from_seq):
-            print(f"[events {from_seq}..{seq - 1} are no longer retained]")
-    sys.stdout.flush()
-
-
-async def _ask_on_terminal(client: AsyncClient, session: str, ev: m.PermissionRequest) -> None:
-    prompt = f"\nallow {_permission_text(ev)}? [y/N] "
-    answer = await asyncio.get_running_loop().run_in_executor(None, _read_answer, prompt)
-    await client.answer(session, ev.request_id, answer)
-
-
-def _read_answer(prompt: str) -> bool:
-    """Ask on the controlling terminal (stdout may be a pipe); no terminal,
-    or anything but y/yes, is a no."""
-    try:
-        fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
-    except OSError:
-        return False
-    try:
-        os.write(fd, prompt.encode())
-        line = b""
-        while not line.endswith(b"\n"):
-            chunk = os.read(fd, 256)
-            if not chunk:
-                break
-            line += chunk
-        return line.strip().lower() in (b"y", b"yes")
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -329,7 +245,7 @@ async def _create(client: AsyncClient, args: argparse.Namespace, as_json: bool) 
 
 
 async def _send_command(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
-    return await _send_interruptibly(client, args.id, args.text, as_json)
+    return await send_interruptibly(client, args.id, args.text, as_json)
 
 
 async def _attach(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
@@ -338,7 +254,7 @@ async def _attach(client: AsyncClient, args: argparse.Namespace, as_json: bool) 
         if as_json:
             print(event_json(ev), flush=True)
         else:
-            _print_event(ev)
+            print_event(ev)
         deleted = isinstance(ev, m.StateChanged) and ev.new == "deleted"
     if not deleted:
         # The stream ends by itself only when the session is deleted;
@@ -348,7 +264,11 @@ async def _attach(client: AsyncClient, args: argparse.Namespace, as_json: bool) 
 
 
 async def _ls(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
-    sessions = await client.list()
+    from supervisor.ctl.bulk import Selector, select, sort_sessions
+
+    sessions = select(await client.list(), Selector(args.states, args.owners, args.handlers))
+    if args.sort:
+        sessions = sort_sessions(sessions, args.sort, time.time())
     if args.quiet:
         for s in sessions:
             print(s.id)
@@ -368,8 +288,9 @@ async def _status(client: AsyncClient, args: argparse.Namespace, as_json: bool) 
 
 
 async def _stats(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
-    stats = await client.stats()
-    print(json.dumps(to_plain(stats))) if as_json else print_stats(to_plain(stats))
+    stats = to_plain(await client.stats())
+    del stats["id"]  # the request's number on the wire, not a figure
+    print(json.dumps(stats)) if as_json else print_stats(stats)
     return EXIT_OK
 
 
@@ -385,13 +306,42 @@ async def _ping(client: AsyncClient, args: argparse.Namespace, as_json: bool) ->
 
 
 async def _lifecycle(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
-    """interrupt, stop, restart, rm: one request, nothing to print but --json's ok."""
+    """interrupt, stop, restart, rm: of one session, one request, nothing to
+    print but --json's ok; of a selection, supervisor.ctl.bulk."""
+    from supervisor.ctl.bulk import Selector, run_bulk, usage_problem
+
+    selector = Selector(args.states, args.owners, args.handlers)
+    if problem := usage_problem(args.id is not None, args.every, selector):
+        print(f"sessionctl {args.command}: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.id is None:
+        return await run_bulk(client, args.command, selector, args.dry_run, as_json)
+    if args.dry_run:
+        await client.status(args.id)  # exit 4 if there is no such session
+        print(json.dumps({"dry_run": True, "would": [args.id]}) if as_json else f"would {args.command} {args.id}")
+        return EXIT_OK
     action = {"interrupt": client.interrupt, "stop": client.stop,
               "restart": client.restart, "rm": client.remove}[args.command]
     await action(args.id)
     if as_json:
         print(json.dumps({"ok": True, "id": args.id}))
     return EXIT_OK
+
+
+async def _reload(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
+    reply = await client.reload()
+    if as_json:
+        data = to_plain(reply)
+        del data["id"]
+        print(json.dumps(data))
+    elif reply.taken:
+        print(f"reloaded {reply.source}: " + (f"{len(reply.changed)} change(s)" if reply.changed
+                                              else "nothing changed"))
+        for line in [*reply.changed, *reply.notes]:
+            print(f"  {line}")
+    else:
+        print(f"sessionctl: reload refused, the running config kept: {reply.error}", file=sys.stderr)
+    return EXIT_OK if reply.taken else EXIT_FAILED
 
 
 async def _repair(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
@@ -501,155 +451,31 @@ _COMMANDS: dict[str, Callable[[AsyncClient, argparse.Namespace, bool], Awaitable
     "stats": _stats, "ping": _ping, "interrupt": _lifecycle, "stop": _lifecycle,
     "restart": _lifecycle, "rm": _lifecycle, "repair": _repair, "top": _top, "history": _history,
     "logs": _logs, "export": _export, "import": _import, "drain": _drain, "approve": _answer,
-    "deny": _answer,
+    "deny": _answer, "reload": _reload,
 }
-
-
-_STOP_TEXT: dict[str, str] = {
-    StopReason.TRUNCATED: "the reply was truncated: the model hit its output token limit",
-    StopReason.FILTERED: "the reply was filtered by the provider's content filter",
-    StopReason.REFUSED: "the model refused to answer",
-}
-
-
-
-
-async def _send_interruptibly(client: AsyncClient, session: str, text: str, as_json: bool) -> int:
-    """`send`, where Ctrl-C means what a user expects: the first interrupts
-    the turn (its LLM calls and tools stop; the partial reply is kept and
-    printed), a second one detaches and leaves the turn to the daemon.
-
-    Either way the exit code is 130, as for any command stopped by Ctrl-C.
-    The signal callback only enqueues (it runs on the loop, but the rule
-    holds); this coroutine does the talking."""
-    loop = asyncio.get_running_loop()
-    sigints: asyncio.Queue[None] = asyncio.Queue()
-    try:
-        loop.add_signal_handler(signal.SIGINT, sigints.put_nowait, None)
-    except (NotImplementedError, RuntimeError, ValueError):
-        return await _send(client, session, text, as_json)  # not the main thread: plain Ctrl-C
-    stream = asyncio.ensure_future(_send(client, session, text, as_json))
-    interrupted = False
-    try:
-        while True:
-            sigint = asyncio.ensure_future(sigints.get())
-            await asyncio.wait({stream, sigint}, return_when=asyncio.FIRST_COMPLETED)
-            if stream.done():
-                sigint.cancel()
-                code = stream.result()
-                return EXIT_SIGINT if interrupted and code == EXIT_OK else code
-            if not interrupted:
-                interrupted = True
-                print(f"\nsessionctl: interrupting the turn of {session} (Ctrl-C again to detach)",
-                      file=sys.stderr, flush=True)
-                try:
-                    await client.interrupt(session)
-                except RequestError as exc:
-                    # Typically: the turn ended meanwhile; its end is on its way.
-                    print(f"sessionctl: {exc.message}", file=sys.stderr, flush=True)
-                continue
-            print(f"sessionctl: detached; the turn of {session} goes on in the daemon "
-                  f"(`sessionctl interrupt {session}` stops it)", file=sys.stderr, flush=True)
-            return EXIT_SIGINT
-    finally:
-        loop.remove_signal_handler(signal.SIGINT)
-        if not stream.done():
-            stream.cancel()
-            with contextlib.suppress(BaseException):
-                await stream
-
-
-async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> int:
-    interactive = sys.stdin.isatty() and not as_json
-    same_terminal = sys.stdout.isatty() and sys.stderr.isatty()
-    asks: set[asyncio.Task[None]] = set()
-    ended_with_newline = True
-    streamed: list[str] = []
-    async for ev in client.send(session, text):
-        if as_json:
-            print(event_json(ev), flush=True)
-        match ev:
-            case m.TextDelta(text=delta) if not as_json:
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-                streamed.append(delta)
-                ended_with_newline = delta.endswith("\n")
-            case m.ReasoningDelta(text=thought) if not as_json:
-                _print_reasoning(thought)
-            case m.PermissionRequest() if interactive:
-                asks.add(asyncio.create_task(_ask_on_terminal(client, session, ev)))
-            case m.Notice(kind=kind, data=data) if not as_json:
-                line = _tool_line(kind, data)
-                if line is not None:
-                    # Tool calls go to stderr: stdout stays the reply alone.
-                    if not ended_with_newline and same_terminal:
-                        sys.stdout.write("\n")
-                        sys.stdout.flush()
-                        ended_with_newline = True
-                    print(line, file=sys.stderr, flush=True)
-            case m.PermissionRequest() if not as_json:
-                print(f"\nsessionctl: permission request {ev.request_id}: {_permission_text(ev)}\n"
-                      f"sessionctl: answer with `sessionctl approve|deny {session} {ev.request_id}`",
-                      file=sys.stderr, flush=True)
-            case m.LimitExceeded(kind=kind, value=value, limit=limit) if not as_json:
-                print(f"\nsessionctl: limit {kind} exceeded: {value:g} > {limit:g}", file=sys.stderr)
-            case m.TurnDone(interrupted=interrupted, stop_reason=stop):
-                if not as_json:
-                    rest = _unstreamed(ev.reply, "".join(streamed), ended_with_newline)
-                    if rest:
-                        sys.stdout.write(rest)
-                        ended_with_newline = rest.endswith("\n")
-                    if not ended_with_newline:
-                        sys.stdout.write("\n")
-                    if interrupted:
-                        print("sessionctl: the turn was interrupted", file=sys.stderr)
-                if stop in INCOMPLETE_STOPS:
-                    # Also with --json: a script must not take a cut reply
-                    # for an answer because it only checked the exit code.
-                    print(f"sessionctl: turn {ev.turn}: {_STOP_TEXT.get(stop, stop)} "
-                          f"(provider said {ev.stop_detail or stop!r})", file=sys.stderr)
-                    return EXIT_FAILED
-                return EXIT_OK
-            case m.TurnFailed(reason=reason):
-                if not as_json and not ended_with_newline:
-                    sys.stdout.write("\n")
-                print(f"sessionctl: turn {ev.turn} failed: {reason}", file=sys.stderr)
-                return EXIT_FAILED
-    return EXIT_FAILED
-
-
-def _unstreamed(reply: str, streamed: str, ended_with_newline: bool) -> str:
-    """What of the turn's reply the user has not seen yet.
-
-    A handler may stream its whole reply, part of it, or only a progress
-    word ("counting… ") and return the reply without streaming it; the user
-    must see the reply in every case, and never twice."""
-    if not reply or reply == streamed:
-        return ""
-    if reply.startswith(streamed):
-        return reply[len(streamed):]
-    # Something else was streamed: the reply goes on a line of its own.
-    return reply if ended_with_newline else "\n" + reply
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command == "completion":  # no daemon needed
-        from supervisor.ctl.completion import bash_script, zsh_script
-
-        sys.stdout.write((bash_script if args.shell == "bash" else zsh_script)(parser))
-        return EXIT_OK
     if args.command == "web":  # serves until Ctrl-C, reconnecting to the daemon
         from supervisor.ctl.web.serve import run_web
 
         return run_web(args.socket, args.port, args.json)
     try:
+        if args.command == "completion":  # no daemon needed
+            from supervisor.ctl.completion import bash_script, this_program, zsh_script
+
+            sys.stdout.write((bash_script if args.shell == "bash" else zsh_script)(parser, this_program()))
+            sys.stdout.flush()
+            return EXIT_OK
         return run_loop(_run(args))
     except (DaemonUnavailable, RequestError) as exc:
         return failed(exc)
     except KeyboardInterrupt:
         return EXIT_SIGINT
+    except BrokenPipeError:  # `sessionctl send ... | head`: the turn goes on in the daemon
+        return stdout_gone()
 
 
 if __name__ == "__main__":

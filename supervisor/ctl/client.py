@@ -325,6 +325,11 @@ class AsyncClient:
         return await self._request(
             op.Drain(id=self._next_id(), node=node, timeout_secs=timeout_secs, undo=undo), op.DrainReply)
 
+    async def reload(self) -> op.ReloadReply:
+        """Re-read the daemon's config file, as SIGHUP does (admins only):
+        whether it was taken, what changed, or why it was refused."""
+        return await self._request(op.Reload(id=self._next_id()), op.ReloadReply)
+
     async def ping(self, session: str | None = None) -> m.Pong:
         return await self._request(m.Ping(id=self._next_id(), session=session), m.Pong)
 
@@ -468,4 +473,8 @@ class Client:
 
     def top(self) -> op.TopReply:
         result: op.TopReply = self._run(self._client.top())
+        return result
+
+    def reload(self) -> op.ReloadReply:
+        result: op.ReloadReply = self._run(self._client.reload())
         return result

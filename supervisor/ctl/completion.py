@@ -8,19 +8,38 @@ can fall behind a new command or flag.
 
 Session ids are completed from the daemon at completion time with
 `sessionctl [--socket PATH] ls -q` (the --socket on the command line being
-completed is passed on); a daemon that is down completes nothing.
+completed is passed on); a daemon that is down completes nothing.  The
+`sessionctl` run is the one being completed, as typed (`.venv/bin/sessionctl`
+works without being on PATH), else `program`: the sessionctl that generated
+the script, by its absolute path.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import shlex
+import sys
 from dataclasses import dataclass, field
 
 from supervisor import __version__
 
-__all__ = ["Command", "bash_script", "commands", "man_page", "zsh_script"]
+__all__ = ["Command", "bash_script", "commands", "man_page", "this_program", "zsh_script"]
+
+# Options whose next word is their value, not a command or a session id.
+_TAKES_VALUE = "--id|--limit|--interval|--sample-secs|--from|--set|--handler|--sort|--state|--owner|--timeout"
+
+
+def this_program() -> str:
+    """The absolute path of the sessionctl running now (the console script,
+    or the one beside this interpreter for `python -m supervisor.ctl`);
+    plain `sessionctl` if there is none."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if os.path.basename(argv0) == "sessionctl" and os.access(argv0, os.X_OK):
+        return os.path.abspath(argv0)
+    beside = os.path.join(os.path.dirname(sys.executable), "sessionctl")
+    return beside if os.access(beside, os.X_OK) else "sessionctl"
 
 
 @dataclass
@@ -71,7 +90,7 @@ def _global_options(parser: argparse.ArgumentParser) -> list[str]:
 # ---------------------------------------------------------------- bash
 
 
-def bash_script(parser: argparse.ArgumentParser) -> str:
+def bash_script(parser: argparse.ArgumentParser, program: str = "sessionctl") -> str:
     cmds = commands(parser)
     cases = []
     for c in cmds:
@@ -91,7 +110,7 @@ def bash_script(parser: argparse.ArgumentParser) -> str:
         cases.append(
             f"        {c.name})\n"
             f"            case \"$prev\" in\n{values}"
-            f"                --id|--limit|--interval|--sample-secs|--from) return;;\n"
+            f"                {_TAKES_VALUE}) return;;\n"
             f"            esac\n"
             f"            if [[ $cur == -* ]]; then COMPREPLY=($(compgen -W {shlex.quote(opts)} -- \"$cur\"))\n"
             f"            elif (( npos == 0 )); then\n"
@@ -103,7 +122,9 @@ def bash_script(parser: argparse.ArgumentParser) -> str:
     globals_ = " ".join(_global_options(parser))
     return f"""# bash completion for sessionctl {__version__} (generated: sessionctl completion bash)
 _sessionctl_ids() {{
-    sessionctl ${{_sessionctl_socket:+--socket "$_sessionctl_socket"}} ls -q 2>/dev/null
+    local cmd=${{COMP_WORDS[0]/#\\~/$HOME}}
+    if ! type -P "$cmd" >/dev/null 2>&1; then cmd={shlex.quote(program)}; fi
+    "$cmd" ${{_sessionctl_socket:+--socket "$_sessionctl_socket"}} ls -q 2>/dev/null
 }}
 _sessionctl() {{
     local cur prev cmd="" npos=0 i w _sessionctl_socket=""
@@ -114,7 +135,7 @@ _sessionctl() {{
         case "$w" in
             --socket) _sessionctl_socket=${{COMP_WORDS[i+1]}}; (( i++ )); continue;;
             --socket=*) _sessionctl_socket=${{w#--socket=}}; continue;;
-            --id|--limit|--interval|--sample-secs|--from|--set|--handler|--sort) (( i++ )); continue;;
+            {_TAKES_VALUE}) (( i++ )); continue;;
             -*) continue;;
         esac
         if [[ -z $cmd ]]; then cmd=$w; else (( npos++ )); fi
@@ -139,7 +160,7 @@ def _zsh_quote(text: str) -> str:
     return text.replace("\\", "\\\\").replace(":", "\\:").replace("'", "'\\''")
 
 
-def zsh_script(parser: argparse.ArgumentParser) -> str:
+def zsh_script(parser: argparse.ArgumentParser, program: str = "sessionctl") -> str:
     cmds = commands(parser)
     described = "\n".join(f"        '{c.name}:{_zsh_quote(c.help)}'" for c in cmds)
     cases = []
@@ -167,7 +188,9 @@ def zsh_script(parser: argparse.ArgumentParser) -> str:
 # zsh completion for sessionctl {__version__} (generated: sessionctl completion zsh)
 _sessionctl_ids() {{
   local -a ids
-  ids=(${{(f)"$(sessionctl ${{socket:+--socket $socket}} ls -q 2>/dev/null)"}})
+  local cmd=${{~words[1]}}
+  (( $+commands[$cmd] )) || [[ -x $cmd ]] || cmd={shlex.quote(program)}
+  ids=(${{(f)"$($cmd ${{socket:+--socket $socket}} ls -q 2>/dev/null)"}})
   compadd -a ids
 }}
 _sessionctl() {{
@@ -181,7 +204,7 @@ _sessionctl() {{
     case $w in
       --socket) socket=${{words[i+1]}}; (( i++ )); continue;;
       --socket=*) socket=${{w#--socket=}}; continue;;
-      --id|--limit|--interval|--sample-secs|--from|--set|--handler|--sort) (( i++ )); continue;;
+      {_TAKES_VALUE}) (( i++ )); continue;;
       -*) continue;;
     esac
     if [[ -z $cmd ]]; then cmd=$w; else (( npos++ )); fi

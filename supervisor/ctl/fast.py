@@ -52,6 +52,7 @@ from supervisor.ctl.render import (
     print_stats,
     print_status,
     print_table,
+    stdout_gone,
 )
 
 TYPE_CHECKING = False
@@ -596,6 +597,7 @@ def _run(args: _Args) -> int:
                     raise _Unsure("sandbox: not plain data")
                 print_stats(reply)
                 return EXIT_OK
+            del reply["id"]  # the request's number on the wire, not a figure (as the full path)
             text = json_text(reply) + "\n"
         case _:  # ping
             if as_json:
@@ -649,6 +651,8 @@ def _one_shot(argv: list[str]) -> int | None:
         return None
     except KeyboardInterrupt:
         return EXIT_SIGINT
+    except BrokenPipeError:  # `sessionctl ls | head`
+        return stdout_gone()
 
 
 if __name__ == "__main__":

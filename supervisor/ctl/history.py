@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from ipc import messages as m
+from ipc.contract import limit_text
 from ipc import operator as op
 from supervisor.ctl.client import AsyncClient
 from supervisor.ctl.errors import DaemonUnavailable, ImportFileError
@@ -83,7 +84,7 @@ def _entry_text(at: float, ev: Any) -> str:
         case m.StateChanged(old=old, new=new, reason=reason):
             what = f"state {old} -> {new}{': ' + reason if reason else ''}"
         case m.LimitExceeded(kind=kind, value=value, limit=limit):
-            what = f"limit {kind}: {value:g} over {limit:g}"
+            what = f"limit {kind}: {limit_text(kind, value, limit)}"
         case m.TurnFailed(turn=turn, reason=reason):
             what = f"turn {turn} failed: {reason}"
         case _:

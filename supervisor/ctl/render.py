@@ -18,14 +18,16 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["EXIT_CODES", "EXIT_FAILED", "EXIT_NO_SESSION", "EXIT_OK", "EXIT_SIGINT", "EXIT_UNREACHABLE", "EXIT_USAGE",
-           "SORT_KEYS", "exit_code_for", "exit_codes_text", "failed", "fmt_bytes", "pong_text", "print_stats", "print_status", "print_table",
+__all__ = ["EXIT_CODES", "EXIT_FAILED", "EXIT_NO_SESSION", "EXIT_OK", "EXIT_SIGINT", "EXIT_SIGPIPE", "EXIT_UNREACHABLE",
+           "EXIT_USAGE", "stdout_gone",
+           "SORT_KEYS", "exit_code_for", "exit_codes_text", "failed", "fmt_age", "fmt_bytes", "pong_text", "print_stats", "print_status", "print_table",
            "sandbox_line"]
 
 # sessionctl's exit codes (a contract: scripts test them), for both paths
 # and every command; `sessionctl --help` and the man page list EXIT_CODES.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_SESSION = 0, 1, 2, 3, 4
 EXIT_SIGINT = 128 + 2  # as a shell reports a command SIGINT ended
+EXIT_SIGPIPE = 128 + 13  # stdout's reader went away (`sessionctl send ... | head`), as a shell reports SIGPIPE
 EXIT_CODES = (
     (EXIT_OK, "done"),
     (EXIT_FAILED, "the operation failed (a turn failed, the daemon refused)"),
@@ -38,6 +40,17 @@ EXIT_CODES = (
 def exit_codes_text() -> str:
     """The exit codes, one a line, as `--help` ends."""
     return "".join(f"  {code}  {meaning}\n" for code, meaning in EXIT_CODES)
+
+
+def stdout_gone() -> int:
+    """stdout's reader went away (BrokenPipeError): say nothing (the
+    reader wanted no more), point stdout at /dev/null so that the
+    interpreter's last flush cannot raise again, and end as SIGPIPE would."""
+    import os  # (a built-in module: free)
+
+    with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 1)
+    return EXIT_SIGPIPE
 
 
 def exit_code_for(error_code: str) -> int:
@@ -83,23 +96,43 @@ def sandbox_line(sb: dict[str, Any]) -> str:
     return f"sandbox ({sb.get('mode')}): {', '.join(have) or 'nothing'}" + (f"; {missing}" if missing else "") + refused
 
 
-def print_table(sessions: list[dict[str, Any]]) -> None:
-    """`ls`: one row a session, children indented under their parent."""
+def fmt_age(secs: float) -> str:
+    """12s, 5m, 3h07m, 2d04h: how long ago, to the unit that matters."""
+    s = max(0, int(secs))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def print_table(sessions: list[dict[str, Any]], now: float | None = None) -> None:
+    """`ls`: one row a session in the order given, children indented under
+    their parent.  CPU is the daemon's last sample (`cpu_percent`), AGE the
+    time since the session was created."""
+    now = time.time() if now is None else now
     by_id = {s["id"]: s for s in sessions}
+    kids: dict[str, list[dict[str, Any]]] = {}
+    for s in sessions:
+        if s["parent"] in by_id:
+            kids.setdefault(s["parent"], []).append(s)
     rows: list[tuple[str, dict[str, Any]]] = []
 
     def walk(s: dict[str, Any], depth: int) -> None:
         rows.append(("  " * depth + ("└ " if depth else "") + s["id"], s))
-        for child in s["children"]:
-            if child in by_id:
-                walk(by_id[child], depth + 1)
+        for child in kids.get(s["id"], ()):
+            walk(child, depth + 1)
 
     for s in sessions:
         if s["parent"] is None or s["parent"] not in by_id:
             walk(s, 0)
-    header = ("ID", "STATE", "PID", "RSS", "TURNS", "RESTARTS", "HANDLER")
+    header = ("ID", "STATE", "PID", "RSS", "CPU%", "AGE", "TURNS", "RESTARTS", "HANDLER")
     table = [header] + [
-        (name, s["state"], str(s["pid"] or "-"), fmt_bytes(s["rss_bytes"]), str(s["turns"]),
+        (name, s["state"], str(s["pid"] or "-"), fmt_bytes(s["rss_bytes"]),
+         "-" if s.get("cpu_percent") is None else f"{s['cpu_percent']:.0f}",
+         fmt_age(now - s["created_at"]) if s["created_at"] else "-", str(s["turns"]),
          str(s["restarts"]), s["handler"])
         for name, s in rows
     ]

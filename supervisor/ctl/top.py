@@ -23,7 +23,7 @@ from typing import Any
 from ipc import messages as m
 from ipc import operator as op
 from supervisor.ctl.client import AsyncClient
-from supervisor.ctl.render import EXIT_OK, EXIT_USAGE, SORT_KEYS
+from supervisor.ctl.render import EXIT_OK, EXIT_USAGE, SORT_KEYS, fmt_age
 
 __all__ = ["Row", "SORT_KEYS", "render", "rows_from", "run_top", "snapshot_json", "totals"]
 
@@ -71,7 +71,9 @@ def rows_from(now: op.TopReply, before: op.TopReply | None) -> list[Row]:
     rows = []
     for e in now.entries:
         s = e.session
-        pct: float | None = None
+        # Without an earlier sample of this worker (the first refresh): the
+        # daemon's own, from its sweep.
+        pct: float | None = s.cpu_percent
         prev = earlier.get((s.id, s.pid))
         if e.cpu_secs is not None and prev is not None and span > 0:
             pct = max(0.0, (e.cpu_secs - prev) / span * 100)
@@ -135,15 +137,7 @@ def _bytes(n: int | None) -> str:
     return f"{value:.0f}{unit}" if unit in ("B", "K") or value >= 100 else f"{value:.1f}{unit}"
 
 
-def _age(secs: float) -> str:
-    s = int(secs)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+_age = fmt_age  # as `ls` shows it
 
 
 def _exit(e: m.ExitInfo | None) -> str:

@@ -1,6 +1,7 @@
-"""`session=ID` at the start of every daemon log line about one session.
+"""`session=ID` at the start of every daemon log message about one session
+(a line reads `sessiond.manager: session=ID ...`: the logger's name first).
 
-A worker's lines already start with `session=ID` (session_worker/main.py
+A worker's messages already start with `session=ID` (session_worker/main.py
 tags them with a handler filter); the daemon's own lines about that session
 carry the same field, so `journalctl -u sessiond --grep 'session=ID'` finds
 both sides. Call sites write `tagged(log, session.id).warning("worker %d
