@@ -1,0 +1,180 @@
+"""MCP tools: real servers built with the SDK (tests/mcp_servers.py), a stdio
+one started for the session and a streamable-HTTP one on 127.0.0.1, driven
+by the scripted LLM server.  The model calls them as `mcp__<name>__<tool>`;
+a server that crashes, hangs or speaks garbage fails the call with a clear
+error and the session goes on; permissions apply; an override narrows."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from fakellm import FakeLLM, fake_llm, text_stream, tool_call_stream
+from mcp_servers import LONG_DESCRIPTION, http_server
+from session_worker.agent._mcp import tool_name
+from ipc.settings import McpSettings, PermissionRule, SessionSettings
+from supervisor.core.overrides import OverrideError, resolve_overrides
+from test_agent_support import FakeCtx, make_handler, make_settings, run
+
+__all__ = ["fake_llm"]
+
+SERVER = str(Path(__file__).with_name("mcp_servers.py"))
+STDIO = {"name": "loc", "command": [sys.executable, SERVER, "stdio"]}
+
+
+@pytest.fixture(scope="module")
+def web() -> Iterator[str]:
+    with http_server() as url:
+        yield url
+
+
+def with_mcp(settings: SessionSettings, servers: list[dict[str, Any]], **mcp: Any) -> SessionSettings:
+    return msgspec.structs.replace(settings, mcp=msgspec.convert({"servers": servers, **mcp}, McpSettings))
+
+
+def results(request: Any) -> list[str]:
+    return [m["content"] for m in request.json["messages"] if m["role"] == "tool"]
+
+
+def offered(request: Any) -> list[str]:
+    return [t["function"]["name"] for t in request.json.get("tools", [])]
+
+
+async def turns(handler: Any, ctx: FakeCtx, *texts: str) -> list[Any]:
+    try:
+        return [await handler.handle(text, ctx) for text in texts]
+    finally:
+        await handler.aclose()
+
+
+@pytest.mark.process
+def test_the_model_calls_stdio_and_http_tools_beside_the_builtins(
+        fake_llm: FakeLLM, web: str, tmp_path: Path) -> None:
+    settings = with_mcp(make_settings(fake_llm), [STDIO, {"name": "web", "url": web + "/mcp/"}])
+    fake_llm.script(
+        tool_call_stream(("c1", "mcp__loc__echo", {"text": "hi"}), ("c2", "mcp__web__add", {"a": 2, "b": 40}),
+                         ("c3", "mcp__loc__whoami", {})),
+        text_stream("done"),
+    )
+    ctx = FakeCtx(settings, tmp_path)
+    [result] = run(turns(make_handler(settings, tmp_path), ctx, "go"))
+    assert result.reply == "done"
+    first, second = fake_llm.requests
+    names = offered(first)
+    assert names[:5] == ["bash", "read_file", "write_file", "list_dir", "spawn_agent"]
+    for server in ("loc", "web"):
+        assert {f"mcp__{server}__{t}" for t in ("echo", "add", "crash", "hang", "verbose")} <= set(names)
+    # A name no provider takes is rewritten to one that fits, unique by a digest.
+    hostile = tool_name("loc", "bad name/\u00fcn\u00ef")
+    assert hostile is not None and hostile in names and hostile.startswith("mcp__loc__bad_name")
+    assert all(len(n) <= 64 and n.replace("_", "").replace("-", "").isalnum() for n in names)
+    described = {t["function"]["name"]: t["function"]["description"] for t in first.json["tools"]}
+    assert len(described["mcp__loc__verbose"]) < 2100 < len(LONG_DESCRIPTION)
+    echo, added, whoami = results(second)
+    assert echo == "echo: hi" and added == "42"
+    assert f"cwd={tmp_path.resolve()}" in whoami
+    assert [n["name"] for n in ctx.notices_of("tool_result")] == ["mcp__loc__echo", "mcp__web__add",
+                                                                    "mcp__loc__whoami"]
+    assert all(n["ok"] for n in ctx.notices_of("tool_result"))
+
+
+@pytest.mark.process
+def test_a_server_that_crashes_hangs_or_speaks_garbage_fails_the_call_and_the_session_lives(
+        fake_llm: FakeLLM, web: str, tmp_path: Path) -> None:
+    servers = [STDIO, {"name": "web", "url": web + "/mcp/"}, {"name": "junk", "url": web + "/garbage"}]
+    settings = with_mcp(make_settings(fake_llm), servers, call_timeout_secs=1.0, start_timeout_secs=20.0)
+    fake_llm.script(
+        tool_call_stream(("c1", "mcp__loc__crash", {}), ("c2", "mcp__loc__echo", {"text": "after crash"}),
+                         ("c3", "mcp__loc__hang", {}), ("c4", "mcp__loc__garbage", {}),
+                         ("c5", "mcp__web__hang", {}), ("c6", "mcp__loc__echo", {"text": "still here"})),
+        text_stream("survived"),
+        text_stream("next turn"),
+    )
+    ctx = FakeCtx(settings, tmp_path)
+    first, second = run(turns(make_handler(settings, tmp_path), ctx, "go", "again"))
+    assert (first.reply, second.reply) == ("survived", "next turn")
+    crash, after, hang, garbage, web_hang, still = results(fake_llm.requests[1])
+    assert "MCP server 'loc' exited with code 3 during the call to crash" in crash
+    assert "crashes on purpose" in crash  # its last words on stderr
+    assert after == "echo: after crash"  # started again for the next call
+    assert "did not answer hang within 1 s (mcp.call_timeout_secs)" in hang
+    assert "not JSON-RPC on stdout" in garbage and "<html>" in garbage
+    assert "MCP server 'web' did not answer hang within 1 s" in web_hang
+    assert still == "echo: still here"
+    ok = [n["ok"] for n in ctx.notices_of("tool_result")]
+    assert ok == [False, True, False, False, False, True]
+    # The server that answers garbage over HTTP is reported, its tools not offered.
+    [unavailable] = ctx.notices_of("mcp_server_unavailable")[:1]
+    assert unavailable["server"] == "junk" and "junk" in unavailable["error"]
+    assert not any(n.startswith("mcp__junk__") for n in offered(fake_llm.requests[0]))
+
+
+@pytest.mark.process
+def test_permissions_ask_and_deny_apply_to_mcp_tools(fake_llm: FakeLLM, web: str, tmp_path: Path) -> None:
+    rules = [PermissionRule(tool="mcp__web__echo", match="secret*", action="deny"),
+             PermissionRule(tool="mcp__web__echo", match="*", action="ask")]
+    settings = with_mcp(make_settings(fake_llm, permissions=rules), [{"name": "web", "url": web + "/mcp/"}])
+    fake_llm.script(
+        tool_call_stream(("c1", "mcp__web__echo", {"text": "secret plans"}),
+                         ("c2", "mcp__web__echo", {"text": "refused by the user"}),
+                         ("c3", "mcp__web__echo", {"text": "approved"})),
+        text_stream("ok"),
+    )
+    ctx = FakeCtx(settings, tmp_path, answers=[False, True])
+    run(turns(make_handler(settings, tmp_path), ctx, "go"))
+    denied, refused, approved = results(fake_llm.requests[1])
+    assert "permission denied: a rule forbids this mcp__web__echo call" in denied
+    assert "did not approve" in refused
+    assert approved == "echo: approved"
+    assert ctx.asked == [("mcp__web__echo", {"text": "refused by the user"}),
+                         ("mcp__web__echo", {"text": "approved"})]
+
+
+@pytest.mark.component
+def test_an_override_narrows_the_servers_and_cannot_widen_them(
+        fake_llm: FakeLLM, web: str, tmp_path: Path) -> None:
+    base = with_mcp(SessionSettings(), [STDIO, {"name": "web", "url": web + "/mcp/"},
+                                        {"name": "other", "url": web + "/mcp/"}], enabled=["loc", "web"])
+    narrowed = resolve_overrides(base, {"mcp.enabled": ["web"]}).settings
+    assert [s.name for s in narrowed.mcp.offered()] == ["web"]
+    for widen in ({"mcp.enabled": ["other"]}, {"mcp.enabled": ["web", "nowhere"]},
+                  {"mcp.servers": [{"name": "x", "url": "http://evil.example/"}]},
+                  {"mcp.call_timeout_secs": 1e6}):
+        with pytest.raises(OverrideError):
+            resolve_overrides(base, widen)
+    # A stored override is clamped after the operator narrows the set.
+    clamped = resolve_overrides(with_mcp(base, base.mcp.servers, enabled=["loc"]),
+                                {"mcp.enabled": ["web", "loc"]}, strict=False)
+    assert clamped.settings.mcp.enabled == ["loc"] and clamped.adjusted
+    # The narrowed session is offered only web's tools.
+    session = msgspec.structs.replace(narrowed, provider=make_settings(fake_llm).provider)
+    fake_llm.script(text_stream("hello"))
+    run(turns(make_handler(session, tmp_path), FakeCtx(session, tmp_path), "hi"))
+    names = offered(fake_llm.requests[0])
+    assert any(n.startswith("mcp__web__") for n in names)
+    assert not any(n.startswith(("mcp__loc__", "mcp__other__")) for n in names)
+
+
+@pytest.mark.pure
+def test_server_tool_names_are_checked_and_made_to_fit() -> None:
+    assert tool_name("files", "read") == "mcp__files__read"
+    long = tool_name("files", "x" * 200)
+    assert long is not None and len(long) <= 64 and long.startswith("mcp__files__xxx")
+    assert tool_name("files", "a.b") != tool_name("files", "a_b") == "mcp__files__a_b"
+    assert tool_name("files", "a_b", {"mcp__files__a_b"}) not in (None, "mcp__files__a_b")
+    assert tool_name("files", "") is None and tool_name("files", "y" * 300) is None
+    for bad in ({"servers": [{"name": "a__b", "command": ["x"]}]},
+                {"servers": [{"name": "a", "command": ["x"], "url": "http://x/"}]},
+                {"servers": [{"name": "a"}]},
+                {"servers": [{"name": "a", "command": []}]},
+                {"servers": [{"name": "a", "url": "file:///etc/passwd"}]},
+                {"servers": [{"name": "a", "url": "http://x/"}, {"name": "a", "command": ["y"]}]},
+                {"servers": [{"name": "a", "url": "http://x/", "env": {"K": "v"}}]},
+                {"servers": [], "enabled": ["ghost"]}):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert(bad, McpSettings)
