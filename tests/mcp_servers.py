@@ -7,7 +7,7 @@ One server, two transports:
     with http_server() as url: ...          # streamable HTTP on 127.0.0.1,
                                             # in a thread of the test process
 
-Its tools: `echo{text}`, `add{a, b}`, `whoami{}` (the uid, pid namespace's
+Its tools: `echo{text}`, `add{a, b}`, `read_file{path}` (for bench/mcp.py), `whoami{}` (the uid, pid namespace's
 view of itself and the working directory it runs in), `crash{}` (the
 process exits mid-call: stdio), `hang{}` (never answers), `garbage{}`
 (writes a line that is not JSON-RPC on stdout: stdio), and two hostile ones:
@@ -52,6 +52,12 @@ def build() -> MCPServer:
         return a + b
 
     @server.tool()
+    def read_file(path: str) -> str:
+        """Read a text file of the working directory (what the built-in read_file does)."""
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    @server.tool()
     def whoami() -> str:
         """Where this server runs."""
         return f"uid={os.getuid()} pid={os.getpid()} cwd={os.getcwd()}"
@@ -65,9 +71,12 @@ def build() -> MCPServer:
 
     @server.tool()
     async def hang() -> str:
-        """Never answer."""
+        """Never answer (a file `hanging` in the working directory says it was called)."""
         import anyio
 
+        with contextlib.suppress(OSError):
+            with open("hanging", "w") as mark:
+                mark.write(str(os.getpid()))
         await anyio.sleep(3600)
         return "unreachable"
 

@@ -6,6 +6,7 @@ error and the session goes on; permissions apply; an override narrows."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from mcp_servers import LONG_DESCRIPTION, http_server
 from session_worker.agent._mcp import tool_name
 from ipc.settings import McpSettings, PermissionRule, SessionSettings
 from supervisor.core.overrides import OverrideError, resolve_overrides
-from test_agent_support import FakeCtx, make_handler, make_settings, run
+from test_agent_support import FakeCtx, make_handler, make_settings, poll, run
 
 __all__ = ["fake_llm"]
 
@@ -115,6 +116,33 @@ def test_a_server_that_crashes_hangs_or_speaks_garbage_fails_the_call_and_the_se
 
 
 @pytest.mark.process
+def test_an_interrupt_ends_a_waiting_mcp_call_and_the_server_serves_the_next_turn(
+        fake_llm: FakeLLM, tmp_path: Path) -> None:
+    settings = with_mcp(make_settings(fake_llm), [STDIO])
+    fake_llm.script(
+        tool_call_stream(("c1", "mcp__loc__hang", {})),
+        tool_call_stream(("c2", "mcp__loc__echo", {"text": "back"})),
+        text_stream("fine"),
+    )
+    ctx = FakeCtx(settings, tmp_path)
+
+    async def scenario() -> tuple[Any, Any]:
+        handler = make_handler(settings, tmp_path)
+        try:
+            task = asyncio.ensure_future(handler.handle("wait", ctx))
+            await poll(lambda: (tmp_path / "hanging").exists(), what="the server to be in the call")
+            task.cancel()
+            interrupted = await task
+            return interrupted, await handler.handle("again", ctx)
+        finally:
+            await handler.aclose()
+
+    interrupted, after = run(scenario())
+    assert interrupted.interrupted and after.reply == "fine"
+    assert results(fake_llm.requests[-1])[-1] == "echo: back"
+
+
+@pytest.mark.process
 def test_permissions_ask_and_deny_apply_to_mcp_tools(fake_llm: FakeLLM, web: str, tmp_path: Path) -> None:
     rules = [PermissionRule(tool="mcp__web__echo", match="secret*", action="deny"),
              PermissionRule(tool="mcp__web__echo", match="*", action="ask")]
@@ -178,3 +206,53 @@ def test_server_tool_names_are_checked_and_made_to_fit() -> None:
                 {"servers": [], "enabled": ["ghost"]}):
         with pytest.raises(msgspec.ValidationError):
             msgspec.convert(bad, McpSettings)
+
+
+@pytest.mark.process
+def test_through_the_daemon_a_stdio_server_runs_in_the_sessions_sandbox_and_create_may_narrow(
+        make_daemon, llm: FakeLLM, web: str) -> None:
+    """The stdio server is started by the session's tool host: inside its
+    PID namespace (a small pid) and workspace; `--set mcp.enabled` narrows
+    the servers at create and cannot widen them."""
+    import os
+
+    import mcp
+
+    from ipc import messages as m
+    from test_agent_e2e import agent_config
+
+    site = str(Path(mcp.__file__).resolve().parent.parent)
+    python = os.path.realpath(sys.executable)
+    extra = f"""
+[sandbox]
+read_paths = [{site!r}, {str(Path(SERVER).parent)!r}]
+[mcp]
+enabled = ["loc", "web"]
+[[mcp.servers]]
+name = "loc"
+command = [{python!r}, {SERVER!r}, "stdio", {site!r}]
+[[mcp.servers]]
+name = "web"
+url = "{web}/mcp/"
+[[mcp.servers]]
+name = "spare"
+url = "{web}/mcp/"
+"""
+    d = make_daemon(agent_config(llm, extra, key_env=None))
+    llm.script(tool_call_stream(("c1", "mcp__loc__whoami", {})), text_stream("done"), text_stream("narrow"))
+    with d.client() as c:
+        sid = c.create().id
+        events = list(c.send(sid, "where are you?"))
+        assert isinstance(events[-1], m.TurnDone) and events[-1].reply == "done"
+        narrow = c.create(settings={"mcp.enabled": ["web"]}).id
+        assert c.send_text(narrow, "hi") == "narrow"
+        with pytest.raises(Exception, match="not offered by the operator"):
+            c.create(settings={"mcp.enabled": ["spare"]})
+    [whoami] = results(llm.requests[1])
+    fields = dict(part.split("=", 1) for part in whoami.split())
+    assert fields["cwd"] == str(d.workspace(sid).resolve())
+    assert int(fields["pid"]) < 100, whoami  # the sandbox's own PID namespace
+    full, narrowed = offered(llm.requests[0]), offered(llm.requests[2])
+    assert "mcp__loc__whoami" in full and "mcp__web__echo" in full
+    assert not any(n.startswith("mcp__spare__") for n in full)
+    assert "mcp__web__echo" in narrowed and not any(n.startswith("mcp__loc__") for n in narrowed)

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib
 import json
 import logging
 import re
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -160,6 +162,7 @@ class McpTools:
         pending = [s for s in self._servers if s.name not in self._tools]
         if not pending:
             return False
+        await _client_module()  # once, before the servers connect side by side
         outcomes = await asyncio.gather(*(self._list(s) for s in pending), return_exceptions=True)
         names = set(taken) | {t.name for t in self.tools()}
         changed = False
@@ -182,11 +185,10 @@ class McpTools:
         return changed
 
     async def _list(self, server: McpServer) -> list[ListedTool]:
-        from session_worker.agent._mcpclient import McpConnection
-
         connection = self._connections.get(server.name)
         if connection is None:
-            connection = self._connections[server.name] = McpConnection(server, self._workspace)
+            client = await _client_module()
+            connection = self._connections[server.name] = client.McpConnection(server, self._workspace)
         return await connection.list_tools(self._start_timeout)
 
     def _adapt(self, server: str, listed: list[ListedTool], names: set[str]) -> tuple[list[Tool], list[dict[str, str]]]:
@@ -215,6 +217,16 @@ class McpTools:
     async def aclose(self) -> None:
         connections, self._connections = list(self._connections.values()), {}
         await close_all(connections)
+
+
+async def _client_module() -> Any:
+    """`_mcpclient`, imported on a thread the first time: the SDK's import
+    takes ~0.4 s, which on the loop would delay the worker's heartbeats."""
+    name = "session_worker.agent._mcpclient"
+    module = sys.modules.get(name)
+    if module is None:
+        module = await asyncio.to_thread(importlib.import_module, name)
+    return module
 
 
 async def close_all(connections: Sequence[McpConnection]) -> None:
