@@ -88,7 +88,7 @@ def test_the_model_calls_stdio_and_http_tools_beside_the_builtins(
 def test_a_server_that_crashes_hangs_or_speaks_garbage_fails_the_call_and_the_session_lives(
         fake_llm: FakeLLM, web: str, tmp_path: Path) -> None:
     servers = [STDIO, {"name": "web", "url": web + "/mcp/"}, {"name": "junk", "url": web + "/garbage"}]
-    settings = with_mcp(make_settings(fake_llm), servers, call_timeout_secs=1.0, start_timeout_secs=20.0)
+    settings = with_mcp(make_settings(fake_llm), servers, call_timeout_secs=0.5, start_timeout_secs=20.0)
     fake_llm.script(
         tool_call_stream(("c1", "mcp__loc__crash", {}), ("c2", "mcp__loc__echo", {"text": "after crash"}),
                          ("c3", "mcp__loc__hang", {}), ("c4", "mcp__loc__garbage", {}),
@@ -103,9 +103,9 @@ def test_a_server_that_crashes_hangs_or_speaks_garbage_fails_the_call_and_the_se
     assert "MCP server 'loc' exited with code 3 during the call to crash" in crash
     assert "crashes on purpose" in crash  # its last words on stderr
     assert after == "echo: after crash"  # started again for the next call
-    assert "did not answer hang within 1 s (mcp.call_timeout_secs)" in hang
+    assert "did not answer hang within 0.5 s (mcp.call_timeout_secs)" in hang
     assert "not JSON-RPC on stdout" in garbage and "<html>" in garbage
-    assert "MCP server 'web' did not answer hang within 1 s" in web_hang
+    assert "MCP server 'web' did not answer hang within 0.5 s" in web_hang
     assert still == "echo: still here"
     ok = [n["ok"] for n in ctx.notices_of("tool_result")]
     assert ok == [False, True, False, False, False, True]
@@ -256,3 +256,32 @@ url = "{web}/mcp/"
     assert "mcp__loc__whoami" in full and "mcp__web__echo" in full
     assert not any(n.startswith("mcp__spare__") for n in full)
     assert "mcp__web__echo" in narrowed and not any(n.startswith("mcp__loc__") for n in narrowed)
+
+
+@pytest.mark.component
+def test_a_reload_drops_the_tools_of_servers_no_longer_offered_and_lists_new_ones(
+        fake_llm: FakeLLM, web: str, tmp_path: Path) -> None:
+    servers = [{"name": "web", "url": web + "/mcp/"}, {"name": "more", "url": web + "/mcp/"}]
+    settings = with_mcp(make_settings(fake_llm), servers, enabled=["web"])
+    fake_llm.script(text_stream("one"), text_stream("two"))
+    ctx = FakeCtx(settings, tmp_path)
+
+    async def scenario() -> list[list[str]]:
+        handler = make_handler(settings, tmp_path)
+        seen = []
+        try:
+            await handler.handle("first", ctx)
+            seen.append(handler.tools.names())
+            handler.reconfigure(with_mcp(settings, servers, enabled=["more"]))
+            seen.append(handler.tools.names())  # web's are gone at once
+            await handler.handle("second", ctx)
+            seen.append(handler.tools.names())
+        finally:
+            await handler.aclose()
+        return seen
+
+    first, reloaded, second = run(scenario())
+    assert "mcp__web__echo" in first and not any(n.startswith("mcp__more__") for n in first)
+    assert not any(n.startswith("mcp__") for n in reloaded)
+    assert "mcp__more__echo" in second and "mcp__web__echo" not in second
+    assert "mcp__more__echo" in offered(fake_llm.requests[1])
