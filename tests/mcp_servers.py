@@ -71,10 +71,11 @@ def build() -> MCPServer:
 
     @server.tool()
     async def hang() -> str:
-        """Never answer (a file `hanging` in the working directory says it was called)."""
+        """Never answer (with MCP_TEST_MARK set, a file `hanging` in the
+        working directory says it was called)."""
         import anyio
 
-        with contextlib.suppress(OSError):
+        if os.environ.get("MCP_TEST_MARK"):
             with open("hanging", "w") as mark:
                 mark.write(str(os.getpid()))
         await anyio.sleep(3600)

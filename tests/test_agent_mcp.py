@@ -118,7 +118,7 @@ def test_a_server_that_crashes_hangs_or_speaks_garbage_fails_the_call_and_the_se
 @pytest.mark.process
 def test_an_interrupt_ends_a_waiting_mcp_call_and_the_server_serves_the_next_turn(
         fake_llm: FakeLLM, tmp_path: Path) -> None:
-    settings = with_mcp(make_settings(fake_llm), [STDIO])
+    settings = with_mcp(make_settings(fake_llm), [{**STDIO, "env": {"MCP_TEST_MARK": "1"}}])
     fake_llm.script(
         tool_call_stream(("c1", "mcp__loc__hang", {})),
         tool_call_stream(("c2", "mcp__loc__echo", {"text": "back"})),
