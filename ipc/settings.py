@@ -263,11 +263,18 @@ class McpServer(ConfigSection):
     env: Annotated[dict[_EnvName, Annotated[str, Meta(max_length=4096)]], Meta(max_length=64)] = (
         msgspec.field(default_factory=dict))
 
+    # HTTP headers of an HTTP server, each from a variable of the daemon's
+    # environment (never the secret itself): {Authorization = "SEARCH_MCP_AUTH"}.
+    headers_env: Annotated[dict[Annotated[str, Meta(pattern=r"^[A-Za-z0-9-]{1,64}$")], _EnvName],
+                           Meta(max_length=16)] = msgspec.field(default_factory=dict)
+
     def __post_init__(self) -> None:
         if (self.command is None) == (self.url is None):
             raise ValueError(f"MCP server {self.name!r}: give exactly one of `command` (stdio) or `url` (HTTP)")
         if self.env and self.command is None:
             raise ValueError(f"MCP server {self.name!r}: `env` is for a stdio server (`command`)")
+        if self.headers_env and self.url is None:
+            raise ValueError(f"MCP server {self.name!r}: `headers_env` is for an HTTP server (`url`)")
 
 
 class McpSettings(ConfigSection):

@@ -7,7 +7,8 @@ One server, two transports:
     with http_server() as url: ...          # streamable HTTP on 127.0.0.1,
                                             # in a thread of the test process
 
-Its tools: `echo{text}`, `add{a, b}`, `read_file{path}` (for bench/mcp.py), `whoami{}` (the uid, pid namespace's
+Its tools: `echo{text}`, `add{a, b}`, `read_file{path}` (for bench/mcp.py), `authorization{}` (the
+header an HTTP call came with), `whoami{}` (the uid, pid namespace's
 view of itself and the working directory it runs in), `crash{}` (the
 process exits mid-call: stdio), `hang{}` (never answers), `garbage{}`
 (writes a line that is not JSON-RPC on stdout: stdio), and two hostile ones:
@@ -31,7 +32,7 @@ from collections.abc import Iterator
 if __name__ == "__main__" and len(sys.argv) > 2:
     sys.path.insert(0, sys.argv[2])
 
-from mcp.server.mcpserver import MCPServer  # noqa: E402
+from mcp.server.mcpserver import Context, MCPServer  # noqa: E402
 
 __all__ = ["LONG_DESCRIPTION", "build", "http_server"]
 
@@ -56,6 +57,11 @@ def build() -> MCPServer:
         """Read a text file of the working directory (what the built-in read_file does)."""
         with open(path, encoding="utf-8", errors="replace") as f:
             return f.read()
+
+    @server.tool()
+    def authorization(ctx: Context) -> str:
+        """The Authorization header this call came with (HTTP)."""
+        return (ctx.headers or {}).get("authorization", "none")
 
     @server.tool()
     def whoami() -> str:

@@ -142,20 +142,25 @@ def test_an_interrupt_ends_a_waiting_mcp_call_and_the_server_serves_the_next_tur
     assert results(fake_llm.requests[-1])[-1] == "echo: back"
 
 
-@pytest.mark.process
-def test_permissions_ask_and_deny_apply_to_mcp_tools(fake_llm: FakeLLM, web: str, tmp_path: Path) -> None:
+@pytest.mark.component
+def test_permissions_ask_and_deny_apply_to_mcp_tools_and_headers_come_from_the_environment(
+        fake_llm: FakeLLM, web: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SESSIOND_TEST_MCP_AUTH", "Bearer mcp-token-7")
     rules = [PermissionRule(tool="mcp__web__echo", match="secret*", action="deny"),
              PermissionRule(tool="mcp__web__echo", match="*", action="ask")]
-    settings = with_mcp(make_settings(fake_llm, permissions=rules), [{"name": "web", "url": web + "/mcp/"}])
+    server = {"name": "web", "url": web + "/mcp/", "headers_env": {"Authorization": "SESSIOND_TEST_MCP_AUTH"}}
+    settings = with_mcp(make_settings(fake_llm, permissions=rules), [server])
     fake_llm.script(
         tool_call_stream(("c1", "mcp__web__echo", {"text": "secret plans"}),
                          ("c2", "mcp__web__echo", {"text": "refused by the user"}),
-                         ("c3", "mcp__web__echo", {"text": "approved"})),
+                         ("c3", "mcp__web__echo", {"text": "approved"}),
+                         ("c4", "mcp__web__authorization", {})),
         text_stream("ok"),
     )
     ctx = FakeCtx(settings, tmp_path, answers=[False, True])
     run(turns(make_handler(settings, tmp_path), ctx, "go"))
-    denied, refused, approved = results(fake_llm.requests[1])
+    denied, refused, approved, authorization = results(fake_llm.requests[1])
+    assert authorization == "Bearer mcp-token-7"
     assert "permission denied: a rule forbids this mcp__web__echo call" in denied
     assert "did not approve" in refused
     assert approved == "echo: approved"
@@ -203,6 +208,8 @@ def test_server_tool_names_are_checked_and_made_to_fit() -> None:
                 {"servers": [{"name": "a", "url": "file:///etc/passwd"}]},
                 {"servers": [{"name": "a", "url": "http://x/"}, {"name": "a", "command": ["y"]}]},
                 {"servers": [{"name": "a", "url": "http://x/", "env": {"K": "v"}}]},
+                {"servers": [{"name": "a", "command": ["x"], "headers_env": {"Authorization": "V"}}]},
+                {"servers": [{"name": "a", "url": "http://x/", "headers_env": {"Bad Header": "V"}}]},
                 {"servers": [], "enabled": ["ghost"]}):
         with pytest.raises(msgspec.ValidationError):
             msgspec.convert(bad, McpSettings)

@@ -220,9 +220,17 @@ class McpConnection:
         from mcp.client.streamable_http import streamable_http_client
 
         assert self.server.url is not None
+        headers: dict[str, str] = {}
+        for header, variable in self.server.headers_env.items():
+            value = os.environ.get(variable)
+            if not value:
+                raise McpServerError(f"MCP server {self.name!r}: environment variable {variable} "
+                                     f"(headers_env.{header}) is not set")
+            headers[header] = value
         # trust_env off: the operator's URL is reached directly, not through
         # a proxy the worker's environment happens to name.
-        async with httpx2.AsyncClient(timeout=httpx2.Timeout(30.0, read=300.0), trust_env=False) as http:
+        async with httpx2.AsyncClient(timeout=httpx2.Timeout(30.0, read=300.0), trust_env=False,
+                                      headers=headers) as http:
             async with streamable_http_client(self.server.url, http_client=http) as streams:
                 yield streams
 
@@ -255,15 +263,18 @@ class McpConnection:
                 task.cancel()
             with contextlib.suppress(Exception):
                 writer.close()
-            # The spec's shutdown: stdin closed, a moment, then the kill.
-            with contextlib.suppress(TimeoutError, SandboxError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(proc.exited), _CLOSE_GRACE_SECS)
-            proc.kill()
-            out_transport.close()
-            loop.remove_reader(proc.stderr)
-            os.close(proc.stderr)
-            for stream in (incoming, read_stream, write_stream, outgoing):
-                stream.close()
+            try:
+                # The spec's shutdown: stdin closed, a moment, then the kill
+                # (which a second cancellation must not skip).
+                with contextlib.suppress(TimeoutError, SandboxError):
+                    await asyncio.wait_for(asyncio.shield(proc.exited), _CLOSE_GRACE_SECS)
+            finally:
+                proc.kill()
+                out_transport.close()
+                loop.remove_reader(proc.stderr)
+                os.close(proc.stderr)
+                for stream in (incoming, read_stream, write_stream, outgoing):
+                    stream.close()
 
     async def _pump_out(self, reader: asyncio.StreamReader, incoming: Any, proc: _Process) -> None:
         """The server's stdout, one message a line, to the SDK."""
