@@ -292,3 +292,16 @@ def test_a_reload_drops_the_tools_of_servers_no_longer_offered_and_lists_new_one
     assert not any(n.startswith("mcp__") for n in reloaded)
     assert "mcp__more__echo" in second and "mcp__web__echo" not in second
     assert "mcp__more__echo" in offered(fake_llm.requests[1])
+
+
+@pytest.mark.process
+def test_the_worker_side_does_not_import_the_sdk_until_a_server_is_listed() -> None:
+    """The zygote preloads the worker side: the SDK (pydantic, httpx2...)
+    must stay out of every worker that has no MCP server."""
+    import subprocess
+
+    code = ("import sys, session_worker.zygote, session_worker.main, session_worker.agent; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'mcp', 'mcp_types', 'pydantic', 'httpx2'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.stdout.strip() == "[]", out
