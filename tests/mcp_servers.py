@@ -8,7 +8,7 @@ One server, two transports:
                                             # in a thread of the test process
 
 Its tools: `echo{text}`, `add{a, b}`, `read_file{path}` (for bench/mcp.py), `authorization{}` (the
-header an HTTP call came with), `whoami{}` (the uid, pid namespace's
+header an HTTP call came with), `big{n}` (n bytes of text), `whoami{}` (the uid, pid namespace's
 view of itself and the working directory it runs in), `crash{}` (the
 process exits mid-call: stdio), `hang{}` (never answers), `garbage{}`
 (writes a line that is not JSON-RPC on stdout: stdio), and two hostile ones:
@@ -62,6 +62,11 @@ def build() -> MCPServer:
     def authorization(ctx: Context) -> str:
         """The Authorization header this call came with (HTTP)."""
         return (ctx.headers or {}).get("authorization", "none")
+
+    @server.tool()
+    def big(n: int) -> str:
+        """A text of n bytes."""
+        return "x" * n
 
     @server.tool()
     def whoami() -> str:

@@ -59,7 +59,8 @@ def test_the_model_calls_stdio_and_http_tools_beside_the_builtins(
     settings = with_mcp(make_settings(fake_llm), [STDIO, {"name": "web", "url": web + "/mcp/"}])
     fake_llm.script(
         tool_call_stream(("c1", "mcp__loc__echo", {"text": "hi"}), ("c2", "mcp__web__add", {"a": 2, "b": 40}),
-                         ("c3", "mcp__loc__whoami", {})),
+                         ("c3", "mcp__loc__whoami", {}), ("c4", "mcp__web__big", {"n": 100_000}),
+                         ("c5", "mcp__web__big", {"n": 9 << 20}), ("c6", "mcp__loc__big", {"n": 9 << 20})),
         text_stream("done"),
     )
     ctx = FakeCtx(settings, tmp_path)
@@ -76,12 +77,17 @@ def test_the_model_calls_stdio_and_http_tools_beside_the_builtins(
     assert all(len(n) <= 64 and n.replace("_", "").replace("-", "").isalnum() for n in names)
     described = {t["function"]["name"]: t["function"]["description"] for t in first.json["tools"]}
     assert len(described["mcp__loc__verbose"]) < 2100 < len(LONG_DESCRIPTION)
-    echo, added, whoami = results(second)
+    echo, added, whoami, capped, huge_http, huge_stdio = results(second)
     assert echo == "echo: hi" and added == "42"
     assert f"cwd={tmp_path.resolve()}" in whoami
-    assert [n["name"] for n in ctx.notices_of("tool_result")] == ["mcp__loc__echo", "mcp__web__add",
-                                                                    "mcp__loc__whoami"]
-    assert all(n["ok"] for n in ctx.notices_of("tool_result"))
+    # The tools' output cap holds; a message past the transport's bound ends the connection.
+    assert capped.startswith("x" * 1000) and "bytes of output cut (output_limit_bytes)" in capped
+    assert len(capped) < 34_000
+    assert huge_http.startswith("error: MCP server 'web'") and "1048576" not in huge_http
+    assert "over 8388608 bytes" in huge_stdio
+    assert [n["name"] for n in ctx.notices_of("tool_result")][:3] == ["mcp__loc__echo", "mcp__web__add",
+                                                                        "mcp__loc__whoami"]
+    assert [n["ok"] for n in ctx.notices_of("tool_result")] == [True] * 4 + [False] * 2
 
 
 @pytest.mark.process

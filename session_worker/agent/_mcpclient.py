@@ -229,9 +229,11 @@ class McpConnection:
             headers[header] = value
         # trust_env off: the operator's URL is reached directly, not through
         # a proxy the worker's environment happens to name.
+        transport = _CappedTransport(httpx2.AsyncHTTPTransport(trust_env=False), _MAX_MESSAGE_BYTES)
         async with httpx2.AsyncClient(timeout=httpx2.Timeout(30.0, read=300.0), trust_env=False,
-                                      headers=headers) as http:
-            async with streamable_http_client(self.server.url, http_client=http) as streams:
+                                      headers=headers, transport=transport) as http:
+            async with streamable_http_client(self.server.url, http_client=http,
+                                              max_sse_event_size=_MAX_MESSAGE_BYTES) as streams:
                 yield streams
 
     @contextlib.asynccontextmanager
@@ -417,6 +419,42 @@ class McpConnection:
             owner.cancel()
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(owner, 1.0)
+
+
+class _CappedTransport(httpx2.AsyncBaseTransport):
+    """An HTTP server's JSON answers cut off past `limit` bytes (the SDK
+    reads a whole answer into memory before it parses it; over stdio a line
+    has the same bound).  An event stream is left alone: the SDK bounds
+    each of its events."""
+
+    def __init__(self, inner: httpx2.AsyncBaseTransport, limit: int) -> None:
+        self._inner, self._limit = inner, limit
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = await self._inner.handle_async_request(request)
+        if "text/event-stream" not in response.headers.get("content-type", ""):
+            assert isinstance(response.stream, httpx2.AsyncByteStream)
+            response.stream = _CappedStream(response.stream, self._limit)
+        return response
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _CappedStream(httpx2.AsyncByteStream):
+    def __init__(self, inner: httpx2.AsyncByteStream, limit: int) -> None:
+        self._inner, self._limit = inner, limit
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        seen = 0
+        async for chunk in self._inner:
+            seen += len(chunk)
+            if seen > self._limit:
+                raise httpx2.ReadError(f"the server's answer is over {self._limit} bytes")
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 def _quote(data: bytes, *, last: bool = False) -> str:
