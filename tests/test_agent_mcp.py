@@ -93,7 +93,8 @@ def test_the_model_calls_stdio_and_http_tools_beside_the_builtins(
 @pytest.mark.process
 def test_a_server_that_crashes_hangs_or_speaks_garbage_fails_the_call_and_the_session_lives(
         fake_llm: FakeLLM, web: str, tmp_path: Path) -> None:
-    servers = [STDIO, {"name": "web", "url": web + "/mcp/"}, {"name": "junk", "url": web + "/garbage"}]
+    servers = [STDIO, {"name": "web", "url": web + "/mcp/"}, {"name": "junk", "url": web + "/garbage"},
+               {"name": "nope", "command": ["/nonexistent/mcp-server"]}]
     settings = with_mcp(make_settings(fake_llm), servers, call_timeout_secs=0.5, start_timeout_secs=20.0)
     fake_llm.script(
         tool_call_stream(("c1", "mcp__loc__crash", {}), ("c2", "mcp__loc__echo", {"text": "after crash"}),
@@ -115,10 +116,13 @@ def test_a_server_that_crashes_hangs_or_speaks_garbage_fails_the_call_and_the_se
     assert still == "echo: still here"
     ok = [n["ok"] for n in ctx.notices_of("tool_result")]
     assert ok == [False, True, False, False, False, True]
-    # The server that answers garbage over HTTP is reported, its tools not offered.
-    [unavailable] = ctx.notices_of("mcp_server_unavailable")[:1]
-    assert unavailable["server"] == "junk" and "junk" in unavailable["error"]
-    assert not any(n.startswith("mcp__junk__") for n in offered(fake_llm.requests[0]))
+    # A server that answers garbage over HTTP, one that cannot be started:
+    # reported (at each turn), their tools not offered, the rest are.
+    unavailable = {n["server"]: n["error"] for n in ctx.notices_of("mcp_server_unavailable")}
+    assert "Failed to parse JSON" in unavailable["junk"]
+    assert "MCP server 'nope' cannot be started" in unavailable["nope"] and "nonexistent" in unavailable["nope"]
+    assert len(ctx.notices_of("mcp_server_unavailable")) == 4
+    assert not any(n.startswith(("mcp__junk__", "mcp__nope__")) for n in offered(fake_llm.requests[0]))
 
 
 @pytest.mark.process
