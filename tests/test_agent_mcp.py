@@ -315,3 +315,19 @@ def test_the_worker_side_does_not_import_the_sdk_until_a_server_is_listed() -> N
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.stdout.strip() == "[]", out
+
+
+@pytest.mark.component
+def test_config_check_names_what_an_mcp_table_lacks(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from supervisor.cli import main
+
+    monkeypatch.delenv("SESSIOND_TEST_UNSET", raising=False)
+    path = tmp_path / "config.toml"
+    path.write_text('[[mcp.servers]]\nname = "search"\nurl = "http://127.0.0.1:1/mcp"\n'
+                    'headers_env = { Authorization = "SESSIOND_TEST_UNSET" }\n')
+    assert main(["config", "check", str(path)]) == 0
+    assert "headers_env.Authorization names SESSIOND_TEST_UNSET, which is not set" in capsys.readouterr().err
+    path.write_text('[[mcp.servers]]\nname = "both"\ncommand = ["x"]\nurl = "http://127.0.0.1:1/mcp"\n')
+    assert main(["config", "check", str(path)]) == 2
+    assert "mcp.servers[0]" in capsys.readouterr().err

@@ -162,7 +162,14 @@ class McpTools:
         pending = [s for s in self._servers if s.name not in self._tools]
         if not pending:
             return False
-        await _client_module()  # once, before the servers connect side by side
+        try:
+            await _client_module()  # once, before the servers connect side by side
+        except ImportError as exc:
+            why = f"the MCP SDK cannot be imported ({exc}): pip install 'sessiond[mcp]'"
+            log.warning("%s; no MCP server's tools are offered", why)
+            for server in pending:
+                notice("mcp_server_unavailable", {"server": server.name, "error": why})
+            return False
         outcomes = await asyncio.gather(*(self._list(s) for s in pending), return_exceptions=True)
         names = set(taken) | {t.name for t in self.tools()}
         changed = False
