@@ -23,6 +23,8 @@ __all__ = [
     "ConfigSection",
     "LimitsSettings",
     "LoopSettings",
+    "McpServer",
+    "McpSettings",
     "PermissionRule",
     "ProviderSettings",
     "SandboxSettings",
@@ -188,7 +190,8 @@ class ToolsSettings(ConfigSection):
 
 class PermissionRule(ConfigSection, kw_only=True):
     tool: str
-    # Glob on the tool's main argument (command for bash, path for file tools).
+    # Glob on the tool's main argument (command for bash, path for file
+    # tools, the first argument of a custom or MCP tool).
     match: str = "*"
     action: Literal["allow", "deny", "ask"]
 
@@ -241,6 +244,73 @@ class SandboxSettings(ConfigSection):
                 + '; [sandbox] mode = "off" runs them unconfined')
 
 
+# A server's name is part of every tool name the model sees,
+# `mcp__<name>__<tool>`, and providers allow only [A-Za-z0-9_-] in tool
+# names (64 characters at most): letters and digits, with single `-` or `_`
+# between them, so that `__` separates the parts unambiguously.
+MCP_NAME_PATTERN = r"^[A-Za-z0-9]+(?:[-_][A-Za-z0-9]+)*$"
+_EnvName = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=128)]
+
+
+class McpServer(ConfigSection):
+    """One `[[mcp.servers]]` table: a Model Context Protocol server whose
+    tools sessions are offered as `mcp__<name>__<tool>`."""
+
+    # Letters and digits, single - or _ between them; unique among the servers.
+    name: Annotated[str, Meta(min_length=1, max_length=24, pattern=MCP_NAME_PATTERN)]
+    # A stdio server: its argv, started in each session's sandbox (as the
+    # session's tools are: its identity, limits and view of the files).
+    command: Annotated[list[Annotated[str, Meta(max_length=4096)]], Meta(min_length=1, max_length=64)] | None = None
+    # A streamable-HTTP server: its endpoint, reached by the session's worker
+    # (outside the sandbox), and no other URL.
+    url: Annotated[str, Meta(pattern=r"^https?://[^\s]+$", max_length=2048)] | None = None
+    # Extra environment of a stdio server (its tools otherwise get the
+    # scrubbed environment every tool gets).
+    env: Annotated[dict[_EnvName, Annotated[str, Meta(max_length=4096)]], Meta(max_length=64)] = (
+        msgspec.field(default_factory=dict))
+
+    # HTTP headers of an HTTP server, each from a variable of the daemon's
+    # environment (never the secret itself): {Authorization = "SEARCH_MCP_AUTH"}.
+    headers_env: Annotated[dict[Annotated[str, Meta(pattern=r"^[A-Za-z0-9-]{1,64}$")], _EnvName],
+                           Meta(max_length=16)] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.command is None) == (self.url is None):
+            raise ValueError(f"MCP server {self.name!r}: give exactly one of `command` (stdio) or `url` (HTTP)")
+        if self.env and self.command is None:
+            raise ValueError(f"MCP server {self.name!r}: `env` is for a stdio server (`command`)")
+        if self.headers_env and self.url is None:
+            raise ValueError(f"MCP server {self.name!r}: `headers_env` is for an HTTP server (`url`)")
+
+
+class McpSettings(ConfigSection):
+    # The MCP servers whose tools sessions are offered ([[mcp.servers]] tables).
+    servers: Annotated[list[McpServer], Meta(max_length=32)] = msgspec.field(default_factory=list)
+    # Names of the servers sessions are offered; unset = all of them.  A
+    # session may narrow it (--set mcp.enabled=[...]), never widen it.
+    enabled: Annotated[list[Annotated[str, Meta(max_length=24)]], Meta(max_length=32)] | None = None
+    # Longest wait for one MCP tool call; past it the call fails (a stdio
+    # server is then stopped, and started again at its next call).
+    call_timeout_secs: PositiveFloat = 120.0
+    # Longest wait for a server to start and list its tools.
+    start_timeout_secs: PositiveFloat = 30.0
+
+    def __post_init__(self) -> None:
+        names = [server.name for server in self.servers]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"MCP server names must be unique: {', '.join(twice)} listed twice")
+        unknown = [n for n in self.enabled or () if n not in names]
+        if unknown:
+            raise ValueError(f"enabled names no server of mcp.servers: {', '.join(unknown)}")
+
+    def offered(self) -> list[McpServer]:
+        """The servers a session is offered, in the operator's order."""
+        if self.enabled is None:
+            return list(self.servers)
+        return [server for server in self.servers if server.name in self.enabled]
+
+
 class SessionSettings(ConfigSection):
     """What one session runs with: the operator's config plus its overrides."""
 
@@ -249,3 +319,4 @@ class SessionSettings(ConfigSection):
     tools: ToolsSettings = msgspec.field(default_factory=ToolsSettings)
     permissions: list[PermissionRule] = msgspec.field(default_factory=list)
     sandbox: SandboxSettings = msgspec.field(default_factory=SandboxSettings)
+    mcp: McpSettings = msgspec.field(default_factory=McpSettings)

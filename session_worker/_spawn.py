@@ -81,12 +81,13 @@ class Child:
 
 
 def spawn(argv: Sequence[str], *, cwd: str | os.PathLike[str], env: dict[str, str],
-          stdout: int, stderr: int, pass_fds: Sequence[int] = ()) -> Child:
-    """Start `argv` with stdin from /dev/null, `stdout`/`stderr` as given
-    (a descriptor, or `subprocess.PIPE`/`DEVNULL`), and no descriptor but
-    those and `pass_fds`.  Call on the running loop."""
+          stdout: int, stderr: int, pass_fds: Sequence[int] = (),
+          stdin: int = subprocess.DEVNULL) -> Child:
+    """Start `argv` with stdin from /dev/null (or `stdin`), `stdout`/`stderr`
+    as given (a descriptor, or `subprocess.PIPE`/`DEVNULL`), and no
+    descriptor but those and `pass_fds`.  Call on the running loop."""
     popen = subprocess.Popen(
-        list(argv), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+        list(argv), cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
         close_fds=True, pass_fds=tuple(pass_fds),
     )
     return Child(popen)

@@ -31,6 +31,8 @@ Conversation with the worker, JSON over a SEQPACKET socket (fd FD):
     host  -> {"ready": true, "applied": [...], "skipped": {...}}
     worker-> {"op": "run", "id": N, "argv": [...], "cwd": ..., "env": {...}}
              + the write end of the output pipe (SCM_RIGHTS)
+             (with "stdio": true, three descriptors instead: the command's
+             stdin, stdout and stderr: a server the worker talks to, MCP's)
     host  -> {"id": N, "pid": P} | {"id": N, "error": "..."}
     worker-> {"op": "kill", "id": N}        (the command's process group)
     host  -> {"id": N, "exit": CODE}        (negative: killed by that signal)
@@ -200,18 +202,28 @@ def _send(sock: socket.socket, obj: dict[str, Any]) -> None:
         pass
 
 
-def _start(order: Config, outfd: int) -> int:
+def _start(order: Config, fds: list[int]) -> int:
     """posix_spawn (vfork and exec): no Python runs in the child.  Every
     command starts in the workspace, the host's own working directory."""
     if order.get("cwd") and os.path.realpath(order["cwd"]) != os.getcwd():
         raise OSError("commands run in the workspace only")
-    return os.posix_spawn(
-        order["argv"][0], order["argv"], order["env"],
-        file_actions=[
+    actions: list[tuple[Any, ...]]
+    if order.get("stdio"):
+        if len(fds) != 3:
+            raise OSError("a stdio command needs its stdin, stdout and stderr")
+        actions = [(os.POSIX_SPAWN_DUP2, fd, n) for n, fd in enumerate(fds)]
+    else:
+        actions = [
             (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-            (os.POSIX_SPAWN_DUP2, outfd, 1),
-            (os.POSIX_SPAWN_DUP2, outfd, 2),
-        ],
+            (os.POSIX_SPAWN_DUP2, fds[0], 1),
+            (os.POSIX_SPAWN_DUP2, fds[0], 2),
+        ]
+    # A stdio server's argv[0] is looked up on the host's PATH (posix_spawnp):
+    # an operator names an MCP server as a shell would.
+    spawn = os.posix_spawnp if order.get("stdio") else os.posix_spawn
+    return spawn(
+        order["argv"][0], order["argv"], order["env"],
+        file_actions=actions,
         setpgroup=0,
         setsigdef=(signal.SIGPIPE, signal.SIGCHLD),
     )
@@ -251,7 +263,7 @@ def serve(sock: socket.socket, applied: list[str], skipped: dict[str, str]) -> N
                         _send(sock, {"id": order["id"], "error": "no output pipe"})
                         continue
                     try:
-                        pid = _start(order, fds[0])
+                        pid = _start(order, fds)
                     except OSError as exc:
                         _send(sock, {"id": order["id"], "error": str(exc)})
                     else:

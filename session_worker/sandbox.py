@@ -421,8 +421,10 @@ class ToolHost:
             self._pending.clear()
             self._exits.clear()
 
-    async def spawn(self, argv: list[str], env: dict[str, str], outfd: int) -> HostCommand:
-        """Start `argv` in the workspace with stdout and stderr on `outfd`.
+    async def spawn(self, argv: list[str], env: dict[str, str], outfd: int | tuple[int, int, int]) -> HostCommand:
+        """Start `argv` in the workspace with stdout and stderr on `outfd`
+        (stdin /dev/null), or with `outfd` = (stdin, stdout, stderr): a
+        server the worker speaks to over its stdio (an MCP server).
 
         A host found dead before it took the order (a tool may kill its
         parent) is started again, once.  Once the order is out, never: the
@@ -437,15 +439,19 @@ class ToolHost:
             except OrderNotSent as exc:
                 raise SandboxError(str(exc)) from None
 
-    async def _spawn(self, argv: list[str], env: dict[str, str], outfd: int) -> HostCommand:
+    async def _spawn(self, argv: list[str], env: dict[str, str],
+                     outfd: int | tuple[int, int, int]) -> HostCommand:
         sock = await self._ensure()
         loop = asyncio.get_running_loop()
         oid = next(self._ids)
         started: asyncio.Future[int] = loop.create_future()
         exited: asyncio.Future[int] = loop.create_future()
-        order = {"op": "run", "id": oid, "argv": argv, "cwd": str(self.plan.workspace), "env": env}
+        order: dict[str, Any] = {"op": "run", "id": oid, "argv": argv, "cwd": str(self.plan.workspace), "env": env}
+        fds = [outfd] if isinstance(outfd, int) else list(outfd)
+        if not isinstance(outfd, int):
+            order["stdio"] = True
         try:
-            socket.send_fds(sock, [json.dumps(order).encode()], [outfd])
+            socket.send_fds(sock, [json.dumps(order).encode()], fds)
         except OSError as exc:
             raise OrderNotSent(f"the tool host is gone: {exc}") from None
         if self._reader is None or self._reader.done():

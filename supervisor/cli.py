@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -80,6 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         if provider.api_key_env and not os.environ.get(provider.api_key_env):
             print(f"sessiond: warning: {args.path}: provider.api_key_env names "
                   f"{provider.api_key_env}, which is not set in this environment", file=sys.stderr)
+        if cfg.mcp.servers and importlib.util.find_spec("mcp") is None:
+            print(f"sessiond: warning: {args.path}: [[mcp.servers]] needs the MCP SDK, which is not "
+                  "installed: pip install 'sessiond[mcp]'", file=sys.stderr)
+        for server in cfg.mcp.servers:
+            for header, variable in server.headers_env.items():
+                if not os.environ.get(variable):
+                    print(f"sessiond: warning: {args.path}: MCP server {server.name!r}: headers_env.{header} "
+                          f"names {variable}, which is not set in this environment", file=sys.stderr)
         if missing:
             print(f"{args.path}: ok (no [provider]: new sessions run echo; "
                   "--handler agent is refused)")

@@ -30,7 +30,7 @@ from msgspec import Meta
 from ipc import inputs
 from ipc.errors import BadOverride
 from ipc.paths import default_socket_path
-from ipc.settings import BUILTIN_TOOLS, ConfigSection, PermissionRule, SessionSettings
+from ipc.settings import BUILTIN_TOOLS, ConfigSection, McpServer, PermissionRule, SessionSettings
 # Re-exported: daemon.py and cli.py name it supervisor.config.ConfigError.
 from supervisor.errors import ConfigError
 
@@ -196,7 +196,7 @@ class Config(SessionSettings):
     def session_settings(self) -> SessionSettings:
         return SessionSettings(
             agent=self.agent, provider=self.provider, tools=self.tools,
-            permissions=self.permissions, sandbox=self.sandbox,
+            permissions=self.permissions, sandbox=self.sandbox, mcp=self.mcp,
         )
 
 
@@ -455,6 +455,16 @@ def default_toml() -> str:
     return "\n".join(out) + "\n"
 
 
+# Arrays of tables: the struct of one item, a heading, and the example
+# shown commented out in the default config.
+_EXAMPLES: dict[str, tuple[type, str, tuple[tuple[str, str], ...]]] = {
+    "permissions": (PermissionRule, "Permission rules, first match wins; none by default. One rule:",
+                    (("tool", '"bash"'), ("match", '"rm *"'), ("action", '"ask"'))),
+    "mcp.servers": (McpServer, "MCP servers (docs/agent.md); none by default. A stdio one "
+                               "(or, instead of command, url = \"http://127.0.0.1:8931/mcp\"):",
+                    (("name", '"files"'), ("command", '["/usr/local/bin/files-mcp", "--root", "."]'))),
+}
+
 # Meanings of fields that carry no comment in the source (keep this short:
 # a comment above the field is the better place).
 _MEANINGS_NOT_IN_SOURCE = {
@@ -509,7 +519,7 @@ def _emit_table(obj: msgspec.Struct, path: str, out: list[str]) -> None:
         if isinstance(value, msgspec.Struct):
             tables.append((key, value))
             continue
-        if name == "permissions":
+        if key in _EXAMPLES:
             arrays.append((key, value))
             continue
         meaning = meanings.get(name) or _MEANINGS_NOT_IN_SOURCE.get(key, "")
@@ -521,14 +531,17 @@ def _emit_table(obj: msgspec.Struct, path: str, out: list[str]) -> None:
     for key, table in tables:
         _emit_table(table, key, out)
     for key, value in arrays:
-        # [[permissions]]: none by default; one commented-out rule shows the shape.
-        rule = _field_comments(PermissionRule)
-        out.append("\n# Permission rules, first match wins; none by default. One rule:")
+        # Arrays of tables ([[permissions]], [[mcp.servers]]): none by
+        # default; one commented-out table shows the shape.
+        item_cls, heading, example = _EXAMPLES[key]
+        meanings = _field_comments(item_cls)
+        out.append("")
+        out.extend(_comment(heading))
         out.append(f"# [[{key}]]")
-        for name, example in (("tool", '"bash"'), ("match", '"rm *"'), ("action", '"ask"')):
-            out.extend(_comment(rule.get(name, "")))
-            out.append(f"# {name} = {example}")
-        out.extend(tomli_w.dumps({key: value}).rstrip().splitlines() if value else [])
+        for name, shown in example:
+            out.extend(_comment(meanings.get(name, "")))
+            out.append(f"# {name} = {shown}")
+        out.extend(tomli_w.dumps({key: msgspec.to_builtins(value)}).rstrip().splitlines() if value else [])
 
 
 def parse_override(item: str) -> tuple[str, Any]:

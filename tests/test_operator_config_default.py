@@ -21,7 +21,7 @@ def _leaf_keys(obj: msgspec.Struct, path: str = "") -> dict[str, object]:
         key = f"{path}.{name}" if path else name
         if isinstance(value, msgspec.Struct):
             keys.update(_leaf_keys(value, key))
-        elif name != "permissions":
+        elif key not in ("permissions", "mcp.servers"):  # arrays of tables: shown by example
             keys[key] = value
     return keys
 
@@ -52,3 +52,4 @@ def test_default_toml_is_the_defaults_and_names_every_key() -> None:
     # The meaning is the source's comment, not a second copy of it.
     assert "# Optional soft threshold: an event and a hint to the worker.\n# memory_high_mb = <integer>" in text
     assert "# [[permissions]]" in text
+    assert "# [[mcp.servers]]" in text

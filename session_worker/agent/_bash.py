@@ -27,7 +27,7 @@ from session_worker import _spawn, sandbox
 from session_worker.errors import SandboxError
 from session_worker.agent._errors import ToolError
 
-__all__ = ["OutputCap", "run_bash", "tool_environment"]
+__all__ = ["OutputCap", "kill_tree", "run_bash", "tool_environment"]
 
 _PATH = "/usr/local/bin:/usr/bin:/bin"
 # After the shell exits, how long a background child holding the output pipe
@@ -81,7 +81,7 @@ class OutputCap:
         )
 
 
-def _kill_tree(pid: int) -> None:
+def kill_tree(pid: int) -> None:
     """SIGKILL `pid` and every descendant (twice over, for forks in flight)."""
     for _ in range(2):
         try:
@@ -108,7 +108,7 @@ class _Local:
         return await self.proc.wait()
 
     def kill(self) -> None:
-        _kill_tree(self.proc.pid)
+        kill_tree(self.proc.pid)
 
 
 class _Hosted:

@@ -7,7 +7,11 @@ Exception tree (everything here stays inside the worker; the handler maps
     ├── ProviderError            the LLM request failed; message is readable
     │   ├── ProviderHTTPError    a non-2xx answer (status kept)
     │   └── ProviderStreamError  the stream broke: cut, timed out, garbage
-    └── ToolLoadError            tools.enabled / tools.custom cannot be honoured
+    ├── ToolLoadError            tools.enabled / tools.custom cannot be honoured
+    └── ToolError                a tool call failed; the model reads the message
+        └── McpServerError       an MCP server did not start, crashed, hung or
+                                 spoke garbage: its connection is dropped and made
+                                 again at its next call
 
 Tool failures are not exceptions that leave the tools module: they become tool
 results the model can read (`ToolError` is raised and caught inside it).
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 __all__ = [
     "AgentError",
+    "McpServerError",
     "ProviderError",
     "ProviderHTTPError",
     "ProviderStreamError",
@@ -56,3 +61,7 @@ class ToolLoadError(AgentError):
 
 class ToolError(AgentError):
     """A tool call failed in a way the model should be told about."""
+
+
+class McpServerError(ToolError):
+    """An MCP server failed as a server, not as a tool: the call's connection is lost."""

@@ -11,6 +11,8 @@ against the operator's value:
     floor     may only be higher (backoffs and windows: longer means fewer
               restarts and retries)
     subset    a list that may only shrink (`tools.enabled`)
+    servers   the MCP servers offered: only names the operator offers
+              (`mcp.enabled`; unset offers every listed server)
     model     the operator's model or one of `provider.allowed_models`
     free      any value the schema accepts (`agent.system_prompt`)
     rules     session permission rules: only `deny` or `ask`, and always
@@ -52,6 +54,7 @@ class Rule(enum.Enum):
     FREE = "free"
     RULES = "rules"
     LEVEL = "level"
+    SERVERS = "servers"
 
 
 _C, _F = Rule.CEILING, Rule.FLOOR
@@ -92,6 +95,9 @@ ALLOWED: dict[str, Rule] = {
     "tools.output_limit_bytes": _C,
     "permissions": Rule.RULES,
     "sandbox.network": Rule.LEVEL,  # only less reach than the operator's
+    "mcp.enabled": Rule.SERVERS,  # only fewer of the operator's MCP servers
+    "mcp.call_timeout_secs": _C,
+    "mcp.start_timeout_secs": _C,
 }
 # The order of a LEVEL key's values, least privilege first.
 _LEVELS: dict[str, tuple[str, ...]] = {"sandbox.network": NETWORK_LEVELS}
@@ -118,6 +124,7 @@ _OPERATOR_ONLY = {
     "sandbox.namespaces": "the sandbox is the operator's to weaken",
     "sandbox.read_paths": "it names directories on the daemon's host",
     "sandbox.tmp_size_mb": "",
+    "mcp.servers": "it names commands to run and URLs to reach; narrow with mcp.enabled",
 }
 _MAX_KEYS = 64
 _MAX_SESSION_RULES = 64
@@ -299,6 +306,20 @@ def _enforce(key: str, rule: Rule, old: Any, new: Any, base: SessionSettings, st
         return _refuse(
             strict, f"--set {key}: {extra} not enabled by the operator; a session may only narrow {old}",
             [x for x in new if x in old],
+        )
+    if rule is Rule.SERVERS:
+        offered = [server.name for server in base.mcp.offered()]
+        if new is None:
+            if old is None:
+                return _KEEP
+            return _refuse(strict, f"--set {key}: cannot offer every MCP server; the operator offers {offered}",
+                           old)
+        extra = [x for x in new if x not in offered]
+        if not extra:
+            return _KEEP
+        return _refuse(
+            strict, f"--set {key}: {extra} not offered by the operator; a session may only narrow {offered}",
+            [x for x in new if x in offered],
         )
     if rule is Rule.LEVEL:
         order = _LEVELS[key]
