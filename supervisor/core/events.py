@@ -65,8 +65,12 @@ class EventLog:
             limit = min(limit, self._fair_share())
         while session.ring_bytes > limit and len(ring) > 1:
             self._drop_oldest(session)
+        held = session.held
         for sub in list(session.subscribers):
-            sub.deliver(frame)
+            if held and sub in held:
+                self._hold(session, sub, frame)
+            else:
+                sub.deliver(frame)
 
     def emit_live(self, session: Session, event: m.ReasoningDelta) -> None:
         """An event of NEW_EVENT_TAGS: to the subscribers that asked for its
@@ -76,7 +80,10 @@ class EventLog:
         for sub in list(session.subscribers):
             if tag in sub.event_tags:
                 frame = frame or self._encoder.encode(event)
-                sub.deliver(frame)
+                if session.held and sub in session.held:
+                    self._hold(session, sub, frame)
+                else:
+                    sub.deliver(frame)
 
     def emit_limit(self, session: Session, kind: LimitKind, value: float, limit: float) -> None:
         self.emit(
@@ -104,8 +111,30 @@ class EventLog:
         session.seq = max(session.seq, seq)
         session.reserved_seq = max(session.reserved_seq, seq)
 
-    def subscribe(self, session: Session, subscriber: Subscriber) -> None:
+    def hold(self, session: Session, subscriber: Subscriber) -> None:
+        """Subscribe a client that is sending an input, holding the events
+        for it until `release`: its `Accepted` goes first, and the turn's
+        events (its `state` running included) follow, as docs/protocol.md
+        promises.  Other subscribers get them at once."""
         session.subscribers.add(subscriber)
+        session.held[subscriber] = []
+
+    def release(self, session: Session, only: Iterable[Subscriber] | None = None) -> None:
+        """The held events, delivered: called once the sender's `Accepted`
+        (or its `Error`) is written."""
+        for sub in list(session.held) if only is None else only:
+            frames = session.held.pop(sub, None)
+            for frame in frames or ():
+                sub.deliver(frame)
+
+    def _hold(self, session: Session, sub: Subscriber, frame: bytes | bytearray) -> None:
+        frames = session.held[sub]
+        frames.append(frame)
+        # A hold lasts one group commit; a disk that stalls it while the turn
+        # streams on must not make us keep unbounded frames for a client:
+        # past the session's retention the events flow without waiting.
+        if len(frames) >= self._settings().event_retention:
+            self.release(session, (sub,))
 
     def add_subscribers(self, session: Session, subscribers: set[Subscriber]) -> None:
         """Clients that followed a session's stand-in (a repaired session)."""
@@ -159,6 +188,10 @@ class EventLog:
     def attach(self, session: Session, subscriber: Subscriber, from_seq: int | None) -> int:
         """Subscribe; replay retained events from `from_seq`.  Returns next seq."""
         session.subscribers.add(subscriber)
+        held = session.held.pop(subscriber, None)
+        if held and from_seq is None:
+            for frame in held:  # (a replay would send them again)
+                subscriber.deliver(frame)
         if from_seq is not None:
             oldest = session.ring[0][0] if session.ring else session.seq + 1
             if from_seq < oldest:
@@ -173,6 +206,7 @@ class EventLog:
     def detach(self, subscriber: Subscriber, sessions: Iterable[Session]) -> None:
         for session in sessions:
             session.subscribers.discard(subscriber)
+            session.held.pop(subscriber, None)
 
     # ---------------------------------------------------------------- retention
 
@@ -191,6 +225,7 @@ class EventLog:
         session.ring.clear()
         session.ring_bytes = 0
         session.subscribers.clear()
+        session.held.clear()
 
     def trim(self) -> None:
         """Over event_retention_total_bytes (sessions that emitted before

@@ -476,7 +476,7 @@ class SessionManager:
     def _begin(self, session: Session, text: str, subscriber: Subscriber | None,
                on_accepted: Callable[[m.Accepted], None] | None) -> asyncio.Future[m.Accepted]:
         if subscriber is not None:
-            self.events.subscribe(session, subscriber)
+            self.events.hold(session, subscriber)  # released once Accepted is written
         return self.ledger.begin(session, text, on_accepted)
 
     def attach(self, session: Session, subscriber: Subscriber, from_seq: int | None) -> int:
