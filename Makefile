@@ -36,13 +36,16 @@ run: $(VENV)/.installed
 
 # What the tests start for real and a fresh machine may lack: bubblewrap
 # (each session's sandbox), PostgreSQL's server binaries (the postgres
-# store) and zsh (its completion script is parsed by zsh itself).  As root with apt-get they are installed from the distribution;
+# store), zsh (its completion script is parsed by zsh itself) and Node.js
+# (the Node client of the published protocol, clients/node/, is run
+# against a daemon; tests/test_node_client.py fails without it).  As root with apt-get they are installed from the distribution;
 # otherwise make stops and names them.  PG_BIN=/path/to/bin points at a
 # PostgreSQL installed elsewhere.
 system-deps:
 	@missing=""; \
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
 	command -v zsh >/dev/null 2>&1 || missing="$$missing zsh"; \
+	command -v node >/dev/null 2>&1 || missing="$$missing nodejs"; \
 	{ test -n "$$PG_BIN" && test -x "$$PG_BIN/initdb"; } || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
 	  || command -v initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
 	if [ -n "$$missing" ]; then \
