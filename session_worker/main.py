@@ -577,12 +577,15 @@ class _SessionTag(logging.Filter):
 
     def __init__(self, session: str) -> None:
         super().__init__()
+        self.session = session
         self.prefix = f"session={session} "
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not getattr(record, "session_tagged", False):
             record.msg = self.prefix + str(record.msg)
             record.session_tagged = True
+            # As a field too: journald's SESSION_ID, the JSON lines' key.
+            record.session_id = self.session
         return True
 
 

@@ -688,11 +688,11 @@ def _reload(manager: SessionManager, config_path: Path | None) -> None:
                      "next worker); mode = \"required\" is checked at the next start")
         manager.reload(cfg)
         manager.spawner.keep_spares(cfg.daemon.spare_workers)
-        sdnotify.configure_logging(cfg.daemon.log_level.upper())
+        sdnotify.configure_logging(cfg.daemon.log_level.upper(), log_format=cfg.daemon.log_format)
         log.info("config reloaded from %s", config_path or "the embedded defaults")
     sdnotify.ready(_status_line(manager))
 
 
-def configure_logging(level: str) -> None:
-    sdnotify.configure_logging(level.upper())
+def configure_logging(level: str, log_format: str = "text") -> None:
+    sdnotify.configure_logging(level.upper(), log_format=log_format)
 

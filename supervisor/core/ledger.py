@@ -278,6 +278,7 @@ class TurnLedger:
                 Snapshot(
                     gen=0, meta=session.meta, turns=session.turns, seq=session.reserved_seq,
                     handler_state=handler_state, usage=dict(session.usage),
+                    lifecycle=self._events.lifecycle_kept(session),
                     mark=Mark(state=session.persisted_state, seq=session.reserved_seq,
                               restarts=session.restarts, last_exit=last),
                 )

@@ -192,7 +192,7 @@ class SessionManager:
             state=state, turns=loaded.turns, seq=loaded.seq, reserved_seq=loaded.seq,
             restarts=mark.restarts, ring=self.events.new_ring(),
             last_exit=msgspec.convert(mark.last_exit, m.ExitInfo) if mark.last_exit else None,
-            usage=loaded.usage,
+            usage=loaded.usage, lifecycle=self.events.restored_lifecycle(loaded.lifecycle),
         )
         if loaded.open_input is not None:
             self.ledger.abort_stored(session, store, loaded.open_input.turn, "the daemon stopped during this turn",

@@ -145,8 +145,9 @@ class Session:
     # DAMAGED with no readable metadata: meta is a stand-in.
     meta_lost: bool = False
     usage: dict[str, int] = field(default_factory=dict)
-    # Lifecycle events with their unix time, for `sessionctl logs` (since
-    # the daemon started; the last exit is persisted apart).
+    # Lifecycle events with their unix time, for `sessionctl logs`: those
+    # of earlier daemons as the log kept them (a turn's own running and
+    # back are kept only since this daemon started), then this one's.
     lifecycle: collections.deque[tuple[float, m.StateChanged | m.LimitExceeded | m.TurnFailed]] = field(
         default_factory=lambda: collections.deque(maxlen=LIFECYCLE_KEEP))
 
