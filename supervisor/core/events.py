@@ -101,21 +101,26 @@ class EventLog:
                 session.store.sync_soon().add_done_callback(_retrieve)
             except StoreError as exc:  # (a damaged log, one another daemon holds): memory only
                 log.debug("session=%s: lifecycle event not kept: %s", session.id, exc)
+        if isinstance(event, m.StateChanged):
+            # A failed session needs an operator: say so where they look.
+            level = (logging.WARNING if event.new == State.FAILED else
+                     logging.DEBUG if per_turn else logging.INFO)
+        else:
+            level = logging.INFO
+        if not log.isEnabledFor(level):
+            return  # (a turn's own states, at the default level: nothing to build)
         uid = session.meta.run_uid
         if uid is None and not self._settings().worker_user:
             uid = os.geteuid()  # its worker runs as the daemon's user
         line = tagged(log, session.id, uid=uid, owner_uid=session.meta.owner_uid)
         if isinstance(event, m.StateChanged):
-            # A failed session needs an operator: say so where they look.
-            level = (logging.WARNING if event.new == State.FAILED else
-                     logging.DEBUG if per_turn else logging.INFO)
             line.event(level, "state", {"session_state": event.new}, "%s -> %s (%s)",
                        event.old, event.new, event.reason or why)
         elif isinstance(event, m.LimitExceeded):
-            line.event(logging.INFO, "limit", {"sessiond_limit": event.kind}, "limit %s: %g over %g",
+            line.event(level, "limit", {"sessiond_limit": event.kind}, "limit %s: %g over %g",
                        event.kind, event.value, event.limit)
         else:
-            line.event(logging.INFO, "turn_failed", {}, "aborted turn %d: %s", event.turn, event.reason)
+            line.event(level, "turn_failed", {}, "aborted turn %d: %s", event.turn, event.reason)
 
     def lifecycle_kept(self, session: Session) -> list[LifeEvent]:
         """What a snapshot keeps of `logs` (its log's records go)."""
