@@ -584,8 +584,10 @@ class _SessionTag(logging.Filter):
         if not getattr(record, "session_tagged", False):
             record.msg = self.prefix + str(record.msg)
             record.session_tagged = True
-            # As a field too: journald's SESSION_ID, the JSON lines' key.
+            # As fields too (journald's SESSION_ID, SESSION_UID; the JSON
+            # lines' keys): the uid is read here, as confinement changes it.
             record.session_id = self.session
+            record.session_uid = os.getuid()
         return True
 
 

@@ -108,7 +108,7 @@ def test_under_journald_records_are_sent_as_fields_to_its_socket(
     # The worker's failure, with its traceback: a value with newlines.
     worker = next(e for e in about(sid) if e["LOGGER"] == "sessiond.worker" and "turn 1 failed" in e["MESSAGE"])
     assert worker["PRIORITY"] == "3" and "Traceback" in worker["MESSAGE"] and "\n" in worker["MESSAGE"]
-    assert worker["MESSAGE"].startswith(f"session={sid} ")
+    assert worker["MESSAGE"].startswith(f"session={sid} ") and int(worker["SESSION_UID"]) >= 0
 
     # The daemon's lifecycle lines: the event, the state, the uids.
     ready = next(e for e in about(sid) if e.get("SESSIOND_EVENT") == "state" and e["SESSION_STATE"] == "idle")
