@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
 import operator
 import re
 import sys
@@ -108,3 +109,14 @@ def test_the_node_client_uses_nothing_but_node() -> None:
     for path in (REPO / "clients" / "node").glob("*.mjs"):
         for spec in re.findall(r"""(?:from|import)\s*\(?\s*['"]([^'"]+)['"]""", path.read_text()):
             assert spec.startswith(("node:", "./")), f"{path.name} imports {spec}"
+
+
+def test_the_documents_example_session_matches_the_schema() -> None:
+    block = DOC[DOC.index("## A session, start to end"):DOC.index("## Compatibility")]
+    checked = 0
+    for line in block.splitlines():
+        arrow, _, body = line.partition(" ")
+        if arrow in ("→", "←") and "..." not in body:
+            conforms(json.loads(body), "Request" if arrow == "→" else "Reply")
+            checked += 1
+    assert checked >= 10
