@@ -20,10 +20,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from harness import FAST_SWEEP, Daemon, wait_for
-from supervisor.ops import journal
+from ipc import logfields as journal
 from test_operator_ctl import OPERATOR_CONFIG, _create
 
 
@@ -167,6 +168,30 @@ def test_json_log_format_prints_one_object_a_line_with_the_same_fields(make_daem
     assert ready["SESSIOND_EVENT"] == "state" and ready["SESSION_OWNER_UID"] == os.geteuid()
     worker = next(o for o in lines if o["LOGGER"] == "sessiond.worker" and "turn 1 failed" in o["MESSAGE"])
     assert worker["SESSION_ID"] == sid and worker["PRIORITY"] == 3 and "Traceback" in worker["MESSAGE"]
+
+    # A zygote started by exec (the first one died) logs JSON too.
+    first = _zygote(d)
+    assert first is not None
+    first.kill()
+    wait_for(lambda: (z := _zygote(d)) is not None and z.pid != first.pid, 10, "a new zygote")
+    again = wait_for(lambda: _try_create_broken(d), 10, "a session on the new zygote")
+    assert d.ctl("send", again, "x").returncode == 1
+    wait_for(lambda: f"session={again} turn 1 failed" in d.log, 10, "its worker's failure")
+    lines = [json.loads(line) for line in d.log.splitlines() if line]
+    assert any(o.get("SESSION_ID") == again and o["LOGGER"] == "sessiond.worker" for o in lines)
+
+
+def _zygote(d: Daemon) -> psutil.Process | None:
+    try:
+        kids = [k for k in psutil.Process(d.pid).children() if k.status() != psutil.STATUS_ZOMBIE]
+        return kids[0] if len(kids) == 1 else None
+    except psutil.Error:
+        return None
+
+
+def _try_create_broken(d: Daemon) -> str | None:
+    done = d.ctl("create", "--handler", "operator_handlers:broken")
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 @pytest.mark.process

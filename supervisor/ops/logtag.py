@@ -7,7 +7,7 @@ carry the same field, so `journalctl -u sessiond --grep 'session=ID'` finds
 both sides. Call sites write `tagged(log, session.id).warning("worker %d
 exited", pid)`; the message is otherwise what it was.  The record also
 carries `session_id` (and what `tagged` or `event` is given: the session's
-uids, the lifecycle event), which supervisor.ops.journal sends as journal
+uids, the lifecycle event), which ipc.logfields sends as journal
 fields (`SESSION_ID`, `SESSION_UID`, `SESSIOND_EVENT`...) or JSON keys."""
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from supervisor.ops.journal import JournalHandler, JsonFormatter, journal_socket, syslog_priority
+from ipc.logfields import FORMAT_ENV, JournalHandler, JsonFormatter, PriorityFormatter, journal_socket, on_journal
 
 __all__ = [
     "SD_LISTEN_FDS_START",
@@ -271,18 +271,6 @@ def listen_fds() -> list[socket.socket]:
 # --------------------------------------------------------------------------
 # Logging to the journal
 
-def _is_journal_fd(fd: int) -> bool:
-    raw = os.environ.get("JOURNAL_STREAM", "")
-    dev, sep, ino = raw.partition(":")
-    if not sep:
-        return False
-    try:
-        st = os.fstat(fd)
-        return st.st_dev == int(dev) and st.st_ino == int(ino)
-    except (OSError, ValueError):
-        return False
-
-
 def journal_stderr() -> bool:
     """True when fd 2 is the stream journald gave us (``$JOURNAL_STREAM``).
 
@@ -290,10 +278,10 @@ def journal_stderr() -> bool:
     matters: a process started from a service's shell inherits the variable
     while its stderr may be a terminal or a file.
     """
-    return _is_journal_fd(2)
+    return on_journal(2)
 
 
-class JournalFormatter(logging.Formatter):
+class JournalFormatter(PriorityFormatter):
     """Prefixes every line with ``<N>``, N the record's syslog priority.
 
     journald stores each line as its own entry, so every line of a multi-line
@@ -304,10 +292,6 @@ class JournalFormatter(logging.Formatter):
 
     def __init__(self, fmt: str | None = "%(name)s: %(message)s") -> None:
         super().__init__(fmt)
-
-    def format(self, record: logging.LogRecord) -> str:
-        prefix = f"<{syslog_priority(record.levelno)}>"
-        return "\n".join(prefix + line for line in super().format(record).split("\n"))
 
 
 _PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -323,7 +307,7 @@ def _stream_is_journal(stream: TextIO) -> bool:
     except (AttributeError, OSError, ValueError):
         # pytest's capture, io.StringIO...: not a file descriptor at all.
         return False
-    return _is_journal_fd(fd)
+    return on_journal(fd)
 
 
 class _Journal(JournalHandler):
@@ -336,7 +320,7 @@ def configure_logging(
     """Send the root logger to ``stream`` (default stderr), journal-aware.
 
     When the stream is journald's (``$JOURNAL_STREAM``), records go to the
-    journal's socket as fields (supervisor.ops.journal), or, without that
+    journal's socket as fields (ipc.logfields), or, without that
     socket, as lines with priority prefixes and no timestamp; on a terminal
     or a file they get a timestamp and the level name.  ``log_format="json"``
     (``[daemon] log_format``): JSON lines on the stream, journald or not.
@@ -361,4 +345,6 @@ def configure_logging(
         handler.setFormatter(logging.Formatter(_PLAIN_FORMAT))
     root.addHandler(handler)
     root.setLevel(level)
+    # A zygote started by exec (the first one died) sets itself up from this.
+    os.environ[FORMAT_ENV] = log_format
     return handler

@@ -1,8 +1,11 @@
 """Log records as fields a machine can query: journald's native protocol,
 and JSON lines.  Standard library only.
 
-Runs in the daemon, and in the zygote and workers it forks (they inherit
-the root logger's handler; a worker's filter adds its `session_id`).
+Runs in the daemon (supervisor.ops.sdnotify.configure_logging installs it),
+in the zygote and workers it forks (they inherit the root logger's handler;
+a worker's filter adds its `session_id`), and in a zygote started by exec,
+which sets itself up the same way (`configure_zygote`): hence ipc/, where
+both sides may import it.  The field names are a contract (docs/operations.md).
 
 Under journald (stderr is `$JOURNAL_STREAM`) and with the journal's socket
 present, each record goes to that socket as one datagram of fields
@@ -22,6 +25,9 @@ instead, so nothing is lost and the loop never blocks.
 `[daemon] log_format = "json"`: one JSON object a line on stderr with the
 same field names (and `TIMESTAMP`, `PID`), for a log shipper.
 
+`SESSIOND_LOG_FORMAT` (set by the daemon for the processes it starts)
+carries `log_format` to a zygote started by exec.
+
 `SESSIOND_JOURNAL_SOCKET` names another socket than
 /run/systemd/journal/socket: for tests only (they bind a datagram socket of
 their own; journald need not run), documented in docs/operations.md.
@@ -39,12 +45,15 @@ import os
 import socket
 import stat
 import struct
+import sys
 
-__all__ = ["JOURNAL_SOCKET", "SOCKET_ENV", "JournalHandler", "JsonFormatter", "encode_entry", "syslog_priority",
-           "journal_socket", "record_fields"]
+__all__ = ["FORMAT_ENV", "JOURNAL_SOCKET", "SOCKET_ENV", "JournalHandler", "JsonFormatter", "PriorityFormatter",
+           "configure_zygote",
+           "encode_entry", "journal_socket", "on_journal", "record_fields", "syslog_priority"]
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 SOCKET_ENV = "SESSIOND_JOURNAL_SOCKET"
+FORMAT_ENV = "SESSIOND_LOG_FORMAT"
 IDENTIFIER = "sessiond"
 
 # Record attributes (set by supervisor.ops.logtag and the worker's filter)
@@ -179,3 +188,44 @@ class JsonFormatter(logging.Formatter):
             if key in fields:
                 fields[key] = int(str(fields[key]))
         return json.dumps(fields, ensure_ascii=False)
+
+
+def on_journal(fd: int) -> bool:
+    """True when `fd` is the stream journald gave us (`$JOURNAL_STREAM`,
+    device and inode, as systemd.exec(5) says to compare)."""
+    dev, sep, ino = os.environ.get("JOURNAL_STREAM", "").partition(":")
+    if not sep:
+        return False
+    try:
+        st = os.fstat(fd)
+        return st.st_dev == int(dev) and st.st_ino == int(ino)
+    except (OSError, ValueError):
+        return False
+
+
+def configure_zygote(fmt: str) -> bool:
+    """A zygote started by exec (it has no handler of the daemon's): log as
+    the daemon does, per `$SESSIOND_LOG_FORMAT` and the journal.  False
+    when that is plain lines (the caller sets those up)."""
+    if os.environ.get(FORMAT_ENV) == "json":
+        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonFormatter())
+    elif on_journal(2) and (path := journal_socket()) is not None:
+        fallback = logging.StreamHandler(sys.stderr)
+        fallback.setFormatter(PriorityFormatter(fmt))
+        handler = JournalHandler(path, fallback)
+    else:
+        return False
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return True
+
+
+class PriorityFormatter(logging.Formatter):
+    """`<N>` before each line, for the journal's stream (sd-daemon(3)): every
+    line of a traceback too, or `journalctl -p err` would miss them."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        prefix = f"<{syslog_priority(record.levelno)}>"
+        return "\n".join(prefix + line for line in super().format(record).split("\n"))
