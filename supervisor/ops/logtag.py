@@ -22,12 +22,12 @@ class SessionLogger:
 
     __slots__ = ("_extra", "_log", "_prefix")
 
-    def __init__(self, logger: logging.Logger, session_id: str, extra: dict[str, object]) -> None:
+    def __init__(self, logger: logging.Logger, session_id: str, extra: dict[str, object] | None = None) -> None:
         self._log = logger
         # The id goes in as text, never as part of the format string: a %
         # in it cannot break the line's formatting.
         self._prefix = "session=" + session_id.replace("%", "%%") + " "
-        self._extra = extra
+        self._extra = extra if extra is not None else {"session_id": session_id}
 
     def _emit(self, level: int, msg: str, args: tuple[object, ...], exc_info: bool = False,
               event: dict[str, object] | None = None) -> None:
