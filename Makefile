@@ -36,7 +36,9 @@ run: $(VENV)/.installed
 
 # What the tests start for real and a fresh machine may lack: bubblewrap
 # (each session's sandbox), PostgreSQL's server binaries (the postgres
-# store), zsh (its completion script is parsed by zsh itself), and a
+# store), zsh (its completion script is parsed by zsh itself), Node.js
+# (the Node client of the published protocol, clients/node/, is run
+# against a daemon; tests/test_node_client.py fails without it) and a
 # headless Chromium with its driver (the web console's browser test).  As root with apt-get they are installed from the distribution;
 # otherwise make stops and names them.  PG_BIN=/path/to/bin points at a
 # PostgreSQL installed elsewhere.
@@ -47,6 +49,7 @@ system-deps:
 	command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
 	  || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
+	command -v node >/dev/null 2>&1 || missing="$$missing nodejs"; \
 	{ test -n "$$PG_BIN" && test -x "$$PG_BIN/initdb"; } || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
 	  || command -v initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
 	if [ -n "$$missing" ]; then \

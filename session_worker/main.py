@@ -577,12 +577,17 @@ class _SessionTag(logging.Filter):
 
     def __init__(self, session: str) -> None:
         super().__init__()
+        self.session = session
         self.prefix = f"session={session} "
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not getattr(record, "session_tagged", False):
             record.msg = self.prefix + str(record.msg)
             record.session_tagged = True
+            # As fields too (journald's SESSION_ID, SESSION_UID; the JSON
+            # lines' keys): the uid is read here, as confinement changes it.
+            record.session_id = self.session
+            record.session_uid = os.getuid()
         return True
 
 

@@ -53,6 +53,7 @@ from typing import NamedTuple
 import msgspec
 import setproctitle
 
+from ipc import logfields
 from ipc import messages as m
 from ipc.linux import set_child_subreaper, set_dumpable, set_pdeathsig
 from session_worker._signals import set_signal
@@ -91,11 +92,10 @@ def _configure_logging() -> None:
     `logging.basicConfig` after its fork, and so copy the pages that code
     touches (see session_worker.main.run_worker).  A no-op when the zygote
     was forked from the daemon (its handler came along); a zygote started
-    by exec has none."""
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr,
-        format="sessiond-worker[%(process)d]: %(levelname)s: %(message)s",
-    )
+    by exec has none: it logs as the daemon does (ipc.logfields)."""
+    fmt = "sessiond-worker[%(process)d]: %(levelname)s: %(message)s"
+    if logging.getLogger().handlers or not logfields.configure_zygote(fmt):
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=fmt)
 
 
 def zygote_main(sock: socket.socket, daemon_pid: int) -> int:

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"sessiond: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    configure_logging(cfg.daemon.log_level)
+    configure_logging(cfg.daemon.log_level, cfg.daemon.log_format)
     try:
         return run_daemon(cfg, args.state_dir, args.socket, config_path)
     except StartupError as exc:

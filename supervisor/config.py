@@ -133,6 +133,10 @@ class DaemonSettings(ConfigSection):
     # its share (at least its newest event).
     event_retention_total_bytes: Annotated[int, Meta(ge=65536, le=1 << 40)] = 256 * 1024 * 1024
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # "text": journald's fields under systemd (or `<N>` lines without its
+    # socket), timestamped lines elsewhere.  "json": one JSON object a line
+    # on stderr with the same fields, for log shippers (docs/operations.md).
+    log_format: Literal["text", "json"] = "text"
     # Prometheus metrics at http://HOST:PORT/metrics ("127.0.0.1:9464"; IPv6
     # as "[::1]:9464"), or on a Unix socket (an absolute path).  Empty = off.
     # No authentication: keep it on loopback or a private network.

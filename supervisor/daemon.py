@@ -683,6 +683,6 @@ async def _status_loop(manager: SessionManager) -> None:
         await asyncio.sleep(5.0)
 
 
-def configure_logging(level: str) -> None:
-    sdnotify.configure_logging(level.upper())
+def configure_logging(level: str, log_format: str = "text") -> None:
+    sdnotify.configure_logging(level.upper(), log_format=log_format)
 

@@ -220,3 +220,32 @@ def test_a_full_session_uid_range_refuses_with_capacity(tmp_path: Path) -> None:
         held.append(SimpleNamespace(meta=SimpleNamespace(run_uid=uid)))
     with pytest.raises(Capacity, match="session_uid_range"):
         spaces.allocate_uid(held)
+
+
+def test_the_senders_events_follow_its_accepted_and_a_long_hold_lets_go(tmp_path: Path) -> None:
+    config = {**FAST, "daemon": {**FAST["daemon"], "event_retention": 16}}
+    mgr, spawner, _ = _core(tmp_path, config)
+
+    async def body() -> None:
+        session = await mgr.create(1000, "s", "echo", {})
+        watcher, sender = Recorder(), Recorder()
+        mgr.attach(session, watcher, None)
+        order: list[str] = []
+        sender.deliver = lambda frame: order.append(type(_event.decode(bytes(frame)[4:])).__name__)  # type: ignore[method-assign]
+        accepted = await mgr.send(session, "hello", sender, lambda a: order.append("Accepted"))
+        await _until(lambda: "TurnDone" in order, "the turn")
+        assert order[0] == "Accepted" and order[1:3] == ["StateChanged", "TextDelta"], order
+        assert watcher.of(m.StateChanged)[-1].seq > accepted.seq  # the watcher was not held
+
+        # A hold that lasts (a disk that stalls the flush) keeps at most
+        # event_retention frames, then lets them go in order.
+        held = Recorder()
+        mgr.events.hold(session, held)
+        for i in range(20):
+            mgr.events.emit(session, m.TextDelta(session="s", seq=mgr.events.next_seq(session), turn=9, text=str(i)))
+            assert len(held.events) == (0 if i < 15 else i + 1)
+        mgr.events.release(session)
+        assert [e.text for e in held.events] == [str(i) for i in range(20)]
+        assert session.held == {}
+
+    _run(body)

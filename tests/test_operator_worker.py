@@ -59,6 +59,9 @@ def test_on_the_journal_every_line_has_its_priority_and_no_timestamp(
     d.log_path.touch()  # the daemon's stderr: make it the "journal stream"
     st = os.stat(d.log_path)
     monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+    # No journal socket (tests/test_journal_logs.py has the one with): the
+    # `<N>` stream, whether or not this host runs journald.
+    monkeypatch.setenv("SESSIOND_JOURNAL_SOCKET", str(d.root / "no-journal-here"))
     d.start()
     sid = _create(d, "operator_handlers:broken")
     assert d.ctl("send", sid, "x").returncode == 1

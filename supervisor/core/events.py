@@ -16,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 
@@ -27,15 +28,29 @@ from ipc.framing import FrameEncoder
 from supervisor.config import DaemonSettings
 from supervisor.errors import Conflict
 from supervisor.ops.logtag import tagged
-from supervisor.core.session import Session, Subscriber
+from supervisor.core.session import LIFECYCLE_KEEP, Session, Subscriber
 from supervisor.core.states import State, Trigger, transition
-from supervisor.store.state_store import Mark, StoreError
+from supervisor.store.state_store import LIFE_EVENTS_KEPT, LifeEvent, Mark, StoreError
 
 __all__ = ["EventLog"]
 
 log = logging.getLogger("sessiond.manager")
 
 _SEQ_BLOCK = 4096
+
+_Lifecycle = m.StateChanged | m.LimitExceeded | m.TurnFailed
+_lifecycle_decoder: msgspec.msgpack.Decoder[_Lifecycle] = msgspec.msgpack.Decoder(_Lifecycle)
+_TURN_STATES = frozenset({State.RUNNING, State.INTERRUPTING})
+
+
+def _per_turn(event: m.StateChanged) -> bool:
+    """A turn's own state changes: idle -> running (-> interrupting) -> idle."""
+    return event.new in _TURN_STATES or (event.old in _TURN_STATES and event.new == State.IDLE)
+
+
+def _retrieve(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # a failed flush is the next commit's to report
 
 
 class EventLog:
@@ -49,10 +64,10 @@ class EventLog:
 
     # ---------------------------------------------------------------- events
 
-    def emit(self, session: Session, event: m.Event) -> None:
-        if isinstance(event, (m.StateChanged, m.LimitExceeded, m.TurnFailed)):
-            session.lifecycle.append((time.time(), event))  # `sessionctl logs`
+    def emit(self, session: Session, event: m.Event, why: str = "") -> None:
         frame = self._encoder.encode(event)
+        if isinstance(event, (m.StateChanged, m.LimitExceeded, m.TurnFailed)):
+            self._lifecycle(session, event, frame, why)
         ring = session.ring
         if len(ring) == ring.maxlen:
             self._drop_oldest(session)
@@ -65,8 +80,62 @@ class EventLog:
             limit = min(limit, self._fair_share())
         while session.ring_bytes > limit and len(ring) > 1:
             self._drop_oldest(session)
+        held = session.held
         for sub in list(session.subscribers):
-            sub.deliver(frame)
+            if held and sub in held:
+                self._hold(session, sub, frame)
+            else:
+                sub.deliver(frame)
+
+    def _lifecycle(self, session: Session, event: m.StateChanged | m.LimitExceeded | m.TurnFailed,
+                   frame: bytes | bytearray, why: str) -> None:
+        """`sessionctl logs`: kept in memory, and in the session's log unless
+        it is a turn's own running and back (the turns are in the log
+        already) or the session's end; logged with its fields for journald."""
+        at = time.time()
+        session.lifecycle.append((at, event))
+        per_turn = isinstance(event, m.StateChanged) and _per_turn(event)
+        if not per_turn and not (isinstance(event, m.StateChanged) and event.new == State.DELETED):
+            try:
+                session.store.append(LifeEvent(at=at, seq=event.seq, event=bytes(frame[4:])), durable=False)
+                session.store.sync_soon().add_done_callback(_retrieve)
+            except StoreError as exc:  # (a damaged log, one another daemon holds): memory only
+                log.debug("session=%s: lifecycle event not kept: %s", session.id, exc)
+        if isinstance(event, m.StateChanged):
+            # A failed session needs an operator: say so where they look.
+            level = (logging.WARNING if event.new == State.FAILED else
+                     logging.DEBUG if per_turn else logging.INFO)
+        else:
+            level = logging.INFO
+        if not log.isEnabledFor(level):
+            return  # (a turn's own states, at the default level: nothing to build)
+        uid = session.meta.run_uid
+        if uid is None and not self._settings().worker_user:
+            uid = os.geteuid()  # its worker runs as the daemon's user
+        line = tagged(log, session.id, uid=uid, owner_uid=session.meta.owner_uid)
+        if isinstance(event, m.StateChanged):
+            line.event(level, "state", {"session_state": event.new}, "%s -> %s (%s)",
+                       event.old, event.new, event.reason or why)
+        elif isinstance(event, m.LimitExceeded):
+            line.event(level, "limit", {"sessiond_limit": event.kind}, "limit %s: %g over %g",
+                       event.kind, event.value, event.limit)
+        else:
+            line.event(level, "turn_failed", {}, "aborted turn %d: %s", event.turn, event.reason)
+
+    def lifecycle_kept(self, session: Session) -> list[LifeEvent]:
+        """What a snapshot keeps of `logs` (its log's records go)."""
+        kept = [LifeEvent(at=at, seq=ev.seq, event=bytes(self._encoder.encode(ev)[4:]))
+                for at, ev in session.lifecycle if not (isinstance(ev, m.StateChanged) and _per_turn(ev))]
+        return kept[-LIFE_EVENTS_KEPT:]
+
+    @staticmethod
+    def restored_lifecycle(kept: Iterable[LifeEvent]) -> collections.deque[tuple[float, _Lifecycle]]:
+        """`Session.lifecycle` from what the store kept (at load)."""
+        out: collections.deque[tuple[float, _Lifecycle]] = collections.deque(maxlen=LIFECYCLE_KEEP)
+        for rec in kept:
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                out.append((rec.at, _lifecycle_decoder.decode(rec.event)))
+        return out
 
     def emit_live(self, session: Session, event: m.ReasoningDelta) -> None:
         """An event of NEW_EVENT_TAGS: to the subscribers that asked for its
@@ -76,7 +145,10 @@ class EventLog:
         for sub in list(session.subscribers):
             if tag in sub.event_tags:
                 frame = frame or self._encoder.encode(event)
-                sub.deliver(frame)
+                if session.held and sub in session.held:
+                    self._hold(session, sub, frame)
+                else:
+                    sub.deliver(frame)
 
     def emit_limit(self, session: Session, kind: LimitKind, value: float, limit: float) -> None:
         self.emit(
@@ -104,8 +176,30 @@ class EventLog:
         session.seq = max(session.seq, seq)
         session.reserved_seq = max(session.reserved_seq, seq)
 
-    def subscribe(self, session: Session, subscriber: Subscriber) -> None:
+    def hold(self, session: Session, subscriber: Subscriber) -> None:
+        """Subscribe a client that is sending an input, holding the events
+        for it until `release`: its `Accepted` goes first, and the turn's
+        events (its `state` running included) follow, as docs/protocol.md
+        promises.  Other subscribers get them at once."""
         session.subscribers.add(subscriber)
+        session.held[subscriber] = []
+
+    def release(self, session: Session, only: Iterable[Subscriber] | None = None) -> None:
+        """The held events, delivered: called once the sender's `Accepted`
+        (or its `Error`) is written."""
+        for sub in list(session.held) if only is None else only:
+            frames = session.held.pop(sub, None)
+            for frame in frames or ():
+                sub.deliver(frame)
+
+    def _hold(self, session: Session, sub: Subscriber, frame: bytes | bytearray) -> None:
+        frames = session.held[sub]
+        frames.append(frame)
+        # A hold lasts one group commit; a disk that stalls it while the turn
+        # streams on must not make us keep unbounded frames for a client:
+        # past the session's retention the events flow without waiting.
+        if len(frames) >= self._settings().event_retention:
+            self.release(session, (sub,))
 
     def add_subscribers(self, session: Session, subscribers: set[Subscriber]) -> None:
         """Clients that followed a session's stand-in (a repaired session)."""
@@ -130,12 +224,10 @@ class EventLog:
         old = session.state
         new = transition(old, trigger)
         session.state = new
-        # A failed session needs an operator: say so where they look.
-        level = logging.WARNING if new is State.FAILED else logging.DEBUG
-        tagged(log, session.id).log(level, "%s -> %s (%s)", old, new, reason or trigger)
-        self.emit(
+        self.emit(  # (logged there, with the session's fields)
             session,
             m.StateChanged(session=session.id, seq=self.next_seq(session), old=old, new=new, reason=reason),
+            why=trigger,
         )
         waiters, session.state_waiters = session.state_waiters, []
         for fut in waiters:
@@ -159,6 +251,10 @@ class EventLog:
     def attach(self, session: Session, subscriber: Subscriber, from_seq: int | None) -> int:
         """Subscribe; replay retained events from `from_seq`.  Returns next seq."""
         session.subscribers.add(subscriber)
+        held = session.held.pop(subscriber, None)
+        if held and from_seq is None:
+            for frame in held:  # (a replay would send them again)
+                subscriber.deliver(frame)
         if from_seq is not None:
             oldest = session.ring[0][0] if session.ring else session.seq + 1
             # Seqs start at 1: asking from 0 (or below) misses nothing that was ever sent.
@@ -174,6 +270,7 @@ class EventLog:
     def detach(self, subscriber: Subscriber, sessions: Iterable[Session]) -> None:
         for session in sessions:
             session.subscribers.discard(subscriber)
+            session.held.pop(subscriber, None)
 
     # ---------------------------------------------------------------- retention
 
@@ -192,6 +289,7 @@ class EventLog:
         session.ring.clear()
         session.ring_bytes = 0
         session.subscribers.clear()
+        session.held.clear()
 
     def trim(self) -> None:
         """Over event_retention_total_bytes (sessions that emitted before

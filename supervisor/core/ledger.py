@@ -91,6 +91,7 @@ class TurnLedger:
                 InputRecord(turn=turn, text=text, seq=session.seq, at=time.time()), durable=False
             )
         except StoreError as exc:
+            self._events.release(session)
             raise store_failure("input not accepted: ", exc) from None
         worker.conn.send(m.Input(turn=turn, text=text))
         worker.conn.flush()
@@ -197,9 +198,13 @@ class TurnLedger:
         if error is not None:
             pending.durable.set_exception(error)
             pending.durable.exception()  # retrieved by whoever awaits, if anyone
+            # The sender's held events after its Error, which the future's
+            # callbacks (scheduled just now) write.
+            asyncio.get_running_loop().call_soon(self._events.release, session, list(session.held))
             return
         if pending.on_accepted is not None:
             pending.on_accepted(pending.accepted)
+        self._events.release(session)  # the turn's events, after Accepted
         pending.durable.set_result(pending.accepted)
 
     def commit(self, session: Session, worker: WorkerProc, msg: m.Done) -> None:
@@ -273,6 +278,7 @@ class TurnLedger:
                 Snapshot(
                     gen=0, meta=session.meta, turns=session.turns, seq=session.reserved_seq,
                     handler_state=handler_state, usage=dict(session.usage),
+                    lifecycle=self._events.lifecycle_kept(session),
                     mark=Mark(state=session.persisted_state, seq=session.reserved_seq,
                               restarts=session.restarts, last_exit=last),
                 )

@@ -192,7 +192,7 @@ class SessionManager:
             state=state, turns=loaded.turns, seq=loaded.seq, reserved_seq=loaded.seq,
             restarts=mark.restarts, ring=self.events.new_ring(),
             last_exit=msgspec.convert(mark.last_exit, m.ExitInfo) if mark.last_exit else None,
-            usage=loaded.usage,
+            usage=loaded.usage, lifecycle=self.events.restored_lifecycle(loaded.lifecycle),
         )
         if loaded.open_input is not None:
             self.ledger.abort_stored(session, store, loaded.open_input.turn, "the daemon stopped during this turn",
@@ -476,7 +476,7 @@ class SessionManager:
     def _begin(self, session: Session, text: str, subscriber: Subscriber | None,
                on_accepted: Callable[[m.Accepted], None] | None) -> asyncio.Future[m.Accepted]:
         if subscriber is not None:
-            self.events.subscribe(session, subscriber)
+            self.events.hold(session, subscriber)  # released once Accepted is written
         return self.ledger.begin(session, text, on_accepted)
 
     def attach(self, session: Session, subscriber: Subscriber, from_seq: int | None) -> int:

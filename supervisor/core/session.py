@@ -6,7 +6,7 @@ each own some of its fields, and only they write them:
     SessionManager (manager.py,   the registry, meta, settings, children, lock,
                     holding.py)   store, error, meta_lost
     EventLog       (events.py)    state, seq, reserved_seq, ring, ring_bytes,
-                                  subscribers, state_waiters, lifecycle
+                                  subscribers, held, state_waiters, lifecycle
     TurnLedger     (ledger.py)    turns, current_turn, current_input,
                                   pending_input, pending_asks, turn_results,
                                   turn_started, last_turn_secs, last_active,
@@ -110,6 +110,9 @@ class Session:
     current_turn: int | None = None
     current_input: str = ""
     subscribers: set[Subscriber] = field(default_factory=set)
+    # Subscribers whose input is not acknowledged yet, with the events held
+    # for them meanwhile: `Accepted` comes first (EventLog.hold).
+    held: dict[Subscriber, list[bytes | bytearray]] = field(default_factory=dict)
     ring: collections.deque[tuple[int, bytes | bytearray]] = field(
         default_factory=collections.deque
     )
@@ -142,8 +145,9 @@ class Session:
     # DAMAGED with no readable metadata: meta is a stand-in.
     meta_lost: bool = False
     usage: dict[str, int] = field(default_factory=dict)
-    # Lifecycle events with their unix time, for `sessionctl logs` (since
-    # the daemon started; the last exit is persisted apart).
+    # Lifecycle events with their unix time, for `sessionctl logs`: those
+    # of earlier daemons as the log kept them (a turn's own running and
+    # back are kept only since this daemon started), then this one's.
     lifecycle: collections.deque[tuple[float, m.StateChanged | m.LimitExceeded | m.TurnFailed]] = field(
         default_factory=lambda: collections.deque(maxlen=LIFECYCLE_KEEP))
 

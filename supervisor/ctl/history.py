@@ -106,7 +106,7 @@ def print_logs(reply: op.LogsReply, as_json: bool) -> None:
         }))
         return
     if not reply.entries:
-        print("(no lifecycle events since the daemon started)")
+        print("(no lifecycle events kept)")
     for x in reply.entries:
         print(_entry_text(x.at, x.event))
     if reply.last_exit is not None:

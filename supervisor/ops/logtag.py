@@ -1,11 +1,15 @@
 """`session=ID` at the start of every daemon log message about one session
-(a line reads `sessiond.manager: session=ID ...`: the logger's name first).
+(a line reads `sessiond.manager: session=ID ...`: the logger's name first),
+and the same as fields for machines.
 
 A worker's messages already start with `session=ID` (session_worker/main.py
 tags them with a handler filter); the daemon's own lines about that session
 carry the same field, so `journalctl -u sessiond --grep 'session=ID'` finds
 both sides. Call sites write `tagged(log, session.id).warning("worker %d
-exited", pid)`; the message is otherwise what it was."""
+exited", pid)`; the message is otherwise what it was.  The record also
+carries `session_id` (and what `tagged` or `event` is given: the session's
+uids, the lifecycle event), which ipc.logfields sends as journal
+fields (`SESSION_ID`, `SESSION_UID`, `SESSIOND_EVENT`...) or JSON keys."""
 
 from __future__ import annotations
 
@@ -17,20 +21,30 @@ __all__ = ["SessionLogger", "tagged"]
 class SessionLogger:
     """A logger bound to one session id: each message gets the prefix."""
 
-    __slots__ = ("_log", "_prefix")
+    __slots__ = ("_extra", "_log", "_prefix")
 
-    def __init__(self, logger: logging.Logger, session_id: str) -> None:
+    def __init__(self, logger: logging.Logger, session_id: str, extra: dict[str, object] | None = None) -> None:
         self._log = logger
         # The id goes in as text, never as part of the format string: a %
         # in it cannot break the line's formatting.
         self._prefix = "session=" + session_id.replace("%", "%%") + " "
+        self._extra = extra if extra is not None else {"session_id": session_id}
 
-    def _emit(self, level: int, msg: str, args: tuple[object, ...], exc_info: bool = False) -> None:
+    def _emit(self, level: int, msg: str, args: tuple[object, ...], exc_info: bool = False,
+              event: dict[str, object] | None = None) -> None:
+        if not self._log.isEnabledFor(level):
+            return
+        extra = self._extra if event is None else {**self._extra, **event}
         # stacklevel=3: the record names the call site, not this class.
-        self._log.log(level, self._prefix + msg, *args, exc_info=exc_info, stacklevel=3)
+        self._log.log(level, self._prefix + msg, *args, exc_info=exc_info, stacklevel=3, extra=extra)
 
     def log(self, level: int, msg: str, *args: object) -> None:
         self._emit(level, msg, args)
+
+    def event(self, level: int, event: str, fields: dict[str, object], msg: str, *args: object) -> None:
+        """A lifecycle line: `event` (SESSIOND_EVENT) and its own fields
+        (`session_state`, `sessiond_limit`) on the record."""
+        self._emit(level, msg, args, event={"sessiond_event": event, **fields})
 
     def debug(self, msg: str, *args: object) -> None:
         self._emit(logging.DEBUG, msg, args)
@@ -48,5 +62,12 @@ class SessionLogger:
         self._emit(logging.ERROR, msg, args, exc_info=True)
 
 
-def tagged(logger: logging.Logger, session_id: str) -> SessionLogger:
-    return SessionLogger(logger, session_id)
+def tagged(logger: logging.Logger, session_id: str, *, uid: int | None = None,
+           owner_uid: int | None = None) -> SessionLogger:
+    """`uid`: the uid the session runs as; `owner_uid`: who created it."""
+    extra: dict[str, object] = {"session_id": session_id}
+    if uid is not None:
+        extra["session_uid"] = uid
+    if owner_uid is not None:
+        extra["session_owner_uid"] = owner_uid
+    return SessionLogger(logger, session_id, extra)

@@ -54,7 +54,7 @@ class Reloader:
                          "next worker); mode = \"required\" is checked at the next start")
         changed = changes(old, cfg)
         self._apply(cfg)
-        sdnotify.configure_logging(cfg.daemon.log_level.upper())
+        sdnotify.configure_logging(cfg.daemon.log_level.upper(), log_format=cfg.daemon.log_format)
         for note in notes:
             log.warning("%s", note)
         log.info("config reloaded from %s: %s", source,

@@ -45,6 +45,8 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from ipc.logfields import FORMAT_ENV, JournalHandler, JsonFormatter, PriorityFormatter, journal_socket, on_journal
+
 __all__ = [
     "SD_LISTEN_FDS_START",
     "JournalFormatter",
@@ -269,35 +271,6 @@ def listen_fds() -> list[socket.socket]:
 # --------------------------------------------------------------------------
 # Logging to the journal
 
-# logging levels -> syslog priorities (sd-daemon(3) prefixes <0>..<7>).
-_PRIORITIES = (
-    (logging.CRITICAL, 2),
-    (logging.ERROR, 3),
-    (logging.WARNING, 4),
-    (logging.INFO, 6),
-)
-_DEBUG_PRIORITY = 7
-
-
-def _syslog_priority(levelno: int) -> int:
-    for threshold, priority in _PRIORITIES:
-        if levelno >= threshold:
-            return priority
-    return _DEBUG_PRIORITY
-
-
-def _is_journal_fd(fd: int) -> bool:
-    raw = os.environ.get("JOURNAL_STREAM", "")
-    dev, sep, ino = raw.partition(":")
-    if not sep:
-        return False
-    try:
-        st = os.fstat(fd)
-        return st.st_dev == int(dev) and st.st_ino == int(ino)
-    except (OSError, ValueError):
-        return False
-
-
 def journal_stderr() -> bool:
     """True when fd 2 is the stream journald gave us (``$JOURNAL_STREAM``).
 
@@ -305,10 +278,10 @@ def journal_stderr() -> bool:
     matters: a process started from a service's shell inherits the variable
     while its stderr may be a terminal or a file.
     """
-    return _is_journal_fd(2)
+    return on_journal(2)
 
 
-class JournalFormatter(logging.Formatter):
+class JournalFormatter(PriorityFormatter):
     """Prefixes every line with ``<N>``, N the record's syslog priority.
 
     journald stores each line as its own entry, so every line of a multi-line
@@ -319,10 +292,6 @@ class JournalFormatter(logging.Formatter):
 
     def __init__(self, fmt: str | None = "%(name)s: %(message)s") -> None:
         super().__init__(fmt)
-
-    def format(self, record: logging.LogRecord) -> str:
-        prefix = f"<{_syslog_priority(record.levelno)}>"
-        return "\n".join(prefix + line for line in super().format(record).split("\n"))
 
 
 _PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -338,26 +307,44 @@ def _stream_is_journal(stream: TextIO) -> bool:
     except (AttributeError, OSError, ValueError):
         # pytest's capture, io.StringIO...: not a file descriptor at all.
         return False
-    return _is_journal_fd(fd)
+    return on_journal(fd)
 
 
-def configure_logging(level: int | str = logging.INFO, stream: TextIO | None = None) -> logging.Handler:
+class _Journal(JournalHandler):
+    """Marks the native journal handler configure_logging installed."""
+
+
+def configure_logging(
+    level: int | str = logging.INFO, stream: TextIO | None = None, log_format: str = "text"
+) -> logging.Handler:
     """Send the root logger to ``stream`` (default stderr), journal-aware.
 
-    When the stream is journald's (``$JOURNAL_STREAM``), lines get priority
-    prefixes and no timestamp; on a terminal or a file they get a timestamp
-    and the level name. Calling it again replaces the handler it installed
-    before (a reload may change the level) instead of adding a second one.
-    Returns the handler.
+    When the stream is journald's (``$JOURNAL_STREAM``), records go to the
+    journal's socket as fields (ipc.logfields), or, without that
+    socket, as lines with priority prefixes and no timestamp; on a terminal
+    or a file they get a timestamp and the level name.  ``log_format="json"``
+    (``[daemon] log_format``): JSON lines on the stream, journald or not.
+    Calling it again replaces the handler it installed before (a reload may
+    change the level) instead of adding a second one.  Returns the handler.
     """
     target = stream if stream is not None else sys.stderr
     root = logging.getLogger()
-    for old in [h for h in root.handlers if isinstance(h, _Handler)]:
+    for old in [h for h in root.handlers if isinstance(h, (_Handler, _Journal))]:
         root.removeHandler(old)
         old.close()
-    handler = _Handler(target)
-    formatter = JournalFormatter() if _stream_is_journal(target) else logging.Formatter(_PLAIN_FORMAT)
-    handler.setFormatter(formatter)
+    handler: logging.Handler = _Handler(target)
+    on_journal = _stream_is_journal(target)
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    elif on_journal:
+        handler.setFormatter(JournalFormatter())
+        path = journal_socket()
+        if path is not None:
+            handler = _Journal(path, fallback=handler)
+    else:
+        handler.setFormatter(logging.Formatter(_PLAIN_FORMAT))
     root.addHandler(handler)
     root.setLevel(level)
+    # A zygote started by exec (the first one died) sets itself up from this.
+    os.environ[FORMAT_ENV] = log_format
     return handler

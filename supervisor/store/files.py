@@ -70,6 +70,7 @@ from supervisor.store.state_store import (
     Abort,
     Commit,
     InputRecord,
+    LIFE_EVENTS_KEPT,
     LoadedSession,
     Mark,
     Meta,
@@ -336,7 +337,7 @@ class SessionStore:
         loaded: LoadedSession | None = None
         if snap is not None:
             loaded = LoadedSession(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark,
-                                   usage=dict(snap.usage))
+                                   usage=dict(snap.usage), lifecycle=list(snap.lifecycle))
         for g in plan.gens:
             scan = plan.scans[g]
             torn = scan.torn_at
@@ -353,6 +354,7 @@ class SessionStore:
                     loaded.apply(rec)
         assert loaded is not None  # _plan checked there is a Meta
         check_stored_id(path.name, loaded.meta)
+        del loaded.lifecycle[:-LIFE_EVENTS_KEPT]
         prev, _ = _read_snapshot(path / "snapshot.prev")
         base = prev.gen if prev is not None else 0
         # Logs older than the fallback's are folded into both snapshots.

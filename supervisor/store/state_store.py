@@ -75,6 +75,8 @@ __all__ = [
     "HeldElsewhere",
     "IdTaken",
     "InputRecord",
+    "LIFE_EVENTS_KEPT",
+    "LifeEvent",
     "LoadedSession",
     "Mark",
     "Meta",
@@ -153,7 +155,23 @@ class Mark(_Rec, tag="mark"):
     last_exit: dict[str, Any] | None = None
 
 
-Record = Meta | InputRecord | Commit | Abort | Mark
+class LifeEvent(_Rec, tag="life"):
+    """A lifecycle event worth keeping across daemon restarts (`sessionctl
+    logs`): a state change other than a turn's own running and back, a
+    limit hit, a failed turn.  `event` is the control protocol's event as
+    msgpack (ipc.messages: `state`, `limit`, `turn_failed`), kept as bytes
+    so that the log does not depend on those classes.  (A daemon older
+    than this record reads a log holding it as damaged.)"""
+
+    at: float  # unix time
+    seq: int
+    event: bytes
+
+
+# The last LifeEvents a loaded session (and a snapshot) keeps.
+LIFE_EVENTS_KEPT = 500
+
+Record = Meta | InputRecord | Commit | Abort | Mark | LifeEvent
 
 
 class Snapshot(msgspec.Struct, kw_only=True):
@@ -165,6 +183,8 @@ class Snapshot(msgspec.Struct, kw_only=True):
     mark: Mark = msgspec.field(default_factory=Mark)
     # Token totals of the turns it replaces (their Commits are gone).
     usage: dict[str, int] = msgspec.field(default_factory=dict)
+    # The last LIFE_EVENTS_KEPT lifecycle events, so compaction keeps them.
+    lifecycle: list[LifeEvent] = msgspec.field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -176,12 +196,14 @@ class LoadedSession:
     # The last input had no commit/abort: its worker (or the daemon) died.
     open_input: InputRecord | None = None
     usage: dict[str, int] = field(default_factory=dict)
+    lifecycle: list[LifeEvent] = field(default_factory=list)  # oldest first, at most LIFE_EVENTS_KEPT
 
     @classmethod
     def replay(cls, session_id: str, snap: Snapshot | None, records: Iterable[Record]) -> LoadedSession:
         """The session a snapshot (if any) and the intact records after it
         make; StoreDamaged when nothing says what the session is."""
-        loaded = (cls(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark, usage=dict(snap.usage))
+        loaded = (cls(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark, usage=dict(snap.usage),
+                      lifecycle=list(snap.lifecycle))
                   if snap is not None else None)
         for rec in records:
             if loaded is None and isinstance(rec, Meta):
@@ -190,6 +212,7 @@ class LoadedSession:
                 loaded.apply(rec)
         if loaded is None:
             raise StoreDamaged(session_id, "no metadata record", repairable=False)
+        del loaded.lifecycle[:-LIFE_EVENTS_KEPT]
         check_stored_id(session_id, loaded.meta)
         return loaded
 
@@ -211,6 +234,9 @@ class LoadedSession:
             case Mark():
                 self.seq = max(self.seq, rec.seq)
                 self.mark = rec
+            case LifeEvent():
+                self.seq = max(self.seq, rec.seq)
+                self.lifecycle.append(rec)
 
 
 def check_stored_id(session_id: str, meta: Meta) -> None:
