@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from supervisor.store import journal as journal_mod
+from supervisor.store import replay as replay_mod
+from supervisor.errors import StoreDamaged
 from supervisor.ctl.client import AsyncClient
-from supervisor.store.state_store import Commit, Meta, Snapshot
+from supervisor.store.state_store import Commit, Meta, RepairMode, Snapshot
 from supervisor.store.files import FileStateStore, SessionStore
 from harness import Daemon, wait_for
 
@@ -206,3 +208,91 @@ def test_records_of_a_superseded_writer_survive_a_crash_after_the_reload(
         f.truncate(durable.get(log0, 0))
     h3, loaded = FileStateStore(tmp_path).load("s1")
     assert h3.read_for_boot()[1] == [b"\x01", b"\x02"] and loaded.seq == 2
+
+
+# ---------------------------------------------------------------- a damaged journal (issue 23)
+
+
+def _ten_turns_and_a_flip(tmp_path: Path, flip_turn: int, log_keeps: int) -> tuple[Path, int]:
+    """Sessions s1 and s2 commit ten turns each (acknowledged: durable), the
+    journal gets one flipped byte in the middle of s1's turn `flip_turn`,
+    and a power loss cuts s1's log after its turn `log_keeps` (s2's log
+    loses everything this writer appended).  Returns the journal's path."""
+    store = FileStateStore(tmp_path)
+    s1, s2 = store.create(_meta("s1")), store.create(_meta("s2"))
+    j = store._journal
+    assert j is not None
+    span: dict[int, tuple[int, int]] = {}
+    log_size: dict[int, int] = {}
+    for t in range(1, 11):
+        before = j.synced_bytes
+        s1.append(_commit(t, bytes([t]) * 200), durable=True)
+        span[t] = (before, j.synced_bytes)
+        log_size[t] = s1._size
+        s2.append(_commit(t, bytes([t]) * 50), durable=True)
+    path = j.path
+    log1 = tmp_path / "s1" / "log.0"
+    kept = log1.read_bytes()[: log_size[log_keeps]]
+    _power_loss(store, [s1, s2])
+    log1.write_bytes(kept)
+    a, b = span[flip_turn]
+    data = bytearray(path.read_bytes())
+    data[(a + b) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    return path, log_size[log_keeps]
+
+
+@pytest.mark.component
+def test_a_flipped_journal_byte_and_a_lost_log_tail_lose_no_acknowledged_turn(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The chaos run's finding: replay stopped at the flipped record and
+    deleted the journal, so turns 6-10, acknowledged, were lost."""
+    journal, _ = _ten_turns_and_a_flip(tmp_path, flip_turn=5, log_keeps=5)
+    store = FileStateStore(tmp_path)
+    for sid, size in (("s1", 200), ("s2", 50)):
+        h, loaded = store.load(sid)
+        assert h.read_for_boot()[1] == [bytes([t]) * size for t in range(1, 11)], sid
+        assert loaded.seq == 10
+    assert "is damaged" in caplog.text  # never silent
+    assert (tmp_path / ".journal" / "damaged" / journal.name).exists()  # the evidence is kept
+
+
+@pytest.mark.component
+def test_records_a_damaged_journal_lost_leave_the_session_damaged_until_repair(tmp_path: Path) -> None:
+    journal, _ = _ten_turns_and_a_flip(tmp_path, flip_turn=5, log_keeps=4)
+    store = FileStateStore(tmp_path)
+    with pytest.raises(StoreDamaged, match=rf"log.0: bytes .* no intact journal record.*{journal.name}"):
+        store.load("s1")
+    kept = tmp_path / ".journal" / "damaged" / journal.name
+    assert kept.exists()
+    h2, loaded2 = store.load("s2")  # its records after the damage were restored
+    assert len(h2.read_for_boot()[1]) == 10 and loaded2.seq == 10
+    # A restart does not forget it.
+    store.close()
+    store = FileStateStore(tmp_path)
+    with pytest.raises(StoreDamaged):
+        store.load("s1")
+    result = store.repair("s1", RepairMode.SKIP_BAD)
+    assert result.kept_records == 10  # Meta and nine turns: only turn 5 is lost
+    h, loaded = store.load("s1")
+    assert h.read_for_boot()[1] == [bytes([t]) * 200 for t in range(1, 11) if t != 5]
+    assert loaded.seq == 10
+    assert not kept.exists() and not (tmp_path / "s1" / "journal-damage").exists()
+
+
+@pytest.mark.component
+def test_a_flipped_last_record_the_log_lacks_is_damage_not_a_torn_tail(tmp_path: Path) -> None:
+    journal, _ = _ten_turns_and_a_flip(tmp_path, flip_turn=10, log_keeps=9)
+    # The flip was in s1's turn 10; s2's turn 10 follows it intact.  Cut
+    # that off too: the damaged record is the journal's last.
+    data = journal.read_bytes()
+    records = list(replay_mod._read_journal(journal).records)
+    assert records[-1].sid == "s2"
+    journal.write_bytes(data[: len(data) - len(replay_mod.encoder.encode(records[-1])) - 8])
+    store = FileStateStore(tmp_path)
+    with pytest.raises(StoreDamaged, match="record at .* failed its checksum"):
+        store.load("s1")
+    store.repair("s1", RepairMode.TRUNCATE)
+    h, _ = store.load("s1")
+    assert len(h.read_for_boot()[1]) == 9

@@ -29,7 +29,10 @@ Damage in a log is told apart by what follows it:
   cut: load raises `StoreDamaged` and leaves the files as they are, until
   the operator's `repair` keeps every intact record (skip_bad) or what
   precedes the damage (truncate).  Intact records after damage are found
-  by trying every offset (length sane, checksum matches, decodes).
+  by trying every offset (length sane, checksum matches, decodes);
+* records a damaged journal lost and the log lacks (supervisor.store.replay):
+  replay leaves the hole in the log and a note, `journal-damage`, saying
+  why; load raises `StoreDamaged` until `repair`, which removes the note.
 
 See `supervisor.store.state_store` for the promises and errors shared with other
 stores.
@@ -47,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.store.journal import Journal
+from supervisor.store.replay import clear_damage_note, read_damage_note
 from supervisor.store.sessiondir import fsync_dir as _fsync_dir
 from supervisor.store.sessiondir import log_gens as _log_gens
 from supervisor.store.sessiondir import never_created as _never_created
@@ -139,10 +143,18 @@ def _plan(path: Path) -> _Plan:
     base = snap.gen if snap is not None else 0
     gens = [g for g in _log_gens(path) if g >= base] or [base]
     scans = {g: _read_scan(path / f"log.{g}") for g in gens}
+    # A note left by journal replay (supervisor.store.replay): records lost
+    # to a damaged journal, which the log alone may not show.
+    lost, _ = read_damage_note(path)
     for g in gens:
         if scans[g].damaged:
             meta = snap.meta if snap is not None else _meta_in(scans.get(0))
-            raise StoreDamaged(sid, describe_damage(f"log.{g}", scans[g]), meta=meta)
+            why = describe_damage(f"log.{g}", scans[g])
+            raise StoreDamaged(sid, f"{lost}. {why}" if lost else why, meta=meta)
+    if lost:
+        meta = snap.meta if snap is not None else _meta_in(scans.get(0))
+        raise StoreDamaged(sid, f"{lost}. `sessionctl repair {sid}` accepts the loss (the log keeps every "
+                           f"intact record), `sessionctl rm {sid}` deletes the session", meta=meta)
     if snap is None and not any(isinstance(r, Meta) for s in scans.values() for _, _, r in s.records):
         raise StoreDamaged(sid, f"{path}: no metadata record (not a session directory?)",
                            repairable=False)
@@ -650,4 +662,5 @@ class FileStateStore:
                                             "%d damaged byte(s) dropped",
                                             g, mode.value, len(keep), len(scan.records) - len(keep),
                                             sum(b - a for a, b in scan.bad))
+        clear_damage_note(path, self.root)
         return RepairResult(kept, dropped_records, dropped_bytes)

@@ -28,15 +28,11 @@ Promises (those of supervisor.store.state_store, unchanged):
 * a write that runs out of space raises `StoreFull` at once and leaves
   nothing half-written.
 
-Crash recovery (`replay`, when the store opens, before any session loads):
-every journal not locked by a live daemon (flock) is read up to its first
-bad record (a torn tail: never acknowledged), and each record whose bytes
-the session's log does not reach yet is written at its offset, provided the
-session's fence still holds the generation that wrote it (a newer writer
-owns the session otherwise) and no tombstone (a removed session) follows.
-Then the logs are fsync'd and the journals deleted.  A log that already
-reaches a record's end is left alone: damage in the middle of a log stays
-for `repair` to see, as before.
+Crash recovery (`replay`, when the store opens, before any session loads)
+is supervisor.store.replay: every journal not locked by a live daemon is
+replayed into the logs' tails, then the logs are fsync'd and the journals
+deleted; a damaged one is replayed record by record, kept, and the sessions
+it could not complete are left damaged until `repair` (never a silent loss).
 
 Checkpoint: past `_CHECKPOINT_BYTES`, the journal is synced on the loop,
 a new one is started, and the writer thread fsyncs every log the old one
@@ -52,7 +48,6 @@ import errno
 import fcntl
 import logging
 import os
-import struct
 import threading
 import time
 import zlib
@@ -62,19 +57,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-import msgspec
-
 from supervisor.errors import StoreError, StoreFull
+from supervisor.store.replay import REC as _REC
+from supervisor.store.replay import TOMBSTONE as _TOMBSTONE
+from supervisor.store.replay import JRec as _JRec
+from supervisor.store.replay import encoder as _encoder
+from supervisor.store.replay import fsync_path as _fsync_path
+from supervisor.store.replay import replay
 
 __all__ = ["FSYNC_DELAY_SECS", "Journal", "fdatasync", "write_all", "write_error"]
 
 log = logging.getLogger("sessiond.store")
 
-_REC = struct.Struct(">II")
-_FENCE = struct.Struct(">Q")
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _CHECKPOINT_BYTES = 64 << 20
-_TOMBSTONE = -1
 
 # For benchmarks only (bench/load.py): every log or journal fdatasync first
 # sleeps this long, a stand-in for a disk whose flush is slow (network block
@@ -110,17 +106,6 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-class _JRec(msgspec.Struct, array_like=True):
-    sid: str
-    log: int  # the log file's generation; _TOMBSTONE: the session was removed
-    offset: int
-    fence: int
-    frame: bytes
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(_JRec)
-
 
 class Tail(Protocol):
     """What the journal needs of a session log it covers (loop only)."""
@@ -135,14 +120,6 @@ def _open_journal(jdir: Path) -> tuple[int, Path]:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     return fd, path
-
-
-def _fsync_path(path: Path, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0) | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Journal:
@@ -458,112 +435,3 @@ class _NoTail:
 
     def discard_unsynced(self) -> None:
         pass
-
-
-# ---------------------------------------------------------------- recovery
-
-
-def _read_journal(path: Path) -> list[_JRec]:
-    data = path.read_bytes()
-    out: list[_JRec] = []
-    pos = 0
-    while pos + _REC.size <= len(data):
-        length, crc = _REC.unpack_from(data, pos)
-        body = data[pos + _REC.size : pos + _REC.size + length]
-        if len(body) != length or zlib.crc32(body) != crc:
-            break
-        try:
-            out.append(_decoder.decode(body))
-        except msgspec.DecodeError:
-            break
-        pos += _REC.size + length
-    if pos < len(data):
-        log.warning("journal %s: %d byte(s) after offset %d unreadable (a torn last batch, never "
-                    "acknowledged); dropped", path.name, len(data) - pos, pos)
-    return out
-
-
-def _fence_of(session_dir: Path) -> int:
-    try:
-        raw = (session_dir / "fence").read_bytes()
-    except FileNotFoundError:
-        return -1
-    return _FENCE.unpack(raw[: _FENCE.size])[0] if len(raw) >= _FENCE.size else 0
-
-
-def replay(jdir: Path, root: Path) -> int:
-    """Restore into the session logs what unlocked journals hold and the
-    logs lack; delete those journals.  Returns the records written."""
-    names = sorted(p for p in jdir.glob("*.wal"))
-    held: list[tuple[int, Path]] = []
-    by_log: dict[tuple[str, int], list[_JRec]] = {}
-    for path in names:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)  # a live daemon's
-            continue
-        held.append((fd, path))
-        for rec in _read_journal(path):
-            if rec.log == _TOMBSTONE:
-                for key in [k for k in by_log if k[0] == rec.sid]:
-                    del by_log[key]
-            else:
-                by_log.setdefault((rec.sid, rec.log), []).append(rec)
-    restored = 0
-    fences: dict[str, int] = {}
-    for (sid, gen), recs in by_log.items():
-        sdir = root / sid
-        if sid not in fences:
-            fences[sid] = _fence_of(sdir)
-        recs = [r for r in recs if r.fence == fences[sid]]
-        if not recs:
-            continue  # removed, or a newer writer has it
-        restored += _replay_log(sdir, gen, recs)
-    for fd, path in held:
-        path.unlink(missing_ok=True)
-        os.close(fd)
-    if held:
-        _fsync_path(jdir, directory=True)
-    if restored:
-        log.warning("restored %d record(s) from the journal into session logs", restored)
-    return restored
-
-
-def _replay_log(sdir: Path, gen: int, recs: list[_JRec]) -> int:
-    log_path = sdir / f"log.{gen}"
-    # Created here only if the journal says it was (log_created) and nothing
-    # newer exists: else a missing log was folded into a snapshot and
-    # deleted, or removed by hand, and stays missing.
-    newest = max((int(p.name[4:]) for p in sdir.glob("log.*") if p.name[4:].isdigit()), default=-1)
-    create = any(not r.frame for r in recs) and gen >= newest and sdir.is_dir()
-    try:
-        fd = os.open(log_path, os.O_WRONLY | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
-    except FileNotFoundError:
-        return 0
-    recs = [r for r in recs if r.frame]
-    written = 0
-    try:
-        size = os.fstat(fd).st_size
-        for rec in recs:
-            end = rec.offset + len(rec.frame)
-            if end <= size:
-                continue
-            if rec.offset > size:
-                log.warning("%s: journal record at %d but the log ends at %d; not restored",
-                            log_path, rec.offset, size)
-                break
-            os.pwrite(fd, rec.frame, rec.offset)
-            size = end
-            written += 1
-        if written:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    if create:
-        _fsync_path(sdir, directory=True)
-    return written
