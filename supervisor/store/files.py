@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -403,7 +404,11 @@ class SessionStore:
                 os.ftruncate(self._fd, offset)
             if isinstance(exc, StoreError):
                 raise
-            raise _write_error(f"{self.path.name}/log.{self.gen}", exc) from exc
+            err = _write_error(f"{self.path.name}/log.{self.gen}", exc)
+            if isinstance(err, StoreFull) and self._journal is not None and exc.errno != errno.EFBIG:
+                # The journal holds a second copy of what the logs hold: free it.
+                err = StoreFull(f"{err}; {self._journal.free_space()}")
+            raise err from exc
         self._size = offset + len(frame)
         if durable:
             if self._journal is not None:

@@ -165,6 +165,8 @@ class Journal:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, self._end - self._base)
+            if exc.errno in _FULL_ERRNOS and exc.errno != errno.EFBIG:
+                raise StoreFull(f"{write_error('the journal', exc)}; {self.free_space()}") from exc
             if exc.errno != errno.EFBIG or self._end == self._base:
                 raise write_error("the journal", exc) from exc
             # The file size limit: a fresh journal may still have room.
@@ -275,19 +277,35 @@ class Journal:
                 fut.set_exception(err)
         return err
 
-    def _checkpoint(self) -> None:
+    def free_space(self) -> str:
+        """Out of space (ENOSPC, a quota): checkpoint now rather than at
+        `_CHECKPOINT_BYTES`, so that the journal's copy of every record
+        (the session logs hold the other) is deleted as soon as the writer
+        thread has fsync'd those logs.  Returns what to tell the client;
+        the log says what was freed once it is."""
+        held = self._end - self._base
+        if self._fd < 0 or held <= 0:
+            return "the journal holds nothing a checkpoint could free"
+        log.warning("out of space: checkpointing the journal now, to free the %.1f MiB it holds", held / (1 << 20))
+        if not self._checkpoint(freeing=True):
+            return "a journal checkpoint could not start (see the daemon's log)"
+        return (f"a journal checkpoint was started to free {held / (1 << 20):.1f} MiB (the journal's copy of "
+                "records the session logs hold); retry in a moment")
+
+    def _checkpoint(self, freeing: bool = False) -> bool:
         try:
             self.sync_now()
             fd, path = _open_journal(self.dir)
         except (StoreError, OSError) as exc:
             log.warning("journal checkpoint postponed: %s", exc)
-            return
+            return False
         with self._cond:
-            old = (self._fd, self._path, self._dirty)
+            old = (self._fd, self._path, self._dirty, freeing)
             self._jobs.append(lambda: self._retire_journal(*old))
             self._fd, self._path, self._dirty = fd, path, set()
             self._base = self._end
             self._wake()
+        return True
 
     def close(self) -> None:
         """Sync, checkpoint every log, stop the threads, delete the journal."""
@@ -296,7 +314,7 @@ class Journal:
         with contextlib.suppress(StoreError):
             self.sync_now()
         with self._cond:
-            old = (self._fd, self._path, self._dirty)
+            old = (self._fd, self._path, self._dirty, False)
             self._jobs.append(lambda: self._retire_journal(*old))
             self._fd, self._dirty = -1, set()
             self._closing = True
@@ -409,10 +427,11 @@ class Journal:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon is gone
                     loop.call_soon_threadsafe(self._done, epoch, target, err)
 
-    def _retire_journal(self, fd: int, path: Path, dirty: set[Path]) -> None:
+    def _retire_journal(self, fd: int, path: Path, dirty: set[Path], freeing: bool = False) -> None:
         """Writer thread: every log the journal covered is made durable on
         its own; then the journal can go."""
         try:
+            size = os.fstat(fd).st_size
             fdatasync(fd)
             for log_path in dirty:
                 with contextlib.suppress(FileNotFoundError):
@@ -422,6 +441,8 @@ class Journal:
                     _fsync_path(d, directory=True)
             os.unlink(path)
             _fsync_path(self.dir, directory=True)
+            if freeing:
+                log.warning("out of space: the journal checkpoint freed %.1f MiB", size / (1 << 20))
         except OSError as exc:
             log.warning("journal %s kept (its logs could not be synced: %s); it is replayed at the "
                         "next start", path.name, exc.strerror)
