@@ -296,3 +296,48 @@ def test_a_flipped_last_record_the_log_lacks_is_damage_not_a_torn_tail(tmp_path:
     store.repair("s1", RepairMode.TRUNCATE)
     h, _ = store.load("s1")
     assert len(h.read_for_boot()[1]) == 9
+
+
+# ---------------------------------------------------------------- rm erases (issue 23)
+
+
+def _files_holding(root: Path, marker: bytes) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and marker in p.read_bytes()]
+
+
+@pytest.mark.component
+def test_a_removed_sessions_content_leaves_the_journal_at_once(tmp_path: Path) -> None:
+    """It stayed in the shared journal until the next 64 MiB checkpoint."""
+    store = FileStateStore(tmp_path)
+    gone, kept = store.create(_meta("gone")), store.create(_meta("kept"))
+
+    async def main() -> None:
+        for t in range(1, 4):
+            gone.append(_commit(t, b"SECRET-of-gone"), durable=False)
+            kept.append(_commit(t, b"kept-" + bytes([t])), durable=False)
+            await asyncio.gather(gone.sync_soon(), kept.sync_soon())
+        assert _files_holding(tmp_path, b"SECRET-of-gone")
+        gone.remove()
+        kept.append(_commit(4, b"kept-\x04"), durable=False)
+        await kept.sync_soon()
+
+    asyncio.run(main())
+    wait_for(lambda: not _files_holding(tmp_path, b"SECRET-of-gone"), 10, "the journal that held it deleted")
+    # A crash now: the checkpoint fsync'd kept's log; its turn 4 is in the new journal.
+    kept.close()
+    assert store._journal is not None
+    store._journal.abandon()
+    h, loaded = FileStateStore(tmp_path).load("kept")
+    assert h.read_for_boot()[1] == [b"kept-" + bytes([t]) for t in range(1, 5)] and loaded.seq == 4
+
+
+@pytest.mark.component
+def test_removing_the_session_a_damaged_journal_was_kept_for_deletes_it(tmp_path: Path) -> None:
+    journal, _ = _ten_turns_and_a_flip(tmp_path, flip_turn=5, log_keeps=4)
+    store = FileStateStore(tmp_path)
+    assert store.ids() == ["s1", "s2"]  # (replayed)
+    kept = tmp_path / ".journal" / "damaged" / journal.name
+    assert kept.exists()
+    store.remove("s1")
+    assert not kept.exists()
+    assert len(store.load("s2")[0].read_for_boot()[1]) == 10

@@ -560,10 +560,22 @@ class SessionStore:
         if self._journal is not None:
             self._journal.forget(self.path.name)
         self.close()
-        _remove_dir(self.path)
+        _erase(self.path, self._journal)
 
     def remove_soon(self) -> asyncio.Future[None]:
         return settled(self.remove)
+
+
+def _erase(path: Path, journal: Journal | None) -> None:
+    """A removed session's content, wherever this store can reach it at
+    once: its directory (logs, snapshots), a damaged journal kept for it
+    alone, and its records in the live journal (a checkpoint)."""
+    if path.is_dir():
+        with contextlib.suppress(OSError):
+            clear_damage_note(path, path.parent)
+    _remove_dir(path)
+    if journal is not None:
+        journal.erase(path.name)
 
 
 # ---------------------------------------------------------------- the store
@@ -619,7 +631,7 @@ class FileStateStore:
 
     def remove(self, session_id: str) -> None:
         self.journal.forget(session_id)
-        _remove_dir(self.root / session_id)
+        _erase(self.root / session_id, self.journal)
 
     def repair(self, session_id: str, mode: RepairMode) -> RepairResult:
         """Rewrite each damaged log of a session atomically (temp file,

@@ -136,6 +136,7 @@ class Journal:
         self._pending: deque[tuple[int, Tail, int, int]] = deque()  # (lsn end, log, log gen, size after)
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
         self._dirty: set[Path] = set()  # logs written since this journal began
+        self._sids: set[str] = set()  # sessions written since this journal began (erase)
         # Shared with the writer thread, under _cond; the thread sleeps in a
         # read of an eventfd that `_wake` writes.  (A threading.Condition
         # costs a lock allocation and more GIL hand-offs per wait: ~90 µs of
@@ -178,6 +179,7 @@ class Journal:
                     os.ftruncate(self._fd, self._end - self._base)
                 raise write_error("the journal", exc2) from exc2
         self._end += len(data)
+        self._sids.add(sid)
         self._pending.append((self._end, tail, log_gen, offset + len(frame)))
         if log_path is not None:
             self._dirty.add(log_path)
@@ -198,6 +200,16 @@ class Journal:
         session of the same id created later must not receive them)."""
         with contextlib.suppress(StoreError):
             self.write(_NoTail(), sid, _TOMBSTONE, 0, 0, b"", None)
+
+    def erase(self, sid: str) -> None:
+        """`sid` was removed (its directory is gone): its records leave the
+        journal now, not at the next 64 MiB checkpoint.  A checkpoint: the
+        journal that holds them is deleted by the writer thread as soon as
+        the other sessions' logs it covers are fsync'd.  (A journal kept
+        after a failed checkpoint keeps them until the next start, whose
+        replay skips them for the tombstone and deletes it.)"""
+        if sid in self._sids:
+            self._checkpoint()
 
     def sync_soon(self) -> asyncio.Future[None]:
         """A future that completes once everything written so far is
@@ -302,7 +314,7 @@ class Journal:
         with self._cond:
             old = (self._fd, self._path, self._dirty, freeing)
             self._jobs.append(lambda: self._retire_journal(*old))
-            self._fd, self._path, self._dirty = fd, path, set()
+            self._fd, self._path, self._dirty, self._sids = fd, path, set(), set()
             self._base = self._end
             self._wake()
         return True
