@@ -26,7 +26,10 @@ Promises (those of supervisor.store.state_store, unchanged):
   session logs, so none of them is acknowledged or comes back on restart;
   a new epoch makes any in-flight result of the writer thread stale;
 * a write that runs out of space raises `StoreFull` at once and leaves
-  nothing half-written.
+  nothing half-written; it also starts a checkpoint (`free_space`), so the
+  journal's copy of what the logs hold goes without waiting for 64 MiB;
+* a removed session's records leave the journal at once (`erase`: a
+  checkpoint), not at the next 64 MiB.
 
 Crash recovery (`replay`, when the store opens, before any session loads)
 is supervisor.store.replay: every journal not locked by a live daemon is
