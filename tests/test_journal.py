@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from supervisor.store import journal as journal_mod
@@ -14,7 +15,7 @@ from supervisor.store import replay as replay_mod
 from supervisor.errors import StoreDamaged
 from supervisor.ctl.client import AsyncClient
 from supervisor.store.state_store import Commit, Meta, RepairMode, Snapshot
-from supervisor.store.files import FileStateStore, SessionStore
+from supervisor.store.files import FileStateStore, SessionStore, scan_log
 from harness import Daemon, wait_for
 
 
@@ -341,3 +342,60 @@ def test_removing_the_session_a_damaged_journal_was_kept_for_deletes_it(tmp_path
     store.remove("s1")
     assert not kept.exists()
     assert len(store.load("s2")[0].read_for_boot()[1]) == 10
+
+
+@pytest.mark.component
+def test_a_last_record_whose_last_sector_never_landed_is_a_torn_tail(tmp_path: Path) -> None:
+    store = FileStateStore(tmp_path)
+    h = store.create(_meta("s1"))
+    for t in range(1, 4):
+        h.append(_commit(t, bytes([t]) * 2000), durable=True)
+    j = store._journal
+    assert j is not None
+    path, size = j.path, j.synced_bytes
+    _power_loss(store, [h])
+    data = bytearray(path.read_bytes())
+    data[size - 700 :] = bytes(700)  # the file grew, its last sectors stayed zeros
+    path.write_bytes(bytes(data))
+    h2, loaded = FileStateStore(tmp_path).load("s1")
+    assert h2.read_for_boot()[1] == [bytes([t]) * 2000 for t in (1, 2)] and loaded.seq == 2
+    assert not (tmp_path / ".journal" / "damaged").exists()
+
+
+def _journal_records(path: Path) -> list[tuple[int, int, replay_mod.JRec]]:
+    """(start, end, record) of every record of a journal file, in order."""
+    data, pos, out = path.read_bytes(), 0, []
+    while pos + 8 <= len(data):
+        length, _ = replay_mod.REC.unpack_from(data, pos)
+        end = pos + 8 + length
+        out.append((pos, end, msgspec.msgpack.decode(data[pos + 8 : end], type=replay_mod.JRec)))
+        pos = end
+    return out
+
+
+@pytest.mark.process
+def test_the_chaos_runs_damaged_journal_loses_no_acknowledged_turn(make_daemon) -> None:
+    """The finding, on a real daemon: ten acknowledged turns, a SIGKILL, then
+    what a power loss leaves (the log's tail after turn 5 missing) and one
+    flipped byte in the journal's copy of turn 5: five turns were lost."""
+    d: Daemon = make_daemon()
+    with d.client() as c:
+        sid = c.create().id
+        for i in range(1, 11):
+            assert c.send_text(sid, f"turn {i}") == f"{i}: turn {i}"
+    d.kill()
+    journal, = (d.state_dir / "sessions" / ".journal").glob("*.wal")
+    records = _journal_records(journal)
+    (start, end, rec), = [(a, b, r) for a, b, r in records if r.sid == sid and r.frame
+                          and (found := scan_log(r.frame).records)
+                          and isinstance(found[0][2], Commit) and found[0][2].turn == 5]
+    log0 = d.state_dir / "sessions" / sid / f"log.{rec.log}"
+    log0.write_bytes(log0.read_bytes()[: rec.offset + len(rec.frame)])
+    data = bytearray(journal.read_bytes())
+    data[(start + end) // 2] ^= 0x01
+    journal.write_bytes(bytes(data))
+    d.start()
+    with d.client() as c:
+        assert c.status(sid).turns == 10
+        assert c.send_text(sid, "after") == "11: after"
+    assert "is damaged at byte(s)" in d.log

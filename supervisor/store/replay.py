@@ -108,15 +108,22 @@ def _record_at(data: bytes, pos: int, check: bool = True) -> tuple[JRec, int] | 
         return None
 
 
+_SECTOR = 512
+
+
 def _torn_tail(data: bytes, pos: int) -> bool:
     """Bad bytes at the very end that a power loss can leave (never
-    acknowledged): a record cut short, or one whose bytes never reached
-    the disk (zeros).  A complete record failing its checksum is damage."""
+    acknowledged): a record cut short, or one whose last sector never
+    reached the disk (zeros).  A complete record failing its checksum
+    otherwise is damage: a flipped bit does not zero a sector."""
     if len(data) - pos < REC.size:
         return True
     length, _ = REC.unpack_from(data, pos)
     end = pos + REC.size + length
-    return length == 0 or end > len(data) or not any(data[pos + REC.size : end])
+    if length == 0 or end > len(data):
+        return True
+    last_sector = max(pos + REC.size, (end - 1) // _SECTOR * _SECTOR)
+    return not any(data[last_sector:end])
 
 
 def _read_journal(path: Path) -> _Read:
@@ -219,6 +226,8 @@ def replay(jdir: Path, root: Path) -> int:
             lpath = sdir / f"log.{guess.log}"
             if guess.fence != fence or not lpath.exists():
                 continue
+            if any(line.startswith(f"log.{guess.log}: ") for line in notes.get(sid, [])):
+                continue  # the same loss, seen as a gap already
             end = guess.offset + len(guess.frame)
             if lpath.stat().st_size < end:
                 notes.setdefault(sid, []).append(
