@@ -373,11 +373,16 @@ def _journal_records(path: Path) -> list[tuple[int, int, replay_mod.JRec]]:
     return out
 
 
+@pytest.mark.parametrize("log_holds_the_bad_record", [True, False])
 @pytest.mark.process
-def test_the_chaos_runs_damaged_journal_loses_no_acknowledged_turn(make_daemon) -> None:
+def test_the_chaos_runs_damaged_journal_loses_no_acknowledged_turn(
+    make_daemon, log_holds_the_bad_record: bool
+) -> None:
     """The finding, on a real daemon: ten acknowledged turns, a SIGKILL, then
     what a power loss leaves (the log's tail after turn 5 missing) and one
-    flipped byte in the journal's copy of turn 5: five turns were lost."""
+    flipped byte in the journal's copy of turn 5: five turns were lost.
+    If the log lacks turn 5's record too, only that one record is lost, the
+    session says so (`damaged`) and `repair` keeps everything else."""
     d: Daemon = make_daemon()
     with d.client() as c:
         sid = c.create().id
@@ -390,12 +395,20 @@ def test_the_chaos_runs_damaged_journal_loses_no_acknowledged_turn(make_daemon) 
                           and (found := scan_log(r.frame).records)
                           and isinstance(found[0][2], Commit) and found[0][2].turn == 5]
     log0 = d.state_dir / "sessions" / sid / f"log.{rec.log}"
-    log0.write_bytes(log0.read_bytes()[: rec.offset + len(rec.frame)])
+    log0.write_bytes(log0.read_bytes()[: rec.offset + (len(rec.frame) if log_holds_the_bad_record else 0)])
     data = bytearray(journal.read_bytes())
     data[(start + end) // 2] ^= 0x01
     journal.write_bytes(bytes(data))
     d.start()
+    assert "is damaged at byte(s)" in d.log
+    if not log_holds_the_bad_record:
+        with d.client() as c:
+            st = c.status(sid)
+            assert st.state == "damaged" and "no intact journal record" in (st.error or ""), st
+        r = d.ctl("repair", sid, "--skip-bad")
+        assert r.returncode == 0 and "now hibernated" in r.stdout, r.stdout + r.stderr
+        assert not list((d.state_dir / "sessions" / ".journal" / "damaged").iterdir())
     with d.client() as c:
         assert c.status(sid).turns == 10
-        assert c.send_text(sid, "after") == "11: after"
-    assert "is damaged at byte(s)" in d.log
+        # Echo counts committed turns: turn 5's commit is the one record lost.
+        assert c.send_text(sid, "after") == ("11: after" if log_holds_the_bad_record else "10: after")
