@@ -75,31 +75,36 @@ def _hold(procs: list[psutil.Process], during: Callable[[], None]) -> None:
 
 
 @pytest.mark.process
-def test_a_stall_of_the_daemons_own_loop_is_not_blamed_on_its_workers(
+def test_history_during_a_database_outage_stalls_nothing(
     make_daemon, pg_server: PgServer, dsn: str  # noqa: F811
 ) -> None:
-    """The loop blocked inside a callback (here: `history`, a read it still
-    makes on its own database connection, while the database is stopped).
-    When it comes back, the sweep's timer runs before the workers' sockets
-    are read: it used to find every running worker silent and kill it."""
+    """`history` read the database on the loop's own connection: with the
+    database stopped, the whole daemon stopped answering, and when it came
+    back every running worker was found silent and killed."""
     d: Daemon = make_daemon(pg_config(dsn))
     with d.client() as c:
         sids = [c.create(handler="fixture_handlers:slow").id for _ in range(3)]
+        assert c.send_text(sids[0], "2") == "tick 0\ntick 1\n"
     threads, replies = _slow_turns(d, sids)
     postmaster = psutil.Process(int((pg_server.data / "postmaster.pid").read_text().split()[0]))
+    read: dict[str, object] = {}
 
     def history() -> None:
         with d.client() as c:
-            c.history(sids[0])
+            read["history"] = c.history(sids[0])
 
-    def stall() -> None:
+    def read_and_ping() -> None:
         t = threading.Thread(target=history)
         t.start()
         threads.append(t)
+        with d.client() as c, ThreadPoolExecutor(1) as pool:
+            for _ in range(3):  # answered while the history read waits for the database
+                pool.submit(c.ping).result(STALL_SECS + 5)
+        assert not read
 
-    _hold([postmaster, *postmaster.children()], stall)
+    _hold([postmaster, *postmaster.children()], read_and_ping)
     _healthy(d, sids, threads, replies)
-    wait_for(lambda: "loop was stalled for" in d.log, 10, "the stall to be logged")
+    assert read["history"].turns[0].reply == "tick 0\ntick 1\n"  # type: ignore[attr-defined]
 
 
 @pytest.mark.process
@@ -139,3 +144,52 @@ def test_a_worker_dying_in_a_database_outage_stalls_nothing_and_kills_no_healthy
         wait_for(lambda: c.status(crasher).state == "idle", 30, "the crashed session to restart")
         assert c.send_text(crasher, "b") == "2: b"
     assert os.path.exists(d.socket)
+
+
+@pytest.mark.component
+def test_the_sweep_discounts_a_stall_of_its_own_loop(tmp_path) -> None:
+    """In-process (the core over the in-process spawner): a healthy worker
+    beats every 20 ms from a task of the same loop; the loop is then blocked
+    for a second inside a callback, as a store call on the loop blocks it.
+    When it runs again, the sweep's wake-up and the worker's next beat are
+    due together: the sweep used to run first and kill the worker."""
+    import asyncio
+
+    from fakespawner import FakeSpawner
+    from ipc import messages as m
+    from supervisor.config import parse_config
+    from supervisor.core.manager import SessionManager
+    from supervisor.store.memory import InMemoryStateStore
+
+    config = {"agent": {"worker": {"heartbeat_interval_secs": 0.05},
+                        "limits": {"memory_poll_interval_ms": 10}}}
+    spawner = FakeSpawner()
+    mgr = SessionManager(parse_config(config, "test"), tmp_path, spawner, store=InMemoryStateStore())
+    mgr.load_all()
+
+    async def body() -> None:
+        session = await mgr.create(1000, "s", "echo", {})
+        assert session.worker is not None
+        worker = spawner.workers[session.worker.pid]
+        worker.behaviour = lambda w, msg: isinstance(msg, m.Input)  # the turn runs on, never done
+        await mgr.send(session, "a long turn", None)
+
+        async def beat() -> None:
+            while True:
+                worker.send(m.Heartbeat())
+                await asyncio.sleep(0.02)
+
+        beats = asyncio.ensure_future(beat())
+        sweep = asyncio.ensure_future(mgr.sweeper.run())
+        for _ in range(20):  # the sweep runs and finds it healthy
+            await asyncio.sleep(0.01)
+        assert session.last_exit is None
+        asyncio.get_running_loop().call_soon(time.sleep, 1.0)  # the loop blocked
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        assert session.last_exit is None and session.restarts == 0, session.last_exit
+        assert mgr.sweeper.loop_stalls >= 1 and mgr.sweeper.loop_stalled_secs >= 0.9
+        beats.cancel()
+        sweep.cancel()
+
+    asyncio.run(asyncio.wait_for(body(), 20))

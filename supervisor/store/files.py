@@ -549,6 +549,10 @@ class SessionStore:
         return snap, [rec for g in range(self._snap_gen, self.gen + 1)
                       for _, _, rec in _read_scan(self.path / f"log.{g}").records]
 
+    def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
+        # Local files: read here (api/transfer.py reads them in a thread).
+        return settled(self.read_history)
+
     def close(self) -> None:
         for attr in ("_fd", "_fence_fd"):
             fd = getattr(self, attr)
