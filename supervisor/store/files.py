@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import os
 import shutil
@@ -60,6 +59,7 @@ from supervisor.store.sessiondir import write_snapshot_files as _snapshot_files
 from supervisor.store.journal import fdatasync as _fdatasync
 from supervisor.store.journal import write_all as _write_all
 from supervisor.store.journal import write_error as _write_error
+from supervisor.store.journal import full_error as _full_error
 from supervisor.store.logscan import (
     LogScan,
     describe_damage,
@@ -254,7 +254,7 @@ class SessionStore:
         except FileExistsError:
             raise
         except OSError as exc:
-            raise _write_error(str(path), exc) from exc
+            raise _full_error(str(path), exc, journal) from exc
         try:
             store = cls(path, 0, journal=journal, new=True)
             store.append(meta, durable=False)
@@ -404,11 +404,7 @@ class SessionStore:
                 os.ftruncate(self._fd, offset)
             if isinstance(exc, StoreError):
                 raise
-            err = _write_error(f"{self.path.name}/log.{self.gen}", exc)
-            if isinstance(err, StoreFull) and self._journal is not None and exc.errno != errno.EFBIG:
-                # The journal holds a second copy of what the logs hold: free it.
-                err = StoreFull(f"{err}; {self._journal.free_space()}")
-            raise err from exc
+            raise _full_error(f"{self.path.name}/log.{self.gen}", exc, self._journal) from exc
         self._size = offset + len(frame)
         if durable:
             if self._journal is not None:
@@ -513,7 +509,7 @@ class SessionStore:
         self._snapshotting = False
         if err is not None:
             tagged(log, self.path.name).warning("%s (the log still holds every turn)",
-                                                _write_error(f"the snapshot of {self.path.name}", err))
+                                                _full_error(f"the snapshot of {self.path.name}", err, self._journal))
             return
         self._snap_gen = snap_gen
         for g in _log_gens(self.path):

@@ -68,7 +68,7 @@ from supervisor.store.replay import encoder as _encoder
 from supervisor.store.replay import fsync_path as _fsync_path
 from supervisor.store.replay import replay
 
-__all__ = ["FSYNC_DELAY_SECS", "Journal", "fdatasync", "write_all", "write_error"]
+__all__ = ["FSYNC_DELAY_SECS", "Journal", "fdatasync", "full_error", "write_all", "write_error"]
 
 log = logging.getLogger("sessiond.store")
 
@@ -96,6 +96,16 @@ def write_error(what: str, exc: OSError) -> StoreError:
     if exc.errno in _FULL_ERRNOS:
         return StoreFull(f"cannot write {what}: {exc.strerror}; free some space in the state directory")
     return StoreError(f"cannot write {what}: {exc.strerror}")
+
+
+def full_error(what: str, exc: OSError, journal: Journal | None) -> StoreError:
+    """`write_error`, and when space ran out (not the file size limit) the
+    journal checkpoints at once, since it holds a second copy of what the
+    logs hold (`Journal.free_space`), and the error says so."""
+    err = write_error(what, exc)
+    if isinstance(err, StoreFull) and journal is not None and exc.errno != errno.EFBIG:
+        return StoreFull(f"{err}; {journal.free_space()}")
+    return err
 
 
 def write_all(fd: int, data: bytes) -> None:
