@@ -92,14 +92,14 @@ class _Read:
     torn: int = 0  # bytes of a torn last batch dropped
 
 
-def _record_at(data: bytes, pos: int, check: bool = True) -> tuple[JRec, int] | None:
+def _record_at(data: memoryview, pos: int, check: bool = True) -> tuple[JRec, int] | None:
     if len(data) - pos < REC.size:
         return None
     length, crc = REC.unpack_from(data, pos)
     end = pos + REC.size + length
     if length > _MAXRECORD or end > len(data) or length == 0:
         return None
-    body = data[pos + REC.size : end]
+    body = data[pos + REC.size : end]  # a view: no copy for every offset tried
     if check and zlib.crc32(body) != crc:
         return None
     try:
@@ -131,7 +131,8 @@ def _read_journal(path: Path) -> _Read:
     bytes after a bad record are searched, offset by offset, for the next
     record that checks out (length sane, checksum, decodes), as a log's
     are (supervisor.store.logscan)."""
-    data = path.read_bytes()
+    raw = path.read_bytes()
+    data = memoryview(raw)
     out = _Read(path.name)
     pos = 0
     while pos < len(data):
@@ -143,7 +144,7 @@ def _read_journal(path: Path) -> _Read:
         nxt = pos + 1
         while nxt < len(data) and _record_at(data, nxt) is None:
             nxt += 1
-        if nxt == len(data) and _torn_tail(data, pos):
+        if nxt == len(data) and _torn_tail(raw, pos):
             out.torn = len(data) - pos
             log.warning("journal %s: %d byte(s) after offset %d unreadable (a torn last batch, never "
                         "acknowledged); dropped", path.name, out.torn, pos)
