@@ -54,6 +54,7 @@ def _accepted(c: Client, sid: str, text: str) -> bool:
         return False
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 @pytest.mark.process
 def test_running_out_of_space_checkpoints_the_journal_and_input_is_accepted_again(make_daemon) -> None:
     d: Daemon = make_daemon(start=False)
