@@ -156,6 +156,7 @@ class Sweeper:
         of the daemon's own (even a long one) is never blamed on them."""
         self.loop_stalls += 1
         self.loop_stalled_secs += lag
+        self.metrics.loop_stall(lag)
         level = logging.WARNING if lag >= 1.0 else logging.DEBUG
         log.log(level, "the daemon's loop was stalled for %.2fs; workers' heartbeat allowances are "
                 "extended by as much", lag)
