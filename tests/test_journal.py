@@ -288,7 +288,7 @@ def test_a_flipped_last_record_the_log_lacks_is_damage_not_a_torn_tail(tmp_path:
     # The flip was in s1's turn 10; s2's turn 10 follows it intact.  Cut
     # that off too: the damaged record is the journal's last.
     data = journal.read_bytes()
-    records = list(replay_mod._read_journal(journal).records)
+    records = replay_mod._read_journal(journal).records
     assert records[-1].sid == "s2"
     journal.write_bytes(data[: len(data) - len(replay_mod.encoder.encode(records[-1])) - 8])
     store = FileStateStore(tmp_path)

@@ -36,6 +36,7 @@ import logging
 import os
 import struct
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,7 +76,7 @@ DAMAGED_DIR = "damaged"  # <sessions>/.journal/damaged/: damaged journals, kept 
 DAMAGE_NOTE = "journal-damage"  # <sessions>/ID/journal-damage: why the session is damaged
 # No record is bigger than a worker frame (1 GiB) plus its envelope; a larger
 # length read while resynchronising is garbage, not a record.
-_MAXRECORD = (1 << 30) + 4096
+_MAX_RECORD = (1 << 30) + 4096
 
 
 @dataclass(slots=True)
@@ -84,11 +85,12 @@ class _Read:
 
     name: str
     records: list[JRec] = field(default_factory=list)
+    at: list[int] = field(default_factory=list)  # where each record starts
     # [start, end) byte ranges that are not intact records, torn tail excluded.
     bad: list[tuple[int, int]] = field(default_factory=list)
     # Damaged records decoded without their checksum: a guess at whose they
     # were (sid, log, offset), never their content.
-    guesses: list[JRec] = field(default_factory=list)
+    guesses: list[tuple[int, JRec]] = field(default_factory=list)  # (where, guess)
     torn: int = 0  # bytes of a torn last batch dropped
 
 
@@ -97,7 +99,7 @@ def _record_at(data: memoryview, pos: int, check: bool = True) -> tuple[JRec, in
         return None
     length, crc = REC.unpack_from(data, pos)
     end = pos + REC.size + length
-    if length > _MAXRECORD or end > len(data) or length == 0:
+    if length > _MAX_RECORD or end > len(data) or length == 0:
         return None
     body = data[pos + REC.size : end]  # a view: no copy for every offset tried
     if check and zlib.crc32(body) != crc:
@@ -139,6 +141,7 @@ def _read_journal(path: Path) -> _Read:
         found = _record_at(data, pos)
         if found is not None:
             out.records.append(found[0])
+            out.at.append(pos)
             pos = found[1]
             continue
         nxt = pos + 1
@@ -152,7 +155,7 @@ def _read_journal(path: Path) -> _Read:
         out.bad.append((pos, nxt))
         guess = _record_at(data, pos, check=False)
         if guess is not None and guess[0].frame:
-            out.guesses.append(guess[0])
+            out.guesses.append((pos, guess[0]))
         pos = nxt
     return out
 
@@ -194,15 +197,20 @@ def replay(jdir: Path, root: Path) -> int:
         read = _read_journal(path)
         if read.bad:
             damaged.append(read)
-            for guess in read.guesses:
+        # Guesses and records in file order: a tombstone drops only what precedes it.
+        guesses = deque(read.guesses)
+        for at, rec in zip(read.at, read.records):
+            while guesses and guesses[0][0] < at:
+                guess = guesses.popleft()[1]
                 suspects.setdefault(guess.sid, []).append((guess, read.name))
-        for rec in read.records:
             if rec.log == TOMBSTONE:
                 for key in [k for k in by_log if k[0] == rec.sid]:
                     del by_log[key]
                 suspects.pop(rec.sid, None)
             else:
                 by_log.setdefault((rec.sid, rec.log), []).append(rec)
+        for _, guess in guesses:
+            suspects.setdefault(guess.sid, []).append((guess, read.name))
     restored = 0
     fences: dict[str, int] = {}
     notes: dict[str, list[str]] = {}
@@ -220,10 +228,10 @@ def replay(jdir: Path, root: Path) -> int:
             notes.setdefault(sid, []).append(
                 f"log.{gen}: bytes {a}-{b} are in no intact journal record (damaged journal(s): "
                 f"{bad_names}); the records after them were restored")
-    for sid, guesses in suspects.items():
+    for sid, seen in suspects.items():
         sdir = root / sid
         fence = fences.get(sid, _fence_of(sdir))
-        for guess, jname in guesses:
+        for guess, jname in seen:
             lpath = sdir / f"log.{guess.log}"
             if guess.fence != fence or not lpath.exists():
                 continue
