@@ -3,11 +3,11 @@ waits on the store when a worker dies (a PostgreSQL outage stalled it, and
 `ping` with it), and a stall of the daemon's own loop is never taken for its
 workers' silence (every live worker was killed with `killed_heartbeat` when
 the loop came back).  Real daemons, real workers, the suite's real
-PostgreSQL."""
+PostgreSQL stopped with SIGSTOP (it answers nothing, no connection breaks);
+and the sweep's discount of a stall, in-process, deterministically."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -143,7 +143,6 @@ def test_a_worker_dying_in_a_database_outage_stalls_nothing_and_kills_no_healthy
     with d.client() as c:
         wait_for(lambda: c.status(crasher).state == "idle", 30, "the crashed session to restart")
         assert c.send_text(crasher, "b") == "2: b"
-    assert os.path.exists(d.socket)
 
 
 @pytest.mark.component
