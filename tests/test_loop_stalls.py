@@ -187,7 +187,7 @@ def test_the_sweep_discounts_a_stall_of_its_own_loop(tmp_path) -> None:
         for _ in range(20):
             await asyncio.sleep(0.01)
         assert session.last_exit is None and session.restarts == 0, session.last_exit
-        assert mgr.sweeper.loop_stalls >= 1 and mgr.sweeper.loop_stalled_secs >= 0.9
+        assert mgr.sweeper.loop_stalls >= 1  # it was seen, and excused
         beats.cancel()
         sweep.cancel()
 
