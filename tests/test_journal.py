@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from supervisor.store import journal as journal_mod
+from supervisor.store import replay as replay_mod
+from supervisor.errors import StoreDamaged
 from supervisor.ctl.client import AsyncClient
-from supervisor.store.state_store import Commit, Meta, Snapshot
-from supervisor.store.files import FileStateStore, SessionStore
+from supervisor.store.state_store import Commit, Meta, RepairMode, Snapshot
+from supervisor.store.files import FileStateStore, SessionStore, scan_log
 from harness import Daemon, wait_for
 
 
@@ -206,3 +209,206 @@ def test_records_of_a_superseded_writer_survive_a_crash_after_the_reload(
         f.truncate(durable.get(log0, 0))
     h3, loaded = FileStateStore(tmp_path).load("s1")
     assert h3.read_for_boot()[1] == [b"\x01", b"\x02"] and loaded.seq == 2
+
+
+# ---------------------------------------------------------------- a damaged journal (issue 23)
+
+
+def _ten_turns_and_a_flip(tmp_path: Path, flip_turn: int, log_keeps: int) -> tuple[Path, int]:
+    """Sessions s1 and s2 commit ten turns each (acknowledged: durable), the
+    journal gets one flipped byte in the middle of s1's turn `flip_turn`,
+    and a power loss cuts s1's log after its turn `log_keeps` (s2's log
+    loses everything this writer appended).  Returns the journal's path."""
+    store = FileStateStore(tmp_path)
+    s1, s2 = store.create(_meta("s1")), store.create(_meta("s2"))
+    j = store._journal
+    assert j is not None
+    span: dict[int, tuple[int, int]] = {}
+    log_size: dict[int, int] = {}
+    for t in range(1, 11):
+        before = j.synced_bytes
+        s1.append(_commit(t, bytes([t]) * 200), durable=True)
+        span[t] = (before, j.synced_bytes)
+        log_size[t] = s1._size
+        s2.append(_commit(t, bytes([t]) * 50), durable=True)
+    path = j.path
+    log1 = tmp_path / "s1" / "log.0"
+    kept = log1.read_bytes()[: log_size[log_keeps]]
+    _power_loss(store, [s1, s2])
+    log1.write_bytes(kept)
+    a, b = span[flip_turn]
+    data = bytearray(path.read_bytes())
+    data[(a + b) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    return path, log_size[log_keeps]
+
+
+@pytest.mark.component
+def test_a_flipped_journal_byte_and_a_lost_log_tail_lose_no_acknowledged_turn(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The chaos run's finding: replay stopped at the flipped record and
+    deleted the journal, so turns 6-10, acknowledged, were lost."""
+    journal, _ = _ten_turns_and_a_flip(tmp_path, flip_turn=5, log_keeps=5)
+    store = FileStateStore(tmp_path)
+    for sid, size in (("s1", 200), ("s2", 50)):
+        h, loaded = store.load(sid)
+        assert h.read_for_boot()[1] == [bytes([t]) * size for t in range(1, 11)], sid
+        assert loaded.seq == 10
+    assert "is damaged" in caplog.text  # never silent
+    assert (tmp_path / ".journal" / "damaged" / journal.name).exists()  # the evidence is kept
+
+
+@pytest.mark.component
+def test_records_a_damaged_journal_lost_leave_the_session_damaged_until_repair(tmp_path: Path) -> None:
+    journal, _ = _ten_turns_and_a_flip(tmp_path, flip_turn=5, log_keeps=4)
+    store = FileStateStore(tmp_path)
+    with pytest.raises(StoreDamaged, match=rf"log.0: bytes .* no intact journal record.*{journal.name}"):
+        store.load("s1")
+    kept = tmp_path / ".journal" / "damaged" / journal.name
+    assert kept.exists()
+    h2, loaded2 = store.load("s2")  # its records after the damage were restored
+    assert len(h2.read_for_boot()[1]) == 10 and loaded2.seq == 10
+    # A restart does not forget it.
+    store.close()
+    store = FileStateStore(tmp_path)
+    with pytest.raises(StoreDamaged):
+        store.load("s1")
+    result = store.repair("s1", RepairMode.SKIP_BAD)
+    assert result.kept_records == 10  # Meta and nine turns: only turn 5 is lost
+    h, loaded = store.load("s1")
+    assert h.read_for_boot()[1] == [bytes([t]) * 200 for t in range(1, 11) if t != 5]
+    assert loaded.seq == 10
+    assert not kept.exists() and not (tmp_path / "s1" / "journal-damage").exists()
+
+
+@pytest.mark.component
+def test_a_flipped_last_record_the_log_lacks_is_damage_not_a_torn_tail(tmp_path: Path) -> None:
+    journal, _ = _ten_turns_and_a_flip(tmp_path, flip_turn=10, log_keeps=9)
+    # The flip was in s1's turn 10; s2's turn 10 follows it intact.  Cut
+    # that off too: the damaged record is the journal's last.
+    data = journal.read_bytes()
+    records = replay_mod._read_journal(journal).records
+    assert records[-1].sid == "s2"
+    journal.write_bytes(data[: len(data) - len(replay_mod.encoder.encode(records[-1])) - 8])
+    store = FileStateStore(tmp_path)
+    with pytest.raises(StoreDamaged, match="record at .* failed its checksum"):
+        store.load("s1")
+    store.repair("s1", RepairMode.TRUNCATE)
+    h, _ = store.load("s1")
+    assert len(h.read_for_boot()[1]) == 9
+
+
+# ---------------------------------------------------------------- rm erases (issue 23)
+
+
+def _files_holding(root: Path, marker: bytes) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and marker in p.read_bytes()]
+
+
+@pytest.mark.component
+def test_a_removed_sessions_content_leaves_the_journal_at_once(tmp_path: Path) -> None:
+    """It stayed in the shared journal until the next 64 MiB checkpoint."""
+    store = FileStateStore(tmp_path)
+    gone, kept = store.create(_meta("gone")), store.create(_meta("kept"))
+
+    async def main() -> None:
+        for t in range(1, 4):
+            gone.append(_commit(t, b"SECRET-of-gone"), durable=False)
+            kept.append(_commit(t, b"kept-" + bytes([t])), durable=False)
+            await asyncio.gather(gone.sync_soon(), kept.sync_soon())
+        assert _files_holding(tmp_path, b"SECRET-of-gone")
+        gone.remove()
+        kept.append(_commit(4, b"kept-\x04"), durable=False)
+        await kept.sync_soon()
+
+    asyncio.run(main())
+    wait_for(lambda: not _files_holding(tmp_path, b"SECRET-of-gone"), 10, "the journal that held it deleted")
+    # A crash now: the checkpoint fsync'd kept's log; its turn 4 is in the new journal.
+    kept.close()
+    assert store._journal is not None
+    store._journal.abandon()
+    h, loaded = FileStateStore(tmp_path).load("kept")
+    assert h.read_for_boot()[1] == [b"kept-" + bytes([t]) for t in range(1, 5)] and loaded.seq == 4
+
+
+@pytest.mark.component
+def test_removing_the_session_a_damaged_journal_was_kept_for_deletes_it(tmp_path: Path) -> None:
+    journal, _ = _ten_turns_and_a_flip(tmp_path, flip_turn=5, log_keeps=4)
+    store = FileStateStore(tmp_path)
+    assert store.ids() == ["s1", "s2"]  # (replayed)
+    kept = tmp_path / ".journal" / "damaged" / journal.name
+    assert kept.exists()
+    store.remove("s1")
+    assert not kept.exists()
+    assert len(store.load("s2")[0].read_for_boot()[1]) == 10
+
+
+@pytest.mark.component
+def test_a_last_record_whose_last_sector_never_landed_is_a_torn_tail(tmp_path: Path) -> None:
+    store = FileStateStore(tmp_path)
+    h = store.create(_meta("s1"))
+    for t in range(1, 4):
+        h.append(_commit(t, bytes([t]) * 2000), durable=True)
+    j = store._journal
+    assert j is not None
+    path, size = j.path, j.synced_bytes
+    _power_loss(store, [h])
+    data = bytearray(path.read_bytes())
+    data[size - 700 :] = bytes(700)  # the file grew, its last sectors stayed zeros
+    path.write_bytes(bytes(data))
+    h2, loaded = FileStateStore(tmp_path).load("s1")
+    assert h2.read_for_boot()[1] == [bytes([t]) * 2000 for t in (1, 2)] and loaded.seq == 2
+    assert not (tmp_path / ".journal" / "damaged").exists()
+
+
+def _journal_records(path: Path) -> list[tuple[int, int, replay_mod.JRec]]:
+    """(start, end, record) of every record of a journal file, in order."""
+    data, pos, out = path.read_bytes(), 0, []
+    while pos + 8 <= len(data):
+        length, _ = replay_mod.REC.unpack_from(data, pos)
+        end = pos + 8 + length
+        out.append((pos, end, msgspec.msgpack.decode(data[pos + 8 : end], type=replay_mod.JRec)))
+        pos = end
+    return out
+
+
+@pytest.mark.parametrize("log_holds_the_bad_record", [True, False])
+@pytest.mark.process
+def test_the_chaos_runs_damaged_journal_loses_no_acknowledged_turn(
+    make_daemon, log_holds_the_bad_record: bool
+) -> None:
+    """The finding, on a real daemon: ten acknowledged turns, a SIGKILL, then
+    what a power loss leaves (the log's tail after turn 5 missing) and one
+    flipped byte in the journal's copy of turn 5: five turns were lost.
+    If the log lacks turn 5's record too, only that one record is lost, the
+    session says so (`damaged`) and `repair` keeps everything else."""
+    d: Daemon = make_daemon()
+    with d.client() as c:
+        sid = c.create().id
+        for i in range(1, 11):
+            assert c.send_text(sid, f"turn {i}") == f"{i}: turn {i}"
+    d.kill()
+    journal, = (d.state_dir / "sessions" / ".journal").glob("*.wal")
+    records = _journal_records(journal)
+    (start, end, rec), = [(a, b, r) for a, b, r in records if r.sid == sid and r.frame
+                          and (found := scan_log(r.frame).records)
+                          and isinstance(found[0][2], Commit) and found[0][2].turn == 5]
+    log0 = d.state_dir / "sessions" / sid / f"log.{rec.log}"
+    log0.write_bytes(log0.read_bytes()[: rec.offset + (len(rec.frame) if log_holds_the_bad_record else 0)])
+    data = bytearray(journal.read_bytes())
+    data[(start + end) // 2] ^= 0x01
+    journal.write_bytes(bytes(data))
+    d.start()
+    assert "is damaged at byte(s)" in d.log
+    if not log_holds_the_bad_record:
+        with d.client() as c:
+            st = c.status(sid)
+            assert st.state == "damaged" and "no intact journal record" in (st.error or ""), st
+        r = d.ctl("repair", sid, "--skip-bad")
+        assert r.returncode == 0 and "now hibernated" in r.stdout, r.stdout + r.stderr
+        assert not list((d.state_dir / "sessions" / ".journal" / "damaged").iterdir())
+    with d.client() as c:
+        assert c.status(sid).turns == 10
+        # Echo counts committed turns: turn 5's commit is the one record lost.
+        assert c.send_text(sid, "after") == ("11: after" if log_holds_the_bad_record else "10: after")

@@ -36,6 +36,20 @@ def test_read_history_is_the_snapshot_and_the_records_after_it(ad) -> None:  # n
     assert loaded.turns == 2 and h2.read_history()[1][-1] == commit(3, b"\x03", 5)
 
 
+def test_read_history_soon_reads_the_same_without_blocking_the_loop(ad) -> None:  # noqa: F811
+    h = ad.store.create(meta())
+    h.append(InputRecord(turn=1, text="one", seq=1), durable=True)
+    h.append(commit(1, b"\x01", 2), durable=True)
+
+    async def main() -> None:
+        h.append(InputRecord(turn=2, text="two", seq=3), durable=False)  # appended, not synced: read too
+        soon = await h.read_history_soon()
+        assert soon == h.read_history()
+        assert [r for r in soon[1] if not isinstance(r, Meta)][-1] == InputRecord(turn=2, text="two", seq=3)
+
+    asyncio.run(main())
+
+
 def test_history_keeps_the_newest_turns_that_fit_one_reply() -> None:
     from ipc.settings import SessionSettings
     from supervisor.api import transfer

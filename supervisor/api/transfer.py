@@ -132,7 +132,7 @@ async def _read(session: Session) -> tuple[Snapshot | None, list[Record]]:
         except (OSError, StoreError):
             pass  # a snapshot replaced the logs meanwhile: read again, on the loop
     try:
-        return store.read_history()
+        return await store.read_history_soon()
     except StoreError as exc:
         raise Conflict(f"session {session.id}: its stored state cannot be read: {exc}") from None
 

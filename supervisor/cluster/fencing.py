@@ -107,6 +107,10 @@ class UnheldLog:
             raise NotHeld(self._id)
         return self._reader(self._id)
 
+    def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
+        # Rare (another daemon's session): read as `read_history` does.
+        return settled(self.read_history)
+
     def close(self) -> None:
         pass
 

@@ -176,36 +176,12 @@ class TurnLedger:
             return
         self._input_durable(session)
 
-    def sync_input(self, session: Session) -> None:
-        """Make the pending input durable here and now (blocking)."""
-        if session.pending_input is None:
-            return
-        try:
-            session.store.sync()
-        except StoreError as exc:
-            self._input_saved(session, exc)
-            return
-        self._input_durable(session)
-
     def _input_durable(self, session: Session, error: SessiondError | None = None) -> None:
         """After the fsync that covers the pending input: acknowledge it
         (synchronously, so `Accepted` precedes the turn's last events)."""
         pending, session.pending_input = session.pending_input, None
-        if pending is None:
-            return
-        if pending.timer is not None:
-            pending.timer.cancel()
-        if error is not None:
-            pending.durable.set_exception(error)
-            pending.durable.exception()  # retrieved by whoever awaits, if anyone
-            # The sender's held events after its Error, which the future's
-            # callbacks (scheduled just now) write.
-            asyncio.get_running_loop().call_soon(self._events.release, session, list(session.held))
-            return
-        if pending.on_accepted is not None:
-            pending.on_accepted(pending.accepted)
-        self._events.release(session)  # the turn's events, after Accepted
-        pending.durable.set_result(pending.accepted)
+        if pending is not None:
+            self._settle_input(session, pending, error)
 
     def commit(self, session: Session, worker: WorkerProc, msg: m.Done) -> None:
         if msg.turn != session.current_turn:
@@ -297,7 +273,14 @@ class TurnLedger:
             self._events.set_state(session, Trigger.TURN_END, reason="turn failed")
 
     def abort(self, session: Session, reason: str, record: bytes = b"") -> None:
-        """The running turn ends without a commit (if one runs)."""
+        """The running turn ends without a commit (if one runs).  Nothing
+        here waits for the store on the loop (a database outage must not
+        stall every other session, nor make their workers look silent): the
+        `Abort` record goes with the group commit's next flush (a crash
+        before it lands leaves the input open, and load aborts it then).
+        `TurnFailed` is sent at once, or, when the turn's input is not
+        acknowledged yet, once the flush that covers the input is done:
+        `Accepted` always comes first."""
         turn = session.current_turn
         if turn is None:
             return
@@ -307,16 +290,58 @@ class TurnLedger:
             return
         seq = session.seq + 1
         try:
-            session.store.append(Abort(turn=turn, reason=reason, record=record, seq=seq), durable=True)
+            session.store.append(Abort(turn=turn, reason=reason, record=record, seq=seq), durable=False)
         except StoreError as exc:
             tagged(log, session.id).error("%s", exc)
             if isinstance(exc, Fenced):  # e.g. its worker missed heartbeats while this daemon was frozen
                 self.on_fenced(session, exc)
-            self.sync_input(session)
-        self._input_durable(session)
+        pending, session.pending_input = session.pending_input, None
+        if pending is not None and pending.timer is not None:
+            pending.timer.cancel()
+            pending.timer = None
         self._turn_over(session, (False, reason))
-        self._events.next_seq(session)
-        self._events.emit(session, m.TurnFailed(session=session.id, seq=seq, turn=turn, reason=reason))
+        if pending is None:
+            self._events.next_seq(session)
+            self._events.emit(session, m.TurnFailed(session=session.id, seq=seq, turn=turn, reason=reason))
+            self.save_soon(session, f"the abort of turn {turn}")
+            return
+
+        def saved(err: StoreError | None) -> None:
+            if err is not None:
+                tagged(log, session.id).error("the abort of turn %d was not saved: %s", turn, err)
+            failure = store_failure("input not accepted: ", err) if err is not None else None
+            self._settle_input(session, pending, failure)
+            self._events.emit(session, m.TurnFailed(session=session.id, seq=self._events.next_seq(session),
+                                                    turn=turn, reason=reason))
+
+        self._when_durable(session, saved)
+
+    def _settle_input(self, session: Session, pending: PendingInput, error: SessiondError | None) -> None:
+        """Acknowledge an input (or fail it): `Accepted` to its client, then
+        the turn's events held for it (supervisor.core.events: `hold`)."""
+        if pending.timer is not None:
+            pending.timer.cancel()
+            pending.timer = None
+        if error is not None:
+            pending.durable.set_exception(error)
+            pending.durable.exception()  # retrieved by whoever awaits, if anyone
+            # The sender's held events after its Error, which the future's
+            # callbacks (scheduled just now) write.
+            asyncio.get_running_loop().call_soon(self._events.release, session, list(session.held))
+            return
+        if pending.on_accepted is not None:
+            pending.on_accepted(pending.accepted)
+        self._events.release(session)  # the turn's events, after Accepted
+        pending.durable.set_result(pending.accepted)
+
+    def save_soon(self, session: Session, what: str) -> None:
+        """Every append of `session` so far made durable by the next group
+        commit, off the loop; a failure is logged (`what` was not saved)."""
+        def saved(err: StoreError | None) -> None:
+            if err is not None:
+                tagged(log, session.id).error("%s was not saved: %s", what, err)
+
+        self._when_durable(session, saved)
 
     def abort_stored(self, session: Session, store: SessionLog, turn: int, reason: str, durable: bool) -> None:
         """A turn the log holds open, found at load or at a claim: the daemon

@@ -109,6 +109,9 @@ class Sweeper:
         self._closing = closing
         self.metrics = metrics
         self._tick = 0
+        # The loop's stalls seen by the sweep (see run): how many, how long in all.
+        self.loop_stalls = 0
+        self.loop_stalled_secs = 0.0
         # The measuring thread, one batch at a time (supervisor.core.measure).
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sessiond-measure", initializer=name_thread)
         self._host = host_identity()
@@ -130,7 +133,15 @@ class Sweeper:
         while not self._closing():
             interval = self._config().agent.limits.memory_poll_interval_ms / 1000.0
             next_tick = max(next_tick + interval, loop.time())
+            due = time.monotonic() + (next_tick - loop.time())
             await asyncio.sleep(next_tick - loop.time())
+            # The loop's own lag: how late this wake-up is.  Past an
+            # interval the loop itself was stalled (a blocking call, the
+            # daemon stopped or starved), and nothing a worker sent could be
+            # read meanwhile: that time is not the workers' silence.
+            lag = time.monotonic() - due
+            if lag > interval:
+                self.excuse_stall(lag)
             try:
                 began = time.monotonic()
                 self.sweep(began)
@@ -139,6 +150,22 @@ class Sweeper:
             except Exception:
                 log.exception("supervision sweep failed; carrying on")
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def excuse_stall(self, lag: float) -> None:
+        """The daemon's loop did not run for `lag` seconds: every live
+        worker's heartbeat clock is moved on by as much, so that a stall
+        of the daemon's own (even a long one) is never blamed on them."""
+        self.loop_stalls += 1
+        self.loop_stalled_secs += lag
+        self.metrics.loop_stall(lag)
+        level = logging.WARNING if lag >= 1.0 else logging.DEBUG
+        log.log(level, "the daemon's loop was stalled for %.2fs; workers' heartbeat allowances are "
+                "extended by as much", lag)
+        now = time.monotonic()
+        for session in self._sessions.values():
+            worker = session.worker
+            if worker is not None:
+                self._workers.heard_from(worker, min(now, worker.last_heartbeat + lag))
 
     def sweep(self, now: float) -> None:
         self._tick += 1

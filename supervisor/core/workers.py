@@ -553,7 +553,8 @@ class WorkerOwner:
             )
             self._events.emit_limit(session, LimitKind.RESTARTS, decision.attempts_in_window,
                                     ws.max_restart_attempts)
-            self._events.write_mark(session, durable=True)
+            self._events.write_mark(session, durable=False)
+            self._ledger.save_soon(session, "the failed state")  # off the loop: the store may be away
             return
         self._events.set_state(session, Trigger.BACKOFF, reason=f"restart in {decision.delay_secs:.3f}s")
         loop = asyncio.get_running_loop()

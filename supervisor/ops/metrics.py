@@ -115,6 +115,9 @@ class Recorder:
     def sweep(self, secs: float) -> None:
         pass
 
+    def loop_stall(self, secs: float) -> None:
+        pass
+
     def request(self, kind: str, code: str) -> None:
         pass
 
@@ -195,6 +198,9 @@ class PrometheusRecorder(Recorder):
         self._sweep_secs = Histogram("sessiond_sweep_duration_seconds",
                                      "One supervision sweep (memory, heartbeats, idleness).",
                                      registry=r, buckets=_FAST_BUCKETS)
+        self._stalls = Counter("sessiond_loop_stalled_seconds",
+                               "Time the daemon's own event loop was stalled (a sweep woke more than "
+                               "one poll interval late); discounted from workers' heartbeats.", registry=r)
         self._requests = Counter("sessiond_control_requests",
                                  "Control socket requests, by type and outcome (ok or the error code).",
                                  ["type", "code"], registry=r)
@@ -245,6 +251,9 @@ class PrometheusRecorder(Recorder):
 
     def sweep(self, secs: float) -> None:
         self._sweep_secs.observe(secs)
+
+    def loop_stall(self, secs: float) -> None:
+        self._stalls.inc(secs)
 
     def request(self, kind: str, code: str) -> None:
         child = self._request_children.get((kind, code))

@@ -1,5 +1,5 @@
 """Where sessions are kept (run by sessiond): the StateStore seam, the file
-store (files, journal, logscan, sessiondir), the in-memory store and the
+store (files, journal, replay, logscan, sessiondir), the in-memory store and the
 PostgreSQL store (postgres/).
 
 Owns what is on disk or in the database.  May import: ipc/,

@@ -29,7 +29,10 @@ Damage in a log is told apart by what follows it:
   cut: load raises `StoreDamaged` and leaves the files as they are, until
   the operator's `repair` keeps every intact record (skip_bad) or what
   precedes the damage (truncate).  Intact records after damage are found
-  by trying every offset (length sane, checksum matches, decodes).
+  by trying every offset (length sane, checksum matches, decodes);
+* records a damaged journal lost and the log lacks (supervisor.store.replay):
+  replay leaves the hole in the log and a note, `journal-damage`, saying
+  why; load raises `StoreDamaged` until `repair`, which removes the note.
 
 See `supervisor.store.state_store` for the promises and errors shared with other
 stores.
@@ -47,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.store.journal import Journal
+from supervisor.store.replay import clear_damage_note, read_damage_note
 from supervisor.store.sessiondir import fsync_dir as _fsync_dir
 from supervisor.store.sessiondir import log_gens as _log_gens
 from supervisor.store.sessiondir import never_created as _never_created
@@ -55,6 +59,7 @@ from supervisor.store.sessiondir import write_snapshot_files as _snapshot_files
 from supervisor.store.journal import fdatasync as _fdatasync
 from supervisor.store.journal import write_all as _write_all
 from supervisor.store.journal import write_error as _write_error
+from supervisor.store.journal import full_error as _full_error
 from supervisor.store.logscan import (
     LogScan,
     describe_damage,
@@ -140,10 +145,18 @@ def _plan(path: Path) -> _Plan:
     base = snap.gen if snap is not None else 0
     gens = [g for g in _log_gens(path) if g >= base] or [base]
     scans = {g: _read_scan(path / f"log.{g}") for g in gens}
+    # A note left by journal replay (supervisor.store.replay): records lost
+    # to a damaged journal, which the log alone may not show.
+    lost, _ = read_damage_note(path)
     for g in gens:
         if scans[g].damaged:
             meta = snap.meta if snap is not None else _meta_in(scans.get(0))
-            raise StoreDamaged(sid, describe_damage(f"log.{g}", scans[g]), meta=meta)
+            why = describe_damage(f"log.{g}", scans[g])
+            raise StoreDamaged(sid, f"{lost}. {why}" if lost else why, meta=meta)
+    if lost:
+        meta = snap.meta if snap is not None else _meta_in(scans.get(0))
+        raise StoreDamaged(sid, f"{lost}. `sessionctl repair {sid}` accepts the loss (the log keeps every "
+                           f"intact record), `sessionctl rm {sid}` deletes the session", meta=meta)
     if snap is None and not any(isinstance(r, Meta) for s in scans.values() for _, _, r in s.records):
         raise StoreDamaged(sid, f"{path}: no metadata record (not a session directory?)",
                            repairable=False)
@@ -242,7 +255,7 @@ class SessionStore:
         except FileExistsError:
             raise
         except OSError as exc:
-            raise _write_error(str(path), exc) from exc
+            raise _full_error(str(path), exc, journal) from exc
         try:
             store = cls(path, 0, journal=journal, new=True)
             store.append(meta, durable=False)
@@ -393,7 +406,7 @@ class SessionStore:
                 os.ftruncate(self._fd, offset)
             if isinstance(exc, StoreError):
                 raise
-            raise _write_error(f"{self.path.name}/log.{self.gen}", exc) from exc
+            raise _full_error(f"{self.path.name}/log.{self.gen}", exc, self._journal) from exc
         self._size = offset + len(frame)
         if durable:
             if self._journal is not None:
@@ -498,7 +511,7 @@ class SessionStore:
         self._snapshotting = False
         if err is not None:
             tagged(log, self.path.name).warning("%s (the log still holds every turn)",
-                                                _write_error(f"the snapshot of {self.path.name}", err))
+                                                _full_error(f"the snapshot of {self.path.name}", err, self._journal))
             return
         self._snap_gen = snap_gen
         for g in _log_gens(self.path):
@@ -534,6 +547,10 @@ class SessionStore:
         return snap, [rec for g in range(self._snap_gen, self.gen + 1)
                       for _, _, rec in _read_scan(self.path / f"log.{g}").records]
 
+    def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
+        # Local files: read here (api/transfer.py reads them in a thread).
+        return settled(self.read_history)
+
     def close(self) -> None:
         for attr in ("_fd", "_fence_fd"):
             fd = getattr(self, attr)
@@ -545,10 +562,22 @@ class SessionStore:
         if self._journal is not None:
             self._journal.forget(self.path.name)
         self.close()
-        _remove_dir(self.path)
+        _erase(self.path, self._journal)
 
     def remove_soon(self) -> asyncio.Future[None]:
         return settled(self.remove)
+
+
+def _erase(path: Path, journal: Journal | None) -> None:
+    """A removed session's content, wherever this store can reach it at
+    once: its directory (logs, snapshots), a damaged journal kept for it
+    alone, and its records in the live journal (a checkpoint)."""
+    if path.is_dir():
+        with contextlib.suppress(OSError):
+            clear_damage_note(path, path.parent)
+    _remove_dir(path)
+    if journal is not None:
+        journal.erase(path.name)
 
 
 # ---------------------------------------------------------------- the store
@@ -604,7 +633,7 @@ class FileStateStore:
 
     def remove(self, session_id: str) -> None:
         self.journal.forget(session_id)
-        _remove_dir(self.root / session_id)
+        _erase(self.root / session_id, self.journal)
 
     def repair(self, session_id: str, mode: RepairMode) -> RepairResult:
         """Rewrite each damaged log of a session atomically (temp file,
@@ -652,4 +681,5 @@ class FileStateStore:
                                             "%d damaged byte(s) dropped",
                                             g, mode.value, len(keep), len(scan.records) - len(keep),
                                             sum(b - a for a, b in scan.bad))
+        clear_damage_note(path, self.root)
         return RepairResult(kept, dropped_records, dropped_bytes)

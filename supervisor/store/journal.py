@@ -26,17 +26,16 @@ Promises (those of supervisor.store.state_store, unchanged):
   session logs, so none of them is acknowledged or comes back on restart;
   a new epoch makes any in-flight result of the writer thread stale;
 * a write that runs out of space raises `StoreFull` at once and leaves
-  nothing half-written.
+  nothing half-written; it also starts a checkpoint (`free_space`), so the
+  journal's copy of what the logs hold goes without waiting for 64 MiB;
+* a removed session's records leave the journal at once (`erase`: a
+  checkpoint), not at the next 64 MiB.
 
-Crash recovery (`replay`, when the store opens, before any session loads):
-every journal not locked by a live daemon (flock) is read up to its first
-bad record (a torn tail: never acknowledged), and each record whose bytes
-the session's log does not reach yet is written at its offset, provided the
-session's fence still holds the generation that wrote it (a newer writer
-owns the session otherwise) and no tombstone (a removed session) follows.
-Then the logs are fsync'd and the journals deleted.  A log that already
-reaches a record's end is left alone: damage in the middle of a log stays
-for `repair` to see, as before.
+Crash recovery (`replay`, when the store opens, before any session loads)
+is supervisor.store.replay: every journal not locked by a live daemon is
+replayed into the logs' tails, then the logs are fsync'd and the journals
+deleted; a damaged one is replayed record by record, kept, and the sessions
+it could not complete are left damaged until `repair` (never a silent loss).
 
 Checkpoint: past `_CHECKPOINT_BYTES`, the journal is synced on the loop,
 a new one is started, and the writer thread fsyncs every log the old one
@@ -52,7 +51,6 @@ import errno
 import fcntl
 import logging
 import os
-import struct
 import threading
 import time
 import zlib
@@ -62,19 +60,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-import msgspec
-
 from supervisor.errors import StoreError, StoreFull
+from supervisor.store.replay import REC as _REC
+from supervisor.store.replay import TOMBSTONE as _TOMBSTONE
+from supervisor.store.replay import JRec as _JRec
+from supervisor.store.replay import encoder as _encoder
+from supervisor.store.replay import fsync_path as _fsync_path
+from supervisor.store.replay import replay
 
-__all__ = ["FSYNC_DELAY_SECS", "Journal", "fdatasync", "write_all", "write_error"]
+__all__ = ["FSYNC_DELAY_SECS", "Journal", "fdatasync", "full_error", "write_all", "write_error"]
 
 log = logging.getLogger("sessiond.store")
 
-_REC = struct.Struct(">II")
-_FENCE = struct.Struct(">Q")
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _CHECKPOINT_BYTES = 64 << 20
-_TOMBSTONE = -1
 
 # For benchmarks only (bench/load.py): every log or journal fdatasync first
 # sleeps this long, a stand-in for a disk whose flush is slow (network block
@@ -99,6 +98,16 @@ def write_error(what: str, exc: OSError) -> StoreError:
     return StoreError(f"cannot write {what}: {exc.strerror}")
 
 
+def full_error(what: str, exc: OSError, journal: Journal | None) -> StoreError:
+    """`write_error`, and when space ran out (not the file size limit) the
+    journal checkpoints at once, since it holds a second copy of what the
+    logs hold (`Journal.free_space`), and the error says so."""
+    err = write_error(what, exc)
+    if isinstance(err, StoreFull) and journal is not None and exc.errno != errno.EFBIG:
+        return StoreFull(f"{err}; {journal.free_space()}")
+    return err
+
+
 def write_all(fd: int, data: bytes) -> None:
     """os.write until done.  A short write (the disk filled up mid-record)
     is retried so that the real reason (ENOSPC, EFBIG) surfaces."""
@@ -109,17 +118,6 @@ def write_all(fd: int, data: bytes) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         view = view[n:]
 
-
-class _JRec(msgspec.Struct, array_like=True):
-    sid: str
-    log: int  # the log file's generation; _TOMBSTONE: the session was removed
-    offset: int
-    fence: int
-    frame: bytes
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(_JRec)
 
 
 class Tail(Protocol):
@@ -137,14 +135,6 @@ def _open_journal(jdir: Path) -> tuple[int, Path]:
     return fd, path
 
 
-def _fsync_path(path: Path, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0) | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Journal:
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -159,6 +149,8 @@ class Journal:
         self._pending: deque[tuple[int, Tail, int, int]] = deque()  # (lsn end, log, log gen, size after)
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
         self._dirty: set[Path] = set()  # logs written since this journal began
+        self._sids: set[str] = set()  # sessions written since this journal began (erase)
+        self._erasing = False  # a checkpoint for removed sessions is scheduled
         # Shared with the writer thread, under _cond; the thread sleeps in a
         # read of an eventfd that `_wake` writes.  (A threading.Condition
         # costs a lock allocation and more GIL hand-offs per wait: ~90 µs of
@@ -188,6 +180,8 @@ class Journal:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, self._end - self._base)
+            if exc.errno in _FULL_ERRNOS and exc.errno != errno.EFBIG:
+                raise StoreFull(f"{write_error('the journal', exc)}; {self.free_space()}") from exc
             if exc.errno != errno.EFBIG or self._end == self._base:
                 raise write_error("the journal", exc) from exc
             # The file size limit: a fresh journal may still have room.
@@ -199,6 +193,7 @@ class Journal:
                     os.ftruncate(self._fd, self._end - self._base)
                 raise write_error("the journal", exc2) from exc2
         self._end += len(data)
+        self._sids.add(sid)
         self._pending.append((self._end, tail, log_gen, offset + len(frame)))
         if log_path is not None:
             self._dirty.add(log_path)
@@ -219,6 +214,31 @@ class Journal:
         session of the same id created later must not receive them)."""
         with contextlib.suppress(StoreError):
             self.write(_NoTail(), sid, _TOMBSTONE, 0, 0, b"", None)
+
+    def erase(self, sid: str) -> None:
+        """`sid` was removed (its directory is gone): its records leave the
+        journal now, not at the next 64 MiB checkpoint.  A checkpoint: the
+        journal that holds them is deleted by the writer thread as soon as
+        the other sessions' logs it covers are fsync'd.  (A journal kept
+        after a failed checkpoint keeps them until the next start, whose
+        replay skips them for the tombstone and deletes it.)  On the loop,
+        the removals of one pass share a checkpoint (an `rm` of 50 sessions
+        costs one journal fdatasync on the loop, not 50)."""
+        if sid not in self._sids:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._checkpoint()
+            return
+        if not self._erasing:
+            self._erasing = True
+            loop.call_soon(self._erase_now)
+
+    def _erase_now(self) -> None:
+        self._erasing = False
+        if self._fd >= 0:
+            self._checkpoint()
 
     def sync_soon(self) -> asyncio.Future[None]:
         """A future that completes once everything written so far is
@@ -298,19 +318,35 @@ class Journal:
                 fut.set_exception(err)
         return err
 
-    def _checkpoint(self) -> None:
+    def free_space(self) -> str:
+        """Out of space (ENOSPC, a quota): checkpoint now rather than at
+        `_CHECKPOINT_BYTES`, so that the journal's copy of every record
+        (the session logs hold the other) is deleted as soon as the writer
+        thread has fsync'd those logs.  Returns what to tell the client;
+        the log says what was freed once it is."""
+        held = self._end - self._base
+        if self._fd < 0 or held <= 0:
+            return "the journal holds nothing a checkpoint could free"
+        log.warning("out of space: checkpointing the journal now, to free the %.1f MiB it holds", held / (1 << 20))
+        if not self._checkpoint(freeing=True):
+            return "a journal checkpoint could not start (see the daemon's log)"
+        return (f"a journal checkpoint was started to free {held / (1 << 20):.1f} MiB (the journal's copy of "
+                "records the session logs hold); retry in a moment")
+
+    def _checkpoint(self, freeing: bool = False) -> bool:
         try:
             self.sync_now()
             fd, path = _open_journal(self.dir)
         except (StoreError, OSError) as exc:
             log.warning("journal checkpoint postponed: %s", exc)
-            return
+            return False
         with self._cond:
-            old = (self._fd, self._path, self._dirty)
+            old = (self._fd, self._path, self._dirty, freeing)
             self._jobs.append(lambda: self._retire_journal(*old))
-            self._fd, self._path, self._dirty = fd, path, set()
+            self._fd, self._path, self._dirty, self._sids = fd, path, set(), set()
             self._base = self._end
             self._wake()
+        return True
 
     def close(self) -> None:
         """Sync, checkpoint every log, stop the threads, delete the journal."""
@@ -319,7 +355,7 @@ class Journal:
         with contextlib.suppress(StoreError):
             self.sync_now()
         with self._cond:
-            old = (self._fd, self._path, self._dirty)
+            old = (self._fd, self._path, self._dirty, False)
             self._jobs.append(lambda: self._retire_journal(*old))
             self._fd, self._dirty = -1, set()
             self._closing = True
@@ -432,10 +468,11 @@ class Journal:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon is gone
                     loop.call_soon_threadsafe(self._done, epoch, target, err)
 
-    def _retire_journal(self, fd: int, path: Path, dirty: set[Path]) -> None:
+    def _retire_journal(self, fd: int, path: Path, dirty: set[Path], freeing: bool = False) -> None:
         """Writer thread: every log the journal covered is made durable on
         its own; then the journal can go."""
         try:
+            size = os.fstat(fd).st_size
             fdatasync(fd)
             for log_path in dirty:
                 with contextlib.suppress(FileNotFoundError):
@@ -445,6 +482,8 @@ class Journal:
                     _fsync_path(d, directory=True)
             os.unlink(path)
             _fsync_path(self.dir, directory=True)
+            if freeing:
+                log.warning("out of space: the journal checkpoint freed %.1f MiB", size / (1 << 20))
         except OSError as exc:
             log.warning("journal %s kept (its logs could not be synced: %s); it is replayed at the "
                         "next start", path.name, exc.strerror)
@@ -458,112 +497,3 @@ class _NoTail:
 
     def discard_unsynced(self) -> None:
         pass
-
-
-# ---------------------------------------------------------------- recovery
-
-
-def _read_journal(path: Path) -> list[_JRec]:
-    data = path.read_bytes()
-    out: list[_JRec] = []
-    pos = 0
-    while pos + _REC.size <= len(data):
-        length, crc = _REC.unpack_from(data, pos)
-        body = data[pos + _REC.size : pos + _REC.size + length]
-        if len(body) != length or zlib.crc32(body) != crc:
-            break
-        try:
-            out.append(_decoder.decode(body))
-        except msgspec.DecodeError:
-            break
-        pos += _REC.size + length
-    if pos < len(data):
-        log.warning("journal %s: %d byte(s) after offset %d unreadable (a torn last batch, never "
-                    "acknowledged); dropped", path.name, len(data) - pos, pos)
-    return out
-
-
-def _fence_of(session_dir: Path) -> int:
-    try:
-        raw = (session_dir / "fence").read_bytes()
-    except FileNotFoundError:
-        return -1
-    return _FENCE.unpack(raw[: _FENCE.size])[0] if len(raw) >= _FENCE.size else 0
-
-
-def replay(jdir: Path, root: Path) -> int:
-    """Restore into the session logs what unlocked journals hold and the
-    logs lack; delete those journals.  Returns the records written."""
-    names = sorted(p for p in jdir.glob("*.wal"))
-    held: list[tuple[int, Path]] = []
-    by_log: dict[tuple[str, int], list[_JRec]] = {}
-    for path in names:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)  # a live daemon's
-            continue
-        held.append((fd, path))
-        for rec in _read_journal(path):
-            if rec.log == _TOMBSTONE:
-                for key in [k for k in by_log if k[0] == rec.sid]:
-                    del by_log[key]
-            else:
-                by_log.setdefault((rec.sid, rec.log), []).append(rec)
-    restored = 0
-    fences: dict[str, int] = {}
-    for (sid, gen), recs in by_log.items():
-        sdir = root / sid
-        if sid not in fences:
-            fences[sid] = _fence_of(sdir)
-        recs = [r for r in recs if r.fence == fences[sid]]
-        if not recs:
-            continue  # removed, or a newer writer has it
-        restored += _replay_log(sdir, gen, recs)
-    for fd, path in held:
-        path.unlink(missing_ok=True)
-        os.close(fd)
-    if held:
-        _fsync_path(jdir, directory=True)
-    if restored:
-        log.warning("restored %d record(s) from the journal into session logs", restored)
-    return restored
-
-
-def _replay_log(sdir: Path, gen: int, recs: list[_JRec]) -> int:
-    log_path = sdir / f"log.{gen}"
-    # Created here only if the journal says it was (log_created) and nothing
-    # newer exists: else a missing log was folded into a snapshot and
-    # deleted, or removed by hand, and stays missing.
-    newest = max((int(p.name[4:]) for p in sdir.glob("log.*") if p.name[4:].isdigit()), default=-1)
-    create = any(not r.frame for r in recs) and gen >= newest and sdir.is_dir()
-    try:
-        fd = os.open(log_path, os.O_WRONLY | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
-    except FileNotFoundError:
-        return 0
-    recs = [r for r in recs if r.frame]
-    written = 0
-    try:
-        size = os.fstat(fd).st_size
-        for rec in recs:
-            end = rec.offset + len(rec.frame)
-            if end <= size:
-                continue
-            if rec.offset > size:
-                log.warning("%s: journal record at %d but the log ends at %d; not restored",
-                            log_path, rec.offset, size)
-                break
-            os.pwrite(fd, rec.frame, rec.offset)
-            size = end
-            written += 1
-        if written:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    if create:
-        _fsync_path(sdir, directory=True)
-    return written

@@ -125,6 +125,9 @@ class MemoryLog:
         scan = scan_log(bytes(self._stored.log))
         return self._stored.snapshot, [rec for _, _, rec in scan.records]
 
+    def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
+        return settled(self.read_history)
+
     def close(self) -> None:
         self._closed = True
 

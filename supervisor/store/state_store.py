@@ -7,7 +7,7 @@
     SessionLog                 one per session, held by its one writer
     ├── append(record, durable) / sync() / sync_soon() / make_durable(_soon)()
     ├── write_snapshot(snap) / write_snapshot_soon(snap)
-    ├── read_for_boot() / read_for_boot_soon() / read_history()
+    ├── read_for_boot() / read_for_boot_soon() / read_history() / read_history_soon()
     └── close() / remove() / remove_soon()
 
 Each `*_soon` is its plain twin without blocking the daemon's loop, for
@@ -330,6 +330,11 @@ class SessionLog(Protocol):
         """The snapshot and the records after it, as stored (read-only)."""
         ...
 
+    def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
+        """`read_history` without blocking the loop (history, export): a
+        store across a network reads it on a connection of its own."""
+        ...
+
     def close(self) -> None: ...
 
     def remove(self) -> None: ...
@@ -441,6 +446,9 @@ class DamagedLog:
         raise self._refuse()
 
     def read_history(self) -> tuple[Snapshot | None, list[Record]]:
+        raise self._refuse()
+
+    def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
         raise self._refuse()
 
     def close(self) -> None:

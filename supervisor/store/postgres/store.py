@@ -430,6 +430,14 @@ class PgSessionLog:
         snap = decode_snapshot(self._id, body)
         return snap, [rec for rec in map(intact, [*map(bytes, frames), *self._pending]) if rec]
 
+    def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
+        """History and export, on the reader thread's connection, after
+        every write of the session in flight has landed: a database that
+        does not answer holds up that request, never the loop."""
+        if self._store.reader is None:
+            return settled(self.read_history)
+        return asyncio.ensure_future(self._history_soon())
+
     # ---------------------------------------------------------------- the end
 
     def close(self) -> None:
