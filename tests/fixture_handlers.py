@@ -229,6 +229,17 @@ def crash_once(init: HandlerInit) -> CrashOnce:
     return CrashOnce(init)
 
 
+class CrashOnceSteps(CrashOnce):
+    """CrashOnce, declaring that it keeps the durable-steps contract (it has
+    nothing to journal): its crashed turn is resumed, i.e. run again."""
+
+    uses_steps = True
+
+
+def crash_once_steps(init: HandlerInit) -> CrashOnceSteps:
+    return CrashOnceSteps(init)
+
+
 class BootOnce(_Base):
     """Boots the first time only; every later boot fails (marker file)."""
 
