@@ -53,6 +53,7 @@ class Interruption:
     cause: str
     key: str
     certain: bool = True
+    step: int = 0  # the step the turn resumed at: those before it are journaled
 
     @property
     def killed(self) -> bool:
@@ -80,7 +81,7 @@ class TurnSteps:
         r = self._resumed
         if r is None:
             return None
-        return Interruption(reason=r.reason, cause=r.cause, key=r.running, certain=not r.uncertain)
+        return Interruption(reason=r.reason, cause=r.cause, key=r.running, certain=not r.uncertain, step=r.step)
 
     def saved(self, msg: m.StepSaved) -> None:
         fut = self._waiting.pop(msg.n, None)
@@ -103,7 +104,8 @@ class TurnSteps:
         value: Any
         if (r is not None and n == r.step and interrupted is not None
                 and (r.running == key or (r.uncertain and not r.running))):
-            value = interrupted(Interruption(reason=r.reason, cause=r.cause, key=key, certain=not r.uncertain))
+            value = interrupted(Interruption(reason=r.reason, cause=r.cause, key=key, certain=not r.uncertain,
+                                             step=n))
         else:
             self._send(m.StepBegun(turn=self._turn, n=n, key=key, kind=kind))
             self._flush()  # out before fn starts: the daemon knows what ran if we die now

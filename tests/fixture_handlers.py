@@ -345,3 +345,32 @@ class AfterTurn(_Base):
 
 def after_turn(init: HandlerInit) -> AfterTurn:
     return AfterTurn(init)
+
+
+class ThreeSteps(_Base):
+    """Three durable steps (docs/agent.md's example), each appending its
+    name to `counter` in the workspace.  Each run waits to be killed after
+    the first step it ran itself (marker `after-N`), so a test kills it
+    after each step in turn; the fourth run finds them all journaled."""
+
+    uses_steps = True
+
+    def _run(self, name: str) -> str:
+        with open(self.init.workspace / "counter", "a") as f:
+            f.write(name + "\n")
+        return name.upper()
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        first_new = ctx.resumed.step if ctx.resumed is not None else 0
+        out = []
+        for n, name in enumerate(("a", "b", "c")):
+            out.append(await ctx.step(name, lambda name=name: self._run(name)))
+            if n == first_new:
+                (self.init.workspace / f"after-{n}").write_text("x")
+                await asyncio.sleep(3600)
+        self.turns += 1
+        return TurnResult(f"{self.turns}: {''.join(out)} {text}", record=1)
+
+
+def three_steps(init: HandlerInit) -> ThreeSteps:
+    return ThreeSteps(init)
