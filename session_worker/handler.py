@@ -28,8 +28,9 @@ committing what it changed; any other exception fails the turn with no record,
 so the handler must leave its in-memory state as it was before the turn.
 
 Durable steps (docs/agent.md, "Durable steps"): `await ctx.step(key, fn)`
-runs `fn` once and returns its msgpack-able result only once the daemon has
-journaled it durably.  If the worker dies during the turn (a crash, the
+runs `fn` once and journals its msgpack-able result; it is durable before
+any later step runs its `fn` (an `idempotent` one, e.g. an LLM request, does
+not wait) and before the turn is done.  If the worker dies during the turn (a crash, the
 memory cap, a node lost, the daemon killed) and the session's
 `retry_aborted_turn` is on (the default), the restarted worker runs the same
 turn again from `handle()`: each `ctx.step` already journaled returns its
@@ -106,11 +107,13 @@ class TurnContext(abc.ABC):
     resumed: Interruption | None = None
 
     async def step(self, key: str, fn: Callable[[], Any], *, kind: str = "",
-                   interrupted: Callable[[Interruption], Any] | None = None) -> Any:
+                   interrupted: Callable[[Interruption], Any] | None = None, idempotent: bool = False) -> Any:
         """Run `fn` (sync or async) once as a durable step of this turn and
-        return its msgpack-able result once it is journaled; on a resumed
-        turn, the journaled result without running `fn` (see the module's
-        docstring).  `key` names the step (checked on replay); `kind` is for
+        return its msgpack-able result; on a resumed turn, the journaled
+        result without running `fn` (see the module's docstring).  Every
+        earlier step is durable before `fn` runs, unless `idempotent` (`fn`
+        may run again without harm: an LLM request), which overlaps that
+        flush.  `key` names the step (checked on replay); `kind` is for
         operators ("llm", "tool"...).  Not abstract: a context that cannot
         journal (a test's) just runs `fn`."""
         value = fn()

@@ -89,13 +89,17 @@ class _Context(TurnContext):
         self.workspace = worker.workspace
         self.depth = worker.depth
         self.streamed: list[str] = []
+        ws = worker.settings.agent.worker
         self.steps = TurnSteps(turn, worker.send, worker.conn.flush, resumed,
-                               worker.settings.agent.worker.max_step_kb * 1024)
+                               ws.max_step_kb * 1024, ws.max_turn_steps_mb << 20)
         self.resumed = self.steps.interruption
 
     async def step(self, key: str, fn: Callable[[], Any], *, kind: str = "",
-                   interrupted: Callable[[Interruption], Any] | None = None) -> Any:
-        return await self.steps.step(key, fn, kind, interrupted)
+                   interrupted: Callable[[Interruption], Any] | None = None, idempotent: bool = False) -> Any:
+        if not self.settings.agent.worker.retry_aborted_turn:
+            # Nothing would resume from them: no journal, no wait.
+            return await super().step(key, fn, kind=kind, interrupted=interrupted, idempotent=idempotent)
+        return await self.steps.step(key, fn, kind, interrupted, idempotent)
 
     def emit(self, text: str) -> None:
         if text:

@@ -1,10 +1,21 @@
 """Durable steps of one turn, the worker's side: `ctx.step(key, fn)`.
 
 Runs in the worker's event loop, inside the turn's task.  A step runs `fn`
-once, sends its msgpack-encoded result to the daemon (`StepDone`) and waits
-for `StepSaved`: the result is durable (journaled, fsync'd, fenced like the
-turn's records) before `ctx.step` returns it.  The daemon is the only
+once and sends its msgpack-encoded result to the daemon (`StepDone`), which
+journals it (the same journal, group commit and fencing as the turn's
+records) and answers `StepSaved` once it is durable.  The daemon is the only
 writer of state: the worker never keeps steps anywhere itself.
+
+When the worker waits for that answer: a step's result is durable before
+any later step that is not `idempotent` begins (its `fn` runs only then:
+the barrier), and the turn's commit covers every step before the client
+hears it is done.  An idempotent step (an LLM request: running it again
+costs money, changes nothing) starts without waiting, so its request
+overlaps the flush of the step before, and its own flush overlaps what
+follows; a tool, which may act on the world, waits until the response that
+asked for it is durable.  A worker that dies loses no step it sent (the
+daemon still reads and journals it); a daemon that dies loses at most the
+steps not yet durable, none of which was followed by a step with effects.
 
 A resumed turn (its worker died during it; `Input.resumed`) is the same turn
 run again by the same handler code, given the steps it journaled: step `n`
@@ -66,14 +77,18 @@ class TurnSteps:
     """The steps of one turn, numbered in the order the handler asks for them."""
 
     def __init__(self, turn: int, send: Callable[[Any], None], flush: Callable[[], None],
-                 resumed: m.Resumed | None, max_step_bytes: int) -> None:
+                 resumed: m.Resumed | None, max_step_bytes: int, max_turn_bytes: int) -> None:
         self._turn = turn
         self._send = send
         self._flush = flush
         self._resumed = resumed
         self._max = max_step_bytes
+        self._max_turn = max_turn_bytes
+        self._bytes = sum(len(s.result) for s in resumed.steps) if resumed is not None else 0
         self._next = 0
+        # Steps sent and not yet answered; the first refusal, raised at the next step.
         self._waiting: dict[int, asyncio.Future[m.StepSaved]] = {}
+        self._refused = ""
 
     @property
     def interruption(self) -> Interruption | None:
@@ -84,12 +99,24 @@ class TurnSteps:
         return Interruption(reason=r.reason, cause=r.cause, key=r.running, certain=not r.uncertain, step=r.step)
 
     def saved(self, msg: m.StepSaved) -> None:
+        if msg.error and not self._refused:
+            self._refused = f"step {msg.n} was not saved: {msg.error}"
         fut = self._waiting.pop(msg.n, None)
         if fut is not None and not fut.done():
             fut.set_result(msg)
 
+    async def durable(self) -> None:
+        """Return once every step sent so far is durable (StepError if one
+        was refused)."""
+        if self._waiting:
+            await asyncio.gather(*self._waiting.values())
+        if self._refused:
+            raise StepError(self._refused)
+
     async def step(self, key: str, fn: Callable[[], Any | Awaitable[Any]], kind: str = "",
-                   interrupted: Callable[[Interruption], Any] | None = None) -> Any:
+                   interrupted: Callable[[Interruption], Any] | None = None, idempotent: bool = False) -> Any:
+        if self._refused:
+            raise StepError(self._refused)
         n = self._next
         self._next += 1
         r = self._resumed
@@ -107,6 +134,8 @@ class TurnSteps:
             value = interrupted(Interruption(reason=r.reason, cause=r.cause, key=key, certain=not r.uncertain,
                                              step=n))
         else:
+            if not idempotent:
+                await self.durable()  # the barrier: what led here survives us
             self._send(m.StepBegun(turn=self._turn, n=n, key=key, kind=kind))
             self._flush()  # out before fn starts: the daemon knows what ran if we die now
             value = fn()
@@ -119,11 +148,11 @@ class TurnSteps:
         if len(data) > self._max:
             raise StepError(f"step {n} {key!r}: its result is {len(data)} bytes, over "
                             f"agent.worker.max_step_kb ({self._max // 1024})")
-        fut: asyncio.Future[m.StepSaved] = asyncio.get_running_loop().create_future()
-        self._waiting[n] = fut
+        self._bytes += len(data)
+        if self._bytes > self._max_turn:
+            raise StepError(f"step {n} {key!r}: the turn's steps would hold {self._bytes} bytes, over "
+                            f"agent.worker.max_turn_steps_mb ({self._max_turn >> 20})")
+        self._waiting[n] = asyncio.get_running_loop().create_future()
         self._send(m.StepDone(turn=self._turn, n=n, key=key, kind=kind, result=data))
         self._flush()
-        saved = await fut
-        if saved.error:
-            raise StepError(f"step {n} {key!r} was not saved: {saved.error}")
         return _decode(data)

@@ -349,9 +349,10 @@ def after_turn(init: HandlerInit) -> AfterTurn:
 
 class ThreeSteps(_Base):
     """Three durable steps (docs/agent.md's example), each appending its
-    name to `counter` in the workspace.  Each run waits to be killed after
-    the first step it ran itself (marker `after-N`), so a test kills it
-    after each step in turn; the fourth run finds them all journaled."""
+    name to `counter` in the workspace.  After each, a `pause` step waits to
+    be killed the first time it runs (marker `after-N`); it is a step so
+    that its marker appears only once the step before is durable (the
+    barrier), as the contract wants anything that acts to be."""
 
     uses_steps = True
 
@@ -360,14 +361,17 @@ class ThreeSteps(_Base):
             f.write(name + "\n")
         return name.upper()
 
+    async def _pause(self, n: int) -> None:
+        marker = self.init.workspace / f"after-{n}"
+        if not marker.exists():
+            marker.write_text("x")
+            await asyncio.sleep(3600)
+
     async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
-        first_new = ctx.resumed.step if ctx.resumed is not None else 0
         out = []
         for n, name in enumerate(("a", "b", "c")):
             out.append(await ctx.step(name, lambda name=name: self._run(name)))
-            if n == first_new:
-                (self.init.workspace / f"after-{n}").write_text("x")
-                await asyncio.sleep(3600)
+            await ctx.step(f"pause-{n}", lambda n=n: self._pause(n))
         self.turns += 1
         return TurnResult(f"{self.turns}: {''.join(out)} {text}", record=1)
 

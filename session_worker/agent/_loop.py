@@ -209,7 +209,7 @@ class Turn:
             return _completion_data(completion)
 
         self._calls += 1
-        data = await self._ctx.step(f"llm:{self._calls}", call, kind="llm")
+        data = await self._ctx.step(f"llm:{self._calls}", call, kind="llm", idempotent=True)
         # Kept until journaled: an interrupt while the step is saved keeps the text.
         self._partial = None
         completion = _completion_of(data)
@@ -379,7 +379,7 @@ class Turn:
             return {"text": completion.text, "usage": completion.usage}
 
         self._calls += 1
-        data: dict[str, Any] = await self._ctx.step(f"compact:{self._calls}", call, kind="llm")
+        data: dict[str, Any] = await self._ctx.step(f"compact:{self._calls}", call, kind="llm", idempotent=True)
         return data
 
     # -- endings --------------------------------------------------------------
