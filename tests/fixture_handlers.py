@@ -378,3 +378,23 @@ class ThreeSteps(_Base):
 
 def three_steps(init: HandlerInit) -> ThreeSteps:
     return ThreeSteps(init)
+
+
+class PauseOnceSteps(_Base):
+    """Steps "a", "wait", "b": a first run waits in "wait" (to be killed, or
+    its node lost); a resumed run finds "a" journaled and goes on."""
+
+    uses_steps = True
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        a = await ctx.step("a", lambda: "A")
+        ctx.emit("after a\n")
+        first_run = ctx.resumed is None
+        await ctx.step("wait", lambda: asyncio.sleep(3600 if first_run else 0))
+        b = await ctx.step("b", lambda: "B")
+        self.turns += 1
+        return TurnResult(f"{self.turns}: {a}{b} {text}", record=1)
+
+
+def pause_once_steps(init: HandlerInit) -> PauseOnceSteps:
+    return PauseOnceSteps(init)
