@@ -76,9 +76,11 @@ class WorkerSettings(ConfigSection):
     # agent does); false: it fails with TurnFailed.  Handlers that use no
     # steps fail such a turn either way (docs/agent.md, "Durable steps").
     retry_aborted_turn: bool = True
-    # The largest result one step may journal, and all of one turn's steps
-    # together: a handler is untrusted for size; past either the turn fails.
+    # The largest result one step (ctx.step) may journal: a handler is
+    # untrusted for size; past it the turn fails, naming this key.
     max_step_kb: Annotated[int, Meta(ge=1, le=1 << 20)] = 4096
+    # All of one turn's steps together (they are kept until the turn's
+    # commit); past it the turn fails, naming this key.
     max_turn_steps_mb: Annotated[int, Meta(ge=1, le=1 << 14)] = 64
     # A full snapshot replaces the log tail every this many turns.
     snapshot_every_turns: PositiveInt = 64
