@@ -375,7 +375,8 @@ class TurnLedger:
             return False
         if session.suspended is not None:
             return True  # the restarted worker died before it was resumed
-        if not resumes_after(session.settings, info) or not (worker.uses_steps or session.steps):
+        if (not resumes_after(session.settings, info) or not (worker.uses_steps or session.steps)
+                or session.state is State.INTERRUPTING):  # (the client wanted it over)
             return False
         session.suspended = Suspension(
             turn=turn, text=session.current_input, reason=info.reason, cause=cause_of(info, session.settings),
