@@ -398,3 +398,17 @@ class PauseOnceSteps(_Base):
 
 def pause_once_steps(init: HandlerInit) -> PauseOnceSteps:
     return PauseOnceSteps(init)
+
+
+class BigStep(_Base):
+    """One step whose result is `text` characters long (the size caps)."""
+
+    uses_steps = True
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        value = await ctx.step("big", lambda: "x" * int(text))
+        return TurnResult(f"{len(value)}", record=1)
+
+
+def big_step(init: HandlerInit) -> BigStep:
+    return BigStep(init)

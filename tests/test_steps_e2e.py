@@ -184,3 +184,9 @@ def test_a_custom_handler_killed_after_each_of_its_steps(make_daemon) -> None:
     assert send.returncode == 0, err
     assert out.strip() == "1: ABC hello"
     assert lines(ws / "counter") == ["a", "b", "c"]  # each step ran once
+    # A step over the operator's cap fails the turn, naming the key.
+    with d.client() as c:
+        big = c.create(handler="fixture_handlers:big_step", settings={"agent.worker.max_step_kb": 1}).id
+        assert c.send_text(big, "100") == "100"
+        failed = list(c.send(big, "5000"))[-1]
+        assert isinstance(failed, m.TurnFailed) and "agent.worker.max_step_kb" in failed.reason
