@@ -28,9 +28,9 @@ committing what it changed; any other exception fails the turn with no record,
 so the handler must leave its in-memory state as it was before the turn.
 
 Durable steps (docs/agent.md, "Durable steps"): `await ctx.step(key, fn)`
-runs `fn` once and journals its msgpack-able result; it is durable before
-any later step runs its `fn` (an `idempotent` one, e.g. an LLM request, does
-not wait) and before the turn is done.  If the worker dies during the turn (a crash, the
+runs `fn` once and returns its msgpack-able result once the daemon has
+journaled it durably (an `idempotent` step, e.g. an LLM request, does not
+wait; every step that is not waits for the earlier ones before it runs).  If the worker dies during the turn (a crash, the
 memory cap, a node lost, the daemon killed) and the session's
 `retry_aborted_turn` is on (the default), the restarted worker runs the same
 turn again from `handle()`: each `ctx.step` already journaled returns its
@@ -107,15 +107,18 @@ class TurnContext(abc.ABC):
     resumed: Interruption | None = None
 
     async def step(self, key: str, fn: Callable[[], Any], *, kind: str = "",
-                   interrupted: Callable[[Interruption], Any] | None = None, idempotent: bool = False) -> Any:
+                   interrupted: Callable[[Interruption], Any] | None = None, idempotent: bool = False,
+                   wait: bool = True) -> Any:
         """Run `fn` (sync or async) once as a durable step of this turn and
-        return its msgpack-able result; on a resumed turn, the journaled
-        result without running `fn` (see the module's docstring).  Every
-        earlier step is durable before `fn` runs, unless `idempotent` (`fn`
-        may run again without harm: an LLM request), which overlaps that
-        flush.  `key` names the step (checked on replay); `kind` is for
-        operators ("llm", "tool"...).  Not abstract: a context that cannot
-        journal (a test's) just runs `fn`."""
+        return its msgpack-able result once it is journaled durably; on a
+        resumed turn, the journaled result without running `fn` (see the
+        module's docstring).  Every earlier step is durable before `fn`
+        runs.  `idempotent` (`fn` may run again without harm: an LLM
+        request) waits for neither; `wait=False` returns before the result
+        is durable (the next step that is not idempotent waits for it).
+        `key` names the step (checked on replay); `kind` is for operators
+        ("llm", "tool"...).  Not abstract: a context that cannot journal (a
+        test's) just runs `fn`."""
         value = fn()
         if inspect.isawaitable(value):
             value = await value

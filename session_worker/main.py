@@ -95,11 +95,12 @@ class _Context(TurnContext):
         self.resumed = self.steps.interruption
 
     async def step(self, key: str, fn: Callable[[], Any], *, kind: str = "",
-                   interrupted: Callable[[Interruption], Any] | None = None, idempotent: bool = False) -> Any:
+                   interrupted: Callable[[Interruption], Any] | None = None, idempotent: bool = False,
+                   wait: bool = True) -> Any:
         if not self.settings.agent.worker.retry_aborted_turn:
             # Nothing would resume from them: no journal, no wait.
             return await super().step(key, fn, kind=kind, interrupted=interrupted, idempotent=idempotent)
-        return await self.steps.step(key, fn, kind, interrupted, idempotent)
+        return await self.steps.step(key, fn, kind, interrupted, idempotent, wait)
 
     def emit(self, text: str) -> None:
         if text:

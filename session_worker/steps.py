@@ -6,16 +6,18 @@ journals it (the same journal, group commit and fencing as the turn's
 records) and answers `StepSaved` once it is durable.  The daemon is the only
 writer of state: the worker never keeps steps anywhere itself.
 
-When the worker waits for that answer: a step's result is durable before
-any later step that is not `idempotent` begins (its `fn` runs only then:
-the barrier), and the turn's commit covers every step before the client
-hears it is done.  An idempotent step (an LLM request: running it again
-costs money, changes nothing) starts without waiting, so its request
-overlaps the flush of the step before, and its own flush overlaps what
-follows; a tool, which may act on the world, waits until the response that
-asked for it is durable.  A worker that dies loses no step it sent (the
-daemon still reads and journals it); a daemon that dies loses at most the
-steps not yet durable, none of which was followed by a step with effects.
+When the worker waits for that answer: by default `ctx.step` returns once
+its result is durable, and before a step runs its `fn` every earlier step
+is durable (the barrier).  An `idempotent` step (an LLM request: running it
+again costs money, changes nothing) waits for neither: its request overlaps
+the flush of the step before, its own flush overlaps what follows.  A step
+with `wait=False` keeps the barrier but returns at once (the agent's tool
+results: the next LLM request overlaps their flush; the next tool waits for
+it).  So a step that may act never runs before the steps that led to it
+are durable, and the turn's commit covers every step before the client
+hears it is done.  A worker that dies loses no step it sent (the daemon
+still reads and journals it); a daemon that dies loses at most steps not
+yet durable, none of which was followed by a step that acts.
 
 A resumed turn (its worker died during it; `Input.resumed`) is the same turn
 run again by the same handler code, given the steps it journaled: step `n`
@@ -114,7 +116,8 @@ class TurnSteps:
             raise StepError(self._refused)
 
     async def step(self, key: str, fn: Callable[[], Any | Awaitable[Any]], kind: str = "",
-                   interrupted: Callable[[Interruption], Any] | None = None, idempotent: bool = False) -> Any:
+                   interrupted: Callable[[Interruption], Any] | None = None, idempotent: bool = False,
+                   wait: bool = True) -> Any:
         if self._refused:
             raise StepError(self._refused)
         n = self._next
@@ -155,4 +158,6 @@ class TurnSteps:
         self._waiting[n] = asyncio.get_running_loop().create_future()
         self._send(m.StepDone(turn=self._turn, n=n, key=key, kind=kind, result=data))
         self._flush()
+        if wait and not idempotent:
+            await self.durable()
         return _decode(data)

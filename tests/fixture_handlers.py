@@ -348,11 +348,10 @@ def after_turn(init: HandlerInit) -> AfterTurn:
 
 
 class ThreeSteps(_Base):
-    """Three durable steps (docs/agent.md's example), each appending its
-    name to `counter` in the workspace.  After each, a `pause` step waits to
-    be killed the first time it runs (marker `after-N`); it is a step so
-    that its marker appears only once the step before is durable (the
-    barrier), as the contract wants anything that acts to be."""
+    """Three durable steps, each appending its name to `counter` in the
+    workspace.  After each, a `pause` step waits to be killed the first
+    time it runs (marker `after-N`): a step, as the contract wants anything
+    that acts to be."""
 
     uses_steps = True
 

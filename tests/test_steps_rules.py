@@ -127,18 +127,25 @@ def test_a_step_that_acts_waits_for_the_steps_before_it_and_a_refusal_fails_the_
         def send(msg: Any) -> None:
             order.append(type(msg).__name__)
             if isinstance(msg, m.StepDone):
-                answers.append(m.StepSaved(turn=1, n=msg.n, error="too big" if msg.n == 1 else ""))
+                answers.append(m.StepSaved(turn=1, n=msg.n, error="too big" if msg.n == 2 else ""))
 
         steps = TurnSteps(1, send, lambda: None, None, 1 << 20, 1 << 30)
-        await steps.step("llm", lambda: 1, idempotent=True)
-        task = asyncio.ensure_future(steps.step("tool", lambda: order.append("tool ran")))
+        await steps.step("llm", lambda: 1, idempotent=True)  # returns at once
+        task = asyncio.ensure_future(steps.step("tool", lambda: order.append("tool ran"), wait=False))
         await asyncio.sleep(0)
         assert "tool ran" not in order  # waiting for the LLM step's flush
         steps.saved(answers.pop(0))
-        await task
-        steps.saved(answers.pop(0))
-        with pytest.raises(StepError, match="step 1 was not saved: too big"):
-            await steps.step("next", lambda: 2, idempotent=True)
+        await task  # (wait=False: returned before its own flush)
+        default = asyncio.ensure_future(steps.step("plain", lambda: 3))
+        await asyncio.sleep(0)
+        steps.saved(answers.pop(0))  # the tool's
+        for _ in range(5):  # (a few passes of the loop: the barrier's gather, then fn)
+            await asyncio.sleep(0)
+        assert not default.done()  # a plain step returns once its own result is durable
+        steps.saved(answers.pop(0))  # refused
+        with pytest.raises(StepError, match="step 2 was not saved: too big"):
+            await default
         return order
 
-    assert asyncio.run(run()) == ["StepBegun", "StepDone", "StepBegun", "tool ran", "StepDone"]
+    assert asyncio.run(run()) == ["StepBegun", "StepDone", "StepBegun", "tool ran", "StepDone",
+                                  "StepBegun", "StepDone"]

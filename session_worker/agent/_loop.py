@@ -271,8 +271,10 @@ class Turn:
     async def _tool_step(self, call: ToolCall) -> tuple[bool, str]:
         """The call as a durable step: run once, its result journaled."""
         rerun = call.name in self._settings.tools.rerun_after_crash
+        # wait=False: the next LLM request overlaps this result's flush; the
+        # next tool still waits for it (the barrier).
         result = await self._ctx.step(f"tool:{call.name}:{call.id}", lambda: self._run_one(call), kind="tool",
-                                      interrupted=None if rerun else _killed_result)
+                                      interrupted=None if rerun else _killed_result, wait=False)
         return bool(result[0]), str(result[1])
 
     async def _run_one(self, call: ToolCall) -> tuple[bool, str]:
