@@ -240,6 +240,22 @@ def crash_once_steps(init: HandlerInit) -> CrashOnceSteps:
     return CrashOnceSteps(init)
 
 
+class CrashAlwaysSteps(_Base):
+    """Uses steps, and crashes (SIGKILL) in every run of every turn: a
+    loop of kills for the restart intensity to end."""
+
+    uses_steps = True
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        await ctx.step("before", lambda: 1)
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable")
+
+
+def crash_always_steps(init: HandlerInit) -> CrashAlwaysSteps:
+    return CrashAlwaysSteps(init)
+
+
 class BootOnce(_Base):
     """Boots the first time only; every later boot fails (marker file)."""
 

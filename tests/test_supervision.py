@@ -237,6 +237,13 @@ def test_retry_aborted_turn_resumes_only_handlers_that_use_steps(make_daemon) ->
         off = c.create(handler="fixture_handlers:crash_once_steps",
                        settings={"agent.worker.retry_aborted_turn": False}).id
         assert isinstance(turn_events(c, off, "hello")[-1], m.TurnFailed)
+        # A loop of kills ends as every restart loop does: failed, and the turn with it.
+        loop = c.create(handler="fixture_handlers:crash_always_steps",
+                        settings={"agent.worker.max_restart_attempts": 2}).id
+        events = turn_events(c, loop, "hello")
+        assert sum(isinstance(e, m.Notice) and e.kind == "turn_resumed" for e in events) == 2
+        assert isinstance(events[-1], m.TurnFailed) and "too many restarts" in events[-1].reason
+        assert c.status(loop).state == "failed"
 
 
 def _tool_pids(c: Client, sid: str) -> tuple[list[int], object]:
