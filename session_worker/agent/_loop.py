@@ -210,8 +210,7 @@ class Turn:
 
         self._calls += 1
         data = await self._ctx.step(f"llm:{self._calls}", call, kind="llm", idempotent=True)
-        # Kept until journaled: an interrupt while the step is saved keeps the text.
-        self._partial = None
+        self._partial = None  # the response is whole: streamed now, or journaled before
         completion = _completion_of(data)
         if not streamed:
             # Journaled before the worker died: its text was streamed then, and

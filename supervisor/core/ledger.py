@@ -380,7 +380,7 @@ class TurnLedger:
             return False
         session.suspended = Suspension(
             turn=turn, text=session.current_input, reason=info.reason, cause=cause_of(info, session.settings),
-            failure=failure, running=session.step_running, uses_steps=worker.uses_steps,
+            failure=failure, running=session.step_running,
         )
         session.step_running = ""
         session.pending_asks.clear()
@@ -404,7 +404,7 @@ class TurnLedger:
         session.suspended = Suspension(
             turn=open_input.turn, text=open_input.text, reason=DAEMON_STOPPED,
             cause="the daemon stopped", failure="the daemon stopped during this turn",
-            uncertain=True, uses_steps=None,
+            uncertain=True,
         )
         return True
 
@@ -449,7 +449,8 @@ class TurnLedger:
         self.abort(session, f"{held.failure}; {why}" if why else held.failure)
 
     def take_input(self, session: Session) -> str:
-        """The aborted turn's input, once (retried after a restart, or dropped)."""
+        """The aborted turn's input, once, dropped (a turn whose worker died
+        is resumed by `resume`, never begun again as a new one)."""
         text, session.current_input = session.current_input, ""
         return text
 

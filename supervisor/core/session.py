@@ -107,8 +107,6 @@ class Suspension:
     failure: str  # the TurnFailed reason if it is not resumed after all
     running: str = ""  # the step in flight when it died
     uncertain: bool = False  # (after a daemon restart: the step in flight is unknown)
-    # Whether the dead worker's handler used steps; None: not known (a daemon restart).
-    uses_steps: bool | None = None
 
 
 LIFECYCLE_KEEP = 500
