@@ -5,9 +5,11 @@
 One daemon (run under bench/_fsync_counter.py, which counts every fsync and
 fdatasync of the daemon's process) and one FakeLLM (tests/fakellm.py) on
 loopback in this process, whose answer follows from the conversation: with
-t tool results so far it calls `read_file` (t < --tools), else answers
-"done".  `read_file` runs in the worker (no sandbox start, no process): the
-fastest tool, so the steps' share of the turn is the largest it can be.
+t tool results so far it calls `write_file` (t < --tools), else answers
+"done".  `write_file` runs in the worker (no sandbox start, no process): the
+fastest tool that acts (a read-only tool, listed in `rerun_after_crash`,
+does not wait for anything to be durable before it runs), so the steps'
+share of the turn is the largest it can be.
 
 Step cost: two agent sessions, one with steps on (the default,
 `retry_aborted_turn = true`: each of the turn's 2 x tools + 1 steps is
@@ -74,7 +76,7 @@ restart_backoff_max_ms = 1
 base_url = "{url}"
 model = "fake-model"
 [tools]
-enabled = ["read_file"]
+enabled = ["write_file"]
 """
 
 
@@ -99,8 +101,8 @@ class Model:
             first = len(seen) == 1
         if user.startswith("hold") and t == self.hold_at and first:
             return Stream([Hang()])
-        answer = (tool_call_stream((f"c{t}", "read_file", {"path": "notes.txt"})) if t < self.tools
-                  else text_stream("done"))
+        answer = (tool_call_stream((f"c{t}", "write_file", {"path": "notes.txt", "content": f"{t}"}))
+                  if t < self.tools else text_stream("done"))
         if self.delay_secs:
             answer.events = [Delay(self.delay_secs), *answer.events]
         return answer
@@ -209,7 +211,7 @@ def main() -> int:
 
     costs, resume = asyncio.run(run())
     steps = 2 * args.tools + 1
-    rep.say(f"an agent turn of {args.tools} read_file calls ({steps} steps), {args.n} turns each way")
+    rep.say(f"an agent turn of {args.tools} write_file calls ({steps} steps), {args.n} turns each way")
     rows = []
     shares: list[tuple[float, float, float]] = []
     for d, cost in zip(delays, costs):

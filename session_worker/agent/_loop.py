@@ -268,12 +268,15 @@ class Turn:
             self._answer(call, ok, output)
 
     async def _tool_step(self, call: ToolCall) -> tuple[bool, str]:
-        """The call as a durable step: run once, its result journaled."""
+        """The call as a durable step: run once, its result journaled.  A
+        tool safe to run again (`rerun_after_crash`: read-only) is run again
+        if the worker died during it, and needs nothing durable before it
+        runs; any other waits for the response that asked for it."""
         rerun = call.name in self._settings.tools.rerun_after_crash
         # wait=False: the next LLM request overlaps this result's flush; the
-        # next tool still waits for it (the barrier).
+        # next tool that acts still waits for it.
         result = await self._ctx.step(f"tool:{call.name}:{call.id}", lambda: self._run_one(call), kind="tool",
-                                      interrupted=None if rerun else _killed_result, wait=False)
+                                      interrupted=None if rerun else _killed_result, idempotent=rerun, wait=False)
         return bool(result[0]), str(result[1])
 
     async def _run_one(self, call: ToolCall) -> tuple[bool, str]:
