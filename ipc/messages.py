@@ -38,9 +38,9 @@ __all__ = [
     "PermissionRequest", "Gap", "Lagged", "Event", "Reply", "EVENT_TYPES",
     # daemon <-> worker
     "Boot", "SandboxBoot", "Input", "InterruptTurn", "WorkerPing", "Shutdown", "PermissionAnswer",
-    "SpawnResult", "MemoryHigh", "Reconfigure", "ToWorker",
+    "SpawnResult", "MemoryHigh", "Reconfigure", "StepResult", "Resumed", "StepSaved", "ToWorker",
     "Ready", "BootFailed", "Delta", "WorkerNotice", "WorkerLimit", "Done", "Failed",
-    "Heartbeat", "WorkerPong", "AskPermission", "SpawnAgent", "FromWorker",
+    "Heartbeat", "WorkerPong", "AskPermission", "SpawnAgent", "StepBegun", "StepDone", "FromWorker",
     # daemon <-> zygote
     "SpawnWorker", "KeepSpares", "Spawned", "Exited", "ToZygote", "FromZygote",
     # added after protocol 1 (history, logs, export/import, top)
@@ -452,9 +452,39 @@ class Boot(_Msg, tag="boot"):
     sandbox: SandboxBoot | None = None  # None: tools run unconfined (sandbox.mode = off)
 
 
+class StepResult(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
+    """A step of the running turn, as journaled: `ctx.step(key, ...)`'s result."""
+
+    key: str
+    result: bytes  # msgpack of the value the step returned
+
+
+class Resumed(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
+    """The turn's worker died during it: this is the same turn again, with
+    the steps it made durable (docs/agent.md, "Durable steps")."""
+
+    reason: str  # the exit reason (ipc.contract.ExitReason), or "daemon_stopped"
+    cause: str  # e.g. "memory cap of 64 MiB reached", "the worker crashed (signal SIGKILL)"
+    step: int  # the step it resumes at: steps 0..step-1 are journaled
+    # The key of the step that was running when the worker died ("" = none was).
+    running: str = ""
+    # True after a daemon restart: whether step `step` had begun is unknown.
+    uncertain: bool = False
+    steps: list[StepResult] = []
+
+
 class Input(_Msg, tag="input"):
     turn: int
     text: str
+    resumed: Resumed | None = None
+
+
+class StepSaved(_Msg, tag="step_saved"):
+    """Step `n` of the turn is durable (or, with `error`, will never be)."""
+
+    turn: int
+    n: int
+    error: str = ""
 
 
 class InterruptTurn(_Msg, tag="interrupt"):
@@ -494,7 +524,7 @@ class Reconfigure(_Msg, tag="reconfigure"):
 
 ToWorker = (
     Boot | Input | InterruptTurn | WorkerPing | Shutdown | PermissionAnswer | SpawnResult
-    | MemoryHigh | Reconfigure
+    | MemoryHigh | Reconfigure | StepSaved
 )
 
 
@@ -506,6 +536,9 @@ class Ready(_Msg, tag="ready"):
     # What confines this session's tools: {"active": [...], "inactive":
     # {mechanism: why}, "network": policy}; empty with sandbox.mode = off.
     sandbox: dict[str, Any] = {}
+    # The handler marks its work with `ctx.step` (the agent does): a turn
+    # its worker dies in is resumed even before its first step is journaled.
+    uses_steps: bool = False
 
 
 class BootFailed(_Msg, tag="boot_failed"):
@@ -574,9 +607,29 @@ class SpawnAgent(_Msg, tag="spawn"):
     handler: str | None = None
 
 
+class StepBegun(_Msg, tag="step_begun"):
+    """Step `n` starts running (not journaled: tells the daemon which step
+    was in flight if the worker dies now)."""
+
+    turn: int
+    n: int
+    key: str
+    kind: str = ""
+
+
+class StepDone(_Msg, tag="step"):
+    """Step `n`'s result, to journal; answered with `StepSaved`."""
+
+    turn: int
+    n: int
+    key: str
+    kind: str = ""  # "llm", "tool", or the handler's own word
+    result: bytes = b""
+
+
 FromWorker = (
     Ready | BootFailed | Delta | WorkerReasoning | WorkerNotice | WorkerLimit | Done | Failed | Heartbeat
-    | WorkerPong | AskPermission | SpawnAgent
+    | WorkerPong | AskPermission | SpawnAgent | StepBegun | StepDone
 )
 
 

@@ -50,6 +50,9 @@ class HistoryTurn(_Msg, tag="turn"):
     tool_calls: list[dict[str, Any]] = []
     tool_results: list[dict[str, Any]] = []
     usage: dict[str, int] = {}
+    # Each time its worker died and the turn went on on a new one:
+    # {"at", "reason", "cause", "step"} (docs/agent.md, "Durable steps").
+    resumed: list[dict[str, Any]] = []
 
 
 class HistoryReply(_Msg, tag="history"):

@@ -73,7 +73,18 @@ class WorkerSettings(ConfigSection):
     restart_window_secs: PositiveFloat = 60.0
     restart_backoff_initial_ms: Annotated[int, Meta(ge=1)] = 100
     restart_backoff_max_ms: Annotated[int, Meta(ge=1)] = 30_000
-    retry_aborted_turn: bool = False
+    # A turn whose worker dies (a crash, the memory cap, missed heartbeats, a
+    # node lost, the daemon killed) is resumed on the restarted worker from
+    # its last durable step (`ctx.step`), for handlers that use steps (the
+    # agent does); false: it fails with TurnFailed.  Handlers that use no
+    # steps fail such a turn either way (docs/agent.md, "Durable steps").
+    retry_aborted_turn: bool = True
+    # The largest result one step (ctx.step) may journal: a handler is
+    # untrusted for size; past it the turn fails, naming this key.
+    max_step_kb: Annotated[int, Meta(ge=1, le=1 << 20)] = 4096
+    # All of one turn's steps together (they are kept until the turn's
+    # commit); past it the turn fails, naming this key.
+    max_turn_steps_mb: Annotated[int, Meta(ge=1, le=1 << 14)] = 64
     # A full snapshot replaces the log tail every this many turns.
     snapshot_every_turns: PositiveInt = 64
 
@@ -186,6 +197,9 @@ class ToolsSettings(ConfigSection):
     workspace_dir: str = ""
     bash_timeout_secs: PositiveFloat = 120.0
     output_limit_bytes: Annotated[int, Meta(ge=256)] = 32_768
+    # Tools run again when the worker died while they ran (read-only tools):
+    # the others are answered to the model as killed, never re-run.
+    rerun_after_crash: list[str] = msgspec.field(default_factory=lambda: ["read_file", "list_dir"])
 
 
 class PermissionRule(ConfigSection, kw_only=True):

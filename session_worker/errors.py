@@ -5,6 +5,8 @@ imports none of this; its failures reach the worker as messages, which
 sandbox.py turns into these.
 
     TurnFailure(reason, record)     a handler fails the current turn; `record` is still committed
+    └── StepError                   a step (ctx.step) could not be journaled, or a resumed turn
+                                    asked for other steps than it journaled
     SpawnError                      a sub-agent could not be run; the model reads the message
     HandlerLoadError                a handler name that resolves to no factory (the boot fails)
     SandboxError                    the tools' host could not be started or has gone away
@@ -36,6 +38,7 @@ __all__ = [
     "OrderNotSent",
     "SandboxError",
     "SpawnError",
+    "StepError",
     "StopWhileIdle",
     "TurnFailure",
     "UnsupportedArch",
@@ -52,6 +55,11 @@ class TurnFailure(Exception):
         super().__init__(reason)
         self.reason = reason
         self.record = record
+
+
+class StepError(TurnFailure):
+    """A durable step failed as a step (too large, not msgpack-able, not
+    saved, or not the step a resumed turn journaled at that place)."""
 
 
 class SpawnError(Exception):

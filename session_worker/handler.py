@@ -26,12 +26,27 @@ through, the worker commits the text streamed so far with a `None` record.
 Failures: raise `TurnFailure(reason, record=...)` to fail the turn while still
 committing what it changed; any other exception fails the turn with no record,
 so the handler must leave its in-memory state as it was before the turn.
+
+Durable steps (docs/agent.md, "Durable steps"): `await ctx.step(key, fn)`
+runs `fn` once and returns its msgpack-able result once the daemon has
+journaled it durably (an `idempotent` step, e.g. an LLM request, does not
+wait; every step that is not waits for the earlier ones before it runs).  If the worker dies during the turn (a crash, the
+memory cap, a node lost, the daemon killed) and the session's
+`retry_aborted_turn` is on (the default), the restarted worker runs the same
+turn again from `handle()`: each `ctx.step` already journaled returns its
+result without running `fn`; the code between steps runs again, so it must
+be deterministic and free of side effects.  The step that was running when
+the worker died runs again, unless `interrupted=` gives its result instead.
+A handler whose class sets `uses_steps = True` has such a turn resumed even
+if it died before its first step; one that marks no step and does not say
+so has it fail with `TurnFailed`, as before.
 """
 
 from __future__ import annotations
 
 import abc
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,11 +54,14 @@ from typing import Any, Protocol, runtime_checkable
 
 from ipc.settings import SessionSettings
 # Re-exported: a handler's author raises them as this interface's (docs/agent.md).
-from session_worker.errors import SpawnError, TurnFailure
+from session_worker.errors import SpawnError, StepError, TurnFailure
+from session_worker.steps import Interruption
 
 __all__ = [
     "Handler",
+    "Interruption",
     "SpawnError",
+    "StepError",
     "HandlerFactory",
     "HandlerInit",
     "TurnContext",
@@ -85,6 +103,26 @@ class TurnContext(abc.ABC):
     settings: SessionSettings
     workspace: Path
     depth: int
+    # Why this turn is a resumed one (its worker died during it); None: a first run.
+    resumed: Interruption | None = None
+
+    async def step(self, key: str, fn: Callable[[], Any], *, kind: str = "",
+                   interrupted: Callable[[Interruption], Any] | None = None, idempotent: bool = False,
+                   wait: bool = True) -> Any:
+        """Run `fn` (sync or async) once as a durable step of this turn and
+        return its msgpack-able result once it is journaled durably; on a
+        resumed turn, the journaled result without running `fn` (see the
+        module's docstring).  Every earlier step is durable before `fn`
+        runs.  `idempotent` (`fn` may run again without harm: an LLM
+        request) waits for neither; `wait=False` returns before the result
+        is durable (the next step that is not idempotent waits for it).
+        `key` names the step (checked on replay); `kind` is for operators
+        ("llm", "tool"...).  Not abstract: a context that cannot journal (a
+        test's) just runs `fn`."""
+        value = fn()
+        if inspect.isawaitable(value):
+            value = await value
+        return value
 
     @abc.abstractmethod
     def emit(self, text: str) -> None:

@@ -36,6 +36,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ from session_worker.handler import (
     TurnContext,
     TurnResult,
 )
+from session_worker.steps import Interruption, TurnSteps
 
 __all__ = ["run_worker"]
 
@@ -79,7 +81,7 @@ _RECV_BYTES = 256 * 1024
 
 
 class _Context(TurnContext):
-    def __init__(self, worker: Worker, turn: int) -> None:
+    def __init__(self, worker: Worker, turn: int, resumed: m.Resumed | None = None) -> None:
         self._worker = worker
         self.session = worker.session
         self.turn = turn
@@ -87,6 +89,18 @@ class _Context(TurnContext):
         self.workspace = worker.workspace
         self.depth = worker.depth
         self.streamed: list[str] = []
+        ws = worker.settings.agent.worker
+        self.steps = TurnSteps(turn, worker.send, worker.conn.flush, resumed,
+                               ws.max_step_kb * 1024, ws.max_turn_steps_mb << 20)
+        self.resumed = self.steps.interruption
+
+    async def step(self, key: str, fn: Callable[[], Any], *, kind: str = "",
+                   interrupted: Callable[[Interruption], Any] | None = None, idempotent: bool = False,
+                   wait: bool = True) -> Any:
+        if not self.settings.agent.worker.retry_aborted_turn:
+            # Nothing would resume from them: no journal, no wait.
+            return await super().step(key, fn, kind=kind, interrupted=interrupted, idempotent=idempotent)
+        return await self.steps.step(key, fn, kind, interrupted, idempotent, wait)
 
     def emit(self, text: str) -> None:
         if text:
@@ -207,6 +221,7 @@ class Worker:
         self.depth = booted.depth
         self.handler: Handler = booted.handler
         self.turn_task: asyncio.Task[None] | None = None
+        self.turn_ctx: _Context | None = None
         self._requests: dict[str, asyncio.Future[Any]] = {}
         self._ids = itertools.count(1)
         self.stopping = asyncio.get_running_loop().create_future()
@@ -229,11 +244,11 @@ class Worker:
     # Runs from data_received: keep it to dispatch, no awaiting.
     def on_message(self, msg: m.ToWorker) -> None:
         match msg:
-            case m.Input(turn=turn, text=text):
+            case m.Input(turn=turn, text=text, resumed=resumed):
                 if self.turn_task is not None and not self.turn_task.done():
                     self.send(m.Failed(turn=turn, reason="a turn is already running"))
                     return
-                self.turn_task = asyncio.get_running_loop().create_task(self.run_turn(turn, text))
+                self.turn_task = asyncio.get_running_loop().create_task(self.run_turn(turn, text, resumed))
                 # The full pace while the turn runs, but no beat now: the
                 # daemon counts the turn's allowance from its start, and a
                 # frame now would wake it (on a busy machine, preempt us)
@@ -250,6 +265,9 @@ class Worker:
                     fut.set_result(msg)
             case m.Shutdown():
                 self.request_stop()
+            case m.StepSaved(turn=turn):
+                if self.turn_ctx is not None and self.turn_ctx.turn == turn:
+                    self.turn_ctx.steps.saved(msg)
             case m.MemoryHigh():
                 gc.collect()
             case m.Reconfigure(settings=raw):
@@ -257,8 +275,8 @@ class Worker:
             case m.Boot():
                 log.warning("ignoring a second Boot")
 
-    async def run_turn(self, turn: int, text: str) -> None:
-        ctx = _Context(self, turn)
+    async def run_turn(self, turn: int, text: str, resumed: m.Resumed | None = None) -> None:
+        ctx = self.turn_ctx = _Context(self, turn, resumed)
         try:
             result = await self.handler.handle(text, ctx)
         except asyncio.CancelledError:
@@ -626,7 +644,8 @@ def run_worker(sock: socket.socket, warm_up: bool = False) -> int:
         log.debug("boot failed:\n%s", traceback.format_exc())
         link.send(m.BootFailed(reason=f"{type(exc).__name__}: {exc}"))
         return EXIT_BOOT_FAILED
-    if not link.send(m.Ready(pid=os.getpid(), sandbox=booted.sandbox_report)):
+    uses_steps = bool(getattr(booted.handler, "uses_steps", False))
+    if not link.send(m.Ready(pid=os.getpid(), sandbox=booted.sandbox_report, uses_steps=uses_steps)):
         return 0
     del first
     inputs = _idle(link, booted)

@@ -27,6 +27,8 @@ if it was the client).  Each item goes out as its own HTTP chunk.
 `llm.check = fn` makes the server strict the way some real ones are: `fn`
 gets each request's JSON and returns None, or the message of a 400 answer
 given instead of the next scripted response (which stays queued).
+`llm.respond = fn` answers each request with `fn(request_json)` instead of
+the script: a model whose next move follows from the conversation.
 `shredded(stream, seed)` re-cuts a stream's bytes into random small pieces,
 each its own HTTP chunk, as a slow or fragmenting network would deliver them.
 
@@ -203,6 +205,9 @@ class FakeLLM:
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.check: Callable[[Any], str | None] | None = None
+        # When set, answers each request from its JSON instead of the script
+        # (a model whose next move follows from the conversation so far).
+        self.respond: Callable[[Any], Response] | None = None
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -286,6 +291,8 @@ class FakeLLM:
             problem = self.check(request.json) if self.check is not None else None
             if problem is not None:
                 return Reply(400, {"error": {"message": problem, "type": "invalid_request_error"}})
+            if self.respond is not None:
+                return self.respond(request.json)
             return self._script.popleft() if self._script else None
 
 

@@ -229,6 +229,33 @@ def crash_once(init: HandlerInit) -> CrashOnce:
     return CrashOnce(init)
 
 
+class CrashOnceSteps(CrashOnce):
+    """CrashOnce, declaring that it keeps the durable-steps contract (it has
+    nothing to journal): its crashed turn is resumed, i.e. run again."""
+
+    uses_steps = True
+
+
+def crash_once_steps(init: HandlerInit) -> CrashOnceSteps:
+    return CrashOnceSteps(init)
+
+
+class CrashAlwaysSteps(_Base):
+    """Uses steps, and crashes (SIGKILL) in every run of every turn: a
+    loop of kills for the restart intensity to end."""
+
+    uses_steps = True
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        await ctx.step("before", lambda: 1)
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable")
+
+
+def crash_always_steps(init: HandlerInit) -> CrashAlwaysSteps:
+    return CrashAlwaysSteps(init)
+
+
 class BootOnce(_Base):
     """Boots the first time only; every later boot fails (marker file)."""
 
@@ -334,3 +361,69 @@ class AfterTurn(_Base):
 
 def after_turn(init: HandlerInit) -> AfterTurn:
     return AfterTurn(init)
+
+
+class ThreeSteps(_Base):
+    """Three durable steps, each appending its name to `counter` in the
+    workspace.  After each, a `pause` step waits to be killed the first
+    time it runs (marker `after-N`): a step, as the contract wants anything
+    that acts to be."""
+
+    uses_steps = True
+
+    def _run(self, name: str) -> str:
+        with open(self.init.workspace / "counter", "a") as f:
+            f.write(name + "\n")
+        return name.upper()
+
+    async def _pause(self, n: int) -> None:
+        marker = self.init.workspace / f"after-{n}"
+        if not marker.exists():
+            marker.write_text("x")
+            await asyncio.sleep(3600)
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        out = []
+        for n, name in enumerate(("a", "b", "c")):
+            out.append(await ctx.step(name, lambda name=name: self._run(name)))
+            await ctx.step(f"pause-{n}", lambda n=n: self._pause(n))
+        self.turns += 1
+        return TurnResult(f"{self.turns}: {''.join(out)} {text}", record=1)
+
+
+def three_steps(init: HandlerInit) -> ThreeSteps:
+    return ThreeSteps(init)
+
+
+class PauseOnceSteps(_Base):
+    """Steps "a", "wait", "b": a first run waits in "wait" (to be killed, or
+    its node lost); a resumed run finds "a" journaled and goes on."""
+
+    uses_steps = True
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        a = await ctx.step("a", lambda: "A")
+        ctx.emit("after a\n")
+        first_run = ctx.resumed is None
+        await ctx.step("wait", lambda: asyncio.sleep(3600 if first_run else 0))
+        b = await ctx.step("b", lambda: "B")
+        self.turns += 1
+        return TurnResult(f"{self.turns}: {a}{b} {text}", record=1)
+
+
+def pause_once_steps(init: HandlerInit) -> PauseOnceSteps:
+    return PauseOnceSteps(init)
+
+
+class BigStep(_Base):
+    """One step whose result is `text` characters long (the size caps)."""
+
+    uses_steps = True
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        value = await ctx.step("big", lambda: "x" * int(text))
+        return TurnResult(f"{len(value)}", record=1)
+
+
+def big_step(init: HandlerInit) -> BigStep:
+    return BigStep(init)

@@ -304,6 +304,44 @@ def test_a_lost_node_s_sessions_come_back_on_the_other_with_every_turn(
 
 
 @pytest.mark.process
+def test_a_turn_with_steps_resumes_on_the_other_node_when_its_node_is_lost(
+    make_daemon, ray_cluster: RayCluster, pg_server: PgServer
+) -> None:
+    """Durable steps in cluster mode: the steps are in PostgreSQL, the turn
+    resumes on the other node, and its client sees one turn."""
+    d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
+    with d.client() as c:
+        sid = c.create(handler="fixture_handlers:pause_once_steps").id
+        events: list[Any] = []
+        waiting = threading.Event()
+
+        def turn() -> None:
+            with d.client() as c2:
+                for ev in c2.send(sid, "go"):
+                    events.append(ev)
+                    if isinstance(ev, m.TextDelta) and "after a" in ev.text:
+                        waiting.set()
+
+        sender = threading.Thread(target=turn)
+        sender.start()
+        lost = ""
+        try:
+            assert waiting.wait(20), events
+            lost = c.status(sid).node
+            ray_cluster.kill_node(lost)
+            sender.join(60)
+            done = events[-1]
+            assert isinstance(done, m.TurnDone) and done.turn == 1 and done.reply == "1: AB go", events
+            resumed = [e for e in events if isinstance(e, m.Notice) and e.kind == "turn_resumed"]
+            assert len(resumed) == 1 and resumed[0].data["step"] == 1 and resumed[0].data["running"] == "wait"
+            assert c.status(sid).node not in (lost, None)
+        finally:
+            sender.join(60)
+            if lost:
+                ray_cluster.start_node(lost)
+
+
+@pytest.mark.process
 def test_a_memory_cap_is_enforced_on_a_remote_worker(
     make_daemon, ray_cluster: RayCluster, pg_server: PgServer
 ) -> None:

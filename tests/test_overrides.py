@@ -116,9 +116,12 @@ def test_the_restart_storm_of_the_audit_is_refused() -> None:
         "agent.worker.heartbeat_interval_secs": 3600,
         "provider.max_retries": 1_000_000,
     }
+    # (Resuming turns is on by default now: refused where the operator turned it off.)
+    no_resume = msgspec.structs.replace(BASE, agent=msgspec.structs.replace(
+        BASE.agent, worker=msgspec.structs.replace(BASE.agent.worker, retry_aborted_turn=False)))
     for key, value in storm.items():
         with pytest.raises(OverrideError, match=key.replace(".", r"\.")):
-            resolve_overrides(BASE, {key: value})
+            resolve_overrides(no_resume, {key: value})
 
 
 def test_operator_rules_come_first_and_stay() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FAST_CONFIG
 from fakellm import FakeLLM, text_stream, tool_call_stream
 from harness import wait_for
 from ipc import messages as m
@@ -72,11 +73,13 @@ def test_an_echo_only_daemon_gives_no_provider_and_no_bash(make_daemon, llm: Fak
 
 
 def test_limits_without_ceilings_of_the_audit_are_refused(make_daemon) -> None:
-    d = make_daemon()
+    # (Resuming turns is on by default: a creator may not turn it on where the operator did not.)
+    d = make_daemon(FAST_CONFIG.replace("[agent.worker]\n", "[agent.worker]\nretry_aborted_turn = false\n"))
     for item, word in [
         ("agent.worker.restart_backoff_initial_ms=1", "minimum"),
         ("agent.worker.restart_window_secs=0.001", "minimum"),
         ("agent.worker.retry_aborted_turn=true", "above"),
+        ("agent.worker.max_step_kb=1000000", "above"),
         ("agent.worker.heartbeat_interval_secs=3600", "above"),
         ("provider.max_retries=1000000", "above"),
         ("provider.model=\"gpt-expensive\"", "not a model the operator allows"),

@@ -49,6 +49,7 @@ EXPECTED: dict[tuple[State, Trigger], State] = {
     (S.STOPPED, T.RESTART): S.STARTING,
     (S.STOPPED, T.DELETE): S.DELETED,
     (S.CRASHED, T.BACKOFF): S.RESTARTING,
+    (S.HIBERNATED, T.BACKOFF): S.RESTARTING,  # loaded with the turn the daemon died in
     (S.CRASHED, T.GIVE_UP): S.FAILED,
     (S.CRASHED, T.RESTART): S.STARTING,
     (S.CRASHED, T.STOP): S.STOPPING,

@@ -218,22 +218,32 @@ def test_boot_failure_on_restart_is_not_a_tight_loop(make_daemon) -> None:
                for line in log.splitlines()), log
 
 
-def test_retry_aborted_turn_opt_in(make_daemon) -> None:
-    d = make_daemon(FAST.replace("restart_backoff_initial_ms = 20",
-                                 "restart_backoff_initial_ms = 20\nretry_aborted_turn = true"))
+def test_retry_aborted_turn_resumes_only_handlers_that_use_steps(make_daemon) -> None:
+    d = make_daemon(FAST)  # retry_aborted_turn is on by default
     with d.client() as c:
-        sid = c.create(handler="fixture_handlers:crash_once").id
-        with d.client() as watcher:
-            got: list[m.Event] = []
-            t = threading.Thread(target=lambda: got.extend(
-                _take(watcher.attach(sid), lambda e: isinstance(e, m.TurnDone))))
-            t.start()
-            wait_for(lambda: t.is_alive(), 5)
-            events = turn_events(c, sid, "hello")
-            assert isinstance(events[-1], m.TurnFailed)
-            t.join(15)
-        done = [e for e in got if isinstance(e, m.TurnDone)]
-        assert done and done[0].reply == "1: hello" and done[0].turn == 2
+        # A handler that marks no steps: its turn fails, as before, and is not run again.
+        plain = c.create(handler="fixture_handlers:crash_once").id
+        events = turn_events(c, plain, "hello")
+        assert isinstance(events[-1], m.TurnFailed) and "SIGKILL" in events[-1].reason
+        wait_for(lambda: c.status(plain).state == "idle", 10, "the restart")
+        assert c.send_text(plain, "again") == "1: again"
+        # One that says it uses steps: the client sees one turn, resumed.
+        resumed = c.create(handler="fixture_handlers:crash_once_steps").id
+        events = turn_events(c, resumed, "hello")
+        assert isinstance(events[-1], m.TurnDone) and events[-1].reply == "1: hello" and events[-1].turn == 1
+        notes = [e for e in events if isinstance(e, m.Notice) and e.kind == "turn_resumed"]
+        assert notes and notes[0].data["reason"] == "crashed" and notes[0].data["step"] == 0
+        # Turned off for a session: fail as before.
+        off = c.create(handler="fixture_handlers:crash_once_steps",
+                       settings={"agent.worker.retry_aborted_turn": False}).id
+        assert isinstance(turn_events(c, off, "hello")[-1], m.TurnFailed)
+        # A loop of kills ends as every restart loop does: failed, and the turn with it.
+        loop = c.create(handler="fixture_handlers:crash_always_steps",
+                        settings={"agent.worker.max_restart_attempts": 2}).id
+        events = turn_events(c, loop, "hello")
+        assert sum(isinstance(e, m.Notice) and e.kind == "turn_resumed" for e in events) == 2
+        assert isinstance(events[-1], m.TurnFailed) and "too many restarts" in events[-1].reason
+        assert c.status(loop).state == "failed"
 
 
 def _tool_pids(c: Client, sid: str) -> tuple[list[int], object]:

@@ -59,6 +59,10 @@ def build_registry(settings: SessionSettings, depth: int, mcp: Sequence[Tool] = 
 
 
 class AgentHandler:
+    # Every LLM response and tool result is a durable step (_loop.Turn):
+    # a turn its worker dies in is resumed, even before its first step.
+    uses_steps = True
+
     def __init__(self, init: HandlerInit) -> None:
         self._settings = init.settings
         self._depth = init.depth

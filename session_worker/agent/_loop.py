@@ -6,6 +6,14 @@ being streamed and the tool calls not yet answered.  On cancellation
 (interrupt) it journals the partial text and an "interrupted" result for each
 unanswered call, so the history stays a valid provider request: every
 assistant tool call is followed by one tool message per call id.
+
+Every LLM response and every tool result is a durable step (`ctx.step`, one
+call site each: `_complete`, `_summarize`, `_tool_step`).  A turn resumed
+after its worker died runs this same code again: the journaled steps come
+back without a request or a tool run, which rebuilds the history and the
+reply; everything between steps follows from them.  The one step that was
+running is redone if it is an LLM call; a tool is answered as killed
+(`_killed_result`) unless it is in `[tools] rerun_after_crash`.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from session_worker.agent._provider import Provider
 from session_worker.agent._stream import Completion, ToolCall, stop_reason_of, usage_counts
 from session_worker.agent._tools import ToolEnv, ToolRegistry, check_arguments
 from session_worker.errors import TurnFailure
-from session_worker.handler import TurnContext, TurnResult
+from session_worker.handler import Interruption, TurnContext, TurnResult
 from ipc.contract import LimitKind, StopReason
 from ipc.settings import SessionSettings
 
@@ -78,6 +86,8 @@ class Turn:
         self._deadline = time.monotonic() + settings.agent.turn_timeout_secs
         # Tokens of this turn's completed LLM calls (compaction included).
         self._usage: dict[str, int] = {}
+        # LLM calls asked for so far (their steps' keys).
+        self._calls = 0
 
     def reconfigure(self, settings: SessionSettings, tools: ToolRegistry) -> None:
         """New rules and limits for the rest of this turn (the provider in
@@ -181,23 +191,39 @@ class Turn:
 
     async def _complete(self) -> Completion:
         self._separate = bool(self._reply) and not self._reply[-1].endswith("\n")
-        self._partial = []
-        messages = self._request_messages()
-        completion = await self._provider.stream_chat(
-            messages,
-            self._tools.schemas(),
-            self._on_text,
-            self._on_retry,
-            self._deadline,
-            self._on_reasoning,
-            self._ctx.flush,
-        )
-        self._partial = None
-        self._count(completion)
+        streamed = False
+
+        async def call() -> dict[str, Any]:
+            nonlocal streamed
+            streamed = True
+            self._partial = []
+            completion = await self._provider.stream_chat(
+                self._request_messages(),
+                self._tools.schemas(),
+                self._on_text,
+                self._on_retry,
+                self._deadline,
+                self._on_reasoning,
+                self._ctx.flush,
+            )
+            return _completion_data(completion)
+
+        self._calls += 1
+        data = await self._ctx.step(f"llm:{self._calls}", call, kind="llm", idempotent=True)
+        self._partial = None  # the response is whole: streamed now, or journaled before
+        completion = _completion_of(data)
+        if not streamed:
+            # Journaled before the worker died: its text was streamed then, and
+            # is the reply's all the same.
+            if self._separate and completion.text:
+                self._separate = False
+                self._reply.append("\n\n")
+            self._reply.append(completion.text)
+        self._count(completion.usage)
         return completion
 
-    def _count(self, completion: Completion) -> None:
-        for key, value in usage_counts(completion.usage).items():
+    def _count(self, usage: dict[str, Any] | None) -> None:
+        for key, value in usage_counts(usage).items():
             self._usage[key] = self._usage.get(key, 0) + value
 
     def _request_messages(self) -> list[dict[str, Any]]:
@@ -238,8 +264,20 @@ class Turn:
                     "(agent.max_tool_calls_per_turn); request it again in your next response.",
                 )
                 continue
-            ok, output = await self._run_one(call)
+            ok, output = await self._tool_step(call)
             self._answer(call, ok, output)
+
+    async def _tool_step(self, call: ToolCall) -> tuple[bool, str]:
+        """The call as a durable step: run once, its result journaled.  A
+        tool safe to run again (`rerun_after_crash`: read-only) is run again
+        if the worker died during it, and needs nothing durable before it
+        runs; any other waits for the response that asked for it."""
+        rerun = call.name in self._settings.tools.rerun_after_crash
+        # wait=False: the next LLM request overlaps this result's flush; the
+        # next tool that acts still waits for it.
+        result = await self._ctx.step(f"tool:{call.name}:{call.id}", lambda: self._run_one(call), kind="tool",
+                                      interrupted=None if rerun else _killed_result, idempotent=rerun, wait=False)
+        return bool(result[0]), str(result[1])
 
     async def _run_one(self, call: ToolCall) -> tuple[bool, str]:
         parsed = _parse_arguments(call.arguments)
@@ -313,26 +351,40 @@ class Turn:
             return
         notice: dict[str, Any] = {"tokens_before": before, "dropped_messages": cut}
         summary: str | None = None
-        try:
-            completion = await self._provider.stream_chat(
-                summary_request(history.summary, history.messages[:cut]),
-                None,
-                _ignore_text,
-                self._on_retry,
-                self._deadline,
-            )
-            self._count(completion)
-            summary = completion.text.strip() or None
+        data = await self._summarize(cut)
+        self._count(data.get("usage"))
+        if "error" in data:
+            notice["error"] = str(data["error"])
+        else:
+            summary = str(data.get("text", "")).strip() or None
             if summary is None:
                 notice["error"] = "the provider returned an empty summary"
-        except ProviderError as exc:
-            notice["error"] = self._provider.redact(str(exc))
         self._journal.compact(cut, summary)
         notice["method"] = "summarized" if summary is not None else "dropped"
         notice["tokens_after"] = estimate_tokens(
             system_prompt, history.summary, history.messages, schemas, self._sizes
         )
         self._ctx.notice("compaction", notice)
+
+    async def _summarize(self, cut: int) -> dict[str, Any]:
+        """The summary of the oldest `cut` messages, as a durable step."""
+
+        async def call() -> dict[str, Any]:
+            try:
+                completion = await self._provider.stream_chat(
+                    summary_request(self._history.summary, self._history.messages[:cut]),
+                    None,
+                    _ignore_text,
+                    self._on_retry,
+                    self._deadline,
+                )
+            except ProviderError as exc:
+                return {"error": self._provider.redact(str(exc))}
+            return {"text": completion.text, "usage": completion.usage}
+
+        self._calls += 1
+        data: dict[str, Any] = await self._ctx.step(f"compact:{self._calls}", call, kind="llm", idempotent=True)
+        return data
 
     # -- endings --------------------------------------------------------------
 
@@ -362,6 +414,33 @@ class Turn:
 
 def _ignore_text(_: str) -> None:
     pass
+
+
+def _killed_result(why: Interruption) -> list[Any]:
+    """What the model is told of the tool that was running when the worker
+    died (it is not run again: it may have had its effect)."""
+    if why.killed:
+        return [False, f"error: the tool was killed: {why.cause}"]
+    if not why.certain:
+        return [False, f"error: {why.cause} while this tool was starting or running; "
+                       "it may or may not have completed"]
+    return [False, f"error: {why.cause} while this tool ran; it may or may not have completed"]
+
+
+def _completion_data(c: Completion) -> dict[str, Any]:
+    """A completion as its step journals it (msgpack-able)."""
+    return {
+        "text": c.text, "calls": [[t.id, t.name, t.arguments] for t in c.tool_calls],
+        "finish": c.finish_reason, "usage": c.usage, "reasoning": c.reasoning, "fields": c.history_fields,
+    }
+
+
+def _completion_of(data: dict[str, Any]) -> Completion:
+    return Completion(
+        text=data["text"], tool_calls=[ToolCall(id=i, name=n, arguments=a) for i, n, a in data["calls"]],
+        finish_reason=data["finish"], usage=data["usage"], reasoning=data["reasoning"],
+        history_fields=data["fields"],
+    )
 
 
 def _parse_arguments(raw: str) -> dict[str, Any] | str:

@@ -51,6 +51,7 @@ from supervisor.store.state_store import (
     InputRecord,
     LoadedSession,
     Record,
+    Resume,
     Snapshot,
     StoreError,
 )
@@ -167,6 +168,9 @@ def _history(session_id: str, handler: str, snap: Snapshot | None, records: list
                 t = turns[turn]
                 t.outcome, t.reason = "aborted", rec.reason
                 t.tool_calls, t.tool_results = _tools(rec.record)
+            case Resume(turn=turn) if turn in turns:
+                turns[turn].resumed.append({"at": rec.at, "reason": rec.reason, "cause": rec.cause,
+                                            "step": rec.step})
     ordered = sorted(turns.values(), key=lambda t: t.turn)
     if limit is not None:
         ordered = ordered[len(ordered) - limit:] if limit else []

@@ -1,6 +1,6 @@
 """The daemon's core (run by sessiond): sessions, their states and events,
-the turn ledger, the workers' supervision, the sweep, limits and the
-per-session overrides.
+the turn ledger (and a turn's durable steps), the workers' supervision, the
+sweep, limits and the per-session overrides.
 
 Owns every Session and its fields (core/session.py says which part owns
 which field).  May import: ipc/, supervisor.config and supervisor.errors,

@@ -6,7 +6,11 @@ promises true live here and only here:
 * an input is appended, and fsync'd, before `Accepted` is sent;
 * a turn's output is appended, and fsync'd, before `TurnDone` is sent;
 * a turn that ends without a commit (its worker died, it failed) gets an
-  `Abort` record and a `TurnFailed` event naming the cause.
+  `Abort` record and a `TurnFailed` event naming the cause;
+* a step of a turn (`ctx.step`) is appended, and fsync'd, before the worker
+  hears `StepSaved`; a turn whose worker dies is held open (`suspend`) and
+  resumed on the next worker with its steps (`resume`), or aborted then
+  (`drop_suspended`: the restarts gave up, the session was stopped).
 
 Group commit: the worker starts on an input before it is durable, and the
 input and the turn's commit are made durable by the store's group commit
@@ -35,10 +39,12 @@ from supervisor.errors import Conflict, Internal, NoSpace, SessiondError
 from supervisor.core.events import EventLog
 from supervisor.ops.logtag import tagged
 from supervisor.ops.metrics import NO_METRICS, Recorder
-from supervisor.core.session import PendingInput, Session, WorkerProc
+from supervisor.core.session import PendingInput, Session, Suspension, WorkerProc
 from supervisor.core.states import State, Trigger
+from supervisor.core.steps import DAEMON_STOPPED, cause_of, resumes_after, step_problem
 from supervisor.store.state_store import (
-    Abort, Commit, Fenced, IdTaken, InputRecord, Mark, SessionLog, Snapshot, StoreError, StoreFull, add_usage,
+    Abort, Commit, Fenced, IdTaken, InputRecord, LoadedSession, Mark, Resume, SessionLog, Snapshot, Step,
+    StoreError, StoreFull, add_usage,
 )
 
 __all__ = ["TurnLedger", "store_failure"]
@@ -108,6 +114,7 @@ class TurnLedger:
         session.turns = turn
         session.current_turn = turn
         session.current_input = text
+        session.steps, session.step_bytes, session.step_running = [], 0, ""
         session.last_active = time.monotonic()
         session.turn_started = time.monotonic()
         self.on_turn_started(session, turn)
@@ -348,8 +355,133 @@ class TurnLedger:
         that ran it died during it, and what it streamed is gone."""
         store.append(Abort(turn=turn, reason=reason, seq=self._events.advance_seq(session)), durable=durable)
 
+    # ---------------------------------------------------------------- steps
+
+    def step(self, session: Session, worker: WorkerProc, msg: m.StepBegun | m.StepDone) -> None:
+        """A step of the running turn begins (noted: the one in flight if
+        the worker dies), or is done: journaled, `StepSaved` once durable."""
+        if msg.turn != session.current_turn or session.committing is not None:
+            if isinstance(msg, m.StepDone):
+                worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n, error="the turn is not running"))
+            return
+        if isinstance(msg, m.StepBegun):
+            session.step_running = msg.key
+            return
+        problem = step_problem(session.settings, session.current_turn, session.steps, session.step_bytes, msg)
+        if not problem:
+            try:
+                session.store.append(Step(turn=msg.turn, n=msg.n, key=msg.key, kind=msg.kind, result=msg.result),
+                                     durable=False)
+            except StoreError as exc:
+                problem = f"step {msg.n} not saved: {exc}"
+        if problem:
+            tagged(log, session.id).warning("%s", problem)
+            worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n, error=problem))
+            return
+        session.steps.append(m.StepResult(key=msg.key, result=msg.result))
+        session.step_bytes += len(msg.result)
+        session.step_running = ""
+        self._when_durable(session, lambda err: self._step_saved(session, worker, msg, err))
+
+    def _step_saved(self, session: Session, worker: WorkerProc, msg: m.StepDone, exc: StoreError | None) -> None:
+        if exc is None:
+            self._input_durable(session)  # the step's flush covered the input
+            if session.worker is worker:
+                worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n))
+            return
+        # The store cut back what was not durable: so does the turn.
+        if session.current_turn == msg.turn and len(session.steps) > msg.n:
+            del session.steps[msg.n:]
+            session.step_bytes = sum(len(s.result) for s in session.steps)
+        if isinstance(exc, Fenced):
+            self.on_fenced(session, exc)
+        elif session.worker is worker:
+            worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n, error=f"step {msg.n} not saved: {exc}"))
+
+    def suspend(self, session: Session, worker: WorkerProc, info: m.ExitInfo, failure: str) -> bool:
+        """The running turn's worker died: hold the turn open to resume on
+        the next worker (True), or not (False: the caller aborts it)."""
+        turn = session.current_turn
+        if turn is None or session.committing == turn:
+            return False
+        if session.suspended is not None:
+            return True  # the restarted worker died before it was resumed
+        if (not resumes_after(session.settings, info) or not (worker.uses_steps or session.steps)
+                or session.state is State.INTERRUPTING):  # (the client wanted it over)
+            return False
+        session.suspended = Suspension(
+            turn=turn, text=session.current_input, reason=info.reason, cause=cause_of(info, session.settings),
+            failure=failure, running=session.step_running,
+        )
+        session.step_running = ""
+        session.pending_asks.clear()
+        pending = session.pending_input
+        if pending is not None:
+            self._flush_input(session, pending)  # it must be durable before the turn goes on
+        self.on_turn_ended(session)  # (its timeout: the resumed run gets its own)
+        return True
+
+    def suspend_stored(self, session: Session, loaded: LoadedSession) -> bool:
+        """At load: the daemon died during this turn.  True: it is held open
+        to resume once a worker is ready (the caller starts one)."""
+        open_input = loaded.open_input
+        if (open_input is None or not session.settings.agent.worker.retry_aborted_turn
+                or session.state is not State.HIBERNATED):  # (not a stopped or failed one)
+            return False
+        session.current_turn, session.current_input = open_input.turn, open_input.text
+        session.steps = [m.StepResult(key=s.key, result=s.result) for s in loaded.open_steps]
+        session.step_bytes = sum(len(s.result) for s in session.steps)
+        session.turn_started = time.monotonic()
+        session.suspended = Suspension(
+            turn=open_input.turn, text=open_input.text, reason=DAEMON_STOPPED,
+            cause="the daemon stopped", failure="the daemon stopped during this turn",
+            uncertain=True,
+        )
+        return True
+
+    def resume(self, session: Session) -> None:
+        """The restarted worker is ready: the suspended turn goes on there,
+        with its steps, as the same turn (clients see one turn)."""
+        held = session.suspended
+        worker = session.worker
+        if held is None or worker is None:
+            return
+        if not (worker.uses_steps or session.steps):
+            self.drop_suspended(session, "")  # (a daemon restart: now we know its handler uses none)
+            return
+        session.suspended = None
+        step = len(session.steps)
+        worker.conn.send(m.Input(turn=held.turn, text=held.text, resumed=m.Resumed(
+            reason=held.reason, cause=held.cause, step=step, running=held.running,
+            uncertain=held.uncertain, steps=list(session.steps))))
+        worker.conn.flush()
+        try:  # for `history`; carried by the next flush (the next step's, the commit's)
+            session.store.append(Resume(turn=held.turn, step=step, reason=held.reason, cause=held.cause,
+                                        at=time.time()), durable=False)
+        except StoreError as exc:
+            tagged(log, session.id).warning("the resume of turn %d is not in the log: %s", held.turn, exc)
+        session.turn_started = session.last_active = time.monotonic()
+        self.on_turn_started(session, held.turn)
+        tagged(log, session.id).warning("turn %d resumed at step %d (%s: %s)", held.turn, step, held.reason,
+                                        held.cause)
+        self._events.emit(session, m.Notice(
+            session=session.id, seq=self._events.next_seq(session), turn=held.turn, kind="turn_resumed",
+            data={"reason": held.reason, "cause": held.cause, "step": step, "running": held.running}))
+        self._events.set_state(session, Trigger.INPUT,
+                               reason=f"turn {held.turn} resumed at step {step} after {held.reason}: {held.cause}")
+
+    def drop_suspended(self, session: Session, why: str) -> None:
+        """A suspended turn that will not resume: it fails as it would have
+        when its worker died, saying why."""
+        held = session.suspended
+        if held is None:
+            return
+        session.suspended = None
+        self.abort(session, f"{held.failure}; {why}" if why else held.failure)
+
     def take_input(self, session: Session) -> str:
-        """The aborted turn's input, once (retried after a restart, or dropped)."""
+        """The aborted turn's input, once, dropped (a turn whose worker died
+        is resumed by `resume`, never begun again as a new one)."""
         text, session.current_input = session.current_input, ""
         return text
 
@@ -371,6 +503,8 @@ class TurnLedger:
         if fut is not None and not fut.done():
             fut.set_result(outcome)
         session.current_turn = None
+        session.suspended = None
+        session.steps, session.step_bytes, session.step_running = [], 0, ""
         session.last_turn_secs = time.monotonic() - session.turn_started
         self.metrics.turn_ended(session, outcome[0], outcome[1], session.last_turn_secs)
         session.pending_asks.clear()

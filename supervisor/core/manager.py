@@ -194,10 +194,12 @@ class SessionManager:
             last_exit=msgspec.convert(mark.last_exit, m.ExitInfo) if mark.last_exit else None,
             usage=loaded.usage, lifecycle=self.events.restored_lifecycle(loaded.lifecycle),
         )
-        if loaded.open_input is not None:
+        if loaded.open_input is not None and not self.ledger.suspend_stored(session, loaded):
             self.ledger.abort_stored(session, store, loaded.open_input.turn, "the daemon stopped during this turn",
                                      durable=True)
         self.sessions[meta.id] = session
+        if session.suspended is not None:  # the turn the daemon died in resumes on a new worker
+            self.workers.schedule_restart(session)
         if meta.parent and meta.parent in self.sessions:
             self.sessions[meta.parent].children.append(meta.id)
 

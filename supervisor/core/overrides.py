@@ -77,7 +77,9 @@ ALLOWED: dict[str, Rule] = {
     "agent.worker.restart_window_secs": _F,  # a longer window gives up sooner
     "agent.worker.restart_backoff_initial_ms": _F,
     "agent.worker.restart_backoff_max_ms": _F,
-    "agent.worker.retry_aborted_turn": _C,  # true replays turns: more calls billed
+    "agent.worker.retry_aborted_turn": _C,  # true resumes turns (the uncertain step redone)
+    "agent.worker.max_step_kb": _C,  # more journal per step, per turn
+    "agent.worker.max_turn_steps_mb": _C,
     "agent.subagents.max_concurrent": _C,
     "agent.subagents.max_depth": _C,
     "agent.subagents.max_total_spawns": _C,
@@ -91,6 +93,7 @@ ALLOWED: dict[str, Rule] = {
     "provider.retry_backoff_initial_ms": _F,
     "provider.retry_backoff_max_ms": _C,
     "tools.enabled": Rule.SUBSET,
+    "tools.rerun_after_crash": Rule.SUBSET,  # a tool re-run after a crash may act twice
     "tools.bash_timeout_secs": _C,
     "tools.output_limit_bytes": _C,
     "permissions": Rule.RULES,

@@ -13,7 +13,8 @@ each own some of its fields, and only they write them:
                                   usage (token totals of committed turns:
                                   prompt_tokens, completion_tokens,
                                   reasoning_tokens; restored from the log),
-                                  committing
+                                  committing, steps, step_bytes,
+                                  step_running, suspended
     WorkerOwner    (workers.py)   worker, last_exit, restarts, policy,
                                   restart_handle, pings
     Sweeper        (sweep.py)     memory, turn_timer, kill_timer
@@ -45,7 +46,8 @@ from supervisor.core.limits import SessionMemory
 from supervisor.core.states import RestartPolicy, State
 from supervisor.store.state_store import Meta, SessionLog
 
-__all__ = ["PendingInput", "Session", "Subscriber", "WorkerProc", "damaged_hint", "valid_session_id"]
+__all__ = ["PendingInput", "Session", "Subscriber", "Suspension", "WorkerProc", "damaged_hint",
+           "valid_session_id"]
 
 
 class Subscriber(Protocol):
@@ -89,6 +91,22 @@ class WorkerProc:
     # session (killed_disk) rather than a client.
     stop_reason: ExitReason | None = None
     kill_detail: str = ""
+    # Its Ready said the handler marks its work with ctx.step.
+    uses_steps: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class Suspension:
+    """A turn whose worker died, kept open to resume on the next worker
+    (TurnLedger.suspend, .resume; supervisor.core.steps)."""
+
+    turn: int
+    text: str
+    reason: str  # the exit reason, or "daemon_stopped"
+    cause: str  # what the handler is told (steps.cause_of)
+    failure: str  # the TurnFailed reason if it is not resumed after all
+    running: str = ""  # the step in flight when it died
+    uncertain: bool = False  # (after a daemon restart: the step in flight is unknown)
 
 
 LIFECYCLE_KEEP = 500
@@ -129,6 +147,12 @@ class Session:
     pending_input: PendingInput | None = None
     # The turn whose Commit is written and waiting for its flush (ledger).
     committing: int | None = None
+    # The running turn's durable steps (ctx.step), their bytes, the key of
+    # the one running now; the turn held open while its worker restarts.
+    steps: list[m.StepResult] = field(default_factory=list)
+    step_bytes: int = 0
+    step_running: str = ""
+    suspended: Suspension | None = None
     # Permission requests of the running turn awaiting a client's answer.
     pending_asks: set[str] = field(default_factory=set)
     # Resolved with (ok, reply or reason) when that turn ends; used to run

@@ -84,6 +84,8 @@ TRANSITIONS: dict[tuple[State, Trigger], State] = {
     (S.INTERRUPTING, T.TURN_END): S.IDLE,
     (S.IDLE, T.HIBERNATE): S.HIBERNATED,
     (S.CRASHED, T.BACKOFF): S.RESTARTING,
+    # Loaded with the turn the daemon died in: restarted to resume it.
+    (S.HIBERNATED, T.BACKOFF): S.RESTARTING,
     # No room to restart (max_concurrent_sessions, all busy): wait for input.
     (S.RESTARTING, T.HIBERNATE): S.HIBERNATED,
     (S.CRASHED, T.GIVE_UP): S.FAILED,

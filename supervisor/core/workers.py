@@ -326,6 +326,7 @@ class WorkerOwner:
                 self._ledger.fail(session, msg)
             case m.Ready(sandbox=report):
                 worker.sandbox = report
+                worker.uses_steps = msg.uses_steps
                 worker.booted = True
                 worker.last_heartbeat = time.monotonic()
                 if not worker.ready.done():
@@ -360,6 +361,8 @@ class WorkerOwner:
                 )
             case m.SpawnAgent():
                 self._on_spawn_agent(session, worker, msg)
+            case m.StepBegun() | m.StepDone():
+                self._ledger.step(session, worker, msg)
 
     # ---------------------------------------------------------------- kills and exits
 
@@ -426,7 +429,8 @@ class WorkerOwner:
             self._ledger.abort(session, f"the session was {worker.expected}")
             return
         tagged(log, session.id).warning("worker %d %s", pid, describe_exit(info))
-        self._ledger.abort(session, describe_exit(info))
+        if not self._ledger.suspend(session, worker, info, describe_exit(info)):  # (resumed after the restart)
+            self._ledger.abort(session, describe_exit(info))
         if session.state is State.STARTING and not worker.booted:
             return  # start()'s caller decides (create fails, revive retries)
         if session.state in LIVE:
@@ -554,6 +558,7 @@ class WorkerOwner:
             self._events.emit_limit(session, LimitKind.RESTARTS, decision.attempts_in_window,
                                     ws.max_restart_attempts)
             self._events.write_mark(session, durable=False)
+            self._ledger.drop_suspended(session, "the session failed: too many restarts")
             self._ledger.save_soon(session, "the failed state")  # off the loop: the store may be away
             return
         self._events.set_state(session, Trigger.BACKOFF, reason=f"restart in {decision.delay_secs:.3f}s")
@@ -563,9 +568,12 @@ class WorkerOwner:
         )
 
     def cancel_restart(self, session: Session) -> None:
+        """No restart comes (a stop, restart, rm, takeover, shutdown): nor
+        does the resume of a turn its worker died in."""
         if session.restart_handle is not None:
             session.restart_handle.cancel()
             session.restart_handle = None
+        self._ledger.drop_suspended(session, "its session was stopped before the turn could resume")
 
     async def _auto_restart(self, session: Session) -> None:
         session.restart_handle = None
@@ -579,6 +587,7 @@ class WorkerOwner:
                     session, Trigger.HIBERNATE,
                     reason="no room to restart (max_concurrent_sessions); the next input revives it",
                 )
+                self._ledger.drop_suspended(session, "no room to restart it (max_concurrent_sessions)")
                 return
             session.restarts += 1
             self.metrics.restart()
@@ -594,10 +603,7 @@ class WorkerOwner:
                     self._events.set_state(session, Trigger.EXIT, reason="boot_failed")
                     self.schedule_restart(session)
                 return
-            text = self._ledger.take_input(session)
-            if session.settings.agent.worker.retry_aborted_turn and text:
-                self._ledger.begin(session, text)
-
+            self._ledger.resume(session)  # the turn its worker died in, if it was held open
 
     async def _held_elsewhere(self, session: Session) -> bool:
         """Whether another daemon took the session over since it was loaded

@@ -69,6 +69,8 @@ def print_history(reply: op.HistoryReply, as_json: bool) -> None:
                "aborted": f"aborted: {t.reason}", "open": "running"}.get(t.outcome, t.outcome)
         print(f"--- turn {t.turn}  {_when(t.at)}  {how}", file=out)
         print(f"> {t.input}", file=out)
+        for r in t.resumed:
+            print(f"[resumed at step {r.get('step')} after {r.get('reason')}: {r.get('cause')}]", file=out)
         for call in t.tool_calls:
             args = call.get("arguments", "")
             shown = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)

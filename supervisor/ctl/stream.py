@@ -216,6 +216,10 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> 
                 _print_reasoning(thought)
             case m.PermissionRequest() if interactive:
                 asks.add(asyncio.create_task(_ask_on_terminal(client, session, ev)))
+            case m.Notice(kind="turn_resumed", data=data) if not as_json:
+                # The worker died; the turn goes on on a new one (docs/agent.md, "Durable steps").
+                print(f"\nsessionctl: the turn resumed at step {data.get('step')} after "
+                      f"{data.get('reason')}: {data.get('cause')}", file=sys.stderr, flush=True)
             case m.Notice(kind=kind, data=data) if not as_json:
                 line = _tool_line(kind, data)
                 if line is not None:

@@ -83,9 +83,11 @@ __all__ = [
     "Record",
     "RepairMode",
     "RepairResult",
+    "Resume",
     "SessionLog",
     "Snapshot",
     "StateStore",
+    "Step",
     "boot_state",
     "check_stored_id",
     "logged",
@@ -145,6 +147,28 @@ class Abort(_Rec, tag="abort"):
     seq: int = 0
 
 
+class Step(_Rec, tag="step"):
+    """A durable step of a running turn (`ctx.step`): what a resumed turn
+    is given back.  Superseded by the turn's Commit or Abort: never read
+    for a turn that has one."""
+
+    turn: int
+    n: int
+    key: str
+    kind: str = ""
+    result: bytes = b""
+
+
+class Resume(_Rec, tag="resume"):
+    """The turn was resumed on a new worker (for `history`)."""
+
+    turn: int
+    step: int
+    reason: str
+    cause: str = ""
+    at: float = 0.0
+
+
 class Mark(_Rec, tag="mark"):
     """State worth keeping across a daemon restart, and seq reservations."""
 
@@ -171,7 +195,7 @@ class LifeEvent(_Rec, tag="life"):
 # The last LifeEvents a loaded session (and a snapshot) keeps.
 LIFE_EVENTS_KEPT = 500
 
-Record = Meta | InputRecord | Commit | Abort | Mark | LifeEvent
+Record = Meta | InputRecord | Commit | Abort | Mark | LifeEvent | Step | Resume
 
 
 class Snapshot(msgspec.Struct, kw_only=True):
@@ -197,6 +221,8 @@ class LoadedSession:
     open_input: InputRecord | None = None
     usage: dict[str, int] = field(default_factory=dict)
     lifecycle: list[LifeEvent] = field(default_factory=list)  # oldest first, at most LIFE_EVENTS_KEPT
+    # The durable steps of `open_input`'s turn, in order.
+    open_steps: list[Step] = field(default_factory=list)
 
     @classmethod
     def replay(cls, session_id: str, snap: Snapshot | None, records: Iterable[Record]) -> LoadedSession:
@@ -225,12 +251,19 @@ class LoadedSession:
                 self.turns = rec.turn
                 self.seq = max(self.seq, rec.seq)
                 self.open_input = rec
+                self.open_steps = []
+            case Step():
+                if self.open_input is not None and self.open_input.turn == rec.turn and rec.n == len(self.open_steps):
+                    self.open_steps.append(rec)
+            case Resume():
+                pass
             case Commit() | Abort():
                 self.seq = max(self.seq, rec.seq)
                 if isinstance(rec, Commit):
                     add_usage(self.usage, rec.usage)
                 if self.open_input is not None and self.open_input.turn == rec.turn:
                     self.open_input = None
+                    self.open_steps = []
             case Mark():
                 self.seq = max(self.seq, rec.seq)
                 self.mark = rec
