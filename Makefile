@@ -16,7 +16,8 @@ EDITABLE := --config-settings editable_mode=compat
 
 # Two stamps: `make run` needs the package alone (a one-machine daemon never
 # imports Ray: 21 s and 240 MB of the venv); `make test` adds the `test`
-# extra and the `cluster` extra (PostgreSQL driver, Ray), whose tests it runs.
+# extra (which holds the `otel` one: OpenTelemetry's SDK and OTLP exporter)
+# and the `cluster` extra (PostgreSQL driver, Ray), whose tests it runs.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

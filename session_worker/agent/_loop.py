@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from session_worker.agent import _traced
 from session_worker.agent._compaction import (
     RequestSizes,
     cut_index,
@@ -238,7 +239,7 @@ class Turn:
                     "(agent.max_tool_calls_per_turn); request it again in your next response.",
                 )
                 continue
-            ok, output = await self._run_one(call)
+            ok, output = await _traced.tool_call(call.id, call.name, self._run_one(call))
             self._answer(call, ok, output)
 
     async def _run_one(self, call: ToolCall) -> tuple[bool, str]:

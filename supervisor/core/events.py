@@ -27,6 +27,7 @@ from ipc.framing import FrameEncoder
 from supervisor.config import DaemonSettings
 from supervisor.errors import Conflict
 from supervisor.ops.logtag import tagged
+from supervisor.ops.tracing import NO_TRACER, Tracer
 from supervisor.core.session import Session, Subscriber
 from supervisor.core.states import State, Trigger, transition
 from supervisor.store.state_store import Mark, StoreError
@@ -40,10 +41,13 @@ _SEQ_BLOCK = 4096
 
 class EventLog:
     def __init__(
-        self, settings: Callable[[], DaemonSettings], sessions: Mapping[str, Session]
+        self, settings: Callable[[], DaemonSettings], sessions: Mapping[str, Session],
+        tracer: Tracer = NO_TRACER,
     ) -> None:
         self._settings = settings
         self._sessions = sessions
+        # Told every transition: a restart's span, a worker boot's.
+        self._tracer = tracer
         self._encoder = FrameEncoder()
         self.retained_bytes = 0  # all sessions' rings together
 
@@ -130,6 +134,7 @@ class EventLog:
         old = session.state
         new = transition(old, trigger)
         session.state = new
+        self._tracer.state_changed(session.id, old, new, reason, session.trace)
         # A failed session needs an operator: say so where they look.
         level = logging.WARNING if new is State.FAILED else logging.DEBUG
         tagged(log, session.id).log(level, "%s -> %s (%s)", old, new, reason or trigger)
@@ -187,6 +192,7 @@ class EventLog:
         self.retained_bytes += session.ring_bytes
 
     def forget(self, session: Session) -> None:
+        self._tracer.forget(session.id)
         self.retained_bytes -= session.ring_bytes
         session.ring.clear()
         session.ring_bytes = 0

@@ -13,7 +13,7 @@ each own some of its fields, and only they write them:
                                   usage (token totals of committed turns:
                                   prompt_tokens, completion_tokens,
                                   reasoning_tokens; restored from the log),
-                                  committing
+                                  committing, trace
     WorkerOwner    (workers.py)   worker, last_exit, restarts, policy,
                                   restart_handle, pings
     Sweeper        (sweep.py)     memory, turn_timer, kill_timer
@@ -42,6 +42,7 @@ from ipc.inputs import valid_session_id
 from ipc.settings import SessionSettings
 from supervisor.errors import SessiondError
 from supervisor.core.limits import SessionMemory
+from supervisor.ops.tracing import TurnTrace
 from supervisor.core.states import RestartPolicy, State
 from supervisor.store.state_store import Meta, SessionLog
 
@@ -142,6 +143,8 @@ class Session:
     # DAMAGED with no readable metadata: meta is a stand-in.
     meta_lost: bool = False
     usage: dict[str, int] = field(default_factory=dict)
+    # The running turn's trace, when tracing is on (supervisor.ops.tracing).
+    trace: TurnTrace | None = None
     # Lifecycle events with their unix time, for `sessionctl logs` (since
     # the daemon started; the last exit is persisted apart).
     lifecycle: collections.deque[tuple[float, m.StateChanged | m.LimitExceeded | m.TurnFailed]] = field(

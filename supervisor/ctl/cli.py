@@ -25,6 +25,7 @@ import msgspec
 from ipc import messages as m
 from ipc.contract import INCOMPLETE_STOPS, StopReason
 from ipc.loop import run as run_loop
+from ipc.traceparent import parse_traceparent
 from supervisor import __version__
 from supervisor.ctl.client import AsyncClient
 from supervisor.ctl.errors import DaemonUnavailable, RequestError
@@ -115,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("id")
     p.add_argument("text")
     p.add_argument("--reasoning", action="store_true", help=_REASONING_HELP)
+    p.add_argument("--traceparent", metavar="TRACEPARENT",
+                   help="continue this W3C trace in the turn's trace (default: $TRACEPARENT)")
     p = add("attach", "stream a session's events")
     p.add_argument("id")
     p.add_argument("--reasoning", action="store_true", help=_REASONING_HELP)
@@ -326,7 +329,24 @@ async def _create(client: AsyncClient, args: argparse.Namespace, as_json: bool) 
 
 
 async def _send_command(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
-    return await _send_interruptibly(client, args.id, args.text, as_json)
+    traceparent = args.traceparent
+    if traceparent is None:
+        # As OpenTelemetry passes a trace to a child process: $TRACEPARENT.
+        # One that is not valid is ignored (W3C Trace Context says so), and said.
+        traceparent = os.environ.get("TRACEPARENT", "").strip()
+        try:
+            if traceparent:
+                parse_traceparent(traceparent)
+        except ValueError as exc:
+            print(f"sessionctl: ignoring $TRACEPARENT: {exc}", file=sys.stderr)
+            traceparent = ""
+    else:
+        try:
+            parse_traceparent(traceparent)
+        except ValueError as exc:
+            print(f"sessionctl: --traceparent: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    return await _send_interruptibly(client, args.id, args.text, as_json, traceparent)
 
 
 async def _attach(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
@@ -511,7 +531,8 @@ _STOP_TEXT: dict[str, str] = {
 
 
 
-async def _send_interruptibly(client: AsyncClient, session: str, text: str, as_json: bool) -> int:
+async def _send_interruptibly(client: AsyncClient, session: str, text: str, as_json: bool,
+                              traceparent: str = "") -> int:
     """`send`, where Ctrl-C means what a user expects: the first interrupts
     the turn (its LLM calls and tools stop; the partial reply is kept and
     printed), a second one detaches and leaves the turn to the daemon.
@@ -524,8 +545,8 @@ async def _send_interruptibly(client: AsyncClient, session: str, text: str, as_j
     try:
         loop.add_signal_handler(signal.SIGINT, sigints.put_nowait, None)
     except (NotImplementedError, RuntimeError, ValueError):
-        return await _send(client, session, text, as_json)  # not the main thread: plain Ctrl-C
-    stream = asyncio.ensure_future(_send(client, session, text, as_json))
+        return await _send(client, session, text, as_json, traceparent)  # not the main thread: plain Ctrl-C
+    stream = asyncio.ensure_future(_send(client, session, text, as_json, traceparent))
     interrupted = False
     try:
         while True:
@@ -556,13 +577,13 @@ async def _send_interruptibly(client: AsyncClient, session: str, text: str, as_j
                 await stream
 
 
-async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> int:
+async def _send(client: AsyncClient, session: str, text: str, as_json: bool, traceparent: str = "") -> int:
     interactive = sys.stdin.isatty() and not as_json
     same_terminal = sys.stdout.isatty() and sys.stderr.isatty()
     asks: set[asyncio.Task[None]] = set()
     ended_with_newline = True
     streamed: list[str] = []
-    async for ev in client.send(session, text):
+    async for ev in client.send(session, text, traceparent):
         if as_json:
             print(event_json(ev), flush=True)
         match ev:
