@@ -179,3 +179,22 @@ export_timeout_secs = 5
     assert tracing["spans"] == sum(tracing[k] for k in ("dropped", "queued", "exporting", "exported", "failed"))
     grown = psutil.Process(d.pid).memory_info().rss - rss_after_warmup
     assert grown < 8 * 1024 * 1024, f"the daemon grew {grown} bytes over 300 turns"
+
+
+def test_a_worker_that_dies_mid_turn_shows_its_restart_in_the_turn_s_trace(
+    make_daemon, receiver: OtlpReceiver,
+) -> None:
+    d = make_daemon()
+    with d.client() as c:
+        sid = c.create(handler="fixture_handlers:crash_mid_turn").id
+        events = list(c.send(sid, "crash"))
+        assert isinstance(events[-1], m.TurnFailed)
+        assert c.send_text(sid, "after") == "1: after"  # the restarted worker took it
+    spans = receiver.wait_for(lambda spans: any(s.name == "sessiond.restart" for s in spans)
+                              and sum(s.name == "sessiond.turn" for s in spans) == 2)
+    restart = _one(spans, "sessiond.restart")
+    failed = next(s for s in spans if s.name == "sessiond.turn" and s.span_id == restart.parent_id)
+    assert failed.status_code == 2 and "SIGKILL" in failed.status_message
+    assert failed.attributes["sessiond.turn.outcome"] == "failed"
+    assert restart.attributes["sessiond.session.id"] == sid and restart.status_code != 2
+    assert [e[0] for e in restart.events][-1] == "sessiond.state.idle"

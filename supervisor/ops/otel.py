@@ -21,8 +21,10 @@ the shape (docs/tracing.md):
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -54,6 +56,7 @@ _MAX_VALUE_CHARS = 4096
 _CONTENT_KEYS = frozenset({"gen_ai.input.messages", "gen_ai.output.messages"})
 _MAX_CONTENT_CHARS = 64 * 1024
 _MAX_LIST = 64
+_EXIT_FLUSH_SECS = 2.0
 # The span kinds a worker may name (internal, server, client, producer, consumer).
 _KINDS = {k.value: k for k in SpanKind}
 # Live states a restart span ends in (the worker is back), and the ones
@@ -71,6 +74,7 @@ class _Counted(SpanExporter):
         self.handed = 0
         self.exported = 0
         self.failed = 0
+        self._stopped = False
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         self.handed += len(spans)
@@ -85,7 +89,9 @@ class _Counted(SpanExporter):
         return result
 
     def shutdown(self) -> None:
-        self.inner.shutdown()
+        if not self._stopped:  # (the exit's timer, then the provider's shutdown)
+            self._stopped = True
+            self.inner.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.inner.force_flush(timeout_millis)
@@ -179,8 +185,8 @@ class OtelTracer(Tracer):
         self.endpoint = exporter._endpoint  # for the operator: where spans go
         self._exporter = _Counted(exporter)
         self._processor = _Bounded(self._exporter, settings.queue_size, settings.export_timeout_secs)
-        # shutdown_on_exit: the last spans are flushed when the daemon exits.
-        self._provider = TracerProvider(resource=self._resource)
+        self._provider = TracerProvider(resource=self._resource, shutdown_on_exit=False)
+        atexit.register(self._at_exit)
         self._provider.add_span_processor(self._processor)
         self._tracer = self._provider.get_tracer("sessiond", __version__)
         self._scope = InstrumentationScope("sessiond.worker", __version__)
@@ -358,6 +364,19 @@ class OtelTracer(Tracer):
             restart.end()
 
     # ---------------------------------------------------------------- the operator's view
+
+    def _at_exit(self) -> None:
+        """The last spans go out as the daemon exits, for at most
+        `_EXIT_FLUSH_SECS`: a collector that is down does not hold the
+        exit (its exporter is stopped, which ends its retries)."""
+        stop = threading.Timer(_EXIT_FLUSH_SECS, self._exporter.shutdown)
+        stop.daemon = True
+        stop.start()
+        try:
+            self._provider.shutdown()
+        finally:
+            stop.cancel()
+        log.info("tracing: %s", ", ".join(f"{k} {v}" for k, v in self.stats().items() if k != "endpoint"))
 
     def stats(self) -> dict[str, Any]:
         processor, exporter = self._processor, self._exporter
