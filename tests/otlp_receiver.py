@@ -9,6 +9,7 @@ every span as a `Received` (ids as hex, attributes as Python values)::
         ... OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=rx.endpoint ...
         spans = rx.wait_for(lambda spans: any(s.name == "sessiond.turn" for s in spans))
 
+`OtlpReceiver(keep=False)` only counts the spans (`rx.count`).
 `rx.status = 503` makes it answer errors (a collector that is up but refusing).
 """
 
@@ -63,8 +64,10 @@ def _attrs(kvs: Any) -> dict[str, Any]:
 
 
 class OtlpReceiver:
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = True) -> None:
         self.spans: list[Received] = []
+        self.keep = keep  # False: only count them (a bench's many turns)
+        self.count = 0
         self.requests = 0
         self.status = 200
         self._lock = threading.Lock()
@@ -98,6 +101,11 @@ class OtlpReceiver:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     def _take(self, request: ExportTraceServiceRequest) -> None:
+        if not self.keep:
+            with self._lock:
+                self.requests += 1
+                self.count += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+            return
         spans = []
         for rs in request.resource_spans:
             service = _attrs(rs.resource.attributes).get("service.name", "")

@@ -103,6 +103,7 @@ class Subagents:
                 "([agent.subagents] allowed_handlers)"
             )
         root.spawned += 1
+        asked = time.time_ns()  # the child's queue span counts its creation and boot
         child = await self._manager.create(
             parent.meta.owner_uid, self._child_id(parent), handler,
             dict(parent.meta.overrides), parent=parent,
@@ -117,7 +118,7 @@ class Subagents:
         trace = None
         if traced is not None:
             traced.child(child.id)
-            trace = traced.turn(time.time_ns())
+            trace = traced.turn(asked)
         await self._manager.send(child, msg.task, None, register, trace)
         try:
             ok, text = await asyncio.wait_for(asyncio.shield(fut), limits.child_timeout_secs)

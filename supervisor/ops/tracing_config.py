@@ -9,6 +9,7 @@ packages (the `otel` extra) are imported only then.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 
@@ -21,6 +22,8 @@ __all__ = ["build", "wanted"]
 log = logging.getLogger("sessiond")
 
 _ON = {"otlp"}
+# What the exporter process imports (the `otel` extra); the daemon imports none of it.
+_NEEDED = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http.trace_exporter")
 
 
 def wanted(settings: TracingSettings, environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
@@ -43,11 +46,16 @@ def build(settings: TracingSettings) -> Tracer:
     the exporter runs a thread."""
     if not wanted(settings):
         return NO_TRACER
-    try:
-        from supervisor.ops.otel import OtelTracer  # the optional `otel` extra
-    except ImportError as exc:
-        raise StartupError(
-            f"tracing is on ([tracing] exporter or OTEL_TRACES_EXPORTER) but OpenTelemetry is not "
-            f"installed ({exc.name or exc}): pip install 'sessiond[otel]'"
-        ) from None
+    for module in _NEEDED:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:
+            found = False
+        if not found:
+            raise StartupError(
+                f"tracing is on ([tracing] exporter or OTEL_TRACES_EXPORTER) but OpenTelemetry is not "
+                f"installed ({module}): pip install 'sessiond[otel]'"
+            )
+    from supervisor.ops.otel import OtelTracer
+
     return OtelTracer(settings)
