@@ -169,13 +169,27 @@ def main() -> int:
     memory: dict[str, list[int]] = {"off": [], "down": [], "down's exporter": []}
     tracer_stats: dict[str, dict[str, object]] = {}
 
+    cpu_us: dict[str, dict[str, float]] = {}
+
+    def cpu_secs(proc: psutil.Process) -> float:
+        t = proc.cpu_times()
+        return float(t.user + t.system)
+
     async def timed(kind: str, turns: int, sids: dict[str, str], clients: dict[str, AsyncClient]) -> None:
+        procs = {"daemon off": psutil.Process(daemons["off"].pid), "daemon on": psutil.Process(daemons["on"].pid)}
+        procs.update({"exporter (on)": p for p in procs["daemon on"].children()
+                      if "otel_export" in " ".join(p.cmdline())})
+        procs["receiver"] = psutil.Process(receiver.proc.pid)
+        before: dict[str, float] = {}
         for r in range(args.warmup + turns):
+            if r == args.warmup:
+                before = {k: cpu_secs(p) for k, p in procs.items()}
             for k in (("off", "on") if r % 2 == 0 else ("on", "off")):
                 t0 = time.perf_counter_ns()
                 await clients[k].send_text(sids[k], c.message(r, 100) if kind == "echo" else "look")
                 if r >= args.warmup:
                     latency[kind][k].append(time.perf_counter_ns() - t0)
+        cpu_us[kind] = {k: (cpu_secs(p) - before[k]) / turns * 1e6 for k, p in procs.items()}
 
     async def exporter_ready(client: AsyncClient) -> None:
         """The exporter process has imported OpenTelemetry (~0.5 s of CPU
@@ -247,7 +261,7 @@ def main() -> int:
 
     lat = {kind: {k: c.summarize(v) for k, v in per.items()} for kind, per in latency.items()}
     ratios = {kind: lat[kind]["on"]["median_us"] / lat[kind]["off"]["median_us"] for kind in lat}
-    rep.figures = {"latency": lat, "ratios": ratios, "tracer_on": tracer_stats.get("on", {}),
+    rep.figures = {"latency": lat, "ratios": ratios, "cpu_us_per_turn": cpu_us, "tracer_on": tracer_stats.get("on", {}),
                    "received": received, "memory_rss": memory, "tracer_down": tracer_stats.get("down", {}),
                    "memory_turns": args.memory_turns}
     rep.say(f"tracing: turns with tracing off vs on (exporting to an OTLP/HTTP receiver on loopback), "
@@ -258,6 +272,9 @@ def main() -> int:
           f"{ratios[kind]:.3f}x", c.fmt_us(lat[kind]["off"]["p99_us"]), c.fmt_us(lat[kind]["on"]["p99_us"])]
          for kind in ("echo", "agent")],
     )
+    rep.say("CPU per turn (user + system, over the timed turns):")
+    names = list(cpu_us["echo"])
+    rep.table(["", *names], [[kind, *(f"{cpu_us[kind][n]:.0f} µs" for n in names)] for kind in ("echo", "agent")])
     on = tracer_stats.get("on", {})
     rep.say(f"spans made {on.get('spans')}, received by the collector {received}, dropped {on.get('dropped')}")
     growth = {k: (v[-1] - v[0]) if len(v) >= 2 else 0 for k, v in memory.items()}

@@ -68,8 +68,10 @@ _GAVE_UP = frozenset({"failed", "stopped", "stopping", "deleted", "hibernated", 
 # Spans waiting for the pipe (bytes of encoded frames), past which new ones are dropped.
 _MAX_PENDING_BYTES = 4 << 20
 _PIPE_BYTES = 1 << 20
-# A batch goes out at the end of the loop's pass, or at this many spans.
+# A batch goes out this long after its first span, or at this many spans:
+# one write for many turns' spans, not a few for each.
 _BATCH = 256
+_BATCH_SECS = 0.05
 _RESTART_EXPORTER_SECS = 10.0
 _CODE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -165,6 +167,16 @@ class _Subagent(SubagentTrace):
 # TurnTrace.spans of an input whose parent is a span of ours (a sub-agent's):
 # not a remote parent.
 _LOCAL = object()
+
+
+class _Unsampled(SubagentTrace):
+    """A sub-agent of a turn that is not sampled: its turn is not either."""
+
+    def turn(self, received_ns: int) -> TurnTrace | None:
+        return TurnTrace(received_ns, TraceParent(random.getrandbits(128) or 1, random.getrandbits(64) or 1, 0))
+
+
+_UNSAMPLED = _Unsampled()
 
 
 class _Sampler:
@@ -310,7 +322,7 @@ class OtelTracer(Tracer):
         elif not self._flush_soon:
             self._flush_soon = True
             try:
-                asyncio.get_running_loop().call_soon(self._flush)
+                asyncio.get_running_loop().call_later(_BATCH_SECS, self._flush)
             except RuntimeError:  # no loop (tests of the parts): at once
                 self._flush()
 
@@ -448,7 +460,7 @@ class OtelTracer(Tracer):
 
     def subagent(self, trace: TurnTrace | None, span_id: int, handler: str) -> SubagentTrace | None:
         if trace is None or not isinstance(trace.spans, _Spans):
-            return None
+            return _UNSAMPLED  # the parent's turn was not sampled: nor is the child's
         turn = trace.spans.turn
         parent = span_id if 0 < span_id <= _MAX_ID else turn.span_id  # under the worker's spawn_agent call
         span = _Span(self, turn.trace_id, parent, "invoke_agent",

@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -162,6 +163,11 @@ def _read_exactly(stream: Any, n: int) -> bytes | None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     set_dumpable(False)
+    # A stop (systemd's SIGTERM to the unit's processes, Ctrl-C on a
+    # foreground daemon's group) is the daemon's to handle: this process
+    # ends when the daemon has, and its pipe with it, having sent the rest.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     # Telemetry comes after the turns it describes: when CPUs are short its
     # export lags (the queue bounds what waits), not the sessions.
     with contextlib.suppress(OSError):
