@@ -22,7 +22,7 @@ two turns never share one.
 from __future__ import annotations
 
 import contextvars
-import os
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -56,7 +56,8 @@ class Span:
 
     def __init__(self, turn: _Turn, parent: int, name: str, kind: int, attributes: dict[str, Any]) -> None:
         self._turn = turn
-        self.id = int.from_bytes(os.urandom(8), "big") or 1
+        # (random is reseeded in each forked worker: CPython's after-fork hook.)
+        self.id = random.getrandbits(64) or 1
         self.parent = parent
         self.name = name
         self.kind = kind

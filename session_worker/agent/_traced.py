@@ -12,6 +12,7 @@ only when the operator asked ([tracing] capture_content), as JSON, cut at
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import time
@@ -44,13 +45,21 @@ def llm_span(settings: ProviderSettings, messages: list[dict[str, Any]]) -> trac
     }
     if settings.max_tokens is not None:
         attributes["gen_ai.request.max_tokens"] = settings.max_tokens
-    where = urlsplit(settings.base_url or "")
-    if where.hostname:
-        attributes["server.address"] = where.hostname
-        attributes["server.port"] = where.port or (443 if where.scheme == "https" else 80)
+    attributes.update(_server(settings.base_url or ""))
     if tracing.capturing():
         attributes["gen_ai.input.messages"] = _content(_parts(messages))
     return tracing.span(f"chat {model}", tracing.CLIENT, attributes)
+
+
+@functools.lru_cache(maxsize=8)
+def _server(base_url: str) -> dict[str, Any]:
+    """server.address and server.port of a base URL (parsed once)."""
+    try:
+        where = urlsplit(base_url)
+        port = where.port or (443 if where.scheme == "https" else 80)
+    except ValueError:
+        return {}
+    return {"server.address": where.hostname, "server.port": port} if where.hostname else {}
 
 
 def on_first(span: tracing.Span, then: Callable[[], None] | None) -> Callable[[], None]:

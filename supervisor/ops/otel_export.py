@@ -12,7 +12,7 @@ and the standard OTEL_* variables.  At most `queue_size` spans wait for the
 collector; past that one more is dropped and counted.  Its counts go back
 on stdout, one JSON line whenever they changed (at most twice a second).
 
-It runs at nice 15, below the daemon and the sessions.  It ends when its stdin does (the daemon stopped or died): the last spans get
+It runs in the SCHED_IDLE class, below the daemon and the sessions.  It ends when its stdin does (the daemon stopped or died): the last spans get
 at most `_EXIT_FLUSH_SECS` to go out, so a collector that is down does not
 keep it.  It is not dumpable: the exporter's headers may hold a collector's
 key.
@@ -51,7 +51,6 @@ _KINDS = {k.value: k for k in SpanKind}
 _EXIT_FLUSH_SECS = 2.0
 _REPORT_SECS = 0.5
 _MAX_FRAME = 64 << 20
-_NICE = 15
 
 
 class _Counted(SpanExporter):
@@ -168,10 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     # ends when the daemon has, and its pipe with it, having sent the rest.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-    # Telemetry comes after the turns it describes: when CPUs are short its
-    # export lags (the queue bounds what waits), not the sessions.
-    with contextlib.suppress(OSError):
-        os.nice(_NICE)
+    # Telemetry comes after the turns it describes: SCHED_IDLE (the kernel's
+    # class for background work: it runs on a CPU nothing else wants, and
+    # yields at once to a waking turn), else nice 19.  When CPUs are short
+    # its export lags (the queue bounds what waits, drops are counted), not
+    # the sessions.
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        with contextlib.suppress(OSError):
+            os.nice(19)
     # Into the daemon's log (its stderr): a failed export, not each retry.
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s sessiond.otel-export: %(message)s")
     settings = msgspec.convert(json.loads(args[0]) if args else {}, TracingSettings)
