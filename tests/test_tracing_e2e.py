@@ -181,6 +181,14 @@ export_timeout_secs = 5
     assert tracing["spans"] == sum(tracing[k] for k in ("dropped", "queued", "exporting", "exported", "failed"))
     grown = psutil.Process(d.pid).memory_info().rss - rss_after_warmup
     assert grown < 8 * 1024 * 1024, f"the daemon grew {grown} bytes over 300 turns"
+    # The span exporter process dies: turns go on, its spans are dropped.
+    (exporter,) = [p for p in psutil.Process(d.pid).children() if "otel_export" in " ".join(p.cmdline())]
+    exporter.kill()
+    exporter.wait(10)
+    with d.client() as c:
+        for i in range(361, 381):
+            assert c.send_text(session, f"n{i}") == f"{i}: n{i}"
+        wait_for(lambda: "span exporter" in d.log, 10, "the exporter's loss logged")
 
 
 def test_a_worker_that_dies_mid_turn_shows_its_restart_in_the_turn_s_trace(

@@ -294,10 +294,9 @@ class OtelTracer(Tracer):
     def _exporter_gone(self, proc: subprocess.Popen[bytes]) -> None:
         if self._proc is not proc:
             return
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(0.5)
-        log.error("tracing: the span exporter exited (%s); spans are dropped until it is started again",
-                  proc.returncode)
+        _reap(proc)
+        log.error("tracing: the span exporter (pid %d) is gone; spans are dropped until it is started again",
+                  proc.pid)
         self._close_pipe()
         self._proc = None
 
@@ -513,6 +512,13 @@ class OtelTracer(Tracer):
             "queued": counts.get("queued", 0), "exporting": counts.get("exporting", 0),
             "in_transit": max(0, self.made - self.dropped - got),
         }
+
+
+def _reap(proc: subprocess.Popen[bytes], tries: int = 20) -> None:
+    """Collect the exporter's exit without waiting on the loop for it."""
+    if proc.poll() is None and tries:
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().call_later(0.5, _reap, proc, tries - 1)
 
 
 def _endpoint_from(environ: Mapping[str, str]) -> str:
