@@ -16,7 +16,8 @@ EDITABLE := --config-settings editable_mode=compat
 
 # Two stamps: `make run` needs the package alone (a one-machine daemon never
 # imports Ray: 21 s and 240 MB of the venv); `make test` adds the `test`
-# extra and the `cluster` extra (PostgreSQL driver, Ray), whose tests it runs.
+# extra (which holds the `otel` one: OpenTelemetry's SDK and OTLP exporter)
+# and the `cluster` extra (PostgreSQL driver, Ray), whose tests it runs.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -95,7 +96,7 @@ man: $(VENV)/.installed
 	mkdir -p man
 	$(PY) -m supervisor.ctl.manpage > man/sessionctl.1
 
-BENCHES := spawn ipc memory limits restart persist agent hostile sandbox mcp metrics load fsync_batch idle cluster pg_batch sweep steps
+BENCHES := spawn ipc memory limits restart persist agent hostile sandbox mcp metrics load fsync_batch idle cluster pg_batch sweep steps tracing
 
 bench: $(VENV)/.installed-test
 	for b in $(BENCHES); do $(PY) bench/$$b.py || exit 1; done

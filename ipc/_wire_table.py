@@ -81,6 +81,7 @@ STRUCTS: dict[str, tuple[tuple[str, str, object], ...]] = {
         ('clients', 'int', REQUIRED),
         ('rss_bytes', 'int', REQUIRED),
         ('sandbox', 'dict[str,any]', dict),
+        ('tracing', 'dict[str,any]', dict),
     ),
 }
 

@@ -40,7 +40,8 @@ __all__ = [
     "Boot", "SandboxBoot", "Input", "InterruptTurn", "WorkerPing", "Shutdown", "PermissionAnswer",
     "SpawnResult", "MemoryHigh", "Reconfigure", "StepResult", "Resumed", "StepSaved", "ToWorker",
     "Ready", "BootFailed", "Delta", "WorkerNotice", "WorkerLimit", "Done", "Failed",
-    "Heartbeat", "WorkerPong", "AskPermission", "SpawnAgent", "StepBegun", "StepDone", "FromWorker",
+    "Heartbeat", "WorkerPong", "AskPermission", "SpawnAgent", "StepBegun", "StepDone", "SpanEvent",
+    "SpanRecord", "WorkerSpans", "FromWorker",
     # daemon <-> zygote
     "SpawnWorker", "KeepSpares", "Spawned", "Exited", "ToZygote", "FromZygote",
     # added after protocol 1 (history, logs, export/import, top)
@@ -107,6 +108,9 @@ class Send(_Msg, tag="send"):
     id: int
     session: str
     text: str
+    # W3C `traceparent` of the caller's span (ipc.traceparent): the turn's
+    # trace continues it.  "" = a trace of its own (when tracing is on).
+    traceparent: str = ""
 
 
 class Attach(_Msg, tag="attach"):
@@ -291,6 +295,10 @@ class StatsReply(_Msg, tag="stats"):
     # What confines sessions on this host: {"mode", "namespaces",
     # "landlock_abi", "seccomp", "cgroups", and "why_not" per missing one}.
     sandbox: dict[str, Any] = {}
+    # OpenTelemetry export when on (and the asker is an admin): {"exporter",
+    # "endpoint", "spans" (made), "dropped", "queued", "exporting",
+    # "exported", "failed"}; empty when tracing is off.
+    tracing: dict[str, Any] = {}
 
 
 class Pong(_Msg, tag="pong"):
@@ -477,6 +485,12 @@ class Input(_Msg, tag="input"):
     turn: int
     text: str
     resumed: Resumed | None = None
+    # The turn is traced: record spans (LLM calls, tool calls) and send
+    # them as `WorkerSpans`.  The worker learns no trace id and no
+    # collector: the daemon places its spans and alone exports them.
+    trace: bool = False
+    # With `trace`: prompts and completions go into the LLM call spans.
+    trace_content: bool = False
 
 
 class StepSaved(_Msg, tag="step_saved"):
@@ -605,6 +619,36 @@ class SpawnAgent(_Msg, tag="spawn"):
     request_id: str
     task: str
     handler: str | None = None
+    # The worker's span this spawn runs under (its spawn_agent tool call),
+    # when the turn is traced: the child's turn is traced beneath it.
+    span: int = 0
+
+
+class SpanEvent(msgspec.Struct, omit_defaults=True, kw_only=True):
+    name: str
+    at_ns: int
+    attributes: dict[str, Any] = {}
+
+
+class SpanRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One finished span of a traced turn, recorded in the worker.  The
+    daemon checks it as untrusted data (sizes, counts, times) and places
+    it in the turn's trace."""
+
+    id: int  # 64-bit span id, chosen by the worker, not 0
+    parent: int = 0  # a span of this worker's, or 0: the turn's own span
+    name: str
+    kind: int = 0  # OpenTelemetry SpanKind: 0 internal, 2 client
+    start_ns: int  # unix time, ns
+    end_ns: int
+    error: str = ""  # not "": the span failed, and why
+    attributes: dict[str, Any] = {}
+    events: list[SpanEvent] = []
+
+
+class WorkerSpans(_Msg, tag="spans"):
+    turn: int
+    spans: list[SpanRecord] = []
 
 
 class StepBegun(_Msg, tag="step_begun"):
@@ -629,7 +673,7 @@ class StepDone(_Msg, tag="step"):
 
 FromWorker = (
     Ready | BootFailed | Delta | WorkerReasoning | WorkerNotice | WorkerLimit | Done | Failed | Heartbeat
-    | WorkerPong | AskPermission | SpawnAgent | StepBegun | StepDone
+    | WorkerPong | AskPermission | SpawnAgent | StepBegun | StepDone | WorkerSpans
 )
 
 

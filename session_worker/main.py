@@ -53,7 +53,7 @@ from ipc.framing import FrameEncoder
 from ipc.linux import set_dumpable, set_pdeathsig
 from ipc.loop import run as run_loop
 from ipc.settings import SessionSettings
-from session_worker import sandbox
+from session_worker import sandbox, tracing
 from session_worker._signals import set_signal
 from session_worker.factories import load_factory
 from session_worker.errors import SpawnError, StopWhileIdle, TurnFailure
@@ -133,7 +133,8 @@ class _Context(TurnContext):
     async def spawn_agent(self, task: str, handler: str | None = None) -> str:
         request_id, fut = self._worker.new_request()
         self._worker.send(
-            m.SpawnAgent(turn=self.turn, request_id=request_id, task=task, handler=handler)
+            m.SpawnAgent(turn=self.turn, request_id=request_id, task=task, handler=handler,
+                         span=tracing.current_span_id())
         )
         result = await fut
         assert isinstance(result, m.SpawnResult)
@@ -244,11 +245,11 @@ class Worker:
     # Runs from data_received: keep it to dispatch, no awaiting.
     def on_message(self, msg: m.ToWorker) -> None:
         match msg:
-            case m.Input(turn=turn, text=text, resumed=resumed):
+            case m.Input(turn=turn, text=text):
                 if self.turn_task is not None and not self.turn_task.done():
                     self.send(m.Failed(turn=turn, reason="a turn is already running"))
                     return
-                self.turn_task = asyncio.get_running_loop().create_task(self.run_turn(turn, text, resumed))
+                self.turn_task = asyncio.get_running_loop().create_task(self.run_turn(turn, text, msg))
                 # The full pace while the turn runs, but no beat now: the
                 # daemon counts the turn's allowance from its start, and a
                 # frame now would wake it (on a busy machine, preempt us)
@@ -275,8 +276,10 @@ class Worker:
             case m.Boot():
                 log.warning("ignoring a second Boot")
 
-    async def run_turn(self, turn: int, text: str, resumed: m.Resumed | None = None) -> None:
-        ctx = self.turn_ctx = _Context(self, turn, resumed)
+    async def run_turn(self, turn: int, text: str, msg: m.Input | None = None) -> None:
+        ctx = self.turn_ctx = _Context(self, turn, msg.resumed if msg is not None else None)
+        if msg is not None and msg.trace:
+            tracing.begin_turn(turn, self.send, msg.trace_content)
         try:
             result = await self.handler.handle(text, ctx)
         except asyncio.CancelledError:

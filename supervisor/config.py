@@ -39,6 +39,7 @@ __all__ = [
     "ConfigError",
     "DaemonSettings",
     "StoreSettings",
+    "TracingSettings",
     "default_config_path",
     "default_socket_path",
     "default_state_dir",
@@ -192,10 +193,41 @@ class ClusterSettings(ConfigSection):
     auth_token_file: str = ""
 
 
+class TracingSettings(ConfigSection):
+    # OpenTelemetry traces of turns (docs/tracing.md; needs the `otel` extra:
+    # pip install 'sessiond[otel]'): "otlp" exports them over OTLP/HTTP,
+    # "none" never; empty = as OTEL_TRACES_EXPORTER says (otlp: on; unset:
+    # off). The other OTEL_* variables (endpoint, headers, service name,
+    # sampler, resource attributes) are read as every OpenTelemetry SDK
+    # reads them. Read at start, not on reload.
+    exporter: Literal["", "otlp", "none"] = ""
+    # The OTLP/HTTP traces endpoint ("http://collector:4318/v1/traces");
+    # empty = OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else
+    # OTEL_EXPORTER_OTLP_ENDPOINT + "/v1/traces", else
+    # http://localhost:4318/v1/traces.
+    endpoint: str = ""
+    # The spans' service.name; empty = OTEL_SERVICE_NAME, else "sessiond".
+    service_name: str = ""
+    # Put prompts and completions into the LLM call spans
+    # (gen_ai.input.messages, gen_ai.output.messages; up to 64 KiB each):
+    # whoever reads the traces then reads the conversations. Also on with
+    # OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true.
+    capture_content: bool = False
+    # Spans held for export while the collector is slow or down; past it
+    # new spans are dropped and counted (sessionctl stats --json), so a
+    # collector that is down never grows the daemon's memory.
+    queue_size: Annotated[int, Meta(ge=64, le=1_000_000)] = 2048
+    # Spans a turn's worker may send; past it they are dropped and counted.
+    max_spans_per_turn: Annotated[int, Meta(ge=1, le=100_000)] = 1000
+    # How long one export request to the collector may take.
+    export_timeout_secs: Annotated[float, Meta(gt=0, le=600)] = 10.0
+
+
 class Config(SessionSettings):
     daemon: DaemonSettings = msgspec.field(default_factory=DaemonSettings)
     store: StoreSettings = msgspec.field(default_factory=StoreSettings)
     cluster: ClusterSettings = msgspec.field(default_factory=ClusterSettings)
+    tracing: TracingSettings = msgspec.field(default_factory=TracingSettings)
 
     def session_settings(self) -> SessionSettings:
         return SessionSettings(
@@ -418,6 +450,9 @@ def parse_config(data: dict[str, Any], source: str) -> Config:
             f"{source}: 'cluster.backend' = \"ray\" needs 'store.backend' = \"postgres\" (with "
             "'store.dsn'): sessions move between machines, so their state cannot stay in one "
             "machine's files")
+    if cfg.tracing.endpoint and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", cfg.tracing.endpoint):
+        raise ConfigError(f"{source}: invalid value for 'tracing.endpoint': expected an http:// or "
+                          f"https:// URL (\"http://collector:4318/v1/traces\"); got {cfg.tracing.endpoint!r}")
     try:
         metrics_address(cfg.daemon.metrics_listen)
     except ValueError as exc:

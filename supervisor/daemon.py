@@ -53,7 +53,7 @@ from supervisor.config import (
     workspace_root,
 )
 from supervisor.cluster import drain, fencing, wiring as cluster
-from supervisor.ops import metrics
+from supervisor.ops import metrics, tracing_config
 from supervisor.ops.reload import Reloader
 from supervisor.core.manager import SessionManager
 from supervisor.cluster.ray_spawner import RaySpawner  # (imports Ray only when used)
@@ -532,6 +532,7 @@ def _build(
     # Connected only now, after the zygote was forked: no worker may inherit
     # the daemon's database connection.
     store, fronts = _open_store(cfg, state_dir)
+    tracer = tracing_config.build(cfg.tracing)  # (the exporter's thread: after the zygote's fork)
     manager: SessionManager
     server: ControlServer
     recorder: metrics.PrometheusRecorder | None = None
@@ -547,7 +548,7 @@ def _build(
         holds=fronts.holds if fronts is not None else fencing.Fencing(),
         open_stored=fronts.open_stored if fronts is not None else None,
         # Cluster mode: remote workers' memory as their nodes measure it.
-        remote=spawner if isinstance(spawner, RaySpawner) else None,
+        remote=spawner if isinstance(spawner, RaySpawner) else None, tracer=tracer,
     )
     drainer = drain.Drainer(manager, spawner, manager.events, manager.workers)
 
@@ -557,7 +558,7 @@ def _build(
 
     reloader = Reloader(config_path, lambda: manager.config, apply, lambda: _status_line(manager))
     server = ControlServer(manager, metrics=recorder or metrics.NO_METRICS, drain=drainer.handle,
-                           reload=reloader.reload)
+                           reload=reloader.reload, tracer=tracer)
     return _Parts(manager, server, recorder, fronts, reloader)
 
 

@@ -25,6 +25,7 @@ import psutil
 
 from session_worker import _spawn, sandbox
 from session_worker.errors import SandboxError
+from session_worker.agent import _traced
 from session_worker.agent._errors import ToolError
 
 __all__ = ["OutputCap", "kill_tree", "run_bash", "tool_environment"]
@@ -66,6 +67,11 @@ class OutputCap:
             self._tail += data
             if len(self._tail) > 2 * self._half:
                 del self._tail[: len(self._tail) - self._half]
+
+    @property
+    def cut(self) -> bool:
+        """Some of the output was not kept."""
+        return self.total > len(self._head) + min(len(self._tail), self._half)
 
     def text(self) -> str:
         tail = bytes(self._tail[-self._half :]) if self._tail else b""
@@ -226,6 +232,8 @@ async def run_bash(command: str, workspace: Path, timeout_secs: float, limit: in
         status = f"[killed by signal {-proc.returncode}]"
     else:
         status = f"[exit code: {proc.returncode}]"
+    lost = proc.lost if isinstance(proc, _Hosted) else ""
+    _traced.bash_exit(proc.returncode, timed_out, lost, cap.total, cap.cut)
     if not eof.done():
         status += "\n[a background process still holds the output open; it was not waited for]"
     if output and not output.endswith("\n"):

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from session_worker.agent import _traced
 from session_worker.agent._compaction import (
     RequestSizes,
     cut_index,
@@ -275,7 +276,8 @@ class Turn:
         rerun = call.name in self._settings.tools.rerun_after_crash
         # wait=False: the next LLM request overlaps this result's flush; the
         # next tool that acts still waits for it.
-        result = await self._ctx.step(f"tool:{call.name}:{call.id}", lambda: self._run_one(call), kind="tool",
+        result = await self._ctx.step(f"tool:{call.name}:{call.id}",
+                                      lambda: _traced.tool_call(call.id, call.name, self._run_one(call)), kind="tool",
                                       interrupted=None if rerun else _killed_result, idempotent=rerun, wait=False)
         return bool(result[0]), str(result[1])
 

@@ -68,6 +68,7 @@ from session_worker.agent._errors import (
     ProviderHTTPError,
     ProviderStreamError,
 )
+from session_worker.agent import _traced
 from session_worker.agent._dialect import dialect_for
 from session_worker.agent._sse import SSEParser
 from session_worker.agent._stream import Assembler, Completion, Delta, describe_error
@@ -173,6 +174,27 @@ class Provider:
         await self._client.aclose()
 
     async def stream_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        on_text: OnText,
+        on_retry: OnRetry | None = None,
+        deadline: float | None = None,
+        on_reasoning: OnText | None = None,
+        on_first: OnFirst | None = None,
+    ) -> Completion:
+        """`_stream_chat`, as one GenAI `chat` span when the turn is traced."""
+        with _traced.llm_span(self._settings, messages) as span:
+            if not span.recording:
+                return await self._stream_chat(messages, tools, on_text, on_retry, deadline, on_reasoning, on_first)
+            completion = await self._stream_chat(
+                messages, tools, on_text, _traced.on_retry(span, on_retry), deadline, on_reasoning,
+                _traced.on_first(span, on_first),
+            )
+            _traced.llm_done(span, completion)
+            return completion
+
+    async def _stream_chat(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,

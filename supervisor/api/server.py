@@ -54,6 +54,8 @@ from supervisor.api.accept import Acceptor
 from supervisor.errors import BadRequest, Conflict, PermissionDenied, SessiondError
 from supervisor.core.manager import SessionManager
 from supervisor.ops.metrics import NO_METRICS, Recorder
+from supervisor.ops.tracing import NO_TRACER, Tracer, TurnTrace
+from ipc.traceparent import parse_traceparent
 from supervisor.api.ratelog import RateLimitedLog
 
 __all__ = ["ControlServer"]
@@ -190,7 +192,8 @@ class ClientConn:
         (inputs, creates...) waits for the pacer (see ipc.pacing)."""
         if self._queued or isinstance(msg, _PACED):
             self._queued += 1
-            self._pacer.now_or_later(self._paced, msg)
+            # An input's trace starts here: its time in the pacer's queue counts.
+            self._pacer.now_or_later(self._paced, msg, time.time_ns() if self.server.tracer.enabled else 0)
             return
         self._handle(msg)
         if len(self._pacer):
@@ -198,18 +201,27 @@ class ClientConn:
             # (Without queued work, replies of one read still share a write.)
             self.proto.flush()
 
-    def _paced(self, msg: op.AnyRequest) -> None:
+    def _paced(self, msg: op.AnyRequest, received_ns: int = 0) -> None:
         self._queued -= 1
         if not self.proto.is_closed or (self.said_hello and isinstance(msg, _ACTIONS)):
-            self._handle(msg)
+            self._handle(msg, received_ns)
 
-    def _handle(self, msg: op.AnyRequest) -> None:
+    def _handle(self, msg: op.AnyRequest, received_ns: int = 0) -> None:
+        trace: TurnTrace | None = None
+        if self.said_hello and isinstance(msg, m.Send):
+            try:
+                trace = self._trace(msg, received_ns)
+            except BadRequest as exc:
+                reply = self._error_reply(msg, exc)
+                self.proto.send(reply)
+                self._count(msg, reply)
+                return
         if not self.said_hello:
             self._hello(msg)
-        elif isinstance(msg, m.Send) and self._send_now(msg):
+        elif isinstance(msg, m.Send) and self._send_now(msg, trace):
             pass
         elif isinstance(msg, _SLOW):
-            self.server.track(asyncio.get_running_loop().create_task(self._answer_later(msg)))
+            self.server.track(asyncio.get_running_loop().create_task(self._answer_later(msg, trace)))
         else:
             try:
                 reply = self._handle_now(msg)
@@ -220,7 +232,19 @@ class ClientConn:
             if reply is not None or not isinstance(msg, m.Ping):  # a session's pong counts when it comes
                 self._count(msg, reply)
 
-    def _send_now(self, msg: m.Send) -> bool:
+    def _trace(self, msg: m.Send, received_ns: int) -> TurnTrace | None:
+        """The input's trace (None: tracing is off); its `traceparent`
+        is checked whether or not tracing is on: it is a field of the
+        protocol, and a client's mistake should show at once."""
+        parent = None
+        if msg.traceparent:
+            try:
+                parent = parse_traceparent(msg.traceparent)
+            except ValueError as exc:
+                raise BadRequest(f"invalid traceparent: {exc}") from None
+        return self.server.tracer.request(parent, received_ns or time.time_ns())
+
+    def _send_now(self, msg: m.Send, trace: TurnTrace | None = None) -> bool:
         """An input to an idle session, started here rather than in a task
         of its own (a task's first step would run outside the pacer's
         slice).  This is `SessionManager.send` for the one case where it
@@ -249,7 +273,7 @@ class ClientConn:
             self._count(msg, reply)
 
         try:
-            durable = mgr.send_now(session, msg.text, self, on_accepted)
+            durable = mgr.send_now(session, msg.text, self, on_accepted, trace)
         except Exception as exc:
             reply = self._error_reply(msg, exc)
             self.proto.send(reply)
@@ -305,9 +329,9 @@ class ClientConn:
         log.error("request %s from %s failed", type(msg).__name__, self.name, exc_info=exc)
         return m.Error(id=rid, code=m.ErrorCode.INTERNAL, message=f"internal error: {exc}")
 
-    async def _answer_later(self, msg: op.AnyRequest) -> None:
+    async def _answer_later(self, msg: op.AnyRequest, trace: TurnTrace | None = None) -> None:
         try:
-            reply = await self._handle_later(msg)
+            reply = await self._handle_later(msg, trace)
         except Exception as exc:
             reply = self._error_reply(msg, exc)
         if reply is not None:
@@ -366,7 +390,7 @@ class ClientConn:
                 raise BadRequest("hello was already said")
         raise BadRequest(f"unsupported request {type(msg).__name__}")
 
-    async def _handle_later(self, msg: op.AnyRequest) -> Any:
+    async def _handle_later(self, msg: op.AnyRequest, trace: TurnTrace | None = None) -> Any:
         mgr = self.server.manager
         match msg:
             case m.Create(id=rid, session=sid, handler=handler, settings=settings):
@@ -379,7 +403,7 @@ class ClientConn:
                     accepted.id = rid
                     self.proto.send(accepted)
 
-                await mgr.send(mgr.get(sid, self.uid), text, self, on_accepted)
+                await mgr.send(mgr.get(sid, self.uid), text, self, on_accepted, trace)
                 return None
             case m.Stop(id=rid, session=sid):
                 await mgr.stop(mgr.get(sid, self.uid))
@@ -458,8 +482,11 @@ class ControlServer:
         metrics: Recorder = NO_METRICS,
         drain: Callable[[op.Drain, int], Awaitable[op.DrainReply]] | None = None,
         reload: Callable[[], op.ReloadReply] | None = None,
+        tracer: Tracer = NO_TRACER,
     ) -> None:
         self.manager = manager
+        # An input's trace begins where it arrives (supervisor.ops.tracing).
+        self.tracer = tracer
         # `sessionctl drain` (supervisor.cluster.drain.Drainer.handle, given by the daemon).
         self.drain = drain or _no_drain
         self.clients: set[ClientConn] = set()
@@ -618,6 +645,7 @@ class ControlServer:
             uptime_secs=time.monotonic() - self.started, sessions=len(sessions),
             by_state=by_state, live_workers=sum(1 for s in sessions if s.worker is not None),
             clients=clients, rss_bytes=rss, sandbox=self.manager.host_report(),
+            tracing=self.tracer.stats() if admin else {},
         )
 
 

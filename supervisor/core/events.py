@@ -29,6 +29,7 @@ from supervisor.config import DaemonSettings
 from supervisor.errors import Conflict
 from supervisor.ops.logtag import tagged
 from supervisor.core.session import LIFECYCLE_KEEP, Session, Subscriber
+from supervisor.ops.tracing import NO_TRACER, Tracer
 from supervisor.core.states import State, Trigger, transition
 from supervisor.store.state_store import LIFE_EVENTS_KEPT, LifeEvent, Mark, StoreError
 
@@ -55,10 +56,13 @@ def _retrieve(fut: asyncio.Future[None]) -> None:
 
 class EventLog:
     def __init__(
-        self, settings: Callable[[], DaemonSettings], sessions: Mapping[str, Session]
+        self, settings: Callable[[], DaemonSettings], sessions: Mapping[str, Session],
+        tracer: Tracer = NO_TRACER,
     ) -> None:
         self._settings = settings
         self._sessions = sessions
+        # Told every transition: a restart's span, a worker boot's.
+        self._tracer = tracer
         self._encoder = FrameEncoder()
         self.retained_bytes = 0  # all sessions' rings together
 
@@ -224,6 +228,7 @@ class EventLog:
         old = session.state
         new = transition(old, trigger)
         session.state = new
+        self._tracer.state_changed(session.id, old, new, reason, session.trace)
         self.emit(  # (logged there, with the session's fields)
             session,
             m.StateChanged(session=session.id, seq=self.next_seq(session), old=old, new=new, reason=reason),
@@ -285,6 +290,7 @@ class EventLog:
         self.retained_bytes += session.ring_bytes
 
     def forget(self, session: Session) -> None:
+        self._tracer.forget(session.id)
         self.retained_bytes -= session.ring_bytes
         session.ring.clear()
         session.ring_bytes = 0

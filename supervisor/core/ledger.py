@@ -40,6 +40,7 @@ from supervisor.core.events import EventLog
 from supervisor.ops.logtag import tagged
 from supervisor.ops.metrics import NO_METRICS, Recorder
 from supervisor.core.session import PendingInput, Session, Suspension, WorkerProc
+from supervisor.ops.tracing import NO_TRACER, Tracer, TurnTrace
 from supervisor.core.states import State, Trigger
 from supervisor.core.steps import DAEMON_STOPPED, cause_of, resumes_after, step_problem
 from supervisor.store.state_store import (
@@ -67,6 +68,7 @@ class TurnLedger:
         on_turn_ended: Callable[[Session], None],
         on_fenced: Callable[[Session, Fenced], None] | None = None,
         metrics: Recorder = NO_METRICS,
+        tracer: Tracer = NO_TRACER,
     ) -> None:
         self._events = events
         # What to do with a worker that is ahead of the disk (kill it; it
@@ -79,16 +81,19 @@ class TurnLedger:
         # (supervisor.cluster.fencing); without one, as a worker ahead of the disk.
         self.on_fenced: Callable[[Session, Fenced], None] = on_fenced or self._unsaved
         self.metrics = metrics
+        self._tracer = tracer
         # The daemon's data-plane work, in bounded slices (ipc.pacing): the
         # workers' messages and exits, flushes' completions, clients' inputs.
         self.pacer = Pacer()
 
     def begin(
-        self, session: Session, text: str, on_accepted: Callable[[m.Accepted], None] | None = None
+        self, session: Session, text: str, on_accepted: Callable[[m.Accepted], None] | None = None,
+        trace: TurnTrace | None = None,
     ) -> asyncio.Future[m.Accepted]:
         """Start a turn on the session's worker; the future resolves (and
         `on_accepted` is called, synchronously, before any later event of
-        the turn) once the input is durable."""
+        the turn) once the input is durable.  `trace`: the input's, from its
+        arrival (supervisor.ops.tracing), when tracing is on."""
         turn = session.turns + 1
         worker = session.worker
         assert worker is not None
@@ -99,7 +104,8 @@ class TurnLedger:
         except StoreError as exc:
             self._events.release(session)
             raise store_failure("input not accepted: ", exc) from None
-        worker.conn.send(m.Input(turn=turn, text=text))
+        session.trace = self._tracer.begin(session.id, turn, session.meta.handler, trace)
+        worker.conn.send(self.input_message(session, turn, text))
         worker.conn.flush()
         loop = asyncio.get_running_loop()
         accepted = m.Accepted(id=0, session=session.id, turn=turn, seq=session.seq)
@@ -210,6 +216,8 @@ class TurnLedger:
             self._commit_failed(session, worker, msg, exc)
             return
         session.committing = msg.turn
+        if session.trace is not None:
+            self._tracer.commit_started(session.trace)
         self._when_durable(session, lambda err: self._committed(session, worker, msg, err))
 
     def _commit_failed(self, session: Session, worker: WorkerProc, msg: m.Done, exc: StoreError) -> None:
@@ -236,6 +244,9 @@ class TurnLedger:
             self._commit_failed(session, worker, msg, exc)
             return
         self._input_durable(session)  # the commit's flush covered the input
+        if session.trace is not None:
+            self._tracer.ended(session.id, session.trace, done=msg)
+            session.trace = None
         add_usage(session.usage, msg.usage)
         if msg.snapshot:
             self._snapshot(session, msg.snapshot)
@@ -270,6 +281,24 @@ class TurnLedger:
             tagged(log, session.id).warning("%s (the log still holds every turn)", exc)
             return
         written.add_done_callback(lambda f: _snapshot_failed(session, f))
+
+    def worker_spans(self, session: Session, msg: m.WorkerSpans) -> None:
+        """Spans the worker recorded in the running turn (untrusted: the
+        tracer checks them), into that turn's trace."""
+        if session.trace is not None and msg.turn == session.current_turn:
+            self._tracer.worker_spans(session.trace, msg)
+
+    @staticmethod
+    def input_message(session: Session, turn: int, text: str, resumed: m.Resumed | None = None) -> m.Input:
+        """The turn's input as its worker gets it (told whether to record
+        spans): at the turn's start, and to a worker that resumes it."""
+        if session.trace is None:
+            return m.Input(turn=turn, text=text, resumed=resumed)
+        return m.Input(turn=turn, text=text, resumed=resumed, trace=True, trace_content=session.trace.content)
+
+    def resumed(self, session: Session, detail: str = "") -> None:
+        """The running turn goes on on a new worker (the resume path's hook)."""
+        self._tracer.resumed(session.trace, detail)
 
     def fail(self, session: Session, msg: m.Failed) -> None:
         if msg.turn != session.current_turn:
@@ -306,6 +335,9 @@ class TurnLedger:
         if pending is not None and pending.timer is not None:
             pending.timer.cancel()
             pending.timer = None
+        if session.trace is not None:
+            self._tracer.ended(session.id, session.trace, failed=reason)
+            session.trace = None
         self._turn_over(session, (False, reason))
         if pending is None:
             self._events.next_seq(session)
@@ -329,6 +361,8 @@ class TurnLedger:
         if pending.timer is not None:
             pending.timer.cancel()
             pending.timer = None
+        if session.trace is not None:
+            self._tracer.input_durable(session.trace, error.message if error is not None else "")
         if error is not None:
             pending.durable.set_exception(error)
             pending.durable.exception()  # retrieved by whoever awaits, if anyone
@@ -451,10 +485,12 @@ class TurnLedger:
             return
         session.suspended = None
         step = len(session.steps)
-        worker.conn.send(m.Input(turn=held.turn, text=held.text, resumed=m.Resumed(
-            reason=held.reason, cause=held.cause, step=step, running=held.running,
-            uncertain=held.uncertain, steps=list(session.steps))))
+        resumed = m.Resumed(reason=held.reason, cause=held.cause, step=step, running=held.running,
+                            uncertain=held.uncertain, steps=list(session.steps))
+        # (A traced turn's new worker records its spans too.)
+        worker.conn.send(self.input_message(session, held.turn, held.text, resumed))
         worker.conn.flush()
+        self.resumed(session, f"at step {step} after {held.reason}: {held.cause}")
         try:  # for `history`; carried by the next flush (the next step's, the commit's)
             session.store.append(Resume(turn=held.turn, step=step, reason=held.reason, cause=held.cause,
                                         at=time.time()), durable=False)

@@ -42,21 +42,14 @@ from supervisor.core.holding import Holding, Holds
 from supervisor.core.limits import ProcTable, RemoteFigures
 from supervisor.ops.logtag import tagged
 from supervisor.ops.metrics import NO_METRICS, Recorder
+from supervisor.ops.tracing import NO_TRACER, Tracer, TurnTrace
 from supervisor.core.overrides import OverrideError, choose_handler, resolve_overrides
 from supervisor.spawn.seams import Spawner
 from supervisor.core.session import Session, Subscriber, damaged_hint, valid_session_id
 from supervisor.core.slots import LiveSlots
 from supervisor.core.states import LIVE, State, Trigger
 from supervisor.store.state_store import (
-    DamagedLog,
-    LoadedSession,
-    Meta,
-    RepairMode,
-    RepairResult,
-    SessionLog,
-    StateStore,
-    StoreDamaged,
-    StoreError,
+    DamagedLog, LoadedSession, Meta, RepairMode, RepairResult, SessionLog, StateStore, StoreDamaged, StoreError,
 )
 from supervisor.store.files import FileStateStore
 from supervisor.core.subagents import Subagents
@@ -86,6 +79,7 @@ class SessionManager:
         holds: Holds | None = None,
         open_stored: Callable[[str], tuple[SessionLog, LoadedSession]] | None = None,
         remote: RemoteFigures | None = None,
+        tracer: Tracer = NO_TRACER,
     ) -> None:
         self.config = config
         self.state_dir = state_dir
@@ -111,17 +105,17 @@ class SessionManager:
         # timer and has the workers kill a worker ahead of the disk) go
         # through this manager, to parts it builds after the ledger.
         self.workspaces = Workspaces(current, state_dir, run_as, session_uids)
-        self.events = EventLog(lambda: self.config.daemon, self.sessions)
+        self.events = EventLog(lambda: self.config.daemon, self.sessions, tracer)
         self.ledger = TurnLedger(
             self.events,
             on_unsaved=lambda session, worker, why: self.workers.kill(session, worker, ExitReason.CRASHED, why),
             on_turn_started=lambda session, turn: self.sweeper.arm_turn_timer(session, turn),
             on_turn_ended=lambda session: self.sweeper.disarm_turn(session),
             on_fenced=(lambda session, exc: holds.fenced(self.holding, session, exc)) if holds is not None else None,
-            metrics=metrics,
+            metrics=metrics, tracer=tracer,
         )
         self.slots = LiveSlots(current, self.sessions, self.is_admin, self._hibernating, self._hibernate)
-        self.subagents = Subagents(self, self.sessions)
+        self.subagents = Subagents(self, self.sessions, tracer)
         self.workers = WorkerOwner(
             current, spawner, self.events, self.ledger, self.proc_table, self.workspaces, self.spawn_task,
             closing=closing, make_room=self.slots.make_room,
@@ -423,9 +417,11 @@ class SessionManager:
         text: str,
         subscriber: Subscriber | None,
         on_accepted: Callable[[m.Accepted], None] | None = None,
+        trace: TurnTrace | None = None,
     ) -> m.Accepted:
         """Start a turn; returns once its input is durable.  `on_accepted`
-        is called at that moment, before any later event of the turn."""
+        is called at that moment, before any later event of the turn
+        (`trace`: the input's, supervisor.ops.tracing)."""
         if self._closing:
             raise Conflict("the daemon is shutting down; no new turns")
         async with session.lock:
@@ -462,10 +458,11 @@ class SessionManager:
                                f"`sessionctl restart {session.id}` starts it again")
             case _:
                 raise Conflict(f"session {session.id} is {session.state}")
-        return await self._begin(session, text, subscriber, on_accepted)
+        return await self._begin(session, text, subscriber, on_accepted, trace)
 
     def send_now(
-        self, session: Session, text: str, subscriber: Subscriber, on_accepted: Callable[[m.Accepted], None]
+        self, session: Session, text: str, subscriber: Subscriber, on_accepted: Callable[[m.Accepted], None],
+        trace: TurnTrace | None = None,
     ) -> asyncio.Future[m.Accepted] | None:
         """`send` for the one case where it would not wait (not shutting
         down, no lock held, the session idle): the turn begins now, inside
@@ -473,13 +470,13 @@ class SessionManager:
         is durable.  None: call `send`."""
         if self._closing or session.lock.locked() or session.state is not State.IDLE:
             return None
-        return self._begin(session, text, subscriber, on_accepted)
+        return self._begin(session, text, subscriber, on_accepted, trace)
 
     def _begin(self, session: Session, text: str, subscriber: Subscriber | None,
-               on_accepted: Callable[[m.Accepted], None] | None) -> asyncio.Future[m.Accepted]:
+               on_accepted: Callable[[m.Accepted], None] | None, trace: TurnTrace | None) -> asyncio.Future[m.Accepted]:
         if subscriber is not None:
             self.events.hold(session, subscriber)  # released once Accepted is written
-        return self.ledger.begin(session, text, on_accepted)
+        return self.ledger.begin(session, text, on_accepted, trace)
 
     def attach(self, session: Session, subscriber: Subscriber, from_seq: int | None) -> int:
         return self.events.attach(session, subscriber, from_seq)

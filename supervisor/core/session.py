@@ -14,7 +14,7 @@ each own some of its fields, and only they write them:
                                   prompt_tokens, completion_tokens,
                                   reasoning_tokens; restored from the log),
                                   committing, steps, step_bytes,
-                                  step_running, suspended
+                                  step_running, suspended, trace
     WorkerOwner    (workers.py)   worker, last_exit, restarts, policy,
                                   restart_handle, pings
     Sweeper        (sweep.py)     memory, turn_timer, kill_timer
@@ -43,6 +43,7 @@ from ipc.inputs import valid_session_id
 from ipc.settings import SessionSettings
 from supervisor.errors import SessiondError
 from supervisor.core.limits import SessionMemory
+from supervisor.ops.tracing import TurnTrace
 from supervisor.core.states import RestartPolicy, State
 from supervisor.store.state_store import Meta, SessionLog
 
@@ -169,6 +170,8 @@ class Session:
     # DAMAGED with no readable metadata: meta is a stand-in.
     meta_lost: bool = False
     usage: dict[str, int] = field(default_factory=dict)
+    # The running turn's trace, when tracing is on (supervisor.ops.tracing).
+    trace: TurnTrace | None = None
     # Lifecycle events with their unix time, for `sessionctl logs`: those
     # of earlier daemons as the log kept them (a turn's own running and
     # back are kept only since this daemon started), then this one's.

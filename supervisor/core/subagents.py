@@ -14,12 +14,14 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from ipc import messages as m
 from supervisor.errors import BadRequest, Conflict, Internal, LimitError, SessiondError
 from supervisor.ops.logtag import tagged
+from supervisor.ops.tracing import NO_TRACER, SubagentTrace, Tracer, TurnTrace
 from supervisor.core.session import Session, Subscriber, WorkerProc
 
 __all__ = ["SessionHost", "Subagents"]
@@ -35,7 +37,7 @@ class SessionHost(Protocol):
 
     async def send(
         self, session: Session, text: str, subscriber: Subscriber | None,
-        on_accepted: Callable[[m.Accepted], None] | None = None,
+        on_accepted: Callable[[m.Accepted], None] | None = None, trace: TurnTrace | None = None,
     ) -> m.Accepted: ...
 
     def interrupt(self, session: Session) -> None: ...
@@ -44,20 +46,25 @@ log = logging.getLogger("sessiond.manager")
 
 
 class Subagents:
-    def __init__(self, manager: SessionHost, sessions: Mapping[str, Session]) -> None:
+    def __init__(self, manager: SessionHost, sessions: Mapping[str, Session], tracer: Tracer = NO_TRACER) -> None:
         self._manager = manager
         self._sessions = sessions
+        self._tracer = tracer
 
     async def run(self, parent: Session, worker: WorkerProc, msg: m.SpawnAgent) -> None:
         """Answer the worker's SpawnAgent with the child's reply or why not."""
+        # Its span, under the worker's spawn_agent call, when the turn is traced.
+        traced = self._tracer.subagent(parent.trace, msg.span, msg.handler or parent.meta.handler)
         try:
-            reply = await self._reply(parent, msg)
+            reply = await self._reply(parent, msg, traced)
             result = m.SpawnResult(request_id=msg.request_id, ok=True, reply=reply)
         except SessiondError as exc:
             result = m.SpawnResult(request_id=msg.request_id, ok=False, reason=exc.message)
         except Exception as exc:  # never let one spawn take the daemon down
             tagged(log, parent.id).exception("sub-agent failed")
             result = m.SpawnResult(request_id=msg.request_id, ok=False, reason=f"internal error: {exc}")
+        if traced is not None:
+            traced.end(result.reason)
         if parent.worker is worker:
             worker.conn.send(result)
 
@@ -75,7 +82,7 @@ class Subagents:
                 return child_id
         raise Conflict(f"no free id for a sub-agent of {parent.id}")
 
-    async def _reply(self, parent: Session, msg: m.SpawnAgent) -> str:
+    async def _reply(self, parent: Session, msg: m.SpawnAgent, traced: SubagentTrace | None = None) -> str:
         limits = parent.settings.agent.subagents
         if parent.meta.depth + 1 > limits.max_depth:
             raise LimitError(f"sub-agent refused: max_depth {limits.max_depth} reached")
@@ -96,6 +103,7 @@ class Subagents:
                 "([agent.subagents] allowed_handlers)"
             )
         root.spawned += 1
+        asked = time.time_ns()  # the child's queue span counts its creation and boot
         child = await self._manager.create(
             parent.meta.owner_uid, self._child_id(parent), handler,
             dict(parent.meta.overrides), parent=parent,
@@ -107,7 +115,11 @@ class Subagents:
             # turn's end (a quick child may be done before send() returns).
             child.turn_results[accepted.turn] = fut
 
-        await self._manager.send(child, msg.task, None, register)
+        trace = None
+        if traced is not None:
+            traced.child(child.id)
+            trace = traced.turn(asked)
+        await self._manager.send(child, msg.task, None, register, trace)
         try:
             ok, text = await asyncio.wait_for(asyncio.shield(fut), limits.child_timeout_secs)
         except asyncio.TimeoutError:

@@ -324,6 +324,8 @@ class WorkerOwner:
                 self._ledger.commit(session, worker, msg)
             case m.Failed():
                 self._ledger.fail(session, msg)
+            case m.WorkerSpans():
+                self._ledger.worker_spans(session, msg)
             case m.Ready(sandbox=report):
                 worker.sandbox = report
                 worker.uses_steps = msg.uses_steps

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -19,6 +20,7 @@ from typing import Any
 from ipc import messages as m
 from ipc.contract import SESSION_STATES
 from ipc.loop import run as run_loop
+from ipc.traceparent import parse_traceparent
 from supervisor import __version__
 from supervisor.ctl.client import AsyncClient
 from supervisor.ctl.errors import DaemonUnavailable, RequestError
@@ -93,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("id")
     p.add_argument("text")
     p.add_argument("--reasoning", action="store_true", help=_REASONING_HELP)
+    p.add_argument("--traceparent", metavar="TRACEPARENT",
+                   help="continue this W3C trace in the turn's trace (default: $TRACEPARENT)")
     p = add("attach", "stream a session's events")
     p.add_argument("id")
     p.add_argument("--reasoning", action="store_true", help=_REASONING_HELP)
@@ -245,7 +249,24 @@ async def _create(client: AsyncClient, args: argparse.Namespace, as_json: bool) 
 
 
 async def _send_command(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
-    return await send_interruptibly(client, args.id, args.text, as_json)
+    traceparent = args.traceparent
+    if traceparent is None:
+        # As OpenTelemetry passes a trace to a child process: $TRACEPARENT.
+        # One that is not valid is ignored (W3C Trace Context says so), and said.
+        traceparent = os.environ.get("TRACEPARENT", "").strip()
+        try:
+            if traceparent:
+                parse_traceparent(traceparent)
+        except ValueError as exc:
+            print(f"sessionctl: ignoring $TRACEPARENT: {exc}", file=sys.stderr)
+            traceparent = ""
+    else:
+        try:
+            parse_traceparent(traceparent)
+        except ValueError as exc:
+            print(f"sessionctl: --traceparent: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    return await send_interruptibly(client, args.id, args.text, as_json, traceparent)
 
 
 async def _attach(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:

@@ -223,14 +223,17 @@ class AsyncClient:
         )
         return reply.session
 
-    async def send(self, session: str, text: str) -> AsyncIterator[Event]:
+    async def send(self, session: str, text: str, traceparent: str = "") -> AsyncIterator[Event]:
         """Send an input and yield the events of its turn, ending with
-        TurnDone or TurnFailed."""
+        TurnDone or TurnFailed.  `traceparent` (W3C Trace Context, e.g. the
+        caller's current span, `opentelemetry.propagate.inject(carrier)`
+        then `carrier["traceparent"]`): the turn's trace continues it,
+        when the daemon traces turns."""
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._streams.setdefault(session, []).append(q)
         try:
             accepted = await self._request(
-                m.Send(id=self._next_id(), session=session, text=text), m.Accepted
+                m.Send(id=self._next_id(), session=session, text=text, traceparent=traceparent), m.Accepted
             )
             while True:
                 ev = await q.get()
@@ -246,9 +249,9 @@ class AsyncClient:
         finally:
             self._drop_stream(session, q)
 
-    async def send_text(self, session: str, text: str) -> str:
+    async def send_text(self, session: str, text: str, traceparent: str = "") -> str:
         """Send an input and return the whole reply; raises TurnFailedError."""
-        async for ev in self.send(session, text):
+        async for ev in self.send(session, text, traceparent):
             if isinstance(ev, TurnDone):
                 return ev.reply
             if isinstance(ev, TurnFailed):
@@ -401,11 +404,11 @@ class Client:
         result: SessionInfo = self._run(self._client.create(session, handler, settings))
         return result
 
-    def send(self, session: str, text: str) -> Iterator[Event]:
-        return self._iterate(self._client.send(session, text))
+    def send(self, session: str, text: str, traceparent: str = "") -> Iterator[Event]:
+        return self._iterate(self._client.send(session, text, traceparent))
 
-    def send_text(self, session: str, text: str) -> str:
-        result: str = self._run(self._client.send_text(session, text))
+    def send_text(self, session: str, text: str, traceparent: str = "") -> str:
+        result: str = self._run(self._client.send_text(session, text, traceparent))
         return result
 
     def send_input(self, session: str, text: str) -> m.Accepted:

@@ -593,8 +593,8 @@ def _run(args: _Args) -> int:
             text = json_text(reply["session"]) + "\n"
         case "stats":
             if not as_json:
-                if not _json_native(reply["sandbox"]):
-                    raise _Unsure("sandbox: not plain data")
+                if not _json_native(reply["sandbox"]) or not _json_native(reply.get("tracing", {})):
+                    raise _Unsure("sandbox or tracing: not plain data")
                 print_stats(reply)
                 return EXIT_OK
             del reply["id"]  # the request's number on the wire, not a figure (as the full path)

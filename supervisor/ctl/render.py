@@ -171,7 +171,7 @@ def print_status(s: dict[str, Any]) -> None:
 
 
 def print_stats(stats: dict[str, Any]) -> None:
-    """`stats`: the daemon in three lines."""
+    """`stats`: the daemon in three lines (a fourth when tracing is on)."""
     print(f"sessiond {stats['version']}, pid {stats['pid']}, up {stats['uptime_secs']:.0f}s, "
           f"rss {fmt_bytes(stats['rss_bytes'])}")
     states = ", ".join(f"{n} {k}" for k, n in sorted(stats["by_state"].items()))
@@ -179,6 +179,11 @@ def print_stats(stats: dict[str, Any]) -> None:
           f"workers, {stats['clients']} clients")
     if stats["sandbox"]:
         print(sandbox_line(stats["sandbox"]))
+    tracing = stats.get("tracing")
+    if tracing:  # (an admin's view, with tracing on: docs/tracing.md)
+        print(f"tracing: {tracing.get('exporter')} to {tracing.get('endpoint')}: {tracing.get('spans')} spans, "
+              f"{tracing.get('exported')} exported, {tracing.get('queued')} queued, "
+              f"{tracing.get('dropped')} dropped, {tracing.get('failed')} failed")
 
 
 def pong_text(session: str | None, pid: int, rtt_ms: float) -> str:

@@ -151,7 +151,8 @@ _STOP_TEXT: dict[str, str] = {
 
 
 
-async def send_interruptibly(client: AsyncClient, session: str, text: str, as_json: bool) -> int:
+async def send_interruptibly(client: AsyncClient, session: str, text: str, as_json: bool,
+                             traceparent: str = "") -> int:
     """`send`, where Ctrl-C means what a user expects: the first interrupts
     the turn (its LLM calls and tools stop; the partial reply is kept and
     printed), a second one detaches and leaves the turn to the daemon.
@@ -164,8 +165,8 @@ async def send_interruptibly(client: AsyncClient, session: str, text: str, as_js
     try:
         loop.add_signal_handler(signal.SIGINT, sigints.put_nowait, None)
     except (NotImplementedError, RuntimeError, ValueError):
-        return await _send(client, session, text, as_json)  # not the main thread: plain Ctrl-C
-    stream = asyncio.ensure_future(_send(client, session, text, as_json))
+        return await _send(client, session, text, as_json, traceparent)  # not the main thread: plain Ctrl-C
+    stream = asyncio.ensure_future(_send(client, session, text, as_json, traceparent))
     interrupted = False
     try:
         while True:
@@ -196,14 +197,14 @@ async def send_interruptibly(client: AsyncClient, session: str, text: str, as_js
                 await stream
 
 
-async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> int:
+async def _send(client: AsyncClient, session: str, text: str, as_json: bool, traceparent: str = "") -> int:
     interactive = sys.stdin.isatty() and not as_json
     same_terminal = sys.stdout.isatty() and sys.stderr.isatty()
     asks: set[asyncio.Task[None]] = set()
     ended_with_newline = True
     streamed: list[str] = []
     cut_by: str | None = None
-    async for ev in client.send(session, text):
+    async for ev in client.send(session, text, traceparent):
         if as_json:
             print(event_json(ev), flush=True)
         match ev:

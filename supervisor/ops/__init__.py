@@ -1,5 +1,7 @@
 """Operations (run by sessiond): systemd's notify protocol, the Prometheus
-metrics and the log lines' session tags.
+metrics, the log lines' session tags and the turns' OpenTelemetry traces
+(tracing.py: what the parts tell the tracer; otel.py: the exporting one,
+imported only when tracing is on).
 
 Leaves the rest of the daemon reports through.  May import: ipc/,
 supervisor.config and supervisor.errors; metrics.py also reads

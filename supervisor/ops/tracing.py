@@ -1,0 +1,107 @@
+"""Turn traces: what the daemon's parts tell the tracer, and the tracer that
+does nothing (the default: tracing is off unless configured).
+
+Runs in the daemon's loop.  One trace per turn (docs/tracing.md):
+
+    sessiond.turn                      from the input's arrival to TurnDone/TurnFailed
+    ├─ sessiond.queue                  arrival → the worker has the input
+    │  └─ sessiond.worker.start        a hibernated session revived for it
+    ├─ sessiond.input.durable          the input's append and fsync → Accepted
+    ├─ chat MODEL, execute_tool NAME   recorded by the worker (WorkerSpans)
+    │  └─ invoke_agent CHILD           spawn_agent: the child's turn, on its own worker
+    │     └─ sessiond.turn ...
+    ├─ sessiond.commit.durable         Done → its append and fsync → TurnDone
+    └─ sessiond.restart                the worker died during the turn: until it is back
+
+The parts call a `Tracer` they are built with, as they call the metrics
+`Recorder`: the control socket (`request`, at an input's arrival), the
+ledger (`begin`, `input_durable`, `commit_started`, `ended`), the
+workers' owner (`worker_spans`), the event log (`state_changed`: restarts,
+worker boots), sub-agents (`subagent`) and a resumed turn (`resumed`).
+`TurnTrace` is the ledger's handle on a turn's trace (`Session.trace`).
+`supervisor.ops.tracing_config.build` makes the OpenTelemetry one
+(`supervisor.ops.otel`, the `otel` extra) when the config or the standard
+OTEL_* variables ask for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ipc import messages as m
+from ipc.traceparent import TraceParent
+
+__all__ = ["NO_TRACER", "SubagentTrace", "Tracer", "TurnTrace"]
+
+
+@dataclass(slots=True, eq=False)
+class TurnTrace:
+    """An input on its way to becoming a turn, then the turn's trace."""
+
+    received_ns: int  # when the input arrived (the queue span starts there)
+    parent: TraceParent | None = None  # the client's span, or the spawning tool call's
+    # Set by the tracer once the turn began: whether the worker records
+    # spans, and the implementation's own state (its spans).
+    recording: bool = False
+    content: bool = False
+    spans: Any = None
+
+
+class SubagentTrace:
+    """A sub-agent's span: its child session's turn is traced beneath it."""
+
+    def turn(self, received_ns: int) -> TurnTrace | None:
+        return None
+
+    def child(self, session_id: str) -> None:
+        pass
+
+    def end(self, error: str = "") -> None:
+        pass
+
+
+class Tracer:
+    """Does nothing: tracing is off.  `supervisor.ops.otel.OtelTracer` is the
+    one that records."""
+
+    enabled = False
+
+    def request(self, parent: TraceParent | None, received_ns: int) -> TurnTrace | None:
+        """An input arrived (None: not traced)."""
+        return None
+
+    def begin(self, session_id: str, turn: int, handler: str, trace: TurnTrace | None) -> TurnTrace | None:
+        """The turn begins: its input is appended and sent to the worker."""
+        return None
+
+    def input_durable(self, trace: TurnTrace, error: str = "") -> None:
+        pass
+
+    def commit_started(self, trace: TurnTrace) -> None:
+        pass
+
+    def ended(self, session_id: str, trace: TurnTrace, failed: str = "", done: m.Done | None = None) -> None:
+        """TurnDone (`done`) or TurnFailed (`failed`, the reason)."""
+
+    def worker_spans(self, trace: TurnTrace, msg: m.WorkerSpans) -> None:
+        pass
+
+    def state_changed(self, session_id: str, old: str, new: str, reason: str, trace: TurnTrace | None) -> None:
+        pass
+
+    def subagent(self, trace: TurnTrace | None, span_id: int, handler: str) -> SubagentTrace | None:
+        return None
+
+    def resumed(self, trace: TurnTrace | None, detail: str = "") -> None:
+        """A turn goes on on a new worker from its last durable step (the
+        resume path calls this once the new worker has the turn)."""
+
+    def forget(self, session_id: str) -> None:
+        """The session is gone (removed, or its create failed)."""
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+NO_TRACER = Tracer()

@@ -1,0 +1,61 @@
+"""Whether turns are traced, and the tracer that does it (run by sessiond at
+start, in `_build`).
+
+Off unless configured: `[tracing] exporter = "otlp"`, or, with the key
+unset, the standard OTEL_TRACES_EXPORTER=otlp, as every OpenTelemetry SDK
+reads it (and OTEL_SDK_DISABLED=true turns it off).  The OpenTelemetry
+packages (the `otel` extra) are imported only then.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+from supervisor.config import TracingSettings
+from supervisor.errors import StartupError
+from supervisor.ops.tracing import NO_TRACER, Tracer
+
+__all__ = ["build", "wanted"]
+
+log = logging.getLogger("sessiond")
+
+_ON = {"otlp"}
+# What the exporter process imports (the `otel` extra); the daemon imports none of it.
+_NEEDED = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http.trace_exporter")
+
+
+def wanted(settings: TracingSettings, environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    """Tracing is on: `[tracing] exporter = "otlp"`, or, with it unset,
+    OTEL_TRACES_EXPORTER names otlp (and OTEL_SDK_DISABLED is not true)."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    if settings.exporter:
+        return settings.exporter == "otlp"
+    names = {n.strip().lower() for n in environ.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()}
+    others = names - _ON - {"none"}
+    if others:
+        log.warning("OTEL_TRACES_EXPORTER names %s: sessiond exports traces over OTLP/HTTP only (otlp)",
+                    ", ".join(sorted(others)))
+    return bool(names & _ON) and "none" not in names
+
+
+def build(settings: TracingSettings) -> Tracer:
+    """The tracer the config asks for.  Call after the zygote is forked:
+    the exporter runs a thread."""
+    if not wanted(settings):
+        return NO_TRACER
+    for module in _NEEDED:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:
+            found = False
+        if not found:
+            raise StartupError(
+                f"tracing is on ([tracing] exporter or OTEL_TRACES_EXPORTER) but OpenTelemetry is not "
+                f"installed ({module}): pip install 'sessiond[otel]'"
+            )
+    from supervisor.ops.otel import OtelTracer
+
+    return OtelTracer(settings)
