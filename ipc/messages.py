@@ -1,6 +1,7 @@
 """Every message sessiond puts on a socket, as tagged msgspec Structs.
 
-Three links, each with one union per direction:
+Three links, each with one union per direction (the zygote's in
+ipc/zygote_wire.py):
 
     client  --Request-->   daemon  --ToWorker-->   worker
     client  <--Reply---    daemon  <--FromWorker-- worker
@@ -42,8 +43,7 @@ __all__ = [
     "Ready", "BootFailed", "Delta", "WorkerNotice", "WorkerLimit", "Done", "Failed",
     "Heartbeat", "WorkerPong", "AskPermission", "SpawnAgent", "StepBegun", "StepDone", "SpanEvent",
     "SpanRecord", "WorkerSpans", "FromWorker",
-    # daemon <-> zygote
-    "SpawnWorker", "KeepSpares", "Spawned", "Exited", "ToZygote", "FromZygote",
+    # daemon <-> zygote: ipc/zygote_wire.py
     # added after protocol 1 (history, logs, export/import, top)
 ]
 
@@ -675,35 +675,3 @@ FromWorker = (
     Ready | BootFailed | Delta | WorkerReasoning | WorkerNotice | WorkerLimit | Done | Failed | Heartbeat
     | WorkerPong | AskPermission | SpawnAgent | StepBegun | StepDone | WorkerSpans
 )
-
-
-# ---------------------------------------------------------------- daemon <-> zygote
-
-
-class SpawnWorker(_Msg, tag="spawn"):
-    """Hand over a worker: a spare one if there is one, else a new fork."""
-
-    token: int
-
-
-class KeepSpares(_Msg, tag="spares"):
-    """How many booted-but-unassigned workers to keep ready."""
-
-    count: int
-
-
-class Spawned(_Msg, tag="spawned"):
-    """Sent with the daemon's end of the worker's socket attached (SCM_RIGHTS)."""
-
-    token: int
-    pid: int
-
-
-class Exited(_Msg, tag="exited"):
-    pid: int
-    code: int | None = None
-    signal: int | None = None
-
-
-ToZygote = SpawnWorker | KeepSpares
-FromZygote = Spawned | Exited

@@ -55,12 +55,13 @@ import setproctitle
 
 from ipc import logfields
 from ipc import messages as m
+from ipc import zygote_wire as zw
 from ipc.linux import set_child_subreaper, set_dumpable, set_pdeathsig
 from session_worker._signals import set_signal
 
 __all__ = ["Zygote", "zygote_main"]
 
-_to_zygote = msgspec.msgpack.Decoder(m.ToZygote)
+_to_zygote = msgspec.msgpack.Decoder(zw.ToZygote)
 _encode = msgspec.msgpack.Encoder().encode
 _MAX_PACKET = 4096
 # After a worker is killed, look for its orphans this long, this often:
@@ -209,9 +210,9 @@ class Zygote:
             if not data:
                 return False
             match _to_zygote.decode(data):
-                case m.KeepSpares(count=count):
+                case zw.KeepSpares(count=count):
                     self._keep(count)
-                case m.SpawnWorker(token=token):
+                case zw.SpawnWorker(token=token):
                     self._spawn(token)
         return True
 
@@ -231,7 +232,7 @@ class Zygote:
             pid, ours, pidfd = self.fork_worker(spare=False)
         self.workers[pid] = token
         try:
-            socket.send_fds(self.sock, [_encode(m.Spawned(token=token, pid=pid))],
+            socket.send_fds(self.sock, [_encode(zw.Spawned(token=token, pid=pid))],
                             [ours.fileno(), pidfd])
         finally:
             ours.close()
@@ -282,7 +283,7 @@ class Zygote:
                 continue
             if self.workers.pop(pid, None) is None:
                 continue  # an orphaned tool process we adopted as subreaper
-            exited = m.Exited(pid=pid, code=code) if code >= 0 else m.Exited(pid=pid, signal=-code)
+            exited = zw.Exited(pid=pid, code=code) if code >= 0 else zw.Exited(pid=pid, signal=-code)
             with contextlib.suppress(OSError):
                 self.sock.send(_encode(exited))
             if code < 0:

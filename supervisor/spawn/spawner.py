@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 import msgspec
 
 from ipc import messages as m
+from ipc import zygote_wire as zw
 from supervisor.spawn.pidfd import PidFd
 from supervisor.errors import ZygoteDied
 
@@ -42,7 +43,7 @@ __all__ = ["ZygoteBackoff", "ZygoteSpawner"]
 
 log = logging.getLogger("sessiond.zygote")
 
-_from_zygote = msgspec.msgpack.Decoder(m.FromZygote)
+_from_zygote = msgspec.msgpack.Decoder(zw.FromZygote)
 _encode = msgspec.msgpack.Encoder().encode
 _MAX_PACKET = 4096
 _SIGKILL = signal.SIGKILL  # (the spawner has a method named `signal`)
@@ -189,7 +190,7 @@ class ZygoteSpawner:
                 self._lost()
                 return
             match _from_zygote.decode(data):
-                case m.Spawned(token=token, pid=pid):
+                case zw.Spawned(token=token, pid=pid):
                     fut = self._pending.pop(token, None)
                     if len(fds) != 2:
                         log.error("the zygote sent %d fds for worker %d, not its socket and pidfd",
@@ -206,7 +207,7 @@ class ZygoteSpawner:
                     else:  # nobody waits for it any more
                         conn.close()
                         self.signal(pid, signal.SIGKILL)
-                case m.Exited(pid=pid, code=code, signal=sig):
+                case zw.Exited(pid=pid, code=code, signal=sig):
                     self.on_exit(pid, code, sig)
                     self._retire(pid)
 
@@ -296,7 +297,7 @@ class ZygoteSpawner:
             return fut
         self._tokens += 1
         try:
-            self._sock.send(_encode(m.SpawnWorker(token=self._tokens)))
+            self._sock.send(_encode(zw.SpawnWorker(token=self._tokens)))
         except OSError as exc:
             fut.set_exception(ZygoteDied(f"cannot reach the zygote: {exc}"))
             return fut
@@ -311,7 +312,7 @@ class ZygoteSpawner:
         self._spares = count
         if self._sock is not None:
             with contextlib.suppress(OSError):
-                self._sock.send(_encode(m.KeepSpares(count=count)))
+                self._sock.send(_encode(zw.KeepSpares(count=count)))
 
     def signal(self, pid: int, sig: int) -> None:
         """Signal a worker's whole process group (the worker and its tools),
