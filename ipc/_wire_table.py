@@ -52,6 +52,7 @@ STRUCTS: dict[str, tuple[tuple[str, str, object], ...]] = {
         ('sandbox', 'dict[str,any]', dict),
         ('node', 'str?', None),
         ('disk_bytes', 'int?', None),
+        ('budget', 'dict[str,any]', dict),
     ),
     'exit': (
         ('reason', 'str', REQUIRED),

@@ -57,6 +57,8 @@ class LimitKind(enum.StrEnum):
     TOOL_CALLS = "tool_calls"
     PROCESSES = "processes"
     DISK = "disk"  # max_disk_mb, in MiB
+    # A ceiling of [agent.budget]: LimitExceeded.ceiling names it, .unit says in what.
+    BUDGET = "budget"
 
 
 class StopReason(enum.StrEnum):

@@ -38,8 +38,8 @@ __all__ = [
     "PermissionRequest", "Gap", "Lagged", "Event", "Reply", "EVENT_TYPES",
     # daemon <-> worker
     "Boot", "SandboxBoot", "Input", "InterruptTurn", "WorkerPing", "Shutdown", "PermissionAnswer",
-    "SpawnResult", "MemoryHigh", "Reconfigure", "ToWorker",
-    "Ready", "BootFailed", "Delta", "WorkerNotice", "WorkerLimit", "Done", "Failed",
+    "SpawnResult", "MemoryHigh", "Reconfigure", "BudgetUpdate", "ToWorker",
+    "Ready", "BootFailed", "Delta", "WorkerNotice", "WorkerLimit", "Spent", "Done", "Failed",
     "Heartbeat", "WorkerPong", "AskPermission", "SpawnAgent", "FromWorker",
     # daemon <-> zygote
     "SpawnWorker", "KeepSpares", "Spawned", "Exited", "ToZygote", "FromZygote",
@@ -244,6 +244,11 @@ class SessionInfo(_Msg, tag="session"):
     # Blocks its workspace held at the sweep's last walk of it (max_disk_mb);
     # None when not measured (no quota, or no walk since its worker started).
     disk_bytes: int | None = None
+    # Its [agent.budget] figures: {"spent": by measure (its turns and the
+    # running one), "turn": the running turn's, "ceilings": [{"ceiling",
+    # "used", "limit", "unit"}, ...] for each ceiling set; with a uid
+    # ceiling also "uid_spent"}.  Empty for a session no daemon holds here.
+    budget: dict[str, Any] = {}
 
 
 class Created(_Msg, tag="created"):
@@ -361,9 +366,12 @@ class StateChanged(_Msg, tag="state"):
 class LimitExceeded(_Msg, tag="limit"):
     session: str
     seq: int
-    kind: str  # memory, memory_high, turn_timeout, heartbeat, turns, restarts
+    kind: str  # memory, memory_high, turn_timeout, heartbeat, turns, restarts, budget...
     value: float
     limit: float
+    # kind "budget": which ceiling (its config key) and the unit of value and limit.
+    ceiling: str = ""
+    unit: str = ""
 
 
 class Notice(_Msg, tag="notice"):
@@ -451,6 +459,19 @@ class Boot(_Msg, tag="boot"):
 class Input(_Msg, tag="input"):
     turn: int
     text: str
+    # What counts against the session's [agent.budget] ceilings besides
+    # the turn's own calls (ipc.budget): the session's turns before this
+    # one, and the other sessions of its uid (sent only with a uid ceiling).
+    spent: dict[str, int] = {}
+    uid_spent: dict[str, int] = {}
+
+
+class BudgetUpdate(_Msg, tag="budget"):
+    """Other sessions of the uid spent more while this turn runs: their
+    total now (Input.uid_spent), for the next check of a uid ceiling."""
+
+    turn: int
+    uid_spent: dict[str, int] = {}
 
 
 class InterruptTurn(_Msg, tag="interrupt"):
@@ -490,7 +511,7 @@ class Reconfigure(_Msg, tag="reconfigure"):
 
 ToWorker = (
     Boot | Input | InterruptTurn | WorkerPing | Shutdown | PermissionAnswer | SpawnResult
-    | MemoryHigh | Reconfigure
+    | MemoryHigh | Reconfigure | BudgetUpdate
 )
 
 
@@ -529,6 +550,18 @@ class WorkerLimit(_Msg, tag="limit"):
     kind: str
     value: float
     limit: float
+    ceiling: str = ""  # as LimitExceeded's
+    unit: str = ""
+
+
+class Spent(_Msg, tag="spent"):
+    """After each LLM call: what the running turn spent so far (usage keys
+    plus `llm_calls`; cumulative, so a repeat or a resumed turn's replay
+    never counts twice).  The daemon counts it against the uid's ceilings
+    at once, and, should the turn not commit, into the session's."""
+
+    turn: int
+    spend: dict[str, int] = {}
 
 
 class Done(_Msg, tag="done"):
@@ -572,7 +605,7 @@ class SpawnAgent(_Msg, tag="spawn"):
 
 FromWorker = (
     Ready | BootFailed | Delta | WorkerReasoning | WorkerNotice | WorkerLimit | Done | Failed | Heartbeat
-    | WorkerPong | AskPermission | SpawnAgent
+    | WorkerPong | AskPermission | SpawnAgent | Spent
 )
 
 

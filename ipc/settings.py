@@ -19,6 +19,7 @@ from msgspec import Meta
 
 __all__ = [
     "AgentSettings",
+    "BudgetSettings",
     "ConfigSection",
     "LimitsSettings",
     "LoopSettings",
@@ -91,6 +92,38 @@ class LoopSettings(ConfigSection):
     compaction_keep_recent_turns: PositiveInt = 4
 
 
+# A budget ceiling: unset (None) is no ceiling.
+Ceiling = Annotated[int, Meta(ge=1, le=1 << 50)] | None
+
+
+class BudgetSettings(ConfigSection):
+    """Ceilings on what the agent's LLM calls spend (docs/limits.md, Budgets).
+
+    Checked before each LLM call against what the daemon counts (the
+    session's turns, failed and crashed ones included, plus the running
+    turn's calls so far): a call is made only while every ceiling set is
+    above what counts against it, so the last call may take a figure past
+    its ceiling by that call's own tokens.  Crossing one ends the turn with
+    a `limit_exceeded` event of kind `budget` naming the ceiling.  Input
+    tokens are what the provider reports as prompt tokens (cache reads and
+    writes included); output tokens its completion tokens, which include
+    the reasoning tokens that reasoning_tokens also counts on their own."""
+
+    # LLM calls one input may make (compaction summaries included).
+    turn_max_llm_calls: Ceiling = None
+    # LLM calls and tokens one session may spend over its whole life.
+    session_max_llm_calls: Ceiling = None
+    session_max_input_tokens: Ceiling = None
+    session_max_output_tokens: Ceiling = None
+    session_max_reasoning_tokens: Ceiling = None
+    # The same for all sessions of one owner uid together (removing a
+    # session takes its spend off its uid's total).
+    uid_max_llm_calls: Ceiling = None
+    uid_max_input_tokens: Ceiling = None
+    uid_max_output_tokens: Ceiling = None
+    uid_max_reasoning_tokens: Ceiling = None
+
+
 class AgentSettings(ConfigSection):
     # Handler run by new sessions: "agent", "echo" or "package.module:factory".
     # "agent" runs "echo" when no [provider] is configured at all (said at
@@ -112,6 +145,7 @@ class AgentSettings(ConfigSection):
     worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
     subagents: SubagentSettings = msgspec.field(default_factory=SubagentSettings)
     loop: LoopSettings = msgspec.field(default_factory=LoopSettings)
+    budget: BudgetSettings = msgspec.field(default_factory=BudgetSettings)
 
 
 class ProviderSettings(ConfigSection):

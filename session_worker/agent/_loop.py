@@ -23,10 +23,11 @@ from session_worker.agent._compaction import (
     summary_request,
     system_content,
 )
-from session_worker.agent._errors import ProviderError, ToolError
+from session_worker.agent import _budget
+from session_worker.agent._errors import BudgetReached, ProviderError, ToolError
 from session_worker.agent._history import History, Journal, well_formed
 from session_worker.agent._permissions import decide
-from session_worker.agent._provider import Provider
+from session_worker.agent._provider import OnFirst, OnText, Provider
 from session_worker.agent._stream import Completion, ToolCall, stop_reason_of, usage_counts
 from session_worker.agent._tools import ToolEnv, ToolRegistry, check_arguments
 from session_worker.errors import TurnFailure
@@ -76,8 +77,9 @@ class Turn:
         # Provider retries are not waited for past the turn's timeout (the
         # daemon would kill the worker mid-wait and the error be lost).
         self._deadline = time.monotonic() + settings.agent.turn_timeout_secs
-        # Tokens of this turn's completed LLM calls (compaction included).
-        self._usage: dict[str, int] = {}
+        # Tokens and calls of this turn's completed LLM calls (compaction
+        # included), for its usage and its [agent.budget] check.
+        self._spend = _budget.TurnSpend()
 
     def reconfigure(self, settings: SessionSettings, tools: ToolRegistry) -> None:
         """New rules and limits for the rest of this turn (the provider in
@@ -92,6 +94,8 @@ class Turn:
             result = await self._loop()
         except asyncio.CancelledError:
             result = self._interrupted()
+        except BudgetReached as exc:
+            result = self._stop_at_budget(exc)
         except ProviderError as exc:
             reason = self._provider.redact(str(exc))
             self._keep_partial(_CUT_TEXT.format(reason="provider error"))
@@ -103,7 +107,7 @@ class Turn:
             # No record will be committed: leave the state as it was.
             self._journal.rollback()
             raise
-        result.usage = dict(self._usage)
+        result.usage = self._spend.tokens()
         return result
 
     # -- the loop -------------------------------------------------------------
@@ -179,26 +183,44 @@ class Turn:
         self._journal.append({"role": "assistant", "content": note})
         return TurnResult("".join(self._reply), self._journal.record(limit="turns"))
 
+    def _stop_at_budget(self, exc: BudgetReached) -> TurnResult:
+        """A ceiling of [agent.budget] left no room for the next LLM call:
+        the turn ends here (every tool call of the last reply has its result,
+        so the history stays a valid request)."""
+        self._partial = None  # (the check comes before the request: nothing streamed)
+        self._ctx.budget_exceeded(exc.ceiling, exc.used, exc.limit, exc.unit)
+        note = _budget.stop_note(exc)
+        self._emit(("\n\n" if self._reply else "") + note)
+        self._journal.append({"role": "assistant", "content": note})
+        return TurnResult("".join(self._reply), self._journal.record(limit="budget"))
+
     async def _complete(self) -> Completion:
         self._separate = bool(self._reply) and not self._reply[-1].endswith("\n")
         self._partial = []
-        messages = self._request_messages()
-        completion = await self._provider.stream_chat(
-            messages,
-            self._tools.schemas(),
-            self._on_text,
-            self._on_retry,
-            self._deadline,
-            self._on_reasoning,
+        completion = await self._request(
+            self._request_messages(), self._tools.schemas(), self._on_text, self._on_reasoning,
             self._ctx.flush,
         )
         self._partial = None
-        self._count(completion)
         return completion
 
-    def _count(self, completion: Completion) -> None:
-        for key, value in usage_counts(completion.usage).items():
-            self._usage[key] = self._usage.get(key, 0) + value
+    async def _request(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        on_text: OnText,
+        on_reasoning: OnText | None = None,
+        on_first: OnFirst | None = None,
+    ) -> Completion:
+        """The one place the turn makes an LLM request: checked against the
+        budget right before, counted right after (and the count reported)."""
+        _budget.check(self._settings.agent.budget, self._ctx, self._spend)
+        completion = await self._provider.stream_chat(
+            messages, tools, on_text, self._on_retry, self._deadline, on_reasoning, on_first,
+        )
+        self._spend.add(usage_counts(completion.usage))
+        self._ctx.report_spend(dict(self._spend.counts))
+        return completion
 
     def _request_messages(self) -> list[dict[str, Any]]:
         system = system_content(self._settings.agent.system_prompt, self._history.summary)
@@ -314,14 +336,9 @@ class Turn:
         notice: dict[str, Any] = {"tokens_before": before, "dropped_messages": cut}
         summary: str | None = None
         try:
-            completion = await self._provider.stream_chat(
-                summary_request(history.summary, history.messages[:cut]),
-                None,
-                _ignore_text,
-                self._on_retry,
-                self._deadline,
+            completion = await self._request(
+                summary_request(history.summary, history.messages[:cut]), None, _ignore_text,
             )
-            self._count(completion)
             summary = completion.text.strip() or None
             if summary is None:
                 notice["error"] = "the provider returned an empty summary"

@@ -30,8 +30,10 @@ from collections.abc import Callable
 import msgspec
 
 from ipc import messages as m
+from ipc.budget import SPEND_KEYS
 from ipc.pacing import Pacer
 from supervisor.errors import Conflict, Internal, NoSpace, SessiondError
+from supervisor.core.budgets import Budgets
 from supervisor.core.events import EventLog
 from supervisor.ops.logtag import tagged
 from supervisor.ops.metrics import NO_METRICS, Recorder
@@ -61,8 +63,11 @@ class TurnLedger:
         on_turn_ended: Callable[[Session], None],
         on_fenced: Callable[[Session, Fenced], None] | None = None,
         metrics: Recorder = NO_METRICS,
+        budgets: Budgets | None = None,
     ) -> None:
         self._events = events
+        # What a turn may spend ([agent.budget]): told to its worker with the input.
+        self._budgets = budgets if budgets is not None else Budgets({}, metrics)
         # What to do with a worker that is ahead of the disk (kill it; it
         # restarts from the log), and with a turn that has begun (arm its
         # timeout): the manager's, passed in when it builds the ledger.
@@ -92,7 +97,8 @@ class TurnLedger:
             )
         except StoreError as exc:
             raise store_failure("input not accepted: ", exc) from None
-        worker.conn.send(m.Input(turn=turn, text=text))
+        spent, uid_spent = self._budgets.for_input(session)
+        worker.conn.send(m.Input(turn=turn, text=text, spent=spent, uid_spent=uid_spent))
         worker.conn.flush()
         loop = asyncio.get_running_loop()
         accepted = m.Accepted(id=0, session=session.id, turn=turn, seq=session.seq)
@@ -202,6 +208,16 @@ class TurnLedger:
             pending.on_accepted(pending.accepted)
         pending.durable.set_result(pending.accepted)
 
+    def spent(self, session: Session, msg: m.Spent) -> None:
+        """The running turn's spend so far, after one of its LLM calls."""
+        if msg.turn != session.current_turn or session.committing == msg.turn:
+            return
+        before = session.turn_spend
+        # Cumulative: a figure only grows (a resumed turn's replay repeats them).
+        reported = {k: v for k, v in msg.spend.items() if k in SPEND_KEYS and isinstance(v, int) and v > 0}
+        session.turn_spend = {k: v for k in SPEND_KEYS if (v := max(reported.get(k, 0), before.get(k, 0)))}
+        self._budgets.spend_moved(session, before)
+
     def commit(self, session: Session, worker: WorkerProc, msg: m.Done) -> None:
         if msg.turn != session.current_turn:
             tagged(log, session.id).warning("Done for turn %d, expected %s", msg.turn, session.current_turn)
@@ -214,7 +230,7 @@ class TurnLedger:
         try:
             session.store.append(
                 Commit(turn=msg.turn, reply=msg.reply, record=msg.record,
-                       interrupted=msg.interrupted, seq=seq, usage=msg.usage),
+                       interrupted=msg.interrupted, seq=seq, usage=_turn_usage(session, msg)),
                 durable=False,
             )
             self.metrics.commit(time.monotonic() - began)
@@ -248,7 +264,7 @@ class TurnLedger:
             self._commit_failed(session, worker, msg, exc)
             return
         self._input_durable(session)  # the commit's flush covered the input
-        add_usage(session.usage, msg.usage)
+        add_usage(session.usage, _turn_usage(session, msg))
         if msg.snapshot:
             self._snapshot(session, msg.snapshot)
         self._turn_over(session, (True, msg.reply))
@@ -301,13 +317,15 @@ class TurnLedger:
             return
         seq = session.seq + 1
         try:
-            session.store.append(Abort(turn=turn, reason=reason, record=record, seq=seq), durable=True)
+            session.store.append(Abort(turn=turn, reason=reason, record=record, seq=seq,
+                                       usage=dict(session.turn_spend)), durable=True)
         except StoreError as exc:
             tagged(log, session.id).error("%s", exc)
             if isinstance(exc, Fenced):  # e.g. its worker missed heartbeats while this daemon was frozen
                 self.on_fenced(session, exc)
             self.sync_input(session)
         self._input_durable(session)
+        add_usage(session.usage, session.turn_spend)  # billed, committed or not
         self._turn_over(session, (False, reason))
         self._events.next_seq(session)
         self._events.emit(session, m.TurnFailed(session=session.id, seq=seq, turn=turn, reason=reason))
@@ -340,11 +358,22 @@ class TurnLedger:
         if fut is not None and not fut.done():
             fut.set_result(outcome)
         session.current_turn = None
+        session.turn_spend = {}
         session.last_turn_secs = time.monotonic() - session.turn_started
         self.metrics.turn_ended(session, outcome[0], outcome[1], session.last_turn_secs)
         session.pending_asks.clear()
         session.last_active = time.monotonic()
         self.on_turn_ended(session)
+
+
+def _turn_usage(session: Session, msg: m.Done) -> dict[str, int]:
+    """What the turn spent: the usage its handler returned, and what its
+    worker reported as it went (the LLM calls; tokens of a handler that
+    reports them only one way)."""
+    usage = dict(msg.usage)
+    for key, value in session.turn_spend.items():
+        usage[key] = max(value, usage.get(key, 0))
+    return usage
 
 
 def _snapshot_failed(session: Session, written: asyncio.Future[None]) -> None:
