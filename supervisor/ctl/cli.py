@@ -247,8 +247,8 @@ def _print_event(ev: Any) -> None:
             print(f"\n[turn {turn} failed: {reason}]")
         case m.StateChanged(old=old, new=new, reason=reason):
             print(f"[{old} -> {new}{': ' + reason if reason else ''}]")
-        case m.LimitExceeded(kind=kind, value=value, limit=limit):
-            print(f"[limit {kind}: {value:g} > {limit:g}]")
+        case m.LimitExceeded():
+            print(f"[limit {ev.kind}: {_limit_text(ev)}]")
         case m.Notice(kind=kind, data=data):
             print(_tool_line(kind, data) or f"[{kind}: {json.dumps(data)}]")
         case m.PermissionRequest(request_id=rid):
@@ -588,8 +588,8 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> 
                 print(f"\nsessionctl: permission request {ev.request_id}: {_permission_text(ev)}\n"
                       f"sessionctl: answer with `sessionctl approve|deny {session} {ev.request_id}`",
                       file=sys.stderr, flush=True)
-            case m.LimitExceeded(kind=kind, value=value, limit=limit) if not as_json:
-                print(f"\nsessionctl: limit {kind} exceeded: {value:g} > {limit:g}", file=sys.stderr)
+            case m.LimitExceeded() if not as_json:
+                print(f"\nsessionctl: limit {ev.kind} exceeded: {_limit_text(ev)}", file=sys.stderr)
             case m.TurnDone(interrupted=interrupted, stop_reason=stop):
                 if not as_json:
                     rest = _unstreamed(ev.reply, "".join(streamed), ended_with_newline)
@@ -613,6 +613,12 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool) -> 
                 print(f"sessionctl: turn {ev.turn} failed: {reason}", file=sys.stderr)
                 return EXIT_FAILED
     return EXIT_FAILED
+
+
+def _limit_text(ev: m.LimitExceeded) -> str:
+    if ev.ceiling:  # a budget: reached at its ceiling, not only past it
+        return f"{ev.ceiling} = {ev.limit:g} {ev.unit}, {ev.value:g} {ev.unit} spent"
+    return f"{ev.value:g} > {ev.limit:g}"
 
 
 def _unstreamed(reply: str, streamed: str, ended_with_newline: bool) -> str:
