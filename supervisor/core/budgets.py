@@ -82,10 +82,12 @@ class Budgets:
         delta = {k: v - before.get(k, 0) for k, v in session.turn_spend.items() if v > before.get(k, 0)}
         if delta:
             self._metrics.llm_spent(delta)
+        if not uid_ceilings(session.settings.agent.budget):
+            return  # (the uid ceilings are the operator's alone: its peers have none either)
         uid = session.meta.owner_uid
         peers = [s for s in self._sessions.values()
                  if s.meta.owner_uid == uid and s is not session and s.current_turn is not None
-                 and s.worker is not None and uid_ceilings(s.settings.agent.budget)]
+                 and s.worker is not None]
         for peer in peers:
             assert peer.current_turn is not None and peer.worker is not None
             peer.worker.conn.send(m.BudgetUpdate(turn=peer.current_turn,
