@@ -111,16 +111,22 @@ class BudgetSettings(ConfigSection):
 
     # LLM calls one input may make (compaction summaries included).
     turn_max_llm_calls: Ceiling = None
-    # LLM calls and tokens one session may spend over its whole life.
+    # LLM calls one session may make over its whole life.
     session_max_llm_calls: Ceiling = None
+    # Input (prompt) tokens one session may spend, cache reads and writes included.
     session_max_input_tokens: Ceiling = None
+    # Output (completion) tokens one session may spend, reasoning included.
     session_max_output_tokens: Ceiling = None
+    # Reasoning tokens one session may spend.
     session_max_reasoning_tokens: Ceiling = None
-    # The same for all sessions of one owner uid together (removing a
-    # session takes its spend off its uid's total).
+    # LLM calls all sessions of one owner uid may make together (a removed
+    # session's no longer count).  The uid_ ceilings are not settable per session.
     uid_max_llm_calls: Ceiling = None
+    # Input tokens all sessions of one owner uid may spend together.
     uid_max_input_tokens: Ceiling = None
+    # Output tokens all sessions of one owner uid may spend together.
     uid_max_output_tokens: Ceiling = None
+    # Reasoning tokens all sessions of one owner uid may spend together.
     uid_max_reasoning_tokens: Ceiling = None
 
 
