@@ -149,6 +149,7 @@ def test_a_session_ceiling_through_the_daemon_status_and_metrics(make_daemon, ll
     assert budget["spent"] == {"llm_calls": 2, "input_tokens": 200, "output_tokens": 30, "reasoning_tokens": 0}
     assert budget["ceilings"] == [{"ceiling": "agent.budget.session_max_output_tokens", "used": 30, "limit": 25,
                                    "unit": "tokens"}]
+    assert "budget:    session_max_output_tokens 30 of 25 tokens" in d.ctl("status", sid).stdout
     # The session is spent: its next input makes no request at all.
     assert d.ctl("send", sid, "again").returncode == 0 and len(llm.requests) == 2
     # A narrower ceiling a creator sets holds too: one call per turn.
@@ -214,3 +215,22 @@ def test_what_a_crashed_turn_spent_still_counts_after_a_daemon_restart(make_daem
         events = list(c.send(sid, "and again"))
         assert any(isinstance(e, m.LimitExceeded) and e.kind == "budget" for e in events)
     assert len(llm.requests) == 2
+
+
+@pytest.mark.pure
+def test_top_shows_the_most_used_ceiling_once_a_session_has_one() -> None:
+    from ipc import operator as op
+    from supervisor.ctl.top import render, rows_from
+
+    def entry(sid: str, budget: dict[str, Any]) -> op.TopEntry:
+        return op.TopEntry(session=m.SessionInfo(id=sid, state="idle", handler="agent", budget=budget))
+
+    ceilings = [{"ceiling": "agent.budget.turn_max_llm_calls", "used": 1, "limit": 4, "unit": "LLM calls"},
+                {"ceiling": "agent.budget.session_max_output_tokens", "used": 75, "limit": 100, "unit": "tokens"}]
+    reply = op.TopReply(id=1, at=10.0, uptime_secs=5, rss_bytes=1, clients=1,
+                        entries=[entry("spender", {"ceilings": ceilings}), entry("free", {})])
+    lines = render(rows_from(reply, None), reply, "budget", 80, 24)
+    assert "BUDGET" in lines[5] and lines[6].startswith("spender") and lines[6].endswith("75%")
+    assert lines[7].startswith("free") and lines[7].endswith("-")
+    plain = op.TopReply(id=1, at=10.0, uptime_secs=5, rss_bytes=1, clients=1, entries=[entry("free", {})])
+    assert "BUDGET" not in "".join(render(rows_from(plain, None), plain, "cpu", 80, 24))

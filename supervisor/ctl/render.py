@@ -135,6 +135,8 @@ def print_status(s: dict[str, Any]) -> None:
         fields.append(("children", ", ".join(s["children"])))
     budget = s.get("budget")
     for c in budget.get("ceilings", []) if isinstance(budget, dict) else []:
+        if not (isinstance(c, dict) and isinstance(c.get("ceiling"), str) and {"used", "limit", "unit"} <= c.keys()):
+            continue
         # One line per [agent.budget] ceiling set: what counts against it now.
         fields.append(("budget", f"{c['ceiling'].rpartition('.')[2]} {c['used']} of {c['limit']} {c['unit']}"))
     for k, v in fields:
