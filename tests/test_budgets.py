@@ -150,6 +150,8 @@ def test_a_session_ceiling_through_the_daemon_status_and_metrics(make_daemon, ll
     assert budget["ceilings"] == [{"ceiling": "agent.budget.session_max_output_tokens", "used": 30, "limit": 25,
                                    "unit": "tokens"}]
     assert "budget:    session_max_output_tokens 30 of 25 tokens" in d.ctl("status", sid).stdout
+    assert "limit budget: agent.budget.session_max_output_tokens = 25 tokens, 30 tokens spent" \
+        in d.ctl("logs", sid).stdout
     # The session is spent: its next input makes no request at all.
     assert d.ctl("send", sid, "again").returncode == 0 and len(llm.requests) == 2
     # A narrower ceiling a creator sets holds too: one call per turn.

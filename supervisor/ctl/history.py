@@ -82,6 +82,8 @@ def _entry_text(at: float, ev: Any) -> str:
     match ev:
         case m.StateChanged(old=old, new=new, reason=reason):
             what = f"state {old} -> {new}{': ' + reason if reason else ''}"
+        case m.LimitExceeded(kind=kind, value=value, limit=limit, ceiling=ceiling, unit=unit) if ceiling:
+            what = f"limit {kind}: {ceiling} = {limit:g} {unit}, {value:g} {unit} spent"
         case m.LimitExceeded(kind=kind, value=value, limit=limit):
             what = f"limit {kind}: {value:g} over {limit:g}"
         case m.TurnFailed(turn=turn, reason=reason):
