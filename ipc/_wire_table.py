@@ -53,6 +53,7 @@ STRUCTS: dict[str, tuple[tuple[str, str, object], ...]] = {
         ('node', 'str?', None),
         ('disk_bytes', 'int?', None),
         ('cpu_percent', 'float?', None),
+        ('budget', 'dict[str,any]', dict),
     ),
     'exit': (
         ('reason', 'str', REQUIRED),

@@ -58,6 +58,8 @@ class LimitKind(enum.StrEnum):
     TOOL_CALLS = "tool_calls"
     PROCESSES = "processes"
     DISK = "disk"  # max_disk_mb, in MiB
+    # A ceiling of [agent.budget]: LimitExceeded.ceiling names it, .unit says in what.
+    BUDGET = "budget"
 
 
 # Units of LimitExceeded.value and .limit, by kind (what `limit_text` prints).
@@ -71,9 +73,13 @@ _LIMIT_UNITS = {
 _COUNTED = frozenset({LimitKind.RESTARTS, LimitKind.TURNS, LimitKind.TOOL_CALLS, LimitKind.PROCESSES})
 
 
-def limit_text(kind: str, value: float, limit: float) -> str:
+def limit_text(kind: str, value: float, limit: float, ceiling: str = "", unit: str = "") -> str:
     """A LimitExceeded's figures with their unit: `1.0 s > 1 s` (measured),
-    `26 > 25 model calls` (counted)."""
+    `26 > 25 model calls` (counted); a budget's, reached at its ceiling
+    and not only past it, with the ceiling's name: `agent.budget.
+    session_max_output_tokens = 50 tokens: 50 tokens spent`."""
+    if ceiling:
+        return f"{ceiling} = {limit:g} {unit}: {value:g} {unit} spent"
     unit = _LIMIT_UNITS.get(kind)  # type: ignore[call-overload]
     suffix = f" {unit}" if unit else ""
     if kind in _COUNTED:

@@ -26,6 +26,9 @@ from typing import Any
 
 import msgspec
 
+# Nested in worker messages (Input.resumed, WorkerSpans.spans): kept apart.
+from ipc.turn_wire import Resumed, SpanEvent, SpanRecord, StepResult
+
 __all__ = [
     "PROTOCOL_VERSION",
     # client -> daemon
@@ -39,8 +42,8 @@ __all__ = [
     "PermissionRequest", "Gap", "Lagged", "Event", "Reply", "EVENT_TYPES",
     # daemon <-> worker
     "Boot", "SandboxBoot", "Input", "InterruptTurn", "WorkerPing", "Shutdown", "PermissionAnswer",
-    "SpawnResult", "MemoryHigh", "Reconfigure", "StepResult", "Resumed", "StepSaved", "ToWorker",
-    "Ready", "BootFailed", "Delta", "WorkerNotice", "WorkerLimit", "Done", "Failed",
+    "SpawnResult", "MemoryHigh", "Reconfigure", "StepResult", "Resumed", "StepSaved", "BudgetUpdate", "ToWorker",
+    "Ready", "BootFailed", "Delta", "WorkerNotice", "WorkerLimit", "Spent", "Done", "Failed",
     "Heartbeat", "WorkerPong", "AskPermission", "SpawnAgent", "StepBegun", "StepDone", "SpanEvent",
     "SpanRecord", "WorkerSpans", "FromWorker",
     # daemon <-> zygote: ipc/zygote_wire.py
@@ -252,6 +255,11 @@ class SessionInfo(_Msg, tag="session"):
     # sweep's two last samples, about a second apart; None without a live
     # worker or before the second sample.
     cpu_percent: float | None = None
+    # Its [agent.budget] figures: {"spent": by measure (its turns and the
+    # running one), "turn": the running turn's, "ceilings": [{"ceiling",
+    # "used", "limit", "unit"}, ...] for each ceiling set; with a uid
+    # ceiling also "uid_spent"}.  Empty for a session no daemon holds here.
+    budget: dict[str, Any] = {}
 
 
 class Created(_Msg, tag="created"):
@@ -373,9 +381,12 @@ class StateChanged(_Msg, tag="state"):
 class LimitExceeded(_Msg, tag="limit"):
     session: str
     seq: int
-    kind: str  # memory, memory_high, turn_timeout, heartbeat, turns, restarts
+    kind: str  # memory, memory_high, turn_timeout, heartbeat, turns, restarts, budget...
     value: float
     limit: float
+    # kind "budget": which ceiling (its config key) and the unit of value and limit.
+    ceiling: str = ""
+    unit: str = ""
 
 
 class Notice(_Msg, tag="notice"):
@@ -460,27 +471,6 @@ class Boot(_Msg, tag="boot"):
     sandbox: SandboxBoot | None = None  # None: tools run unconfined (sandbox.mode = off)
 
 
-class StepResult(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
-    """A step of the running turn, as journaled: `ctx.step(key, ...)`'s result."""
-
-    key: str
-    result: bytes  # msgpack of the value the step returned
-
-
-class Resumed(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
-    """The turn's worker died during it: this is the same turn again, with
-    the steps it made durable (docs/agent.md, "Durable steps")."""
-
-    reason: str  # the exit reason (ipc.contract.ExitReason), or "daemon_stopped"
-    cause: str  # e.g. "memory cap of 64 MiB reached", "the worker crashed (signal SIGKILL)"
-    step: int  # the step it resumes at: steps 0..step-1 are journaled
-    # The key of the step that was running when the worker died ("" = none was).
-    running: str = ""
-    # True after a daemon restart: whether step `step` had begun is unknown.
-    uncertain: bool = False
-    steps: list[StepResult] = []
-
-
 class Input(_Msg, tag="input"):
     turn: int
     text: str
@@ -491,6 +481,11 @@ class Input(_Msg, tag="input"):
     trace: bool = False
     # With `trace`: prompts and completions go into the LLM call spans.
     trace_content: bool = False
+    # What counts against the session's [agent.budget] ceilings besides
+    # the turn's own calls (ipc.budget): the session's turns before this
+    # one, and the other sessions of its uid (sent only with a uid ceiling).
+    spent: dict[str, int] = {}
+    uid_spent: dict[str, int] = {}
 
 
 class StepSaved(_Msg, tag="step_saved"):
@@ -499,6 +494,14 @@ class StepSaved(_Msg, tag="step_saved"):
     turn: int
     n: int
     error: str = ""
+
+
+class BudgetUpdate(_Msg, tag="budget"):
+    """Other sessions of the uid spent more while this turn runs: their
+    total now (Input.uid_spent), for the next check of a uid ceiling."""
+
+    turn: int
+    uid_spent: dict[str, int] = {}
 
 
 class InterruptTurn(_Msg, tag="interrupt"):
@@ -538,7 +541,7 @@ class Reconfigure(_Msg, tag="reconfigure"):
 
 ToWorker = (
     Boot | Input | InterruptTurn | WorkerPing | Shutdown | PermissionAnswer | SpawnResult
-    | MemoryHigh | Reconfigure | StepSaved
+    | MemoryHigh | Reconfigure | StepSaved | BudgetUpdate
 )
 
 
@@ -580,6 +583,18 @@ class WorkerLimit(_Msg, tag="limit"):
     kind: str
     value: float
     limit: float
+    ceiling: str = ""  # as LimitExceeded's
+    unit: str = ""
+
+
+class Spent(_Msg, tag="spent"):
+    """After each LLM call: what the running turn spent so far (usage keys
+    plus `llm_calls`; cumulative, so a repeat or a resumed turn's replay
+    never counts twice).  The daemon counts it against the uid's ceilings
+    at once, and, should the turn not commit, into the session's."""
+
+    turn: int
+    spend: dict[str, int] = {}
 
 
 class Done(_Msg, tag="done"):
@@ -624,28 +639,6 @@ class SpawnAgent(_Msg, tag="spawn"):
     span: int = 0
 
 
-class SpanEvent(msgspec.Struct, omit_defaults=True, kw_only=True):
-    name: str
-    at_ns: int
-    attributes: dict[str, Any] = {}
-
-
-class SpanRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """One finished span of a traced turn, recorded in the worker.  The
-    daemon checks it as untrusted data (sizes, counts, times) and places
-    it in the turn's trace."""
-
-    id: int  # 64-bit span id, chosen by the worker, not 0
-    parent: int = 0  # a span of this worker's, or 0: the turn's own span
-    name: str
-    kind: int = 0  # OpenTelemetry SpanKind: 0 internal, 2 client
-    start_ns: int  # unix time, ns
-    end_ns: int
-    error: str = ""  # not "": the span failed, and why
-    attributes: dict[str, Any] = {}
-    events: list[SpanEvent] = []
-
-
 class WorkerSpans(_Msg, tag="spans"):
     turn: int
     spans: list[SpanRecord] = []
@@ -673,5 +666,5 @@ class StepDone(_Msg, tag="step"):
 
 FromWorker = (
     Ready | BootFailed | Delta | WorkerReasoning | WorkerNotice | WorkerLimit | Done | Failed | Heartbeat
-    | WorkerPong | AskPermission | SpawnAgent | StepBegun | StepDone | WorkerSpans
+    | WorkerPong | AskPermission | SpawnAgent | StepBegun | StepDone | WorkerSpans | Spent
 )

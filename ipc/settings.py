@@ -20,6 +20,7 @@ from msgspec import Meta
 __all__ = [
     "AgentSettings",
     "BUILTIN_TOOLS",
+    "BudgetSettings",
     "ConfigSection",
     "LimitsSettings",
     "LoopSettings",
@@ -105,6 +106,44 @@ class LoopSettings(ConfigSection):
     compaction_keep_recent_turns: PositiveInt = 4
 
 
+# A budget ceiling: unset (None) is no ceiling.
+Ceiling = Annotated[int, Meta(ge=1, le=1 << 50)] | None
+
+
+class BudgetSettings(ConfigSection):
+    """Ceilings on what the agent's LLM calls spend (docs/limits.md, Budgets).
+
+    Checked before each LLM call against what the daemon counts (the
+    session's turns, failed and crashed ones included, plus the running
+    turn's calls so far): a call is made only while every ceiling set is
+    above what counts against it, so the last call may take a figure past
+    its ceiling by that call's own tokens.  Crossing one ends the turn with
+    a `limit_exceeded` event of kind `budget` naming the ceiling.  Input
+    tokens are what the provider reports as prompt tokens (cache reads and
+    writes included); output tokens its completion tokens, which include
+    the reasoning tokens that reasoning_tokens also counts on their own."""
+
+    # LLM calls one input may make (compaction summaries included).
+    turn_max_llm_calls: Ceiling = None
+    # LLM calls one session may make over its whole life.
+    session_max_llm_calls: Ceiling = None
+    # Input (prompt) tokens one session may spend, cache reads and writes included.
+    session_max_input_tokens: Ceiling = None
+    # Output (completion) tokens one session may spend, reasoning included.
+    session_max_output_tokens: Ceiling = None
+    # Reasoning tokens one session may spend.
+    session_max_reasoning_tokens: Ceiling = None
+    # LLM calls all sessions of one owner uid may make together (a removed
+    # session's no longer count).  The uid_ ceilings are not settable per session.
+    uid_max_llm_calls: Ceiling = None
+    # Input tokens all sessions of one owner uid may spend together.
+    uid_max_input_tokens: Ceiling = None
+    # Output tokens all sessions of one owner uid may spend together.
+    uid_max_output_tokens: Ceiling = None
+    # Reasoning tokens all sessions of one owner uid may spend together.
+    uid_max_reasoning_tokens: Ceiling = None
+
+
 class AgentSettings(ConfigSection):
     # Handler run by new sessions: "agent", "echo" or "package.module:factory".
     # "agent" runs "echo" when no [provider] is configured at all (said at
@@ -126,6 +165,7 @@ class AgentSettings(ConfigSection):
     worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)
     subagents: SubagentSettings = msgspec.field(default_factory=SubagentSettings)
     loop: LoopSettings = msgspec.field(default_factory=LoopSettings)
+    budget: BudgetSettings = msgspec.field(default_factory=BudgetSettings)
 
 
 class ProviderSettings(ConfigSection):

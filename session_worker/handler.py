@@ -47,7 +47,7 @@ from __future__ import annotations
 import abc
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -149,6 +149,24 @@ class TurnContext(abc.ABC):
     @abc.abstractmethod
     def limit_exceeded(self, kind: str, value: float, limit: float) -> None:
         """Report that a limit of the loop (e.g. kind="turns") was reached."""
+
+    def budget_spent(self) -> tuple[Mapping[str, int], Mapping[str, int]]:
+        """What counts against the `[agent.budget]` ceilings besides this
+        turn's own calls (ipc.budget): the session's turns before this one,
+        and the other sessions of its uid, as the daemon counts them.  Not
+        abstract: a context that cannot know says nothing was spent."""
+        return {}, {}
+
+    def report_spend(self, spend: dict[str, int]) -> None:
+        """What this turn spent so far, after each LLM call: cumulative, in
+        ipc.budget's keys (the usage's token keys and `llm_calls`).  The
+        daemon counts it at once against the uid's ceilings (its other
+        sessions may be running), and into the session's if the turn ends
+        without a commit.  Not abstract: a context may drop it."""
+
+    def budget_exceeded(self, ceiling: str, used: int, limit: int, unit: str) -> None:
+        """Report that a budget ceiling (its config key) stopped the turn."""
+        self.limit_exceeded("budget", used, limit)
 
     @abc.abstractmethod
     async def ask_permission(self, tool: str, arguments: dict[str, Any]) -> bool:

@@ -45,7 +45,7 @@ import msgspec
 import setproctitle
 
 from ipc import messages as m
-from ipc.contract import EXIT_BOOT_FAILED, IDLE_HEARTBEAT_FACTOR
+from ipc.contract import EXIT_BOOT_FAILED, IDLE_HEARTBEAT_FACTOR, LimitKind
 from ipc.connection import FramedProtocol
 from ipc.errors import BadMessage, FrameTooLarge, ProtocolError
 from ipc.framing import HEADER as _HEADER
@@ -81,10 +81,15 @@ _RECV_BYTES = 256 * 1024
 
 
 class _Context(TurnContext):
-    def __init__(self, worker: Worker, turn: int, resumed: m.Resumed | None = None) -> None:
+    def __init__(self, worker: Worker, turn: int, resumed: m.Resumed | None = None,
+                 spent: dict[str, int] | None = None, uid_spent: dict[str, int] | None = None) -> None:
         self._worker = worker
         self.session = worker.session
         self.turn = turn
+        # [agent.budget]: the daemon's figures, with the input (uid_spent
+        # again whenever another session of the uid spends: BudgetUpdate).
+        self.spent = spent or {}
+        self.uid_spent = uid_spent or {}
         self.settings = worker.settings
         self.workspace = worker.workspace
         self.depth = worker.depth
@@ -120,6 +125,16 @@ class _Context(TurnContext):
 
     def limit_exceeded(self, kind: str, value: float, limit: float) -> None:
         self._worker.send(m.WorkerLimit(turn=self.turn, kind=kind, value=value, limit=limit))
+
+    def budget_spent(self) -> tuple[dict[str, int], dict[str, int]]:
+        return self.spent, self.uid_spent
+
+    def report_spend(self, spend: dict[str, int]) -> None:
+        self._worker.send(m.Spent(turn=self.turn, spend=spend))
+
+    def budget_exceeded(self, ceiling: str, used: int, limit: int, unit: str) -> None:
+        self._worker.send(m.WorkerLimit(turn=self.turn, kind=LimitKind.BUDGET, value=used, limit=limit,
+                                        ceiling=ceiling, unit=unit))
 
     async def ask_permission(self, tool: str, arguments: dict[str, Any]) -> bool:
         request_id, fut = self._worker.new_request()
@@ -249,7 +264,8 @@ class Worker:
                 if self.turn_task is not None and not self.turn_task.done():
                     self.send(m.Failed(turn=turn, reason="a turn is already running"))
                     return
-                self.turn_task = asyncio.get_running_loop().create_task(self.run_turn(turn, text, msg))
+                self.turn_ctx = _Context(self, turn, msg.resumed, msg.spent, msg.uid_spent)
+                self.turn_task = asyncio.get_running_loop().create_task(self.run_turn(self.turn_ctx, text, msg))
                 # The full pace while the turn runs, but no beat now: the
                 # daemon counts the turn's allowance from its start, and a
                 # frame now would wake it (on a busy machine, preempt us)
@@ -273,11 +289,14 @@ class Worker:
                 gc.collect()
             case m.Reconfigure(settings=raw):
                 self.booted.reconfigure(_settings_decoder.decode(raw))
+            case m.BudgetUpdate(turn=turn, uid_spent=uid_spent):
+                if self.turn_ctx is not None and self.turn_ctx.turn == turn:
+                    self.turn_ctx.uid_spent = uid_spent
             case m.Boot():
                 log.warning("ignoring a second Boot")
 
-    async def run_turn(self, turn: int, text: str, msg: m.Input | None = None) -> None:
-        ctx = self.turn_ctx = _Context(self, turn, msg.resumed if msg is not None else None)
+    async def run_turn(self, ctx: _Context, text: str, msg: m.Input | None = None) -> None:
+        turn = ctx.turn
         if msg is not None and msg.trace:
             tracing.begin_turn(turn, self.send, msg.trace_content)
         try:

@@ -210,7 +210,9 @@ _SESSIONS = [
     _session(id="s2", pid=12, rss_bytes=3 << 20, restarts=2, turns=5, created_at=1.5, seq=9,
              parent="s1", children=["c1", "c2"], owner_uid=1000, error="bad\nline", usage={"a": 1},
              sandbox={"active": ["landlock"], "inactive": {"x": "why"}, "n": [1, 2.5, None, True]},
-             node="10.0.0.7", last_exit=m.ExitInfo(reason="crashed", signal=9, at=2.0, detail="é")),
+             node="10.0.0.7", last_exit=m.ExitInfo(reason="crashed", signal=9, at=2.0, detail="é"),
+             budget={"spent": {"llm_calls": 3}, "turn": {}, "ceilings": [
+                 {"ceiling": "agent.budget.turn_max_llm_calls", "used": 3, "limit": 4, "unit": "LLM calls"}]}),
     _session(id="s3", last_exit=m.ExitInfo(reason="exited", code=0)),
 ]
 

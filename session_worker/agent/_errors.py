@@ -8,10 +8,12 @@ Exception tree (everything here stays inside the worker; the handler maps
     │   ├── ProviderHTTPError    a non-2xx answer (status kept)
     │   └── ProviderStreamError  the stream broke: cut, timed out, garbage
     ├── ToolLoadError            tools.enabled / tools.custom cannot be honoured
-    └── ToolError                a tool call failed; the model reads the message
-        └── McpServerError       an MCP server did not start, crashed, hung or
-                                 spoke garbage: its connection is dropped and made
-                                 again at its next call
+    ├── ToolError                a tool call failed; the model reads the message
+    │   └── McpServerError       an MCP server did not start, crashed, hung or
+    │                            spoke garbage: its connection is dropped and made
+    │                            again at its next call
+    └── BudgetReached            an [agent.budget] ceiling stops the next LLM call
+                                 (caught in `Turn.run`: the turn ends, with a note)
 
 Tool failures are not exceptions that leave the tools module: they become tool
 results the model can read (`ToolError` is raised and caught inside it).
@@ -26,6 +28,7 @@ from __future__ import annotations
 __all__ = [
     "AgentError",
     "McpServerError",
+    "BudgetReached",
     "ProviderError",
     "ProviderHTTPError",
     "ProviderStreamError",
@@ -53,6 +56,14 @@ class ProviderHTTPError(ProviderError):
 
 class ProviderStreamError(ProviderError):
     """The response stream ended early, stalled, or was not understood."""
+
+
+class BudgetReached(AgentError):
+    """Raised at the one place an LLM request is made, before making it."""
+
+    def __init__(self, ceiling: str, used: int, limit: int, unit: str) -> None:
+        super().__init__(f"{ceiling} = {limit} {unit}: {used} {unit} spent")
+        self.ceiling, self.used, self.limit, self.unit = ceiling, used, limit, unit
 
 
 class ToolLoadError(AgentError):

@@ -32,10 +32,11 @@ from session_worker.agent._compaction import (
     summary_request,
     system_content,
 )
-from session_worker.agent._errors import ProviderError, ToolError
+from session_worker.agent import _budget
+from session_worker.agent._errors import BudgetReached, ProviderError, ToolError
 from session_worker.agent._history import History, Journal, well_formed
 from session_worker.agent._permissions import decide
-from session_worker.agent._provider import Provider
+from session_worker.agent._provider import OnText, Provider
 from session_worker.agent._stream import Completion, ToolCall, stop_reason_of, usage_counts
 from session_worker.agent._tools import ToolEnv, ToolRegistry, check_arguments
 from session_worker.errors import TurnFailure
@@ -85,8 +86,10 @@ class Turn:
         # Provider retries are not waited for past the turn's timeout (the
         # daemon would kill the worker mid-wait and the error be lost).
         self._deadline = time.monotonic() + settings.agent.turn_timeout_secs
-        # Tokens of this turn's completed LLM calls (compaction included).
-        self._usage: dict[str, int] = {}
+        # Tokens and calls of this turn's LLM calls (compaction included),
+        # live or replayed from their steps, for its usage and its
+        # [agent.budget] check.
+        self._spend = _budget.TurnSpend()
         # LLM calls asked for so far (their steps' keys).
         self._calls = 0
 
@@ -103,6 +106,8 @@ class Turn:
             result = await self._loop()
         except asyncio.CancelledError:
             result = self._interrupted()
+        except BudgetReached as exc:
+            result = self._stop_at_budget(exc)
         except ProviderError as exc:
             reason = self._provider.redact(str(exc))
             self._keep_partial(_CUT_TEXT.format(reason="provider error"))
@@ -114,7 +119,7 @@ class Turn:
             # No record will be committed: leave the state as it was.
             self._journal.rollback()
             raise
-        result.usage = dict(self._usage)
+        result.usage = self._spend.tokens()
         return result
 
     # -- the loop -------------------------------------------------------------
@@ -190,12 +195,25 @@ class Turn:
         self._journal.append({"role": "assistant", "content": note})
         return TurnResult("".join(self._reply), self._journal.record(limit="turns"))
 
+    def _stop_at_budget(self, exc: BudgetReached) -> TurnResult:
+        """A ceiling of [agent.budget] left no room for the next LLM call:
+        the turn ends here (every tool call of the last reply has its result,
+        so the history stays a valid request)."""
+        self._partial = None  # (the check comes before the request: nothing streamed)
+        self._ctx.budget_exceeded(exc.ceiling, exc.used, exc.limit, exc.unit)
+        note = _budget.stop_note(exc)
+        self._emit(("\n\n" if self._reply else "") + note)
+        self._journal.append({"role": "assistant", "content": note})
+        return TurnResult("".join(self._reply), self._journal.record(limit="budget"))
+
     async def _complete(self) -> Completion:
         self._separate = bool(self._reply) and not self._reply[-1].endswith("\n")
         streamed = False
 
         async def call() -> dict[str, Any]:
             nonlocal streamed
+            # Only a call made now is checked: a journaled one was paid for.
+            _budget.check(self._settings.agent.budget, self._ctx, self._spend)
             streamed = True
             self._partial = []
             completion = await self._provider.stream_chat(
@@ -220,12 +238,15 @@ class Turn:
                 self._separate = False
                 self._reply.append("\n\n")
             self._reply.append(completion.text)
-        self._count(completion.usage)
+        self._spent(completion.usage)
         return completion
 
-    def _count(self, usage: dict[str, Any] | None) -> None:
-        for key, value in usage_counts(usage).items():
-            self._usage[key] = self._usage.get(key, 0) + value
+    def _spent(self, usage: dict[str, Any] | None) -> None:
+        """One LLM call's tokens, made now or replayed from its step: the
+        turn's count, reported to the daemon (which keeps the larger
+        figure, so a replay is never counted twice)."""
+        self._spend.add(usage_counts(usage))
+        self._ctx.report_spend(dict(self._spend.counts))
 
     def _request_messages(self) -> list[dict[str, Any]]:
         system = system_content(self._settings.agent.system_prompt, self._history.summary)
@@ -354,10 +375,10 @@ class Turn:
         notice: dict[str, Any] = {"tokens_before": before, "dropped_messages": cut}
         summary: str | None = None
         data = await self._summarize(cut)
-        self._count(data.get("usage"))
         if "error" in data:
             notice["error"] = str(data["error"])
         else:
+            self._spent(data.get("usage"))
             summary = str(data.get("text", "")).strip() or None
             if summary is None:
                 notice["error"] = "the provider returned an empty summary"
@@ -372,6 +393,7 @@ class Turn:
         """The summary of the oldest `cut` messages, as a durable step."""
 
         async def call() -> dict[str, Any]:
+            _budget.check(self._settings.agent.budget, self._ctx, self._spend)
             try:
                 completion = await self._provider.stream_chat(
                     summary_request(self._history.summary, self._history.messages[:cut]),

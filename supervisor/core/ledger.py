@@ -34,8 +34,10 @@ from collections.abc import Callable
 import msgspec
 
 from ipc import messages as m
+from ipc.budget import SPEND_KEYS
 from ipc.pacing import Pacer
 from supervisor.errors import Conflict, Internal, NoSpace, SessiondError
+from supervisor.core.budgets import Budgets
 from supervisor.core.events import EventLog
 from supervisor.ops.logtag import tagged
 from supervisor.ops.metrics import NO_METRICS, Recorder
@@ -69,8 +71,11 @@ class TurnLedger:
         on_fenced: Callable[[Session, Fenced], None] | None = None,
         metrics: Recorder = NO_METRICS,
         tracer: Tracer = NO_TRACER,
+        budgets: Budgets | None = None,
     ) -> None:
         self._events = events
+        # What a turn may spend ([agent.budget]): told to its worker with the input.
+        self._budgets = budgets if budgets is not None else Budgets({}, metrics)
         # What to do with a worker that is ahead of the disk (kill it; it
         # restarts from the log), and with a turn that has begun (arm its
         # timeout): the manager's, passed in when it builds the ledger.
@@ -196,6 +201,16 @@ class TurnLedger:
         if pending is not None:
             self._settle_input(session, pending, error)
 
+    def spent(self, session: Session, msg: m.Spent) -> None:
+        """The running turn's spend so far, after one of its LLM calls."""
+        if msg.turn != session.current_turn or session.committing == msg.turn:
+            return
+        before = session.turn_spend
+        # Cumulative: a figure only grows (a resumed turn's replay repeats them).
+        reported = {k: v for k, v in msg.spend.items() if k in SPEND_KEYS and isinstance(v, int) and v > 0}
+        session.turn_spend = {k: v for k in SPEND_KEYS if (v := max(reported.get(k, 0), before.get(k, 0)))}
+        self._budgets.spend_moved(session, before)
+
     def commit(self, session: Session, worker: WorkerProc, msg: m.Done) -> None:
         if msg.turn != session.current_turn:
             tagged(log, session.id).warning("Done for turn %d, expected %s", msg.turn, session.current_turn)
@@ -208,7 +223,7 @@ class TurnLedger:
         try:
             session.store.append(
                 Commit(turn=msg.turn, reply=msg.reply, record=msg.record,
-                       interrupted=msg.interrupted, seq=seq, usage=msg.usage),
+                       interrupted=msg.interrupted, seq=seq, usage=_turn_usage(session, msg)),
                 durable=False,
             )
             self.metrics.commit(time.monotonic() - began)
@@ -247,7 +262,7 @@ class TurnLedger:
         if session.trace is not None:
             self._tracer.ended(session.id, session.trace, done=msg)
             session.trace = None
-        add_usage(session.usage, msg.usage)
+        add_usage(session.usage, _turn_usage(session, msg))
         if msg.snapshot:
             self._snapshot(session, msg.snapshot)
         self._turn_over(session, (True, msg.reply))
@@ -288,13 +303,14 @@ class TurnLedger:
         if session.trace is not None and msg.turn == session.current_turn:
             self._tracer.worker_spans(session.trace, msg)
 
-    @staticmethod
-    def input_message(session: Session, turn: int, text: str, resumed: m.Resumed | None = None) -> m.Input:
-        """The turn's input as its worker gets it (told whether to record
-        spans): at the turn's start, and to a worker that resumes it."""
-        if session.trace is None:
-            return m.Input(turn=turn, text=text, resumed=resumed)
-        return m.Input(turn=turn, text=text, resumed=resumed, trace=True, trace_content=session.trace.content)
+    def input_message(self, session: Session, turn: int, text: str, resumed: m.Resumed | None = None) -> m.Input:
+        """The turn's input as its worker gets it: at the turn's start, and
+        to a worker that resumes it; with the budget figures the worker
+        checks before each LLM call, and whether to record spans."""
+        spent, uid_spent = self._budgets.for_input(session)
+        trace = session.trace
+        return m.Input(turn=turn, text=text, resumed=resumed, spent=spent, uid_spent=uid_spent,
+                       trace=trace is not None, trace_content=trace is not None and trace.content)
 
     def resumed(self, session: Session, detail: str = "") -> None:
         """The running turn goes on on a new worker (the resume path's hook)."""
@@ -326,7 +342,8 @@ class TurnLedger:
             return
         seq = session.seq + 1
         try:
-            session.store.append(Abort(turn=turn, reason=reason, record=record, seq=seq), durable=False)
+            session.store.append(Abort(turn=turn, reason=reason, record=record, seq=seq,
+                                       usage=dict(session.turn_spend)), durable=False)
         except StoreError as exc:
             tagged(log, session.id).error("%s", exc)
             if isinstance(exc, Fenced):  # e.g. its worker missed heartbeats while this daemon was frozen
@@ -338,6 +355,7 @@ class TurnLedger:
         if session.trace is not None:
             self._tracer.ended(session.id, session.trace, failed=reason)
             session.trace = None
+        add_usage(session.usage, session.turn_spend)  # billed, committed or not
         self._turn_over(session, (False, reason))
         if pending is None:
             self._events.next_seq(session)
@@ -541,11 +559,22 @@ class TurnLedger:
         session.current_turn = None
         session.suspended = None
         session.steps, session.step_bytes, session.step_running = [], 0, ""
+        session.turn_spend = {}
         session.last_turn_secs = time.monotonic() - session.turn_started
         self.metrics.turn_ended(session, outcome[0], outcome[1], session.last_turn_secs)
         session.pending_asks.clear()
         session.last_active = time.monotonic()
         self.on_turn_ended(session)
+
+
+def _turn_usage(session: Session, msg: m.Done) -> dict[str, int]:
+    """What the turn spent: the usage its handler returned, and what its
+    worker reported as it went (the LLM calls; tokens of a handler that
+    reports them only one way)."""
+    usage = dict(msg.usage)
+    for key, value in session.turn_spend.items():
+        usage[key] = max(value, usage.get(key, 0))
+    return usage
 
 
 def _snapshot_failed(session: Session, written: asyncio.Future[None]) -> None:

@@ -36,6 +36,7 @@ from ipc.settings import SessionSettings
 from supervisor.spawn.cgroups import Cgroups
 from supervisor.config import Config
 from supervisor.errors import BadRequest, Capacity, Conflict, Internal, NotFound, SessiondError
+from supervisor.core.budgets import Budgets, tokens_of
 from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger, store_failure
 from supervisor.core.holding import Holding, Holds
@@ -106,13 +107,14 @@ class SessionManager:
         # through this manager, to parts it builds after the ledger.
         self.workspaces = Workspaces(current, state_dir, run_as, session_uids)
         self.events = EventLog(lambda: self.config.daemon, self.sessions, tracer)
+        self.budgets = Budgets(self.sessions, metrics)
         self.ledger = TurnLedger(
             self.events,
             on_unsaved=lambda session, worker, why: self.workers.kill(session, worker, ExitReason.CRASHED, why),
             on_turn_started=lambda session, turn: self.sweeper.arm_turn_timer(session, turn),
             on_turn_ended=lambda session: self.sweeper.disarm_turn(session),
             on_fenced=(lambda session, exc: holds.fenced(self.holding, session, exc)) if holds is not None else None,
-            metrics=metrics, tracer=tracer,
+            metrics=metrics, tracer=tracer, budgets=self.budgets,
         )
         self.slots = LiveSlots(current, self.sessions, self.is_admin, self._hibernating, self._hibernate)
         self.subagents = Subagents(self, self.sessions, tracer)
@@ -258,9 +260,10 @@ class SessionManager:
             rss_bytes=rss, restarts=session.restarts, turns=session.turns,
             created_at=session.meta.created_at, last_exit=session.last_exit, seq=session.seq,
             parent=session.meta.parent, children=list(session.children),
-            owner_uid=session.meta.owner_uid, error=session.error, usage=dict(session.usage),
+            owner_uid=session.meta.owner_uid, error=session.error, usage=tokens_of(session.usage),
             sandbox=self.workers.sandbox_report(worker) if pid is not None and worker is not None else {},
             disk_bytes=session.memory.disk_bytes, cpu_percent=session.memory.cpu_percent if pid is not None else None,
+            budget=self.budgets.figures(session),
         )
 
     def host_report(self) -> dict[str, Any]:

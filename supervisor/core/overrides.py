@@ -86,6 +86,13 @@ ALLOWED: dict[str, Rule] = {
     "agent.subagents.child_timeout_secs": _C,
     "agent.loop.compaction_threshold_tokens": _C,  # more context is more tokens billed
     "agent.loop.compaction_keep_recent_turns": _C,
+    # Budgets: a session may only spend less.  An unset operator ceiling
+    # admits any (it tightens); unsetting one the operator set is refused.
+    "agent.budget.turn_max_llm_calls": _C,
+    "agent.budget.session_max_llm_calls": _C,
+    "agent.budget.session_max_input_tokens": _C,
+    "agent.budget.session_max_output_tokens": _C,
+    "agent.budget.session_max_reasoning_tokens": _C,
     "provider.model": Rule.MODEL,
     "provider.connect_timeout_secs": _C,
     "provider.read_timeout_secs": _C,
@@ -112,6 +119,11 @@ _DAEMON_WIDE = {
     "agent.limits.max_concurrent_sessions",
     "agent.limits.memory_poll_interval_ms",
     "agent.worker.snapshot_every_turns",
+    # A uid's ceilings bound all its sessions together: not one session's to set.
+    "agent.budget.uid_max_llm_calls",
+    "agent.budget.uid_max_input_tokens",
+    "agent.budget.uid_max_output_tokens",
+    "agent.budget.uid_max_reasoning_tokens",
 }
 _OPERATOR_ONLY = {
     "agent.handler": "choose the handler with --handler",

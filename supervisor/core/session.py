@@ -10,11 +10,12 @@ each own some of its fields, and only they write them:
     TurnLedger     (ledger.py)    turns, current_turn, current_input,
                                   pending_input, pending_asks, turn_results,
                                   turn_started, last_turn_secs, last_active,
-                                  usage (token totals of committed turns:
+                                  usage (token totals of its turns:
                                   prompt_tokens, completion_tokens,
-                                  reasoning_tokens; restored from the log),
-                                  committing, steps, step_bytes,
-                                  step_running, suspended, trace
+                                  reasoning_tokens, and llm_calls; restored
+                                  from the log), turn_spend, committing,
+                                  steps, step_bytes, step_running,
+                                  suspended, trace
     WorkerOwner    (workers.py)   worker, last_exit, restarts, policy,
                                   restart_handle, pings
     Sweeper        (sweep.py)     memory, turn_timer, kill_timer
@@ -170,6 +171,8 @@ class Session:
     # DAMAGED with no readable metadata: meta is a stand-in.
     meta_lost: bool = False
     usage: dict[str, int] = field(default_factory=dict)
+    # The running turn's spend so far, as its worker last reported it (m.Spent).
+    turn_spend: dict[str, int] = field(default_factory=dict)
     # The running turn's trace, when tracing is on (supervisor.ops.tracing).
     trace: TurnTrace | None = None
     # Lifecycle events with their unix time, for `sessionctl logs`: those

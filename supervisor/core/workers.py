@@ -27,7 +27,7 @@ from ipc import messages as m
 from ipc.connection import FramedProtocol
 from ipc.contract import EXIT_BOOT_FAILED, ExitReason, LimitKind
 from ipc.errors import ProtocolError
-from ipc.settings import SandboxSettings, SessionSettings
+from ipc.settings import BudgetSettings, SandboxSettings, SessionSettings
 from supervisor.spawn import sandbox
 from supervisor.spawn.cgroups import Cgroups
 from supervisor.config import Config
@@ -348,12 +348,16 @@ class WorkerOwner:
                     session,
                     m.Notice(session=session.id, seq=events.next_seq(session), turn=turn, kind=kind, data=data),
                 )
-            case m.WorkerLimit(kind=kind, value=value, limit=limit):
+            case m.WorkerLimit(kind=kind, value=value, limit=limit, ceiling=ceiling, unit=unit):
+                if kind == LimitKind.BUDGET and ceiling.rpartition(".")[2] in BudgetSettings.__struct_fields__:
+                    self.metrics.budget_reached(ceiling)
                 events.emit(
                     session,
                     m.LimitExceeded(session=session.id, seq=events.next_seq(session), kind=kind,
-                                    value=value, limit=limit),
+                                    value=value, limit=limit, ceiling=ceiling, unit=unit),
                 )
+            case m.Spent():
+                self._ledger.spent(session, msg)
             case m.AskPermission(turn=turn, request_id=rid, tool=tool, arguments=arguments):
                 session.pending_asks.add(rid)
                 events.emit(

@@ -85,8 +85,8 @@ def _entry_text(at: float, ev: Any) -> str:
     match ev:
         case m.StateChanged(old=old, new=new, reason=reason):
             what = f"state {old} -> {new}{': ' + reason if reason else ''}"
-        case m.LimitExceeded(kind=kind, value=value, limit=limit):
-            what = f"limit {kind}: {limit_text(kind, value, limit)}"
+        case m.LimitExceeded(kind=kind, value=value, limit=limit, ceiling=ceiling, unit=unit):
+            what = f"limit {kind}: {limit_text(kind, value, limit, ceiling, unit)}"
         case m.TurnFailed(turn=turn, reason=reason):
             what = f"turn {turn} failed: {reason}"
         case _:

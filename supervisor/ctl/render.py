@@ -71,7 +71,7 @@ def failed(exc: DaemonUnavailable | RequestError) -> int:
 
 # `top --sort`: here, not in supervisor.ctl.top, so that the command line's
 # parser need not import curses.
-SORT_KEYS = ("cpu", "rss", "turns", "restarts", "age", "id", "state")
+SORT_KEYS = ("cpu", "rss", "turns", "restarts", "age", "id", "state", "budget")
 
 
 def fmt_bytes(n: int | None) -> str:
@@ -166,6 +166,12 @@ def print_status(s: dict[str, Any]) -> None:
         fields.append(("parent", s["parent"]))
     if s["children"]:
         fields.append(("children", ", ".join(s["children"])))
+    budget = s.get("budget")
+    for c in budget.get("ceilings", []) if isinstance(budget, dict) else []:
+        if not (isinstance(c, dict) and isinstance(c.get("ceiling"), str) and {"used", "limit", "unit"} <= c.keys()):
+            continue
+        # One line per [agent.budget] ceiling set: what counts against it now.
+        fields.append(("budget", f"{c['ceiling'].rpartition('.')[2]} {c['used']} of {c['limit']} {c['unit']}"))
     for k, v in fields:
         print(f"{k + ':':<11}{v}")
 

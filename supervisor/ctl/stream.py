@@ -96,8 +96,8 @@ def print_event(ev: Any) -> None:
             print(f"\n[turn {turn} failed: {reason}]")
         case m.StateChanged(old=old, new=new, reason=reason):
             print(f"[{old} -> {new}{': ' + reason if reason else ''}]")
-        case m.LimitExceeded(kind=kind, value=value, limit=limit):
-            print(f"[limit {kind}: {limit_text(kind, value, limit)}]")
+        case m.LimitExceeded(kind=kind, value=value, limit=limit, ceiling=ceiling, unit=unit):
+            print(f"[limit {kind}: {limit_text(kind, value, limit, ceiling, unit)}]")
         case m.Notice(kind=kind, data=data):
             print(_tool_line(kind, data) or f"[{kind}: {json.dumps(data)}]")
         case m.PermissionRequest(request_id=rid):
@@ -140,6 +140,7 @@ def _read_answer(prompt: str) -> bool:
 _CUTTING_LIMITS: dict[str, str] = {
     LimitKind.TURN_TIMEOUT: "agent.turn_timeout_secs",
     LimitKind.TURNS: "agent.max_turns (model calls for one input)",
+    LimitKind.BUDGET: "a ceiling of [agent.budget]",
 }
 
 _STOP_TEXT: dict[str, str] = {
@@ -234,11 +235,11 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool, tra
                 print(f"\nsessionctl: permission request {ev.request_id}: {_permission_text(ev)}\n"
                       f"sessionctl: answer with `sessionctl approve|deny {session} {ev.request_id}`",
                       file=sys.stderr, flush=True)
-            case m.LimitExceeded(kind=kind, value=value, limit=limit):
+            case m.LimitExceeded(kind=kind, value=value, limit=limit, ceiling=ceiling, unit=unit):
                 if kind in _CUTTING_LIMITS:
-                    cut_by = kind
+                    cut_by = ceiling or _CUTTING_LIMITS[kind]
                 if not as_json:
-                    print(f"\nsessionctl: limit {kind} exceeded: {limit_text(kind, value, limit)}",
+                    print(f"\nsessionctl: limit {kind} exceeded: {limit_text(kind, value, limit, ceiling, unit)}",
                           file=sys.stderr)
             case m.TurnDone(interrupted=interrupted, stop_reason=stop):
                 if not as_json:
@@ -257,7 +258,7 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool, tra
                           f"(provider said {ev.stop_detail or stop!r})", file=sys.stderr)
                     return EXIT_FAILED
                 if cut_by is not None:  # the same: a limit cut the turn short
-                    print(f"sessionctl: turn {ev.turn} was cut short by a limit: {_CUTTING_LIMITS[cut_by]}",
+                    print(f"sessionctl: turn {ev.turn} was cut short by a limit: {cut_by}",
                           file=sys.stderr)
                     return EXIT_FAILED
                 return EXIT_OK

@@ -28,7 +28,8 @@ from supervisor.ctl.render import EXIT_OK, EXIT_USAGE, SORT_KEYS, fmt_age
 __all__ = ["Row", "SORT_KEYS", "render", "rows_from", "run_top", "snapshot_json", "totals"]
 
 # Sort key -> (key function, descending).  Letters are the live view's keys.
-_KEYS_BY_LETTER = {"c": "cpu", "m": "rss", "t": "turns", "r": "restarts", "a": "age", "i": "id", "s": "state"}
+_KEYS_BY_LETTER = {"c": "cpu", "m": "rss", "t": "turns", "r": "restarts", "a": "age", "i": "id", "s": "state",
+                   "b": "budget"}
 
 
 @dataclass(slots=True)
@@ -44,6 +45,9 @@ class Row:
     turns: int
     last_exit: m.ExitInfo | None
     age_secs: float
+    # SessionInfo.budget, and the share of its most used ceiling (None: no ceiling set).
+    budget: dict[str, Any]
+    budget_percent: float | None
 
     def as_json(self) -> dict[str, Any]:
         e = self.last_exit
@@ -53,7 +57,7 @@ class Row:
             "cpu_secs": _round(self.cpu_secs), "restarts": self.restarts, "turns": self.turns,
             "last_exit": None if e is None else {"reason": e.reason, "code": e.code, "signal": e.signal,
                                                  "at": e.at, "detail": e.detail},
-            "age_secs": round(self.age_secs, 1),
+            "age_secs": round(self.age_secs, 1), "budget": self.budget,
         }
 
 
@@ -81,8 +85,16 @@ def rows_from(now: op.TopReply, before: op.TopReply | None) -> list[Row]:
             id=s.id, state=s.state, handler=s.handler, pid=s.pid, rss_bytes=s.rss_bytes,
             cpu_secs=e.cpu_secs, cpu_percent=pct, restarts=s.restarts, turns=s.turns,
             last_exit=s.last_exit, age_secs=max(0.0, now.at - s.created_at) if s.created_at else 0.0,
+            budget=s.budget, budget_percent=_budget_percent(s.budget),
         ))
     return rows
+
+
+def _budget_percent(budget: dict[str, Any]) -> float | None:
+    shares = [c["used"] / c["limit"] * 100 for c in budget.get("ceilings", ())
+              if isinstance(c, dict) and isinstance(c.get("used"), int) and isinstance(c.get("limit"), int)
+              and c["limit"] > 0]
+    return max(shares) if shares else None
 
 
 def sort_rows(rows: list[Row], key: str) -> list[Row]:
@@ -96,6 +108,7 @@ def sort_rows(rows: list[Row], key: str) -> list[Row]:
         "turns": lambda r: (r.turns, 0),
         "restarts": lambda r: (r.restarts, 0),
         "age": lambda r: (r.age_secs, 0),
+        "budget": lambda r: (r.budget_percent or 0.0, 0),
     }
     value = keyfns[key]
     return sorted(rows, key=lambda r: (value(r), r.id), reverse=True)
@@ -153,6 +166,8 @@ def _clip(text: str, width: int) -> str:
 # (title, width, right-aligned); ID takes what is left of the terminal's width.
 _COLUMNS = (("STATE", 11, False), ("PID", 7, True), ("RSS", 6, True), ("CPU%", 5, True),
             ("RST", 3, True), ("TURNS", 5, True), ("LAST EXIT", 16, False), ("AGE", 5, True))
+# Shown only when some session has an [agent.budget] ceiling: its most used one, in %.
+_BUDGET_COLUMN = ("BUDGET", 6, True)
 
 
 def render(rows: list[Row], reply: op.TopReply, sort: str, width: int, height: int) -> list[str]:
@@ -165,23 +180,26 @@ def render(rows: list[Row], reply: op.TopReply, sort: str, width: int, height: i
         f"{t['sessions']} sessions ({states})",
         f"live {t['live']}: rss {_bytes(t['rss_bytes'])}, cpu {cpu}; turns {t['turns']}, "
         f"restarts {t['restarts']}",
-        f"sort: {sort} (c cpu, m rss, t turns, r restarts, a age, i id, s state; q quit)",
+        f"sort: {sort} (c cpu, m rss, t turns, r restarts, a age, i id, s state, b budget; q quit)",
     ]
-    fixed = sum(w + 1 for _, w, _ in _COLUMNS)
+    with_budget = any(r.budget_percent is not None for r in rows)
+    columns = (*_COLUMNS, _BUDGET_COLUMN) if with_budget else _COLUMNS
+    fixed = sum(w + 1 for _, w, _ in columns)
     id_width = max(6, min(24, width - fixed))
 
     def line(cells: list[str]) -> str:
         out = _clip(cells[0], id_width).ljust(id_width)
-        for (_, w, right), cell in zip(_COLUMNS, cells[1:]):
+        for (_, w, right), cell in zip(columns, cells[1:]):
             cell = _clip(cell, w)
             out += " " + (cell.rjust(w) if right else cell.ljust(w))
         return out.rstrip()
 
-    table = [line(["ID", *(title for title, _, _ in _COLUMNS)])]
+    table = [line(["ID", *(title for title, _, _ in columns)])]
     for r in sort_rows(rows, sort):
         pct = "-" if r.cpu_percent is None else f"{r.cpu_percent:.0f}"
+        budget = "-" if r.budget_percent is None else f"{r.budget_percent:.0f}%"
         table.append(line([r.id, r.state, str(r.pid or "-"), _bytes(r.rss_bytes), pct, str(r.restarts),
-                           str(r.turns), _exit(r.last_exit), _age(r.age_secs)]))
+                           str(r.turns), _exit(r.last_exit), _age(r.age_secs), budget]))
     lines = [_clip(x, width) for x in head + [""] + table]
     if len(lines) > height:
         hidden = len(lines) - height + 1

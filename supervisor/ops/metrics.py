@@ -124,6 +124,12 @@ class Recorder:
     def notice(self, kind: str, data: dict[str, Any]) -> None:
         """A worker's notice (provider retries are counted by HTTP status)."""
 
+    def llm_spent(self, spend: dict[str, int]) -> None:
+        """More LLM calls and tokens spent by a running turn (ipc.budget's keys)."""
+
+    def budget_reached(self, ceiling: str) -> None:
+        """A turn ended at an [agent.budget] ceiling (its config key)."""
+
 
 NO_METRICS = Recorder()
 
@@ -207,6 +213,15 @@ class PrometheusRecorder(Recorder):
         self._provider = Counter("sessiond_provider_errors",
                                  "LLM provider errors seen by agents (retried or failing a turn), "
                                  "by HTTP status (none: no HTTP answer).", ["status"], registry=r)
+        self._llm_calls = Counter("sessiond_llm_calls", "LLM calls agents made (as their workers report "
+                                  "them after each call).", registry=r)
+        self._llm_tokens = Counter("sessiond_llm_tokens", "Tokens agents' LLM calls spent, by kind "
+                                   "(input, output, reasoning; output includes reasoning).", ["kind"], registry=r)
+        self._budget = Counter("sessiond_budget_exceeded", "Turns ended at an [agent.budget] ceiling, by "
+                               "ceiling.", ["ceiling"], registry=r)
+        self._token_kinds = {key: self._llm_tokens.labels(kind) for kind, key in (
+            ("input", "prompt_tokens"), ("output", "completion_tokens"), ("reasoning", "reasoning_tokens"))}
+        self._llm_calls.inc(0)
         # Children created up front: a series that is 0 says "none yet",
         # where a missing one says nothing.
         # (kept: `labels()` takes a lock and a dict lookup; a turn counts
@@ -265,6 +280,16 @@ class PrometheusRecorder(Recorder):
     def notice(self, kind: str, data: dict[str, Any]) -> None:
         if kind == "provider_retry":
             self._provider.labels(provider_status(str(data.get("error", "")))).inc()
+
+    def llm_spent(self, spend: dict[str, int]) -> None:
+        self._llm_calls.inc(spend.get("llm_calls", 0))
+        for key, child in self._token_kinds.items():
+            if spend.get(key):
+                child.inc(spend[key])
+
+    def budget_reached(self, ceiling: str) -> None:
+        # Bounded: the ceilings are the fields of ipc.settings.BudgetSettings.
+        self._budget.labels(ceiling.rpartition(".")[2]).inc()
 
     def exposition(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

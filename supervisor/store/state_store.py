@@ -134,7 +134,8 @@ class Commit(_Rec, tag="commit"):
     record: bytes = b""
     interrupted: bool = False
     seq: int = 0
-    # Tokens this turn spent (see SessionInfo.usage); summed at load.
+    # Tokens this turn spent (see SessionInfo.usage), and its LLM calls
+    # (`llm_calls`, for [agent.budget]); summed at load.
     usage: dict[str, int] = {}
 
 
@@ -145,6 +146,8 @@ class Abort(_Rec, tag="abort"):
     reason: str
     record: bytes = b""
     seq: int = 0
+    # What its calls spent before it ended (as Commit.usage): billed all the same.
+    usage: dict[str, int] = {}
 
 
 class Step(_Rec, tag="step"):
@@ -259,8 +262,7 @@ class LoadedSession:
                 pass
             case Commit() | Abort():
                 self.seq = max(self.seq, rec.seq)
-                if isinstance(rec, Commit):
-                    add_usage(self.usage, rec.usage)
+                add_usage(self.usage, rec.usage)
                 if self.open_input is not None and self.open_input.turn == rec.turn:
                     self.open_input = None
                     self.open_steps = []
