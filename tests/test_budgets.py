@@ -158,7 +158,7 @@ def test_a_session_ceiling_through_the_daemon_status_and_metrics(make_daemon, ll
     # A narrower ceiling a creator sets holds too: one call per turn.
     llm.script(write(3, 1))
     narrow = d.ctl("create", "--set", "agent.budget.turn_max_llm_calls=1").stdout.strip()
-    assert d.ctl("send", narrow, "go").returncode == 0 and len(llm.requests) == 3
+    assert d.ctl("send", narrow, "go").returncode == 1 and len(llm.requests) == 3
     samples = parse(httpx.get(url, timeout=5).text)
     assert value(samples, "sessiond_llm_calls_total") == 3
     assert value(samples, "sessiond_llm_tokens_total", kind="output") == 31
@@ -196,28 +196,39 @@ def test_a_uid_ceiling_holds_across_sessions_running_at_once(make_daemon, llm: F
 
 
 @pytest.mark.process
-def test_what_a_crashed_turn_spent_still_counts_after_a_daemon_restart(make_daemon, llm: FakeLLM,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_resumed_turn_does_not_count_from_zero_nor_does_a_restarted_daemon(make_daemon, llm: FakeLLM,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker dies after two journaled LLM calls: the resumed turn
+    replays them (no request) and counts them, so `turn_max_llm_calls = 3`
+    leaves it one more; after a daemon SIGKILL the session's figure is
+    what its turns spent, and `session_max_llm_calls = 4` one call more."""
     monkeypatch.setenv("SESSIOND_TEST_KEY", "sk-test")
-    d = make_daemon(agent_config(llm, '[agent.budget]\nsession_max_llm_calls = 2\n'
+    d = make_daemon(agent_config(llm, '[agent.budget]\nturn_max_llm_calls = 3\nsession_max_llm_calls = 4\n'
                                       '[[permissions]]\ntool = "write_file"\naction = "ask"\n'))
-    llm.script(write(1, 7))
+    llm.script(write(1, 7), write(2, 7), write(3, 7))
     with d.client() as c:
         sid = c.create().id
+        asked = 0
         for ev in c.send(sid, "go"):
             if isinstance(ev, m.PermissionRequest):
-                os.kill(c.status(sid).pid or 0, signal.SIGKILL)  # mid-turn, after one paid call
+                asked += 1
+                if asked == 2:  # two paid calls journaled, the second's tool waiting
+                    os.kill(c.status(sid).pid or 0, signal.SIGKILL)
+                else:
+                    c.answer(sid, ev.request_id, True)
             last = ev
-        assert isinstance(last, m.TurnFailed) and "crashed" in last.reason
+        assert isinstance(last, m.TurnDone), last
+        assert len(llm.requests) == 3  # calls 1 and 2 replayed, not made again; the 4th refused
+        assert c.status(sid).budget["spent"]["llm_calls"] == 3
     d.kill()
     d.start()
     with d.client() as c:
-        assert c.status(sid).budget["spent"]["llm_calls"] == 1  # kept in the turn's Abort record
+        assert c.status(sid).budget["spent"]["llm_calls"] == 3
         llm.script(text_stream("the one call left"))
         assert c.send_text(sid, "again") == "the one call left"
         events = list(c.send(sid, "and again"))
         assert any(isinstance(e, m.LimitExceeded) and e.kind == "budget" for e in events)
-    assert len(llm.requests) == 2
+    assert len(llm.requests) == 4
 
 
 @pytest.mark.pure
