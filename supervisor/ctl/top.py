@@ -57,7 +57,9 @@ class Row:
             "cpu_secs": _round(self.cpu_secs), "restarts": self.restarts, "turns": self.turns,
             "last_exit": None if e is None else {"reason": e.reason, "code": e.code, "signal": e.signal,
                                                  "at": e.at, "detail": e.detail},
-            "age_secs": round(self.age_secs, 1), "budget": self.budget,
+            "age_secs": round(self.age_secs, 1),
+            # Only where [agent.budget] sets a ceiling: scripts' fields stay as they were.
+            **({"budget": self.budget} if self.budget else {}),
         }
 
 
