@@ -59,7 +59,7 @@ class Row:
                                                  "at": e.at, "detail": e.detail},
             "age_secs": round(self.age_secs, 1),
             # Only where [agent.budget] sets a ceiling: scripts' fields stay as they were.
-            **({"budget": self.budget} if self.budget else {}),
+            **({"budget": self.budget} if self.budget.get("ceilings") else {}),
         }
 
 
