@@ -235,6 +235,20 @@ def test_limit_hits_and_restarts_are_marked(console: Console, browser: Browser, 
                  "the restart to be marked")
 
 
+def test_a_turn_resumed_after_its_worker_died_is_marked_and_ends_once(console: Console, browser: Browser) -> None:
+    """A handler that keeps the durable-steps contract crashes in its first
+    run of the turn: the page marks the resume (why, and at which step) and
+    shows the one reply of the one turn."""
+    with console.daemon.client() as c:
+        info = c.create(handler="fixture_handlers:crash_once_steps")
+    open_session(browser, console, info.id)
+    send_from_page(browser, "again please")
+    markers = "return [...document.querySelectorAll('#conversation .marker.restart')].map(e => e.textContent)"
+    browser.wait(lambda: any("turn resumed at step 0 after crashed" in m for m in browser.js(markers)), 15,
+                 "the resume to be marked")
+    browser.wait(lambda: "1: again please" in (browser.text("#conversation") or ""), 15, "the turn's reply")
+
+
 def test_interrupt_stop_restart_from_the_page_and_a_daemon_restart_underneath(
         console: Console, browser: Browser, scripted: FakeLLM) -> None:
     d = console.daemon

@@ -272,7 +272,10 @@
   }
 
   function limitMarker(ev, at) {
-    marker((at ? clock(at) + "  " : "") + "limit " + ev.kind + " hit: " + ev.value + " (limit " + ev.limit + ")", "limit");
+    const what = ev.ceiling  // a budget: reached at its ceiling
+      ? ev.ceiling + " = " + ev.limit + " " + ev.unit + ": " + ev.value + " " + ev.unit + " spent"
+      : ev.value + " (limit " + ev.limit + ")";
+    marker((at ? clock(at) + "  " : "") + "limit " + ev.kind + " hit: " + what, "limit");
   }
 
   function permission(t, ev) {
@@ -382,7 +385,11 @@
           const t = turnBox(ev.turn);
           if (ev.kind === "tool_call") toolCall(t, ev.data || {});
           else if (ev.kind === "tool_result") toolResult(t, ev.data || {});
-          else { t.say = null; t.reply.append(folded("• " + ev.kind, json(ev.data), "notice")); }
+          else if (ev.kind === "turn_resumed") {  // its worker died; the same turn goes on
+            const d = ev.data || {};
+            t.say = null;
+            marker("turn resumed at step " + d.step + " after " + d.reason + ": " + d.cause, "restart");
+          } else { t.say = null; t.reply.append(folded("• " + ev.kind, json(ev.data), "notice")); }
           break;
         }
         case "permission_request": permission(turnBox(ev.turn), ev); break;
