@@ -178,6 +178,31 @@ def test_a_request_runs_to_its_end_when_its_client_goes(make_daemon) -> None:
     assert d.ctl("send", "halted", "x").stdout == "1: x\n"
 
 
+def test_a_daemon_killed_during_an_rm_finishes_it_at_its_next_start(make_daemon) -> None:
+    """An rm is durable once begun: its worker is slow to stop (a turn
+    blocking its loop: the rm waits out stop_grace_secs), the daemon is
+    SIGKILLed meanwhile; the session must not come back."""
+    d = make_daemon(CONFIG.replace("stop_grace_secs = 2.0", "stop_grace_secs = 30"))
+    with d.client() as c:
+        c.create(session="doomed", handler="fixture_handlers:blocking_sleep")
+        c.create(session="kept", handler="echo")
+    turn = subprocess.Popen([sys.executable, "-m", "supervisor.ctl", "--socket", str(d.socket), "send", "doomed", "block"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env_for_children())
+    try:
+        wait_for(lambda: _states(d).get("doomed") == "running", 15, "the blocking turn")
+        s = raw_connect(d.socket)
+        s.sendall(encode_frame(m.Hello(protocol=m.PROTOCOL_VERSION)) + encode_frame(m.Remove(id=1, session="doomed")))
+        wait_for(lambda: _states(d).get("doomed") == "stopping", 15, "the rm to begin")
+        d.kill()
+        s.close()
+    finally:
+        turn.kill()
+        turn.wait(10)
+    d.start()
+    wait_for(lambda: _states(d) == {"kept": "hibernated"}, 15, "the rm to be finished")
+    assert not (d.state_dir / "sessions" / "doomed").exists()
+
+
 def test_reload_over_the_socket(make_daemon) -> None:
     d = make_daemon(CONFIG)
     r = d.ctl("reload")

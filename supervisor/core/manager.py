@@ -194,7 +194,9 @@ class SessionManager:
             self.ledger.abort_stored(session, store, loaded.open_input.turn, "the daemon stopped during this turn",
                                      durable=True)
         self.sessions[meta.id] = session
-        if session.suspended is not None:  # the turn the daemon died in resumes on a new worker
+        if mark.state == "removing":  # a `rm` the daemon died in: finished now
+            self.spawn_task(self.remove(session))
+        elif session.suspended is not None:  # the turn the daemon died in resumes on a new worker
             self.workers.schedule_restart(session)
         if meta.parent and meta.parent in self.sessions:
             self.sessions[meta.parent].children.append(meta.id)
@@ -405,11 +407,7 @@ class SessionManager:
             tagged(log, session.id).warning("its workspace could not be removed: %s", exc)
 
     def _unlink(self, session: Session) -> asyncio.Future[None]:
-        self.sessions.pop(session.id, None)
-        parent = self.sessions.get(session.meta.parent or "")
-        if parent is not None and session.id in parent.children:
-            parent.children.remove(session.id)
-        self.events.forget(session)
+        self.forget(session)
         return session.store.remove_soon()  # behind its writes; `rm` is answered once it is done
 
     # ================================================================ requests
@@ -550,6 +548,8 @@ class SessionManager:
         async with session.lock:
             if session.state is State.DELETED:
                 return
+            session.removing = True  # durable first: a daemon killed during the rm finishes it at start
+            await self.ledger.save_mark(session)
             if session.state in LIVE:
                 await self._stop_locked(session, "deleted")
             self.workers.cancel_restart(session)

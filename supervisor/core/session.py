@@ -4,7 +4,7 @@ Runs in the daemon.  `Session` is plain data; the parts of the daemon's core
 each own some of its fields, and only they write them:
 
     SessionManager (manager.py,   the registry, meta, settings, children, lock,
-                    holding.py)   store, error, meta_lost
+                    holding.py)   store, error, meta_lost, removing
     EventLog       (events.py)    state, seq, reserved_seq, ring, ring_bytes,
                                   subscribers, held, state_waiters, lifecycle
     TurnLedger     (ledger.py)    turns, current_turn, current_input,
@@ -170,6 +170,9 @@ class Session:
     error: str | None = None
     # DAMAGED with no readable metadata: meta is a stand-in.
     meta_lost: bool = False
+    # An `rm` began: stored as its mark's state, so that a daemon killed
+    # before the rm was done finishes it at its next start.
+    removing: bool = False
     usage: dict[str, int] = field(default_factory=dict)
     # The running turn's spend so far, as its worker last reported it (m.Spent).
     turn_spend: dict[str, int] = field(default_factory=dict)
@@ -183,6 +186,8 @@ class Session:
 
     @property
     def persisted_state(self) -> str:
+        if self.removing:
+            return "removing"
         return self.state.value if self.state in (State.STOPPED, State.FAILED) else ""
 
     def is_(self, state: State) -> bool:

@@ -175,7 +175,9 @@ class Resume(_Rec, tag="resume"):
 class Mark(_Rec, tag="mark"):
     """State worth keeping across a daemon restart, and seq reservations."""
 
-    state: str = ""  # "stopped", "failed" or "" (live/hibernated)
+    # "stopped", "failed", "removing" (an rm began: finished at the next
+    # start if the daemon died first) or "" (live/hibernated)
+    state: str = ""
     reason: str = ""
     seq: int = 0  # seq numbers up to this one may have been used
     restarts: int = 0
