@@ -68,6 +68,17 @@ exit codes:
 """ + exit_codes_text()
 
 
+def _port_number(text: str) -> int:
+    """`web --port`'s type (argparse; the console's module is imported only to serve)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (0-65535), got {port}")
+    return port
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
@@ -158,8 +169,7 @@ def _parser() -> argparse.ArgumentParser:
                         "agent.turn_timeout_secs plus 60: every turn running now has ended by then)")
     p.add_argument("--undo", action="store_true", help="take the node back into use")
     p = add("web", "serve the web console on 127.0.0.1 (prints its URL, with its token)")
-    from supervisor.ctl.web.serve import port_number
-    p.add_argument("--port", type=port_number, default=0, help="the port (default: a free one)")
+    p.add_argument("--port", type=_port_number, default=0, help="the port (default: a free one)")
     p = add("completion", "print a shell completion script")
     p.add_argument("shell", choices=("bash", "zsh"))
     return parser

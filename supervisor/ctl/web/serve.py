@@ -6,7 +6,6 @@ is reached through the client library over the control socket.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import secrets
@@ -19,21 +18,10 @@ from supervisor.ctl.client import AsyncClient
 from supervisor.ctl.errors import DaemonUnavailable, RequestError
 from supervisor.ctl.render import EXIT_FAILED, EXIT_OK, EXIT_SIGINT
 
-__all__ = ["port_number", "run_web"]
+__all__ = ["run_web"]
 
 _NEEDS_EXTRA = ("sessionctl web needs starlette and uvicorn, the 'web' extra: "
                 "pip install 'sessiond[web]' (in a checkout: .venv/bin/pip install -e '.[web]')")
-
-
-def port_number(text: str) -> int:
-    """--port's type (argparse)."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number (0-65535), got {port}")
-    return port
 
 
 def run_web(socket_path: str | None, port: int, as_json: bool = False) -> int:
