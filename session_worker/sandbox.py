@@ -178,8 +178,18 @@ class Plan:
                 else:
                     argv += ["--ro-bind", "/dev/null", path]
         argv += ["--proc", "/proc", "--dev", "/dev",
-                 "--size", str(self.tmp_size_mb << 20), "--tmpfs", "/tmp",
-                 "--bind", str(self.workspace), str(self.workspace),
+                 "--size", str(self.tmp_size_mb << 20), "--tmpfs", "/tmp"]
+        # A read path the operator listed under a directory masked for its
+        # sockets (/run, /var/lib...) or under /tmp is bound again on top:
+        # listed, it is meant.  Never one that holds or lies in a secret or
+        # the daemon's own paths (`hide`): those stay masked whatever is listed.
+        guarded = (*_SECRETS, *self.hide)
+        for path in self.read_paths:
+            under = any(_within(path, d) for d in (*_SOCKET_DIRS, "/tmp"))
+            touches = any(_within(path, g) or _within(g, path) for g in guarded)
+            if under and not touches and os.path.exists(path):
+                argv += ["--ro-bind", path, path]
+        argv += ["--bind", str(self.workspace), str(self.workspace),
                  "--chdir", str(self.workspace)]
         return argv
 

@@ -235,6 +235,24 @@ def test_socket_directories_are_masked_inside_a_broad_read_path(tmp_path: Path) 
     assert "/var/lib" not in _plan(tmp_path, namespaces=True).bwrap_argv()
 
 
+def test_a_read_path_under_tmp_or_a_socket_directory_is_bound_on_top_never_a_guarded_one(tmp_path: Path) -> None:
+    """Listed, it is meant: a read path under /tmp (the private tmpfs) or a
+    masked socket directory is bound again after the masks (it was hidden:
+    an MCP server's checkout under /tmp never reached its sandbox).  One
+    that holds or lies in the daemon's own paths or a secret stays masked."""
+    listed = tmp_path / "models"
+    listed.mkdir()
+    state = tmp_path / "state"
+    state.mkdir()
+    plan = _plan(tmp_path, namespaces=True, read_paths=[str(listed), str(state / "x"), str(tmp_path), "/etc/ssl"])
+    argv = plan.bwrap_argv()
+    tmpfs = max(i for i, a in enumerate(argv) if a == "/tmp" and argv[i - 1] == "--tmpfs")
+    binds = [argv[i + 1] for i, a in enumerate(argv) if a == "--ro-bind" and i > tmpfs]
+    assert str(listed) in binds, argv
+    assert str(tmp_path) not in binds and str(state / "x") not in binds, binds  # hold / lie in `hide`
+    assert "/etc/ssl" not in binds  # not under a masked directory: bound once, with the roots
+
+
 def test_the_report_names_what_the_kernels_landlock_adds_and_what_it_lacks(tmp_path: Path) -> None:
     def report(abi: int) -> dict[str, object]:
         plan = sandbox.plan_for(m.SandboxBoot(namespaces=True, landlock_abi=abi), SessionSettings(), tmp_path, False)
