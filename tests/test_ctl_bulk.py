@@ -207,10 +207,12 @@ def test_reload_over_the_socket(make_daemon) -> None:
     d = make_daemon(CONFIG)
     r = d.ctl("reload")
     assert r.returncode == 0 and r.stdout.startswith(f"reloaded {d.config_path}: nothing changed"), r
-    d.config_path.write_text(trusting(CONFIG + "max_turns = 7\n[agent.limits]\nmax_memory_mb = 300\n"))
+    d.config_path.write_text(trusting(CONFIG + "max_turns = 7\n[agent.limits]\nmax_memory_mb = 300\n"
+                                      '[tracing]\nservice_name = "elsewhere"\n'))
     r = d.ctl("--json", "reload")
     doc = json.loads(r.stdout)
     assert r.returncode == 0 and doc["taken"] is True, r
+    assert any(n.startswith("[tracing] changed: it takes effect at the next start") for n in doc["notes"]), doc
     assert "agent.max_turns: 25 -> 7" in doc["changed"] and "agent.limits.max_memory_mb: 1024 -> 300" in doc["changed"]
     assert "id" not in doc
     d.config_path.write_text(trusting(CONFIG + 'max_turns = "many"\n'))

@@ -49,6 +49,9 @@ class Reloader:
         notes = []
         if cfg.store != old.store:
             notes.append("[store] changed: it takes effect at the next start, not on reload")
+        if cfg.tracing != old.tracing:
+            notes.append("[tracing] changed: it takes effect at the next start, not on reload "
+                         "(the span exporter is started with the daemon)")
         if cfg.sandbox != old.sandbox:
             notes.append("[sandbox] changed: workers started from now on use it (a live session's on its "
                          "next worker); mode = \"required\" is checked at the next start")
