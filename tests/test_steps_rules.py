@@ -54,6 +54,10 @@ def test_a_step_is_journaled_in_order_and_within_its_caps() -> None:
     assert "turn 3" in step_problem(SETTINGS, 2, have, 1, done(1, turn=3))
     assert "agent.worker.max_step_kb = 1" in step_problem(SETTINGS, 2, have, 1, done(1, size=2000))
     assert "max_turn_steps_mb = 1" in step_problem(SETTINGS, 2, have, (1 << 20) - 5, done(1))
+    # A handler is untrusted for size: its keys, and a flood of empty steps.
+    assert "too long" in step_problem(SETTINGS, 2, have, 1, m.StepDone(turn=2, n=1, key="k" * 100_000))
+    assert "max_turn_steps_mb = 1" in step_problem(SETTINGS, 2, have, (1 << 20) - 32,
+                                                   m.StepDone(turn=2, n=1, key="k"))
 
 
 class Link:

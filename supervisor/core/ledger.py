@@ -44,7 +44,7 @@ from supervisor.ops.metrics import NO_METRICS, Recorder
 from supervisor.core.session import PendingInput, Session, Suspension, WorkerProc
 from supervisor.ops.tracing import NO_TRACER, Tracer, TurnTrace
 from supervisor.core.states import State, Trigger
-from supervisor.core.steps import DAEMON_STOPPED, cause_of, resumes_after, step_problem
+from supervisor.core.steps import DAEMON_STOPPED, cause_of, resumes_after, step_problem, step_size
 from supervisor.store.state_store import (
     Abort, Commit, Fenced, IdTaken, InputRecord, LoadedSession, Mark, Resume, SessionLog, Snapshot, Step,
     StoreError, StoreFull, add_usage,
@@ -431,7 +431,7 @@ class TurnLedger:
             worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n, error=problem))
             return
         session.steps.append(m.StepResult(key=msg.key, result=msg.result))
-        session.step_bytes += len(msg.result)
+        session.step_bytes += step_size(msg.key, msg.result)
         session.step_running = ""
         self._when_durable(session, lambda err: self._step_saved(session, worker, msg, err))
 
@@ -444,7 +444,7 @@ class TurnLedger:
         # The store cut back what was not durable: so does the turn.
         if session.current_turn == msg.turn and len(session.steps) > msg.n:
             del session.steps[msg.n:]
-            session.step_bytes = sum(len(s.result) for s in session.steps)
+            session.step_bytes = sum(step_size(s.key, s.result) for s in session.steps)
         if isinstance(exc, Fenced):
             self.on_fenced(session, exc)
         elif session.worker is worker:
@@ -482,7 +482,7 @@ class TurnLedger:
             return False
         session.current_turn, session.current_input = open_input.turn, open_input.text
         session.steps = [m.StepResult(key=s.key, result=s.result) for s in loaded.open_steps]
-        session.step_bytes = sum(len(s.result) for s in session.steps)
+        session.step_bytes = sum(step_size(s.key, s.result) for s in session.steps)
         session.turn_started = time.monotonic()
         session.suspended = Suspension(
             turn=open_input.turn, text=open_input.text, reason=DAEMON_STOPPED,

@@ -25,10 +25,17 @@ from ipc import messages as m
 from ipc.contract import ExitReason
 from ipc.settings import SessionSettings
 
-__all__ = ["DAEMON_STOPPED", "cause_of", "resumes_after", "step_problem"]
+__all__ = ["DAEMON_STOPPED", "cause_of", "resumes_after", "step_problem", "step_size"]
 
 # The reason a turn resumes with after the daemon itself died during it.
 DAEMON_STOPPED = "daemon_stopped"
+
+# A step's key and kind are the handler's words, not data: bounded apart.
+MAX_KEY_CHARS = 512
+MAX_KIND_CHARS = 32
+# What a step costs besides its result (its record, its entry here): counted
+# against max_turn_steps_mb, so that a flood of empty steps is bounded too.
+STEP_OVERHEAD_BYTES = 64
 
 _NOT_RESUMED = frozenset({ExitReason.KILLED_TURN_TIMEOUT.value, ExitReason.STOPPED.value})
 
@@ -57,9 +64,17 @@ def cause_of(info: m.ExitInfo, settings: SessionSettings) -> str:
     return f"the worker crashed ({how})"
 
 
+def step_size(key: str, result: bytes) -> int:
+    """What a journaled step counts against `max_turn_steps_mb`."""
+    return len(result) + len(key.encode()) + STEP_OVERHEAD_BYTES
+
+
 def step_problem(settings: SessionSettings, turn: int | None, steps: list[m.StepResult],
                  step_bytes: int, msg: m.StepDone) -> str:
     """Why step `msg` cannot be journaled ('' when it can)."""
+    if len(msg.key) > MAX_KEY_CHARS or len(msg.kind) > MAX_KIND_CHARS:
+        return (f"step {msg.n}'s key or kind is too long ({len(msg.key)} and {len(msg.kind)} characters; "
+                f"at most {MAX_KEY_CHARS} and {MAX_KIND_CHARS})")
     if msg.turn != turn:
         return f"step {msg.n} names turn {msg.turn}, but turn {turn} is running"
     if msg.n != len(steps):
@@ -68,8 +83,8 @@ def step_problem(settings: SessionSettings, turn: int | None, steps: list[m.Step
     if len(msg.result) > ws.max_step_kb * 1024:
         return (f"step {msg.n} ({msg.key!r}) is {len(msg.result)} bytes, over "
                 f"agent.worker.max_step_kb = {ws.max_step_kb}")
-    if step_bytes + len(msg.result) > ws.max_turn_steps_mb * 1024 * 1024:
-        return (f"the turn's steps would hold {step_bytes + len(msg.result)} bytes, over "
+    if step_bytes + step_size(msg.key, msg.result) > ws.max_turn_steps_mb * 1024 * 1024:
+        return (f"the turn's steps would hold {step_bytes + step_size(msg.key, msg.result)} bytes, over "
                 f"agent.worker.max_turn_steps_mb = {ws.max_turn_steps_mb}")
     return ""
 
