@@ -440,6 +440,7 @@ class TurnLedger:
             self._input_durable(session)  # the step's flush covered the input
             if session.worker is worker:
                 worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n))
+                worker.conn.flush()  # now: the worker may wait on it to run a tool
             return
         # The store cut back what was not durable: so does the turn.
         if session.current_turn == msg.turn and len(session.steps) > msg.n:
