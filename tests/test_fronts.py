@@ -326,3 +326,21 @@ def test_a_daemon_s_name_is_one_word_and_a_mangled_one_stops_the_start_saying_wh
     (d.state_dir / "front-id").unlink()
     d.start()
     assert (d.state_dir / "front-id").read_text().strip() != name
+
+
+def test_logs_of_a_claimed_session_show_what_happened_where_it_was_held(make_daemon, dsn: str) -> None:
+    """`sessionctl logs` reads the lifecycle kept in the shared store: after
+    a claim, what the other daemon saw of the session since this one last
+    held it is there too (it was what this daemon had known at its start)."""
+    first = make_daemon(pg_config(dsn, lease=600))
+    second = make_daemon(pg_config(dsn, lease=600))
+    with first.client() as c:
+        sid = c.create().id
+        c.stop(sid)
+        c.restart(sid)
+        assert c.send_text(sid, "a") == "1: a"
+    with second.client() as c:
+        assert c.send_text(sid, "b") == "2: b"  # claimed here, idle there
+    logs = second.ctl("logs", sid)
+    assert logs.returncode == 0, logs.stderr
+    assert "idle -> stopping" in logs.stdout and "restart requested" in logs.stdout, logs.stdout

@@ -141,6 +141,11 @@ class EventLog:
                 out.append((rec.at, _lifecycle_decoder.decode(rec.event)))
         return out
 
+    def adopt_lifecycle(self, session: Session, kept: Iterable[LifeEvent]) -> None:
+        """Claimed back from another daemon: what the shared store kept,
+        this daemon's earlier events and the other's, over what it knew."""
+        session.lifecycle = self.restored_lifecycle(kept)
+
     def emit_live(self, session: Session, event: m.ReasoningDelta) -> None:
         """An event of NEW_EVENT_TAGS: to the subscribers that asked for its
         tag, not retained (see `ReasoningDelta`)."""

@@ -117,6 +117,7 @@ class Holding:
         self._workers.restore_exits(session, loaded.mark.restarts,
                                     msgspec.convert(last, m.ExitInfo) if last else None)
         self._events.raise_seq(session, loaded.seq)  # numbers only go up, for this daemon's clients and the holder's
+        self._events.adopt_lifecycle(session, loaded.lifecycle)  # `logs` shows what happened there too
         if loaded.mark.state == "stopped" and session.state is State.HIBERNATED:
             # Stopped where it ran: it stays stopped here until a restart.
             self._events.set_state(session, Trigger.STOP, reason="stopped on another daemon")
