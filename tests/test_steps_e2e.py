@@ -56,8 +56,9 @@ class Model:
 
     def command(self, t: int) -> str:
         if t == self.bomb:
-            return "echo 4 >> started; python3 -c 'import time; b = b\"x\" * (256 << 20); time.sleep(60)'"
-        wait = "sleep 60; " if t in self.slow else ""
+            # Holds the memory until the cap's kill comes (no time of its own).
+            return "echo 4 >> started; python3 -c 'import signal; b = b\"x\" * (256 << 20); signal.pause()'"
+        wait = "sleep infinity; " if t in self.slow else ""  # until the test kills the worker
         return f"echo {t} >> started; {wait}echo {t} >> counter"
 
     def __call__(self, request: dict[str, Any]) -> Response:
