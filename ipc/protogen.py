@@ -30,6 +30,7 @@ import msgspec
 
 from ipc import messages as m
 from ipc import operator as op
+from ipc.wiregen import write_or_check
 
 __all__ = ["SCHEMA_PATH", "render", "schema", "main"]
 
@@ -84,21 +85,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    text = render()
-    if args == ["--check"]:
-        current = SCHEMA_PATH.read_text() if SCHEMA_PATH.exists() else ""
-        if current != text:
-            print(f"{SCHEMA_PATH} is out of date with ipc/messages.py and ipc/operator.py: "
-                  f"run `{REGENERATE}`", file=sys.stderr)
-            return 1
-        return 0
-    if args:
-        print(f"usage: {REGENERATE} [--check]", file=sys.stderr)
-        return 2
-    SCHEMA_PATH.write_text(text)
-    print(f"wrote {SCHEMA_PATH}")
-    return 0
+    return write_or_check(argv, SCHEMA_PATH, render(), REGENERATE, " with ipc/messages.py and ipc/operator.py")
 
 
 if __name__ == "__main__":

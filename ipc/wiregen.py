@@ -153,21 +153,27 @@ def render() -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def write_or_check(argv: list[str] | None, path: Path, text: str, command: str, against: str = "") -> int:
+    """A generator's command line (this one's and ipc.protogen's): write
+    `text` to `path`, or with `--check` say whether it is current (1: stale,
+    naming `command`, which regenerates it).  `against`: what it is generated from."""
     args = sys.argv[1:] if argv is None else argv
-    text = render()
     if args == ["--check"]:
-        current = TABLE_PATH.read_text() if TABLE_PATH.exists() else ""
+        current = path.read_text() if path.exists() else ""
         if current != text:
-            print(f"{TABLE_PATH} is out of date: run `python -m ipc.wiregen`", file=sys.stderr)
+            print(f"{path} is out of date{against}: run `{command}`", file=sys.stderr)
             return 1
         return 0
     if args:
-        print("usage: python -m ipc.wiregen [--check]", file=sys.stderr)
+        print(f"usage: {command} [--check]", file=sys.stderr)
         return 2
-    TABLE_PATH.write_text(text)
-    print(f"wrote {TABLE_PATH}")
+    path.write_text(text)
+    print(f"wrote {path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return write_or_check(argv, TABLE_PATH, render(), "python -m ipc.wiregen")
 
 
 if __name__ == "__main__":

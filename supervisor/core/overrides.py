@@ -315,13 +315,7 @@ def _enforce(key: str, rule: Rule, old: Any, new: Any, base: SessionSettings, st
             old,
         )
     if rule is Rule.SUBSET:
-        extra = [x for x in new if x not in old]
-        if not extra:
-            return _KEEP
-        return _refuse(
-            strict, f"--set {key}: {extra} not enabled by the operator; a session may only narrow {old}",
-            [x for x in new if x in old],
-        )
+        return _narrowed(strict, key, new, old, "enabled")
     if rule is Rule.SERVERS:
         offered = [server.name for server in base.mcp.offered()]
         if new is None:
@@ -329,13 +323,7 @@ def _enforce(key: str, rule: Rule, old: Any, new: Any, base: SessionSettings, st
                 return _KEEP
             return _refuse(strict, f"--set {key}: cannot offer every MCP server; the operator offers {offered}",
                            old)
-        extra = [x for x in new if x not in offered]
-        if not extra:
-            return _KEEP
-        return _refuse(
-            strict, f"--set {key}: {extra} not offered by the operator; a session may only narrow {offered}",
-            [x for x in new if x in offered],
-        )
+        return _narrowed(strict, key, new, offered, "offered")
     if rule is Rule.LEVEL:
         order = _LEVELS[key]
         if order.index(new) <= order.index(old):
@@ -356,6 +344,16 @@ def _refuse(strict: bool, message: str, fallback: Any) -> Any:
     if strict:
         raise OverrideError(message)
     return fallback
+
+
+def _narrowed(strict: bool, key: str, new: list[Any], allowed: list[Any], verb: str) -> Any:
+    """A list a session may only narrow: kept when within `allowed`; else
+    refused, or (not strict: a stored override) pulled back inside it."""
+    extra = [x for x in new if x not in allowed]
+    if not extra:
+        return _KEEP
+    return _refuse(strict, f"--set {key}: {extra} not {verb} by the operator; a session may only narrow {allowed}",
+                   [x for x in new if x in allowed])
 
 
 def _show(value: Any) -> str:

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ipc import messages as m
 from ipc.contract import SESSION_STATES
@@ -68,15 +68,30 @@ exit codes:
 """ + exit_codes_text()
 
 
-def _port_number(text: str) -> int:
-    """`web --port`'s type (argparse; the console's module is imported only to serve)."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number (0-65535), got {port}")
-    return port
+_N = TypeVar("_N", int, float)
+
+
+def _number(convert: Callable[[str], _N], low: _N, high: _N, expected: str,
+            out_of_range: str) -> Callable[[str], _N]:
+    """An argparse type: `convert(text)` within [low, high]; `out_of_range`
+    may name {value} (as converted) and {text} (as typed)."""
+    def parse(text: str) -> _N:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(out_of_range.format(value=value, text=text))
+        return value
+
+    return parse
+
+
+# (`web --port`'s here: the console's module is imported only to serve.)
+_port_number = _number(int, 0, 65535, "a port number", "must be a port number (0-65535), got {value}")
+_uid = _number(int, 0, 2**32 - 1, "a numeric uid", "not a uid: {value}")
+_count = _number(int, 0, 2**63 - 1, "a whole number", "must be 0 or more, got {value}")
+_positive_secs = _number(float, 0.05, 3600.0, "seconds", "must be between 0.05 and 3600, got {text}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -184,36 +199,6 @@ def _add_selection(p: argparse.ArgumentParser) -> None:
                    help="sessions created by this uid (others' sessions are an admin's to see)")
     p.add_argument("--handler", dest="handlers", action="append", default=[], metavar="H",
                    help="sessions running handler H (agent, echo, package.module:factory)")
-
-
-def _uid(text: str) -> int:
-    try:
-        uid = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a numeric uid, got {text!r}") from None
-    if not 0 <= uid < 2**32:
-        raise argparse.ArgumentTypeError(f"not a uid: {uid}")
-    return uid
-
-
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
-    return n
-
-
-def _positive_secs(text: str) -> float:
-    try:
-        secs = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not 0.05 <= secs <= 3600:
-        raise argparse.ArgumentTypeError(f"must be between 0.05 and 3600, got {text}")
-    return secs
 
 
 _REASONING_HELP = "also show the model's reasoning (dimmed, on stderr; with --json, as events)"
