@@ -63,6 +63,8 @@ import subprocess  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+import psutil  # noqa: E402
+
 from bench import _common as c  # noqa: E402
 
 c.setup_path()
@@ -279,6 +281,16 @@ async def _trace_end(procs: list[subprocess.Popen[bytes]], name: str) -> dict[st
     return counts
 
 
+async def _burning(client: AsyncClient, sid: str) -> bool:
+    pid = (await client.status(sid)).pid
+    if pid is None:
+        return False
+    try:  # bench._burn_handler's loop, a child of the worker
+        return any("while time.monotonic()" in " ".join(p.cmdline()) for p in psutil.Process(pid).children())
+    except psutil.Error:
+        return False
+
+
 async def _burning_pings(client: AsyncClient) -> dict[str, float]:
     """The same pings as the floor's, the CPU hogs now HOGS sessions' own
     processes (a turn of bench._burn_handler each, as a busy tool): what
@@ -286,7 +298,9 @@ async def _burning_pings(client: AsyncClient) -> dict[str, float]:
     sids = [(await client.create(handler="bench._burn_handler:burner")).id for _ in range(HOGS)]
     turns = [asyncio.ensure_future(client.send_text(sid, "burn 2.5")) for sid in sids]
     try:
-        await asyncio.sleep(0.4)
+        deadline = time.monotonic() + 10  # until every hog burns (its turn's process started)
+        while time.monotonic() < deadline and not all([await _burning(client, sid) for sid in sids]):
+            await asyncio.sleep(0.02)
         return c.summarize(await _pings(client, 300, CONTROL_GAP_SECS))
     finally:
         await asyncio.gather(*turns, return_exceptions=True)

@@ -118,7 +118,9 @@ def run(label: str, pythonpath: str | None, children: int, secs: float) -> dict[
     with c.BenchDaemon(CONFIG, tag=f"sweep-{label}", env=env) as d:
         with Client(d.socket) as client:
             sid = client.create(session="forker", handler="bench._sweep_handler:forker").id
-            time.sleep(0.5)  # let the first sweeps see it
+            deadline = time.monotonic() + 10  # until a sweep has measured it
+            while client.status(sid).rss_bytes is None and time.monotonic() < deadline:
+                time.sleep(0.02)
             cpu0 = cpu_secs(d.pid)
             base = sorted(pings(d.socket, secs))
             base_cpu = (cpu_secs(d.pid) - cpu0) / secs
