@@ -225,6 +225,30 @@ def test_server_tool_names_are_checked_and_made_to_fit() -> None:
             msgspec.convert(bad, McpSettings)
 
 
+@pytest.mark.pure
+def test_a_servers_tool_list_is_bounded_as_hostile_input(tmp_path: Path) -> None:
+    """What a server lists is refused past its bounds, each tool with its
+    reason (the `mcp_tools_refused` notice): a schema over 16 KiB or not an
+    object schema, a name over 256 characters, tools past 128 a server."""
+    from types import SimpleNamespace
+
+    from session_worker.agent._mcp import McpTools
+
+    def listed(name: str, schema: object = None) -> object:
+        return SimpleNamespace(name=name, description="d", schema={"type": "object"} if schema is None else schema)
+
+    tools = McpTools(McpSettings(), tmp_path)
+    hostile = [listed("huge", {"type": "object", "properties": {"p": {"description": "x" * (16 << 10)}}}),
+               listed("array", {"type": "array"}), listed("n" * 257)]
+    kept, refused = tools._adapt("s", [*hostile, *(listed(f"t{i}") for i in range(130))], set())
+    assert [t.name for t in kept] == [f"mcp__s__t{i}" for i in range(128)]
+    reasons = {r["tool"]: r["reason"] for r in refused}
+    assert reasons["'huge'"] == "its input schema is over 16384 bytes"
+    assert reasons["'array'"] == "its input schema is not a JSON object schema"
+    assert "over 256 characters" in reasons[repr("n" * 257)[:80]]
+    assert reasons["'t128'"] == reasons["'t129'"] == "more than 128 tools"
+
+
 @pytest.mark.process
 def test_through_the_daemon_a_stdio_server_runs_in_the_sessions_sandbox_and_create_may_narrow(
         make_daemon, llm: FakeLLM, web: str) -> None:

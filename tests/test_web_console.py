@@ -296,6 +296,18 @@ def test_a_wrong_token_is_refused(console: Console, browser: Browser) -> None:
     assert rebound.status_code == 403 and "Host" in rebound.text
 
 
+def test_a_request_body_past_its_bound_is_refused_unread(console: Console) -> None:
+    """2 MiB at most: the console stops reading a larger body (413), and
+    one just under is read (and refused for what it says, not its size)."""
+    base = f"http://127.0.0.1:{console.port}"
+    headers = {"Origin": base, "Content-Type": "application/json", "X-Sessiond-Token": console.token}
+    url = f"{base}/api/sessions/nosuch/send"
+    big = httpx.post(url, headers=headers, content=b'"' + b"x" * (2 << 20) + b'"')
+    assert big.status_code == 413 and "too large" in big.text
+    small = httpx.post(url, headers=headers, content=b'{"text": "' + b"x" * ((2 << 20) - 64) + b'"}')
+    assert small.status_code != 413, small.text
+
+
 # A page of another origin that knows the token (the worst case) tries to
 # stop a session, to send it an input, and to read the list.
 EVIL_PAGE = """<!doctype html><html><body>
