@@ -328,18 +328,49 @@ def test_a_sticky_world_writable_parent_is_fine(make_daemon, tmp_path: Path) -> 
 # --- kills by pidfd ----------------------------------------------------------
 
 
-def _process_with_pid(target: int) -> subprocess.Popen[bytes] | None:
+class _Stranger:
+    """A `sleep 60` started by posix_spawn, with Popen's poll/kill/wait."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+
+def _process_with_pid(target: int, timeout: float = 15.0) -> _Stranger:
     """An unrelated process that has the number `target`, made by steering
-    the kernel's next pid (root only); None if others keep taking it."""
-    for _ in range(50):
+    the kernel's next pid (root only).  Other tests fork meanwhile, and one
+    of theirs may hold the number a while: keep trying until the deadline,
+    each try a posix_spawn right after the write (a window of microseconds),
+    and fail, not skip, if the number never comes back."""
+    sleep = shutil.which("sleep") or "/bin/sleep"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         with open("/proc/sys/kernel/ns_last_pid", "w") as f:
             f.write(str(target - 1))
-        proc = subprocess.Popen(["sleep", "60"])
+        proc = _Stranger(os.posix_spawn(sleep, ["sleep", "60"], os.environ))
         if proc.pid == target:
             return proc
         proc.kill()
         proc.wait()
-    return None
+        if os.path.exists(f"/proc/{target}"):
+            time.sleep(0.01)  # another process holds it now: let it end
+    raise AssertionError(f"pid {target} never came back within {timeout:.0f} s (held by another process)")
 
 
 @pytest.mark.process
@@ -348,7 +379,9 @@ def test_a_reused_pid_is_not_killed_at_the_end_of_a_stop(make_daemon) -> None:
     """Stop remembered the session's escaped tools by number and killed
     them `stop_grace_secs` later; one that exited in between could have its
     number reused by an unrelated process, which then got the SIGKILL."""
-    d = make_daemon(FAST_STOP)
+    # The grace period the stubborn tool holds the stop for is the time the
+    # stranger has to take the escapee's number.
+    d = make_daemon(FAST_STOP.replace("stop_grace_secs = 3.0", "stop_grace_secs = 8.0"))
     stranger = None
     with d.client() as c, d.client() as c2:
         sid = c.create(handler="fixture_handlers:tools").id
@@ -364,9 +397,7 @@ def test_a_reused_pid_is_not_killed_at_the_end_of_a_stop(make_daemon) -> None:
             # SIGTERM ends the escapee (a plain sleep) at once; the stubborn
             # tool keeps the stop waiting for its grace period.
             wait_for(lambda: not os.path.exists(f"/proc/{escapee}"), 5, "the escapee to be reaped")
-            stranger = _process_with_pid(escapee)
-            if stranger is None:
-                pytest.skip("could not get the escapee's pid number back")
+            stranger = _process_with_pid(escapee, timeout=6.0)
             assert stopper.is_alive(), "the stop ended before the stranger existed"
         finally:
             stopper.join(20)
@@ -398,8 +429,6 @@ def test_proc_table_pidfd_refuses_a_reused_number() -> None:
         first.kill()
         first.wait()
         second = _process_with_pid(first.pid)
-        if second is None:
-            pytest.skip("could not get the pid number back")
         try:
             assert table.pidfd(first.pid) is None
         finally:
