@@ -47,6 +47,7 @@ system-deps:
 	@missing=""; \
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
 	command -v zsh >/dev/null 2>&1 || missing="$$missing zsh"; \
+	command -v mkfs.btrfs >/dev/null 2>&1 || missing="$$missing btrfs-progs"; \
 	command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
 	  || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["EXIT_BOOT_FAILED", "ExitReason", "LimitKind", "SESSION_STATES", "StopReason", "INCOMPLETE_STOPS",
+__all__ = ["BTRFS_SUBVOLUME_IOCTLS", "EXIT_BOOT_FAILED", "ExitReason", "LimitKind", "SESSION_STATES", "StopReason", "INCOMPLETE_STOPS",
            "limit_text"]
 
 # Like gunicorn's WORKER_BOOT_ERROR: a worker that cannot boot exits with
@@ -29,6 +29,13 @@ IDLE_HEARTBEAT_FACTOR = 30
 # The machines session_worker._seccomp has a syscall table for: the daemon
 # says seccomp is missing elsewhere, the worker runs without it.
 SECCOMP_MACHINES = ("x86_64", "amd64")
+
+# btrfs's ioctls that make or destroy a subvolume or a snapshot
+# (linux/btrfs.h: SNAP_CREATE, SUBVOL_CREATE, SNAP_DESTROY and their _V2).
+# A subvolume made inside a workspace is outside the workspace's qgroup
+# limit (supervisor.core.btrfs makes each workspace one): tools' seccomp
+# filter refuses these.
+BTRFS_SUBVOLUME_IOCTLS = (0x50009401, 0x5000940E, 0x5000940F, 0x50009417, 0x50009418, 0x5000943F)
 
 
 class ExitReason(enum.StrEnum):

@@ -9,7 +9,9 @@ API, new namespaces (`unshare`, `setns`, `clone` with a CLONE_NEW* flag;
 filter can read), ptrace and cross-process memory access, kernel modules,
 kexec, keyrings, bpf, perf, userfaultfd, io_uring (its requests bypass
 seccomp), file handles (`open_by_handle_at`, the classic container
-escape), swap, reboot, clocks, accounting, quotas.  socket(2) is an
+escape), swap, reboot, clocks, accounting, quotas, and the ioctls that
+make a btrfs subvolume or snapshot (one made in a workspace would be
+outside its qgroup limit: supervisor.core.btrfs).  socket(2) is an
 allow-list of families: AF_UNIX, plus AF_INET and AF_INET6 unless
 `network = "none"`; everything else (AF_NETLINK, AF_PACKET, AF_VSOCK,
 AF_ALG, ...) is refused.  AF_NETLINK is left out on purpose: glibc's
@@ -34,7 +36,7 @@ import errno
 import os
 import struct
 
-from ipc.contract import SECCOMP_MACHINES
+from ipc.contract import BTRFS_SUBVOLUME_IOCTLS, SECCOMP_MACHINES
 from session_worker.errors import UnsupportedArch
 
 __all__ = ["build", "denied_syscalls", "socket_families", "unsupported"]
@@ -59,7 +61,7 @@ _X86_64 = {
     "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
     "mount_setattr": 442, "quotactl_fd": 443,
 }
-_CLONE, _CLONE3, _SOCKET = 56, 435, 41
+_CLONE, _CLONE3, _SOCKET, _IOCTL = 56, 435, 41, 16
 
 # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 _CLONE_NEW_ANY = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
@@ -75,7 +77,7 @@ _ALLOW = 0x7FFF0000
 _KILL_PROCESS = 0x80000000
 _ERRNO = 0x00050000
 # struct seccomp_data: nr (u32), arch (u32), instruction_pointer (u64), args[6] (u64)
-_NR, _ARCH, _ARG0_LOW = 0, 4, 16
+_NR, _ARCH, _ARG0_LOW, _ARG1_LOW = 0, 4, 16, 24
 
 
 def unsupported(machine: str | None = None) -> str:
@@ -129,6 +131,14 @@ def build(network: str, machine: str | None = None, unix: bool = True) -> bytes:
         _ins(_RET, eperm),
         _ins(_RET, _ALLOW),
     ]
+    # ioctl: refused for btrfs's subvolume and snapshot requests (the low 32
+    # bits of arg 1: the kernel reads an unsigned int), allowed otherwise.
+    requests = BTRFS_SUBVOLUME_IOCTLS
+    k = len(requests)
+    prog += [_ins(_JEQ, _IOCTL, jf=k + 3), _ins(_LD_W_ABS, _ARG1_LOW)]
+    for i, request in enumerate(requests):
+        prog.append(_ins(_JEQ, request, jt=k - i))  # to the refusal, past the allow
+    prog += [_ins(_RET, _ALLOW), _ins(_RET, eperm)]
     # socket: the family (the low 32 bits of arg 0: the kernel reads an int)
     # must be on the list; no match falls through to the refusal.
     allowed = socket_families(network, unix)

@@ -12,6 +12,7 @@ import pytest
 
 from ipc import messages as m
 from ipc.settings import SandboxSettings, SessionSettings
+from ipc.contract import BTRFS_SUBVOLUME_IOCTLS
 from session_worker import _seccomp, sandbox
 from session_worker.errors import UnsupportedArch
 from supervisor.core.overrides import OverrideError, resolve_overrides
@@ -44,9 +45,9 @@ def test_the_filter_checks_the_arch_first_and_refuses_each_listed_call() -> None
     assert (0x06, 0, 0, 0x00050000 | errno.ENOSYS) in ins
 
 
-def _run(program: bytes, nr: int, arg0: int = 0, arch: int = 0xC000003E) -> int:
+def _run(program: bytes, nr: int, arg0: int = 0, arch: int = 0xC000003E, arg1: int = 0) -> int:
     """What the kernel would answer: classic BPF over struct seccomp_data."""
-    data = struct.pack("=IIQ", nr, arch, 0) + struct.pack("=Q", arg0) + bytes(40)
+    data = struct.pack("=IIQ", nr, arch, 0) + struct.pack("=QQ", arg0, arg1) + bytes(32)
     ins, pc, acc = _decode(program), 0, 0
     while True:
         code, jt, jf, k = ins[pc]
@@ -63,7 +64,7 @@ def _run(program: bytes, nr: int, arg0: int = 0, arch: int = 0xC000003E) -> int:
 
 
 ALLOW, EACCES = 0x7FFF0000, 0x00050000 | errno.EACCES
-SOCKET, SOCKETPAIR = 41, 53
+SOCKET, SOCKETPAIR, IOCTL = 41, 53, 16
 AF = {"unix": 1, "inet": 2, "inet6": 10, "netlink": 16, "packet": 17, "alg": 38, "vsock": 40}
 
 
@@ -84,6 +85,21 @@ def test_socket_families_are_an_allow_list(network: str, unix: bool) -> None:
     assert _run(program, SOCKETPAIR, AF["unix"]) == ALLOW  # socketpair is not socket
     assert _run(program, 0) == ALLOW  # read
     assert _run(program, 165) == 0x00050000 | errno.EPERM  # mount
+
+
+def test_btrfs_subvolume_ioctls_are_refused_and_others_allowed() -> None:
+    """A subvolume a tool made inside its workspace would be a qgroup of
+    its own, outside the workspace's kernel cap (supervisor.core.btrfs)."""
+    program = _seccomp.build("none", machine="x86_64")
+    eperm = 0x00050000 | errno.EPERM
+    for request in BTRFS_SUBVOLUME_IOCTLS:
+        assert _run(program, IOCTL, 3, arg1=request) == eperm, hex(request)
+        # The kernel reads an unsigned int: high bits smuggle nothing past.
+        assert _run(program, IOCTL, 3, arg1=(1 << 32) | request) == eperm, hex(request)
+    for request in (0x5401, 0x40049409, 0xC0109428, 0x8030942B):  # TCGETS, FICLONE, quota ctl, qgroup limit
+        assert _run(program, IOCTL, 3, arg1=request) == ALLOW, hex(request)
+    assert _run(program, SOCKET, AF["vsock"]) == EACCES  # the blocks after it still run
+    assert _run(program, 0) == ALLOW
 
 
 def test_jumps_stay_inside_the_program() -> None:

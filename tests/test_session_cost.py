@@ -110,7 +110,7 @@ def test_a_workspace_past_its_quota_stops_the_session_until_files_are_removed(
         sid = c.create(session="filler").id
         wait_for(lambda: c.status(sid).disk_bytes is not None, 10, "the first walk")
         assert c.status(sid).disk_bytes < 1 << 20
-        # stats names how the quota is enforced here (no project quotas on this machine).
+        # stats names how the quota is enforced here (a workspace root that is not btrfs with quotas).
         assert c.stats().sandbox["disk_quota"].startswith("measured"), c.stats().sandbox
     llm.script(tool_call_stream(("t1", "bash", {"command": "fallocate -l 300M big && echo ALLOCATED; sleep infinity"})),
                text_stream("done"))

@@ -3,22 +3,29 @@
 Runs in the daemon: `detect` once at start, on the loop; `DiskWalk.step` in
 the measuring thread (`supervisor.core.measure`), never on the loop.
 
-Two paths, chosen once at start and said in the start-up log and `stats`:
+Two paths, chosen once at start and said in the start-up log and `stats`
+(`disk_quota`):
 
-- "project quotas": the filesystem that holds the workspaces is mounted
-  with project quotas (ext4 or xfs `prjquota`), and the kernel could refuse
-  the write past the limit.  Detected, not used yet: setting a project id
-  on each workspace and its limit (FS_IOC_FSSETXATTR, quotactl Q_SETQUOTA
-  on PRJQUOTA) is to come; until it does, the measured path below holds
-  there too, and the log says so.
-- "measured" (every other filesystem, this project's test machines
-  included): the sweep walks the workspace off the loop, every
-  `DISK_EVERY_SECS` after the last walk ended (and at once for a worker
-  that just started), a slice of `measure.WALK_ENTRIES` entries a sweep, and
-  sums allocated blocks (st_blocks * 512: a 3 GiB fallocate'd file is 3 GiB
-  even unwritten, a sparse one is what it holds), each inode once (hard
-  links), never following a symlink nor crossing into another filesystem.
-  Past the cap the session is stopped (see `supervisor.core.sweep`).
+- "kernel" (btrfs with quotas enabled, and a daemon that may set a qgroup
+  limit: CAP_SYS_ADMIN): every new workspace is a subvolume whose qgroup is
+  limited to `max_disk_mb` (`supervisor.core.btrfs`).  A write past it fails
+  with EDQUOT at once, `fallocate` included, and the session goes on: a
+  full workspace, as on a full disk.  The walk below stays on as a backstop
+  (a workspace made before quotas were on is a plain directory).
+- "measured" (every other filesystem, and btrfs without quotas or the
+  capability; the start-up log says which and what to set): the sweep walks
+  the workspace off the loop, every `DISK_EVERY_SECS` after the last walk
+  ended (and at once for a worker that just started), a slice of
+  `measure.WALK_ENTRIES` entries a sweep, and sums allocated blocks
+  (st_blocks * 512: a 3 GiB fallocate'd file is 3 GiB even unwritten, a
+  sparse one is what it holds), each inode once (hard links), never
+  following a symlink nor crossing into another filesystem.  Past the cap
+  the session is stopped (see `supervisor.core.sweep`): it may have
+  overshot by what it wrote since the last walk.
+
+ext4 and xfs project quotas are not used: this project's machines run a
+kernel without CONFIG_QUOTA, where they cannot be tested; a filesystem
+mounted with them is named in the log, and measured.
 
 The walk is as good as paths are: an entry whose path is longer than the
 kernel takes (PATH_MAX) is not reached, though the directories above it are
@@ -27,10 +34,13 @@ counted.  The kernel's quota has no such gap.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from supervisor.core import btrfs
 
 __all__ = ["DISK_EVERY_SECS", "DiskWalk", "QuotaPath", "detect"]
 
@@ -42,8 +52,15 @@ DISK_EVERY_SECS = 3.0
 
 @dataclass(slots=True, frozen=True)
 class QuotaPath:
-    kind: str  # "measured" (the only one enforced so far)
+    kind: str  # "kernel" (btrfs qgroups) or "measured"
     detail: str  # for the log and `stats`
+    # The workspaces' filesystem is btrfs: a subvolume made inside one is
+    # another st_dev, and the walk goes into it all the same.
+    subvolumes: bool = False
+
+    @property
+    def kernel(self) -> bool:
+        return self.kind == "kernel"
 
     def describe(self) -> str:
         return f"{self.kind}: {self.detail}"
@@ -68,20 +85,30 @@ def _mount_of(path: Path) -> tuple[str, str, str] | None:
 
 
 def detect(workspace_root: Path) -> QuotaPath:
-    """Which path caps the workspaces under `workspace_root`."""
+    """Which path caps the workspaces under `workspace_root` (blocking:
+    the btrfs probe makes and removes a subvolume)."""
     root = workspace_root
     while not root.exists() and root != root.parent:
         root = root.parent  # not created yet: its filesystem is its parent's
     mount = _mount_of(root.resolve())
+    walked = "the workspace walked every few seconds"
     if mount is None:
-        return QuotaPath("measured", "the workspace walked every few seconds (mounts unreadable)")
+        return QuotaPath("measured", f"{walked} (mounts unreadable)")
     point, fstype, opts = mount
-    options = set(opts.split(","))
-    if options & {"prjquota", "pquota", "prjjquota"}:
-        return QuotaPath("measured", f"the workspace walked every few seconds ({fstype} at {point} "
-                                     "has project quotas, not used yet)")
-    return QuotaPath("measured", f"the workspace walked every few seconds ({fstype} at {point} "
-                                 "has no project quotas: mount it with prjquota for the kernel's)")
+    if fstype == "btrfs":
+        if root != workspace_root:
+            with contextlib.suppress(OSError):
+                workspace_root.mkdir(parents=True, exist_ok=True)
+        why = btrfs.probe(str(workspace_root))
+        if not why:
+            return QuotaPath("kernel", f"a btrfs subvolume per workspace, its qgroup limited ({point}); "
+                                       "writes past the cap fail with EDQUOT", subvolumes=True)
+        return QuotaPath("measured", f"{walked} (btrfs at {point}: {why})", subvolumes=True)
+    if set(opts.split(",")) & {"prjquota", "pquota", "prjjquota"}:
+        return QuotaPath("measured", f"{walked} ({fstype} at {point} has project quotas, which "
+                                     "sessiond does not set: its kernel path is btrfs qgroups)")
+    return QuotaPath("measured", f"{walked} ({fstype} at {point}: the kernel's cap needs btrfs "
+                                 "with quotas enabled)")
 
 
 @dataclass(slots=True)
@@ -96,16 +123,19 @@ class DiskWalk:
     in `disk_bytes`) anything outside the workspace."""
 
     root: str
+    # On btrfs: go into subvolumes made inside the workspace (another
+    # st_dev, the same filesystem), which a tool's own qgroup does not count.
+    subvolumes: bool = False
     total: int = 0
     done: bool = False
-    _dev: int = -1
-    # Directories to read: (path, inode seen when it was found).
-    _stack: list[tuple[str, int]] = field(default_factory=list)
+    # Directories to read: (path, device and inode seen when it was found).
+    _stack: list[tuple[str, int, int]] = field(default_factory=list)
     _linked: set[tuple[int, int]] = field(default_factory=set)
     _started: bool = False
     # The directory being read (a huge one is read across several slices).
     _iter: os._ScandirIterator[str] | None = None
     _path: str = ""
+    _dir_dev: int = -1  # its device: an entry on another is another filesystem's
     _fd: int = -1
 
     def step(self, budget: int) -> int:
@@ -122,9 +152,8 @@ class DiskWalk:
             if not stat.S_ISDIR(st.st_mode):
                 self.done = True
                 return 1
-            self._dev = st.st_dev
             self.total += st.st_blocks * 512
-            self._stack.append((self.root, st.st_ino))
+            self._stack.append((self.root, st.st_dev, st.st_ino))
         spent = 0
         while spent < budget:
             if self._iter is None:
@@ -145,16 +174,16 @@ class DiskWalk:
             self._count(entry)
         return spent
 
-    def _open(self, path: str, ino: int) -> None:
+    def _open(self, path: str, dev: int, ino: int) -> None:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return  # gone, swapped for a symlink, or unreadable meanwhile: skip it
         try:
             st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) == (self._dev, ino):
+            if (st.st_dev, st.st_ino) == (dev, ino):
                 # Its entries' stat() are fstatat() on `fd`: open until close().
-                self._iter, self._fd, self._path = os.scandir(fd), fd, path
+                self._iter, self._fd, self._path, self._dir_dev = os.scandir(fd), fd, path, dev
                 return
         except OSError:
             pass
@@ -174,7 +203,7 @@ class DiskWalk:
             st = entry.stat(follow_symlinks=False)  # fstatat on the open directory
         except OSError:
             return
-        if st.st_dev != self._dev:
+        if st.st_dev != self._dir_dev and not (self.subvolumes and btrfs.is_subvolume(st)):
             return  # another filesystem mounted or bound inside: not the workspace's
         if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
             key = (st.st_dev, st.st_ino)
@@ -183,4 +212,4 @@ class DiskWalk:
             self._linked.add(key)
         self.total += st.st_blocks * 512
         if stat.S_ISDIR(st.st_mode):
-            self._stack.append((f"{self._path}/{entry.name}", st.st_ino))
+            self._stack.append((f"{self._path}/{entry.name}", st.st_dev, st.st_ino))

@@ -36,7 +36,7 @@ from typing import Any
 from ipc import messages as m
 from ipc.contract import IDLE_HEARTBEAT_FACTOR, ExitReason, LimitKind
 from supervisor.config import Config
-from supervisor.core.diskquota import DISK_EVERY_SECS, DiskWalk, detect
+from supervisor.core.diskquota import DISK_EVERY_SECS, DiskWalk
 from supervisor.errors import SessiondError
 from supervisor.core.events import EventLog
 from supervisor.core.limits import (
@@ -104,7 +104,7 @@ class Sweeper:
         self._stop = stop
         self._stopping: set[asyncio.Task[None]] = set()
         self._workspaces = workspaces
-        self.quota = detect(workspaces.root()) if workspaces is not None else None
+        self.quota = workspaces.quota if workspaces is not None else None
         # The daemon is shutting down: the sweep ends (SessionManager's).
         self._closing = closing
         self.metrics = metrics
@@ -310,8 +310,8 @@ class Sweeper:
             self._plan.append((Read(Kind.TMPFS, sid, mem.sandbox_pid), mem))
 
     def _check_disk(self, session: Session, worker: WorkerProc, now: float) -> None:
-        """max_disk_mb where the kernel does not enforce it: walk the
-        workspace off the loop, every DISK_EVERY_SECS, and stop the session
+        """max_disk_mb measured (where the kernel does not cap the
+        workspace, and as a backstop where it does): walk the workspace off the loop, every DISK_EVERY_SECS, and stop the session
         past it (a kill would restart it into the same full workspace)."""
         cap = session.settings.agent.limits.max_disk_mb
         mem = session.memory
@@ -326,7 +326,8 @@ class Sweeper:
         if walk is None:
             if mem.disk_bytes is not None and now - mem.disk_at < DISK_EVERY_SECS:
                 return
-            walk = (DiskWalk(str(self._workspaces.path(session))), mem)
+            spaces = self._workspaces
+            walk = (DiskWalk(str(spaces.path(session)), subvolumes=spaces.quota.subvolumes), mem)
             self._walks[session.id] = walk
         self._plan.append((Read(Kind.DISK, session.id, walk=walk[0]), mem))
 

@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from supervisor.config import Config, workspace_root
+from supervisor.core import btrfs
+from supervisor.core.diskquota import QuotaPath, detect
 from supervisor.errors import Capacity, SessiondError
 from supervisor.ops.logtag import tagged
 from supervisor.core.overrides import check_handler
@@ -73,6 +75,8 @@ class Workspaces:
         self._state_dir = state_dir
         self.shared_user = run_as
         self.session_uids = session_uids if run_as is None else None
+        # How max_disk_mb is enforced under the workspace root, found once.
+        self.quota: QuotaPath = detect(self.root())
 
     @property
     def separate_users(self) -> bool:
@@ -205,7 +209,7 @@ class Workspaces:
         try:
             workspace.parent.mkdir(parents=True, exist_ok=True)
             try:
-                os.mkdir(workspace, 0o700)
+                self._make(workspace)
             except FileExistsError:
                 st = os.lstat(workspace)
                 if not stat.S_ISDIR(st.st_mode):
@@ -217,13 +221,40 @@ class Workspaces:
             else:
                 if run_as is not None:
                     os.lchown(workspace, *run_as)
+            if self.quota.kernel:
+                self._cap(session, workspace)
         except OSError as exc:
             tagged(log, session.id).warning("cannot prepare workspace %s: %s", workspace, exc)
         return workspace
 
+    def _make(self, workspace: Path) -> None:
+        if not self.quota.kernel:
+            os.mkdir(workspace, 0o700)
+            return
+        btrfs.make_workspace(str(workspace.parent), workspace.name)
+        os.chmod(workspace, 0o700)  # made as the umask says; nobody has used it yet
+
+    def _cap(self, session: Session, workspace: Path) -> None:
+        """The kernel's cap at the session's max_disk_mb, set again at every
+        start (a restart after a config change takes the new figure)."""
+        cap = session.settings.agent.limits.max_disk_mb
+        try:
+            btrfs.set_limit(str(workspace), None if cap is None else cap << 20)
+        except OSError as exc:
+            # A workspace made before quotas were on is a plain directory:
+            # the walk alone holds it (supervisor.core.diskquota).
+            tagged(log, session.id).warning("workspace %s: no kernel cap, the walk alone holds it: %s",
+                                            workspace, exc.strerror or exc)
+
     def remove(self, session: Session) -> None:
         """Blocking: call from a thread, a workspace can be large."""
-        _rmtree(self.path(session))
+        self._remove(self.path(session))
+
+    def _remove(self, path: Path) -> None:
+        # A subvolume goes whole (its blocks freed by the kernel after);
+        # one that cannot (a subvolume nested in it) file by file.
+        if not (self.quota.subvolumes and btrfs.destroy(str(path.parent), path.name)):
+            _rmtree(path)
 
     def remove_orphans(self, sessions: Iterable[Session]) -> None:
         """Workspaces ("ID@TOKEN") whose session is gone: the daemon died
@@ -243,7 +274,7 @@ class Workspaces:
                 and entry.is_dir(follow_symlinks=False)
             ):
                 log.info("removing the workspace of a deleted session: %s", entry.path)
-                _rmtree(Path(entry.path))
+                self._remove(Path(entry.path))
 
 
 def _own_workspace(session_id: str, name: str) -> bool:
