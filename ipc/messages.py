@@ -53,8 +53,13 @@ __all__ = [
 PROTOCOL_VERSION = 1
 
 
-class _Msg(msgspec.Struct, tag_field="type", omit_defaults=True, kw_only=True):
-    pass
+class _Msg(msgspec.Struct, tag_field="type", omit_defaults=True, kw_only=True, gc=False):
+    """Every message is data (scalars, strings, lists and dicts of them),
+    never part of a reference cycle, so none is tracked by the cyclic
+    garbage collector (`gc=False`, inherited).  The daemon keeps tens of
+    thousands of events for replay (`event_retention_bytes`): tracked, each
+    full collection walked every one of them, 11-18 ms with 50 busy sessions,
+    the whole of the control plane's p99 (bench/load.py)."""
 
 
 class ErrorCode(enum.StrEnum):

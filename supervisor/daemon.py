@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import faulthandler
 import fcntl
+import gc
 import grp
 import importlib.util
 import logging
@@ -501,6 +502,12 @@ async def _serve(
     where = sock.getsockname() or str(socket_path)
     log.info("sessiond %s (pid %d) listening on %s; state in %s", __version__, os.getpid(), where, state_dir)
     log.info("try: SESSIOND_SOCKET=%s %s create", where, _sessionctl_command())
+    # What start-up made (modules, config, every loaded session) lives as
+    # long as we do: out of the cyclic collector's full passes, which would
+    # otherwise walk it all again every time (with ipc's untracked messages:
+    # ping p99 with 50 busy sessions 15 -> 2.6 ms, bench/load.py).
+    gc.collect()
+    gc.freeze()
     sdnotify.ready(_status_line(manager))
     background = _background(loop, manager)
     await stop.wait()

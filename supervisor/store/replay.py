@@ -178,12 +178,35 @@ def replay(jdir: Path, root: Path) -> int:
     damage that the log does not hold) gets a note (`journal-damage`) that
     makes it load as damaged until `repair`, and the journal is kept, as
     `.journal/damaged/NAME`, until every such session is repaired."""
-    names = sorted(p for p in jdir.glob("*.wal"))
-    held: list[tuple[int, Path]] = []
-    by_log: dict[tuple[str, int], list[JRec]] = {}
-    damaged: list[_Read] = []
-    suspects: dict[str, list[tuple[JRec, str]]] = {}  # sid: (guessed record, journal name)
-    for path in names:
+    found = _gather(jdir)
+    restored, notes = _restore(root, found)
+    for sid, lines in notes.items():
+        _note_damage(root / sid, lines, [r.name for r in found.damaged])
+    _settle(jdir, found)
+    for read in found.damaged:
+        _say_damaged(jdir, read, sorted(notes))
+    if restored:
+        log.warning("restored %d record(s) from the journal into session logs", restored)
+    return restored
+
+
+@dataclass(slots=True)
+class _Found:
+    """What the unlocked journals hold, gathered in file order."""
+
+    held: list[tuple[int, Path]] = field(default_factory=list)  # locked journals (fd, path)
+    by_log: dict[tuple[str, int], list[JRec]] = field(default_factory=dict)
+    damaged: list[_Read] = field(default_factory=list)
+    suspects: dict[str, list[tuple[JRec, str]]] = field(default_factory=dict)  # sid: (guessed record, journal)
+
+    def suspect(self, guess: JRec, journal: str) -> None:
+        self.suspects.setdefault(guess.sid, []).append((guess, journal))
+
+
+def _gather(jdir: Path) -> _Found:
+    """Lock and read every journal no live daemon holds."""
+    found = _Found()
+    for path in sorted(jdir.glob("*.wal")):
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -193,29 +216,34 @@ def replay(jdir: Path, root: Path) -> int:
         except BlockingIOError:
             os.close(fd)  # a live daemon's
             continue
-        held.append((fd, path))
+        found.held.append((fd, path))
         read = _read_journal(path)
         if read.bad:
-            damaged.append(read)
+            found.damaged.append(read)
         # Guesses and records in file order: a tombstone drops only what precedes it.
         guesses = deque(read.guesses)
         for at, rec in zip(read.at, read.records):
             while guesses and guesses[0][0] < at:
-                guess = guesses.popleft()[1]
-                suspects.setdefault(guess.sid, []).append((guess, read.name))
+                found.suspect(guesses.popleft()[1], read.name)
             if rec.log == TOMBSTONE:
-                for key in [k for k in by_log if k[0] == rec.sid]:
-                    del by_log[key]
-                suspects.pop(rec.sid, None)
+                for key in [k for k in found.by_log if k[0] == rec.sid]:
+                    del found.by_log[key]
+                found.suspects.pop(rec.sid, None)
             else:
-                by_log.setdefault((rec.sid, rec.log), []).append(rec)
+                found.by_log.setdefault((rec.sid, rec.log), []).append(rec)
         for _, guess in guesses:
-            suspects.setdefault(guess.sid, []).append((guess, read.name))
+            found.suspect(guess, read.name)
+    return found
+
+
+def _restore(root: Path, found: _Found) -> tuple[int, dict[str, list[str]]]:
+    """Write what the logs lack; returns the records written and, per
+    session, what it lost to the damage (the notes that make it damaged)."""
     restored = 0
     fences: dict[str, int] = {}
     notes: dict[str, list[str]] = {}
-    bad_names = ", ".join(r.name for r in damaged) or "none"
-    for (sid, gen), recs in by_log.items():
+    bad_names = ", ".join(r.name for r in found.damaged) or "none"
+    for (sid, gen), recs in found.by_log.items():
         sdir = root / sid
         if sid not in fences:
             fences[sid] = _fence_of(sdir)
@@ -228,7 +256,7 @@ def replay(jdir: Path, root: Path) -> int:
             notes.setdefault(sid, []).append(
                 f"log.{gen}: bytes {a}-{b} are in no intact journal record (damaged journal(s): "
                 f"{bad_names}); the records after them were restored")
-    for sid, seen in suspects.items():
+    for sid, seen in found.suspects.items():
         sdir = root / sid
         fence = fences.get(sid, _fence_of(sdir))
         for guess, jname in seen:
@@ -242,34 +270,35 @@ def replay(jdir: Path, root: Path) -> int:
                 notes.setdefault(sid, []).append(
                     f"log.{guess.log}: its record at {guess.offset}-{end} failed its checksum in the "
                     f"journal (damaged journal(s): {jname}) and the log does not hold it")
-    for sid, lines in notes.items():
-        _note_damage(root / sid, lines, [r.name for r in damaged])
-    keep = {r.name for r in damaged}
+    return restored, notes
+
+
+def _settle(jdir: Path, found: _Found) -> None:
+    """Delete the replayed journals; keep the damaged ones aside."""
+    keep = {r.name for r in found.damaged}
     if keep:
         (jdir / DAMAGED_DIR).mkdir(mode=0o700, exist_ok=True)
-    for fd, path in held:
+    for fd, path in found.held:
         if path.name in keep:
             os.rename(path, jdir / DAMAGED_DIR / path.name)
         else:
             path.unlink(missing_ok=True)
         os.close(fd)
-    if held:
+    if found.held:
         fsync_path(jdir, directory=True)
     if keep:
         fsync_path(jdir / DAMAGED_DIR, directory=True)
-    for read in damaged:
-        where = ", ".join(f"{a}-{b}" for a, b in read.bad[:4]) + (", ..." if len(read.bad) > 4 else "")
-        whose = sorted(notes)
-        log.error("journal %s is damaged at byte(s) %s; every record after the damage that checks out "
-                  "was restored; %s; the journal is kept as %s/%s/%s", read.name, where,
-                  (f"session(s) {', '.join(whose)} lost record(s) to it and are damaged until "
-                   "`sessionctl repair ID` (sessionctl ls shows them)") if whose else
-                  "no session's log lacks a record that it held, as far as can be told (a damaged "
-                  "record names no session any more: delete the kept journal once checked)",
-                  jdir.name, DAMAGED_DIR, read.name)
-    if restored:
-        log.warning("restored %d record(s) from the journal into session logs", restored)
-    return restored
+
+
+def _say_damaged(jdir: Path, read: _Read, whose: list[str]) -> None:
+    where = ", ".join(f"{a}-{b}" for a, b in read.bad[:4]) + (", ..." if len(read.bad) > 4 else "")
+    log.error("journal %s is damaged at byte(s) %s; every record after the damage that checks out "
+              "was restored; %s; the journal is kept as %s/%s/%s", read.name, where,
+              (f"session(s) {', '.join(whose)} lost record(s) to it and are damaged until "
+               "`sessionctl repair ID` (sessionctl ls shows them)") if whose else
+              "no session's log lacks a record that it held, as far as can be told (a damaged "
+              "record names no session any more: delete the kept journal once checked)",
+              jdir.name, DAMAGED_DIR, read.name)
 
 
 def _note_damage(sdir: Path, lines: list[str], journals: list[str]) -> None:
