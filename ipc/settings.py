@@ -60,11 +60,14 @@ class LimitsSettings(ConfigSection):
     # RLIMIT_FSIZE: the largest file a worker or tool may write.  None = inherited.
     max_file_size_mb: Annotated[int, Meta(ge=1)] | None = None
     # Blocks the session's workspace may hold (allocated: fallocate counts).
-    # Past it the session is stopped (exit reason killed_disk) until files
-    # are removed and it is restarted.  The workspaces share a filesystem
-    # with every session's durable log: 2 GiB holds a large checkout with
-    # its dependencies and build output, and keeps one session from filling
-    # a common server disk on its own.  None = no quota.
+    # On btrfs with quotas (and a daemon with CAP_SYS_ADMIN) the kernel
+    # refuses a write past it (EDQUOT); elsewhere, past it the session is
+    # stopped (exit reason killed_disk) until files are removed and it is
+    # restarted.  Unless [tools] workspace_dir says otherwise, the
+    # workspaces share a filesystem with every session's durable log: 2 GiB
+    # holds a large checkout with its dependencies and build output, and
+    # keeps one session from filling a common server disk on its own.
+    # None = no quota.
     max_disk_mb: Annotated[int, Meta(ge=1, le=1 << 30)] | None = 2048
 
 
