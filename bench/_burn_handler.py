@@ -10,25 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Any
 
+from session_worker.echo import EchoHandler
 from session_worker.handler import HandlerInit, TurnContext, TurnResult
 
 _LOOP = "import time\nend = time.monotonic() + {secs}\nwhile time.monotonic() < end: pass\n"
 
 
-class Burner:
-    def __init__(self, init: HandlerInit) -> None:
-        self.turns = 0
-
-    def restore(self, state: Any, records: list[Any]) -> None:
-        self.turns = int(state or 0) + len(records)
-
-    def snapshot(self) -> Any:
-        return self.turns
-
-    async def aclose(self) -> None:
-        return None
+class Burner(EchoHandler):
+    """Echo's turn count, state and close; turns of its own."""
 
     async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
         secs = float(text.split()[1]) if text.startswith("burn ") else 0.0

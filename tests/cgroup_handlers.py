@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from typing import Any
 
+from session_worker.echo import EchoHandler
 from session_worker.handler import HandlerInit, TurnContext, TurnResult
 
 _SLEEP = "exec -a sessiond-esc-{tag}-{kind} sleep infinity"  # held until the session's kill
@@ -39,18 +39,8 @@ def _detached(cmd: list[str]) -> None:
                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-class Escaper:
-    def __init__(self, init: HandlerInit) -> None:
-        self.turns = 0
-
-    def restore(self, state: Any, records: list[Any]) -> None:
-        self.turns = int(state or 0) + len(records)
-
-    def snapshot(self) -> Any:
-        return self.turns
-
-    async def aclose(self) -> None:
-        return None
+class Escaper(EchoHandler):
+    """Echo's turn count, state and close; turns of its own."""
 
     async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
         words = text.split()

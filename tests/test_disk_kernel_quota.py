@@ -135,3 +135,31 @@ def test_without_quotas_the_walk_measures_and_counts_a_subvolume_inside(
         assert info.last_exit is not None and info.last_exit.reason == "killed_disk", info.last_exit
         c.remove(sid)
     wait_for(lambda: not workspace.exists(), 10, "the workspace and the subvolume in it to be removed")
+
+
+def test_a_workspace_cap_is_set_again_and_lifted(quota_fs: Path) -> None:
+    """Workspaces sets the cap at every start (a changed max_disk_mb takes
+    effect at the next one); None lifts it."""
+    from supervisor.core import btrfs
+
+    btrfs.make_workspace(str(quota_fs), "ws@0")
+    ws = quota_fs / "ws@0"
+
+    def fill(name: str, mib: int) -> bool:
+        try:
+            subprocess.run(["fallocate", "-l", f"{mib}M", str(ws / name)], check=True, capture_output=True)
+        except subprocess.CalledProcessError as exc:
+            assert b"Disk quota exceeded" in exc.stderr, exc.stderr
+            return False
+        return True
+
+    btrfs.set_limit(str(ws), 8 << 20)
+    assert not fill("a", 16)
+    btrfs.set_limit(str(ws), 32 << 20)
+    assert fill("a", 16) and not fill("b", 24)
+    btrfs.set_limit(str(ws), None)
+    assert fill("b", 24)
+    (quota_fs / "plain").mkdir()  # a workspace made before quotas were on
+    with pytest.raises(OSError, match="not a subvolume"):
+        btrfs.set_limit(str(quota_fs / "plain"), 1 << 20)
+    assert btrfs.destroy(str(quota_fs), "ws@0") and not ws.exists()

@@ -127,7 +127,8 @@ def probe(root: str) -> str:
         set_limit(os.path.join(root, name), 1 << 20)
     except OSError as exc:
         if exc.errno == errno.EPERM:
-            return "setting a qgroup limit needs CAP_SYS_ADMIN, which the daemon lacks"
+            return ("setting a qgroup limit needs CAP_SYS_ADMIN, which the daemon lacks: add it to "
+                    "the unit's CapabilityBoundingSet= for the kernel's cap")
         if exc.errno in (errno.ENOTCONN, errno.ENOENT):
             return f"quotas are not enabled on it (btrfs quota enable {root})"
         return f"cannot set a qgroup limit: {exc.strerror}"

@@ -243,8 +243,10 @@ class Workspaces:
         except OSError as exc:
             # A workspace made before quotas were on is a plain directory:
             # the walk alone holds it (supervisor.core.diskquota).
-            tagged(log, session.id).warning("workspace %s: no kernel cap, the walk alone holds it: %s",
-                                            workspace, exc.strerror or exc)
+            tagged(log, session.id).warning(
+                "workspace %s: the kernel's disk cap could not be set (%s); max_disk_mb is measured "
+                "for this session instead (a workspace made before btrfs quotas were on is not a "
+                "subvolume)", workspace, exc.strerror or exc)
 
     def remove(self, session: Session) -> None:
         """Blocking: call from a thread, a workspace can be large."""
