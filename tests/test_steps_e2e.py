@@ -131,7 +131,7 @@ def test_an_agent_turn_survives_its_worker_killed_at_each_kind_of_step(make_daem
         assert len(history) == 1 and history[0].outcome == "done" and history[0].reply.endswith("all done")
         assert [r["reason"] for r in history[0].resumed] == ["crashed"] * kills
         reasons = [e.event.reason for e in c.logs(sid).entries if isinstance(e.event, m.StateChanged)]
-        assert sum("resumed at step" in r for r in reasons) == kills
+        assert sum("turn 1 resumed after crashed" in r for r in reasons) == kills
         st = c.status(sid)
         assert st.turns == 1 and st.state == "idle"
 
