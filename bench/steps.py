@@ -127,25 +127,32 @@ def fsyncs(path: Path) -> int:
     return path.stat().st_size if path.exists() else 0
 
 
-async def cost_rounds(client: AsyncClient, args: Any, count: Path, model: Model,
-                      delay_ms: float) -> dict[str, list[float]]:
-    model.delay_secs = delay_ms / 1000
-    on = (await client.create()).id
-    off = (await client.create(settings={"agent.worker.retry_aborted_turn": False})).id
-    out: dict[str, list[float]] = {"on_ms": [], "off_ms": [], "on_fsyncs": [], "off_fsyncs": []}
+async def rounds(client: AsyncClient, args: Any, count: Path, sessions: list[tuple[str, str]],
+                 text: str) -> dict[str, list[float]]:
+    """Turns on each of `sessions` (mode, id) per round, in alternating
+    order: send -> reply times and fsyncs per turn, by mode; then removed."""
+    out: dict[str, list[float]] = {f"{mode}_{what}": [] for mode, _ in sessions for what in ("ms", "fsyncs")}
     for r in range(args.warmup + args.n):
-        order = [("on", on), ("off", off)] if r % 2 == 0 else [("off", off), ("on", on)]
-        for mode, sid in order:
+        for mode, sid in sessions if r % 2 == 0 else reversed(sessions):
             before = fsyncs(count)
             t0 = time.perf_counter_ns()
-            reply = await client.send_text(sid, f"round {r} {mode} {delay_ms}")
+            reply = await client.send_text(sid, f"{text} {r} {mode}")
             dt = time.perf_counter_ns() - t0
             assert reply == "done", reply
             if r >= args.warmup:
                 out[f"{mode}_ms"].append(dt / 1e6)
                 out[f"{mode}_fsyncs"].append(fsyncs(count) - before)
-    await client.remove(on)
-    await client.remove(off)
+    for _, sid in sessions:
+        await client.remove(sid)
+    return out
+
+
+async def cost_rounds(client: AsyncClient, args: Any, count: Path, model: Model,
+                      delay_ms: float) -> dict[str, list[float]]:
+    model.delay_secs = delay_ms / 1000
+    on = (await client.create()).id
+    off = (await client.create(settings={"agent.worker.retry_aborted_turn": False})).id
+    out = await rounds(client, args, count, [("on", on), ("off", off)], f"round {delay_ms}")
     model.delay_secs = 0.0
     return out
 
@@ -154,22 +161,7 @@ async def parallel_rounds(client: AsyncClient, args: Any, count: Path, model: Mo
     model.nap_ms = args.nap_ms
     at_once = (await client.create()).id
     one_by_one = (await client.create(settings={"tools.parallel": []})).id
-    out: dict[str, list[float]] = {"at_once_ms": [], "one_by_one_ms": [], "at_once_fsyncs": [],
-                                   "one_by_one_fsyncs": []}
-    for r in range(args.warmup + args.n):
-        order = [("at_once", at_once), ("one_by_one", one_by_one)]
-        for mode, sid in order if r % 2 == 0 else reversed(order):
-            before = fsyncs(count)
-            t0 = time.perf_counter_ns()
-            reply = await client.send_text(sid, f"nap {r} {mode}")
-            dt = time.perf_counter_ns() - t0
-            assert reply == "done", reply
-            if r >= args.warmup:
-                out[f"{mode}_ms"].append(dt / 1e6)
-                out[f"{mode}_fsyncs"].append(fsyncs(count) - before)
-    await client.remove(at_once)
-    await client.remove(one_by_one)
-    return out
+    return await rounds(client, args, count, [("at_once", at_once), ("one_by_one", one_by_one)], "nap")
 
 
 async def resume_trials(client: AsyncClient, args: Any, model: Model) -> dict[str, list[float]]:

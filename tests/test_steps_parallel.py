@@ -16,8 +16,6 @@ once (asyncio.gather) the same way."""
 from __future__ import annotations
 
 import collections
-import os
-import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -26,11 +24,10 @@ import pytest
 
 from fakellm import FakeLLM, Hang, Response, Stream, text_stream, tool_call_stream
 from harness import Daemon, wait_for
-from ipc import messages as m
 from supervisor.store.logscan import read_scan
 from supervisor.store.state_store import Step
 from test_agent_e2e import agent_config, tool_results
-from test_steps_e2e import kill_worker, lines, send_in_background
+from test_steps_e2e import kill_worker, resumed_after_daemon_kill, send_in_background
 
 pytestmark = pytest.mark.process
 
@@ -176,13 +173,8 @@ def test_three_tool_calls_at_once_survive_a_daemon_kill(make_daemon, llm: FakeLL
     send = send_in_background(d, sid, "gone")
     wait_for(lambda: started(ws, "gone"), 15, "three tools in flight")
     end_in_reverse(d, sid, ws, "gone", count=1)
-    d.kill()
-    send.communicate(timeout=10)  # (its connection died with the daemon)
-    d.start()
-    with d.client() as c:
-        wait_for(lambda: c.history(sid).turns[-1].outcome == "done", 30, "the turn to resume and end")
-        turn = c.history(sid).turns[-1]
-        assert turn.reply.endswith("done gone") and [r["reason"] for r in turn.resumed] == ["daemon_stopped"]
+    turn = resumed_after_daemon_kill(d, sid, send)
+    assert turn.reply.endswith("done gone") and [r["reason"] for r in turn.resumed] == ["daemon_stopped"]
     assert tool_results(llm.requests[-1].json) == [DAEMON, DAEMON, ran("gone2")]
     assert sorted(counter(ws)[:3]) == ["start gone0", "start gone1", "start gone2"]
     assert counter(ws)[3:] == ["end gone2"]
@@ -211,12 +203,8 @@ def test_a_custom_handler_s_steps_at_once_survive_worker_and_daemon_kills(make_d
     # The daemon killed with all three in flight: each answered, none run again.
     send = send_in_background(d, sid, "d")
     wait_for(lambda: all(f"start d{x}" in counter(ws) for x in "abc"), 15, "three steps in flight")
-    d.kill()
-    send.communicate(timeout=10)
-    (ws / "go-dlast").touch()
-    d.start()
-    with d.client() as c:
-        wait_for(lambda: c.history(sid).turns[-1].outcome == "done", 30, "the turn to resume and end")
-        assert c.history(sid).turns[-1].reply == "a:daemon_stopped b:daemon_stopped c:daemon_stopped LAST"
+    (ws / "go-dlast").touch()  # (the step after them: it cannot start before they end)
+    turn = resumed_after_daemon_kill(d, sid, send)
+    assert turn.reply == "a:daemon_stopped b:daemon_stopped c:daemon_stopped LAST"
     assert counter(ws) == ["start wa", "start wb", "start wc", "end wc", "start wlast", "end wlast",
                            "start da", "start db", "start dc", "start dlast", "end dlast"]
