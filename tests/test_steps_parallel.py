@@ -7,7 +7,8 @@ three `bash` calls, each appending `start X` to a counter file in the
 workspace, waiting for its gate file, then appending `end X`; then a final
 answer.  The test opens the gates in reverse order and SIGKILLs the worker
 while all three are in flight, while one has ended and two are in flight,
-and during the next LLM call; then the daemon, with one ended.  Each time
+and during the next LLM call; then the daemon, with one ended and during
+the next LLM call.  Each time
 the client's one `send` ends in `turn_done` and exits 0, no journaled LLM
 request is made again, no tool that ended runs again, and the ones in
 flight reach the model as killed.  A custom handler's three `ctx.step`s at
@@ -166,7 +167,7 @@ def test_three_tool_calls_at_once_survive_their_worker_killed_at_each_point(make
 
 def test_three_tool_calls_at_once_survive_a_daemon_kill(make_daemon, llm: FakeLLM) -> None:
     d = make_daemon(agent_config(llm, CONFIG))
-    model = Model(llm)
+    model = Model(llm, hold=frozenset({"later"}))
     with d.client() as c:
         sid = c.create().id
     ws = d.workspace(sid)
@@ -178,7 +179,15 @@ def test_three_tool_calls_at_once_survive_a_daemon_kill(make_daemon, llm: FakeLL
     assert tool_results(llm.requests[-1].json) == [DAEMON, DAEMON, ran("gone2")]
     assert sorted(counter(ws)[:3]) == ["start gone0", "start gone1", "start gone2"]
     assert counter(ws)[3:] == ["end gone2"]
-    assert model.seen == {("gone", 0): 1, ("gone", 3): 1}
+    # Killed during the next LLM call: the three replay, the call is made again.
+    send = send_in_background(d, sid, "later")
+    wait_for(lambda: started(ws, "later"), 15, "three tools in flight")
+    end_in_reverse(d, sid, ws, "later")
+    wait_for(lambda: model.seen[("later", 3)] == 1, 15, "the next LLM call")
+    assert resumed_after_daemon_kill(d, sid, send).reply.endswith("done later")
+    assert tool_results(llm.requests[-1].json)[-3:] == [ran("later0"), ran("later1"), ran("later2")]
+    assert counter(ws)[7:] == ["end later2", "end later1", "end later0"]
+    assert model.seen == {("gone", 0): 1, ("gone", 3): 1, ("later", 0): 1, ("later", 3): 2}
 
 
 def test_a_custom_handler_s_steps_at_once_survive_worker_and_daemon_kills(make_daemon) -> None:
