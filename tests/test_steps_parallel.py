@@ -8,10 +8,9 @@ workspace, waiting for its gate file, then appending `end X`; then a final
 answer.  The test opens the gates in reverse order and SIGKILLs the worker
 while all three are in flight, while one has ended and two are in flight,
 and during the next LLM call; then the daemon, with one ended and during
-the next LLM call.  Each time
-the client's one `send` ends in `turn_done` and exits 0, no journaled LLM
-request is made again, no tool that ended runs again, and the ones in
-flight reach the model as killed.  A custom handler's three `ctx.step`s at
+the next LLM call.  Each time the client's one `send` ends in `turn_done`
+and exits 0, no journaled LLM request is made again, no tool that ended
+runs again, and the ones in flight reach the model as killed.  A custom handler's three `ctx.step`s at
 once (asyncio.gather) the same way."""
 
 from __future__ import annotations
