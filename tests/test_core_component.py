@@ -315,3 +315,39 @@ def test_a_running_turn_s_steps_are_held_in_the_store_and_read_back_to_resume_it
         assert session.step_records == 0 and session.steps_flying == {}
 
     _run(body)
+
+
+def test_a_turn_whose_steps_cannot_be_read_back_fails_and_the_session_goes_on(tmp_path: Path) -> None:
+    mgr, spawner, store = _core(tmp_path)
+
+    async def body() -> None:
+        session = await mgr.create(1000, "s", "echo", {})
+        watcher = Recorder()
+        mgr.attach(session, watcher, None)
+
+        def one_step_then_die(w: FakeWorker, msg: m.ToWorker) -> bool:
+            if not isinstance(msg, m.Input):
+                return False
+            w.send(m.StepDone(turn=msg.turn, n=0, key="a", result=b"\xa1A"))
+            asyncio.get_running_loop().call_later(0.01, w.exit, None, 9)
+            return True
+
+        _worker(spawner, session).behaviour = one_step_then_die
+        real = session.store.read_steps_soon
+
+        def unreadable(turn: int) -> asyncio.Future[Any]:
+            fut = real(turn)
+            broken: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(lambda _: broken.set_exception(OSError(5, "Input/output error")))
+            return broken
+
+        session.store.read_steps_soon = unreadable  # type: ignore[method-assign]
+        await mgr.send(session, "go", None)
+        await _until(lambda: watcher.of(m.TurnFailed), "the failed turn")
+        assert "its steps could not be read back: [Errno 5] Input/output error" in watcher.of(m.TurnFailed)[0].reason
+        await _until(lambda: session.state.value == "idle", "idle again")
+        session.store.read_steps_soon = real  # type: ignore[method-assign]
+        await mgr.send(session, "again", None)
+        await _until(lambda: watcher.of(m.TurnDone), "the next turn")
+
+    _run(body)

@@ -521,7 +521,6 @@ class TurnLedger:
             self.drop_suspended(session, f"its steps could not be read back: {exc}")
             return
         session.turn_started = session.last_active = time.monotonic()
-        self.on_turn_started(session, held.turn)
         self._events.set_state(session, Trigger.INPUT,
                                reason=f"turn {held.turn} resumed after {held.reason}: {held.cause}")
         read.add_done_callback(lambda f: self.pacer.now_or_later(self._resume_read, session, worker, held, f))
@@ -533,8 +532,11 @@ class TurnLedger:
         exc = read.exception() if not read.cancelled() else StoreError("the read was cancelled")
         if exc is not None:
             self.drop_suspended(session, f"its steps could not be read back: {exc}")
+            if session.state in (State.RUNNING, State.INTERRUPTING):
+                self._events.set_state(session, Trigger.TURN_END, reason="turn failed")
             return
         session.suspended = None
+        self.on_turn_started(session, held.turn)  # (its timeout: from now, the input sent)
         plan = plan_resume(read.result())
         resumed = plan.resumed(held.reason, held.cause, held.uncertain)
         # (A traced turn's new worker records its spans too.)
