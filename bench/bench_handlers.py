@@ -18,6 +18,7 @@ such as bench/ipc.py from shadowing the project's packages in the daemon.
   sleeps until killed.  The first time is the latest moment the worker was
   certainly still under the cap; with both lines the crossing can be
   interpolated.
+* `nap` (a tool, `[tools] custom`): sleeps the milliseconds it is asked to.
 """
 
 from __future__ import annotations
@@ -107,3 +108,9 @@ class OverCap:
 
 def overcap(init: HandlerInit) -> OverCap:
     return OverCap(init)
+
+
+async def nap(ms: int) -> str:
+    """Sleep `ms` milliseconds (a tool that waits on the world, for bench/steps.py)."""
+    await asyncio.sleep(ms / 1000)
+    return f"slept {ms} ms"

@@ -1,6 +1,6 @@
-"""Durable steps: what journaling each step costs a turn; how soon a turn resumes.
+"""Durable steps: what journaling each step costs a turn; how soon a turn resumes; tools at once.
 
-    .venv/bin/python bench/steps.py [--n 20] [--tools 10] [--resumes 15] [--json]
+    .venv/bin/python bench/steps.py [--n 20] [--tools 10] [--resumes 15] [--nap-ms 100] [--json]
 
 One daemon (run under bench/_fsync_counter.py, which counts every fsync and
 fdatasync of the daemon's process) and one FakeLLM (tests/fakellm.py) on
@@ -30,8 +30,17 @@ trial once that turn is done: SIGKILL the same session's idle worker and
 time to its `StateChanged{new="idle"}` (the restart alone, as
 bench/restart.py).  Restart backoff is 1 ms (as bench/restart.py).
 
+Tool calls at once: per round, each of two sessions gets an input whose
+first response asks for three calls of `nap` (bench/bench_handlers.py: a
+custom tool that sleeps --nap-ms, 100), then "done".  One session runs them
+at once (`[tools] parallel = ["nap"]`), the other one by one (`--set
+tools.parallel=[]`); steps on for both; alternating order, `send_text` from
+the send to the reply.  Figures: median turn time each way, their
+difference and ratio; fsyncs per turn each way.
+
 Goals: steps on cost <= 5% of the turn's time and <= 1 fsync batch per step;
-resume latency median <= restart median + 20 ms.
+resume latency median <= restart median + 20 ms; three --nap-ms tools at
+once take <= one of them + 50% (the turn's two LLM calls and steps included).
 """
 
 from __future__ import annotations
@@ -77,6 +86,8 @@ base_url = "{url}"
 model = "fake-model"
 [tools]
 enabled = ["write_file"]
+custom = ["bench.bench_handlers:nap"]
+parallel = ["nap"]
 """
 
 
@@ -86,6 +97,7 @@ class Model:
     def __init__(self, tools: int, hold_at: int) -> None:
         self.tools, self.hold_at = tools, hold_at
         self.delay_secs = 0.0  # before each answer: the model's time to its first token
+        self.nap_ms = 100
         self.stamps: dict[tuple[str, int], list[int]] = collections.defaultdict(list)
         self.lock = threading.Lock()
 
@@ -101,6 +113,9 @@ class Model:
             first = len(seen) == 1
         if user.startswith("hold") and t == self.hold_at and first:
             return Stream([Hang()])
+        if user.startswith("nap"):
+            return (tool_call_stream(*[(f"n{i}", "nap", {"ms": self.nap_ms}) for i in range(3)])
+                    if t == 0 else text_stream("done"))
         answer = (tool_call_stream((f"c{t}", "write_file", {"path": "notes.txt", "content": f"{t}"}))
                   if t < self.tools else text_stream("done"))
         if self.delay_secs:
@@ -112,27 +127,41 @@ def fsyncs(path: Path) -> int:
     return path.stat().st_size if path.exists() else 0
 
 
-async def cost_rounds(client: AsyncClient, args: Any, count: Path, model: Model,
-                      delay_ms: float) -> dict[str, list[float]]:
-    model.delay_secs = delay_ms / 1000
-    on = (await client.create()).id
-    off = (await client.create(settings={"agent.worker.retry_aborted_turn": False})).id
-    out: dict[str, list[float]] = {"on_ms": [], "off_ms": [], "on_fsyncs": [], "off_fsyncs": []}
+async def rounds(client: AsyncClient, args: Any, count: Path, sessions: list[tuple[str, str]],
+                 text: str) -> dict[str, list[float]]:
+    """Turns on each of `sessions` (mode, id) per round, in alternating
+    order: send -> reply times and fsyncs per turn, by mode; then removed."""
+    out: dict[str, list[float]] = {f"{mode}_{what}": [] for mode, _ in sessions for what in ("ms", "fsyncs")}
     for r in range(args.warmup + args.n):
-        order = [("on", on), ("off", off)] if r % 2 == 0 else [("off", off), ("on", on)]
-        for mode, sid in order:
+        for mode, sid in sessions if r % 2 == 0 else reversed(sessions):
             before = fsyncs(count)
             t0 = time.perf_counter_ns()
-            reply = await client.send_text(sid, f"round {r} {mode} {delay_ms}")
+            reply = await client.send_text(sid, f"{text} {r} {mode}")
             dt = time.perf_counter_ns() - t0
             assert reply == "done", reply
             if r >= args.warmup:
                 out[f"{mode}_ms"].append(dt / 1e6)
                 out[f"{mode}_fsyncs"].append(fsyncs(count) - before)
-    await client.remove(on)
-    await client.remove(off)
+    for _, sid in sessions:
+        await client.remove(sid)
+    return out
+
+
+async def cost_rounds(client: AsyncClient, args: Any, count: Path, model: Model,
+                      delay_ms: float) -> dict[str, list[float]]:
+    model.delay_secs = delay_ms / 1000
+    on = (await client.create()).id
+    off = (await client.create(settings={"agent.worker.retry_aborted_turn": False})).id
+    out = await rounds(client, args, count, [("on", on), ("off", off)], f"round {delay_ms}")
     model.delay_secs = 0.0
     return out
+
+
+async def parallel_rounds(client: AsyncClient, args: Any, count: Path, model: Model) -> dict[str, list[float]]:
+    model.nap_ms = args.nap_ms
+    at_once = (await client.create()).id
+    one_by_one = (await client.create(settings={"tools.parallel": []})).id
+    return await rounds(client, args, count, [("at_once", at_once), ("one_by_one", one_by_one)], "nap")
 
 
 async def resume_trials(client: AsyncClient, args: Any, model: Model) -> dict[str, list[float]]:
@@ -187,6 +216,7 @@ def main() -> int:
                    help="the fast model: ms before each answer (default 10); 0 is also measured")
     p.add_argument("--resumes", type=int, default=15, help="timed resumes (default 15)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    p.add_argument("--nap-ms", type=int, default=100, help="each of the three tools at once: ms (default 100)")
     args = p.parse_args()
     rep = c.Report("steps", args.json)
     model = Model(args.tools, args.tools // 2)
@@ -200,16 +230,19 @@ def main() -> int:
     daemon.start()
     delays = [0.0, args.model_ms] if args.model_ms else [0.0]
 
-    async def run() -> tuple[list[dict[str, list[float]]], dict[str, list[float]]]:
+    async def run() -> tuple[list[dict[str, list[float]]], dict[str, list[float]], dict[str, list[float]]]:
         client = await AsyncClient.connect(daemon.socket, client_name="bench-steps")
         try:
             c.quiet_gc()
             costs = [await cost_rounds(client, args, count, model, d) for d in delays]
-            return costs, await resume_trials(client, args, model)
+            resume = await resume_trials(client, args, model)
+            return costs, resume, await parallel_rounds(client, args, count, model)
         finally:
             await client.close()
 
-    costs, resume = asyncio.run(run())
+    load_before = os.getloadavg()
+    costs, resume, parallel = asyncio.run(run())
+    load_after = os.getloadavg()
     steps = 2 * args.tools + 1
     rep.say(f"an agent turn of {args.tools} write_file calls ({steps} steps), {args.n} turns each way")
     rows = []
@@ -236,12 +269,29 @@ def main() -> int:
     ])
     rep.figures.update({k: round(v, 3) for k, v in rmed.items()})
     rep.say()
+    pmed = {k: statistics.median(v) for k, v in parallel.items()}
+    rep.say(f"a turn of three {args.nap_ms} ms tool calls in one response, {args.n} turns each way")
+    rep.table(["", "median", "p90", "fsyncs/turn"], [
+        ["at once ([tools] parallel)", f"{pmed['at_once_ms']:.1f} ms",
+         f"{c.percentile(sorted(parallel['at_once_ms']), 90):.1f} ms", f"{pmed['at_once_fsyncs']:.0f}"],
+        ["one by one", f"{pmed['one_by_one_ms']:.1f} ms",
+         f"{c.percentile(sorted(parallel['one_by_one_ms']), 90):.1f} ms", f"{pmed['one_by_one_fsyncs']:.0f}"],
+    ])
+    saved = pmed["one_by_one_ms"] - pmed["at_once_ms"]
+    rep.say(f"at once saves {saved:.1f} ms a turn ({pmed['one_by_one_ms'] / pmed['at_once_ms']:.2f}x faster)")
+    rep.figures.update({k: round(v, 3) for k, v in pmed.items()})
+    rep.say(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
+    rep.figures["loadavg"] = [round(load_before[0], 2), round(load_after[0], 2)]
+    rep.say()
     d, share, per_step = shares[-1]
     rep.goal(f"step journaling cost <= 5% of the turn (model {d:g} ms)", share, 0.05, f"{share * 100:+.1f}%")
     rep.goal("fsync batches per step <= 1", per_step, 1.0, f"{per_step:.2f}")
     extra = rmed["resume_ms"] - rmed["restart_ms"]
     rep.goal("resume latency <= restart + 20 ms", extra, 20.0,
              f"{rmed['resume_ms']:.1f} ms vs restart {rmed['restart_ms']:.1f} ms (+{extra:.1f} ms)")
+    over = pmed["at_once_ms"] / args.nap_ms - 1
+    rep.goal(f"three {args.nap_ms} ms tools at once <= one + 50%", over, 0.5,
+             f"{pmed['at_once_ms']:.1f} ms (one by one {pmed['one_by_one_ms']:.1f} ms)")
     return rep.finish()
 
 

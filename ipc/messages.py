@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 # Nested in worker messages (Input.resumed, WorkerSpans.spans): kept apart.
-from ipc.turn_wire import Resumed, SpanEvent, SpanRecord, StepResult
+from ipc.turn_wire import Resumed, SpanEvent, SpanRecord, StepInFlight, StepResult
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -42,7 +42,8 @@ __all__ = [
     "PermissionRequest", "Gap", "Lagged", "Event", "Reply", "EVENT_TYPES",
     # daemon <-> worker
     "Boot", "SandboxBoot", "Input", "InterruptTurn", "WorkerPing", "Shutdown", "PermissionAnswer",
-    "SpawnResult", "MemoryHigh", "Reconfigure", "StepResult", "Resumed", "StepSaved", "BudgetUpdate", "ToWorker",
+    "SpawnResult", "MemoryHigh", "Reconfigure", "StepResult", "StepInFlight", "Resumed", "StepSaved",
+    "BudgetUpdate", "ToWorker",
     "Ready", "BootFailed", "Delta", "WorkerNotice", "WorkerLimit", "Spent", "Done", "Failed",
     "Heartbeat", "WorkerPong", "AskPermission", "SpawnAgent", "StepBegun", "StepDone", "SpanEvent",
     "SpanRecord", "WorkerSpans", "FromWorker",
@@ -494,11 +495,13 @@ class Input(_Msg, tag="input"):
 
 
 class StepSaved(_Msg, tag="step_saved"):
-    """Step `n` of the turn is durable (or, with `error`, will never be)."""
+    """Step `n` of the turn is durable (or, with `error`, will never be);
+    with `begun`, its start (a `StepBegun` that asked `durable`) is."""
 
     turn: int
     n: int
     error: str = ""
+    begun: bool = False
 
 
 class BudgetUpdate(_Msg, tag="budget"):
@@ -650,13 +653,17 @@ class WorkerSpans(_Msg, tag="spans"):
 
 
 class StepBegun(_Msg, tag="step_begun"):
-    """Step `n` starts running (not journaled: tells the daemon which step
-    was in flight if the worker dies now)."""
+    """Step `n` starts running: journaled (a `StepStart` record, with the
+    next flush), so that the daemon knows which steps were in flight if the
+    worker, or the daemon, dies now."""
 
     turn: int
     n: int
     key: str
     kind: str = ""
+    # Answer `StepSaved(begun=True)` once this start is durable: the worker
+    # runs the step only then (another step was in flight or not yet durable).
+    durable: bool = False
 
 
 class StepDone(_Msg, tag="step"):
@@ -667,6 +674,10 @@ class StepDone(_Msg, tag="step"):
     key: str
     kind: str = ""  # "llm", "tool", or the handler's own word
     result: bytes = b""
+    # The step ended without a result (its function raised, or the call
+    # was cancelled before it ran): journaled so that its number is closed;
+    # a resumed turn runs it again.
+    failed: bool = False
 
 
 FromWorker = (

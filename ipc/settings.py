@@ -243,6 +243,11 @@ class ToolsSettings(ConfigSection):
     # Tools run again when the worker died while they ran (read-only tools):
     # the others are answered to the model as killed, never re-run.
     rerun_after_crash: list[str] = msgspec.field(default_factory=lambda: ["read_file", "list_dir"])
+    # Tools whose calls in one response the agent runs at the same time:
+    # consecutive calls of these tools run together (their results go to
+    # the model in the order of the calls); any other call runs alone, in
+    # order.  Read-only tools by default: tools that act may race each other.
+    parallel: list[str] = msgspec.field(default_factory=lambda: ["read_file", "list_dir"])
 
 
 class PermissionRule(ConfigSection, kw_only=True):

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["StepResult", "Resumed", "SpanEvent", "SpanRecord"]
+__all__ = ["StepResult", "StepInFlight", "Resumed", "SpanEvent", "SpanRecord"]
 
 
 class StepResult(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
@@ -18,6 +18,17 @@ class StepResult(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
 
     key: str
     result: bytes  # msgpack of the value the step returned
+    # The step's number: the order in which the turn started its steps
+    # (-1: its place in `Resumed.steps`, as before steps could overlap).
+    n: int = -1
+
+
+class StepInFlight(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
+    """A step of the running turn that had begun and not ended when its
+    worker died (docs/agent.md, "Durable steps")."""
+
+    n: int
+    key: str
 
 
 class Resumed(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
@@ -26,12 +37,14 @@ class Resumed(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
 
     reason: str  # the exit reason (ipc.contract.ExitReason), or "daemon_stopped"
     cause: str  # e.g. "memory cap of 64 MiB reached", "the worker crashed (signal SIGKILL)"
-    step: int  # the step it resumes at: steps 0..step-1 are journaled
-    # The key of the step that was running when the worker died ("" = none was).
+    step: int  # the lowest step number not ended: steps 0..step-1 are journaled (or failed)
+    # The key of the lowest-numbered step in flight when the worker died ("" = none was).
     running: str = ""
-    # True after a daemon restart: whether step `step` had begun is unknown.
+    # True after a daemon restart: whether the steps in flight had begun is
+    # not known; with none in flight, step `step` may have begun.
     uncertain: bool = False
-    steps: list[StepResult] = []
+    steps: list[StepResult] = []  # the journaled results, by number
+    in_flight: list[StepInFlight] = []  # every step that had begun and not ended, by number
 
 
 class SpanEvent(msgspec.Struct, omit_defaults=True, kw_only=True):

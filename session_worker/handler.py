@@ -30,13 +30,17 @@ so the handler must leave its in-memory state as it was before the turn.
 Durable steps (docs/agent.md, "Durable steps"): `await ctx.step(key, fn)`
 runs `fn` once and returns its msgpack-able result once the daemon has
 journaled it durably (an `idempotent` step, e.g. an LLM request, does not
-wait; every step that is not waits for the earlier ones before it runs).  If the worker dies during the turn (a crash, the
-memory cap, a node lost, the daemon killed) and the session's
+wait; every step that is not waits, before it runs, for the steps that had
+ended before it started).  Steps may run at the same time (`asyncio.gather`):
+a step is known by the order in which the turn started it and its key,
+never by the order it ended.  If the worker dies during the turn (a crash,
+the memory cap, a node lost, the daemon killed) and the session's
 `retry_aborted_turn` is on (the default), the restarted worker runs the same
 turn again from `handle()`: each `ctx.step` already journaled returns its
 result without running `fn`; the code between steps runs again, so it must
-be deterministic and free of side effects.  The step that was running when
-the worker died runs again, unless `interrupted=` gives its result instead.
+be deterministic and free of side effects, and start the same steps in the
+same order.  The steps that were in flight when the worker died run again,
+unless `interrupted=` gives their result instead.
 A handler whose class sets `uses_steps = True` has such a turn resumed even
 if it died before its first step; one that marks no step and does not say
 so has it fail with `TurnFailed`, as before.
@@ -112,8 +116,11 @@ class TurnContext(abc.ABC):
         """Run `fn` (sync or async) once as a durable step of this turn and
         return its msgpack-able result once it is journaled durably; on a
         resumed turn, the journaled result without running `fn` (see the
-        module's docstring).  Every earlier step is durable before `fn`
-        runs.  `idempotent` (`fn` may run again without harm: an LLM
+        module's docstring).  Every step that had ended before this one
+        started is durable before `fn` runs (and, when another step may be
+        in flight, this step's start).  `interrupted(why)`: the result of
+        a step that was in flight when the worker died, instead of running
+        `fn` again.  `idempotent` (`fn` may run again without harm: an LLM
         request) waits for neither; `wait=False` returns before the result
         is durable (the next step that is not idempotent waits for it).
         `key` names the step (checked on replay); `kind` is for operators

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import Optional
 
 
@@ -35,3 +37,30 @@ def with_varargs(*names: str) -> str:
 
 def with_dict(options: dict[str, str]) -> str:
     return str(options)
+
+
+# What `rendezvous` calls did, in order ("start N", "end N"); cleared by the tests.
+RENDEZVOUS: list[str] = []
+
+
+async def rendezvous(n: int, of: int, wait_secs: float = 10.0) -> str:
+    """Starts, waits (at most wait_secs) until `of` calls have started, then
+    ends once call n+1 has ended: calls run at once end in reverse order.
+    Alone (the others never came): says so."""
+
+    async def until(met: Callable[[], bool]) -> bool:
+        deadline = time.monotonic() + wait_secs
+        while not met():
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+    RENDEZVOUS.append(f"start {n}")
+    if not await until(lambda: sum(e.startswith("start") for e in RENDEZVOUS) >= of):
+        RENDEZVOUS.append(f"end {n}")
+        return f"{n}: alone"
+    if n + 1 < of:
+        await until(lambda: f"end {n + 1}" in RENDEZVOUS)
+    RENDEZVOUS.append(f"end {n}")
+    return f"{n}: met"

@@ -427,3 +427,35 @@ class BigStep(_Base):
 
 def big_step(init: HandlerInit) -> BigStep:
     return BigStep(init)
+
+
+class ParallelSteps(_Base):
+    """Three steps at once ("a", "b", "c": asyncio.gather), then "last".
+    Each appends `start <input><name>` to `counter` in the workspace, waits
+    for the file `go-<input><name>`, appends `end ...` and returns its name
+    in capitals.  A step in flight when the worker died is answered
+    `<name>:<reason>`, never run again."""
+
+    uses_steps = True
+
+    async def _run(self, text: str, name: str) -> str:
+        ws = self.init.workspace
+        with open(ws / "counter", "a") as f:
+            f.write(f"start {text}{name}\n")
+        while not (ws / f"go-{text}{name}").exists():
+            await asyncio.sleep(0.01)
+        with open(ws / "counter", "a") as f:
+            f.write(f"end {text}{name}\n")
+        return name.upper()
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        parts = await asyncio.gather(*(
+            ctx.step(x, lambda x=x: self._run(text, x), interrupted=lambda why, x=x: f"{x}:{why.reason}")
+            for x in "abc"))
+        last = await ctx.step("last", lambda: self._run(text, "last"))
+        self.turns += 1
+        return TurnResult(" ".join([*parts, last]), record=1)
+
+
+def parallel_steps(init: HandlerInit) -> ParallelSteps:
+    return ParallelSteps(init)

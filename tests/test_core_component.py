@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -247,5 +248,106 @@ def test_the_senders_events_follow_its_accepted_and_a_long_hold_lets_go(tmp_path
         mgr.events.release(session)
         assert [e.text for e in held.events] == [str(i) for i in range(20)]
         assert session.held == {}
+
+    _run(body)
+
+
+def _held_bytes(value: Any, depth: int = 3) -> int:
+    """The bytes `value` holds, through containers and structs, a few levels deep."""
+    if isinstance(value, (bytes, bytearray)):
+        return len(value)
+    if depth == 0:
+        return 0
+    if isinstance(value, dict):
+        items: Any = value.values()
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = value
+    elif hasattr(type(value), "__struct_fields__"):
+        items = [getattr(value, f) for f in type(value).__struct_fields__]
+    else:
+        return 0
+    return sum(_held_bytes(v, depth - 1) for v in items)
+
+
+def test_a_running_turn_s_steps_are_held_in_the_store_and_read_back_to_resume_it(tmp_path: Path) -> None:
+    """Steps overlap: three begin, the last ends first, the worker dies.  The
+    daemon holds byte counts and the keys in flight, never a result; the
+    restarted worker gets the journaled one by its number, and the two in
+    flight, read back from the store."""
+    mgr, spawner, store = _core(tmp_path)
+    big = b"\x01" * (1 << 20)
+
+    async def body() -> None:
+        session = await mgr.create(1000, "s", "echo", {})
+        watcher = Recorder()
+        mgr.attach(session, watcher, None)
+
+        def steps(w: FakeWorker, msg: m.ToWorker) -> bool:
+            if not isinstance(msg, m.Input) or msg.resumed is not None:
+                return False
+            w.send(m.StepBegun(turn=msg.turn, n=0, key="a"))
+            w.send(m.StepBegun(turn=msg.turn, n=1, key="b", durable=True))
+            w.send(m.StepBegun(turn=msg.turn, n=2, key="c", durable=True))
+            w.send(m.StepDone(turn=msg.turn, n=2, key="c", result=big))
+            return True
+
+        first = _worker(spawner, session)
+        first.behaviour = steps
+        await mgr.send(session, "go", None)
+        saved = lambda: [x for x in first.got if isinstance(x, m.StepSaved)]  # noqa: E731
+        await _until(lambda: len(saved()) == 3, "the starts it waits on, and the end, durable")
+        assert sorted((x.n, x.begun, x.error) for x in saved()) == [(1, True, ""), (2, False, ""), (2, True, "")]
+        assert session.step_records == 4 and session.steps_flying == {0: "a", 1: "b"}
+        assert session.step_bytes > len(big)
+        held = {f.name: _held_bytes(getattr(session, f.name)) for f in dataclasses.fields(session)}
+        assert max(held.values()) < len(big), held  # (the old daemon kept `steps`: every result)
+        first.exit(sig=9)
+        await _until(lambda: session.worker is not None and session.worker.pid != first.pid
+                     and any(isinstance(x, m.Input) for x in _worker(spawner, session).got), "the resumed input")
+        resumed = next(x for x in _worker(spawner, session).got if isinstance(x, m.Input)).resumed
+        assert resumed is not None
+        assert [(s.n, s.key, s.result == big) for s in resumed.steps] == [(2, "c", True)]
+        assert resumed.in_flight == [m.StepInFlight(n=0, key="a"), m.StepInFlight(n=1, key="b")]
+        assert (resumed.step, resumed.running, resumed.uncertain) == (0, "a", False)
+        await _until(lambda: watcher.of(m.TurnDone), "the turn's end")
+        notice = next(e for e in watcher.of(m.Notice) if e.kind == "turn_resumed")
+        assert notice.data["in_flight"] == ["a", "b"] and notice.data["step"] == 0
+        assert session.step_records == 0 and session.steps_flying == {}
+
+    _run(body)
+
+
+def test_a_turn_whose_steps_cannot_be_read_back_fails_and_the_session_goes_on(tmp_path: Path) -> None:
+    mgr, spawner, store = _core(tmp_path)
+
+    async def body() -> None:
+        session = await mgr.create(1000, "s", "echo", {})
+        watcher = Recorder()
+        mgr.attach(session, watcher, None)
+
+        def one_step_then_die(w: FakeWorker, msg: m.ToWorker) -> bool:
+            if not isinstance(msg, m.Input):
+                return False
+            w.send(m.StepDone(turn=msg.turn, n=0, key="a", result=b"\xa1A"))
+            asyncio.get_running_loop().call_later(0.01, w.exit, None, 9)
+            return True
+
+        _worker(spawner, session).behaviour = one_step_then_die
+        real = session.store.read_steps_soon
+
+        def unreadable(turn: int) -> asyncio.Future[Any]:
+            fut = real(turn)
+            broken: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(lambda _: broken.set_exception(OSError(5, "Input/output error")))
+            return broken
+
+        session.store.read_steps_soon = unreadable  # type: ignore[method-assign]
+        await mgr.send(session, "go", None)
+        await _until(lambda: watcher.of(m.TurnFailed), "the failed turn")
+        assert "its steps could not be read back: [Errno 5] Input/output error" in watcher.of(m.TurnFailed)[0].reason
+        await _until(lambda: session.state.value == "idle", "idle again")
+        session.store.read_steps_soon = real  # type: ignore[method-assign]
+        await mgr.send(session, "again", None)
+        await _until(lambda: watcher.of(m.TurnDone), "the next turn")
 
     _run(body)

@@ -131,9 +131,20 @@ def test_an_agent_turn_survives_its_worker_killed_at_each_kind_of_step(make_daem
         assert len(history) == 1 and history[0].outcome == "done" and history[0].reply.endswith("all done")
         assert [r["reason"] for r in history[0].resumed] == ["crashed"] * kills
         reasons = [e.event.reason for e in c.logs(sid).entries if isinstance(e.event, m.StateChanged)]
-        assert sum("resumed at step" in r for r in reasons) == kills
+        assert sum("turn 1 resumed after crashed" in r for r in reasons) == kills
         st = c.status(sid)
         assert st.turns == 1 and st.state == "idle"
+
+
+def resumed_after_daemon_kill(d: Daemon, sid: str, send: subprocess.Popen[str]) -> Any:
+    """SIGKILL the daemon during `send`'s turn and start it again: the turn
+    resumes by itself; its entry in `history` once done."""
+    d.kill()
+    send.communicate(timeout=10)  # (its connection died with the daemon)
+    d.start()
+    with d.client() as c:
+        wait_for(lambda: c.history(sid).turns[-1].outcome == "done", 30, "the turn to resume and end")
+        return c.history(sid).turns[-1]
 
 
 def test_a_daemon_killed_mid_tool_resumes_the_turn_by_itself(make_daemon, llm: FakeLLM) -> None:
@@ -141,17 +152,12 @@ def test_a_daemon_killed_mid_tool_resumes_the_turn_by_itself(make_daemon, llm: F
     model = Model(llm, slow=frozenset({2}))
     with d.client() as c:
         sid = c.create().id
-        send = send_in_background(d, sid, "count to five")
-        ws = d.workspace(sid)
-        wait_for(lambda: "2" in lines(ws / "started"), 15, "tool 2 to start")
-        d.kill()
-    send.communicate(timeout=10)  # (its connection died with the daemon)
-    d.start()
-    with d.client() as c:
-        wait_for(lambda: c.history(sid).turns[-1].outcome == "done", 30, "the turn to resume and end")
-        turn = c.history(sid).turns[-1]
-        assert turn.turn == 1 and turn.reply.endswith("all done")
-        assert [r["reason"] for r in turn.resumed] == ["daemon_stopped"]
+    send = send_in_background(d, sid, "count to five")
+    ws = d.workspace(sid)
+    wait_for(lambda: "2" in lines(ws / "started"), 15, "tool 2 to start")
+    turn = resumed_after_daemon_kill(d, sid, send)
+    assert turn.turn == 1 and turn.reply.endswith("all done")
+    assert [r["reason"] for r in turn.resumed] == ["daemon_stopped"]
     assert lines(ws / "counter") == ["0", "1", "3", "4"]
     assert lines(ws / "started") == ["0", "1", "2", "3", "4"]
     assert all(n == 1 for n in model.seen.values()), model.seen

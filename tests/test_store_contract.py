@@ -29,6 +29,8 @@ from supervisor.store.state_store import (
     SessionLog,
     Snapshot,
     StateStore,
+    Step,
+    StepStart,
 )
 from supervisor.errors import Fenced, StoreDamaged, StoreFull
 from supervisor.store.files import FileStateStore, SessionStore
@@ -425,6 +427,45 @@ def test_a_failed_flush_fails_exactly_the_waiting_appends(ad: Adapter) -> None:
     ad.crash()
     assert ad.store.load("a")[0].read_for_boot()[1] == [b"\x01", b"\x04"]
     assert ad.store.load("b")[0].read_for_boot()[1] == []
+
+
+def test_a_running_turn_s_steps_are_read_back_as_appended_and_after_a_crash(ad: Adapter) -> None:
+    """The daemon keeps no step's result: a resumed turn's steps are read
+    back from the store (`read_steps_soon`), off the loop, in the order
+    they were appended (steps end in any order), a snapshot and the turns
+    before notwithstanding; the load counts them without their results."""
+    big = bytes(range(256)) * 4096  # 1 MiB
+    steps = [StepStart(turn=2, n=0, key="a"), StepStart(turn=2, n=1, key="b"),
+             Step(turn=2, n=1, key="b", result=big), Step(turn=2, n=0, key="a", failed=True)]
+
+    async def main() -> tuple[list[object], list[object]]:
+        h = ad.store.create(meta(), durable=False)
+        await h.make_durable_soon()
+        h.append(InputRecord(turn=1, text="one", seq=1), durable=False)
+        h.append(Step(turn=1, n=0, key="old", result=b"\x01"), durable=False)
+        h.append(commit(1, b"\x01", 2), durable=False)
+        await h.sync_soon()
+        await h.write_snapshot_soon(Snapshot(gen=0, meta=meta(), turns=1, seq=2, handler_state=b"S"))
+        h.append(InputRecord(turn=2, text="two", seq=3), durable=False)
+        for rec in steps[:3]:
+            h.append(rec, durable=False)
+        before_sync = await h.read_steps_soon(2)  # what a worker that died now had sent
+        h.append(steps[3], durable=False)
+        await h.sync_soon()
+        return before_sync, [await h.read_steps_soon(1), await h.read_steps_soon(2)]
+
+    before_sync, (of_one, of_two) = asyncio.run(main())
+    assert before_sync == steps[:3] and of_one == [] and of_two == steps
+    ad.crash()
+    h, loaded = ad.store.load("s1")
+    assert loaded.open_input is not None and loaded.open_input.turn == 2
+    assert loaded.open_step_records == 4
+    assert loaded.open_step_bytes == sum(rec.size for rec in steps) > len(big)
+
+    async def again() -> list[object]:
+        return await h.read_steps_soon(2)
+
+    assert asyncio.run(again()) == steps
 
 
 def test_make_durable_soon_makes_a_create_survive(ad: Adapter) -> None:

@@ -8,7 +8,10 @@ unanswered call, so the history stays a valid provider request: every
 assistant tool call is followed by one tool message per call id.
 
 Every LLM response and every tool result is a durable step (`ctx.step`, one
-call site each: `_complete`, `_summarize`, `_tool_step`).  A turn resumed
+call site each: `_complete`, `_summarize`, `_tool_step`).  Consecutive calls
+of one response to tools in `[tools] parallel` run at once (`_run_batch`:
+their steps start in the order of the calls, overlap, and are answered in
+that order).  A turn resumed
 after its worker died runs this same code again: the journaled steps come
 back without a request or a tool run, which rebuilds the history and the
 reply; everything between steps follows from them.  The one step that was
@@ -92,6 +95,7 @@ class Turn:
         self._spend = _budget.TurnSpend()
         # LLM calls asked for so far (their steps' keys).
         self._calls = 0
+        self._asking = asyncio.Lock()
 
     def reconfigure(self, settings: SessionSettings, tools: ToolRegistry) -> None:
         """New rules and limits for the rest of this turn (the provider in
@@ -277,17 +281,39 @@ class Turn:
         limit = self._settings.agent.max_tool_calls_per_turn
         if len(calls) > limit:
             self._ctx.limit_exceeded(LimitKind.TOOL_CALLS, len(calls), limit)
-        for i, call in enumerate(calls):
-            if i >= limit:
-                self._answer(
-                    call,
-                    False,
-                    f"error: not run: at most {limit} tool calls are run per response "
-                    "(agent.max_tool_calls_per_turn); request it again in your next response.",
-                )
-                continue
-            ok, output = await self._tool_step(call)
-            self._answer(call, ok, output)
+        for batch in _batches(calls[:limit], self._settings.tools.parallel):
+            await self._run_batch(batch)
+        for call in calls[limit:]:
+            self._answer(
+                call,
+                False,
+                f"error: not run: at most {limit} tool calls are run per response "
+                "(agent.max_tool_calls_per_turn); request it again in your next response.",
+            )
+
+    async def _run_batch(self, batch: list[ToolCall]) -> None:
+        """Run the calls of `batch` at the same time (one step each, started
+        in the order of the calls) and answer them in that order."""
+        if len(batch) == 1:
+            self._answer(batch[0], *await self._tool_step(batch[0]))
+            return
+        runs = [asyncio.ensure_future(self._tool_step(call)) for call in batch]
+        try:
+            await asyncio.gather(*runs)
+        except asyncio.CancelledError:
+            # Interrupted: what finished keeps its result; in order.
+            for call, run in zip(batch, runs):
+                if run.done() and not run.cancelled() and run.exception() is None:
+                    self._answer(call, *run.result())
+                else:
+                    self._answer(call, False, _INTERRUPTED_RESULT)
+            raise
+        except BaseException:
+            for run in runs:
+                run.cancel()
+            raise
+        for call, run in zip(batch, runs):
+            self._answer(call, *run.result())
 
     async def _tool_step(self, call: ToolCall) -> tuple[bool, str]:
         """The call as a durable step: run once, its result journaled.  A
@@ -335,7 +361,7 @@ class Turn:
         action = decide(self._settings.permissions, tool.name, tool.main_argument(args))
         if action == "deny":
             return False, f"error: permission denied: a rule forbids this {tool.name} call."
-        if action == "ask" and not await self._ctx.ask_permission(tool.name, args):
+        if action == "ask" and not await self._ask(tool.name, args):
             return False, f"error: permission denied: the user did not approve this {tool.name} call."
         try:
             return True, await tool.run(args, self._env)
@@ -343,6 +369,11 @@ class Turn:
             return False, f"error: {exc}"
         except Exception as exc:
             return False, f"error: tool {tool.name} failed: {type(exc).__name__}: {exc}"
+
+    async def _ask(self, tool: str, args: dict[str, Any]) -> bool:
+        # Calls run at once ask one at a time: a client answers one prompt.
+        async with self._asking:
+            return await self._ctx.ask_permission(tool, args)
 
     def _answer(self, call: ToolCall, ok: bool, output: str) -> None:
         self._journal.append({"role": "tool", "tool_call_id": call.id, "content": output})
@@ -438,6 +469,18 @@ class Turn:
 
 def _ignore_text(_: str) -> None:
     pass
+
+
+def _batches(calls: list[ToolCall], parallel: list[str]) -> list[list[ToolCall]]:
+    """The calls in the order they run: consecutive calls of tools in
+    `[tools] parallel` together, any other call alone."""
+    batches: list[list[ToolCall]] = []
+    for call in calls:
+        if call.name in parallel and batches and batches[-1][0].name in parallel:
+            batches[-1].append(call)
+        else:
+            batches.append([call])
+    return batches
 
 
 def _killed_result(why: Interruption) -> list[Any]:

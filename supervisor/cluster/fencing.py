@@ -42,6 +42,7 @@ from supervisor.store.state_store import (
     Record,
     Snapshot,
     StateStore,
+    StepRecord,
     StoreError,
     settled,
 )
@@ -110,6 +111,9 @@ class UnheldLog:
     def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
         # Rare (another daemon's session): read as `read_history` does.
         return settled(self.read_history)
+
+    def read_steps_soon(self, turn: int) -> asyncio.Future[list[StepRecord]]:
+        raise NotHeld(self._id)  # (no turn of it runs here)
 
     def close(self) -> None:
         pass

@@ -8,8 +8,10 @@ promises true live here and only here:
 * a turn that ends without a commit (its worker died, it failed) gets an
   `Abort` record and a `TurnFailed` event naming the cause;
 * a step of a turn (`ctx.step`) is appended, and fsync'd, before the worker
-  hears `StepSaved`; a turn whose worker dies is held open (`suspend`) and
-  resumed on the next worker with its steps (`resume`), or aborted then
+  hears `StepSaved`; its start is appended when it begins (made durable
+  before the worker runs it when the worker asks: steps overlap); a turn
+  whose worker dies is held open (`suspend`) and resumed on the next worker
+  with its steps, read back from the store (`resume`), or aborted then
   (`drop_suspended`: the restarts gave up, the session was stopped).
 
 Group commit: the worker starts on an input before it is durable, and the
@@ -44,10 +46,10 @@ from supervisor.ops.metrics import NO_METRICS, Recorder
 from supervisor.core.session import PendingInput, Session, Suspension, WorkerProc
 from supervisor.ops.tracing import NO_TRACER, Tracer, TurnTrace
 from supervisor.core.states import State, Trigger
-from supervisor.core.steps import DAEMON_STOPPED, cause_of, resumes_after, step_problem, step_size
+from supervisor.core.steps import DAEMON_STOPPED, cause_of, plan_resume, resumes_after, step_problem
 from supervisor.store.state_store import (
     Abort, Commit, Fenced, IdTaken, InputRecord, LoadedSession, Mark, Resume, SessionLog, Snapshot, Step,
-    StoreError, StoreFull, add_usage,
+    StepRecord, StepStart, StoreError, StoreFull, add_usage,
 )
 
 __all__ = ["TurnLedger", "store_failure"]
@@ -58,6 +60,8 @@ log = logging.getLogger("sessiond.manager")
 # ends this one as quickly: its input waits that long for the commit's flush
 # instead of taking a flush of its own (one fdatasync per turn, not two).
 _QUICK_TURN_SECS = 0.002
+# The keys of the steps in flight a `turn_resumed` notice names, at most.
+_NOTICE_KEYS = 32
 
 
 class TurnLedger:
@@ -125,7 +129,7 @@ class TurnLedger:
         session.turns = turn
         session.current_turn = turn
         session.current_input = text
-        session.steps, session.step_bytes, session.step_running = [], 0, ""
+        session.step_records, session.step_bytes, session.steps_flying = 0, 0, {}
         session.last_active = time.monotonic()
         session.turn_started = time.monotonic()
         self.on_turn_started(session, turn)
@@ -410,46 +414,55 @@ class TurnLedger:
     # ---------------------------------------------------------------- steps
 
     def step(self, session: Session, worker: WorkerProc, msg: m.StepBegun | m.StepDone) -> None:
-        """A step of the running turn begins (noted: the one in flight if
-        the worker dies), or is done: journaled, `StepSaved` once durable."""
+        """A step of the running turn begins or ends: its record appended
+        (supervisor.core.steps: `StepStart`, `Step`), and `StepSaved` once
+        durable, for an end and for a start the worker waits on."""
+        begun = isinstance(msg, m.StepBegun)
+        # Whether the worker waits on it: an end with a result, a start it asked to be durable.
+        answered = msg.durable if isinstance(msg, m.StepBegun) else not msg.failed
         if msg.turn != session.current_turn or session.committing is not None:
-            if isinstance(msg, m.StepDone):
-                worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n, error="the turn is not running"))
+            if answered:
+                worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n, begun=begun, error="the turn is not running"))
             return
+        problem = step_problem(session.settings, session.current_turn, session.step_bytes, session.steps_flying, msg)
+        rec: StepRecord
         if isinstance(msg, m.StepBegun):
-            session.step_running = msg.key
-            return
-        problem = step_problem(session.settings, session.current_turn, session.steps, session.step_bytes, msg)
+            rec = StepStart(turn=msg.turn, n=msg.n, key=msg.key, kind=msg.kind)
+        else:
+            rec = Step(turn=msg.turn, n=msg.n, key=msg.key, kind=msg.kind, result=msg.result, failed=msg.failed)
         if not problem:
             try:
-                session.store.append(Step(turn=msg.turn, n=msg.n, key=msg.key, kind=msg.kind, result=msg.result),
-                                     durable=False)
+                session.store.append(rec, durable=False)
             except StoreError as exc:
                 problem = f"step {msg.n} not saved: {exc}"
         if problem:
             tagged(log, session.id).warning("%s", problem)
-            worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n, error=problem))
+            worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n, begun=begun, error=problem))
             return
-        session.steps.append(m.StepResult(key=msg.key, result=msg.result))
-        session.step_bytes += step_size(msg.key, msg.result)
-        session.step_running = ""
+        session.step_records += 1
+        session.step_bytes += rec.size
+        if begun:
+            session.steps_flying[msg.n] = msg.key
+        else:
+            session.steps_flying.pop(msg.n, None)
+        if not answered:
+            return  # (a start the worker does not wait on: carried by the next flush)
         self._when_durable(session, lambda err: self._step_saved(session, worker, msg, err))
 
-    def _step_saved(self, session: Session, worker: WorkerProc, msg: m.StepDone, exc: StoreError | None) -> None:
+    def _step_saved(self, session: Session, worker: WorkerProc, msg: m.StepBegun | m.StepDone,
+                    exc: StoreError | None) -> None:
+        begun = isinstance(msg, m.StepBegun)
         if exc is None:
             self._input_durable(session)  # the step's flush covered the input
             if session.worker is worker:
-                worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n))
+                worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n, begun=begun))
                 worker.conn.flush()  # now: the worker may wait on it to run a tool
             return
-        # The store cut back what was not durable: so does the turn.
-        if session.current_turn == msg.turn and len(session.steps) > msg.n:
-            del session.steps[msg.n:]
-            session.step_bytes = sum(step_size(s.key, s.result) for s in session.steps)
+        # The store cut back what was not durable (its byte count stays: the turn fails).
         if isinstance(exc, Fenced):
             self.on_fenced(session, exc)
         elif session.worker is worker:
-            worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n, error=f"step {msg.n} not saved: {exc}"))
+            worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n, begun=begun, error=f"step {msg.n} not saved: {exc}"))
 
     def suspend(self, session: Session, worker: WorkerProc, info: m.ExitInfo, failure: str) -> bool:
         """The running turn's worker died: hold the turn open to resume on
@@ -459,14 +472,14 @@ class TurnLedger:
             return False
         if session.suspended is not None:
             return True  # the restarted worker died before it was resumed
-        if (not resumes_after(session.settings, info) or not (worker.uses_steps or session.steps)
+        if (not resumes_after(session.settings, info) or not (worker.uses_steps or session.step_records)
                 or session.state is State.INTERRUPTING):  # (the client wanted it over)
             return False
         session.suspended = Suspension(
             turn=turn, text=session.current_input, reason=info.reason, cause=cause_of(info, session.settings),
-            failure=failure, running=session.step_running,
+            failure=failure,
         )
-        session.step_running = ""
+        session.steps_flying = {}  # (its steps in flight are in the store: read back at the resume)
         session.pending_asks.clear()
         pending = session.pending_input
         if pending is not None:
@@ -482,8 +495,7 @@ class TurnLedger:
                 or session.state is not State.HIBERNATED):  # (not a stopped or failed one)
             return False
         session.current_turn, session.current_input = open_input.turn, open_input.text
-        session.steps = [m.StepResult(key=s.key, result=s.result) for s in loaded.open_steps]
-        session.step_bytes = sum(step_size(s.key, s.result) for s in session.steps)
+        session.step_records, session.step_bytes = loaded.open_step_records, loaded.open_step_bytes
         session.turn_started = time.monotonic()
         session.suspended = Suspension(
             turn=open_input.turn, text=open_input.text, reason=DAEMON_STOPPED,
@@ -494,36 +506,58 @@ class TurnLedger:
 
     def resume(self, session: Session) -> None:
         """The restarted worker is ready: the suspended turn goes on there,
-        with its steps, as the same turn (clients see one turn)."""
+        as the same turn (clients see one turn), with its steps read back
+        from the store (off the loop); until they are, it is running."""
         held = session.suspended
         worker = session.worker
         if held is None or worker is None:
             return
-        if not (worker.uses_steps or session.steps):
+        if not (worker.uses_steps or session.step_records):
             self.drop_suspended(session, "")  # (a daemon restart: now we know its handler uses none)
             return
+        try:
+            read = session.store.read_steps_soon(held.turn)
+        except StoreError as exc:
+            self.drop_suspended(session, f"its steps could not be read back: {exc}")
+            return
+        session.turn_started = session.last_active = time.monotonic()
+        self._events.set_state(session, Trigger.INPUT,
+                               reason=f"turn {held.turn} resumed after {held.reason}: {held.cause}")
+        read.add_done_callback(lambda f: self.pacer.now_or_later(self._resume_read, session, worker, held, f))
+
+    def _resume_read(self, session: Session, worker: WorkerProc, held: Suspension,
+                     read: asyncio.Future[list[StepRecord]]) -> None:
+        if session.suspended is not held or session.worker is not worker:
+            return  # it died again, or the turn ended, meanwhile: a later resume reads again
+        exc = read.exception() if not read.cancelled() else StoreError("the read was cancelled")
+        if exc is not None:
+            self.drop_suspended(session, f"its steps could not be read back: {exc}")
+            if session.state in (State.RUNNING, State.INTERRUPTING):
+                self._events.set_state(session, Trigger.TURN_END, reason="turn failed")
+            return
         session.suspended = None
-        step = len(session.steps)
-        resumed = m.Resumed(reason=held.reason, cause=held.cause, step=step, running=held.running,
-                            uncertain=held.uncertain, steps=list(session.steps))
+        self.on_turn_started(session, held.turn)  # (its timeout: from now, the input sent)
+        plan = plan_resume(read.result())
+        resumed = plan.resumed(held.reason, held.cause, held.uncertain)
         # (A traced turn's new worker records its spans too.)
         worker.conn.send(self.input_message(session, held.turn, held.text, resumed))
+        if session.state is State.INTERRUPTING:  # asked for while the steps were read
+            worker.conn.send(m.InterruptTurn(turn=held.turn))
         worker.conn.flush()
+        step = plan.step
         self.resumed(session, f"at step {step} after {held.reason}: {held.cause}")
         try:  # for `history`; carried by the next flush (the next step's, the commit's)
             session.store.append(Resume(turn=held.turn, step=step, reason=held.reason, cause=held.cause,
                                         at=time.time()), durable=False)
         except StoreError as exc:
             tagged(log, session.id).warning("the resume of turn %d is not in the log: %s", held.turn, exc)
-        session.turn_started = session.last_active = time.monotonic()
-        self.on_turn_started(session, held.turn)
-        tagged(log, session.id).warning("turn %d resumed at step %d (%s: %s)", held.turn, step, held.reason,
-                                        held.cause)
+        flying = [f.key for f in plan.in_flight]
+        tagged(log, session.id).warning("turn %d resumed at step %d (%s: %s; %d step(s) in flight)", held.turn,
+                                        step, held.reason, held.cause, len(flying))
         self._events.emit(session, m.Notice(
             session=session.id, seq=self._events.next_seq(session), turn=held.turn, kind="turn_resumed",
-            data={"reason": held.reason, "cause": held.cause, "step": step, "running": held.running}))
-        self._events.set_state(session, Trigger.INPUT,
-                               reason=f"turn {held.turn} resumed at step {step} after {held.reason}: {held.cause}")
+            data={"reason": held.reason, "cause": held.cause, "step": step, "running": resumed.running,
+                  "in_flight": flying[:_NOTICE_KEYS]}))
 
     def drop_suspended(self, session: Session, why: str) -> None:
         """A suspended turn that will not resume: it fails as it would have
@@ -559,7 +593,7 @@ class TurnLedger:
             fut.set_result(outcome)
         session.current_turn = None
         session.suspended = None
-        session.steps, session.step_bytes, session.step_running = [], 0, ""
+        session.step_records, session.step_bytes, session.steps_flying = 0, 0, {}
         session.turn_spend = {}
         session.last_turn_secs = time.monotonic() - session.turn_started
         self.metrics.turn_ended(session, outcome[0], outcome[1], session.last_turn_secs)

@@ -101,6 +101,7 @@ ALLOWED: dict[str, Rule] = {
     "provider.retry_backoff_max_ms": _C,
     "tools.enabled": Rule.SUBSET,
     "tools.rerun_after_crash": Rule.SUBSET,  # a tool re-run after a crash may act twice
+    "tools.parallel": Rule.SUBSET,  # tools run at once may race each other
     "tools.bash_timeout_secs": _C,
     "tools.output_limit_bytes": _C,
     "permissions": Rule.RULES,

@@ -14,7 +14,7 @@ each own some of its fields, and only they write them:
                                   prompt_tokens, completion_tokens,
                                   reasoning_tokens, and llm_calls; restored
                                   from the log), turn_spend, committing,
-                                  steps, step_bytes, step_running,
+                                  step_records, step_bytes, steps_flying,
                                   suspended, trace
     WorkerOwner    (workers.py)   worker, last_exit, restarts, policy,
                                   restart_handle, pings
@@ -107,8 +107,7 @@ class Suspension:
     reason: str  # the exit reason, or "daemon_stopped"
     cause: str  # what the handler is told (steps.cause_of)
     failure: str  # the TurnFailed reason if it is not resumed after all
-    running: str = ""  # the step in flight when it died
-    uncertain: bool = False  # (after a daemon restart: the step in flight is unknown)
+    uncertain: bool = False  # (after a daemon restart: whether its steps in flight began is unknown)
 
 
 LIFECYCLE_KEEP = 500
@@ -149,11 +148,13 @@ class Session:
     pending_input: PendingInput | None = None
     # The turn whose Commit is written and waiting for its flush (ledger).
     committing: int | None = None
-    # The running turn's durable steps (ctx.step), their bytes, the key of
-    # the one running now; the turn held open while its worker restarts.
-    steps: list[m.StepResult] = field(default_factory=list)
+    # The running turn's step records (ctx.step: starts and ends; their
+    # results stay in the store), what they count against max_turn_steps_mb,
+    # the steps its worker has begun and not ended (number -> key); the turn
+    # held open while its worker restarts.
+    step_records: int = 0
     step_bytes: int = 0
-    step_running: str = ""
+    steps_flying: dict[int, str] = field(default_factory=dict)
     suspended: Suspension | None = None
     # Permission requests of the running turn awaiting a client's answer.
     pending_asks: set[str] = field(default_factory=set)

@@ -83,9 +83,11 @@ from supervisor.store.state_store import (
     RepairMode,
     RepairResult,
     Snapshot,
+    StepRecord,
     boot_state,
     check_stored_id,
     settled,
+    turn_steps,
 )
 
 __all__ = [
@@ -550,6 +552,13 @@ class SessionStore:
     def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
         # Local files: read here (api/transfer.py reads them in a thread).
         return settled(self.read_history)
+
+    def read_steps_soon(self, turn: int) -> asyncio.Future[list[StepRecord]]:
+        # In a thread (tens of MB); the logs it reads stay meanwhile (a
+        # snapshot comes after a commit, and removes only older logs).
+        path, gens = self.path, range(self._snap_gen, self.gen + 1)
+        return asyncio.ensure_future(asyncio.to_thread(
+            lambda: turn_steps((r for g in gens for _, _, r in _read_scan(path / f"log.{g}").records), turn)))
 
     def close(self) -> None:
         for attr in ("_fd", "_fence_fd"):

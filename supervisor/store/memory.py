@@ -25,8 +25,10 @@ from supervisor.store.state_store import (
     RepairMode,
     RepairResult,
     Snapshot,
+    StepRecord,
     boot_state,
     settled,
+    turn_steps,
 )
 from supervisor.store.files import describe_damage, frame_record, scan_log
 
@@ -127,6 +129,9 @@ class MemoryLog:
 
     def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
         return settled(self.read_history)
+
+    def read_steps_soon(self, turn: int) -> asyncio.Future[list[StepRecord]]:
+        return settled(lambda: turn_steps(self.read_history()[1], turn))
 
     def close(self) -> None:
         self._closed = True

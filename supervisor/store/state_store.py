@@ -8,6 +8,7 @@
     ├── append(record, durable) / sync() / sync_soon() / make_durable(_soon)()
     ├── write_snapshot(snap) / write_snapshot_soon(snap)
     ├── read_for_boot() / read_for_boot_soon() / read_history() / read_history_soon()
+    ├── read_steps_soon(turn)  (a running turn's steps, read back to resume it)
     └── close() / remove() / remove_soon()
 
 Each `*_soon` is its plain twin without blocking the daemon's loop, for
@@ -87,11 +88,15 @@ __all__ = [
     "SessionLog",
     "Snapshot",
     "StateStore",
+    "STEP_OVERHEAD_BYTES",
     "Step",
+    "StepRecord",
+    "StepStart",
     "boot_state",
     "check_stored_id",
     "logged",
     "settled",
+    "turn_steps",
     "StoreDamaged",
     "StoreError",
     "StoreFull",
@@ -150,16 +155,46 @@ class Abort(_Rec, tag="abort"):
     usage: dict[str, int] = {}
 
 
+# What a step's record costs besides its result: counted against
+# max_turn_steps_mb with its key, so that a flood of empty steps (or of
+# starts) is bounded too.
+STEP_OVERHEAD_BYTES = 64
+
+
 class Step(_Rec, tag="step"):
     """A durable step of a running turn (`ctx.step`): what a resumed turn
-    is given back.  Superseded by the turn's Commit or Abort: never read
-    for a turn that has one."""
+    is given back.  `n` is the step's number, the order in which the turn
+    started it; records come in the order steps ended.  Superseded by the
+    turn's Commit or Abort: never read for a turn that has one."""
 
     turn: int
     n: int
     key: str
     kind: str = ""
     result: bytes = b""
+    # It ended without a result (its function raised): a resumed turn runs
+    # it again.  (Read as a result by a daemon older than this field.)
+    failed: bool = False
+
+    @property
+    def size(self) -> int:
+        """What it counts against `max_turn_steps_mb`."""
+        return len(self.result) + len(self.key.encode()) + STEP_OVERHEAD_BYTES
+
+
+class StepStart(_Rec, tag="step_start"):
+    """Step `n` of a running turn began: after a crash, a step that began
+    and has no `Step` was in flight.  (A daemon older than this record
+    reads a log holding it as damaged.)"""
+
+    turn: int
+    n: int
+    key: str
+    kind: str = ""
+
+    @property
+    def size(self) -> int:
+        return len(self.key.encode()) + STEP_OVERHEAD_BYTES
 
 
 class Resume(_Rec, tag="resume"):
@@ -200,7 +235,8 @@ class LifeEvent(_Rec, tag="life"):
 # The last LifeEvents a loaded session (and a snapshot) keeps.
 LIFE_EVENTS_KEPT = 500
 
-Record = Meta | InputRecord | Commit | Abort | Mark | LifeEvent | Step | Resume
+Record = Meta | InputRecord | Commit | Abort | Mark | LifeEvent | Step | StepStart | Resume
+StepRecord = Step | StepStart
 
 
 class Snapshot(msgspec.Struct, kw_only=True):
@@ -226,8 +262,11 @@ class LoadedSession:
     open_input: InputRecord | None = None
     usage: dict[str, int] = field(default_factory=dict)
     lifecycle: list[LifeEvent] = field(default_factory=list)  # oldest first, at most LIFE_EVENTS_KEPT
-    # The durable steps of `open_input`'s turn, in order.
-    open_steps: list[Step] = field(default_factory=list)
+    # The step records (`Step`, `StepStart`) of `open_input`'s turn: how
+    # many, and what they count against max_turn_steps_mb.  Not their
+    # results: a resumed turn reads them back (`SessionLog.read_steps_soon`).
+    open_step_records: int = 0
+    open_step_bytes: int = 0
 
     @classmethod
     def replay(cls, session_id: str, snap: Snapshot | None, records: Iterable[Record]) -> LoadedSession:
@@ -256,10 +295,11 @@ class LoadedSession:
                 self.turns = rec.turn
                 self.seq = max(self.seq, rec.seq)
                 self.open_input = rec
-                self.open_steps = []
-            case Step():
-                if self.open_input is not None and self.open_input.turn == rec.turn and rec.n == len(self.open_steps):
-                    self.open_steps.append(rec)
+                self.open_step_records = self.open_step_bytes = 0
+            case Step() | StepStart():
+                if self.open_input is not None and self.open_input.turn == rec.turn:
+                    self.open_step_records += 1
+                    self.open_step_bytes += rec.size
             case Resume():
                 pass
             case Commit() | Abort():
@@ -267,7 +307,7 @@ class LoadedSession:
                 add_usage(self.usage, rec.usage)
                 if self.open_input is not None and self.open_input.turn == rec.turn:
                     self.open_input = None
-                    self.open_steps = []
+                    self.open_step_records = self.open_step_bytes = 0
             case Mark():
                 self.seq = max(self.seq, rec.seq)
                 self.mark = rec
@@ -286,6 +326,19 @@ def check_stored_id(session_id: str, meta: Meta) -> None:
 def add_usage(total: dict[str, int], more: dict[str, int]) -> None:
     for key, value in more.items():
         total[key] = total.get(key, 0) + value
+
+
+def turn_steps(records: Iterable[Record], turn: int) -> list[StepRecord]:
+    """The step records of the open turn `turn` among `records` (a log read
+    back), in the order they were appended; none once it has ended."""
+    steps: list[StepRecord] = []
+    for rec in records:
+        match rec:
+            case Step() | StepStart() if rec.turn == turn:
+                steps.append(rec)
+            case InputRecord() | Commit() | Abort() if rec.turn == turn:
+                steps = []
+    return steps
 
 
 def boot_state(snapshot: Snapshot | None, records: list[Record]) -> tuple[bytes, list[bytes], int]:
@@ -370,6 +423,12 @@ class SessionLog(Protocol):
     def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
         """`read_history` without blocking the loop (history, export): a
         store across a network reads it on a connection of its own."""
+        ...
+
+    def read_steps_soon(self, turn: int) -> asyncio.Future[list[StepRecord]]:
+        """The step records of the open turn `turn`, as appended so far
+        (`turn_steps`), read without blocking the loop: the daemon keeps
+        no step's result in memory, and reads them back to resume a turn."""
         ...
 
     def close(self) -> None: ...
@@ -486,6 +545,9 @@ class DamagedLog:
         raise self._refuse()
 
     def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
+        raise self._refuse()
+
+    def read_steps_soon(self, turn: int) -> asyncio.Future[list[StepRecord]]:
         raise self._refuse()
 
     def close(self) -> None:

@@ -91,9 +91,11 @@ from supervisor.store.state_store import (
     RepairMode,
     RepairResult,
     Snapshot,
+    StepRecord,
     boot_state,
     logged,
     settled,
+    turn_steps,
 )
 from supervisor.store.files import frame_record
 
@@ -437,6 +439,15 @@ class PgSessionLog:
         if self._store.reader is None:
             return settled(self.read_history)
         return asyncio.ensure_future(self._history_soon())
+
+    def read_steps_soon(self, turn: int) -> asyncio.Future[list[StepRecord]]:
+        """As history: on the reader thread, after the writes in flight."""
+        if self._store.reader is None:
+            return settled(lambda: turn_steps(self.read_history()[1], turn))
+        return asyncio.ensure_future(self._steps_soon(turn))
+
+    async def _steps_soon(self, turn: int) -> list[StepRecord]:
+        return turn_steps((await self._history_soon())[1], turn)
 
     # ---------------------------------------------------------------- the end
 
