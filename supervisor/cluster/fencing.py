@@ -111,6 +111,9 @@ class UnheldLog:
         # Rare (another daemon's session): read as `read_history` does.
         return settled(self.read_history)
 
+    def at_rest(self, rest: bool) -> None:
+        pass  # the holder's files are not this daemon's
+
     def close(self) -> None:
         pass
 

@@ -217,6 +217,10 @@ class SessionStore:
         self._size = self._synced = self._opened = 0
         self._log_path = path / f"log.{gen}"
         self._snapshotting = False
+        # At rest (at_rest()): its files are closed (released) once all is
+        # durable, and opened again by the next write; closed: for good.
+        # A loaded session starts at rest: it has no worker yet.
+        self._rest = self._released = self._closed = False
         self._fence_fd, self._generation = fence if fence is not None else _take_fence(path, sync=not new)
         try:
             self._open_log()
@@ -231,12 +235,24 @@ class SessionStore:
 
     # ---------------------------------------------------------------- fencing
 
-    def _check_fence(self) -> None:
+    def _check_fence(self, writing: bool = True) -> None:
+        """Fenced if another writer took the session.  Before a write (the
+        default) a session at rest has its files opened again; otherwise
+        its fence is read without keeping it."""
+        if self._closed:
+            raise StoreError(f"session {self.path.name}: this writer was closed")
+        if self._released and writing:
+            self._reopen()
         # One pread of 8 bytes from a kept-open file: about a microsecond
         # (bench in tests/test_store_contract.py), against an fsync's ms.
-        if self._fence_fd < 0:
-            raise StoreError(f"session {self.path.name}: this writer was closed")
-        raw = os.pread(self._fence_fd, _FENCE.size, 0)
+        if self._released:
+            try:
+                with open(self.path / "fence", "rb") as f:
+                    raw = f.read(_FENCE.size)
+            except OSError as exc:
+                raise _write_error(f"{self.path.name}/fence", exc) from exc
+        else:
+            raw = os.pread(self._fence_fd, _FENCE.size, 0)
         current = _FENCE.unpack(raw)[0] if len(raw) == _FENCE.size else 0
         if current != self._generation:
             raise Fenced(self.path.name, self._generation, current)
@@ -375,7 +391,9 @@ class SessionStore:
             if g < base:
                 (path / f"log.{g}").unlink(missing_ok=True)
         snap_gen = snap.gen if snap is not None else 0
-        return cls(path, plan.gens[-1], snap_gen, base, fence, journal), loaded
+        store = cls(path, plan.gens[-1], snap_gen, base, fence, journal)
+        store.at_rest(True)  # no worker yet: its files close until it is written to
+        return store, loaded
 
     # ---------------------------------------------------------------- writing
 
@@ -404,6 +422,7 @@ class SessionStore:
             # Cut back what may have landed, so the log ends on a whole record.
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, offset)
+            self._maybe_release()
             if isinstance(exc, StoreError):
                 raise
             raise _full_error(f"{self.path.name}/log.{self.gen}", exc, self._journal) from exc
@@ -412,6 +431,7 @@ class SessionStore:
             if self._journal is not None:
                 self._journal.sync_now()
             self._synced = self._size
+            self._maybe_release()
 
     def sync(self) -> None:
         """Make every append so far durable; on failure the unsynced tail
@@ -429,6 +449,7 @@ class SessionStore:
                 raise
             raise _write_error(f"{self.path.name}/log.{self.gen}", exc) from exc
         self._synced = self._size
+        self._maybe_release()
 
     def sync_soon(self) -> asyncio.Future[None]:
         """Every append so far durable, without blocking the loop: the
@@ -446,7 +467,7 @@ class SessionStore:
             return fut
         if self._size == self._synced:
             # Else the appends being synced were fence-checked a moment ago.
-            self._check_fence()
+            self._check_fence(writing=False)
         return self._journal.sync_soon()
 
     # The journal's side (supervisor.store.journal.Tail), on the loop.
@@ -454,6 +475,7 @@ class SessionStore:
     def mark_synced(self, log_gen: int, size: int) -> None:
         if log_gen == self.gen and self._synced < size <= self._size:
             self._synced = size
+            self._maybe_release()
 
     def discard_unsynced(self) -> None:
         if self._fd < 0 or self._size == self._synced:
@@ -509,6 +531,7 @@ class SessionStore:
 
     def _snapshot_done(self, snap_gen: int, new_base: int, err: OSError | None) -> None:
         self._snapshotting = False
+        self._maybe_release()
         if err is not None:
             tagged(log, self.path.name).warning("%s (the log still holds every turn)",
                                                 _full_error(f"the snapshot of {self.path.name}", err, self._journal))
@@ -551,12 +574,51 @@ class SessionStore:
         # Local files: read here (api/transfer.py reads them in a thread).
         return settled(self.read_history)
 
-    def close(self) -> None:
+    # ---------------------------------------------------------------- files held
+
+    def at_rest(self, rest: bool) -> None:
+        """The session has no worker (hibernated, stopped, failed: how every
+        loaded session starts) or has one again.  At rest its files are
+        closed whenever every append is durable, and opened again by the
+        next write (fenced as ever: a generation another writer took
+        meanwhile is found then), so that a session at rest holds no fd of
+        the daemon's, whatever the count of sessions."""
+        self._rest = rest
+        self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        # Not while an append waits for its group commit (the journal
+        # cuts it back through this fd on failure) or a snapshot is made.
+        if (self._rest and not self._closed and not self._released and self._size == self._synced
+                and not self._snapshotting):
+            self._close_files()
+            self._released = True
+
+    def _reopen(self) -> None:
+        try:
+            fd = os.open(self.path / "fence", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _write_error(f"{self.path.name}/fence", exc) from exc
+        self._fence_fd, self._released = fd, False
+        opened = self._opened  # (what this writer found in the log: tests' crashes cut back to it)
+        try:
+            self._open_log()
+            self._opened = opened
+        except BaseException:
+            self._close_files()
+            self._released = True
+            raise
+
+    def _close_files(self) -> None:
         for attr in ("_fd", "_fence_fd"):
             fd = getattr(self, attr)
             if fd >= 0:
                 os.close(fd)
                 setattr(self, attr, -1)
+
+    def close(self) -> None:
+        self._close_files()
+        self._closed = True
 
     def remove(self) -> None:
         if self._journal is not None:

@@ -128,6 +128,9 @@ class MemoryLog:
     def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
         return settled(self.read_history)
 
+    def at_rest(self, rest: bool) -> None:
+        pass  # nothing is held open
+
     def close(self) -> None:
         self._closed = True
 

@@ -372,6 +372,15 @@ class SessionLog(Protocol):
         store across a network reads it on a connection of its own."""
         ...
 
+    def at_rest(self, rest: bool) -> None:
+        """The session has no worker (hibernated, stopped, failed), or has
+        one again.  At rest a handle holds nothing open that the next write
+        cannot take again (a file store closes its files once every append
+        is durable), so that resting sessions cost the daemon no fd.  A
+        handle `load` returns starts at rest.  A no-op where a handle holds
+        nothing per session."""
+        ...
+
     def close(self) -> None: ...
 
     def remove(self) -> None: ...
@@ -487,6 +496,9 @@ class DamagedLog:
 
     def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
         raise self._refuse()
+
+    def at_rest(self, rest: bool) -> None:
+        pass  # a damaged session's handle holds nothing open
 
     def close(self) -> None:
         pass
