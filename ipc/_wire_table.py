@@ -32,6 +32,7 @@ STRUCTS: dict[str, tuple[tuple[str, str, object], ...]] = {
     'sessions': (
         ('id', 'int', REQUIRED),
         ('sessions', 'list[session]', REQUIRED),
+        ('next', 'str', ''),
     ),
     'session': (
         ('id', 'str', REQUIRED),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["BTRFS_SUBVOLUME_IOCTLS", "EXIT_BOOT_FAILED", "ExitReason", "LimitKind", "SESSION_STATES", "StopReason", "INCOMPLETE_STOPS",
+__all__ = ["BTRFS_SUBVOLUME_IOCTLS", "EXIT_BOOT_FAILED", "ExitReason", "LimitKind", "LIST_PAGE_MAX", "SESSION_STATES", "StopReason", "INCOMPLETE_STOPS",
            "limit_text"]
 
 # Like gunicorn's WORKER_BOOT_ERROR: a worker that cannot boot exits with
@@ -98,6 +98,10 @@ def limit_text(kind: str, value: float, limit: float, ceiling: str = "", unit: s
 # this list): what `ls --state` and the bulk commands' `--state` accept.
 SESSION_STATES = ("starting", "idle", "running", "interrupting", "stopping", "stopped", "crashed",
                   "restarting", "failed", "hibernated", "deleted", "damaged")
+
+# The most sessions one page of `ls` holds (List.limit): the daemon refuses
+# more, sessionctl's --limit says so first.
+LIST_PAGE_MAX = 10_000
 
 
 class StopReason(enum.StrEnum):

@@ -160,7 +160,19 @@ class Status(_Msg, tag="status"):
 
 
 class List(_Msg, tag="ls"):
+    """The sessions the client may see, selected by the daemon: each list
+    non-empty keeps only the sessions matching one of its values (all the
+    lists must match).  `limit` > 0 asks for one page: at most that many
+    sessions, ordered by id, those after `after` (an id; "" = from the
+    first); `SessionList.next` then says where the next page starts.  With
+    neither, every matching session, in the daemon's order."""
+
     id: int
+    states: list[str] = []
+    owners: list[int] = []
+    handlers: list[str] = []
+    limit: int = 0
+    after: str = ""
 
 
 class Stats(_Msg, tag="stats"):
@@ -294,6 +306,9 @@ class StatusReply(_Msg, tag="status"):
 class SessionList(_Msg, tag="sessions"):
     id: int
     sessions: list[SessionInfo]
+    # A page (List.limit) with more after it: the `after` of the next
+    # request.  "" = nothing more.
+    next: str = ""
 
 
 class StatsReply(_Msg, tag="stats"):

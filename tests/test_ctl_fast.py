@@ -174,12 +174,19 @@ _ACCEPTED = [
     ["--socket", "/x.sock", "ls"], ["--socket=/x.sock", "status", "abc"], ["status", "abc", "--json"],
     ["ping"], ["ping", "abc"], ["--json", "ping", "--socket", "/y", "abc"], ["stats"],
     ["--socket", "/a", "stats", "--socket", "/b"], ["status", ""],
+    ["ls", "--state", "idle", "--owner", "1000", "--owner", "7", "--handler", "echo", "--json"],
+    ["ls", "--limit", "2", "--after", "abc", "-q"], ["ls", "--limit", "10000"], ["ls", "--state", "damaged"],
+    ["ls", "--handler", "pkg.mod:make"], ["ls", "--owner", "4294967295"],
 ]
 _REJECTED = [
     [], ["--help"], ["ls", "--help"], ["--version"], ["--js", "ls"], ["-q", "ls"], ["ls", "x"],
     ["status"], ["status", "a", "b"], ["ping", "a", "b"], ["status", "-1"], ["status", "--", "x"],
     ["create"], ["send", "a", "b"], ["top", "--once"], ["--socket", "ls"], ["--socket", "-x", "ls"],
     ["stats", "-q"], ["ls", "-qq"], ["nosuchcommand"],
+    ["ls", "--state", "bogus"], ["ls", "--limit", "0"], ["ls", "--limit", "10001"], ["ls", "--limit", "+3"],
+    ["ls", "--limit", " 3"], ["ls", "--owner", "-1"], ["ls", "--owner", "4294967296"], ["ls", "--after", "-x"],
+    ["ls", "--after", "bad/id"], ["ls", "--after", "_x"], ["status", "x", "--limit", "3"], ["ls", "--limit"],
+    ["ls", "--state=idle"], ["ls", "--sort", "id"],
 ]
 
 
@@ -191,6 +198,12 @@ def test_a_command_line_it_takes_reads_as_argparse_reads_it(argv: list[str]) -> 
     full = ctl._parser().parse_args(argv)
     assert (fast.command, fast.as_json, fast.socket, fast.quiet, fast.id) == (
         full.command, full.json, full.socket, getattr(full, "quiet", False), getattr(full, "id", None))
+    # ls's selection and page, as the List request's fields.
+    chosen = {"states": getattr(full, "states", []), "owners": getattr(full, "owners", []),
+              "handlers": getattr(full, "handlers", []), "limit": getattr(full, "limit", None),
+              "after": getattr(full, "after", None)}
+    asked = {k: v for k, v in chosen.items() if v}
+    assert fast.select == asked
 
 
 @pytest.mark.pure
@@ -319,6 +332,17 @@ def test_each_command_prints_what_the_full_path_prints(daemon: Daemon) -> None:
         assert _same([*sock, *argv], mask=rss), argv
     listed = json.loads(_same([*sock, "--json", "ls"], mask=rss))
     assert [s["id"] for s in listed["sessions"]] == ["parent", "stopped"]
+    # Selected and paged by the daemon: the same words on both paths.
+    for argv in (["ls", "--state", "stopped"], ["--json", "ls", "--handler", "echo", "--owner", "0"],
+                 ["ls", "--limit", "1"], ["--json", "ls", "--limit", "1"], ["ls", "-q", "--limit", "1"],
+                 ["ls", "--limit", "1", "--after", "parent"], ["--json", "ls", "--state", "deleted"]):
+        assert _same([*sock, *argv], mask=rss), argv
+    page = json.loads(_same([*sock, "--json", "ls", "--limit", "1"], mask=rss))
+    assert [s["id"] for s in page["sessions"]] == ["parent"] and page["next"] == "parent"
+    rest = json.loads(_same([*sock, "--json", "ls", "--limit", "1", "--after", "parent"], mask=rss))
+    assert [s["id"] for s in rest["sessions"]] == ["stopped"] and "next" not in rest
+    assert _run([*sock, "ls", "--limit", "1"], True).stderr == "(more: sessionctl ls --limit 1 --after parent)\n"
+    assert _same([*sock, "--json", "ls", "--state", "stopped"], mask=rss).count('"id"') == 1
     assert listed["sessions"][1]["last_exit"]["reason"] == "stopped"
     # Round-trip times and the uptime differ from run to run, nothing else.
     rtt = r"\d+\.\d+ ms|\"rtt_ms\": [\d.e-]+"

@@ -145,6 +145,47 @@ def test_a_worker_dying_in_a_database_outage_stalls_nothing_and_kills_no_healthy
         assert c.send_text(crasher, "b") == "2: b"
 
 
+@pytest.mark.process
+def test_turns_that_end_during_a_database_outage_kill_no_worker(
+    make_daemon, pg_server: PgServer, dsn: str  # noqa: F811
+) -> None:
+    """Once a worker sends Done its turn is over for it, and it beats 30x
+    more slowly; the daemon judged it at the running pace until the
+    commit's flush came back, so every turn that ended while the database
+    answered nothing cost its worker (killed_heartbeat, 13-20 workers per
+    8 s freeze in a chaos run, issue 32)."""
+    d: Daemon = make_daemon(pg_config(dsn))
+    with d.client() as c:
+        sids = [c.create(handler="echo").id for _ in range(3)]
+    postmaster = psutil.Process(int((pg_server.data / "postmaster.pid").read_text().split()[0]))
+    replies: dict[str, object] = {}
+    threads: list[threading.Thread] = []
+
+    def turns_in_the_outage() -> None:
+        def run(sid: str) -> None:
+            try:
+                with d.client() as c:
+                    replies[sid] = c.send_text(sid, "in the outage")
+            except Exception as exc:  # noqa: BLE001 (handed to the test's thread)
+                replies[sid] = exc
+
+        threads.extend(threading.Thread(target=run, args=(sid,)) for sid in sids)
+        for t in threads:
+            t.start()
+        with d.client() as c:  # the echo turns are done, their commits wait for the database
+            wait_for(lambda: all(c.status(s).state == "running" for s in sids), 10, "the turns")
+
+    _hold([postmaster, *postmaster.children()], turns_in_the_outage)
+    for t in threads:
+        t.join(60)
+    assert all(replies.get(s) == "1: in the outage" for s in sids), replies
+    with d.client() as c:
+        for sid in sids:
+            st = c.status(sid)
+            assert st.state == "idle" and st.restarts == 0 and st.last_exit is None, (sid, st.last_exit)
+    assert "killed_heartbeat" not in d.log
+
+
 @pytest.mark.component
 def test_the_sweep_discounts_a_stall_of_its_own_loop(tmp_path) -> None:
     """In-process (the core over the in-process spawner): a healthy worker

@@ -10,6 +10,7 @@ adding an adapter to ADAPTERS: the tests themselves stay as they are.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import time
@@ -93,7 +94,7 @@ class FileAdapter(Adapter):
         journal = self.file_store._journal
         synced = journal.synced_bytes if journal is not None else 0
         for h in self.handles:
-            if h._fd >= 0:
+            if h._fd >= 0 or h._released:
                 with open(h.path / f"log.{h.gen}", "r+b") as f:
                     f.truncate(h._opened if journal is not None else h._synced)
             h.close()
@@ -355,6 +356,67 @@ def test_an_older_writer_is_fenced_off(ad: Adapter) -> None:
     assert h3.read_for_boot()[1] == [b"\x01", b"\x02"] and loaded.seq == 3
     with pytest.raises(Fenced):
         h2.append(commit(3, b"\xff", 4), durable=True)
+
+
+def test_a_handle_at_rest_writes_and_is_fenced_as_ever(ad: Adapter) -> None:
+    h = ad.store.create(meta())
+    h.append(commit(1, b"\x01", 1), durable=True)
+    h.at_rest(True)
+    h.append(commit(2, b"\x02", 2), durable=False)
+    h.sync()
+    h.at_rest(True)
+    h2, loaded = ad.store.load("s1")  # another writer; a loaded handle starts at rest
+    assert loaded.seq == 2
+    with pytest.raises(Fenced):
+        h.append(commit(3, b"\xff", 3), durable=True)
+    with pytest.raises(Fenced):
+        h.sync()
+    h2.append(commit(3, b"\x03", 3), durable=True)
+    h2.at_rest(False)
+    h2.append(commit(4, b"\x04", 4), durable=True)
+    h2.write_snapshot(Snapshot(gen=0, meta=meta(), turns=4, seq=4, handler_state=b"S"))
+    h2.at_rest(True)
+    h2.append(commit(5, b"\x05", 5), durable=True)
+    h2.close()
+    h3, loaded = ad.store.load("s1")
+    assert loaded.seq == 5 and h3.read_for_boot() == (b"S", [b"\x05"], 5)
+
+
+def _fds_into(path: Path) -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(f"{path}/")
+    return n
+
+
+def test_a_file_session_at_rest_holds_no_fd(tmp_path: Path) -> None:
+    store = FileStateStore(tmp_path)
+    try:
+        h = store.create(meta())
+        h.append(commit(1, b"\x01", 1), durable=True)
+        assert _fds_into(tmp_path / "s1") == 2  # its fence and its log
+        h.at_rest(True)
+        assert _fds_into(tmp_path / "s1") == 0
+        h.append(commit(2, b"\x02", 2), durable=False)
+        assert _fds_into(tmp_path / "s1") == 2  # held while the append waits for its group commit
+        asyncio.run(_synced(h))
+        assert _fds_into(tmp_path / "s1") == 0
+        h.at_rest(False)
+        h.append(commit(3, b"\x03", 3), durable=True)
+        assert _fds_into(tmp_path / "s1") == 2  # a session with a worker keeps them
+        h2, _ = store.load("s1")
+        assert _fds_into(tmp_path / "s1") == 2  # h's; the loaded one holds none
+        h.close()
+        assert _fds_into(tmp_path / "s1") == 0
+        h2.append(commit(4, b"\x04", 4), durable=True)
+        assert _fds_into(tmp_path / "s1") == 0 and store.load("s1")[1].seq == 4
+    finally:
+        store.close()
+
+
+async def _synced(h: SessionLog) -> None:
+    await h.sync_soon()
 
 
 def test_remove_and_list(ad: Adapter) -> None:

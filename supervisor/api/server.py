@@ -49,7 +49,7 @@ from ipc import operator as op
 from ipc.connection import FramedProtocol, SharedBudget
 from ipc.errors import FrameTimeout, FrameTooLarge, OverBudget, ProtocolError
 from supervisor import __version__
-from supervisor.api import peer, transfer
+from supervisor.api import listing, peer, transfer
 from supervisor.api.accept import Acceptor
 from supervisor.errors import BadRequest, Conflict, PermissionDenied, SessiondError
 from supervisor.core.manager import SessionManager
@@ -371,7 +371,8 @@ class ClientConn:
             case m.Status(id=rid, session=sid):
                 return m.StatusReply(id=rid, session=mgr.info(mgr.get(sid, self.uid)))
             case m.List(id=rid):
-                return m.SessionList(id=rid, sessions=[mgr.info(s) for s in mgr.visible(self.uid)])
+                chosen, after = listing.select(mgr.visible(self.uid), msg)
+                return m.SessionList(id=rid, sessions=[mgr.info(s) for s in chosen], next=after)
             case m.Stats(id=rid):
                 return self.server.stats(rid, self.uid)
             case op.Top(id=rid):

@@ -115,6 +115,9 @@ class UnheldLog:
     def read_steps_soon(self, turn: int) -> asyncio.Future[list[StepRecord]]:
         raise NotHeld(self._id)  # (no turn of it runs here)
 
+    def at_rest(self, rest: bool) -> None:
+        pass  # the holder's files are not this daemon's
+
     def close(self) -> None:
         pass
 

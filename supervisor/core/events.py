@@ -30,7 +30,7 @@ from supervisor.errors import Conflict
 from supervisor.ops.logtag import tagged
 from supervisor.core.session import LIFECYCLE_KEEP, Session, Subscriber
 from supervisor.ops.tracing import NO_TRACER, Tracer
-from supervisor.core.states import State, Trigger, transition
+from supervisor.core.states import AT_REST, State, Trigger, transition
 from supervisor.store.state_store import LIFE_EVENTS_KEPT, LifeEvent, Mark, StoreError
 
 __all__ = ["EventLog"]
@@ -233,6 +233,10 @@ class EventLog:
         old = session.state
         new = transition(old, trigger)
         session.state = new
+        if (new in AT_REST) != (old in AT_REST):
+            # A session without a worker holds no files open (a loaded
+            # one starts so); its next write takes them again.
+            session.store.at_rest(new in AT_REST)
         self._tracer.state_changed(session.id, old, new, reason, session.trace)
         self.emit(  # (logged there, with the session's fields)
             session,

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from supervisor.errors import InvalidTransition
 
 __all__ = [
+    "AT_REST",
     "InvalidTransition",
     "RestartDecision",
     "RestartPolicy",
@@ -73,6 +74,9 @@ S, T = State, Trigger
 
 # States in which a worker process exists (or is being made).
 LIVE = frozenset({S.STARTING, S.IDLE, S.RUNNING, S.INTERRUPTING})
+# States a session rests in, with no worker and none on its way (the
+# store's handle then holds no files open: SessionLog.at_rest).
+AT_REST = frozenset({S.HIBERNATED, S.STOPPED, S.FAILED})
 
 TRANSITIONS: dict[tuple[State, Trigger], State] = {
     (S.HIBERNATED, T.SPAWN): S.STARTING,

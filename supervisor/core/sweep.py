@@ -414,8 +414,12 @@ class Sweeper:
 
     def _check_liveness(self, session: Session, worker: WorkerProc, now: float) -> None:
         hb = session.settings.agent.worker.heartbeat_interval_secs
-        if session.current_turn is None:
-            hb *= IDLE_HEARTBEAT_FACTOR  # the worker beats more slowly too
+        if session.current_turn is None or session.committing == session.current_turn:
+            # The worker beats more slowly too once its turn is over, which
+            # for it is when it sent Done: a commit waiting on a slow store
+            # (a delayed flush, a frozen PostgreSQL) is judged by the
+            # worker's pace, not by the store's latency.
+            hb *= IDLE_HEARTBEAT_FACTOR
         if heartbeat_overdue(now, worker.last_heartbeat, hb, worker.booted):
             silent = now - worker.last_heartbeat
             self._events.emit_limit(session, LimitKind.HEARTBEAT, silent, HEARTBEATS_MISSED * hb)

@@ -96,7 +96,10 @@ class Outcome:
 
 
 async def run_bulk(client: AsyncClient, action: str, selector: Selector, dry_run: bool, as_json: bool) -> int:
-    chosen = select(await client.list(), selector)
+    # Selected by the daemon, and again here (a daemon older than
+    # server-side selection answers every session).
+    listed = await client.list(states=selector.states, owners=selector.owners, handlers=selector.handlers)
+    chosen = select(listed, selector)
     outcome = Outcome()
     todo = []
     for s in chosen:

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from ipc import messages as m
-from ipc.contract import SESSION_STATES
+from ipc.contract import LIST_PAGE_MAX, SESSION_STATES
 from ipc.loop import run as run_loop
 from ipc.traceparent import parse_traceparent
 from supervisor import __version__
@@ -92,6 +92,15 @@ _port_number = _number(int, 0, 65535, "a port number", "must be a port number (0
 _uid = _number(int, 0, 2**32 - 1, "a numeric uid", "not a uid: {value}")
 _count = _number(int, 0, 2**63 - 1, "a whole number", "must be 0 or more, got {value}")
 _positive_secs = _number(float, 0.05, 3600.0, "seconds", "must be between 0.05 and 3600, got {text}")
+_page_size = _number(int, 1, LIST_PAGE_MAX, "a whole number", f"must be 1 to {LIST_PAGE_MAX}, got {{value}}")
+
+
+def _session_id(text: str) -> str:
+    from ipc.inputs import valid_session_id
+
+    if not valid_session_id(text):
+        raise argparse.ArgumentTypeError(f"not a session id: {text!r}")
+    return text
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -132,6 +141,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_selection(p)
     p.add_argument("--sort", choices=SORT_KEYS, metavar="KEY",
                    help=f"order by KEY: {', '.join(SORT_KEYS)} (figures largest first)")
+    p.add_argument("--limit", type=_page_size, metavar="N",
+                   help=f"one page: at most N sessions (1-{LIST_PAGE_MAX}), ordered by id; the next page's "
+                        "--after is printed on stderr (with --json: as \"next\")")
+    p.add_argument("--after", type=_session_id, metavar="ID",
+                   help="only sessions whose id sorts after ID (the page after the one that ended there)")
     add("status", "show one session").add_argument("id")
     for name, help_text in (
         ("interrupt", "interrupt the running turn"), ("stop", "stop a session's worker"),
@@ -282,18 +296,26 @@ async def _attach(client: AsyncClient, args: argparse.Namespace, as_json: bool) 
 async def _ls(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
     from supervisor.ctl.bulk import Selector, select, sort_sessions
 
-    sessions = select(await client.list(), Selector(args.states, args.owners, args.handlers))
+    selector = Selector(args.states, args.owners, args.handlers)
+    # The daemon selects; selecting again here keeps the answer right from
+    # a daemon older than server-side selection.
+    listed, after = await client.list_page(states=selector.states, owners=selector.owners,
+                                           handlers=selector.handlers, limit=args.limit or 0,
+                                           after=args.after or "")
+    sessions = select(listed, selector)
     if args.sort:
         sessions = sort_sessions(sessions, args.sort, time.time())
     if args.quiet:
         for s in sessions:
             print(s.id)
     elif as_json:
-        print(json.dumps({"sessions": to_plain(sessions)}))
+        print(json.dumps({"sessions": to_plain(sessions), **({"next": after} if after else {})}))
     elif sessions:
         print_table(to_plain(sessions))
     else:
         print("no sessions")
+    if after and not as_json:
+        print(f"(more: sessionctl ls --limit {args.limit} --after {after})", file=sys.stderr)
     return EXIT_OK
 
 

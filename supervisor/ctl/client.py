@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -69,6 +69,10 @@ def _reply_decoder() -> msgspec.msgpack.Decoder[op.AnyReply]:
 
 
 _END = object()
+
+
+# One page of a listing: the sessions, and where the next page starts ("": none).
+Page = tuple[list[SessionInfo], str]
 
 
 class AsyncClient:
@@ -297,9 +301,23 @@ class AsyncClient:
         reply = await self._request(m.Status(id=self._next_id(), session=session), m.StatusReply)
         return reply.session
 
-    async def list(self) -> list[SessionInfo]:
-        reply = await self._request(m.List(id=self._next_id()), m.SessionList)
-        return reply.sessions
+    async def list(self, *, states: Sequence[str] = (), owners: Sequence[int] = (),
+                   handlers: Sequence[str] = ()) -> list[SessionInfo]:
+        """The sessions this client may see; each sequence non-empty keeps
+        only those matching one of its values (selected by the daemon)."""
+        sessions, _ = await self.list_page(states=states, owners=owners, handlers=handlers)
+        return sessions
+
+    async def list_page(self, *, states: Sequence[str] = (), owners: Sequence[int] = (),
+                        handlers: Sequence[str] = (), limit: int = 0,
+                        after: str = "") -> Page:
+        """One page of `list`: at most `limit` sessions (0: all), ordered
+        by id, those after `after`; and the `after` of the next page ("":
+        none).  A daemon older than pages answers every session at once."""
+        reply = await self._request(m.List(id=self._next_id(), states=list(states), owners=list(owners),
+                                           handlers=list(handlers), limit=limit, after=after),
+                                    m.SessionList)
+        return reply.sessions, reply.next
 
     async def stats(self) -> StatsReply:
         return await self._request(m.Stats(id=self._next_id()), m.StatsReply)
@@ -422,8 +440,17 @@ class Client:
         result: SessionInfo = self._run(self._client.status(session))
         return result
 
-    def list(self) -> list[SessionInfo]:
-        result: list[SessionInfo] = self._run(self._client.list())
+    def list(self, *, states: Sequence[str] = (), owners: Sequence[int] = (),
+             handlers: Sequence[str] = ()) -> list[SessionInfo]:
+        result: list[SessionInfo] = self._run(self._client.list(states=states, owners=owners,
+                                                                handlers=handlers))
+        return result
+
+    def list_page(self, *, states: Sequence[str] = (), owners: Sequence[int] = (),
+                  handlers: Sequence[str] = (), limit: int = 0,
+                  after: str = "") -> Page:
+        result: Page = self._run(self._client.list_page(
+            states=states, owners=owners, handlers=handlers, limit=limit, after=after))
         return result
 
     def stats(self) -> StatsReply:

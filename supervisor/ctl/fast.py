@@ -40,6 +40,8 @@ from ipc.paths import default_socket_text, socket_trust_problem
 from supervisor.ctl.errors import DaemonUnavailable as _Unavailable
 from supervisor.ctl.errors import RequestError as _Refused
 from supervisor.ctl.errors import Unsure as _Unsure
+from supervisor.ctl.jsontext import json_text, python_json_text
+from ipc.contract import LIST_PAGE_MAX, SESSION_STATES
 from supervisor.ctl.link import CONNECT_TIMEOUT_SECS, MAX_REPLY_FRAME_BYTES
 # (EXIT_UNREACHABLE and exit_code_for are render's, re-exported: both paths exit alike)
 from supervisor.ctl.render import (
@@ -75,15 +77,42 @@ _COMMANDS = {"ls": (0, 0), "status": (1, 1), "ping": (0, 1), "stats": (0, 0)}
 
 
 class _Args:
-    __slots__ = ("command", "as_json", "socket", "quiet", "id")
+    __slots__ = ("command", "as_json", "socket", "quiet", "id", "select")
 
     def __init__(self, command: str, as_json: bool, socket: str | None, quiet: bool,
-                 id: str | None) -> None:
+                 id: str | None, select: dict[str, Any]) -> None:
         self.command = command
         self.as_json = as_json
         self.socket = socket
         self.quiet = quiet
         self.id = id
+        # ls's selection and page, as the List request's fields.
+        self.select = select
+
+
+# ls's options with a value, as supervisor.ctl.cli defines them: the List
+# field each fills, and whether it repeats.
+_LS_OPTIONS = {"--state": ("states", True), "--owner": ("owners", True), "--handler": ("handlers", True),
+               "--limit": ("limit", False), "--after": ("after", False)}
+_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+
+
+def _ls_value(option: str, text: str) -> object:
+    """The value argparse would take for ls's `option`, or None where it
+    would refuse it, or read it otherwise (left to the full path)."""
+    if option == "--state":
+        return text if text in SESSION_STATES else None
+    if option == "--handler":
+        return text
+    if option == "--after":
+        ok = 0 < len(text) <= 64 and text[0].isascii() and text[0].isalnum() and _ID_CHARS.issuperset(text)
+        return text if ok else None
+    if not (text.isascii() and text.isdigit()) or len(text) > 10:
+        return None  # a sign, spaces, underscores: argparse's int() reads them; let it
+    number = int(text)
+    if option == "--owner":
+        return number if number <= 2**32 - 1 else None
+    return number if 1 <= number <= LIST_PAGE_MAX else None  # --limit
 
 
 def _parse(argv: list[str]) -> _Args | None:
@@ -93,6 +122,7 @@ def _parse(argv: list[str]) -> _Args | None:
     as_json = quiet = False
     socket: str | None = None
     positional: list[str] = []
+    select: dict[str, Any] = {}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -106,6 +136,16 @@ def _parse(argv: list[str]) -> _Args | None:
             socket = arg[len("--socket="):]
         elif arg in ("-q", "--quiet") and command == "ls":
             quiet = True
+        elif arg in _LS_OPTIONS and command == "ls" and i < len(argv) and not argv[i].startswith("-"):
+            field, repeats = _LS_OPTIONS[arg]
+            value = _ls_value(arg, argv[i])
+            i += 1
+            if value is None:
+                return None
+            if repeats:
+                select.setdefault(field, []).append(value)
+            else:
+                select[field] = value
         elif arg.startswith("-"):
             return None  # --help, --version, another flag, a negative number, "--"...
         elif command is None:
@@ -119,7 +159,7 @@ def _parse(argv: list[str]) -> _Args | None:
     fewest, most = _COMMANDS[command]
     if not fewest <= len(positional) <= most:
         return None
-    return _Args(command, as_json, socket, quiet, positional[0] if positional else None)
+    return _Args(command, as_json, socket, quiet, positional[0] if positional else None, select)
 
 
 def _socket_path(given: str | None) -> str:
@@ -340,107 +380,6 @@ def _structs(raws: object, tag: str) -> list[dict[str, Any]]:
     return out
 
 
-# ---------------------------------------------------------------- JSON
-
-
-def _quote_py(s: str) -> str:
-    import json.encoder  # (only where the C accelerator is missing)
-
-    return json.encoder.py_encode_basestring_ascii(s)
-
-
-try:  # what json.dumps itself runs on: its C accelerator's string quoting and encoder
-    import _json
-except ImportError:  # pragma: no cover (CPython has it)
-    _json = None  # type: ignore[assignment]
-_quote: Callable[[str], str] = _quote_py if _json is None else _json.encode_basestring_ascii
-
-
-def _not_plain(obj: object) -> object:
-    raise _Unsure(f"{type(obj).__name__} in JSON output")
-
-
-def json_text(obj: Any) -> str:
-    """`json.dumps(obj)` for plain data (dicts with str keys, lists, str,
-    int, float, bool, None), the same bytes, without importing json (and
-    re, ~10 ms of start-up): json.dumps's own C encoder, set up as
-    json.dumps sets it up, or where that is missing or differs, the same
-    rules in Python.  Raises _Unsure for anything else."""
-    if _json is not None:
-        try:
-            encode = _json.make_encoder({}, _not_plain, _quote, None, ": ", ", ", False, False, True)
-        except TypeError:  # pragma: no cover (another Python's signature)
-            pass
-        else:
-            try:
-                return "".join(encode(obj, 0))
-            except (TypeError, ValueError) as exc:  # e.g. a key that is not a str
-                raise _Unsure(str(exc)) from None
-    return python_json_text(obj)
-
-
-def python_json_text(obj: Any) -> str:
-    """json_text without the C encoder."""
-    parts: list[str] = []
-    _write(obj, parts.append, {})
-    return "".join(parts)
-
-
-def _float_text(f: float) -> str:
-    # As json.encoder's floatstr with allow_nan=True.
-    if f != f:
-        return "NaN"
-    if f == float("inf"):
-        return "Infinity"
-    if f == -float("inf"):
-        return "-Infinity"
-    return float.__repr__(f)
-
-
-def _write(obj: Any, out: Callable[[str], None], keys: dict[str, str]) -> None:
-    t = type(obj)
-    if t is str:
-        out(_quote(obj))
-    elif obj is None:
-        out("null")
-    elif obj is True:
-        out("true")
-    elif obj is False:
-        out("false")
-    elif t is int:
-        out(int.__repr__(obj))
-    elif t is float:
-        out(_float_text(obj))
-    elif t is dict:
-        if not obj:
-            out("{}")
-            return
-        sep = "{"
-        for k, v in obj.items():
-            if type(k) is not str:
-                raise _Unsure("a key that is not a str")
-            key = keys.get(k)
-            if key is None:
-                key = keys[k] = _quote(k) + ": "
-            out(sep)
-            out(key)
-            _write(v, out, keys)
-            sep = ", "
-        out("}")
-    elif t is list:
-        if not obj:
-            out("[]")
-            return
-        sep = "["
-        for v in obj:
-            out(sep)
-            _write(v, out, keys)
-            sep = ", "
-        out("]")
-    else:
-        raise _Unsure(f"{t.__name__} in JSON output")
-
-
 # ---------------------------------------------------------------- the exchange
 
 
@@ -563,7 +502,7 @@ def _encode(msg: dict[str, Any]) -> bytes:
 
 def _run(args: _Args) -> int:
     """Print what supervisor.ctl.cli would print, and return its exit code."""
-    request: dict[str, Any] = {"type": args.command, "id": 1}
+    request: dict[str, Any] = {"type": args.command, "id": 1, **args.select}
     if args.id is not None:
         request["session"] = args.id
     link = _Link(_socket_path(args.socket))
@@ -577,15 +516,24 @@ def _run(args: _Args) -> int:
     match args.command:
         case "ls":
             sessions = reply["sessions"]
+            after = reply["next"]
+            if any(not _selected(s, args.select) for s in sessions):
+                raise _Unsure("a daemon that does not select: the full path selects again")
+            more = f"(more: sessionctl ls --limit {args.select['limit']} --after {after})\n" if after else ""
             if args.quiet:
                 text = "".join(f"{s['id']}\n" for s in sessions)
             elif as_json:
-                text = json_text({"sessions": sessions}) + "\n"
+                text = json_text({"sessions": sessions, **({"next": after} if after else {})}) + "\n"
+                more = ""
             elif sessions:
                 print_table(sessions)
+                sys.stderr.write(more)
                 return EXIT_OK
             else:
                 text = "no sessions\n"
+            sys.stdout.write(text)
+            sys.stderr.write(more)
+            return EXIT_OK
         case "status":
             if not as_json:
                 print_status(reply["session"])
@@ -607,6 +555,13 @@ def _run(args: _Args) -> int:
                 text = pong_text(reply["session"], reply["pid"], rtt_ms) + "\n"
     sys.stdout.write(text)
     return EXIT_OK
+
+
+def _selected(session: dict[str, Any], select: dict[str, Any]) -> bool:
+    """Whether `session` is one the selection asked for (as ctl.bulk.Selector)."""
+    return ((not select.get("states") or session["state"] in select["states"])
+            and (not select.get("owners") or session["owner_uid"] in select["owners"])
+            and (not select.get("handlers") or session["handler"] in select["handlers"]))
 
 
 def main(argv: list[str] | None = None) -> int:

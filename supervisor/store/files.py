@@ -46,11 +46,12 @@ import logging
 import os
 import shutil
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
+from supervisor.store.dirplan import Plan
+from supervisor.store.dirplan import plan as _plan_of
 from supervisor.store.journal import Journal
-from supervisor.store.replay import clear_damage_note, read_damage_note
+from supervisor.store.replay import clear_damage_note
 from supervisor.store.sessiondir import fsync_dir as _fsync_dir
 from supervisor.store.sessiondir import log_gens as _log_gens
 from supervisor.store.sessiondir import never_created as _never_created
@@ -115,68 +116,6 @@ log = logging.getLogger("sessiond.store")
 _FENCE = struct.Struct(">Q")
 
 
-@dataclass(slots=True)
-class _Plan:
-    """How a session directory loads: which snapshot, which logs."""
-
-    snap: Snapshot | None
-    base: int  # logs >= base are replayed
-    gens: list[int]  # the logs replayed, in order
-    scans: dict[int, LogScan]
-    fallback: str = ""  # non-empty: the snapshot was bad; why
-
-
-def _plan(path: Path) -> _Plan:
-    """Read a session directory without changing it; `StoreDamaged` if it
-    cannot be loaded as it is."""
-    sid = path.name
-    snap, why = _read_snapshot(path / "snapshot")
-    fallback = ""
-    if why:
-        prev, prev_why = _read_snapshot(path / "snapshot.prev")
-        base = prev.gen if prev is not None else 0
-        if prev_why or not (path / f"log.{base}").exists():
-            meta = prev.meta if prev is not None else _meta_from_log(path / "log.0")
-            raise StoreDamaged(
-                sid,
-                f"{why} and no previous generation is kept to fall back to; its state is "
-                f"lost: `sessionctl rm {sid}` deletes it",
-                meta=meta, repairable=False,
-            )
-        snap, fallback = prev, why
-    base = snap.gen if snap is not None else 0
-    gens = [g for g in _log_gens(path) if g >= base] or [base]
-    scans = {g: _read_scan(path / f"log.{g}") for g in gens}
-    # A note left by journal replay (supervisor.store.replay): records lost
-    # to a damaged journal, which the log alone may not show.
-    lost, _ = read_damage_note(path)
-    for g in gens:
-        if scans[g].damaged:
-            meta = snap.meta if snap is not None else _meta_in(scans.get(0))
-            why = describe_damage(f"log.{g}", scans[g])
-            raise StoreDamaged(sid, f"{lost}. {why}" if lost else why, meta=meta)
-    if lost:
-        meta = snap.meta if snap is not None else _meta_in(scans.get(0))
-        raise StoreDamaged(sid, f"{lost}. `sessionctl repair {sid}` accepts the loss (the log keeps every "
-                           f"intact record), `sessionctl rm {sid}` deletes the session", meta=meta)
-    if snap is None and not any(isinstance(r, Meta) for s in scans.values() for _, _, r in s.records):
-        raise StoreDamaged(sid, f"{path}: no metadata record (not a session directory?)",
-                           repairable=False)
-    return _Plan(snap, base, gens, scans, fallback)
-
-
-def _meta_in(scan: LogScan | None) -> Meta | None:
-    if scan is not None:
-        for _, _, rec in scan.records:
-            if isinstance(rec, Meta):
-                return rec
-    return None
-
-
-def _meta_from_log(path: Path) -> Meta | None:
-    return _meta_in(_read_scan(path))
-
-
 def _take_fence(path: Path, sync: bool = True) -> tuple[int, int]:
     """A new fencing generation for `path`, durable before its writer writes
     anything, so that a writer holding an older one is refused from now on.
@@ -219,6 +158,10 @@ class SessionStore:
         self._size = self._synced = self._opened = 0
         self._log_path = path / f"log.{gen}"
         self._snapshotting = False
+        # At rest (at_rest()): its files are closed (released) once all is
+        # durable, and opened again by the next write; closed: for good.
+        # A loaded session starts at rest: it has no worker yet.
+        self._rest = self._released = self._closed = False
         self._fence_fd, self._generation = fence if fence is not None else _take_fence(path, sync=not new)
         try:
             self._open_log()
@@ -233,12 +176,24 @@ class SessionStore:
 
     # ---------------------------------------------------------------- fencing
 
-    def _check_fence(self) -> None:
+    def _check_fence(self, writing: bool = True) -> None:
+        """Fenced if another writer took the session.  Before a write (the
+        default) a session at rest has its files opened again; otherwise
+        its fence is read without keeping it."""
+        if self._closed:
+            raise StoreError(f"session {self.path.name}: this writer was closed")
+        if self._released and writing:
+            self._reopen()
         # One pread of 8 bytes from a kept-open file: about a microsecond
         # (bench in tests/test_store_contract.py), against an fsync's ms.
-        if self._fence_fd < 0:
-            raise StoreError(f"session {self.path.name}: this writer was closed")
-        raw = os.pread(self._fence_fd, _FENCE.size, 0)
+        if self._released:
+            try:
+                with open(self.path / "fence", "rb") as f:
+                    raw = f.read(_FENCE.size)
+            except OSError as exc:
+                raise _write_error(f"{self.path.name}/fence", exc) from exc
+        else:
+            raw = os.pread(self._fence_fd, _FENCE.size, 0)
         current = _FENCE.unpack(raw)[0] if len(raw) == _FENCE.size else 0
         if current != self._generation:
             raise Fenced(self.path.name, self._generation, current)
@@ -324,7 +279,7 @@ class SessionStore:
     def load(cls, path: Path, journal: Journal | None = None) -> tuple[SessionStore, LoadedSession]:
         """Open for writing and read back.  `StoreDamaged` leaves every file
         as it was; a torn tail is cut, a bad snapshot falls back."""
-        plan = _plan(path)
+        plan = _plan_of(path)
         if journal is not None:  # then fenced: an older writer is refused from here on
             journal.settle(path)
         fence = _take_fence(path)
@@ -335,7 +290,7 @@ class SessionStore:
             raise
 
     @classmethod
-    def _load(cls, path: Path, plan: _Plan, fence: tuple[int, int],
+    def _load(cls, path: Path, plan: Plan, fence: tuple[int, int],
               journal: Journal | None) -> tuple[SessionStore, LoadedSession]:
         if plan.fallback:
             tagged(log, path.name).warning("%s; restored from the previous generation (%s and log(s) %s)",
@@ -367,7 +322,7 @@ class SessionStore:
                     loaded = LoadedSession(meta=rec)
                 elif loaded is not None:
                     loaded.apply(rec)
-        assert loaded is not None  # _plan checked there is a Meta
+        assert loaded is not None  # the plan checked there is a Meta
         check_stored_id(path.name, loaded.meta)
         del loaded.lifecycle[:-LIFE_EVENTS_KEPT]
         prev, _ = _read_snapshot(path / "snapshot.prev")
@@ -377,7 +332,9 @@ class SessionStore:
             if g < base:
                 (path / f"log.{g}").unlink(missing_ok=True)
         snap_gen = snap.gen if snap is not None else 0
-        return cls(path, plan.gens[-1], snap_gen, base, fence, journal), loaded
+        store = cls(path, plan.gens[-1], snap_gen, base, fence, journal)
+        store.at_rest(True)  # no worker yet: its files close until it is written to
+        return store, loaded
 
     # ---------------------------------------------------------------- writing
 
@@ -406,6 +363,7 @@ class SessionStore:
             # Cut back what may have landed, so the log ends on a whole record.
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, offset)
+            self._maybe_release()
             if isinstance(exc, StoreError):
                 raise
             raise _full_error(f"{self.path.name}/log.{self.gen}", exc, self._journal) from exc
@@ -414,6 +372,7 @@ class SessionStore:
             if self._journal is not None:
                 self._journal.sync_now()
             self._synced = self._size
+            self._maybe_release()
 
     def sync(self) -> None:
         """Make every append so far durable; on failure the unsynced tail
@@ -431,6 +390,7 @@ class SessionStore:
                 raise
             raise _write_error(f"{self.path.name}/log.{self.gen}", exc) from exc
         self._synced = self._size
+        self._maybe_release()
 
     def sync_soon(self) -> asyncio.Future[None]:
         """Every append so far durable, without blocking the loop: the
@@ -448,7 +408,7 @@ class SessionStore:
             return fut
         if self._size == self._synced:
             # Else the appends being synced were fence-checked a moment ago.
-            self._check_fence()
+            self._check_fence(writing=False)
         return self._journal.sync_soon()
 
     # The journal's side (supervisor.store.journal.Tail), on the loop.
@@ -456,6 +416,7 @@ class SessionStore:
     def mark_synced(self, log_gen: int, size: int) -> None:
         if log_gen == self.gen and self._synced < size <= self._size:
             self._synced = size
+            self._maybe_release()
 
     def discard_unsynced(self) -> None:
         if self._fd < 0 or self._size == self._synced:
@@ -511,6 +472,7 @@ class SessionStore:
 
     def _snapshot_done(self, snap_gen: int, new_base: int, err: OSError | None) -> None:
         self._snapshotting = False
+        self._maybe_release()
         if err is not None:
             tagged(log, self.path.name).warning("%s (the log still holds every turn)",
                                                 _full_error(f"the snapshot of {self.path.name}", err, self._journal))
@@ -560,12 +522,51 @@ class SessionStore:
         return asyncio.ensure_future(asyncio.to_thread(
             lambda: turn_steps((r for g in gens for _, _, r in _read_scan(path / f"log.{g}").records), turn)))
 
-    def close(self) -> None:
+    # ---------------------------------------------------------------- files held
+
+    def at_rest(self, rest: bool) -> None:
+        """The session has no worker (hibernated, stopped, failed: how every
+        loaded session starts) or has one again.  At rest its files are
+        closed whenever every append is durable, and opened again by the
+        next write (fenced as ever: a generation another writer took
+        meanwhile is found then), so that a session at rest holds no fd of
+        the daemon's, whatever the count of sessions."""
+        self._rest = rest
+        self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        # Not while an append waits for its group commit (the journal
+        # cuts it back through this fd on failure) or a snapshot is made.
+        if (self._rest and not self._closed and not self._released and self._size == self._synced
+                and not self._snapshotting):
+            self._close_files()
+            self._released = True
+
+    def _reopen(self) -> None:
+        try:
+            fd = os.open(self.path / "fence", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _write_error(f"{self.path.name}/fence", exc) from exc
+        self._fence_fd, self._released = fd, False
+        opened = self._opened  # (what this writer found in the log: tests' crashes cut back to it)
+        try:
+            self._open_log()
+            self._opened = opened
+        except BaseException:
+            self._close_files()
+            self._released = True
+            raise
+
+    def _close_files(self) -> None:
         for attr in ("_fd", "_fence_fd"):
             fd = getattr(self, attr)
             if fd >= 0:
                 os.close(fd)
                 setattr(self, attr, -1)
+
+    def close(self) -> None:
+        self._close_files()
+        self._closed = True
 
     def remove(self) -> None:
         if self._journal is not None:
@@ -652,7 +653,7 @@ class FileStateStore:
         if not path.is_dir():
             raise KeyError(session_id)
         try:
-            _plan(path)
+            _plan_of(path)
         except StoreDamaged as exc:
             if not exc.repairable:
                 raise

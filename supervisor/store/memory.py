@@ -133,6 +133,9 @@ class MemoryLog:
     def read_steps_soon(self, turn: int) -> asyncio.Future[list[StepRecord]]:
         return settled(lambda: turn_steps(self.read_history()[1], turn))
 
+    def at_rest(self, rest: bool) -> None:
+        pass  # nothing is held open
+
     def close(self) -> None:
         self._closed = True
 

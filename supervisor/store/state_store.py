@@ -431,6 +431,15 @@ class SessionLog(Protocol):
         no step's result in memory, and reads them back to resume a turn."""
         ...
 
+    def at_rest(self, rest: bool) -> None:
+        """The session has no worker (hibernated, stopped, failed), or has
+        one again.  At rest a handle holds nothing open that the next write
+        cannot take again (a file store closes its files once every append
+        is durable), so that resting sessions cost the daemon no fd.  A
+        handle `load` returns starts at rest.  A no-op where a handle holds
+        nothing per session."""
+        ...
+
     def close(self) -> None: ...
 
     def remove(self) -> None: ...
@@ -549,6 +558,9 @@ class DamagedLog:
 
     def read_steps_soon(self, turn: int) -> asyncio.Future[list[StepRecord]]:
         raise self._refuse()
+
+    def at_rest(self, rest: bool) -> None:
+        pass  # a damaged session's handle holds nothing open
 
     def close(self) -> None:
         pass

@@ -451,6 +451,9 @@ class PgSessionLog:
 
     # ---------------------------------------------------------------- the end
 
+    def at_rest(self, rest: bool) -> None:
+        pass  # rows, no files: nothing per session is held open
+
     def close(self) -> None:
         self._closed = True
         self._pending = []
