@@ -312,6 +312,10 @@ class StatsReply(_Msg, tag="stats"):
     # "endpoint", "spans" (made), "dropped", "queued", "exporting",
     # "exported", "failed"}; empty when tracing is off.
     tracing: dict[str, Any] = {}
+    # The lazy MCP servers' tool lists the daemon keeps for sessions, by
+    # server: {"state": "pending"|"listed"|"unavailable", "tools", "version"}
+    # and, for an admin, "error" (why it could not be listed).
+    mcp: dict[str, Any] = {}
 
 
 class Pong(_Msg, tag="pong"):
