@@ -17,8 +17,9 @@ process exits mid-call: stdio), `hang{}` (never answers), `garbage{}`
 W3C trace context the call came with: in `_meta`, and over HTTP in a
 header), `grow{}` (adds a tool `grown` and says so: tools/list_changed), a
 resource `test://greeting`, and two hostile ones: a name no provider takes
-(`bad name/ünï`) and a long description.  Its version is
-$MCP_TEST_VERSION (default "1").  Over HTTP, `/garbage` answers every
+(`bad name/ünï`) and a long description.  Its version is what a file
+`version` in its working directory says, else $MCP_TEST_VERSION, else "1";
+past 1 it has a tool `newer`.  Over HTTP, `/garbage` answers every
 request with a body that is not JSON.
 
 The stdio server is started by a bare interpreter inside the sandbox: argv[2]
@@ -47,7 +48,7 @@ LONG_DESCRIPTION = "Describes itself at length. " * 2000
 
 
 def build() -> MCPServer:
-    server = MCPServer("sessiond-test", version=os.environ.get("MCP_TEST_VERSION", "1"))
+    server = MCPServer("sessiond-test", version=_version())
 
     @server.tool()
     def echo(text: str) -> str:
@@ -123,12 +124,24 @@ def build() -> MCPServer:
     def greeting() -> str:
         return "hello from a resource"
 
+    if server.version != "1":
+        server.add_tool(lambda: "newer", name="newer", description="Only in versions after 1.")
+
     def hostile(x: str) -> str:
         return x
 
     server.add_tool(hostile, name="bad name/\u00fcn\u00ef", description="A name providers refuse.")
     server.add_tool(hostile, name="verbose", description=LONG_DESCRIPTION)
     return server
+
+
+def _version() -> str:
+    """A file `version` in the working directory, else $MCP_TEST_VERSION, else "1"."""
+    try:
+        with open("version") as f:
+            return f.read().strip()
+    except OSError:
+        return os.environ.get("MCP_TEST_VERSION", "1")
 
 
 def _wire() -> int:

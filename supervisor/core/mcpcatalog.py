@@ -129,6 +129,7 @@ class McpCatalog:
         known = self._lists.get(server.name)
         if known is None or known.key != key or got is None:
             return False  # a reload changed or dropped it meanwhile: its own listing follows
+        got = msgspec.structs.replace(got, name=server.name, key=key)  # never the lister's word for them
         cfg = self._config
         assert cfg is not None
         if got.state == "listed":
