@@ -168,11 +168,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@contextlib.contextmanager
-def http_server() -> Iterator[str]:
-    """The server over streamable HTTP on 127.0.0.1, in a thread; yields its
-    base URL (`/mcp` is the server, `/garbage` answers with garbage)."""
-    import uvicorn
+def _app() -> object:
     from starlette.applications import Starlette
     from starlette.responses import PlainTextResponse
     from starlette.routing import Mount, Route
@@ -188,11 +184,20 @@ def http_server() -> Iterator[str]:
         async with mcp_app.router.lifespan_context(mcp_app):
             yield
 
-    app = Starlette(
+    return Starlette(
         routes=[Route("/garbage", garbage, methods=["GET", "POST", "DELETE"]), Mount("/mcp", app=mcp_app),
                 Mount("/legacy", app=sse_app)],
         lifespan=lifespan,
     )
+
+
+@contextlib.contextmanager
+def http_server() -> Iterator[str]:
+    """The server over streamable HTTP on 127.0.0.1, in a thread; yields its
+    base URL (`/mcp` is the server, `/garbage` answers with garbage)."""
+    import uvicorn
+
+    app = _app()
     port = _free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
@@ -211,6 +216,11 @@ def http_server() -> Iterator[str]:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["http"]:  # (bench/mcp.py: a process of its own) http SITE PORT
+        import uvicorn
+
+        uvicorn.run(_app(), host="127.0.0.1", port=int(sys.argv[3]), log_level="warning")  # type: ignore[arg-type]
+        sys.exit(0)
     if sys.argv[1:2] != ["stdio"]:
-        sys.exit("usage: mcp_servers.py stdio [SITE_PACKAGES]")
+        sys.exit("usage: mcp_servers.py stdio [SITE_PACKAGES] | http SITE_PACKAGES PORT")
     build().run("stdio")
