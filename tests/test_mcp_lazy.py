@@ -224,8 +224,10 @@ def test_a_lazily_started_server_gets_the_trace_context_and_its_spans_join_the_t
     (root,) = tree(spans, turn.trace_id)
     tools = [s for s in root.children if s.name.startswith("execute_tool mcp__")]
     assert [t.name for t in tools] == ["execute_tool mcp__s1__traceparent", "execute_tool mcp__web__traceparent"]
-    # The session's first call of s1 starts it: its own span, before the call's.
-    start, call = tools[0].children
+    # The session's first call of s1 starts it (the SDK's import, the server's
+    # start and handshake): spans of their own, before the call's; no gap.
+    sdk, start, call = tools[0].children
+    assert sdk.name == "import mcp"
     assert start.name == "initialize s1" and start.attributes["network.transport"] == "pipe"
     assert start.attributes["sessiond.mcp.server.version"] == "1" and start.kind == 3  # CLIENT
     assert call.name == "tools/call traceparent" and call.attributes["mcp.method.name"] == "tools/call"

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from session_worker import tracing
 from session_worker.agent._errors import McpServerError, McpStartError, ToolError
 from session_worker.agent._tools import Tool, ToolEnv
 from ipc.mcp import MAX_DESCRIPTION_CHARS, MAX_SCHEMA_BYTES, MAX_SOURCE_NAME, MAX_TOOLS_PER_SERVER, PREFIX, \
@@ -280,17 +281,25 @@ class McpTools:
         """The daemon is still listing some lazy server: wait for its list
         (it comes as new settings), up to start_timeout_secs."""
         deadline = time.monotonic() + self._settings.start_timeout_secs
-        while any((x := self._listing(s)) is not None and x.state == "pending" and s.name not in self._tools
-                  for s in self._servers):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            event = self._listing_came = self._listing_came or asyncio.Event()
-            event.clear()
-            try:
-                await asyncio.wait_for(event.wait(), left)
-            except TimeoutError:
-                return
+
+        def pending() -> list[str]:
+            return [s.name for s in self._servers if s.name not in self._tools
+                    and (x := self._listing(s)) is not None and x.state == "pending"]
+
+        if not pending():
+            return
+        with tracing.span("mcp.wait_lists", attributes={"sessiond.mcp.servers": pending()}) as span:
+            while waiting := pending():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    span.set("sessiond.mcp.not_listed", waiting)
+                    return
+                event = self._listing_came = self._listing_came or asyncio.Event()
+                event.clear()
+                try:
+                    await asyncio.wait_for(event.wait(), left)
+                except TimeoutError:
+                    pass
 
     def _adopt(self, server: McpServer, listing: McpListing, names: set[str], notice: Notify) -> bool:
         listed = [Listed(t.name, t.description, _json(t.schema)) for t in listing.tools]
@@ -356,10 +365,10 @@ class McpTools:
 
     def _invoker(self, server: McpServer) -> Invoke:
         async def invoke(source: str, args: dict[str, Any], env: ToolEnv) -> tuple[bool, str]:
+            limits = env.settings.mcp
+            connection = await self._start(server, env)  # (imports the SDK off the loop, first)
             from session_worker.agent._mcpclient import render_result
 
-            limits = env.settings.mcp
-            connection = await self._start(server, env)
             result = await connection.call(source, args, limits.call_timeout_secs, limits.start_timeout_secs)
             return render_result(result, env.settings.tools.output_limit_bytes)
 
@@ -449,10 +458,10 @@ class McpTools:
 
     def _read_resource(self, server: McpServer) -> Callable[[dict[str, Any], ToolEnv], Awaitable[str]]:
         async def run(args: dict[str, Any], env: ToolEnv) -> str:
-            from session_worker.agent._mcpclient import render_resource
-
             limits = env.settings.mcp
             connection = await self._start(server, env)
+            from session_worker.agent._mcpclient import render_resource
+
             result = await connection.read(str(args["uri"]), limits.call_timeout_secs, limits.start_timeout_secs)
             return render_resource(result, env.settings.tools.output_limit_bytes)
 
@@ -472,11 +481,13 @@ def _json(text: str) -> Any:
 
 async def _client_module() -> Any:
     """`_mcpclient`, imported on a thread the first time: the SDK's import
-    takes ~0.4 s, which on the loop would delay the worker's heartbeats."""
+    takes ~0.4 s, which on the loop would delay the worker's heartbeats
+    (a span of its own in a traced turn: it is the first call's time too)."""
     name = "session_worker.agent._mcpclient"
     module = sys.modules.get(name)
     if module is None:
-        module = await asyncio.to_thread(importlib.import_module, name)
+        with tracing.span("import mcp"):
+            module = await asyncio.to_thread(importlib.import_module, name)
     return module
 
 
