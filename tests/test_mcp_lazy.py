@@ -240,3 +240,16 @@ def test_a_lazily_started_server_gets_the_trace_context_and_its_spans_join_the_t
     assert http["meta"] == http["header"] == f"00-{turn.trace_id}-{web_call.span_id}-01"
     # No span of a listing in the turn: the daemon listed before it.
     assert not any(s.name.startswith("tools/list") for s in spans if s.trace_id == turn.trace_id)
+
+
+def test_a_sub_agent_is_offered_the_same_list_and_starts_nothing_either(setup: Setup) -> None:
+    with setup.d.client() as c:
+        root = c.create(settings={"mcp.enabled": ["s1", "web"]}).id
+    _, requests = setup.turn(root, tool_call_stream(("c1", "spawn_agent", {"task": "look around"})),
+                             text_stream("child done"), text_stream("root done"))
+    child_request = next(r for r in requests if r.json["messages"][-1]["content"] == "look around")
+    assert {"mcp__s1__echo", "mcp__web__echo"} <= set(offered(child_request))
+    with setup.d.client() as c:
+        child = next(s for s in c.list() if s.parent == root)
+        assert child.pid and psutil.Process(child.pid).children(recursive=True) == []
+        assert psutil.Process(c.status(root).pid).children(recursive=True) == []

@@ -40,6 +40,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -72,8 +73,23 @@ class McpLister:
         self._sandbox = sandbox
 
     async def __call__(self, settings: SessionSettings) -> list[McpListing]:
-        """The listings of `settings.mcp.servers` (one each, in order)."""
-        return await asyncio.to_thread(self._list, settings)
+        """The listings of `settings.mcp.servers` (one each, in order).  On
+        a thread of its own, not the loop's executor: a daemon that stops
+        does not wait for a listing (the lister dies with it: its death
+        signal, and its servers' sandboxes with it)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[list[McpListing]] = loop.create_future()
+
+        def work() -> None:
+            try:
+                result = self._list(settings)
+            except BaseException as exc:  # (never expected: _list says why in its answer)
+                loop.call_soon_threadsafe(_settle, done, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, done, result, None)
+
+        threading.Thread(target=work, name="sd-mcp-list", daemon=True).start()
+        return await done
 
     def _list(self, settings: SessionSettings) -> list[McpListing]:
         servers = settings.mcp.servers
@@ -137,6 +153,17 @@ class McpLister:
             why = f"the lister's answer was not understood ({exc})" if out else "the lister gave no answer"
             code = proc.returncode
             return [], why + (f"; it exited with code {code}" if code else "") + (f": {tail[-500:]}" if tail else "")
+
+
+def _settle(done: asyncio.Future[list[McpListing]], result: list[McpListing] | None,
+            exc: BaseException | None) -> None:
+    if done.done():
+        return
+    if exc is not None:
+        done.set_exception(exc)
+    else:
+        assert result is not None
+        done.set_result(result)
 
 
 def _exchange(proc: subprocess.Popen[bytes], order: bytes, deadline: float) -> tuple[bytes, bytes, bool]:
