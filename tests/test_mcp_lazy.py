@@ -28,6 +28,7 @@ from harness import Daemon, wait_for
 from ipc import messages as m
 from mcp_servers import http_server
 from otlp_receiver import OtlpReceiver, Received, tree
+from test_tracing_e2e import agent_config
 
 pytestmark = pytest.mark.process
 
@@ -88,17 +89,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         }}))
         stdio = "\n".join(f'[[mcp.servers]]\nname = "{name}"\ncommand = [{python!r}, {SERVER!r}, "stdio", {site!r}]\n'
                           for name in ("s1", "s2", "s3"))
-        config = f"""
-[agent]
-handler = "agent"
-[agent.worker]
-heartbeat_interval_secs = 0.2
-[provider]
-base_url = "{llm.base_url}"
-model = "test-model"
-retry_backoff_initial_ms = 1
-[daemon]
-stop_grace_secs = 1.0
+        config = agent_config(llm, f"""
 [sandbox]
 read_paths = [{site!r}, {str(Path(SERVER).parent)!r}]
 [mcp]
@@ -122,7 +113,7 @@ action = "deny"
 [[permissions]]
 tool = "mcp__s3"
 action = "deny"
-"""
+""")
         d = Daemon(root / "d", config)
         d.start()
         try:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,56 +220,42 @@ class McpConnection:
         attributes = {"mcp.method.name": "tools/call", "gen_ai.tool.name": tool, "sessiond.mcp.server": self.name,
                       "gen_ai.operation.name": "execute_tool"}
         with tracing.span(f"tools/call {tool}", tracing.CLIENT, attributes):
-            client = await self.connect(start_timeout)
-            try:
-                async with asyncio.timeout(timeout):
-                    return await client.call_tool(tool, arguments, meta=_trace_meta())
-            except TimeoutError:
-                await self.close()
-                raise McpServerError(
-                    f"MCP server {self.name!r} did not answer {tool} within {timeout:g} s (mcp.call_timeout_secs); "
-                    "it was stopped and starts again at the next call") from None
-            except MCPError as exc:
-                if exc.code != mcp_types.CONNECTION_CLOSED:
-                    raise ToolError(f"MCP server {self.name!r} refused the call to {tool}: {exc.message}") from None
-                raise await self._failed(f"the call to {tool}", exc) from None
-            except Exception as exc:
-                raise await self._failed(f"the call to {tool}", exc) from None
+            return await self._request(tool, f"the call to {tool}", timeout, start_timeout,
+                                       lambda client: client.call_tool(tool, arguments, meta=_trace_meta()))
 
     async def resources_page(self, cursor: str | None, timeout: float, start_timeout: float) -> Any:
         """One page of resources/list."""
-        client = await self.connect(start_timeout)
-        try:
-            async with asyncio.timeout(timeout):
-                return await client.list_resources(cursor=cursor)
-        except TimeoutError:
-            await self.close()
-            raise McpServerError(f"MCP server {self.name!r} did not list its resources within {timeout:g} s") from None
-        except MCPError as exc:
-            if exc.code != mcp_types.CONNECTION_CLOSED:
-                raise ToolError(f"MCP server {self.name!r} refused resources/list: {exc.message}") from None
-            raise await self._failed("resources/list", exc) from None
-        except Exception as exc:
-            raise await self._failed("resources/list", exc) from None
+        return await self._request("resources/list", "resources/list", timeout, start_timeout,
+                                   lambda client: client.list_resources(cursor=cursor))
 
     async def read(self, uri: str, timeout: float, start_timeout: float) -> Any:
         """resources/read of one URI."""
         attributes = {"mcp.method.name": "resources/read", "sessiond.mcp.server": self.name}
         with tracing.span("resources/read", tracing.CLIENT, attributes):
-            client = await self.connect(start_timeout)
-            try:
-                async with asyncio.timeout(timeout):
-                    return await client.read_resource(uri, meta=_trace_meta())
-            except TimeoutError:
-                await self.close()
-                raise McpServerError(f"MCP server {self.name!r} did not answer resources/read within "
-                                     f"{timeout:g} s (mcp.call_timeout_secs)") from None
-            except MCPError as exc:
-                if exc.code != mcp_types.CONNECTION_CLOSED:
-                    raise ToolError(f"MCP server {self.name!r} refused to read {uri!r}: {exc.message}") from None
-                raise await self._failed("resources/read", exc) from None
-            except Exception as exc:
-                raise await self._failed("resources/read", exc) from None
+            return await self._request(f"resources/read of {uri!r}", f"resources/read of {uri!r}", timeout,
+                                       start_timeout, lambda client: client.read_resource(uri, meta=_trace_meta()))
+
+    async def _request(self, what: str, during: str, timeout: float, start_timeout: float,
+                       send: Callable[[Client], Awaitable[Any]]) -> Any:
+        """One request of a tool's (connected first if need be): its answer,
+        or why not, in words the model reads.  A timeout or a lost
+        connection closes the connection (made again at the next call); the
+        server's own refusal leaves it be."""
+        client = await self.connect(start_timeout)
+        try:
+            async with asyncio.timeout(timeout):
+                return await send(client)
+        except TimeoutError:
+            await self.close()
+            raise McpServerError(
+                f"MCP server {self.name!r} did not answer {what} within {timeout:g} s (mcp.call_timeout_secs); "
+                "it was stopped and starts again at the next call") from None
+        except MCPError as exc:
+            if exc.code != mcp_types.CONNECTION_CLOSED:
+                raise ToolError(f"MCP server {self.name!r} refused {during}: {exc.message}") from None
+            raise await self._failed(during, exc) from None
+        except Exception as exc:
+            raise await self._failed(during, exc) from None
 
     async def _failed(self, during: str, exc: Exception) -> McpServerError:
         """The connection is lost: why, in words; closed, so that the next
