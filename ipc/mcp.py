@@ -13,9 +13,10 @@ in its settings (`McpSettings.listed`): a session offers those tools
 without starting anything, and starts its own copy of the server at the
 first call.  What a server lists is hostile input, bounded here by the
 same figures the worker checks its own listings against: 128 tools, a name
-of 256 characters, a description of 2 KiB, an input schema of 16 KiB; the
-daemon decodes the lister's answer with these bounds before anything is
-kept.
+of 256 characters, a description of 2 KiB, an input schema of 16 KiB, and
+256 KiB for a server's whole list (`bounded`: every session carries it);
+the daemon decodes the lister's answer with these bounds before anything
+is kept.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from msgspec import Meta
 
 __all__ = [
     "ListedTool", "McpListing", "RefusedTool", "MAX_DESCRIPTION_CHARS", "MAX_SCHEMA_BYTES", "MAX_SOURCE_NAME",
-    "MAX_TOOLS_PER_SERVER", "PREFIX", "expand", "listing_key", "rule_covers", "rule_problem", "variables",
+    "MAX_LISTING_CHARS", "MAX_TOOLS_PER_SERVER", "PREFIX", "bounded", "expand", "listing_key", "rule_covers",
+    "rule_problem", "variables",
 ]
 
 PREFIX = "mcp__"
@@ -38,6 +40,9 @@ MAX_TOOLS_PER_SERVER = 128
 MAX_SOURCE_NAME = 256
 MAX_DESCRIPTION_CHARS = 2048
 MAX_SCHEMA_BYTES = 16 * 1024
+# All of one server's list the daemon tells every session: its tools past
+# this are refused (each session holds the lists in its settings).
+MAX_LISTING_CHARS = 256 * 1024
 _MAX_ERROR_CHARS = 4096
 
 
@@ -78,6 +83,21 @@ class McpListing(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     # adds a tool to list them and one to read one.
     resources: bool = False
     error: Annotated[str, Meta(max_length=_MAX_ERROR_CHARS)] = ""
+
+
+def bounded(listing: McpListing) -> McpListing:
+    """`listing` with its tools past MAX_LISTING_CHARS refused (in order)."""
+    total, kept = 0, []
+    refused = list(listing.refused)
+    for tool in listing.tools:
+        total += len(tool.name) + len(tool.description) + len(tool.schema)
+        if total > MAX_LISTING_CHARS:
+            refused.append(RefusedTool(repr(tool.name)[:80], f"the server's list is over {MAX_LISTING_CHARS} characters"))
+        else:
+            kept.append(tool)
+    if len(kept) == len(listing.tools):
+        return listing
+    return msgspec.structs.replace(listing, tools=kept, refused=refused[:2 * MAX_TOOLS_PER_SERVER])
 
 
 def listing_key(table: msgspec.Struct) -> str:

@@ -32,7 +32,7 @@ from pathlib import Path
 import msgspec
 
 from ipc.linux import set_dumpable, set_pdeathsig
-from ipc.mcp import MAX_SCHEMA_BYTES, MAX_TOOLS_PER_SERVER, ListedTool, McpListing, RefusedTool, listing_key
+from ipc.mcp import MAX_SCHEMA_BYTES, MAX_TOOLS_PER_SERVER, ListedTool, McpListing, RefusedTool, bounded, listing_key
 from ipc.mcplist import McpListOrder, order_decoder
 from ipc.settings import McpServer, SessionSettings
 from session_worker import sandbox
@@ -76,11 +76,11 @@ async def _list_one(server: McpServer, settings: SessionSettings, workspace: Pat
             refused.append({"tool": repr(item.name)[:80], "reason": f"its input schema is over {MAX_SCHEMA_BYTES} bytes"})
             continue
         tools.append(ListedTool(item.name, tool.description, schema))
-    return McpListing(
+    return bounded(McpListing(
         name=server.name, key=key, state="listed", version=connection.version, tools=tools,
         refused=[RefusedTool(r["tool"][:100], r["reason"][:200]) for r in refused[:2 * MAX_TOOLS_PER_SERVER]],
         resources=connection.resources,
-    )
+    ))
 
 
 def _settings_for_listing(settings: SessionSettings) -> SessionSettings:

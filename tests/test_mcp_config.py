@@ -137,3 +137,15 @@ def test_sessiond_mcp_import_prints_tables_a_config_takes(tmp_path: Path, capsys
     (tmp_path / "bad.json").write_text('{"mcpServers": {"a": {"command": "x", "cwd": "/"}}}')
     assert main(["mcp", "import", str(tmp_path / "bad.json")]) == 2
     assert "unknown key 'cwd'" in capsys.readouterr().err
+
+
+@pytest.mark.pure
+def test_a_servers_whole_list_is_bounded_as_every_session_carries_it() -> None:
+    from ipc.mcp import MAX_LISTING_CHARS, ListedTool, McpListing, bounded
+
+    big = [ListedTool(f"t{i}", "d" * 2000, '{"type": "object", "description": "' + "x" * 14000 + '"}')
+           for i in range(40)]
+    kept = bounded(McpListing(name="s", key="k", state="listed", tools=big))
+    assert 0 < len(kept.tools) < 40
+    assert sum(len(t.name) + len(t.description) + len(t.schema) for t in kept.tools) <= MAX_LISTING_CHARS
+    assert len(kept.refused) == 40 - len(kept.tools) and "over" in kept.refused[0].reason

@@ -47,7 +47,7 @@ from pathlib import Path
 import msgspec
 
 from ipc import messages as m
-from ipc.mcp import McpListing, listing_key, variables
+from ipc.mcp import McpListing, bounded, listing_key, variables
 from ipc.mcplist import MAX_ANSWER_BYTES, McpListOrder, answer_decoder
 from ipc.settings import SessionSettings
 from supervisor.spawn.pidfd import PidFd
@@ -109,7 +109,7 @@ class McpLister:
             if found is None:
                 found = McpListing(name=server.name, key=key, state="unavailable",
                                    error=f"MCP server {server.name!r} could not be listed: {why or 'no answer'}")
-            out.append(msgspec.structs.replace(found, key=key))  # never the lister's word for the key
+            out.append(bounded(msgspec.structs.replace(found, key=key)))  # never the lister's word for the key
         return out
 
     def _scratch(self) -> Path:
