@@ -177,3 +177,30 @@ def test_a_turn_waits_for_a_pending_list_and_starts_nothing(fake_llm: FakeLLM, t
 
     assert run(scenario()) == {}, "nothing started: the list came"
     assert "mcp__loc__echo" in _offered(fake_llm.requests[0])
+
+
+@pytest.mark.process
+def test_calls_side_by_side_start_one_copy_of_a_server(fake_llm: FakeLLM, tmp_path: Path) -> None:
+    """Tool calls may run side by side: the first calls of one server start
+    it once, and all of them use that copy."""
+    from session_worker.agent._mcp import McpTools
+    from session_worker.agent._tools import ToolEnv
+
+    server = {"name": "loc", "command": [sys.executable, SERVER, "stdio"]}
+    base = msgspec.structs.replace(make_settings(fake_llm), mcp=msgspec.convert({"servers": [server]}, McpSettings))
+    settings = _listed(tmp_path, base)
+    ctx = FakeCtx(settings, tmp_path)
+
+    async def scenario() -> tuple[list[str], dict[str, int]]:
+        tools = McpTools(settings.mcp, tmp_path)
+        try:
+            await tools.discover(ctx.notice)
+            echo = next(t for t in tools.tools() if t.name == "mcp__loc__echo")
+            env = ToolEnv(tmp_path, settings, ctx)
+            results = await asyncio.gather(*(echo.run({"text": str(i)}, env) for i in range(4)))
+            return list(results), tools.starts()
+        finally:
+            await tools.aclose()
+
+    results, starts = run(scenario())
+    assert sorted(results) == [f"echo: {i}" for i in range(4)] and starts == {"loc": 1}

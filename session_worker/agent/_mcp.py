@@ -202,6 +202,7 @@ class McpTools:
         self._from: dict[str, McpListing | None] = {}
         self._stale: set[str] = set()
         self._down: dict[str, _Down] = {}
+        self._starting: dict[str, asyncio.Lock] = {}
         # The registry must be built again (a server went down mid-turn).
         self.changed = False
         self._listing_came: asyncio.Event | None = None
@@ -380,18 +381,23 @@ class McpTools:
         unavailable for its backoff (told once, its tools withdrawn)."""
         if server not in self._servers:
             raise McpServerError(f"MCP server {server.name!r} is no longer offered to this session")
-        down = self._down.get(server.name)
-        if down is not None and time.monotonic() < down.until:
-            raise McpStartError(f"{down.error}; not tried again for {down.until - time.monotonic():.0f} s")
-        connection = await self._connection(server)
-        if connection.connected:
-            return connection
-        try:
-            await connection.connect(env.settings.mcp.start_timeout_secs)
-        except McpStartError as exc:
-            wait = self._set_down(server, str(exc), env.ctx.notice)
-            raise McpStartError(f"{exc}; its tools are withdrawn, and it is not tried again for {wait:.0f} s") \
-                from None
+        # One start at a time per server: calls side by side share it, and
+        # one that waited behind a failed start fails with it, at once.
+        async with self._starting.setdefault(server.name, asyncio.Lock()):
+            down = self._down.get(server.name)
+            if down is not None and time.monotonic() < down.until:
+                later = "" if down.until == float("inf") else \
+                    f"; not tried again for {down.until - time.monotonic():.0f} s"
+                raise McpStartError(down.error + later)
+            connection = await self._connection(server)
+            if connection.connected:
+                return connection
+            try:
+                await connection.connect(env.settings.mcp.start_timeout_secs)
+            except McpStartError as exc:
+                wait = self._set_down(server, str(exc), env.ctx.notice)
+                raise McpStartError(f"{exc}; its tools are withdrawn, and it is not tried again for "
+                                    f"{wait:.0f} s") from None
         self._down.pop(server.name, None)
         listing = self._from.get(server.name)
         if listing is not None and connection.version != listing.version:

@@ -82,6 +82,7 @@ class McpConnection:
         self._on_change = on_change
         self._client: Client | None = None
         self._owner: asyncio.Task[None] | None = None
+        self._connecting = asyncio.Lock()
         self._stop = asyncio.Event()
         self._process: StdioProcess | None = None
         # The connection ended (the server's stdout, the HTTP link, a close).
@@ -106,6 +107,13 @@ class McpConnection:
         if self.connected:
             assert self._client is not None
             return self._client
+        async with self._connecting:  # calls side by side: one start, which the others wait for
+            if self.connected:
+                assert self._client is not None
+                return self._client
+            return await self._connect(timeout)
+
+    async def _connect(self, timeout: float) -> Client:
         await self.close()
         self._ended = False
         self._stop = asyncio.Event()
