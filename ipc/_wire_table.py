@@ -84,6 +84,7 @@ STRUCTS: dict[str, tuple[tuple[str, str, object], ...]] = {
         ('rss_bytes', 'int', REQUIRED),
         ('sandbox', 'dict[str,any]', dict),
         ('tracing', 'dict[str,any]', dict),
+        ('mcp', 'dict[str,any]', dict),
     ),
 }
 

@@ -328,6 +328,10 @@ class StatsReply(_Msg, tag="stats"):
     # "endpoint", "spans" (made), "dropped", "queued", "exporting",
     # "exported", "failed"}; empty when tracing is off.
     tracing: dict[str, Any] = {}
+    # The lazy MCP servers' tool lists the daemon keeps for sessions, by
+    # server: {"state": "pending"|"listed"|"unavailable", "tools", "version"}
+    # and, for an admin, "error" (why it could not be listed).
+    mcp: dict[str, Any] = {}
 
 
 class Pong(_Msg, tag="pong"):
@@ -497,11 +501,15 @@ class Input(_Msg, tag="input"):
     text: str
     resumed: Resumed | None = None
     # The turn is traced: record spans (LLM calls, tool calls) and send
-    # them as `WorkerSpans`.  The worker learns no trace id and no
-    # collector: the daemon places its spans and alone exports them.
+    # them as `WorkerSpans`.  The worker learns no collector: the daemon
+    # places its spans in the turn's trace and alone exports them.
     trace: bool = False
     # With `trace`: prompts and completions go into the LLM call spans.
     trace_content: bool = False
+    # With `trace`: the trace's id (32 hex digits), which the worker passes
+    # on as W3C trace context (`traceparent`) to the MCP servers its tools
+    # call; its own spans still go to the daemon, which places them.
+    trace_id: str = ""
     # What counts against the session's [agent.budget] ceilings besides
     # the turn's own calls (ipc.budget): the session's turns before this
     # one, and the other sessions of its uid (sent only with a uid ceiling).

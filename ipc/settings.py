@@ -17,6 +17,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from ipc.mcp import McpListing, rule_covers
+
 __all__ = [
     "AgentSettings",
     "BUILTIN_TOOLS",
@@ -251,11 +253,20 @@ class ToolsSettings(ConfigSection):
 
 
 class PermissionRule(ConfigSection, kw_only=True):
+    # The tool it is about: its name, "*" for every tool, or for MCP tools
+    # Claude Code's shapes: "mcp__SERVER" or "mcp__SERVER__*" (every tool
+    # of that server), "mcp__SERVER__TOOL".  A rule that can match no tool
+    # of the configuration is refused (config check, reload).
     tool: str
     # Glob on the tool's main argument (command for bash, path for file
     # tools, the first argument of a custom or MCP tool).
     match: str = "*"
     action: Literal["allow", "deny", "ask"]
+
+    def covers(self, tool: str) -> bool:
+        """This rule names `tool`: "*", the name, or Claude Code's shapes
+        for MCP tools, `mcp__SERVER` and `mcp__SERVER__*` (ipc.mcp)."""
+        return rule_covers(self.tool, tool)
 
 
 NetworkPolicy = Literal["none", "loopback", "full"]
@@ -312,42 +323,68 @@ class SandboxSettings(ConfigSection):
 # between them, so that `__` separates the parts unambiguously.
 MCP_NAME_PATTERN = r"^[A-Za-z0-9]+(?:[-_][A-Za-z0-9]+)*$"
 _EnvName = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=128)]
+_HeaderName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9-]{1,64}$")]
 
 
 class McpServer(ConfigSection):
     """One `[[mcp.servers]]` table: a Model Context Protocol server whose
-    tools sessions are offered as `mcp__<name>__<tool>`."""
+    tools sessions are offered as `mcp__<name>__<tool>`.  `command`, `url`,
+    `env` and `headers` may hold `${VAR}` and `${VAR:-default}`, read from
+    the daemon's environment when the server is started."""
 
     # Letters and digits, single - or _ between them; unique among the servers.
     name: Annotated[str, Meta(min_length=1, max_length=24, pattern=MCP_NAME_PATTERN)]
     # A stdio server: its argv, started in each session's sandbox (as the
     # session's tools are: its identity, limits and view of the files).
     command: Annotated[list[Annotated[str, Meta(max_length=4096)]], Meta(min_length=1, max_length=64)] | None = None
-    # A streamable-HTTP server: its endpoint, reached by the session's worker
+    # An HTTP server: its endpoint, reached by the session's worker
     # (outside the sandbox), and no other URL.
-    url: Annotated[str, Meta(pattern=r"^https?://[^\s]+$", max_length=2048)] | None = None
+    url: Annotated[str, Meta(pattern=r"^(https?://|\$\{)[^\s]+$", max_length=2048)] | None = None
+    # An HTTP server's transport: "http" (streamable HTTP, the default) or
+    # "sse" (the legacy HTTP+SSE transport); "stdio" for a command.
+    type: Literal["", "stdio", "http", "sse"] = ""
     # Extra environment of a stdio server (its tools otherwise get the
     # scrubbed environment every tool gets).
     env: Annotated[dict[_EnvName, Annotated[str, Meta(max_length=4096)]], Meta(max_length=64)] = (
         msgspec.field(default_factory=dict))
-
+    # HTTP headers of an HTTP server: {Authorization = "Bearer ${SEARCH_TOKEN}"}
+    # (the secret in the daemon's environment, not in this file).
+    headers: Annotated[dict[_HeaderName, Annotated[str, Meta(max_length=4096)]], Meta(max_length=16)] = (
+        msgspec.field(default_factory=dict))
     # HTTP headers of an HTTP server, each from a variable of the daemon's
     # environment (never the secret itself): {Authorization = "SEARCH_MCP_AUTH"}.
-    headers_env: Annotated[dict[Annotated[str, Meta(pattern=r"^[A-Za-z0-9-]{1,64}$")], _EnvName],
-                           Meta(max_length=16)] = msgspec.field(default_factory=dict)
+    headers_env: Annotated[dict[_HeaderName, _EnvName], Meta(max_length=16)] = msgspec.field(default_factory=dict)
+    # true: the daemon lists its tools once and every session is offered
+    # them; a session starts its own copy only when the model first calls
+    # one.  false: each session starts it (and lists its tools) at its
+    # first turn: for a server whose tools depend on the session (its
+    # workspace, its network).
+    lazy: bool = True
 
     def __post_init__(self) -> None:
         if (self.command is None) == (self.url is None):
             raise ValueError(f"MCP server {self.name!r}: give exactly one of `command` (stdio) or `url` (HTTP)")
         if self.env and self.command is None:
             raise ValueError(f"MCP server {self.name!r}: `env` is for a stdio server (`command`)")
-        if self.headers_env and self.url is None:
-            raise ValueError(f"MCP server {self.name!r}: `headers_env` is for an HTTP server (`url`)")
+        if (self.headers_env or self.headers) and self.url is None:
+            raise ValueError(f"MCP server {self.name!r}: `headers` and `headers_env` are for an HTTP server (`url`)")
+        if self.type in ("http", "sse") and self.url is None or self.type == "stdio" and self.command is None:
+            raise ValueError(f"MCP server {self.name!r}: type {self.type!r} needs "
+                             f"{'`command`' if self.type == 'stdio' else '`url`'}")
+
+    @property
+    def transport(self) -> str:
+        """stdio, http or sse."""
+        return "stdio" if self.command is not None else (self.type or "http")
 
 
 class McpSettings(ConfigSection):
     # The MCP servers whose tools sessions are offered ([[mcp.servers]] tables).
     servers: Annotated[list[McpServer], Meta(max_length=32)] = msgspec.field(default_factory=list)
+    # A Claude Code / Cursor style JSON file ({"mcpServers": {...}}, as in
+    # `.mcp.json`) whose servers join mcp.servers, read at start and at
+    # each reload; relative to this file's directory.  Empty = none.
+    import_: Annotated[str, Meta(max_length=4096)] = msgspec.field(default="", name="import")
     # Names of the servers sessions are offered; unset = all of them.  A
     # session may narrow it (--set mcp.enabled=[...]), never widen it.
     enabled: Annotated[list[Annotated[str, Meta(max_length=24)]], Meta(max_length=32)] | None = None
@@ -356,6 +393,16 @@ class McpSettings(ConfigSection):
     call_timeout_secs: PositiveFloat = 120.0
     # Longest wait for a server to start and list its tools.
     start_timeout_secs: PositiveFloat = 30.0
+    # A server that cannot be started or listed is not tried again for
+    # this long (doubling at each failure in a row, up to 32 times it):
+    # neither by the daemon nor by a session, whose turns go on without it.
+    retry_backoff_secs: Annotated[float, Meta(gt=0, le=86_400)] = 30.0
+    # The daemon lists each lazy server again this often, to follow a new
+    # version of it (a reload lists a changed table at once).
+    relist_interval_secs: Annotated[float, Meta(ge=60, le=7 * 86_400)] = 3600.0
+    # Filled by the daemon, never by this file: the tool lists of the lazy
+    # servers, which it tells every session.
+    listed: Annotated[list[McpListing], Meta(max_length=32)] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         names = [server.name for server in self.servers]

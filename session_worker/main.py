@@ -298,7 +298,7 @@ class Worker:
     async def run_turn(self, ctx: _Context, text: str, msg: m.Input | None = None) -> None:
         turn = ctx.turn
         if msg is not None and msg.trace:
-            tracing.begin_turn(turn, self.send, msg.trace_content)
+            tracing.begin_turn(turn, self.send, msg.trace_content, msg.trace_id)
         try:
             result = await self.handler.handle(text, ctx)
         except asyncio.CancelledError:

@@ -167,7 +167,8 @@ class Plan:
         for root in self.roots():
             if os.path.islink(root):
                 argv += ["--symlink", os.readlink(root), root]
-            elif os.path.isdir(root):
+            elif os.path.isdir(root) or os.path.isfile(root):
+                # (a read path may be one file: bound alone, its directories made for it)
                 argv += ["--ro-bind", root, root]
         for path in self.hidden():
             if os.path.lexists(path) and any(_within(path, r) for r in self.roots()):

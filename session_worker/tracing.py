@@ -6,8 +6,10 @@ LLM call and each tool call and sends each one, once it ends, to the daemon
 as a `WorkerSpans` frame over the socket it already has.  The daemon checks
 them as untrusted data, places them in the turn's trace and alone exports
 them: the worker (and the tools under it, sandboxed, maybe without network,
-maybe on another machine) never learns the collector's address or the trace's
-id, and a collector that is down costs the worker nothing.
+maybe on another machine) never learns the collector's address, and a
+collector that is down costs the worker nothing.  It learns the trace's id,
+only to pass W3C trace context on to the MCP servers its tools call
+(`traceparent`): where its spans go is still the daemon's to decide.
 
 Untraced, `span()` hands back one shared do-nothing object: the cost of a
 hook is a context-variable read.  The current span lives in a context
@@ -29,7 +31,8 @@ from typing import Any
 
 from ipc import messages as m
 
-__all__ = ["CLIENT", "INTERNAL", "Span", "active", "annotate", "begin_turn", "capturing", "current_span_id", "span"]
+__all__ = ["CLIENT", "INTERNAL", "Span", "active", "annotate", "begin_turn", "capturing", "current_span_id", "span",
+           "traceparent"]
 
 INTERNAL = 0
 CLIENT = 2
@@ -39,13 +42,14 @@ _MAX_SPANS = 4096
 
 
 class _Turn:
-    __slots__ = ("turn", "send", "content", "sent")
+    __slots__ = ("turn", "send", "content", "sent", "trace_id")
 
-    def __init__(self, turn: int, send: Callable[[Any], None], content: bool) -> None:
+    def __init__(self, turn: int, send: Callable[[Any], None], content: bool, trace_id: str) -> None:
         self.turn = turn
         self.send = send
         self.content = content
         self.sent = 0
+        self.trace_id = trace_id
 
 
 class Span:
@@ -131,10 +135,12 @@ _current: contextvars.ContextVar[Span | _Turn | None] = contextvars.ContextVar(
     "sessiond_trace", default=None)
 
 
-def begin_turn(turn: int, send: Callable[[Any], None], content: bool = False) -> None:
+def begin_turn(turn: int, send: Callable[[Any], None], content: bool = False, trace_id: str = "") -> None:
     """This task runs a traced turn (the worker calls it as the turn's task
-    starts; tasks the turn creates inherit it)."""
-    _current.set(_Turn(turn, send, content))
+    starts; tasks the turn creates inherit it).  `trace_id`: the turn's
+    trace, as the daemon said it (32 hex digits), for `traceparent`."""
+    valid = len(trace_id) == 32 and all(c in "0123456789abcdef" for c in trace_id) and trace_id != "0" * 32
+    _current.set(_Turn(turn, send, content, trace_id if valid else ""))
 
 
 def span(name: str, kind: int = INTERNAL, attributes: dict[str, Any] | None = None) -> Span | _NoSpan:
@@ -158,6 +164,16 @@ def current_span_id() -> int:
     """The open span's id (0: none, or untraced)."""
     current = _current.get()
     return current.id if isinstance(current, Span) else 0
+
+
+def traceparent() -> str:
+    """W3C trace context naming the open span ('' when untraced, no span
+    is open, or the daemon gave no trace id): what a tool passes on to the
+    service it calls (an MCP server), whose spans then join the turn's."""
+    current = _current.get()
+    if not isinstance(current, Span) or not current._turn.trace_id:
+        return ""
+    return f"00-{current._turn.trace_id}-{current.id:016x}-01"
 
 
 def active() -> bool:

@@ -3,6 +3,7 @@
     sessiond [run] [--config PATH] [--socket PATH] [--state-dir PATH]
     sessiond config default        print the embedded defaults as TOML
     sessiond config check PATH     validate a config file (exit 0, or 2 naming the key)
+    sessiond mcp import FILE       a Claude Code / Cursor .mcp.json as [[mcp.servers]] tables
     sessiond version
 """
 
@@ -14,8 +15,9 @@ import os
 import sys
 from pathlib import Path
 
+from ipc.mcp import variables
 from supervisor import __version__
-from supervisor.config import ConfigError, default_config_path, default_toml, load_config
+from supervisor.config import Config, ConfigError, default_config_path, default_toml, load_config
 
 __all__ = ["main"]
 
@@ -28,6 +30,7 @@ examples:
   sessiond run --config /etc/sessiond/config.toml
   sessiond config default > config.toml  every key, its default and its meaning
   sessiond config check config.toml      validate before a reload
+  sessiond mcp import .mcp.json >> config.toml   Claude Code's MCP servers, as tables
 
 exit codes:
   0  done (the daemon stopped cleanly)
@@ -54,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     cfg_sub.add_parser("default", help="print the default config as TOML")
     check = cfg_sub.add_parser("check", help="validate a config file")
     check.add_argument("path", type=Path)
+    mcp = sub.add_parser("mcp", help="MCP servers as other tools write them")
+    mcp_sub = mcp.add_subparsers(dest="mcp_command", required=True)
+    imp = mcp_sub.add_parser("import", help="print a Claude Code / Cursor .mcp.json's servers as "
+                             "[[mcp.servers]] tables (or name the file in [mcp] import)")
+    imp.add_argument("file", type=Path)
     sub.add_parser("version", help="print the version")
     return parser
 
@@ -63,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "version":
         print(f"sessiond {__version__}")
         return 0
+    if args.command == "mcp":
+        return _mcp_import(args.file)
     if args.command == "config":
         if args.config_command == "default":
             sys.stdout.write(default_toml())
@@ -84,11 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.mcp.servers and importlib.util.find_spec("mcp") is None:
             print(f"sessiond: warning: {args.path}: [[mcp.servers]] needs the MCP SDK, which is not "
                   "installed: pip install 'sessiond[mcp]'", file=sys.stderr)
-        for server in cfg.mcp.servers:
-            for header, variable in server.headers_env.items():
-                if not os.environ.get(variable):
-                    print(f"sessiond: warning: {args.path}: MCP server {server.name!r}: headers_env.{header} "
-                          f"names {variable}, which is not set in this environment", file=sys.stderr)
+        for warning in _mcp_warnings(cfg):
+            print(f"sessiond: warning: {args.path}: {warning}", file=sys.stderr)
         if missing:
             print(f"{args.path}: ok (no [provider]: new sessions run echo; "
                   "--handler agent is refused)")
@@ -110,6 +117,49 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as exc:
         print(f"sessiond: {exc}", file=sys.stderr)
         return 1
+
+
+def _mcp_warnings(cfg: Config) -> list[str]:
+    """What may work where the daemon runs but not here: variables its
+    environment file may set, read paths of another host."""
+    out = []
+    for server in cfg.mcp.servers:
+        for header, variable in server.headers_env.items():
+            if not os.environ.get(variable):
+                out.append(f"MCP server {server.name!r}: headers_env.{header} names {variable}, which is not "
+                           "set in this environment")
+        texts = [*(server.command or ()), *server.env.values(), server.url or "", *server.headers.values()]
+        for name, has_default in variables(texts):
+            if not has_default and name not in os.environ:
+                out.append(f"MCP server {server.name!r} names ${{{name}}}, which is not set in this "
+                           "environment (the daemon reads it from its own: its EnvironmentFile)")
+    out += [f"sandbox.read_paths: {path} does not exist here" for path in cfg.sandbox.read_paths
+            if not os.path.exists(path)]
+    return out
+
+
+def _mcp_import(path: Path) -> int:
+    """`sessiond mcp import FILE`: the servers as TOML, checked as a config's."""
+    import json
+
+    import msgspec
+    import tomli_w
+
+    from ipc.mcpjson import servers_from_json
+    from ipc.settings import McpSettings
+
+    try:
+        tables = servers_from_json(json.loads(path.read_bytes()))
+        msgspec.convert({"servers": tables}, McpSettings)
+    except OSError as exc:
+        print(f"sessiond: {path}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, msgspec.ValidationError) as exc:
+        print(f"sessiond: {path}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"# MCP servers of {path} (sessiond mcp import); ${{VAR}} is read from the daemon's environment")
+    sys.stdout.write(tomli_w.dumps({"mcp": {"servers": tables}}))
+    return 0
 
 
 if __name__ == "__main__":

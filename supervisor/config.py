@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import os
 import re
 import textwrap
@@ -29,6 +30,8 @@ from msgspec import Meta
 
 from ipc import inputs
 from ipc.errors import BadOverride
+from ipc.mcp import rule_problem
+from ipc.mcpjson import servers_from_json
 from ipc.paths import default_socket_path
 from ipc.settings import BUILTIN_TOOLS, ConfigSection, McpServer, PermissionRule, SessionSettings
 # Re-exported: daemon.py and cli.py name it supervisor.config.ConfigError.
@@ -424,13 +427,63 @@ def _validate_handlers(cfg: Config, source: str) -> None:
         )
 
 
+def _import_mcp(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """`[mcp] import`: the servers of a Claude Code / Cursor `.mcp.json`
+    join `[[mcp.servers]]` (each checked as a table of this file would be)."""
+    mcp = data.get("mcp")
+    name = mcp.get("import") if isinstance(mcp, dict) else None
+    if not name or not isinstance(name, str) or not isinstance(mcp, dict):
+        return data  # (a value of the wrong type is the schema's to name)
+    path = Path(source).parent / name if source and not os.path.isabs(name) else Path(name)
+    where = f"{source}: invalid value for 'mcp.import': {str(path)!r}"
+    try:
+        document = json.loads(path.read_bytes())
+        tables = servers_from_json(document)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read it: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    for table in tables:
+        try:
+            msgspec.convert(table, McpServer)
+        except msgspec.ValidationError as exc:
+            text = str(exc)
+            at = _AT.search(text)
+            key = f".{at.group('path')}" if at else ""
+            problem = plain_error(text[: at.start()] if at else text, McpServer, key.lstrip("."))
+            raise ConfigError(f"{where}: server {table['name']!r}{key}: {problem}") from None
+    return {**data, "mcp": {**mcp, "servers": [*mcp.get("servers", []), *tables]}}
+
+
+def _validate_mcp(cfg: Config, source: str) -> None:
+    """What only the whole file can say: a permission rule that names no
+    tool this configuration can have matches nothing, and so guards
+    nothing (`mcp__memory` with no server named memory); the tool lists
+    are the daemon's to fill; a read path is a directory or a file."""
+    if cfg.mcp.listed:
+        raise ConfigError(f"{source}: 'mcp.listed' is filled by the daemon (the servers' tool lists), "
+                          "not set in a config file")
+    tools = [*BUILTIN_TOOLS, *(spec.rpartition(":")[2] for spec in cfg.tools.custom)]
+    servers = [server.name for server in cfg.mcp.servers]
+    for i, rule in enumerate(cfg.permissions):
+        if problem := rule_problem(rule.tool, tools, servers):
+            raise ConfigError(f"{source}: invalid value for 'permissions[{i}].tool': {rule.tool!r} "
+                              f"can never match a tool: {problem}")
+    for i, path in enumerate(cfg.sandbox.read_paths):
+        if os.path.exists(path) and not (os.path.isdir(path) or os.path.isfile(path)):
+            raise ConfigError(f"{source}: invalid value for 'sandbox.read_paths[{i}]': {path!r} is neither "
+                              "a directory nor a file (a socket or a device is never mounted for tools)")
+
+
 def parse_config(data: dict[str, Any], source: str) -> Config:
+    data = _import_mcp(data, source)
     try:
         cfg = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(_describe(exc, source, data)) from None
     _validate_mode(cfg, source)
     _validate_handlers(cfg, source)
+    _validate_mcp(cfg, source)
     if cfg.daemon.event_retention_bytes > cfg.daemon.client_buffer_bytes:
         # A client attaching --from the oldest event is sent the whole ring
         # at once: it must fit in what one client may have queued.
@@ -501,8 +554,12 @@ _EXAMPLES: dict[str, tuple[type, str, tuple[tuple[str, str], ...]]] = {
                     (("tool", '"bash"'), ("match", '"rm *"'), ("action", '"ask"'))),
     "mcp.servers": (McpServer, "MCP servers (docs/agent.md); none by default. A stdio one "
                                "(or, instead of command, url = \"http://127.0.0.1:8931/mcp\"):",
-                    (("name", '"files"'), ("command", '["/usr/local/bin/files-mcp", "--root", "."]'))),
+                    (("name", '"files"'), ("command", '["/usr/local/bin/files-mcp", "--root", "."]'),
+                     ("lazy", "true"))),
 }
+
+# Filled by the daemon, never written in a file: not printed.
+_NOT_IN_FILES = frozenset({"mcp.listed"})
 
 # Meanings of fields that carry no comment in the source (keep this short:
 # a comment above the field is the better place).
@@ -552,19 +609,21 @@ def _emit_table(obj: msgspec.Struct, path: str, out: list[str]) -> None:
     arrays: list[tuple[str, list[Any]]] = []
     if path:
         out.append(f"\n[{path}]")
-    for name in cls.__struct_fields__:
-        value = getattr(obj, name)
+    for attr, name in zip(cls.__struct_fields__, cls.__struct_encode_fields__):
+        value = getattr(obj, attr)
         key = f"{path}.{name}" if path else name
+        if key in _NOT_IN_FILES:
+            continue
         if isinstance(value, msgspec.Struct):
             tables.append((key, value))
             continue
         if key in _EXAMPLES:
             arrays.append((key, value))
             continue
-        meaning = meanings.get(name) or _MEANINGS_NOT_IN_SOURCE.get(key, "")
+        meaning = meanings.get(attr) or _MEANINGS_NOT_IN_SOURCE.get(key, "")
         out.extend(_comment(meaning))
         if value is None:
-            out.append(f"# {name} = {_placeholder(cls, name)}")
+            out.append(f"# {name} = {_placeholder(cls, attr)}")
         else:
             out.append(tomli_w.dumps({name: msgspec.to_builtins(value)}).rstrip())
     for key, table in tables:

@@ -41,7 +41,7 @@ from ipc.loop import run as run_loop
 from ipc.linux import set_dumpable
 from supervisor.errors import StartupError
 from supervisor import __version__
-from supervisor.spawn import sandbox, seams
+from supervisor.spawn import mcplist, sandbox, seams
 from supervisor.ops import sdnotify
 from supervisor.spawn.cgroups import Cgroups
 from supervisor.spawn.cgroups_detect import detect as cgroup_detect
@@ -57,6 +57,7 @@ from supervisor.cluster import drain, fencing, wiring as cluster
 from supervisor.ops import metrics, tracing_config
 from supervisor.ops.reload import Reloader
 from supervisor.core.manager import SessionManager
+from supervisor.core.mcpcatalog import McpCatalog
 from supervisor.cluster.ray_spawner import RaySpawner  # (imports Ray only when used)
 from supervisor.api.server import ControlServer
 from supervisor.spawn.spawner import ZygoteSpawner
@@ -74,8 +75,6 @@ class Spawner(seams.Spawner, Protocol):
     """What the daemon itself needs of its spawner, beyond the seam."""
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None: ...
-
-
 
 
 def check_ancestors(path: Path, what: str) -> None:
@@ -548,8 +547,11 @@ def _build(
         # Reads what it counts when scraped, from the parts built below.
         recorder = metrics.PrometheusRecorder(lambda: manager.sessions.values(), lambda: len(server.clients),
                                               per_session)
+    # The lazy MCP servers' tool lists, in the config sessions run with (cluster mode: none).
+    catalog = McpCatalog(None if isinstance(spawner, RaySpawner) else mcplist.lister_for(
+        state_dir, identities.run_as, identities.session_uids, sandbox_boot), lambda new: manager.reload(new))
     manager = SessionManager(
-        cfg, state_dir, spawner, run_as=identities.run_as, session_uids=identities.session_uids,
+        catalog.attach(cfg), state_dir, spawner, run_as=identities.run_as, session_uids=identities.session_uids,
         sandbox=sandbox_boot, cgroups=cgroups[0], cgroups_why=cgroups[1], store=store, metrics=recorder or metrics.NO_METRICS,
         # Another daemon may take a session over (the store fences): release, claim back.
         holds=fronts.holds if fronts is not None else fencing.Fencing(),
@@ -560,7 +562,7 @@ def _build(
     drainer = drain.Drainer(manager, spawner, manager.events, manager.workers)
 
     def apply(new: Config) -> None:
-        manager.reload(new)
+        manager.reload(catalog.attach(new))
         spawner.keep_spares(new.daemon.spare_workers)
 
     reloader = Reloader(config_path, lambda: manager.config, apply, lambda: _status_line(manager))
@@ -600,9 +602,7 @@ def _background(loop: asyncio.AbstractEventLoop, manager: SessionManager) -> lis
     background: list[asyncio.Task[None]] = [loop.create_task(manager.supervise())]
     interval = sdnotify.watchdog_interval_secs()
     if interval:
-        background.append(
-            loop.create_task(sdnotify.watchdog_loop(interval, lambda: _status_line(manager)))
-        )
+        background.append(loop.create_task(sdnotify.watchdog_loop(interval, lambda: _status_line(manager))))
     elif os.environ.get("NOTIFY_SOCKET"):
         background.append(loop.create_task(_status_loop(manager)))
     return background

@@ -1,19 +1,26 @@
 """Real MCP servers for the tests, built with the official SDK (`mcp`).
 
-One server, two transports:
+One server, three transports:
 
     python mcp_servers.py stdio             # a stdio server (the session's
                                             # sandbox starts it, or the worker)
-    with http_server() as url: ...          # streamable HTTP on 127.0.0.1,
-                                            # in a thread of the test process
+    with http_server() as url: ...          # streamable HTTP on 127.0.0.1 at
+                                            # url/mcp/, the legacy HTTP+SSE
+                                            # transport at url/legacy/sse, in
+                                            # a thread of the test process
 
 Its tools: `echo{text}`, `add{a, b}`, `read_file{path}` (for bench/mcp.py), `authorization{}` (the
 header an HTTP call came with), `big{n}` (n bytes of text), `whoami{}` (the uid, pid namespace's
 view of itself and the working directory it runs in), `crash{}` (the
 process exits mid-call: stdio), `hang{}` (never answers), `garbage{}`
-(writes a line that is not JSON-RPC on stdout: stdio), and two hostile ones:
-a name no provider takes (`bad name/ünï`) and a long description.  Over
-HTTP, `/garbage` answers every request with a body that is not JSON.
+(writes a line that is not JSON-RPC on stdout: stdio), `traceparent{}` (the
+W3C trace context the call came with: in `_meta`, and over HTTP in a
+header), `grow{}` (adds a tool `grown` and says so: tools/list_changed), a
+resource `test://greeting`, and two hostile ones: a name no provider takes
+(`bad name/ünï`) and a long description.  Its version is what a file
+`version` in its working directory says, else $MCP_TEST_VERSION, else "1";
+past 1 it has a tool `newer`.  Over HTTP, `/garbage` answers every
+request with a body that is not JSON.
 
 The stdio server is started by a bare interpreter inside the sandbox: argv[2]
 (when given) is put in front of sys.path, so the SDK can be found there.
@@ -22,6 +29,7 @@ The stdio server is started by a bare interpreter inside the sandbox: argv[2]
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import sys
@@ -40,7 +48,7 @@ LONG_DESCRIPTION = "Describes itself at length. " * 2000
 
 
 def build() -> MCPServer:
-    server = MCPServer("sessiond-test")
+    server = MCPServer("sessiond-test", version=_version())
 
     @server.tool()
     def echo(text: str) -> str:
@@ -98,12 +106,42 @@ def build() -> MCPServer:
         os.write(_wire(), b"<html>this is not JSON-RPC</html>\n")
         return "sent"
 
+    @server.tool()
+    def traceparent(ctx: Context) -> str:
+        """The W3C trace context this call came with."""
+        meta = ctx.request_context.meta or {}
+        header = (ctx.headers or {}).get("traceparent", "")
+        return json.dumps({"meta": meta.get("traceparent", ""), "header": header})
+
+    @server.tool()
+    async def grow(ctx: Context) -> str:
+        """Add a tool, `grown`, and tell the client its tools changed."""
+        server.add_tool(lambda: "grown", name="grown", description="A tool added while running.")
+        await ctx.request_context.session.send_tool_list_changed()
+        return "grew"
+
+    @server.resource("test://greeting")
+    def greeting() -> str:
+        return "hello from a resource"
+
+    if server.version != "1":
+        server.add_tool(lambda: "newer", name="newer", description="Only in versions after 1.")
+
     def hostile(x: str) -> str:
         return x
 
     server.add_tool(hostile, name="bad name/\u00fcn\u00ef", description="A name providers refuse.")
     server.add_tool(hostile, name="verbose", description=LONG_DESCRIPTION)
     return server
+
+
+def _version() -> str:
+    """A file `version` in the working directory, else $MCP_TEST_VERSION, else "1"."""
+    try:
+        with open("version") as f:
+            return f.read().strip()
+    except OSError:
+        return os.environ.get("MCP_TEST_VERSION", "1")
 
 
 def _wire() -> int:
@@ -130,16 +168,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@contextlib.contextmanager
-def http_server() -> Iterator[str]:
-    """The server over streamable HTTP on 127.0.0.1, in a thread; yields its
-    base URL (`/mcp` is the server, `/garbage` answers with garbage)."""
-    import uvicorn
+def _app() -> object:
     from starlette.applications import Starlette
     from starlette.responses import PlainTextResponse
     from starlette.routing import Mount, Route
 
     mcp_app = build().streamable_http_app(streamable_http_path="/")
+    sse_app = build().sse_app()
 
     async def garbage(request: object) -> PlainTextResponse:
         return PlainTextResponse("<html>not JSON at all</html>", media_type="application/json")
@@ -149,10 +184,20 @@ def http_server() -> Iterator[str]:
         async with mcp_app.router.lifespan_context(mcp_app):
             yield
 
-    app = Starlette(
-        routes=[Route("/garbage", garbage, methods=["GET", "POST", "DELETE"]), Mount("/mcp", app=mcp_app)],
+    return Starlette(
+        routes=[Route("/garbage", garbage, methods=["GET", "POST", "DELETE"]), Mount("/mcp", app=mcp_app),
+                Mount("/legacy", app=sse_app)],
         lifespan=lifespan,
     )
+
+
+@contextlib.contextmanager
+def http_server() -> Iterator[str]:
+    """The server over streamable HTTP on 127.0.0.1, in a thread; yields its
+    base URL (`/mcp` is the server, `/garbage` answers with garbage)."""
+    import uvicorn
+
+    app = _app()
     port = _free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
@@ -171,6 +216,11 @@ def http_server() -> Iterator[str]:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["http"]:  # (bench/mcp.py: a process of its own) http SITE PORT
+        import uvicorn
+
+        uvicorn.run(_app(), host="127.0.0.1", port=int(sys.argv[3]), log_level="warning")  # type: ignore[arg-type]
+        sys.exit(0)
     if sys.argv[1:2] != ["stdio"]:
-        sys.exit("usage: mcp_servers.py stdio [SITE_PACKAGES]")
+        sys.exit("usage: mcp_servers.py stdio [SITE_PACKAGES] | http SITE_PACKAGES PORT")
     build().run("stdio")

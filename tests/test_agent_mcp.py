@@ -117,11 +117,12 @@ def test_a_server_that_crashes_hangs_or_speaks_garbage_fails_the_call_and_the_se
     ok = [n["ok"] for n in ctx.notices_of("tool_result")]
     assert ok == [False, True, False, False, False, True]
     # A server that answers garbage over HTTP, one that cannot be started:
-    # reported (at each turn), their tools not offered, the rest are.
+    # reported once (not tried again at the next turn: its backoff), their
+    # tools not offered, the rest are.
     unavailable = {n["server"]: n["error"] for n in ctx.notices_of("mcp_server_unavailable")}
     assert "Failed to parse JSON" in unavailable["junk"]
     assert "MCP server 'nope' cannot be started" in unavailable["nope"] and "nonexistent" in unavailable["nope"]
-    assert len(ctx.notices_of("mcp_server_unavailable")) == 4
+    assert len(ctx.notices_of("mcp_server_unavailable")) == 2
     assert not any(n.startswith(("mcp__junk__", "mcp__nope__")) for n in offered(fake_llm.requests[0]))
 
 
@@ -232,16 +233,18 @@ def test_a_servers_tool_list_is_bounded_as_hostile_input(tmp_path: Path) -> None
     object schema, a name over 256 characters, tools past 128 a server."""
     from types import SimpleNamespace
 
-    from session_worker.agent._mcp import McpTools
+    from session_worker.agent._mcp import adapt_all
 
     def listed(name: str, schema: object = None) -> object:
         return SimpleNamespace(name=name, description="d", schema={"type": "object"} if schema is None else schema)
 
-    tools = McpTools(McpSettings(), tmp_path)
+    async def never(*_: object) -> tuple[bool, str]:
+        raise AssertionError
+
     hostile = [listed("huge", {"type": "object", "properties": {"p": {"description": "x" * (16 << 10)}}}),
                listed("array", {"type": "array"}), listed("n" * 257)]
-    kept, refused = tools._adapt("s", [*hostile, *(listed(f"t{i}") for i in range(130))], set())
-    assert [t.name for t in kept] == [f"mcp__s__t{i}" for i in range(128)]
+    kept, refused = adapt_all("s", never, [*hostile, *(listed(f"t{i}") for i in range(130))], set())
+    assert [t.name for _, t in kept] == [f"mcp__s__t{i}" for i in range(128)]
     reasons = {r["tool"]: r["reason"] for r in refused}
     assert reasons["'huge'"] == "its input schema is over 16384 bytes"
     assert reasons["'array'"] == "its input schema is not a JSON object schema"

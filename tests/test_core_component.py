@@ -212,12 +212,12 @@ def test_the_store_holds_what_the_ledger_acknowledged(tmp_path: Path) -> None:
 
 
 def test_a_full_session_uid_range_refuses_with_capacity(tmp_path: Path) -> None:
-    span = range(1879113726, 1879113728)  # two uids no user has here
+    span = range(1879113725, 1879113728)  # three uids no user has here
     spaces = Workspaces(lambda: parse_config(FAST, "test"), tmp_path, None, span)
     held: list[Any] = []
-    for _ in span:
+    for _ in span[:-1]:  # the last is kept for listing MCP servers' tools (supervisor.spawn.mcplist)
         uid = spaces.allocate_uid(held)
-        assert uid in span and uid not in {s.meta.run_uid for s in held}
+        assert uid in span[:-1] and uid not in {s.meta.run_uid for s in held}
         held.append(SimpleNamespace(meta=SimpleNamespace(run_uid=uid)))
     with pytest.raises(Capacity, match="session_uid_range"):
         spaces.allocate_uid(held)

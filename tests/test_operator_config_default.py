@@ -16,11 +16,13 @@ pytestmark = pytest.mark.component
 
 def _leaf_keys(obj: msgspec.Struct, path: str = "") -> dict[str, object]:
     keys: dict[str, object] = {}
-    for name in type(obj).__struct_fields__:
-        value = getattr(obj, name)
+    for attr, name in zip(type(obj).__struct_fields__, type(obj).__struct_encode_fields__):
+        value = getattr(obj, attr)
         key = f"{path}.{name}" if path else name
         if isinstance(value, msgspec.Struct):
             keys.update(_leaf_keys(value, key))
+        elif key == "mcp.listed":  # the daemon's, never a file's
+            continue
         elif key not in ("permissions", "mcp.servers"):  # arrays of tables: shown by example
             keys[key] = value
     return keys

@@ -113,6 +113,10 @@ TOML_BLOCKS = [b for b in BLOCKS if b.lang == "toml"]
 # Python blocks, each with the output the page says it prints (None: not said).
 PYTHON_BLOCKS = [(b, after.body if after.lang == "text" and after.before == "prints" else None)
                  for b, after in zip(BLOCKS, [*BLOCKS[1:], Block("", "", 0)]) if b.lang == "python"]
+# Files a page shows before the commands and TOML that read them: a JSON
+# block introduced as a `.mcp.json` (docs/agent.md) is that file, beside
+# the config and in the commands' directory.
+COMPANIONS = {".mcp.json": b.body for b in BLOCKS if b.lang == "json" and ".mcp.json" in b.before}
 # A command whose output a page sends into a file (`> f`, `| tee f`).
 _INTO_A_FILE = re.compile(r"(?<![<>&2])>(?!&)|\|\s*(sudo\s+)?tee\b")
 
@@ -124,6 +128,8 @@ def workdir(tmp_path: Path) -> Path:
     work = tmp_path / "work"
     work.mkdir()
     (work / ".venv").symlink_to(VENV)
+    for name, body in COMPANIONS.items():
+        (work / name).write_text(body)
     return work
 
 
@@ -141,6 +147,7 @@ def test_the_readme_has_the_commands_this_test_expects() -> None:
     assert len(TOML_BLOCKS) >= 5
     for page in PAGES:
         assert page.exists(), f"{page} is gone: update PAGES (and the README's contents)"
+    assert ".mcp.json" in COMPANIONS, "docs/agent.md's Claude Code .mcp.json block"
     # The pages the cluster and agent blocks moved to are read too.
     assert {b.page for b in TOML_BLOCKS} >= {"README.md", "docs/agent.md", "docs/cluster.md"}
     for exempt in NOT_RUN:
@@ -169,7 +176,7 @@ def test_readme_commands_run_as_printed(tmp_path: Path, workdir: Path) -> None:
                     config = re.search(r"CONFIG=(\S+)", line)
                     want = ".venv/bin/sessiond run" + (f' --config "{config.group(1)}"' if config else "")
                     assert want in done.stdout.splitlines(), (line, done.stdout)
-            elif line.startswith((".venv/bin/sessionctl ", ".venv/bin/sessiond config ")):
+            elif line.startswith((".venv/bin/sessionctl ", ".venv/bin/sessiond config ", ".venv/bin/sessiond mcp ")):
                 if created is not None:
                     line = line.replace(EXAMPLE_ID, created)
                 done = run(line, workdir, env)
@@ -212,6 +219,8 @@ def test_readme_toml_parses_and_passes_config_check(tmp_path: Path, block: Block
         pytest.skip("needs a real provider key")
     config = tmp_path / "config.toml"
     config.write_text(block.body)
+    for name, body in COMPANIONS.items():
+        (tmp_path / name).write_text(body)
     env = {k: v for k, v in env_for_children().items() if not k.endswith("_API_KEY")}
     done = subprocess.run([str(VENV / "bin" / "sessiond"), "config", "check", str(config)],
                           env=env, capture_output=True, text=True, timeout=60)

@@ -278,3 +278,22 @@ def test_the_report_names_what_the_kernels_landlock_adds_and_what_it_lacks(tmp_p
     assert {"landlock", "landlock-scope", "landlock-net"} <= set(report(7)["active"])  # type: ignore[arg-type]
     old = report(3)
     assert "landlock-scope" in old["inactive"] and "landlock-net" in old["inactive"], old  # type: ignore[operator]
+
+
+def test_a_file_in_read_paths_is_bound_and_a_socket_is_refused(tmp_path: Path) -> None:
+    """A read path may be one file (a tool's config, a key it may read):
+    bound alone, read-only (it used to be left out without a word); one
+    that is neither a file nor a directory is refused at config check."""
+    import socket
+
+    from supervisor.config import ConfigError, parse_config
+
+    listed = str(Path(__file__).resolve())  # a file outside /usr and /tmp
+    argv = _plan(tmp_path, namespaces=True, read_paths=[listed]).bwrap_argv()
+    assert any(argv[i:i + 3] == ["--ro-bind", listed, listed] for i in range(len(argv))), argv
+    assert (listed, "ro") in _plan(tmp_path, namespaces=False, read_paths=[listed]).landlock_paths()
+    sock_path = tmp_path / "s.sock"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(sock_path))
+        with pytest.raises(ConfigError, match=r"sandbox.read_paths\[1\].*neither a directory nor a file"):
+            parse_config({"sandbox": {"read_paths": [listed, str(sock_path)]}}, "c.toml")

@@ -10,8 +10,9 @@ Module map (all private; `AgentHandler` is the whole public surface):
 * `_stream`      OpenAI chunk → text/reasoning deltas and assembled tool calls (pure)
 * `_anthropic`   Messages API request body and stream events (pure)
 * `_tools`       registry, schema checks; `_builtins`, `_bash`, `_custom`: the tools
-* `_mcp`         MCP servers' tools as registry tools: names, bounds, discovery
-* `_mcpclient`   one MCP server over the SDK: stdio through the sandbox, HTTP (lazy import)
+* `_mcp`         MCP servers' tools as registry tools: the daemon's lists, lazy starts, backoff
+* `_mcpclient`   one MCP server over the SDK, its spans (lazy import); `_mcpstdio`: a process
+                 through the sandbox; `_mcphttp`: streamable HTTP and the legacy SSE
 * `_permissions` first-match permission rules (pure)
 * `_compaction`  token estimate and where to cut (pure)
 * `_history`     state, ops, records, restore

@@ -9,9 +9,10 @@ Exception tree (everything here stays inside the worker; the handler maps
     │   └── ProviderStreamError  the stream broke: cut, timed out, garbage
     ├── ToolLoadError            tools.enabled / tools.custom cannot be honoured
     ├── ToolError                a tool call failed; the model reads the message
-    │   └── McpServerError       an MCP server did not start, crashed, hung or
-    │                            spoke garbage: its connection is dropped and made
-    │                            again at its next call
+    │   └── McpServerError       an MCP server crashed, hung or spoke garbage: its
+    │       │                    connection is dropped and made again at its next call
+    │       └── McpStartError    it could not be started or listed: the session does
+    │                            not try it again before its backoff (retry_backoff_secs)
     └── BudgetReached            an [agent.budget] ceiling stops the next LLM call
                                  (caught in `Turn.run`: the turn ends, with a note)
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 __all__ = [
     "AgentError",
     "McpServerError",
+    "McpStartError",
     "BudgetReached",
     "ProviderError",
     "ProviderHTTPError",
@@ -76,3 +78,7 @@ class ToolError(AgentError):
 
 class McpServerError(ToolError):
     """An MCP server failed as a server, not as a tool: the call's connection is lost."""
+
+
+class McpStartError(McpServerError):
+    """An MCP server could not be started or did not answer its handshake."""

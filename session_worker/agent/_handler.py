@@ -136,8 +136,9 @@ class AgentHandler:
             self._turn = None
 
     async def _refresh_mcp(self, ctx: TurnContext) -> None:
-        """Connect the MCP servers not listed yet; their tools join the
-        registry (a tools set that fails to build keeps the one in use)."""
+        """The MCP servers' tools not offered yet join the registry: from
+        the daemon's lists (nothing started), else listed here (`_mcp`);
+        a tools set that fails to build keeps the one in use."""
         stale, self._stale_mcp = self._stale_mcp, []
         await close_all(stale)
         builtin = [name for name in self._tools.names() if not name.startswith("mcp__")]

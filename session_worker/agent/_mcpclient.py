@@ -1,28 +1,26 @@
 """One MCP server of one session, spoken to with the official SDK (`mcp`).
 
-Runs in the worker.  Imported only when the operator lists MCP servers
-(`_mcp` imports it at a session's first connection): the SDK and what it
-brings (pydantic, anyio, httpx2) stay out of the zygote and of every worker
-that has no MCP server.
-
-A stdio server is started where the session's tools are started: by the
-session's tool host, inside its sandbox (its uid, namespaces, Landlock,
-seccomp, process limit; the memory sweep counts it with the worker's tree),
-or by the worker itself when `sandbox.mode = "off"`.  So the SDK's own stdio
-client, which starts the process itself, is not used: `_stdio_transport`
-speaks the same newline-delimited JSON-RPC over three pipes of ours.  What
-the server writes on stdout is hostile input: a line over the size bound or
-one that is not JSON-RPC ends the connection (the server is stopped) with
-that reason; its stderr is kept only as a short tail for the error message.
-
-A streamable-HTTP server is reached by the worker, outside the sandbox, at
-the operator's URL (the SDK follows a redirect only within that origin).
+Runs in the worker, and in `session_worker.mcplist` (the process the daemon
+lists its servers' tools with).  Imported only when a server is connected
+(`_mcp` imports it on a thread at the first connection): the SDK and what
+it brings (pydantic, anyio, httpx2) stay out of the zygote and of every
+worker that never calls an MCP tool.  The transports: `_mcpstdio` (a
+process in the session's sandbox, over its stdin and stdout) and
+`_mcphttp` (streamable HTTP, or the legacy HTTP+SSE).
 
 Each connection lives in a task of its own (`McpConnection._own`): the SDK's
 client is an async context that must be entered and left by one task, while
 calls come from the turns' tasks.  A connection that failed (the process
 exited, a garbage line, a call that timed out, the HTTP link broke) is
 closed and made again at the next call; nothing is retried within a call.
+A server that could not be started says why: its exit code and the last
+words of its stderr.
+
+Traced turns get a span for the start (`initialize SERVER`), for a listing
+(`tools/list SERVER`) and for each call (`tools/call TOOL`), as
+OpenTelemetry's MCP conventions name them; a call carries the W3C trace
+context of its span in `params._meta.traceparent` (and over HTTP in a
+`traceparent` header), so a server that traces joins the turn's trace.
 """
 
 from __future__ import annotations
@@ -30,28 +28,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anyio
 import httpx2
 import mcp_types
 from mcp import Client
 from mcp.client._transport import TransportStreams
 from mcp.shared.exceptions import MCPError
-from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
-from session_worker import _spawn, sandbox
-from session_worker.agent._bash import OutputCap, kill_tree, tool_environment
-from session_worker.agent._errors import McpServerError, ToolError
-from session_worker.errors import SandboxError
+from session_worker import tracing
+from session_worker.agent._bash import OutputCap
+from session_worker.agent._errors import McpServerError, McpStartError, ToolError
+from session_worker.agent._mcphttp import http_transport
+from session_worker.agent._mcpstdio import MAX_MESSAGE_BYTES, StdioProcess, describe_exit, stdio_transport
 from ipc.settings import McpServer
 
-__all__ = ["ListedTool", "McpConnection", "render_result"]
+__all__ = ["ListedTool", "McpConnection", "render_resource", "render_result"]
 
 log = logging.getLogger("sessiond.mcp")
 # The SDK logs every HTTP request at INFO and each parse failure with a
@@ -60,12 +56,9 @@ log = logging.getLogger("sessiond.mcp")
 for _name in ("mcp", "httpx2"):
     logging.getLogger(_name).setLevel(logging.CRITICAL)
 
-# One JSON-RPC message from a stdio server: past it the server is stopped.
-_MAX_MESSAGE_BYTES = 8 << 20
-_STDERR_TAIL_BYTES = 2048
 _MAX_PAGES = 16
 _CLOSE_GRACE_SECS = 0.5
-_EXIT_WAIT_SECS = 0.5
+_LIST_CHANGED = frozenset({"notifications/tools/list_changed", "notifications/resources/list_changed"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,130 +70,104 @@ class ListedTool:
     schema: Any
 
 
-class _Process:
-    """A stdio server process and the worker's ends of its pipes."""
-
-    def __init__(self, stdin: int, stdout: int, stderr: int) -> None:
-        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
-        self.exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self.tail = bytearray()
-        self._kill: Any = None
-
-    def kill(self) -> None:
-        if self._kill is not None and not self.exited.done():
-            self._kill()
-
-    async def exit_code(self) -> int | None:
-        with contextlib.suppress(TimeoutError, SandboxError, asyncio.CancelledError):
-            return await asyncio.wait_for(asyncio.shield(self.exited), _EXIT_WAIT_SECS)
-        return None
-
-
-async def _start_process(server: McpServer, workspace: Path) -> _Process:
-    assert server.command is not None
-    in_r, in_w = os.pipe2(os.O_CLOEXEC)
-    out_r, out_w = os.pipe2(os.O_CLOEXEC)
-    err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    proc = _Process(in_w, out_r, err_r)
-    host = sandbox.current()
-    env = {**tool_environment(workspace), **server.env}
-    try:
-        if host is not None:
-            env.setdefault("TMPDIR", host.plan.tmp)
-            command = await host.spawn(list(server.command), env, (in_r, out_w, err_w))
-            _settle(proc.exited, command.exited)
-            proc._kill = lambda: host.kill(command)
-        else:
-            child = _spawn.spawn(server.command, cwd=workspace, env=env, stdin=in_r, stdout=out_w, stderr=err_w)
-            _settle(proc.exited, asyncio.ensure_future(child.wait()))
-            proc._kill = lambda: kill_tree(child.pid)
-    except BaseException:
-        for fd in (in_w, out_r, err_r):
-            os.close(fd)
-        raise
-    finally:
-        for fd in (in_r, out_w, err_w):
-            os.close(fd)
-    return proc
-
-
-def _settle(target: asyncio.Future[int], source: asyncio.Future[int]) -> None:
-    def done(fut: asyncio.Future[int]) -> None:
-        if target.done():
-            return
-        if fut.cancelled():
-            target.cancel()
-        elif (exc := fut.exception()) is not None:
-            target.set_exception(exc)
-            target.exception()  # whoever waits sees it; nobody need
-        else:
-            target.set_result(fut.result())
-
-    source.add_done_callback(done)
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "closed its stdout"
-    if code < 0:
-        return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
 class McpConnection:
     """One server for one session: connected on first use, kept until it
-    fails or the session closes it."""
+    fails or the session closes it.  `on_change(server)`: the server said
+    its tools or resources changed (`notifications/*/list_changed`)."""
 
-    def __init__(self, server: McpServer, workspace: Path) -> None:
+    def __init__(self, server: McpServer, workspace: Path,
+                 on_change: Callable[[str], None] | None = None) -> None:
         self.server = server
         self._workspace = workspace
+        self._on_change = on_change
         self._client: Client | None = None
         self._owner: asyncio.Task[None] | None = None
+        self._connecting = asyncio.Lock()
         self._stop = asyncio.Event()
-        self._process: _Process | None = None
-        # The connection ended (the server's stdout, the HTTP link, a close);
-        # `_lost`: why, when we know better than "it ended" (a garbage line).
+        self._process: StdioProcess | None = None
+        # The connection ended (the server's stdout, the HTTP link, a close).
         self._ended = False
-        self._lost = ""
+        # What the running server said of itself at the handshake.
+        self.version = ""
+        self.resources = False
+        self.starts = 0
 
     @property
     def name(self) -> str:
         return self.server.name
 
+    @property
+    def connected(self) -> bool:
+        return self._client is not None and not self._ended and not (
+            self._process is not None and self._process.ended)
+
     # -- connecting --------------------------------------------------------
 
     async def connect(self, timeout: float) -> Client:
-        if self._client is not None and not self._ended:
+        if self.connected:
+            assert self._client is not None
             return self._client
+        async with self._connecting:  # calls side by side: one start, which the others wait for
+            if self.connected:
+                assert self._client is not None
+                return self._client
+            return await self._connect(timeout)
+
+    async def _connect(self, timeout: float) -> Client:
         await self.close()
         self._ended = False
-        self._lost = ""
         self._stop = asyncio.Event()
-        ready: asyncio.Future[Client] = asyncio.get_running_loop().create_future()
-        self._owner = asyncio.ensure_future(self._own(ready))
-        try:
-            async with asyncio.timeout(timeout):
-                client = await asyncio.shield(ready)
-        except TimeoutError:
-            await self.close()
-            raise McpServerError(
-                f"MCP server {self.name!r} did not start and answer within {timeout:g} s "
-                "(mcp.start_timeout_secs)") from None
-        except McpServerError:
-            await self.close()
-            raise
-        except Exception as exc:
-            await self.close()
-            raise McpServerError(f"MCP server {self.name!r} could not be started: {self._why(exc)}") from None
+        self.starts += 1
+        transport = "pipe" if self.server.command is not None else "tcp"
+        attributes = {"mcp.method.name": "initialize", "sessiond.mcp.server": self.name,
+                      "network.transport": transport}
+        with tracing.span(f"initialize {self.name}", tracing.CLIENT, attributes) as span:
+            ready: asyncio.Future[Client] = asyncio.get_running_loop().create_future()
+            self._owner = asyncio.ensure_future(self._own(ready))
+            try:
+                async with asyncio.timeout(timeout):
+                    client = await asyncio.shield(ready)
+            except TimeoutError:
+                failure = await self._start_failed(f"did not start and answer within {timeout:g} s "
+                                                   "(mcp.start_timeout_secs)")
+                span.fail(str(failure))
+                raise failure from None
+            except McpServerError as exc:
+                await self.close()
+                span.fail(str(exc))
+                raise McpStartError(str(exc)) from None
+            except Exception as exc:
+                failure = await self._start_failed(None, exc)
+                span.fail(str(failure))
+                raise failure from None
+            info = client.server_info
+            self.version = (info.version or "")[:128] if info is not None else ""
+            capabilities = client.server_capabilities
+            self.resources = capabilities.resources is not None
+            span.set("mcp.protocol.version", client.protocol_version)
+            if self.version:
+                span.set("sessiond.mcp.server.version", self.version)
         self._client = client
         return client
+
+    async def _start_failed(self, why: str | None, exc: BaseException | None = None) -> McpStartError:
+        """Why the server did not come up, with its exit code and the last
+        words of its stderr when it is a process."""
+        proc = self._process
+        if proc is not None and why is None:
+            code = await proc.exit_code()
+            why = proc.lost or (f"{describe_exit(code)} before it answered the handshake" if code is not None
+                                else f"could not be started: {self._why(exc) if exc else 'it stopped answering'}")
+        elif why is None:
+            why = f"could not be started: {self._why(exc) if exc else 'unknown'}"
+        await self.close()
+        tail = proc.last_words() if proc is not None else ""
+        return McpStartError(f"MCP server {self.name!r} {why}{tail}")
 
     async def _own(self, ready: asyncio.Future[Client]) -> None:
         """The task that enters and leaves the SDK's client."""
         try:
-            transport = (self._stdio_transport() if self.server.command is not None
-                         else self._http_transport())
-            async with Client(transport, cache=None) as client:
+            async with Client(self._transport(), cache=None, message_handler=self._on_message) as client:
                 if not ready.done():
                     ready.set_result(client)
                 await self._stop.wait()
@@ -216,174 +183,98 @@ class McpConnection:
             self._ended = True
 
     @contextlib.asynccontextmanager
-    async def _http_transport(self) -> AsyncIterator[TransportStreams]:
-        from mcp.client.streamable_http import streamable_http_client
-
-        assert self.server.url is not None
-        headers: dict[str, str] = {}
-        for header, variable in self.server.headers_env.items():
-            value = os.environ.get(variable)
-            if not value:
-                raise McpServerError(f"MCP server {self.name!r}: environment variable {variable} "
-                                     f"(headers_env.{header}) is not set")
-            headers[header] = value
-        # trust_env off: the operator's URL is reached directly, not through
-        # a proxy the worker's environment happens to name.
-        transport = _CappedTransport(httpx2.AsyncHTTPTransport(trust_env=False), _MAX_MESSAGE_BYTES)
-        async with httpx2.AsyncClient(timeout=httpx2.Timeout(30.0, read=300.0), trust_env=False,
-                                      headers=headers, transport=transport) as http:
-            async with streamable_http_client(self.server.url, http_client=http,
-                                              max_sse_event_size=_MAX_MESSAGE_BYTES) as streams:
+    async def _transport(self) -> AsyncIterator[TransportStreams]:
+        if self.server.command is None:
+            async with http_transport(self.server, MAX_MESSAGE_BYTES) as streams:
                 yield streams
-
-    @contextlib.asynccontextmanager
-    async def _stdio_transport(self) -> AsyncIterator[TransportStreams]:
-        try:
-            proc = await _start_process(self.server, self._workspace)
-        except SandboxError as exc:
-            raise McpServerError(f"MCP server {self.name!r} cannot start in the session's sandbox: {exc}") from None
-        except OSError as exc:
-            raise McpServerError(f"MCP server {self.name!r} cannot be started: {exc}") from None
-        self._process = proc
-        loop = asyncio.get_running_loop()
-        incoming, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](0)
-        write_stream, outgoing = anyio.create_memory_object_stream[SessionMessage](0)
-        reader = asyncio.StreamReader(limit=_MAX_MESSAGE_BYTES)
-        out_transport, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(proc.stdout, "rb", 0))
-        in_transport, in_protocol = await loop.connect_write_pipe(
-            asyncio.streams.FlowControlMixin, os.fdopen(proc.stdin, "wb", 0))
-        writer = asyncio.StreamWriter(in_transport, in_protocol, None, loop)
-        os.set_blocking(proc.stderr, False)
-        loop.add_reader(proc.stderr, self._read_stderr, proc)
-        tasks = [asyncio.ensure_future(self._pump_out(reader, incoming, proc)),
-                 asyncio.ensure_future(self._pump_in(outgoing, writer, incoming))]
-        try:
-            yield read_stream, write_stream
-        finally:
-            for task in tasks:
-                task.cancel()
-            with contextlib.suppress(Exception):
-                writer.close()
-            try:
-                # The spec's shutdown: stdin closed, a moment, then the kill
-                # (which a second cancellation must not skip).
-                with contextlib.suppress(TimeoutError, SandboxError):
-                    await asyncio.wait_for(asyncio.shield(proc.exited), _CLOSE_GRACE_SECS)
-            finally:
-                proc.kill()
-                out_transport.close()
-                loop.remove_reader(proc.stderr)
-                os.close(proc.stderr)
-                for stream in (incoming, read_stream, write_stream, outgoing):
-                    stream.close()
-
-    async def _pump_out(self, reader: asyncio.StreamReader, incoming: Any, proc: _Process) -> None:
-        """The server's stdout, one message a line, to the SDK."""
-        try:
-            while True:
-                try:
-                    line = await reader.readuntil(b"\n")
-                except asyncio.IncompleteReadError as end:
-                    if end.partial.strip():
-                        self._fail(f"wrote something that is not JSON-RPC on stdout: {_quote(end.partial)}", proc)
-                    return
-                except asyncio.LimitOverrunError:
-                    self._fail(f"wrote a message over {_MAX_MESSAGE_BYTES} bytes on stdout", proc)
-                    return
-                if not line.strip():
-                    continue
-                try:
-                    message = mcp_types.jsonrpc_message_adapter.validate_json(line, by_name=False)
-                except ValueError:
-                    self._fail(f"wrote something that is not JSON-RPC on stdout: {_quote(line)}", proc)
-                    return
-                await incoming.send(SessionMessage(message))
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
-            pass
-        finally:
-            # The end of the stream: the SDK fails every call still waiting.
-            self._ended = True
-            incoming.close()
-
-    async def _pump_in(self, outgoing: Any, writer: asyncio.StreamWriter, incoming: Any) -> None:
-        try:
-            async for item in outgoing:
-                data = item.message.model_dump_json(by_alias=True, exclude_unset=True).encode() + b"\n"
-                writer.write(data)
-                await writer.drain()
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
-            self._ended = True
-            incoming.close()
-
-    def _read_stderr(self, proc: _Process) -> None:
-        try:
-            data = os.read(proc.stderr, 65536)
-        except BlockingIOError:
             return
-        except OSError:
-            data = b""
-        if not data:
-            asyncio.get_running_loop().remove_reader(proc.stderr)
-            return
-        proc.tail += data
-        del proc.tail[:-_STDERR_TAIL_BYTES]
 
-    def _fail(self, why: str, proc: _Process) -> None:
-        self._lost = why
-        proc.kill()
+        def started(proc: StdioProcess) -> None:
+            self._process = proc
+
+        async with stdio_transport(self.server, self._workspace, started) as streams:
+            yield streams
+
+    async def _on_message(self, message: Any) -> None:
+        if getattr(message, "method", None) in _LIST_CHANGED and self._on_change is not None:
+            self._on_change(self.name)
 
     # -- using it ----------------------------------------------------------
 
     async def list_tools(self, timeout: float) -> list[ListedTool]:
-        client = await self.connect(timeout)
-        tools: list[ListedTool] = []
-        cursor: str | None = None
-        try:
-            async with asyncio.timeout(timeout):
-                for _ in range(_MAX_PAGES):
-                    page = await client.list_tools(cursor=cursor)
-                    tools += [ListedTool(t.name, t.description or "", t.input_schema) for t in page.tools]
-                    cursor = page.next_cursor
-                    if cursor is None:
-                        break
-        except TimeoutError:
-            await self.close()
-            raise McpServerError(f"MCP server {self.name!r} did not list its tools within {timeout:g} s "
-                                 "(mcp.start_timeout_secs)") from None
-        except Exception as exc:
-            raise await self._failed("tools/list", exc) from None
-        return tools
+        attributes = {"mcp.method.name": "tools/list", "sessiond.mcp.server": self.name}
+        with tracing.span(f"tools/list {self.name}", tracing.CLIENT, attributes) as span:
+            client = await self.connect(timeout)
+            tools: list[ListedTool] = []
+            cursor: str | None = None
+            try:
+                async with asyncio.timeout(timeout):
+                    for _ in range(_MAX_PAGES):
+                        page = await client.list_tools(cursor=cursor)
+                        tools += [ListedTool(t.name, t.description or "", t.input_schema) for t in page.tools]
+                        cursor = page.next_cursor
+                        if cursor is None:
+                            break
+            except TimeoutError:
+                await self.close()
+                raise McpServerError(f"MCP server {self.name!r} did not list its tools within {timeout:g} s "
+                                     "(mcp.start_timeout_secs)") from None
+            except Exception as exc:
+                raise await self._failed("tools/list", exc) from None
+            span.set("sessiond.mcp.tools", len(tools))
+            return tools
 
     async def call(self, tool: str, arguments: dict[str, Any], timeout: float, start_timeout: float) -> Any:
+        attributes = {"mcp.method.name": "tools/call", "gen_ai.tool.name": tool, "sessiond.mcp.server": self.name,
+                      "gen_ai.operation.name": "execute_tool"}
+        with tracing.span(f"tools/call {tool}", tracing.CLIENT, attributes):
+            return await self._request(tool, f"the call to {tool}", timeout, start_timeout,
+                                       lambda client: client.call_tool(tool, arguments, meta=_trace_meta()))
+
+    async def resources_page(self, cursor: str | None, timeout: float, start_timeout: float) -> Any:
+        """One page of resources/list."""
+        return await self._request("resources/list", "resources/list", timeout, start_timeout,
+                                   lambda client: client.list_resources(cursor=cursor))
+
+    async def read(self, uri: str, timeout: float, start_timeout: float) -> Any:
+        """resources/read of one URI."""
+        attributes = {"mcp.method.name": "resources/read", "sessiond.mcp.server": self.name}
+        with tracing.span("resources/read", tracing.CLIENT, attributes):
+            return await self._request(f"resources/read of {uri!r}", f"resources/read of {uri!r}", timeout,
+                                       start_timeout, lambda client: client.read_resource(uri, meta=_trace_meta()))
+
+    async def _request(self, what: str, during: str, timeout: float, start_timeout: float,
+                       send: Callable[[Client], Awaitable[Any]]) -> Any:
+        """One request of a tool's (connected first if need be): its answer,
+        or why not, in words the model reads.  A timeout or a lost
+        connection closes the connection (made again at the next call); the
+        server's own refusal leaves it be."""
         client = await self.connect(start_timeout)
         try:
             async with asyncio.timeout(timeout):
-                return await client.call_tool(tool, arguments)
+                return await send(client)
         except TimeoutError:
             await self.close()
             raise McpServerError(
-                f"MCP server {self.name!r} did not answer {tool} within {timeout:g} s (mcp.call_timeout_secs); "
+                f"MCP server {self.name!r} did not answer {what} within {timeout:g} s (mcp.call_timeout_secs); "
                 "it was stopped and starts again at the next call") from None
         except MCPError as exc:
             if exc.code != mcp_types.CONNECTION_CLOSED:
-                raise ToolError(f"MCP server {self.name!r} refused the call to {tool}: {exc.message}") from None
-            raise await self._failed(f"the call to {tool}", exc) from None
+                raise ToolError(f"MCP server {self.name!r} refused {during}: {exc.message}") from None
+            raise await self._failed(during, exc) from None
         except Exception as exc:
-            raise await self._failed(f"the call to {tool}", exc) from None
+            raise await self._failed(during, exc) from None
 
     async def _failed(self, during: str, exc: Exception) -> McpServerError:
         """The connection is lost: why, in words; closed, so that the next
         call makes a new one."""
-        why = self._lost
         proc = self._process
+        why = proc.lost if proc is not None else ""
         if not why and proc is not None:
-            why = _describe_exit(await proc.exit_code())
+            why = describe_exit(await proc.exit_code())
         if not why:
             why = f"failed: {self._why(exc)}"
-        tail = ""
-        if proc is not None and proc.tail.strip():
-            tail = f"; its last words on stderr: {_quote(bytes(proc.tail), last=True)}"
+        tail = proc.last_words() if proc is not None else ""
         await self.close()
         return McpServerError(f"MCP server {self.name!r} {why} during {during}{tail}; "
                               "it starts again at the next call")
@@ -421,48 +312,25 @@ class McpConnection:
                 await asyncio.wait_for(owner, 1.0)
 
 
-class _CappedTransport(httpx2.AsyncBaseTransport):
-    """An HTTP server's JSON answers cut off past `limit` bytes (the SDK
-    reads a whole answer into memory before it parses it; over stdio a line
-    has the same bound).  An event stream is left alone: the SDK bounds
-    each of its events."""
-
-    def __init__(self, inner: httpx2.AsyncBaseTransport, limit: int) -> None:
-        self._inner, self._limit = inner, limit
-
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        response = await self._inner.handle_async_request(request)
-        if "text/event-stream" not in response.headers.get("content-type", ""):
-            assert isinstance(response.stream, httpx2.AsyncByteStream)
-            response.stream = _CappedStream(response.stream, self._limit)
-        return response
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
+def _trace_meta() -> Any:
+    """The request's `_meta`: W3C trace context of the open span (the
+    call's), or None when the turn is not traced."""
+    parent = tracing.traceparent()
+    return {"traceparent": parent} if parent else None
 
 
-class _CappedStream(httpx2.AsyncByteStream):
-    def __init__(self, inner: httpx2.AsyncByteStream, limit: int) -> None:
-        self._inner, self._limit = inner, limit
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        seen = 0
-        async for chunk in self._inner:
-            seen += len(chunk)
-            if seen > self._limit:
-                raise httpx2.ReadError(f"the server's answer is over {self._limit} bytes")
-            yield chunk
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
-def _quote(data: bytes, *, last: bool = False) -> str:
-    """Bytes of the server's, shown escaped: the first (or `last`) 300 characters."""
-    text = sandbox.escape(data.decode("utf-8", "replace").strip())
-    if len(text) > 300:
-        text = "..." + text[-300:] if last else text[:300] + "..."
-    return f'"{text}"'
+def render_resource(result: Any, limit: int) -> str:
+    """A ReadResourceResult as text for the model, cut to `limit` bytes."""
+    parts: list[str] = []
+    for item in result.contents or ():
+        text = getattr(item, "text", None)
+        if isinstance(text, str):
+            parts.append(text)
+        else:
+            parts.append(f"[{item.uri}: binary ({item.mime_type or 'unknown type'}), not shown]")
+    cap = OutputCap(limit)
+    cap.feed("\n".join(parts).encode("utf-8", "replace"))
+    return cap.text()
 
 
 def render_result(result: Any, limit: int) -> tuple[bool, str]:

@@ -3,8 +3,9 @@
 Pure functions, no I/O: the handler awaits `ctx.ask_permission` itself.
 Rules come from `settings.permissions` in order (the daemon puts the global
 rules before the session's); the first rule that matches decides, and a call
-no rule matches is allowed.  `tool` is a tool name or "*"; `match` is an
-fnmatch glob (case-sensitive on every platform, `*` crosses `/` and newlines)
+no rule matches is allowed.  `tool` is a tool name, "*", or one of Claude
+Code's shapes for MCP tools, `mcp__SERVER` and `mcp__SERVER__*` (every
+tool of that server: `PermissionRule.covers`); `match` is an fnmatch glob (case-sensitive on every platform, `*` crosses `/` and newlines)
 on the call's main argument.
 
 A glob on a shell command is a coarse filter: `rm *` does not match
@@ -26,7 +27,7 @@ Action = Literal["allow", "deny", "ask"]
 
 def decide(rules: Sequence[PermissionRule], tool: str, main_arg: str) -> Action:
     for rule in rules:
-        if rule.tool != "*" and rule.tool != tool:
+        if not rule.covers(tool):
             continue
         if fnmatch.fnmatchcase(main_arg, rule.match):
             return rule.action

@@ -647,6 +647,8 @@ class ControlServer:
             by_state=by_state, live_workers=sum(1 for s in sessions if s.worker is not None),
             clients=clients, rss_bytes=rss, sandbox=self.manager.host_report(),
             tracing=self.tracer.stats() if admin else {},
+            mcp={x.name: {"state": x.state, "tools": len(x.tools), "version": x.version,
+                          **({"error": x.error} if admin and x.error else {})} for x in self.manager.config.mcp.listed},
         )
 
 

@@ -314,7 +314,8 @@ class TurnLedger:
         spent, uid_spent = self._budgets.for_input(session)
         trace = session.trace
         return m.Input(turn=turn, text=text, resumed=resumed, spent=spent, uid_spent=uid_spent,
-                       trace=trace is not None, trace_content=trace is not None and trace.content)
+                       trace=trace is not None, trace_content=trace is not None and trace.content,
+                       trace_id=trace.trace_id if trace is not None else "")
 
     def resumed(self, session: Session, detail: str = "") -> None:
         """The running turn goes on on a new worker (the resume path's hook)."""

@@ -141,6 +141,10 @@ _OPERATOR_ONLY = {
     "sandbox.read_paths": "it names directories on the daemon's host",
     "sandbox.tmp_size_mb": "",
     "mcp.servers": "it names commands to run and URLs to reach; narrow with mcp.enabled",
+    "mcp.import": "it names a file on the daemon's host",
+    "mcp.listed": "the daemon fills it with the servers' tool lists",
+    "mcp.relist_interval_secs": "",
+    "mcp.retry_backoff_secs": "",
 }
 _MAX_KEYS = 64
 _MAX_SESSION_RULES = 64

@@ -190,6 +190,8 @@ class Workspaces:
         span = self.session_uids
         if span is None:
             return None
+        # The last uid is kept for listing MCP servers' tools (supervisor.spawn.mcplist).
+        span = span[:-1] if len(span) > 1 else span
         taken = {s.meta.run_uid for s in sessions}
         for _ in range(64):
             uid = span[secrets.randbelow(len(span))]

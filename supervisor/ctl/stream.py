@@ -52,8 +52,17 @@ def _clip(text: str, limit: int = _TOOL_LINE_CHARS) -> str:
 
 
 def _tool_line(kind: str, data: dict[str, Any]) -> str | None:
-    """One compact line for a `tool_call` or `tool_result` notice (None for
-    other notices): what the agent runs, and how it went."""
+    """One compact line for a `tool_call` or `tool_result` notice, or an
+    MCP server's (None for other notices): what the agent runs, how it
+    went, and a server whose tools it cannot use (said once, with why)."""
+    if kind == "mcp_server_unavailable":
+        retry = data.get("retry_in_secs")
+        again = f" (tried again in {retry:g} s)" if isinstance(retry, (int, float)) else ""
+        return _clip(f"[mcp] server {data.get('server', '?')} is unavailable: {data.get('error', '')}{again}", 2000)
+    if kind == "mcp_tools_refused":
+        tools = data.get("tools") or []
+        shown = "; ".join(f"{t.get('tool')}: {t.get('reason')}" for t in tools[:5] if isinstance(t, dict))
+        return _clip(f"[mcp] server {data.get('server', '?')}: {len(tools)} tool(s) not offered: {shown}", 2000)
     name = str(data.get("name", "?"))
     if kind == "tool_call":
         args = data.get("arguments", {})

@@ -393,6 +393,7 @@ class OtelTracer(Tracer):
         trace.spans = spans
         trace.recording = True
         trace.content = self._content
+        trace.trace_id = f"{trace_id:032x}"
         return trace
 
     def input_durable(self, trace: TurnTrace, error: str = "") -> None:

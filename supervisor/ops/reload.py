@@ -72,6 +72,8 @@ def changes(old: Config, new: Config) -> list[str]:
     missing = object()
     out = []
     for key in sorted(before.keys() | after.keys()):
+        if key == "mcp.listed":
+            continue  # the daemon's own (its MCP tool lists), not the file's
         a, b = before.get(key, missing), after.get(key, missing)
         if a != b:
             out.append(f"{key}: {_show(a, missing)} -> {_show(b, missing)}")

@@ -45,6 +45,9 @@ class TurnTrace:
     # spans, and the implementation's own state (its spans).
     recording: bool = False
     content: bool = False
+    # The trace's id (32 hex digits) once it records: the worker passes it
+    # on, as W3C trace context, to what its tools call (MCP servers).
+    trace_id: str = ""
     spans: Any = None
 
 

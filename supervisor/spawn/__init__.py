@@ -1,7 +1,8 @@
 """Starting and containing workers (run by sessiond; spawner.py's other half
 is session_worker/zygote.py, and cluster/nodehost.py runs it on a Ray node):
 the Spawner seam, the zygote's daemon side, pidfds, cgroups (v1, v2 and the
-choice between them) and the sandbox probe.
+choice between them), the sandbox probe, and the MCP lister (a confined
+process that lists MCP servers' tools for the daemon).
 
 Owns the worker processes until they are handed to the core.  May import:
 ipc/, supervisor.config and supervisor.errors, supervisor.ops.  Never the
