@@ -1,7 +1,8 @@
-"""Every message sessiond puts on a socket, as tagged msgspec Structs.
-
-Three links, each with one union per direction (the zygote's in
-ipc/zygote_wire.py):
+"""Every message sessiond puts on a socket, as tagged msgspec Structs: the
+face every side imports.  The control link (a client and the daemon) is
+defined here, an operator's further requests in ipc/operator.py, the worker
+link in ipc/worker_wire.py (its names re-exported here), the zygote's in
+ipc/zygote_wire.py; each link has one union per direction:
 
     client  --Request-->   daemon  --ToWorker-->   worker
     client  <--Reply---    daemon  <--FromWorker-- worker
@@ -26,8 +27,15 @@ from typing import Any
 
 import msgspec
 
-# Nested in worker messages (Input.resumed, WorkerSpans.spans): kept apart.
-from ipc.turn_wire import Resumed, SpanEvent, SpanRecord, StepInFlight, StepResult
+from ipc.wirebase import Msg
+# The worker link's messages, defined by link in ipc.worker_wire; named here
+# too (`m.Boot`), the one face every side imports.
+from ipc.worker_wire import (
+    AskPermission, Boot, BootFailed, BudgetUpdate, Delta, Done, Failed, FromWorker, Heartbeat, Input,
+    InterruptTurn, MemoryHigh, PermissionAnswer, Ready, Reconfigure, Resumed, SandboxBoot, Shutdown, SpanEvent,
+    SpanRecord, SpawnAgent, SpawnResult, Spent, StepBegun, StepDone, StepInFlight, StepResult, StepSaved,
+    ToWorker, WorkerLimit, WorkerNotice, WorkerPing, WorkerPong, WorkerReasoning, WorkerSpans,
+)
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -40,27 +48,18 @@ __all__ = [
     "StatusReply", "SessionList", "StatsReply", "Pong", "Repaired", "ExitInfo", "SessionInfo",
     "TextDelta", "ReasoningDelta", "TurnDone", "TurnFailed", "StateChanged", "LimitExceeded", "Notice",
     "PermissionRequest", "Gap", "Lagged", "Event", "Reply", "EVENT_TYPES",
-    # daemon <-> worker
+    # daemon <-> worker (defined in ipc.worker_wire)
     "Boot", "SandboxBoot", "Input", "InterruptTurn", "WorkerPing", "Shutdown", "PermissionAnswer",
     "SpawnResult", "MemoryHigh", "Reconfigure", "StepResult", "StepInFlight", "Resumed", "StepSaved",
     "BudgetUpdate", "ToWorker",
-    "Ready", "BootFailed", "Delta", "WorkerNotice", "WorkerLimit", "Spent", "Done", "Failed",
+    "Ready", "BootFailed", "Delta", "WorkerReasoning", "WorkerNotice", "WorkerLimit", "Spent", "Done", "Failed",
     "Heartbeat", "WorkerPong", "AskPermission", "SpawnAgent", "StepBegun", "StepDone", "SpanEvent",
     "SpanRecord", "WorkerSpans", "FromWorker",
-    # daemon <-> zygote: ipc/zygote_wire.py
-    # added after protocol 1 (history, logs, export/import, top)
+    # daemon <-> zygote: ipc/zygote_wire.py; an operator's requests: ipc/operator.py
+    "Msg",
 ]
 
 PROTOCOL_VERSION = 1
-
-
-class _Msg(msgspec.Struct, tag_field="type", omit_defaults=True, kw_only=True, gc=False):
-    """Every message is data (scalars, strings, lists and dicts of them),
-    never part of a reference cycle, so none is tracked by the cyclic
-    garbage collector (`gc=False`, inherited).  The daemon keeps tens of
-    thousands of events for replay (`event_retention_bytes`): tracked, each
-    full collection walked every one of them, 11-18 ms with 50 busy sessions,
-    the whole of the control plane's p99 (bench/load.py)."""
 
 
 class ErrorCode(enum.StrEnum):
@@ -93,7 +92,7 @@ NEW_EVENT_TAGS = frozenset({"reasoning"})
 # ---------------------------------------------------------------- client -> daemon
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(Msg, tag="hello"):
     protocol: int
     client: str = ""
     # Error codes of NEW_ERROR_CODES this client can decode.
@@ -102,7 +101,7 @@ class Hello(_Msg, tag="hello"):
     events: list[str] = []
 
 
-class Create(_Msg, tag="create"):
+class Create(Msg, tag="create"):
     id: int
     session: str | None = None  # chosen id; None = the daemon picks one
     handler: str | None = None  # None = [agent] handler from the config
@@ -110,7 +109,7 @@ class Create(_Msg, tag="create"):
     settings: dict[str, Any] = {}
 
 
-class Send(_Msg, tag="send"):
+class Send(Msg, tag="send"):
     """An input.  Replied to with `Accepted` once the input is durable; the
     turn's events then follow on this connection (it is attached)."""
 
@@ -122,44 +121,44 @@ class Send(_Msg, tag="send"):
     traceparent: str = ""
 
 
-class Attach(_Msg, tag="attach"):
+class Attach(Msg, tag="attach"):
     id: int
     session: str
     # Replay retained events with seq >= from_seq first; None = live only.
     from_seq: int | None = None
 
 
-class Detach(_Msg, tag="detach"):
+class Detach(Msg, tag="detach"):
     id: int
     session: str
 
 
-class Interrupt(_Msg, tag="interrupt"):
+class Interrupt(Msg, tag="interrupt"):
     id: int
     session: str
 
 
-class Stop(_Msg, tag="stop"):
+class Stop(Msg, tag="stop"):
     id: int
     session: str
 
 
-class Restart(_Msg, tag="restart"):
+class Restart(Msg, tag="restart"):
     id: int
     session: str
 
 
-class Remove(_Msg, tag="rm"):
+class Remove(Msg, tag="rm"):
     id: int
     session: str
 
 
-class Status(_Msg, tag="status"):
+class Status(Msg, tag="status"):
     id: int
     session: str
 
 
-class List(_Msg, tag="ls"):
+class List(Msg, tag="ls"):
     """The sessions the client may see, selected by the daemon: each list
     non-empty keeps only the sessions matching one of its values (all the
     lists must match).  `limit` > 0 asks for one page: at most that many
@@ -175,11 +174,11 @@ class List(_Msg, tag="ls"):
     after: str = ""
 
 
-class Stats(_Msg, tag="stats"):
+class Stats(Msg, tag="stats"):
     id: int
 
 
-class Ping(_Msg, tag="ping"):
+class Ping(Msg, tag="ping"):
     """Without a session: the daemon answers.  With one: the round trip goes
     through that session's worker (which must be live)."""
 
@@ -187,7 +186,7 @@ class Ping(_Msg, tag="ping"):
     session: str | None = None
 
 
-class Answer(_Msg, tag="answer"):
+class Answer(Msg, tag="answer"):
     """Approve or deny a pending `PermissionRequest`."""
 
     id: int
@@ -196,7 +195,7 @@ class Answer(_Msg, tag="answer"):
     allow: bool
 
 
-class Repair(_Msg, tag="repair"):
+class Repair(Msg, tag="repair"):
     """Rewrite a damaged session's log so that it loads again.  `mode`:
     "skip_bad" keeps every intact record, "truncate" what precedes the
     first damaged one.  Replied to with `Repaired`."""
@@ -215,23 +214,23 @@ Request = (
 # ---------------------------------------------------------------- daemon -> client
 
 
-class Welcome(_Msg, tag="welcome"):
+class Welcome(Msg, tag="welcome"):
     protocol: int
     server_version: str
     pid: int
 
 
-class Error(_Msg, tag="error"):
+class Error(Msg, tag="error"):
     code: ErrorCode
     message: str
     id: int = 0  # 0 when the error answers no request (a bad frame)
 
 
-class Ok(_Msg, tag="ok"):
+class Ok(Msg, tag="ok"):
     id: int
 
 
-class ExitInfo(_Msg, tag="exit"):
+class ExitInfo(Msg, tag="exit"):
     # exited, boot_failed, crashed, killed_memory, killed_turn_timeout,
     # killed_heartbeat, killed_processes, killed_disk (the session is then
     # stopped, not restarted), stopped
@@ -242,7 +241,7 @@ class ExitInfo(_Msg, tag="exit"):
     detail: str = ""
 
 
-class SessionInfo(_Msg, tag="session"):
+class SessionInfo(Msg, tag="session"):
     id: str
     state: str
     handler: str
@@ -280,30 +279,30 @@ class SessionInfo(_Msg, tag="session"):
     budget: dict[str, Any] = {}
 
 
-class Created(_Msg, tag="created"):
+class Created(Msg, tag="created"):
     id: int
     session: SessionInfo
 
 
-class Accepted(_Msg, tag="accepted"):
+class Accepted(Msg, tag="accepted"):
     id: int
     session: str
     turn: int
     seq: int  # the events of this turn have seq > this
 
 
-class Attached(_Msg, tag="attached"):
+class Attached(Msg, tag="attached"):
     id: int
     session: str
     next_seq: int
 
 
-class StatusReply(_Msg, tag="status"):
+class StatusReply(Msg, tag="status"):
     id: int
     session: SessionInfo
 
 
-class SessionList(_Msg, tag="sessions"):
+class SessionList(Msg, tag="sessions"):
     id: int
     sessions: list[SessionInfo]
     # A page (List.limit) with more after it: the `after` of the next
@@ -311,7 +310,7 @@ class SessionList(_Msg, tag="sessions"):
     next: str = ""
 
 
-class StatsReply(_Msg, tag="stats"):
+class StatsReply(Msg, tag="stats"):
     id: int
     pid: int
     version: str
@@ -334,13 +333,13 @@ class StatsReply(_Msg, tag="stats"):
     mcp: dict[str, Any] = {}
 
 
-class Pong(_Msg, tag="pong"):
+class Pong(Msg, tag="pong"):
     id: int
     session: str | None = None
     pid: int = 0  # the daemon's, or the worker's for a session ping
 
 
-class Repaired(_Msg, tag="repaired"):
+class Repaired(Msg, tag="repaired"):
     id: int
     session: SessionInfo
     kept_records: int = 0
@@ -351,14 +350,14 @@ class Repaired(_Msg, tag="repaired"):
 # Events: every one has session and seq.
 
 
-class TextDelta(_Msg, tag="text"):
+class TextDelta(Msg, tag="text"):
     session: str
     seq: int
     turn: int
     text: str
 
 
-class ReasoningDelta(_Msg, tag="reasoning"):
+class ReasoningDelta(Msg, tag="reasoning"):
     """A piece of the model's reasoning (DeepSeek/Kimi `reasoning_content`,
     Anthropic thinking): not reply text, for clients to show or hide.  Sent
     only to clients that announced "reasoning" in `Hello.events`, and only
@@ -372,7 +371,7 @@ class ReasoningDelta(_Msg, tag="reasoning"):
     text: str
 
 
-class TurnDone(_Msg, tag="turn_done"):
+class TurnDone(Msg, tag="turn_done"):
     session: str
     seq: int
     turn: int
@@ -388,14 +387,14 @@ class TurnDone(_Msg, tag="turn_done"):
     usage: dict[str, int] = {}
 
 
-class TurnFailed(_Msg, tag="turn_failed"):
+class TurnFailed(Msg, tag="turn_failed"):
     session: str
     seq: int
     turn: int
     reason: str
 
 
-class StateChanged(_Msg, tag="state"):
+class StateChanged(Msg, tag="state"):
     session: str
     seq: int
     old: str
@@ -403,7 +402,7 @@ class StateChanged(_Msg, tag="state"):
     reason: str = ""
 
 
-class LimitExceeded(_Msg, tag="limit"):
+class LimitExceeded(Msg, tag="limit"):
     session: str
     seq: int
     kind: str  # memory, memory_high, turn_timeout, heartbeat, turns, restarts, budget...
@@ -414,7 +413,7 @@ class LimitExceeded(_Msg, tag="limit"):
     unit: str = ""
 
 
-class Notice(_Msg, tag="notice"):
+class Notice(Msg, tag="notice"):
     session: str
     seq: int
     turn: int
@@ -422,7 +421,7 @@ class Notice(_Msg, tag="notice"):
     data: dict[str, Any] = {}
 
 
-class PermissionRequest(_Msg, tag="permission_request"):
+class PermissionRequest(Msg, tag="permission_request"):
     session: str
     seq: int
     turn: int
@@ -431,7 +430,7 @@ class PermissionRequest(_Msg, tag="permission_request"):
     arguments: dict[str, Any] = {}
 
 
-class Gap(_Msg, tag="gap"):
+class Gap(Msg, tag="gap"):
     """Attach asked for events no longer retained; `seq` is the first one
     that will follow."""
 
@@ -440,7 +439,7 @@ class Gap(_Msg, tag="gap"):
     from_seq: int
 
 
-class Lagged(_Msg, tag="lagged"):
+class Lagged(Msg, tag="lagged"):
     """This client fell `dropped` frames behind and is being disconnected;
     the session is unaffected.  Re-attach with `from_seq` to catch up."""
 
@@ -462,248 +461,4 @@ Reply = (
     Welcome | Error | Ok | Created | Accepted | Attached | StatusReply | SessionList
     | StatsReply | Pong | Repaired | TextDelta | ReasoningDelta | TurnDone | TurnFailed | StateChanged
     | LimitExceeded | Notice | PermissionRequest | Gap | Lagged
-)
-
-
-# ---------------------------------------------------------------- daemon -> worker
-
-
-class SandboxBoot(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
-    """What the daemon found at start about confining tools on this host."""
-
-    # bubblewrap can set up namespaces for a session's uid (probed at start).
-    namespaces: bool = False
-    bwrap: str = ""
-    why_not: str = ""  # why not, when namespaces is False
-    landlock_abi: int = 0
-    # Daemon paths no tool may see even under a read-only system tree
-    # (its config, state and socket directories).
-    hide: list[str] = []
-
-
-class Boot(_Msg, tag="boot"):
-    session: str
-    handler: str
-    settings: bytes  # msgpack of session_worker.settings.SessionSettings
-    workspace: str
-    depth: int = 0
-    turns: int = 0  # committed turns so far
-    snapshot: bytes = b""  # msgpack of the handler's state; empty = none
-    records: list[bytes] = []  # turn records committed after the snapshot
-    # Drop to these ids before any handler code runs (daemon running as root).
-    run_as_uid: int | None = None
-    run_as_gid: int | None = None
-    sandbox: SandboxBoot | None = None  # None: tools run unconfined (sandbox.mode = off)
-
-
-class Input(_Msg, tag="input"):
-    turn: int
-    text: str
-    resumed: Resumed | None = None
-    # The turn is traced: record spans (LLM calls, tool calls) and send
-    # them as `WorkerSpans`.  The worker learns no collector: the daemon
-    # places its spans in the turn's trace and alone exports them.
-    trace: bool = False
-    # With `trace`: prompts and completions go into the LLM call spans.
-    trace_content: bool = False
-    # With `trace`: the trace's id (32 hex digits), which the worker passes
-    # on as W3C trace context (`traceparent`) to the MCP servers its tools
-    # call; its own spans still go to the daemon, which places them.
-    trace_id: str = ""
-    # What counts against the session's [agent.budget] ceilings besides
-    # the turn's own calls (ipc.budget): the session's turns before this
-    # one, and the other sessions of its uid (sent only with a uid ceiling).
-    spent: dict[str, int] = {}
-    uid_spent: dict[str, int] = {}
-
-
-class StepSaved(_Msg, tag="step_saved"):
-    """Step `n` of the turn is durable (or, with `error`, will never be);
-    with `begun`, its start (a `StepBegun` that asked `durable`) is."""
-
-    turn: int
-    n: int
-    error: str = ""
-    begun: bool = False
-
-
-class BudgetUpdate(_Msg, tag="budget"):
-    """Other sessions of the uid spent more while this turn runs: their
-    total now (Input.uid_spent), for the next check of a uid ceiling."""
-
-    turn: int
-    uid_spent: dict[str, int] = {}
-
-
-class InterruptTurn(_Msg, tag="interrupt"):
-    turn: int
-
-
-class WorkerPing(_Msg, tag="ping"):
-    nonce: int
-
-
-class Shutdown(_Msg, tag="shutdown"):
-    pass
-
-
-class PermissionAnswer(_Msg, tag="permission_answer"):
-    request_id: str
-    allow: bool
-
-
-class SpawnResult(_Msg, tag="spawn_result"):
-    request_id: str
-    ok: bool
-    reply: str = ""
-    reason: str = ""
-
-
-class MemoryHigh(_Msg, tag="memory_high"):
-    rss_bytes: int
-    limit_bytes: int
-
-
-class Reconfigure(_Msg, tag="reconfigure"):
-    """The config was reloaded: the session's new effective settings."""
-
-    settings: bytes  # msgpack of session_worker.settings.SessionSettings
-
-
-ToWorker = (
-    Boot | Input | InterruptTurn | WorkerPing | Shutdown | PermissionAnswer | SpawnResult
-    | MemoryHigh | Reconfigure | StepSaved | BudgetUpdate
-)
-
-
-# ---------------------------------------------------------------- worker -> daemon
-
-
-class Ready(_Msg, tag="ready"):
-    pid: int
-    # What confines this session's tools: {"active": [...], "inactive":
-    # {mechanism: why}, "network": policy}; empty with sandbox.mode = off.
-    sandbox: dict[str, Any] = {}
-    # The handler marks its work with `ctx.step` (the agent does): a turn
-    # its worker dies in is resumed even before its first step is journaled.
-    uses_steps: bool = False
-
-
-class BootFailed(_Msg, tag="boot_failed"):
-    reason: str
-
-
-class Delta(_Msg, tag="delta"):
-    turn: int
-    text: str
-
-
-class WorkerReasoning(_Msg, tag="reasoning"):
-    turn: int
-    text: str
-
-
-class WorkerNotice(_Msg, tag="notice"):
-    turn: int
-    kind: str
-    data: dict[str, Any] = {}
-
-
-class WorkerLimit(_Msg, tag="limit"):
-    turn: int
-    kind: str
-    value: float
-    limit: float
-    ceiling: str = ""  # as LimitExceeded's
-    unit: str = ""
-
-
-class Spent(_Msg, tag="spent"):
-    """After each LLM call: what the running turn spent so far (usage keys
-    plus `llm_calls`; cumulative, so a repeat or a resumed turn's replay
-    never counts twice).  The daemon counts it against the uid's ceilings
-    at once, and, should the turn not commit, into the session's."""
-
-    turn: int
-    spend: dict[str, int] = {}
-
-
-class Done(_Msg, tag="done"):
-    turn: int
-    reply: str
-    record: bytes = b""  # msgpack of the handler's record for this turn
-    interrupted: bool = False
-    snapshot: bytes = b""  # when non-empty: the handler's whole state after this turn
-    stop_reason: str = ""  # as TurnDone.stop_reason
-    stop_detail: str = ""
-    usage: dict[str, int] = {}  # as TurnDone.usage
-
-
-class Failed(_Msg, tag="failed"):
-    turn: int
-    reason: str
-    record: bytes = b""
-
-
-class Heartbeat(_Msg, tag="hb"):
-    pass
-
-
-class WorkerPong(_Msg, tag="pong"):
-    nonce: int
-
-
-class AskPermission(_Msg, tag="ask"):
-    turn: int
-    request_id: str
-    tool: str
-    arguments: dict[str, Any] = {}
-
-
-class SpawnAgent(_Msg, tag="spawn"):
-    turn: int
-    request_id: str
-    task: str
-    handler: str | None = None
-    # The worker's span this spawn runs under (its spawn_agent tool call),
-    # when the turn is traced: the child's turn is traced beneath it.
-    span: int = 0
-
-
-class WorkerSpans(_Msg, tag="spans"):
-    turn: int
-    spans: list[SpanRecord] = []
-
-
-class StepBegun(_Msg, tag="step_begun"):
-    """Step `n` starts running: journaled (a `StepStart` record, with the
-    next flush), so that the daemon knows which steps were in flight if the
-    worker, or the daemon, dies now."""
-
-    turn: int
-    n: int
-    key: str
-    kind: str = ""
-    # Answer `StepSaved(begun=True)` once this start is durable: the worker
-    # runs the step only then (another step was in flight or not yet durable).
-    durable: bool = False
-
-
-class StepDone(_Msg, tag="step"):
-    """Step `n`'s result, to journal; answered with `StepSaved`."""
-
-    turn: int
-    n: int
-    key: str
-    kind: str = ""  # "llm", "tool", or the handler's own word
-    result: bytes = b""
-    # The step ended without a result (its function raised, or the call
-    # was cancelled before it ran): journaled so that its number is closed;
-    # a resumed turn runs it again.
-    failed: bool = False
-
-
-FromWorker = (
-    Ready | BootFailed | Delta | WorkerReasoning | WorkerNotice | WorkerLimit | Done | Failed | Heartbeat
-    | WorkerPong | AskPermission | SpawnAgent | StepBegun | StepDone | WorkerSpans | Spent
 )

@@ -1,10 +1,12 @@
-"""Control requests and replies added after protocol 1: history, logs,
-export, import and top (issue 14); drain (issue 15); reload (issue 25).
+"""The control link's operator requests: reading a session's past (history,
+logs), moving it (export, import), watching the daemon (top) and running it
+(drain, reload), with their replies.
 
-Kept apart from `ipc.messages` (the protocol-1 set, which every peer
-speaks); a daemon that predates these answers `bad_request`, since their
-tags do not decode there.  `AnyRequest` and `AnyReply` are the unions the
-daemon and sessionctl decode: protocol 1's and these.
+Beside the sessions' own requests (ipc.messages), which every client
+speaks; a client that needs none of these decodes the smaller union there.
+A daemon that predates these answers `bad_request` (their tags do not
+decode there).  `AnyRequest` and `AnyReply` are the unions the daemon and
+sessionctl decode: the sessions' requests and these.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from ipc.messages import (
     SessionInfo,
     StateChanged,
     TurnFailed,
-    _Msg,
 )
+from ipc.wirebase import Msg
 
 __all__ = [
     "History", "HistoryTurn", "HistoryReply", "Logs", "LogEntry", "LogsReply", "Export",
@@ -28,7 +30,7 @@ __all__ = [
     "DrainReply", "DRAIN_MAX_TIMEOUT_SECS", "Reload", "ReloadReply", "AnyRequest", "AnyReply",
 ]
 
-class History(_Msg, tag="history"):
+class History(Msg, tag="history"):
     """The conversation as stored.  Replied to with `HistoryReply`."""
 
     id: int
@@ -36,7 +38,7 @@ class History(_Msg, tag="history"):
     limit: int | None = None  # the last N turns; None = all the log holds
 
 
-class HistoryTurn(_Msg, tag="turn"):
+class HistoryTurn(Msg, tag="turn"):
     turn: int
     input: str
     at: float = 0.0  # unix time the input was accepted; 0 = not recorded
@@ -55,7 +57,7 @@ class HistoryTurn(_Msg, tag="turn"):
     resumed: list[dict[str, Any]] = []
 
 
-class HistoryReply(_Msg, tag="history"):
+class HistoryReply(Msg, tag="history"):
     id: int
     session: str
     # Turns folded into the last snapshot: their inputs are no longer
@@ -69,7 +71,7 @@ class HistoryReply(_Msg, tag="history"):
     omitted_turns: int = 0
 
 
-class Logs(_Msg, tag="logs"):
+class Logs(Msg, tag="logs"):
     """The session's lifecycle events the daemon kept (state changes, limit
     hits, failed turns), with times.  Replied to with `LogsReply`."""
 
@@ -78,12 +80,12 @@ class Logs(_Msg, tag="logs"):
     limit: int | None = None
 
 
-class LogEntry(_Msg, tag="log"):
+class LogEntry(Msg, tag="log"):
     at: float  # unix time
     event: StateChanged | LimitExceeded | TurnFailed
 
 
-class LogsReply(_Msg, tag="logs"):
+class LogsReply(Msg, tag="logs"):
     id: int
     session: str
     entries: list[LogEntry] = []
@@ -91,7 +93,7 @@ class LogsReply(_Msg, tag="logs"):
     next_seq: int = 0  # attach from here to follow
 
 
-class Export(_Msg, tag="export"):
+class Export(Msg, tag="export"):
     """The session as a self-contained JSON document (`ExportReply.document`)
     for `Import` into another daemon."""
 
@@ -99,13 +101,13 @@ class Export(_Msg, tag="export"):
     session: str
 
 
-class ExportReply(_Msg, tag="exported"):
+class ExportReply(Msg, tag="exported"):
     id: int
     session: str
     document: bytes  # JSON (supervisor.api.transfer.ExportDocument)
 
 
-class Import(_Msg, tag="import"):
+class Import(Msg, tag="import"):
     """Create a session from an exported document.  The document is
     validated as a hostile input; `session` renames it."""
 
@@ -114,20 +116,20 @@ class Import(_Msg, tag="import"):
     session: str | None = None
 
 
-class Top(_Msg, tag="top"):
+class Top(Msg, tag="top"):
     """Every visible session with its counters and CPU time, in one reply."""
 
     id: int
 
 
-class TopEntry(_Msg, tag="top_entry"):
+class TopEntry(Msg, tag="top_entry"):
     session: SessionInfo
     # CPU seconds (user + system) of the worker and its reaped children;
     # None without a live worker.
     cpu_secs: float | None = None
 
 
-class TopReply(_Msg, tag="top"):
+class TopReply(Msg, tag="top"):
     id: int
     at: float  # unix time of the sample
     uptime_secs: float
@@ -140,7 +142,7 @@ class TopReply(_Msg, tag="top"):
 DRAIN_MAX_TIMEOUT_SECS = 7 * 86400.0
 
 
-class Drain(_Msg, tag="drain"):
+class Drain(Msg, tag="drain"):
     """Cluster mode: keep new workers off a node and move its sessions to
     other nodes, each once it is idle (running turns finish first); with
     `undo`, take the node back into use.  Replied to with `DrainReply` once
@@ -152,18 +154,18 @@ class Drain(_Msg, tag="drain"):
     undo: bool = False
 
 
-class DrainMoved(_Msg, tag="drain_moved"):
+class DrainMoved(Msg, tag="drain_moved"):
     session: str
     node: str  # where it runs now
 
 
-class DrainLeft(_Msg, tag="drain_left"):
+class DrainLeft(Msg, tag="drain_left"):
     session: str
     state: str
     reason: str  # why it is still on the node
 
 
-class DrainReply(_Msg, tag="drain"):
+class DrainReply(Msg, tag="drain"):
     id: int
     node: str  # its IP address
     node_id: str  # its Ray node id
@@ -173,14 +175,14 @@ class DrainReply(_Msg, tag="drain"):
     elapsed_secs: float = 0.0
 
 
-class Reload(_Msg, tag="reload"):
+class Reload(Msg, tag="reload"):
     """Re-read the daemon's config file, as SIGHUP does.  Admins only.
     Replied to with `ReloadReply` (a refused file is a reply, not an error)."""
 
     id: int
 
 
-class ReloadReply(_Msg, tag="reloaded"):
+class ReloadReply(Msg, tag="reloaded"):
     id: int
     taken: bool  # False: the file was refused and the running config kept
     source: str = ""  # the file read (or "the embedded defaults")

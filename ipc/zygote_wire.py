@@ -4,31 +4,31 @@ message of ipc/messages.py, whose rules they follow."""
 
 from __future__ import annotations
 
-from ipc.messages import _Msg
+from ipc.wirebase import Msg
 
 __all__ = ["SpawnWorker", "KeepSpares", "Spawned", "Exited", "ToZygote", "FromZygote"]
 
 
-class SpawnWorker(_Msg, tag="spawn"):
+class SpawnWorker(Msg, tag="spawn"):
     """Hand over a worker: a spare one if there is one, else a new fork."""
 
     token: int
 
 
-class KeepSpares(_Msg, tag="spares"):
+class KeepSpares(Msg, tag="spares"):
     """How many booted-but-unassigned workers to keep ready."""
 
     count: int
 
 
-class Spawned(_Msg, tag="spawned"):
+class Spawned(Msg, tag="spawned"):
     """Sent with the daemon's end of the worker's socket attached (SCM_RIGHTS)."""
 
     token: int
     pid: int
 
 
-class Exited(_Msg, tag="exited"):
+class Exited(Msg, tag="exited"):
     pid: int
     code: int | None = None
     signal: int | None = None

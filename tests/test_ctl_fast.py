@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from harness import Daemon, env_for_children, wait_for
 from ipc import messages as m
+from ipc.wirebase import Msg
 from ipc.framing import encode_frame
 from supervisor.ctl import cli as ctl, fast as ctl_fast
 
@@ -81,7 +82,7 @@ def test_the_checked_in_wire_table_is_what_ipc_messages_generates() -> None:
         "ipc/_wire_table.py is out of date: run `python -m ipc.wiregen`"
 
 
-class _Later(m._Msg, tag="later"):  # a reply as a later protocol might have it
+class _Later(Msg, tag="later"):  # a reply as a later protocol might have it
     id: int
     infos: list[m.ExitInfo] = []
     by_name: dict[str, m.SessionInfo] = {}
@@ -127,10 +128,10 @@ def test_the_generator_refuses_a_field_the_one_shot_path_could_not_check() -> No
 
     from ipc import wiregen
 
-    class Bounded(m._Msg, tag="bounded"):
+    class Bounded(Msg, tag="bounded"):
         n: Annotated[int, msgspec.Meta(ge=0)] = 0
 
-    class Tupled(m._Msg, tag="tupled"):
+    class Tupled(Msg, tag="tupled"):
         pair: tuple[int, int] = (0, 0)
 
     for cls, words in ((Bounded, "Bounded.n: a constraint (ge)"), (Tupled, "Tupled.pair: no kind")):

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ipc import messages as m
+from ipc.wirebase import Msg
 from ipc.errors import BadMessage, FrameTooLarge
 from ipc.framing import FrameEncoder, FrameParser, encode_frame
 
@@ -122,7 +123,7 @@ def test_no_message_is_tracked_by_the_cyclic_collector() -> None:
     data and never in a cycle, decoded or built."""
     import gc
 
-    kinds = _subclasses(m._Msg)
+    kinds = _subclasses(Msg)
     assert len(kinds) > 40
     for kind in kinds:
         assert kind.__struct_config__.gc is False, kind.__name__

@@ -18,6 +18,7 @@ import pytest
 
 from harness import REPO, TESTS
 from ipc import messages as m
+from ipc.wirebase import Msg
 from ipc import operator as op
 from ipc import protogen
 from wire_schema import conforms
@@ -42,7 +43,7 @@ def test_a_message_changed_without_regenerating_fails_the_check(
 ) -> None:
     """As if someone added a field to `send` and forgot the schema."""
 
-    class Send(m._Msg, tag="send"):  # noqa: N801 (stands in for the real one)
+    class Send(Msg, tag="send"):  # noqa: N801 (stands in for the real one)
         id: int
         session: str
         text: str
