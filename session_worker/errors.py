@@ -8,6 +8,8 @@ sandbox.py turns into these.
     └── StepError                   a step (ctx.step) could not be journaled, or a resumed turn
                                     asked for other steps than it journaled
     SpawnError                      a sub-agent could not be run; the model reads the message
+    CommandRefused                  `ctx.run` did not run the command: bash not enabled, a
+                                    permission rule or the user said no, no sandbox to run it in
     HandlerLoadError                a handler name that resolves to no factory (the boot fails)
     SandboxError                    the tools' host could not be started or has gone away
     ├── CommandError                the host is up but could not start this command
@@ -24,7 +26,7 @@ which maps it to TurnFailure at one place.  Errors that cross to the daemon
 are never these objects: a turn's failure, a boot's failure go out as the
 ipc messages' typed fields (reason, exit code), never pickled.
 
-TurnFailure and SpawnError are also importable from session_worker.handler,
+TurnFailure, SpawnError and CommandRefused are also importable from session_worker.handler,
 the interface a handler's author programs against (docs/agent.md).
 """
 
@@ -34,6 +36,7 @@ from typing import Any
 
 __all__ = [
     "CommandError",
+    "CommandRefused",
     "HandlerLoadError",
     "OrderNotSent",
     "SandboxError",
@@ -64,6 +67,10 @@ class StepError(TurnFailure):
 
 class SpawnError(Exception):
     """A sub-agent could not be run; the message is readable by the model."""
+
+
+class CommandRefused(Exception):
+    """`ctx.run` did not run the command; the message says why (readable by a model)."""
 
 
 class HandlerLoadError(Exception):
