@@ -196,6 +196,8 @@ def _durable_tools(node: ToolNode) -> ToolNode:
         return ToolMessage(str(value), tool_call_id=call_id, name=name, status="error")
 
     durable._awrap_tool_call = wrap
+    # Its runnable calls the methods it was built with: bound to the copy now.
+    durable.func, durable.afunc = durable._func, durable._afunc
     return durable
 
 

@@ -216,8 +216,7 @@ class _DurableModel(Model):
             return {
                 "output": [item.model_dump(mode="json", exclude_none=True) for item in done.output],
                 "id": done.id,
-                "usage": {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
-                          "reasoning_tokens": usage.output_tokens_details.reasoning_tokens} if usage else None,
+                "usage": _usage(usage),
             }
 
         data = await turn.ctx.step(f"llm:{turn.calls}", call, kind="llm", idempotent=True)
@@ -364,6 +363,16 @@ class OpenAIAgentsHandler:
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.close()
+
+
+def _usage(usage: Any) -> dict[str, int] | None:
+    """A response's usage as its step keeps it (the SDK reports 0 for what
+    the server did not say: a reasoning count of 0 is left out)."""
+    if usage is None:
+        return None
+    out = {"input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens}
+    reasoning = usage.output_tokens_details.reasoning_tokens if usage.output_tokens_details else 0
+    return out | ({"reasoning_tokens": reasoning} if reasoning else {})
 
 
 def _budget_reached(exc: BaseException) -> BudgetReached | None:
