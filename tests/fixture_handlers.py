@@ -427,18 +427,3 @@ class BigStep(_Base):
 
 def big_step(init: HandlerInit) -> BigStep:
     return BigStep(init)
-
-
-class ImportsAtTurn(_Base):
-    """Imports, at its turn, the module the input names: one the zygote
-    did not preload, read as the session's uid."""
-
-    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
-        import importlib
-
-        module = importlib.import_module(text)
-        return TurnResult(f"imported {module.__name__} as uid {os.getuid()}", record=1)
-
-
-def imports_at_turn(init: HandlerInit) -> ImportsAtTurn:
-    return ImportsAtTurn(init)

@@ -69,7 +69,7 @@ def test_a_root_daemons_sessions_import_what_the_zygote_did_not_preload(
     d = make_daemon(f"""
 [agent]
 handler = "agent"
-allowed_handlers = {TEST_HANDLERS!r}
+allowed_handlers = {[*TEST_HANDLERS, 'python_handlers:*']!r}
 [provider]
 base_url = "{llm.base_url}"
 model = "test-model"
@@ -84,7 +84,7 @@ stop_grace_secs = 1.0
 """, root=root / "d", trust=False)
     llm.script(tool_call_stream(("c1", "mcp__loc__whoami", {})), text_stream("done"))
     with d.client() as c:
-        sid = c.create(handler="fixture_handlers:imports_at_turn").id
+        sid = c.create(handler="python_handlers:imports_at_turn").id
         for module in ("fractions", "closed_mod"):
             reply = c.send_text(sid, module)
             assert reply.startswith(f"imported {module} as uid 61"), reply

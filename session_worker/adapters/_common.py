@@ -5,7 +5,7 @@ Runs in the worker's event loop, inside the turn's task and the tasks a
 framework makes for its parallel tool calls or nodes.  Everything a client
 sees of an adapter's turn is what it sees of the built-in agent's: the
 same `tool_call`/`tool_result` notices, the same `[[permissions]]` rules,
-the same result for a tool its worker died in (`agent._loop.killed_result`),
+the same result for a tool its worker died in (`agent._loop._killed_result`),
 the same `[agent.budget]` check before each LLM call, the same records
 (`ops` of appended messages, which `sessionctl history` reads).
 
@@ -17,9 +17,11 @@ inside a step is part of that step (journaled with it, never on its own):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import json
+import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -28,7 +30,8 @@ import msgspec
 from ipc.contract import LimitKind
 from session_worker.agent import _budget, _traced
 from session_worker.agent._errors import BudgetReached
-from session_worker.agent._loop import killed_result
+# The agent's own words for a tool its worker died in: the model reads one wording.
+from session_worker.agent._loop import _killed_result as killed_result
 from session_worker.agent._permissions import decide
 from session_worker.agent._stream import usage_counts
 from session_worker.handler import TurnContext
@@ -36,6 +39,7 @@ from session_worker.handler import TurnContext
 __all__ = ["Spend", "append_ops", "in_step", "inside_step", "journalable", "parse_arguments", "tool_step",
            "turn_limit_note"]
 
+_asking: weakref.WeakKeyDictionary[TurnContext, asyncio.Lock] = weakref.WeakKeyDictionary()
 _inside: contextvars.ContextVar[bool] = contextvars.ContextVar("sessiond_inside_step", default=False)
 _encode = msgspec.msgpack.Encoder().encode
 # As the agent's: how much of a tool's output goes into the `tool_result` notice.
@@ -106,7 +110,7 @@ async def tool_step(ctx: TurnContext, name: str, call_id: str, raw_arguments: st
         if action == "deny":
             return False, f"error: permission denied: a rule forbids this {name} call."
         if (action == "ask" or (approval is not None and await approval())) and \
-                not await ctx.ask_permission(name, args if args is not None else {"arguments": raw_arguments}):
+                not await _ask(ctx, name, args if args is not None else {"arguments": raw_arguments}):
             return False, f"error: permission denied: the user did not approve this {name} call."
         with in_step():
             value = await run()
@@ -120,6 +124,16 @@ async def tool_step(ctx: TurnContext, name: str, call_id: str, raw_arguments: st
     ctx.notice("tool_result", {"id": call_id, "name": name, "ok": ok, "output": text[:_NOTICE_OUTPUT_CHARS],
                                "truncated": len(text) > _NOTICE_OUTPUT_CHARS})
     return ok, value
+
+
+async def _ask(ctx: TurnContext, tool: str, arguments: dict[str, Any]) -> bool:
+    """Parallel calls ask one at a time, as the agent's: a client answers
+    one prompt."""
+    lock = _asking.get(ctx)
+    if lock is None:
+        lock = _asking[ctx] = asyncio.Lock()
+    async with lock:
+        return await ctx.ask_permission(tool, arguments)
 
 
 class Spend:

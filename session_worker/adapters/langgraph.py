@@ -55,7 +55,6 @@ from langgraph.types import Command, Interrupt
 
 from session_worker.adapters import _common
 from session_worker.agent._errors import BudgetReached
-from session_worker.agent._loop import killed_result
 from session_worker.handler import HandlerFactory, HandlerInit, Interruption, TurnContext, TurnResult
 
 __all__ = ["handler"]

@@ -13,7 +13,7 @@ after its worker died runs this same code again: the journaled steps come
 back without a request or a tool run, which rebuilds the history and the
 reply; everything between steps follows from them.  The one step that was
 running is redone if it is an LLM call; a tool is answered as killed
-(`killed_result`) unless it is in `[tools] rerun_after_crash`.
+(`_killed_result`) unless it is in `[tools] rerun_after_crash`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from session_worker.handler import Interruption, TurnContext, TurnResult
 from ipc.contract import LimitKind, StopReason
 from ipc.settings import SessionSettings
 
-__all__ = ["Turn", "killed_result"]
+__all__ = ["Turn"]
 
 _INTERRUPTED_TEXT = "\n\n[interrupted by the user]"
 _INTERRUPTED_RESULT = "error: interrupted by the user before this tool call finished; it may have partly run."
@@ -299,7 +299,7 @@ class Turn:
         # next tool that acts still waits for it.
         result = await self._ctx.step(f"tool:{call.name}:{call.id}",
                                       lambda: _traced.tool_call(call.id, call.name, self._run_one(call)), kind="tool",
-                                      interrupted=None if rerun else killed_result, idempotent=rerun, wait=False)
+                                      interrupted=None if rerun else _killed_result, idempotent=rerun, wait=False)
         return bool(result[0]), str(result[1])
 
     async def _run_one(self, call: ToolCall) -> tuple[bool, str]:
@@ -440,7 +440,7 @@ def _ignore_text(_: str) -> None:
     pass
 
 
-def killed_result(why: Interruption) -> list[Any]:
+def _killed_result(why: Interruption) -> list[Any]:
     """What the model is told of the tool that was running when the worker
     died (it is not run again: it may have had its effect)."""
     if why.killed:
