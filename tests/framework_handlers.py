@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
 from agents import Agent, RunContextWrapper, function_tool
+from langchain_core.runnables import RunnableConfig
 from langgraph.graph import END, START, StateGraph
 
 from session_worker.adapters.langgraph import handler as graph_handler
@@ -53,7 +54,7 @@ class _State(TypedDict):
 
 
 def _node(name: str) -> Any:
-    async def run(state: _State, config: Any) -> dict[str, Any]:
+    async def run(state: _State, config: RunnableConfig) -> dict[str, Any]:
         workspace = Path(config["configurable"]["workspace"])
         marker = workspace / f"paused-{name}"
         if not marker.exists():
