@@ -45,26 +45,23 @@ class ClosedPython(Exception):
     cannot open it to them."""
 
 
-def closed_dirs(paths: list[str]) -> dict[str, set[str]]:
-    """Each directory on the way to `paths` (and each of `paths` itself)
-    that others may not search (or, for a path itself, list), with the
-    entries below it that must be reached through it."""
+def closed_dirs(paths: list[str], cwd: str = "") -> dict[str, set[str]]:
+    """Each directory on the way to `paths` that others may not search,
+    with the one entry below it on the way.  Only the way: a path that is
+    itself closed stays closed (opening it would show everything in it),
+    and `cwd` is left out (`python -m` puts the daemon's working directory
+    on its path; no code is imported from there, and it may hold anything)."""
     needs: dict[str, set[str]] = {}
     for raw in paths:
         try:
             target = Path(raw).resolve(strict=True)
-            if not target.is_dir():
-                continue
         except OSError:
             continue
-        chain = [*reversed(target.parents), target]
-        for here, below in zip(chain, [*chain[1:], None]):
-            mode = os.stat(here).st_mode
-            wanted = stat.S_IXOTH | (stat.S_IROTH if below is None else 0)
-            if mode & wanted == wanted:
-                continue
-            entries = {below.name} if below is not None else set(os.listdir(here))
-            needs.setdefault(str(here), set()).update(entries)
+        if not raw or str(target) == cwd or not target.is_dir():
+            continue
+        for here, below in zip(reversed(target.parents), [*reversed(target.parents)][1:] + [target]):
+            if not os.stat(here).st_mode & stat.S_IXOTH:
+                needs.setdefault(str(here), set()).add(below.name)
     return needs
 
 

@@ -88,7 +88,7 @@ def _prepare(sock: socket.socket, modules: list[str], expose: bool) -> None:
     error = ""
     try:
         if expose:
-            _reach.open_to_sessions(_reach.closed_dirs(sys.path))
+            _reach.open_to_sessions(_reach.closed_dirs(sys.path, os.getcwd()))
         for name in modules:
             try:
                 importlib.import_module(name)

@@ -33,11 +33,12 @@ def test_the_closed_directories_on_the_way_to_a_path_are_found(tmp_path: Path) -
     lib = tmp_path / "closed" / "inner" / "lib"
     lib.mkdir(parents=True)
     (lib / "mod.py").write_text("")
+    (tmp_path / "cwd").mkdir(mode=0o700)
     os.chmod(tmp_path / "closed", 0o700)
     os.chmod(lib, 0o700)
-    needs = _reach.closed_dirs([str(lib), str(tmp_path / "missing")])
-    assert needs[str(tmp_path / "closed")] == {"inner"}
-    assert needs[str(lib)] == {"mod.py"}  # the path itself must be listed, not only searched
+    needs = _reach.closed_dirs([str(lib), str(tmp_path / "missing"), str(tmp_path / "cwd")], str(tmp_path / "cwd"))
+    assert needs[str(tmp_path / "closed")] == {"inner"}  # only the way: nothing else of it
+    assert str(lib) not in needs  # a closed path itself stays closed: opening it would show all of it
     assert str(tmp_path / "closed" / "inner") not in needs
 
 
