@@ -32,17 +32,14 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["ClosedPython", "closed_dirs", "open_to_sessions"]
+from session_worker.errors import ClosedPython
+
+__all__ = ["closed_dirs", "open_to_sessions"]
 
 _CLONE_NEWNS = 0x00020000
 _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_SLAVE = 0x2, 0x4, 0x1000, 0x4000, 0x80000
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
-class ClosedPython(Exception):
-    """The sessions' uids cannot read the daemon's Python, and the zygote
-    cannot open it to them."""
 
 
 def closed_dirs(paths: list[str], cwd: str = "") -> dict[str, set[str]]:

@@ -17,6 +17,8 @@ sandbox.py turns into these.
                                     it again (raised and caught inside sandbox.py)
     UnsupportedArch                 no seccomp syscall table for this machine: run without
                                     seccomp, and say so
+    ClosedPython                    the zygote cannot open the daemon's Python to the session
+                                    uids (_reach.py); the daemon's start-up fails with it
     StopWhileIdle                   SIGTERM while the worker waits for its first input
                                     (raised and caught inside main.py)
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "ClosedPython",
     "CommandError",
     "CommandRefused",
     "HandlerLoadError",
@@ -90,6 +93,11 @@ class CommandError(SandboxError):
 
 class OrderNotSent(SandboxError):
     """The host was gone before it took the order: safe to start it again."""
+
+
+class ClosedPython(Exception):
+    """The session uids cannot read the daemon's Python, and the zygote
+    cannot open it to them (it lacks CAP_SYS_ADMIN)."""
 
 
 class UnsupportedArch(Exception):

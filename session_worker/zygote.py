@@ -59,6 +59,7 @@ from ipc import messages as m
 from ipc import zygote_wire as zw
 from ipc.linux import set_child_subreaper, set_dumpable, set_pdeathsig
 from session_worker import _reach
+from session_worker.errors import ClosedPython
 from session_worker._signals import set_signal
 
 __all__ = ["Zygote", "zygote_main"]
@@ -101,7 +102,7 @@ def _prepare(sock: socket.socket, modules: list[str], expose: bool) -> None:
                          "every worker and must have none: import what starts them in the handler's factory "
                          "instead, or leave the module out of the preload")
                 break
-    except (_reach.ClosedPython, OSError) as exc:
+    except (ClosedPython, OSError) as exc:
         error = str(exc)
     if expose or modules:
         with contextlib.suppress(OSError):
