@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
-import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +27,8 @@ import pytest
 from fakellm import FakeLLM, Hang, Response, Stream, text_stream, tool_call_stream
 from harness import Daemon, wait_for
 from ipc import messages as m
+from test_agent_e2e import agent_config
+from test_steps_e2e import kill_worker
 from supervisor.ctl.errors import DaemonUnavailable
 
 pytestmark = pytest.mark.process
@@ -95,24 +95,12 @@ def llm() -> Iterator[FakeLLM]:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, llm: FakeLLM) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("adapters"), f"""
-[agent]
-handler = "framework_handlers:openai_make"
-allowed_handlers = ["framework_handlers:*", "echo"]
-[agent.worker]
-heartbeat_interval_secs = 0.2
-restart_backoff_initial_ms = 20
-restart_backoff_max_ms = 40
-max_restart_attempts = 20
-[agent.limits]
-memory_poll_interval_ms = 50
-[provider]
-base_url = "{llm.base_url}"
-model = "test-model"
-retry_backoff_initial_ms = 1
-[daemon]
-stop_grace_secs = 1.0
-""")
+    config = agent_config(llm, "[agent.limits]\nmemory_poll_interval_ms = 50\n", key_env=None).replace(
+        'handler = "agent"', 'handler = "framework_handlers:openai_make"\n'
+        'allowed_handlers = ["framework_handlers:*", "echo"]').replace(
+        "restart_backoff_initial_ms = 20", "restart_backoff_initial_ms = 20\nrestart_backoff_max_ms = 40\n"
+        "max_restart_attempts = 20")
+    d = Daemon(tmp_path_factory.mktemp("adapters"), config)
     d.start(timeout=60)
     yield d
     d.cleanup()
@@ -123,11 +111,15 @@ def lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-def kill_worker(d: Daemon, sid: str) -> None:
+def three_running(d: Daemon, llm: FakeLLM) -> tuple[Model, str, Path, Turn]:
+    """A session's turn with its three tools started, and running for good."""
+    model = Model(llm, (-1, -1, -1))
     with d.client() as c:
-        pid = c.status(sid).pid
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
+        sid = c.create().id
+    ws = d.workspace(sid)
+    turn = Turn(d, sid, "count")
+    wait_for(lambda: len(lines(ws / "counter")) == 3, 30, "the three tools to start")
+    return model, sid, ws, turn
 
 
 def test_the_framework_is_preloaded_by_the_zygote(daemon: Daemon) -> None:
@@ -153,12 +145,7 @@ def test_three_parallel_tool_calls_finishing_in_reverse_order_each_run_once(daem
 
 
 def test_a_worker_killed_while_three_tools_run_answers_them_killed(daemon: Daemon, llm: FakeLLM) -> None:
-    model = Model(llm, (-1, -1, -1))
-    with daemon.client() as c:
-        sid = c.create().id
-    ws = daemon.workspace(sid)
-    turn = Turn(daemon, sid, "count")
-    wait_for(lambda: len(lines(ws / "counter")) == 3, 30, "the three tools to start")
+    model, sid, ws, turn = three_running(daemon, llm)
     kill_worker(daemon, sid)
     assert turn.done().reply.endswith("all done")
     assert sorted(lines(ws / "counter")) == ["start 0", "start 1", "start 2"]  # none ran again
@@ -187,12 +174,7 @@ def test_a_worker_killed_with_one_tool_done_then_during_the_next_llm_call(daemon
 
 
 def test_a_daemon_killed_while_three_tools_run_resumes_the_turn(daemon: Daemon, llm: FakeLLM) -> None:
-    model = Model(llm, (-1, -1, -1))
-    with daemon.client() as c:
-        sid = c.create().id
-    ws = daemon.workspace(sid)
-    turn = Turn(daemon, sid, "count")
-    wait_for(lambda: len(lines(ws / "counter")) == 3, 30, "the three tools to start")
+    model, sid, ws, turn = three_running(daemon, llm)
     daemon.kill()
     turn.thread.join(10)
     daemon.start(timeout=60)
