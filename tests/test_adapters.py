@@ -308,3 +308,17 @@ def test_history_lists_the_tool_calls_of_a_record_of_responses_items() -> None:
     calls, results = _tools(_encode(record))
     assert calls == [{"name": "count", "arguments": '{"n": 1}'}]
     assert results == [{"name": "count", "output": "counted 1"}]
+
+
+@pytest.mark.component
+def test_a_graph_past_agent_max_turns_ends_with_the_limit(fake_llm: FakeLLM, tmp_path: Path) -> None:
+    builder = StateGraph(_Tools)
+    builder.add_node("spin", lambda state: {"log": ["spin"]})
+    builder.add_edge(START, "spin")
+    builder.add_edge("spin", "spin")
+    s = make_settings(fake_llm, agent=AgentSettings(max_turns=3))
+    h = graph_handler(builder.compile())(HandlerInit(session="s", settings=s, workspace=tmp_path))
+    h.restore(None, [])
+    ctx = StepCtx(s, tmp_path)
+    result = run(h.handle("go", ctx))
+    assert ctx.limits == [("turns", 3, 3)] and "agent.max_turns" in result.reply and result.record is None

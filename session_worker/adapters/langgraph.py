@@ -32,7 +32,8 @@ imported (the zygote, when preloaded).  Each turn is one run of the graph
   to `messages`; the reply is `reply(values)`: by default the text of the
   last message when it is the AI's.  Clients see each node's new AI
   messages as it ends, tool calls as notices, usage from the messages'
-  `usage_metadata`; `[agent.budget]` is checked before each node that runs.
+  `usage_metadata`; `[agent.budget]` is checked before each node that runs,
+  and `agent.max_turns` is the graph's `recursion_limit` (super-steps).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMe
 from langchain_core.runnables import Runnable, RunnableConfig
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
-from langgraph.errors import GraphInterrupt
+from langgraph.errors import GraphInterrupt, GraphRecursionError
 from langgraph.prebuilt import ToolNode
 from langgraph.pregel import Pregel
 from langgraph.types import Command, Interrupt
@@ -230,8 +231,10 @@ class LangGraphHandler:
         graph_input: Any = self._input(text, self._values)
         try:
             values = await self._run(turn, graph_input, config)
-        except BudgetReached as exc:
-            note = turn.spend.stopped(exc)
+        except (BudgetReached, GraphRecursionError) as exc:
+            # The graph's state stays as the last turn left it: only the note is this turn's.
+            note = turn.spend.stopped(exc) if isinstance(exc, BudgetReached) else \
+                _common.turn_limit_note(ctx, ctx.settings.agent.max_turns)
             ctx.emit(note)
             return TurnResult(reply="".join(turn.text) + note, record=None, usage=turn.spend.tokens())
         finally:

@@ -265,6 +265,7 @@ class OpenAIAgentsHandler:
         self._model = _DurableModel(self)
         self._inner: OpenAIChatCompletionsModel | None = None
         self._client: AsyncOpenAI | None = None
+        self._stale: list[AsyncOpenAI] = []
         self._key: str | None = None
         self.turn: _Turn | None = None
 
@@ -279,8 +280,9 @@ class OpenAIAgentsHandler:
 
     def reconfigure(self, settings: Any) -> None:
         """A reload: the next turn uses the new provider settings."""
-        if settings.provider != self._settings.provider:
-            self._inner = None  # (the old client closes with the worker)
+        if settings.provider != self._settings.provider and self._client is not None:
+            self._stale.append(self._client)  # closed at the next turn: a call may be using it now
+            self._inner = self._client = None
         self._settings = settings
 
     def model(self) -> OpenAIChatCompletionsModel:
@@ -311,6 +313,8 @@ class OpenAIAgentsHandler:
         return self._inner
 
     async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        while self._stale:
+            await self._stale.pop().close()
         self.model()  # a provider that cannot be used fails the turn before anything runs
         turn = self.turn = _Turn(ctx)
         user: Any = {"role": "user", "content": text}
@@ -361,8 +365,9 @@ class OpenAIAgentsHandler:
                           stop_reason=str(stop), stop_detail=detail, usage=turn.spend.tokens())
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.close()
+        for client in (*self._stale, self._client):
+            if client is not None:
+                await client.close()
 
 
 def _usage(usage: Any) -> dict[str, int] | None:
