@@ -97,7 +97,7 @@ man: $(VENV)/.installed
 	mkdir -p man
 	$(PY) -m supervisor.ctl.manpage > man/sessionctl.1
 
-BENCHES := spawn ipc memory limits restart persist agent hostile sandbox mcp metrics load fsync_batch idle cluster pg_batch sweep steps tracing
+BENCHES := spawn ipc memory limits restart persist agent hostile sandbox mcp metrics load fsync_batch idle cluster pg_batch sweep steps tracing frameworks
 
 bench: $(VENV)/.installed-test
 	for b in $(BENCHES); do $(PY) bench/$$b.py || exit 1; done

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ipc.wirebase import Msg
 
-__all__ = ["SpawnWorker", "KeepSpares", "Spawned", "Exited", "ToZygote", "FromZygote"]
+__all__ = ["SpawnWorker", "KeepSpares", "Spawned", "Exited", "Preloaded", "ToZygote", "FromZygote"]
 
 
 class SpawnWorker(Msg, tag="spawn"):
@@ -34,5 +34,13 @@ class Exited(Msg, tag="exited"):
     signal: int | None = None
 
 
+class Preloaded(_Msg, tag="preloaded"):
+    """The zygote's first word, when the daemon gave it modules to preload or
+    sessions of their own uids: empty `error` when they are in, else what
+    failed (naming the module or the directory, and the fix)."""
+
+    error: str = ""
+
+
 ToZygote = SpawnWorker | KeepSpares
-FromZygote = Spawned | Exited
+FromZygote = Spawned | Exited | Preloaded

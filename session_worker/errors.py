@@ -8,6 +8,8 @@ sandbox.py turns into these.
     └── StepError                   a step (ctx.step) could not be journaled, or a resumed turn
                                     asked for other steps than it journaled
     SpawnError                      a sub-agent could not be run; the model reads the message
+    CommandRefused                  `ctx.run` did not run the command: bash not enabled, a
+                                    permission rule or the user said no, no sandbox to run it in
     HandlerLoadError                a handler name that resolves to no factory (the boot fails)
     SandboxError                    the tools' host could not be started or has gone away
     ├── CommandError                the host is up but could not start this command
@@ -15,6 +17,8 @@ sandbox.py turns into these.
                                     it again (raised and caught inside sandbox.py)
     UnsupportedArch                 no seccomp syscall table for this machine: run without
                                     seccomp, and say so
+    ClosedPython                    the zygote cannot open the daemon's Python to the session
+                                    uids (_reach.py); the daemon's start-up fails with it
     StopWhileIdle                   SIGTERM while the worker waits for its first input
                                     (raised and caught inside main.py)
 
@@ -24,7 +28,7 @@ which maps it to TurnFailure at one place.  Errors that cross to the daemon
 are never these objects: a turn's failure, a boot's failure go out as the
 ipc messages' typed fields (reason, exit code), never pickled.
 
-TurnFailure and SpawnError are also importable from session_worker.handler,
+TurnFailure, SpawnError and CommandRefused are also importable from session_worker.handler,
 the interface a handler's author programs against (docs/agent.md).
 """
 
@@ -33,7 +37,9 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "ClosedPython",
     "CommandError",
+    "CommandRefused",
     "HandlerLoadError",
     "OrderNotSent",
     "SandboxError",
@@ -66,6 +72,10 @@ class SpawnError(Exception):
     """A sub-agent could not be run; the message is readable by the model."""
 
 
+class CommandRefused(Exception):
+    """`ctx.run` did not run the command; the message says why (readable by a model)."""
+
+
 class HandlerLoadError(Exception):
     """A handler name that cannot be resolved to a factory."""
 
@@ -83,6 +93,11 @@ class CommandError(SandboxError):
 
 class OrderNotSent(SandboxError):
     """The host was gone before it took the order: safe to start it again."""
+
+
+class ClosedPython(Exception):
+    """The session uids cannot read the daemon's Python, and the zygote
+    cannot open it to them (it lacks CAP_SYS_ADMIN)."""
 
 
 class UnsupportedArch(Exception):

@@ -58,10 +58,12 @@ from typing import Any, Protocol, runtime_checkable
 
 from ipc.settings import SessionSettings
 # Re-exported: a handler's author raises them as this interface's (docs/agent.md).
-from session_worker.errors import SpawnError, StepError, TurnFailure
+from session_worker.errors import CommandRefused, SpawnError, StepError, TurnFailure
 from session_worker.steps import Interruption
 
 __all__ = [
+    "CommandRefused",
+    "CommandResult",
     "Handler",
     "Interruption",
     "SpawnError",
@@ -86,6 +88,23 @@ class TurnResult:
     stop_detail: str = ""
     # Tokens spent by the turn: prompt_tokens, completion_tokens, reasoning_tokens.
     usage: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class CommandResult:
+    """What `ctx.run` gives back: the command's output (stdout and stderr
+    merged, cut in the middle past `[tools] output_limit_bytes`), its exit
+    code (None when it was killed: the timeout, a signal, its sandbox
+    lost), and the status line the agent's `bash` tool adds for the model.
+    `str()` of it is the text `bash` gives the model."""
+
+    output: str
+    exit_code: int | None
+    status: str
+    text: str  # the output, then the status line
+
+    def __str__(self) -> str:
+        return self.text
 
 
 @dataclass(slots=True, frozen=True)
@@ -179,6 +198,38 @@ class TurnContext(abc.ABC):
     async def ask_permission(self, tool: str, arguments: dict[str, Any]) -> bool:
         """Ask attached clients to approve a tool call; False when denied or
         when no answer arrives before the turn times out."""
+
+    async def run(self, command: str, *, timeout_secs: float | None = None) -> CommandResult:
+        """Run `command` with `/bin/bash -c` in the session's workspace, as
+        the agent's `bash` tool runs it: in the session's sandbox (its tool
+        host: its uid, namespaces, Landlock, seccomp, network policy and
+        process limit), under the same `[[permissions]]` rules (tool
+        `bash`, matched on the command; `ask` waits for a client's answer),
+        killed past `timeout_secs` (at most `[tools] bash_timeout_secs`),
+        its output capped.  Raises `CommandRefused` (with the reason) when
+        it does not run.  A tool of a framework that shells out calls this
+        rather than `subprocess`: its own code runs in the worker, outside
+        the sandbox (docs/agent.md)."""
+        # The agent's bash and its permission rules: one implementation for both.
+        from session_worker.agent._bash import run_captured
+        from session_worker.agent._errors import ToolError
+        from session_worker.agent._permissions import decide
+
+        tools = self.settings.tools
+        if "bash" not in tools.enabled:
+            raise CommandRefused('commands are not enabled for this session ([tools] enabled has no "bash")')
+        action = decide(self.settings.permissions, "bash", command)
+        if action == "deny":
+            raise CommandRefused("permission denied: a rule forbids this bash command")
+        if action == "ask" and not await self.ask_permission("bash", {"command": command}):
+            raise CommandRefused("permission denied: the user did not approve this bash command")
+        cap = tools.bash_timeout_secs
+        timeout = cap if timeout_secs is None else min(max(float(timeout_secs), 0.001), cap)
+        try:
+            ran = await run_captured(command, self.workspace.resolve(), timeout, tools.output_limit_bytes)
+        except ToolError as exc:  # no sandbox to run it in
+            raise CommandRefused(str(exc)) from None
+        return CommandResult(ran.output, ran.exit_code, ran.status, ran.text)
 
     @abc.abstractmethod
     async def spawn_agent(self, task: str, handler: str | None = None) -> str:

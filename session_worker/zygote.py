@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import logging
 import os
 import select
@@ -57,6 +58,8 @@ from ipc import logfields
 from ipc import messages as m
 from ipc import zygote_wire as zw
 from ipc.linux import set_child_subreaper, set_dumpable, set_pdeathsig
+from session_worker import _reach
+from session_worker.errors import ClosedPython
 from session_worker._signals import set_signal
 
 __all__ = ["Zygote", "zygote_main"]
@@ -76,6 +79,34 @@ _session_nice = 0
 # session_worker.main.run_worker, bound by _preload: an import statement
 # run in every forked worker is Python work that copies pages.
 _run_worker: Callable[..., int]
+
+
+def _prepare(sock: socket.socket, modules: list[str], expose: bool) -> None:
+    """Before the worker side's own preload: the daemon's Python opened to
+    the sessions' uids (`_reach`), then the operator's modules imported,
+    each checked to have started no thread.  The daemon is told how it went
+    (`Preloaded`) when it asked for either, and waits for it at start."""
+    error = ""
+    try:
+        if expose:
+            _reach.open_to_sessions(_reach.closed_dirs(sys.path, os.getcwd()))
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except BaseException as exc:  # SystemExit too: a module's own exit is its failure
+                error = f"cannot preload module {name!r}: {type(exc).__name__}: {exc}"
+                break
+            threads = len(os.listdir("/proc/self/task"))
+            if threads > 1:
+                error = (f"preloading module {name!r} started {threads - 1} thread(s) in the zygote, which forks "
+                         "every worker and must have none: import what starts them in the handler's factory "
+                         "instead, or leave the module out of the preload")
+                break
+    except (ClosedPython, OSError) as exc:
+        error = str(exc)
+    if expose or modules:
+        with contextlib.suppress(OSError):
+            sock.send(_encode(zw.Preloaded(error=error)))
 
 
 def _preload() -> None:
@@ -99,8 +130,10 @@ def _configure_logging() -> None:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=fmt)
 
 
-def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
-    """Runs in the zygote process until the daemon closes its end or dies."""
+def zygote_main(sock: socket.socket, daemon_pid: int, preload: list[str] | None = None, expose: bool = False) -> int:
+    """Runs in the zygote process until the daemon closes its end or dies.
+    `preload`: the operator's modules (supervisor.spawn.preload); `expose`:
+    sessions run as uids of their own, which must read our Python (`_reach`)."""
     global _session_nice
     with contextlib.suppress(ValueError):
         _session_nice = max(0, min(19, int(os.environ.pop("SESSIOND_SESSION_NICE", "0"))))
@@ -123,6 +156,7 @@ def zygote_main(sock: socket.socket, daemon_pid: int) -> int:
     title = f"sessiond: zygote ({setproctitle.getproctitle()})" if started else "sessiond: zygote"
     setproctitle.setproctitle(title)
     _configure_logging()
+    _prepare(sock, preload or [], expose)
     _preload()
     return Zygote(sock).serve()
 
@@ -448,8 +482,11 @@ def _exec_main() -> int:
     parser = argparse.ArgumentParser(prog="python -m session_worker.zygote")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--daemon-pid", type=int, required=True)
+    parser.add_argument("--preload", default="")
+    parser.add_argument("--expose", action="store_true")
     args = parser.parse_args()
-    return zygote_main(socket.socket(fileno=args.fd), args.daemon_pid)
+    return zygote_main(socket.socket(fileno=args.fd), args.daemon_pid, [m for m in args.preload.split(",") if m],
+                       args.expose)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,16 @@ class DaemonSettings(ConfigSection):
     # Workers the zygote keeps forked and waiting, so that a create or a
     # revive does not wait for a fork (each costs ~4 MiB of private memory).
     spare_workers: Annotated[int, Meta(ge=0, le=64)] = 2
+    # Modules the zygote imports once before it forks workers, besides the
+    # handlers' own ("package.module"): what a session's handler imports
+    # later (a framework's heavy parts) is then shared by every session
+    # instead of imported by each.  The modules of `agent.handler`,
+    # `agent.allowed_handlers`, `agent.subagents.allowed_handlers` and
+    # `tools.custom` are preloaded without being listed.  Imported as the
+    # daemon's user, before any session: an import must start no thread and
+    # read no secret (docs/agent.md, "Preloaded handlers").  Fixed at start:
+    # a reload that changes it says so and changes nothing until a restart.
+    preload_modules: list[str] = msgspec.field(default_factory=list)
     # How long create/revive waits for a new worker to say Ready.
     boot_timeout_secs: Annotated[float, Meta(gt=0, le=600)] = 30.0
     # Events kept per session for Attach{from_seq}: at most this many, and
@@ -418,6 +428,10 @@ def _validate_handlers(cfg: Config, source: str) -> None:
         if tool not in BUILTIN_TOOLS and tool not in customs:
             raise ConfigError(f"{source}: invalid value for 'tools.enabled': unknown tool {_shown(tool)} "
                               f"(allowed: {', '.join(BUILTIN_TOOLS)}, or the name of a tools.custom function)")
+    for module in cfg.daemon.preload_modules:
+        named = all(_IDENT.fullmatch(p) for p in module.split("."))
+        if why := _unimportable(module) if named else 'not a module name ("package.module")':
+            raise ConfigError(f"{source}: invalid value for 'daemon.preload_modules': {_shown(module)}: {why}")
     for name in cfg.agent.allowed_handlers:
         if valid_handler_name(name, pattern=True):
             continue

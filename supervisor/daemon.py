@@ -41,7 +41,7 @@ from ipc.loop import run as run_loop
 from ipc.linux import set_dumpable
 from supervisor.errors import StartupError
 from supervisor import __version__
-from supervisor.spawn import mcplist, sandbox, seams
+from supervisor.spawn import mcplist, preload, sandbox, seams
 from supervisor.ops import sdnotify
 from supervisor.spawn.cgroups import Cgroups
 from supervisor.spawn.cgroups_detect import detect as cgroup_detect
@@ -427,7 +427,7 @@ def run_daemon(
         except cluster.ClusterUnavailable as exc:
             raise StartupError(str(exc)) from None
     else:
-        spawner = ZygoteSpawner()
+        spawner = ZygoteSpawner(preload=preload.modules(cfg), expose=os.geteuid() == 0 and any(identities))
         spawner.start()  # before any loop or thread exists
     try:
         if inherited is not None:
@@ -562,6 +562,7 @@ def _build(
     drainer = drain.Drainer(manager, spawner, manager.events, manager.workers)
 
     def apply(new: Config) -> None:
+        preload.reloaded(manager.config, new)
         manager.reload(catalog.attach(new))
         spawner.keep_spares(new.daemon.spare_workers)
 

@@ -200,8 +200,8 @@ class Daemon:
         `drop`: capabilities to take out of the unit's set (to show each
         one it keeps is needed); `user`: who stands in for the unit's
         User= (a unit's system user need not exist here).  A unit that is
-        not root gets the daemon's directories and, as `run_as_user` does,
-        covers for the closed directories on the way to its code."""
+        not root gets the daemon's directories; every unit, as `run_as_user`
+        does, covers for the closed directories on the way to its code."""
         unit = UnitEmulation.from_file(service)
         unit.capabilities = [c for c in unit.capabilities if c not in drop]
         if user is not None:
@@ -216,6 +216,11 @@ class Daemon:
             if not any(path == s or s in path.parents for s in seen):
                 seen.append(path)
         spec = unit.launch_spec([str(p) for p in keep_rw], [str(p) for p in seen])
+        # The unit's user and its sessions' uids read the code, as they read
+        # install.sh's /opt/sessiond (which refuses a Python under /root):
+        # the closed directories on the way to it are covered.  (Without
+        # CAP_SYS_ADMIN the daemon could not open them itself, and refuses.)
+        spec["covers"] = [[str(closed), str(cover), children] for closed, cover, children in self._covers()]
         if unit.user not in ("root", "0"):
             import pwd
 
@@ -223,7 +228,6 @@ class Daemon:
             spec["ids"] = [pw.pw_uid, pw.pw_gid]
             for path in keep_rw:
                 os.chown(path, pw.pw_uid, pw.pw_gid)
-            spec["covers"] = [[str(closed), str(cover), children] for closed, cover, children in self._covers()]
         self.cmd_prefix = [sys.executable, "-c", "import harness, sys; harness.enter_unit(sys.argv[1:])",
                            json.dumps(spec), "--"]
         return unit

@@ -20,6 +20,7 @@ import contextlib
 import os
 import signal
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 
@@ -28,7 +29,7 @@ from session_worker.errors import SandboxError
 from session_worker.agent import _traced
 from session_worker.agent._errors import ToolError
 
-__all__ = ["OutputCap", "kill_tree", "run_bash", "tool_environment"]
+__all__ = ["Captured", "OutputCap", "kill_tree", "run_bash", "run_captured", "tool_environment"]
 
 _PATH = "/usr/local/bin:/usr/bin:/bin"
 # After the shell exits, how long a background child holding the output pipe
@@ -46,6 +47,21 @@ def tool_environment(workspace: Path) -> dict[str, str]:
         "LANG": "C.UTF-8",
         "TERM": "dumb",
     }
+
+
+class Captured(NamedTuple):
+    """A command's end: its (capped) output, the status line the model
+    reads after it, its exit code (None: killed)."""
+
+    output: str
+    status: str
+    exit_code: int | None
+
+    @property
+    def text(self) -> str:
+        """What the model reads: the output, then the status line."""
+        sep = "\n" if self.output and not self.output.endswith("\n") else ""
+        return f"{self.output}{sep}{self.status}"
 
 
 class OutputCap:
@@ -160,6 +176,14 @@ async def _start(command: str, workspace: Path, wfd: int) -> _Local | _Hosted:
 
 
 async def run_bash(command: str, workspace: Path, timeout_secs: float, limit: int) -> str:
+    """The `bash` tool's result: the output, then its status line."""
+    return (await run_captured(command, workspace, timeout_secs, limit)).text
+
+
+async def run_captured(command: str, workspace: Path, timeout_secs: float, limit: int) -> Captured:
+    """Run `command` as the `bash` tool does (the sandbox's tool host, or
+    the worker itself with `sandbox.mode = "off"`): its output capped at
+    `limit`, killed past `timeout_secs`."""
     # Our own pipe rather than asyncio's PIPE: asyncio's Process.wait() only
     # returns once every pipe is closed, so a background child (`server &`)
     # that inherited stdout would keep us waiting after the shell exited,
@@ -236,9 +260,8 @@ async def run_bash(command: str, workspace: Path, timeout_secs: float, limit: in
     _traced.bash_exit(proc.returncode, timed_out, lost, cap.total, cap.cut)
     if not eof.done():
         status += "\n[a background process still holds the output open; it was not waited for]"
-    if output and not output.endswith("\n"):
-        output += "\n"
-    return output + status
+    code = proc.returncode
+    return Captured(output, status, code if code is not None and code >= 0 and not timed_out and not lost else None)
 
 
 async def _drain(eof: asyncio.Future[None]) -> None:

@@ -318,7 +318,10 @@ class McpTools:
         try:
             await _client_module()  # once, before the servers connect side by side
         except ImportError as exc:
-            why = f"the MCP SDK cannot be imported ({exc}): pip install 'sessiond[mcp]'"
+            # The hint only when the SDK is missing: a module it needs that
+            # this uid cannot read is another matter (docs/operations.md).
+            missing = isinstance(exc, ModuleNotFoundError) and (exc.name or "").partition(".")[0] == "mcp"
+            why = f"the MCP SDK cannot be imported ({exc})" + (": pip install 'sessiond[mcp]'" if missing else "")
             for server in servers:
                 self._set_down(server, why, notice)
             return False

@@ -74,7 +74,7 @@ from session_worker.agent._sse import SSEParser
 from session_worker.agent._stream import Assembler, Completion, Delta, describe_error
 from ipc.settings import ProviderSettings
 
-__all__ = ["Provider", "redact"]
+__all__ = ["NO_CA_TLS", "Provider", "redact"]
 
 OnText = Callable[[str], None]
 OnRetry = Callable[[dict[str, Any]], None]
@@ -111,7 +111,7 @@ with contextlib.suppress(ImportError):
 # client, loading the CA bundle (~25 ms per worker) unless given one.  This
 # one trusts no CA and checks host names: were it ever used, it would refuse
 # the server rather than skip verification.
-_NO_CA_TLS = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+NO_CA_TLS = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
 
 _decode_json = msgspec.json.Decoder().decode
 _encode_json = msgspec.json.Encoder().encode
@@ -153,7 +153,7 @@ class Provider:
         )
         base = (settings.base_url or "").rstrip("/")
         # https: httpx's own full verification (certifi's CAs).
-        verify: ssl.SSLContext | bool = True if base[:6].lower() == "https:" else _NO_CA_TLS
+        verify: ssl.SSLContext | bool = True if base[:6].lower() == "https:" else NO_CA_TLS
         self._client = httpx.AsyncClient(
             headers=headers, timeout=timeout, trust_env=False, verify=verify
         )

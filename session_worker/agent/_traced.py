@@ -17,7 +17,7 @@ import json
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from session_worker import tracing
@@ -25,6 +25,8 @@ from session_worker.agent._stream import Completion, usage_counts
 from ipc.settings import ProviderSettings
 
 __all__ = ["bash_exit", "llm_done", "llm_span", "on_first", "on_retry", "tool_call"]
+
+T = TypeVar("T")
 
 _CONTENT_CHARS = 64 * 1024
 # Signals whose cause is a limit of the tool's own (its rlimits).
@@ -103,15 +105,15 @@ def llm_done(span: tracing.Span, completion: Completion) -> None:
             [{"role": "assistant", "parts": parts, "finish_reason": completion.finish_reason or ""}]))
 
 
-async def tool_call(call_id: str, name: str, run: Awaitable[tuple[bool, str]]) -> tuple[bool, str]:
+async def tool_call(call_id: str, name: str, run: Awaitable[tuple[bool, T]]) -> tuple[bool, T]:
     """Run one tool call (`run`: the whole of it: checks, permission, the
-    tool) under its span."""
+    tool) under its span (the agent's tools and the framework adapters')."""
     attributes = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name or "",
                   "gen_ai.tool.call.id": call_id, "gen_ai.tool.type": "function"}
     with tracing.span(f"execute_tool {name}", attributes=attributes) as span:
         ok, output = await run
         if not ok:
-            span.fail(output[:300])
+            span.fail(str(output)[:300])
         return ok, output
 
 

@@ -204,7 +204,8 @@ def _decoded(data: bytes) -> Any:
 
 def _tools(record: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Tool calls and results from an agent turn record ({"ops": [{"op":
-    "append", "message": {...}}]}); nothing for other handlers' records."""
+    "append", "message": {...}}]}, the framework adapters' too, whose
+    messages may be Responses API items); nothing for other handlers' records."""
     data = _decoded(record)
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
@@ -223,6 +224,12 @@ def _tools(record: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         if msg.get("role") == "tool":
             results.append({"name": names.get(str(msg.get("tool_call_id", "")), "?"),
                             "output": msg.get("content", "")})
+        # The Responses API's items (the OpenAI Agents SDK adapter's records).
+        if msg.get("type") == "function_call":
+            names[str(msg.get("call_id", ""))] = str(msg.get("name", "?"))
+            calls.append({"name": str(msg.get("name", "?")), "arguments": msg.get("arguments", "")})
+        elif msg.get("type") == "function_call_output":
+            results.append({"name": names.get(str(msg.get("call_id", "")), "?"), "output": msg.get("output", "")})
     return calls, results
 
 

@@ -92,6 +92,10 @@ class Read:
     pss: int | None = None  # PSS: None when the kernel would not say
     held: dict[tuple[int, int], int] = field(default_factory=dict)  # FDS
     mnt_ns: int = 0  # FDS: its mount namespace (inode), 0 if unreadable
+    # FDS: its /tmp or /dev is not the daemon's: a sandbox's own namespace
+    # (the zygote's and its workers' namespace differs from the daemon's
+    # only by covers over closed directories: session_worker/_reach.py).
+    own_fs: bool = False
     tmpfs: int = 0  # TMPFS: bytes used
 
 
@@ -167,8 +171,8 @@ def pss(pid: int) -> int | None:
 
 def held_open(read: Read, host: HostIdentity) -> int:
     """The memfds (and, in the daemon's own mount namespace, POSIX shm
-    files) the process holds open, by inode: fills `read.held` and
-    `read.mnt_ns`; returns the number of descriptors looked at.
+    files) the process holds open, by inode: fills `read.held`,
+    `read.mnt_ns` and `read.own_fs`; returns the number of descriptors looked at.
 
     os.stat of /proc/PID/fd/N follows the link to the inode itself, so the
     size is that of the memfd even though it has no path.  Allocated
@@ -180,7 +184,8 @@ def held_open(read: Read, host: HostIdentity) -> int:
         read.mnt_ns = os.stat(f"{base}/ns/mnt").st_ino
     except OSError:
         read.mnt_ns = 0
-    shm_too = read.mnt_ns == host.mnt_ns
+    read.own_fs = bool(read.mnt_ns) and read.mnt_ns != host.mnt_ns and _own_fs(base, host)
+    shm_too = not read.own_fs
     try:
         fds = os.listdir(f"{base}/fd")
     except OSError:
@@ -200,6 +205,14 @@ def held_open(read: Read, host: HostIdentity) -> int:
         if stat.S_ISREG(st.st_mode):
             read.held[(st.st_dev, st.st_ino)] = st.st_blocks * 512
     return min(len(fds), MAX_FDS)
+
+
+def _own_fs(base: str, host: HostIdentity) -> bool:
+    try:
+        return (os.stat(f"{base}/root/tmp").st_dev != host.tmp_dev
+                or os.stat(f"{base}/root/dev").st_dev != host.dev_dev)
+    except OSError:
+        return False
 
 
 def tmpfs_used(pid: int, host: HostIdentity) -> int:

@@ -390,7 +390,7 @@ class Sweeper:
                 if read.pid in mem.rss_by_pid:
                     mem.held[read.pid] = read.held
                     mem.held_at[read.pid] = now
-                    if read.mnt_ns and read.mnt_ns != self._host.mnt_ns and not mem.sandbox_pid:
+                    if read.own_fs and not mem.sandbox_pid:
                         mem.sandbox_pid = read.pid
             elif read.kind is Kind.TMPFS:
                 mem.tmpfs_bytes, mem.tmpfs_at = read.tmpfs, now

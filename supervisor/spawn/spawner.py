@@ -37,7 +37,7 @@ import msgspec
 from ipc import messages as m
 from ipc import zygote_wire as zw
 from supervisor.spawn.pidfd import PidFd
-from supervisor.errors import ZygoteDied
+from supervisor.errors import StartupError, ZygoteDied
 
 __all__ = ["ZygoteBackoff", "ZygoteSpawner"]
 
@@ -52,6 +52,8 @@ _RETIRE_CHECK_SECS = 0.25
 # The directory holding our packages, for the re-exec'd zygote.
 _CODE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ZYGOTE_MODULE = "session_worker.zygote"
+# A framework's import takes seconds; one that hangs must not hold the start-up for ever.
+_PRELOAD_TIMEOUT_SECS = 300.0
 
 
 class ZygoteBackoff:
@@ -99,6 +101,8 @@ class ZygoteSpawner:
         self,
         on_exit: Callable[[int, int | None, int | None], None] | None = None,
         on_zygote_lost: Callable[[], None] | None = None,
+        preload: list[str] | None = None,
+        expose: bool = False,
     ) -> None:
         # Where exits go: given here by an owner built first (the node
         # host); the daemon's owner (WorkerOwner) is built after the fork,
@@ -120,6 +124,10 @@ class ZygoteSpawner:
         # Every worker we were given, by pid, until its process group is
         # empty (see `_retire`): what `signal` and `kill_tree` act through.
         self._workers: dict[int, PidFd] = {}
+        # What every zygote is told to do before it forks (supervisor.spawn.preload,
+        # session_worker._reach); with either, it says how it went (Preloaded).
+        self._preload = list(preload or [])
+        self._expose = expose
 
     @property
     def zygote_pid(self) -> int:
@@ -136,7 +144,7 @@ class ZygoteSpawner:
                 # The worker side is loaded here, in the child only: the
                 # daemon itself never imports it.
                 zygote = importlib.import_module(_ZYGOTE_MODULE)
-                code = zygote.zygote_main(child, daemon_pid)
+                code = zygote.zygote_main(child, daemon_pid, self._preload, self._expose)
             except BaseException:
                 traceback.print_exc()
             finally:
@@ -163,7 +171,8 @@ class ZygoteSpawner:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-P", "-m", _ZYGOTE_MODULE, "--fd", str(fd),
-                 "--daemon-pid", str(os.getpid())],
+                 "--daemon-pid", str(os.getpid()), "--preload", ",".join(self._preload),
+                 *(["--expose"] if self._expose else [])],
                 pass_fds=[fd], close_fds=True, env=env,
             )
         finally:
@@ -173,6 +182,8 @@ class ZygoteSpawner:
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         assert self._sock is not None
+        if self._loop is None and (self._preload or self._expose):
+            self._await_preload()
         self._loop = loop
         self._sock.setblocking(False)
         loop.add_reader(self._sock.fileno(), self._on_readable)
@@ -210,6 +221,32 @@ class ZygoteSpawner:
                 case zw.Exited(pid=pid, code=code, signal=sig):
                     self.on_exit(pid, code, sig)
                     self._retire(pid)
+                case zw.Preloaded(error=error) if error:  # a zygote started again: it serves all the same
+                    log.error("the new zygote: %s; sessions that need it fail at boot", error)
+
+    def _await_preload(self) -> None:
+        """At start, before the daemon listens: the first zygote's word on
+        its preload (a blocking read: nothing else is served yet).  A module
+        that did not import, or a Python the sessions cannot read, stops the
+        start-up, named."""
+        assert self._sock is not None
+        self._sock.settimeout(_PRELOAD_TIMEOUT_SECS)
+        try:
+            data = self._sock.recv(_MAX_PACKET)
+        except TimeoutError:
+            raise StartupError(f"the zygote did not finish preloading {', '.join(self._preload)} within "
+                               f"{_PRELOAD_TIMEOUT_SECS:.0f}s ([daemon] preload_modules, the handlers' modules)") from None
+        except OSError as exc:
+            raise StartupError(f"the zygote died while preloading: {exc}") from None
+        finally:
+            self._sock.settimeout(None)
+        if not data:
+            raise StartupError("the zygote died while preloading (its log lines say why)")
+        report = _from_zygote.decode(data)
+        if isinstance(report, zw.Preloaded) and report.error:
+            raise StartupError(report.error)
+        if self._preload:
+            log.info("the zygote preloaded %s", ", ".join(self._preload))
 
     def _lost(self) -> None:
         assert self._sock is not None and self._loop is not None
