@@ -34,7 +34,7 @@ class Exited(Msg, tag="exited"):
     signal: int | None = None
 
 
-class Preloaded(_Msg, tag="preloaded"):
+class Preloaded(Msg, tag="preloaded"):
     """The zygote's first word, when the daemon gave it modules to preload or
     sessions of their own uids: empty `error` when they are in, else what
     failed (naming the module or the directory, and the fix)."""
