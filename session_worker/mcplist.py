@@ -2,10 +2,12 @@
 
     python -P -m session_worker.mcplist < order > answer      (msgpack: ipc.mcplist)
 
-Started by the daemon (`supervisor.spawn.mcplist`), by exec, already as the
-user it lists as (never the daemon's privileges: a uid of no session, or
-the sessions' shared user; the daemon's own only where sessions run as it
-too), with an environment of PATH, LANG and the variables the servers'
+Started by the daemon (`supervisor.spawn.mcplist`), by exec, as the daemon's
+user; with `--as UID:GID` it first opens the daemon's Python to that uid
+where a directory on the way is closed to it (`session_worker._reach`, as
+the zygote does), then becomes it, before it reads its order: it lists as
+that user (never the daemon's privileges: a uid of no session, or the
+sessions' shared user; the daemon's own only where sessions run as it too), with an environment of PATH, LANG and the variables the servers'
 tables name.  It confines itself as a session's worker does: no core
 dumps, not dumpable, killed with its parent.  Each stdio server is started
 by a tool host of its own sandbox (`session_worker.sandbox`, as a session's
@@ -35,7 +37,7 @@ from ipc.linux import set_dumpable, set_pdeathsig
 from ipc.mcp import MAX_SCHEMA_BYTES, MAX_TOOLS_PER_SERVER, ListedTool, McpListing, RefusedTool, bounded, listing_key
 from ipc.mcplist import McpListOrder, order_decoder
 from ipc.settings import McpServer, SessionSettings
-from session_worker import sandbox
+from session_worker import _reach, sandbox
 
 __all__ = ["list_servers", "main"]
 
@@ -88,8 +90,23 @@ def _settings_for_listing(settings: SessionSettings) -> SessionSettings:
     return msgspec.structs.replace(settings, sandbox=msgspec.structs.replace(settings.sandbox, network="none"))
 
 
+def _become(argv: list[str]) -> None:
+    """`--as UID:GID`: the daemon's Python opened to it, then its identity
+    taken for good (no groups, no way back) before anything else runs."""
+    if argv[:1] != ["--as"] or len(argv) != 2:
+        if argv:
+            raise SystemExit(f"usage: python -m {__name__} [--as UID:GID]")
+        return
+    uid, _, gid = argv[1].partition(":")
+    _reach.open_to_sessions(_reach.closed_dirs(sys.path, os.getcwd()))
+    os.setgroups([])
+    os.setresgid(int(gid), int(gid), int(gid))
+    os.setresuid(int(uid), int(uid), int(uid))
+
+
 def main() -> int:
     parent = os.getppid()
+    _become(sys.argv[1:])  # first: a change of identity clears the death signal and dumpable
     set_pdeathsig(signal.SIGKILL)
     if os.getppid() != parent:
         return 1

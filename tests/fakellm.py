@@ -39,6 +39,7 @@ fails with a readable reason instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import select
 import socket
@@ -202,6 +203,10 @@ class FakeLLM:
         self._requests: list[RecordedRequest] = []
         self._connections = 0
         self._stopping = threading.Event()
+        # Connections open now: ended by stop(), so that no handler thread
+        # outlives the server (a client's pool keeps them alive otherwise,
+        # and a test process that forks next must have no other thread).
+        self._open: set[socket.socket] = set()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.check: Callable[[Any], str | None] | None = None
@@ -233,6 +238,17 @@ class FakeLLM:
             self._server.server_close()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        with self._lock:
+            conns = list(self._open)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._open:
+                    break
+            time.sleep(0.005)
 
     def __enter__(self) -> FakeLLM:
         return self.start()
@@ -281,9 +297,14 @@ class FakeLLM:
 
     # -- called from handler threads ------------------------------------------
 
-    def _accepted(self) -> None:
+    def _accepted(self, conn: socket.socket) -> None:
         with self._lock:
             self._connections += 1
+            self._open.add(conn)
+
+    def _closed(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._open.discard(conn)
 
     def _take(self, request: RecordedRequest) -> Response | None:
         with self._lock:
@@ -305,7 +326,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        self.owner._accepted()
+        self.owner._accepted(self.connection)
+
+    def finish(self) -> None:
+        self.owner._closed(self.connection)
+        super().finish()
 
     def log_message(self, format: str, *args: Any) -> None:
         pass

@@ -10,8 +10,11 @@ own, and confined before it runs a line of ours:
   `session_uid_range`, which no session is given (`Workspaces.
   allocate_uid`); one with `worker_user` as that user (the one every
   session's tools run as); one that allows root tools, and a daemon that
-  is not root, as the daemon, as sessions' tools run then.  The switch is
-  `subprocess`'s own (setgroups, setgid, setuid before exec).
+  is not root, as the daemon, as sessions' tools run then.  The lister
+  makes the switch itself (`--as UID:GID`: no groups, then setresgid and
+  setresuid) before it reads its order, after opening the daemon's
+  Python to that uid where a directory on the way is closed to it, as
+  the zygote does for sessions (session_worker._reach).
 * **where**: each stdio server is started by a tool host of its own
   sandbox (namespaces, Landlock, seccomp, as `[sandbox]` says), in an
   empty directory made for this listing under the state directory and
@@ -125,12 +128,17 @@ class McpLister:
         plain = msgspec.structs.replace(settings, mcp=msgspec.structs.replace(settings.mcp, listed=[]))
         order = McpListOrder(settings=msgspec.msgpack.encode(plain), sandbox=self._sandbox,
                              workspace=str(workspace), own_uid=self._own_uid)
-        uid, gid = self._run_as if self._run_as is not None else (None, None)
+        # Started as the daemon's user and told whom to become: it first
+        # opens the daemon's Python to that uid where a directory on the way
+        # is closed to it (session_worker._reach, as the zygote does), then
+        # drops to it before reading anything of the order.  (Exec'd as that
+        # uid, a Python under a 0700 /root could not even start.)
+        becomes = ["--as", f"{self._run_as[0]}:{self._run_as[1]}"] if self._run_as is not None else []
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-P", "-m", _MODULE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                [sys.executable, "-P", "-m", _MODULE, *becomes], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, cwd=workspace, env=_environment(settings), close_fds=True,
-                start_new_session=True, user=uid, group=gid, extra_groups=[] if uid is not None else None,
+                start_new_session=True,
             )
         except OSError as exc:
             return [], f"the lister could not be started: {exc.strerror or exc}"
