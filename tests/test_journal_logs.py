@@ -9,12 +9,15 @@ a daemon restart (SIGKILL), compaction included."""
 from __future__ import annotations
 
 import array
+import contextlib
 import fcntl
 import io
 import json
 import logging
 import os
+import select
 import socket
+import threading
 import struct
 import tempfile
 from collections.abc import Iterator
@@ -62,14 +65,57 @@ def journal_socket() -> Iterator[socket.socket]:
         where.rmdir()
 
 
+@contextlib.contextmanager
+def read_as_journald(sock: socket.socket) -> Iterator[None]:
+    """Read `sock` all the time, as journald does, while a daemon logs to
+    it: a datagram socket queues only net.unix.max_dgram_qlen datagrams
+    (10 by default), and past them a sender gets EAGAIN and falls back to
+    its stream.  `receive` then hands out what the reader got."""
+    arrived: list[dict[str, str]] = []
+    _ARRIVED[sock.fileno()] = arrived
+    stop_r, stop_w = os.pipe()
+    reader = threading.Thread(target=_read_journal, args=(sock, stop_r, arrived), daemon=True)
+    reader.start()
+    try:
+        yield
+    finally:
+        os.write(stop_w, b"x")
+        reader.join(10)
+        os.close(stop_r)
+        os.close(stop_w)
+        del _ARRIVED[sock.fileno()]
+
+
+_ARRIVED: dict[int, list[dict[str, str]]] = {}
+
+
+def _read_journal(sock: socket.socket, stop: int, arrived: list[dict[str, str]]) -> None:
+    while True:
+        ready, _, _ = select.select([sock, stop], [], [])
+        if stop in ready:
+            return
+        arrived.extend(_drain(sock))
+
+
 def receive(sock: socket.socket, entries: list[dict[str, str]]) -> list[dict[str, str]]:
-    """Whatever has arrived (memfds read as journald does)."""
+    """Whatever has arrived, read by the fixture's reader or now."""
+    arrived = _ARRIVED.get(sock.fileno())
+    if arrived is None:
+        entries.extend(_drain(sock))
+        return entries
+    entries.extend(arrived[len(entries):])
+    return entries
+
+
+def _drain(sock: socket.socket) -> list[dict[str, str]]:
+    """What is queued on `sock` (memfds read as journald does)."""
+    out: list[dict[str, str]] = []
     sock.setblocking(False)
     while True:
         try:
             data, ancdata, _, _ = sock.recvmsg(1 << 20, socket.CMSG_SPACE(4))
         except BlockingIOError:
-            return entries
+            return out
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fd = array.array("i", payload[:4])[0]
@@ -79,7 +125,7 @@ def receive(sock: socket.socket, entries: list[dict[str, str]]) -> list[dict[str
                     data = os.pread(fd, os.fstat(fd).st_size, 0)
                 finally:
                     os.close(fd)
-        entries.append(parse_entry(data))
+        out.append(parse_entry(data))
 
 
 @pytest.mark.process
@@ -91,6 +137,11 @@ def test_under_journald_records_are_sent_as_fields_to_its_socket(
     st = os.stat(d.log_path)
     monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
     monkeypatch.setenv("SESSIOND_JOURNAL_SOCKET", journal_socket.getsockname())
+    with read_as_journald(journal_socket):
+        _logged_as_fields(d, journal_socket)
+
+
+def _logged_as_fields(d: Daemon, journal_socket: socket.socket) -> None:
     d.start()
     sid = _create(d, "operator_handlers:broken")
     assert d.ctl("send", sid, "x").returncode == 1  # its worker logs a traceback
