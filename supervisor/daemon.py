@@ -19,7 +19,6 @@ import contextlib
 import faulthandler
 import fcntl
 import gc
-import grp
 import importlib.util
 import logging
 import os
@@ -57,6 +56,7 @@ from supervisor.cluster import drain, fencing, wiring as cluster
 from supervisor.ops import metrics, tracing_config
 from supervisor.ops.reload import Reloader
 from supervisor.core.manager import SessionManager
+from supervisor.core.admission import Identities, listening_group, resolve_group
 from supervisor.cluster.ray_spawner import RaySpawner  # (imports Ray only when used)
 from supervisor.api.server import ControlServer
 from supervisor.spawn.spawner import ZygoteSpawner
@@ -225,14 +225,6 @@ def prepare_socket_path(path: Path) -> None:
         raise StartupError(f"socket path {path} is too long for a Unix socket (max 107 bytes)")
 
 
-class Identities(NamedTuple):
-    """Who workers run as: `run_as` for all of them ([daemon] worker_user),
-    else a uid per session from `session_uids`, else as the daemon."""
-
-    run_as: tuple[int, int] | None
-    session_uids: range | None
-
-
 def resolve_identities(cfg: Config) -> Identities:
     """As root, tools never run as root unless the operator says so
     (allow_root_tools), as sshd's and postfix's privilege separation refuse."""
@@ -339,13 +331,6 @@ def resolve_worker_user(cfg: Config) -> tuple[int, int] | None:
     return entry.pw_uid, entry.pw_gid
 
 
-def _resolve_group(name: str) -> int:
-    try:
-        return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
-    except KeyError:
-        raise StartupError(f"[daemon] socket_group: no such group {name!r}") from None
-
-
 def bind_socket(path: Path, mode: int, group: str = "") -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o777 & ~mode)
@@ -357,7 +342,7 @@ def bind_socket(path: Path, mode: int, group: str = "") -> socket.socket:
     finally:
         os.umask(old_umask)
     if group:
-        os.chown(path, -1, _resolve_group(group))
+        os.chown(path, -1, resolve_group(group))
     os.chmod(path, mode)
     sock.listen(4096)
     sock.setblocking(False)
@@ -404,7 +389,7 @@ def run_daemon(
     # Held until this process exits; the zygote (close_fds) does not inherit it.
     lock_fd = check_state_dir(state_dir)  # noqa: F841 (kept open on purpose)
     if cfg.daemon.socket_group:
-        _resolve_group(cfg.daemon.socket_group)
+        resolve_group(cfg.daemon.socket_group)
     inherited = _inherited_socket()
     if inherited is None:
         prepare_socket_path(socket_path)
@@ -436,6 +421,8 @@ def run_daemon(
         else:
             sock = bind_socket(socket_path, int(cfg.daemon.socket_mode, 8), cfg.daemon.socket_group)
             bound = True
+        # Who is admitted: the socket's group, the one policy for the socket and every re-check.
+        identities = identities._replace(socket_gid=listening_group(sock, cfg.daemon.socket_group))
         metrics_sock: socket.socket | None = None
         try:
             metrics_sock = bind_metrics(cfg)
@@ -549,7 +536,7 @@ def _build(
         recorder = metrics.PrometheusRecorder(lambda: manager.sessions.values(), lambda: len(server.clients),
                                               per_session)
     manager = SessionManager(
-        cfg, state_dir, spawner, run_as=identities.run_as, session_uids=identities.session_uids,
+        cfg, state_dir, spawner, identities=identities,
         sandbox=sandbox_boot, cgroups=cgroups[0], cgroups_why=cgroups[1], store=store, metrics=recorder or metrics.NO_METRICS,
         # Another daemon may take a session over (the store fences): release, claim back.
         holds=fronts.holds if fronts is not None else fencing.Fencing(),
