@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ipc.messages import _Msg
 
-__all__ = ["SpawnWorker", "KeepSpares", "Spawned", "Exited", "ToZygote", "FromZygote"]
+__all__ = ["SpawnWorker", "KeepSpares", "Spawned", "SpawnFailed", "Exited", "ToZygote", "FromZygote"]
 
 
 class SpawnWorker(_Msg, tag="spawn"):
@@ -28,6 +28,15 @@ class Spawned(_Msg, tag="spawned"):
     pid: int
 
 
+class SpawnFailed(_Msg, tag="spawn_failed"):
+    """No worker for this order: fork failed (EAGAIN or ENOMEM at the task
+    or memory ceiling, after retries; EMFILE...), and the zygote lives on."""
+
+    token: int
+    errno: int
+    message: str = ""
+
+
 class Exited(_Msg, tag="exited"):
     pid: int
     code: int | None = None
@@ -35,4 +44,4 @@ class Exited(_Msg, tag="exited"):
 
 
 ToZygote = SpawnWorker | KeepSpares
-FromZygote = Spawned | Exited
+FromZygote = Spawned | SpawnFailed | Exited
