@@ -309,7 +309,7 @@ def plan_for(boot: m.SandboxBoot | None, settings: SessionSettings, workspace: P
         tmp_size_mb=settings.sandbox.tmp_size_mb, why_no_seccomp=why_no_seccomp,
         landlock_abi=boot.landlock_abi,
         why_refused=settings.sandbox.refusal(boot.namespaces, boot.why_not, boot.landlock_abi,
-                                             why_no_seccomp),
+                                             why_no_seccomp, boot.unmeasured),
     )
 
 

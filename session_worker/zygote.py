@@ -17,7 +17,8 @@ every exit status to the daemon, decoded once (code or signal).  It is also
 the child subreaper, so tool processes orphaned by a worker re-parent to it
 and are reaped instead of haunting init.  After a worker is killed, the
 orphans it leaves are killed too, but only its session's: those of its uid
-(a root daemon's per-session uid), its process group or its session id
+(a root daemon's per-session uid; never a uid another live worker runs
+as, such as a shared `worker_user`), its process group or its session id
 (each worker leads a session of its own); what bears none of these marks
 (a tool that called setsid) is the daemon's to kill, by the session's
 cgroup or uid.  PDEATHSIG ties each worker to the zygote (SIGKILL) and the
@@ -394,8 +395,10 @@ class Zygote:
             if code < 0:
                 self.hunt_until = time.monotonic() + _HUNT_SECS
                 # A uid of its own (a root daemon's session uid) marks the
-                # session's processes; the zygote's own uid marks nobody's.
-                self.hunted.append(_Mark(pid, uid if uid != self.my_uid else None))
+                # session's processes; one another worker runs as too (the
+                # zygote's own, a shared worker_user) marks nobody's.
+                own = uid != self.my_uid and not any(_identity(w)[2] == uid for w in self.workers)
+                self.hunted.append(_Mark(pid, uid if own else None))
 
     def _hunt(self) -> None:
         if time.monotonic() < self.hunt_until:

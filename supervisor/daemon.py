@@ -271,7 +271,7 @@ def _cgroups(cfg: Config) -> tuple[Cgroups | None, str]:
 
 
 def _probe_sandbox(cfg: Config, identities: Identities, state_dir: Path, socket_path: Path,
-                   config_path: Path | None) -> m.SandboxBoot:
+                   config_path: Path | None, counted: set[str]) -> m.SandboxBoot:
     """What confines tools here, for the uid they will run as; every daemon
     path goes on the list no sandbox may show."""
     who = identities.run_as
@@ -284,7 +284,7 @@ def _probe_sandbox(cfg: Config, identities: Identities, state_dir: Path, socket_
         hide.append(Path(os.environ["CREDENTIALS_DIRECTORY"]))
     try:
         uid, gid = who if who is not None else (None, None)
-        return sandbox.probe(cfg.sandbox, uid, gid, hide)
+        return sandbox.probe(cfg.sandbox, uid, gid, hide, counted)
     except sandbox.SandboxUnavailable as exc:
         raise StartupError(str(exc)) from None
 
@@ -403,7 +403,10 @@ def run_daemon(
     # Before the sandbox probe too: bwrap's children may linger a moment
     # after it returns, and would make our cgroup look shared.
     cgroups = _cgroups(cfg) if not clustered else (None, "cluster mode: workers run on Ray node hosts")
-    sandbox_boot = _probe_sandbox(cfg, identities, state_dir, socket_path, config_path)
+    # What the kernel counts for sessions besides what the daemon reads in
+    # /proc (cluster mode: the workers' nodes measure them).
+    counted = {"memory", "pids"} if clustered else cgroups[0].controllers if cgroups[0] is not None else set()
+    sandbox_boot = _probe_sandbox(cfg, identities, state_dir, socket_path, config_path, counted)
 
     _check_store_driver(cfg)
     spawner: Spawner

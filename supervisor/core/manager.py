@@ -252,7 +252,7 @@ class SessionManager:
         worker = session.worker
         pid = worker.pid if worker is not None and not worker.exited.done() else None
         rss: int | None = None
-        if pid is not None and with_rss:
+        if pid is not None and with_rss and self.workers.measured:  # (blind: unknown, never 0)
             # The last sweep's figure (at most one poll interval old); a worker
             # not swept yet is measured now.
             rss = session.memory.rss_bytes or session.memory.measure(self.proc_table, pid)

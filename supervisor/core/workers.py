@@ -428,6 +428,12 @@ class WorkerOwner:
         if session.last_exit is not None:
             session.last_exit = msgspec.structs.replace(session.last_exit, reason=exit_reason.value, detail=detail)
 
+    @property
+    def measured(self) -> bool:
+        """Whether the daemon can read its workers' figures: not where their
+        /proc entries are hidden from it and no cgroup counts them."""
+        return self.sandbox is None or not self.sandbox.unmeasured
+
     def sandbox_report(self, worker: WorkerProc) -> dict[str, Any]:
         """The worker's own report, plus the cgroup the daemon put it in."""
         if self.cgroups is None:
