@@ -109,8 +109,10 @@ class Daemon:
         self.preexec: Callable[[], None] | None = None
         # Put before `cmd` when starting (e.g. `run_as_user`'s wrapper).
         self.cmd_prefix: list[str] = []
-        # Descriptors the daemon inherits (as from a careless parent).
+        # Descriptors the daemon inherits (as from a careless parent, or
+        # systemd's listening socket: tests/unit_host.py, kept open here).
         self.pass_fds: tuple[int, ...] = ()
+        self.held: list[Any] = []
         self._exposed: list[Path] = []
 
     @property

@@ -1,0 +1,63 @@
+"""Handlers whose own code takes what a user's share bounds
+(`share_handlers:NAME`), for the tests of the shipped unit under many users
+(tests/test_unit_users.py).  Their processes run the system's Python (a
+session's uid cannot reach the test's interpreter under /root) and stay
+in the session's cgroup until its kill.
+
+    fork N     up to N processes that wait: replies "forked K" at the first
+               refused fork, and goes on trying (every 5 ms) while it has
+               fewer, keeping the table as full as it can
+    hog MIB    a process that fills MIB MiB and holds it: replies "hog PID"
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from session_worker.echo import EchoHandler
+from session_worker.handler import HandlerInit, TurnContext, TurnResult
+
+PYTHON = "/usr/bin/python3"
+_FORK = ("import os, signal, sys, time\n"
+         "want, n, told = int(sys.argv[1]), 0, False\n"
+         "while n < want:\n"
+         "    try:\n"
+         "        pid = os.fork()\n"
+         "    except OSError:\n"
+         "        if not told:\n"
+         "            print(n, flush=True)\n"
+         "            told = True\n"
+         "        time.sleep(0.005)\n"
+         "        continue\n"
+         "    if pid == 0:\n"
+         "        signal.pause()\n"
+         "        os._exit(0)\n"
+         "    n += 1\n"
+         "if not told:\n"
+         "    print(n, flush=True)\n"
+         "signal.pause()\n")
+_HOG = ("import signal, sys\n"
+        "x = bytearray(int(sys.argv[1]) << 20)\n"
+        "for i in range(0, len(x), 4096): x[i] = 1\n"
+        "print('held', flush=True)\n"
+        "signal.pause()\n")
+
+
+class Taker(EchoHandler):
+    """Echo's turn count, state and close; turns of its own."""
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        kind, amount = text.split()
+        code = {"fork": _FORK, "hog": _HOG}[kind]
+        proc = await asyncio.create_subprocess_exec(PYTHON, "-c", code, amount, stdout=asyncio.subprocess.PIPE,
+                                                    stdin=asyncio.subprocess.DEVNULL)
+        assert proc.stdout is not None
+        line = (await proc.stdout.readline()).decode().strip()
+        self.turns += 1
+        if kind == "fork":
+            return TurnResult(f"forked {line or 0}", record=1)
+        return TurnResult(f"hog {proc.pid} {line}", record=1)
+
+
+def taker(init: HandlerInit) -> Taker:
+    return Taker(init)
