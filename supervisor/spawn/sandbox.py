@@ -75,6 +75,7 @@ def workers_hidden() -> str:
     pid = os.fork()
     if pid == 0:
         try:
+            os.close(done_w)  # (the parent's closing it is the end of the wait)
             set_dumpable(False)
             os.write(ready_w, b"x")
             os.read(done_r, 1)
