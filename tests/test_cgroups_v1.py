@@ -12,6 +12,7 @@ session's cgroup.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import pytest
 
 from fakellm import FakeLLM, text_stream, tool_call_stream
 from harness import FAST_SWEEP, TEST_HANDLERS, wait_for
+from ipc import messages as m
 from test_access import open_root, root_only  # noqa: F401 (open_root: a fixture)
 from test_agent_e2e import agent_config
 
@@ -114,6 +116,25 @@ def test_unmapped_memory_counts_against_the_kernel_cap(make_daemon) -> None:
     wait_for(lambda: not _escapees("held"), 10, "the memfd's holder to be gone")
 
 
+def test_kernel_memory_counts_against_the_kernel_cap(make_daemon) -> None:
+    """Pipe and socket buffers are kernel memory, in no process's RSS; the
+    session's memory cgroup charges them to it (v1 counts kmem in
+    memory.usage_in_bytes), so they cannot pass its cap: a write past it
+    fails (ENOMEM, ENOBUFS), or the session is killed whole."""
+    config = _config("max_memory_mb = 64\n").replace('cgroup_handlers:*"', 'cgroup_handlers:*", "share_handlers:*"')
+    d = make_daemon(config)
+    with d.client() as c:
+        sid = c.create(handler="share_handlers:taker").id
+        done = list(c.send(sid, "buffers 256"))[-1]
+        if isinstance(done, m.TurnDone):  # the write past the cap failed
+            _, held, why = done.reply.split()
+            assert int(held) < 64 and why in ("ENOMEM", "ENOBUFS", "EAGAIN"), done.reply
+        else:  # or the session met its cap and went whole
+            last = c.status(sid).last_exit
+            assert last.reason == "killed_memory" and "memory cap 64 MiB" in last.detail, last
+            assert float(last.detail.split(" at ")[1].split()[0]) <= 64 + 1, last
+
+
 def test_one_sessions_crash_kills_nothing_of_anothers(make_daemon) -> None:
     d = make_daemon(_config())
     with d.client() as c:
@@ -131,6 +152,30 @@ def test_one_sessions_crash_kills_nothing_of_anothers(make_daemon) -> None:
                      "b's escapee to die (it must not)")
         c.stop(b)
         wait_for(lambda: not _escapees("beta"), 10, "b's escapee to die with b's own stop")
+
+
+def test_under_a_shared_worker_user_a_crash_kills_nothing_of_anothers(make_daemon, open_root: Path) -> None:
+    """Every session runs as one `worker_user`: the zygote's hunt for a
+    crashed worker's strays must not take that uid for the session's mark
+    (another session's escapee re-parented to the zygote has it too)."""
+    shutil.copy(Path(__file__).with_name("cgroup_handlers.py"), open_root / "lib" / "cgroup_handlers.py")
+    config = _config().replace("[daemon]\n", '[daemon]\nworker_user = "nobody"\n')
+    d = make_daemon(config, root=open_root / "d")
+    with d.client() as c:
+        a = c.create(handler=HANDLER).id
+        b = c.create(handler=HANDLER).id
+        assert c.send_text(a, "setsid shared-a") == "started setsid"
+        assert c.send_text(b, "setsid shared-b") == "started setsid"
+        (escapee_b,) = wait_for(lambda: _escapees("shared-b"), 10, "b's escapee to start")
+        wait_for(lambda: _escapees("shared-a"), 10, "a's escapee to start")
+        assert escapee_b.uids().real == psutil.Process(c.status(a).pid).uids().real != 0
+        os.kill(c.status(a).pid, signal.SIGKILL)
+        wait_for(lambda: not _escapees("shared-a"), 10, "a's escapee to die with its worker (its cgroup)")
+        with pytest.raises(AssertionError, match="timed out"):
+            wait_for(lambda: not escapee_b.is_running() or escapee_b.status() == psutil.STATUS_ZOMBIE, 1.5,
+                     "b's escapee to die (it must not)")
+        c.stop(b)
+    wait_for(lambda: not _escapees("shared-b"), 10, "b's escapee to die with b's own stop")
 
 
 def test_without_a_cgroup_a_root_daemon_kills_a_session_by_its_uid(
