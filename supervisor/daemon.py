@@ -263,7 +263,8 @@ def _cgroups(cfg: Config) -> tuple[Cgroups | None, str]:
     weight = f"workers and tools at nice {nice}" if nice else "workers and tools at the daemon's CPU weight"
     if found is None:
         log.info("no cgroup per session: %s; processes are contained by the tool host and the zygote, "
-                 "and limits enforced by rlimits and the memory sweep; %s", why, weight)
+                 "and limits enforced by rlimits and the memory sweep, per session only (no user's share "
+                 "of tasks or memory: max_processes_per_uid, max_memory_mb_per_uid); %s", why, weight)
         return None, why
     cpu = f", all sessions at the CPU weight of one task at nice {nice}" if "cpu" in found.controllers else ""
     log.info("sessions get %s; %s%s", found.describe(), weight, cpu)

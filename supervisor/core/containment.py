@@ -150,42 +150,47 @@ class Containment:
         if cause == "own":
             cap = limits.max_memory_mb
             used = used or cap
-            self._events.emit_limit(session, LimitKind.MEMORY, used, cap)
-            self._kill(session, worker, ExitReason.KILLED_MEMORY,
-                       f"memory cap {cap} MiB exceeded at {used:.0f} MiB (the kernel's cgroup limit)")
-            return True
+            return self._memory_kill(session, worker, used, cap, "", f"memory cap {cap} MiB exceeded at "
+                                     f"{used:.0f} MiB (the kernel's cgroup limit)")
         assert self.ceilings is not None
         ceiling = self.ceilings.memory
-        self._events.emit_limit(session, LimitKind.MEMORY, used, ceiling.limit / MIB, ceiling="daemon memory ceiling")
-        self._kill(session, worker, ExitReason.KILLED_MEMORY,
-                   f"the kernel's OOM killer killed a process of it at {used:.0f} MiB: the daemon's memory "
-                   f"ceiling ({ceiling.limit // MIB} MiB, {ceiling.where}: the unit's MemoryMax=) was reached by all "
-                   f"sessions together, not this session's cap (max_memory_mb = {limits.max_memory_mb})")
+        return self._memory_kill(
+            session, worker, used, ceiling.limit / MIB, "daemon memory ceiling",
+            f"the kernel's OOM killer killed a process of it at {used:.0f} MiB: the daemon's memory "
+            f"ceiling ({ceiling.limit // MIB} MiB, {ceiling.where}: the unit's MemoryMax=) was reached by all "
+            f"sessions together, not this session's cap (max_memory_mb = {limits.max_memory_mb})")
+
+    def _memory_kill(self, session: Session, worker: WorkerProc, used: float, limit: float, ceiling: str,
+                     detail: str) -> bool:
+        """One kill for memory: told (LimitExceeded, naming the ceiling when
+        it is not the session's own cap), then the whole session."""
+        self._events.emit_limit(session, LimitKind.MEMORY, used, limit, ceiling=ceiling)
+        self._kill(session, worker, ExitReason.KILLED_MEMORY, detail)
         return True
 
     def _user_share_met(self, session: Session, dead: bool) -> bool:
         """The owner's sessions together are at its share: the largest of
         them goes (v1 holds them all at the share until then; v2's kernel
         has killed one already, which is this one when it is dead)."""
-        assert self.cgroups is not None
+        cgroups = self.cgroups
+        assert cgroups is not None
         uid = session.meta.owner_uid
         share = self.share().memory_mb
-        held = (self.cgroups.user_memory_bytes(uid) or share * MIB) / MIB
+        held = (cgroups.user_memory_bytes(uid) or share * MIB) / MIB
         if dead:
             victim = session  # the kernel's victim (v2's, a whole session), told why
         else:
             mine = [s for s in self._live() if s.meta.owner_uid == uid and s.worker is not None
                     and s.worker.kill_reason is None and not s.worker.exited.done()]
-            victim = max(mine or [session], key=lambda s: self.cgroups.memory_bytes(s.id) or 0)  # type: ignore[union-attr]
+            victim = max(mine or [session], key=lambda s: cgroups.memory_bytes(s.id) or 0)
         target = victim.worker
         if target is None or target.kill_reason is not None:
             return True
-        self._events.emit_limit(victim, LimitKind.MEMORY, held, share, ceiling=_SHARE_KEY)
-        self._kill(victim, target, ExitReason.KILLED_MEMORY,
-                   f"the sessions of uid {uid} together reached their memory share ({_SHARE_KEY} = {share} MiB) "
-                   f"at {held:.0f} MiB: its largest session was killed, not its own cap "
-                   f"(max_memory_mb = {victim.settings.agent.limits.max_memory_mb})")
-        return True
+        return self._memory_kill(
+            victim, target, held, share, _SHARE_KEY,
+            f"the sessions of uid {uid} together reached their memory share ({_SHARE_KEY} = {share} MiB) "
+            f"at {held:.0f} MiB: its largest session was killed, not its own cap "
+            f"(max_memory_mb = {victim.settings.agent.limits.max_memory_mb})")
 
     def release(self, session: Session, pid: int) -> None:
         """Kill what is left of the session by what a process cannot shed:
