@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import shutil
 import signal
 import socket
 import subprocess
@@ -176,6 +177,8 @@ class SocketUsers:
     group instead): real entries in /etc/group and /etc/passwd."""
 
     def __init__(self, count: int = 2) -> None:
+        missing = [t for t in ("groupadd", "useradd", "userdel", "groupdel") if shutil.which(t) is None]
+        assert not missing, f"{', '.join(missing)} missing: install passwd (make system-deps)"
         tag = f"{os.getpid() % 100000}"
         self.group = f"sdt{tag}g"
         self.names: list[str] = []
