@@ -149,6 +149,17 @@ def test_v1_tells_the_sessions_cap_from_its_users_share_from_the_units(tmp_path:
     # ... unless the daemon had put the kernel's killer back on for it (a kill that did not land).
     _files(session, {"memory.oom_control": _oom_control(0, 3, disabled=0)})
     assert v1.oom_cause("s", mark) == "own"
+    # The owner's level gets its share and its killer off (the daemon kills whole), the session its own.
+    v1.attach("t", 12345, 1024, 512, uid=1000, share=Shares(100, 300))
+    try:
+        assert (user / "memory.limit_in_bytes").read_text() == str(300 << 20)
+        assert (user / "memory.oom_control").read_text() == "1"
+        assert (user / "s-t" / "memory.limit_in_bytes").read_text() == str(1024 << 20)
+        assert v1.user_memory_bytes(1000) is None  # (no usage file in this tree)
+    finally:
+        v1.release("t", where={})  # (nothing to kill here)
+        for fd in v1._oom.pop("t", ()):
+            os.close(fd)
 
 
 @pytest.mark.component
@@ -178,6 +189,12 @@ def test_v2_tells_the_sessions_cap_from_its_users_share_from_the_units(tmp_path:
     assert (user / "s-s" / "pids.max").read_text() == "100"
     _files(user, {"pids.current": "95\n"})
     assert "max_processes_per_uid" in v2.user_room(1000)
+    # A new session of the same owner: its level keeps (or gets) the share.
+    v2.attach("t", 12345, 1024, None, uid=1000, share=Shares(80, 200))
+    assert (user / "pids.max").read_text() == "80" and (user / "s-t" / "pids.max").read_text() == "80"
+    assert (user / "s-t" / "memory.max").read_text() == str(1024 << 20)  # the owner's 200 MiB holds above it
+    assert (user / "s-t" / "memory.oom.group").read_text() == "1"
+    assert (user / "s-t" / "cgroup.procs").read_text() == "12345"
     assert v2.user_room(2000) == ""  # no such level yet: room
 
 
