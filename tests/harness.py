@@ -432,6 +432,9 @@ class UnitEmulation:
                         "MemoryMax", "TasksMax", "Delegate")
             if key in settings
         }
+        for key in ("MemoryMax", "TasksMax"):
+            if key in self.not_emulated:
+                self.not_emulated[key] = "scaled down as cgroups around the daemon where a test asks (tests/unit_host.py)"
         if last("ProtectHome").lower() in _YES + ("read-only", "tmpfs"):
             self.not_emulated["ProtectHome"] = (
                 "the test interpreter may live under /root (pyenv); install.sh refuses one there")
