@@ -22,7 +22,6 @@ refused at start (`listening_group`), naming both: never a silent
 from __future__ import annotations
 
 import grp
-import logging
 import os
 import pwd
 import socket
@@ -33,8 +32,6 @@ from supervisor.config import Config
 from supervisor.errors import StartupError
 
 __all__ = ["Admission", "Identities", "SessionUids", "listening_group", "resolve_group"]
-
-log = logging.getLogger("sessiond")
 
 
 class Identities(NamedTuple):
