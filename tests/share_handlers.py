@@ -61,6 +61,10 @@ _BUFFERS = ("import errno, fcntl, os, resource, signal, socket, sys\n"
             "                pass\n"
             "except OSError as exc:\n"
             "    why = errno.errorcode.get(exc.errno, str(exc.errno))\n"
+            "except MemoryError:\n"
+            "    why = 'MemoryError'\n"
+            "for end in held[-8:] if why != '-' else []:  # room to say so (a write may need memory too)\n"
+            "    os.close(end) if isinstance(end, int) else end.close()\n"
             "print(total >> 20, why, flush=True)\n"
             "signal.pause()\n")
 _HOG = ("import signal, sys\n"
@@ -80,6 +84,8 @@ class Taker(EchoHandler):
                                                     stdin=asyncio.subprocess.DEVNULL)
         assert proc.stdout is not None
         line = (await proc.stdout.readline()).decode().strip()
+        if not line:  # it died before it could say: how
+            line = f"0 exit{await proc.wait()}"
         self.turns += 1
         if kind == "fork":
             return TurnResult(f"forked {line or 0}", record=1)
