@@ -52,6 +52,7 @@ system-deps:
 	  || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
 	command -v node >/dev/null 2>&1 || missing="$$missing nodejs"; \
+	command -v useradd >/dev/null 2>&1 && command -v groupadd >/dev/null 2>&1 || missing="$$missing passwd"; \
 	{ test -n "$$PG_BIN" && test -x "$$PG_BIN/initdb"; } || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
 	  || command -v initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
 	if [ -n "$$missing" ]; then \

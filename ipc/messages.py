@@ -408,7 +408,9 @@ class LimitExceeded(Msg, tag="limit"):
     kind: str  # memory, memory_high, turn_timeout, heartbeat, turns, restarts, budget...
     value: float
     limit: float
-    # kind "budget": which ceiling (its config key) and the unit of value and limit.
+    # kind "budget": which ceiling (its config key) and the unit of value and
+    # limit; kind "memory": the ceiling met when not the session's own cap
+    # (daemon.max_memory_mb_per_uid, or the daemon's memory ceiling).
     ceiling: str = ""
     unit: str = ""
 

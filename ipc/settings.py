@@ -296,11 +296,15 @@ class SandboxSettings(ConfigSection):
     # Size of the private /tmp (a tmpfs, with namespaces).
     tmp_size_mb: Annotated[int, Meta(ge=1, le=1 << 20)] = 256
 
-    def refusal(self, namespaces: bool, why_no_namespaces: str, landlock_abi: int, why_no_seccomp: str) -> str:
+    def refusal(self, namespaces: bool, why_no_namespaces: str, landlock_abi: int, why_no_seccomp: str,
+                unmeasured: str = "") -> str:
         """Fail closed: why tools do not run with these settings on a host
         that offers what the arguments say, naming what is missing and the
         setting that is the operator's explicit weaker choice; '' when they
-        run.  One wording for the worker's tool error, `stats` and the log."""
+        run.  One wording for the worker's tool error, `stats` and the log.
+        `unmeasured`: why the daemon could not hold a session's memory and
+        processes to their caps (it cannot read its workers' /proc entries
+        and has no cgroup for them)."""
         if self.mode == "off":
             return ""
         missing: list[str] = []
@@ -311,6 +315,8 @@ class SandboxSettings(ConfigSection):
             missing.append("Landlock (not in this kernel, or not enabled: lsm=landlock)")
         if why_no_seccomp:
             missing.append(f"seccomp ({why_no_seccomp})")
+        if unmeasured:
+            missing.append(f"the daemon's measure of its sessions ({unmeasured})")
         if not missing:
             return ""
         return ("tools do not run: the sandbox cannot be built here: missing " + "; ".join(missing)

@@ -105,6 +105,10 @@ class SandboxBoot(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True)
     # Daemon paths no tool may see even under a read-only system tree
     # (its config, state and socket directories).
     hide: list[str] = []
+    # Why the daemon cannot hold sessions to max_memory_mb and max_processes
+    # (it cannot read its workers' /proc entries: hidepid; and no cgroup
+    # counts them instead); tools then do not run.  '' when it can.
+    unmeasured: str = ""
 
 
 class Boot(Msg, tag="boot"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ipc.wirebase import Msg
 
-__all__ = ["SpawnWorker", "KeepSpares", "Spawned", "Exited", "Preloaded", "ToZygote", "FromZygote"]
+__all__ = ["SpawnWorker", "KeepSpares", "Spawned", "SpawnFailed", "Exited", "Preloaded", "ToZygote", "FromZygote"]
 
 
 class SpawnWorker(Msg, tag="spawn"):
@@ -28,6 +28,15 @@ class Spawned(Msg, tag="spawned"):
     pid: int
 
 
+class SpawnFailed(Msg, tag="spawn_failed"):
+    """No worker for this order: fork failed (EAGAIN or ENOMEM at the task
+    or memory ceiling, after retries; EMFILE...), and the zygote lives on."""
+
+    token: int
+    errno: int
+    message: str = ""
+
+
 class Exited(Msg, tag="exited"):
     pid: int
     code: int | None = None
@@ -43,4 +52,4 @@ class Preloaded(Msg, tag="preloaded"):
 
 
 ToZygote = SpawnWorker | KeepSpares
-FromZygote = Spawned | Exited | Preloaded
+FromZygote = Spawned | SpawnFailed | Exited | Preloaded

@@ -45,6 +45,7 @@ alone: it is read as source text and run by a bare interpreter.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import selectors
@@ -229,6 +230,27 @@ def _start(order: Config, fds: list[int]) -> int:
     )
 
 
+def _start_retrying(order: Config, fds: list[int]) -> int:
+    """`_start`, tried again briefly (0.35 s at most) when the fork is
+    refused for want of tasks or memory: the room may come back as the
+    session's processes end (we reap them in this loop, after)."""
+    for delay in (0.05, 0.1, 0.2, None):
+        try:
+            return _start(order, fds)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.ENOMEM) or delay is None:
+                raise
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def _why(exc: OSError) -> str:
+    if exc.errno == errno.EAGAIN:
+        return ("no room for another process (EAGAIN): the session's max_processes, its owner's "
+                "share or the daemon's task ceiling is reached; try again when some have ended")
+    return str(exc)
+
+
 def serve(sock: socket.socket, applied: list[str], skipped: dict[str, str]) -> None:
     _send(sock, {"ready": True, "applied": applied, "skipped": skipped, "pid": os.getpid()})
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -263,9 +285,9 @@ def serve(sock: socket.socket, applied: list[str], skipped: dict[str, str]) -> N
                         _send(sock, {"id": order["id"], "error": "no output pipe"})
                         continue
                     try:
-                        pid = _start(order, fds)
+                        pid = _start_retrying(order, fds)
                     except OSError as exc:
-                        _send(sock, {"id": order["id"], "error": str(exc)})
+                        _send(sock, {"id": order["id"], "error": _why(exc)})
                     else:
                         commands[pid] = order["id"]
                         _send(sock, {"id": order["id"], "pid": pid})

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import json
 import logging
@@ -83,6 +84,8 @@ _PROC_INFO = (
     "/proc/version", "/proc/filesystems", "/proc/sys",
 )
 _START_TIMEOUT_SECS = 10.0
+# A fork refused for want of tasks or memory is tried again after these.
+_FORK_RETRY_SECS = (0.05, 0.1, 0.2, 0.4)
 # What of a tool host's stderr reaches the log, per session.  Tools cannot
 # open it (the host is non-dumpable, bubblewrap's init too), but the host's
 # own failures land there and bubblewrap's init holds the pipe: lines are
@@ -310,7 +313,7 @@ def plan_for(boot: m.SandboxBoot | None, settings: SessionSettings, workspace: P
         tmp_size_mb=settings.sandbox.tmp_size_mb, why_no_seccomp=why_no_seccomp,
         landlock_abi=boot.landlock_abi,
         why_refused=settings.sandbox.refusal(boot.namespaces, boot.why_not, boot.landlock_abi,
-                                             why_no_seccomp),
+                                             why_no_seccomp, boot.unmeasured),
     )
 
 
@@ -326,6 +329,17 @@ class HostCommand:
     def returncode(self) -> int | None:
         done = self.exited.done() and not self.exited.cancelled() and self.exited.exception() is None
         return self.exited.result() if done else None
+
+
+def _fork_error(exc: OSError) -> str:
+    """A refused fork, said as the ceiling it is."""
+    if exc.errno == errno.EAGAIN:
+        return ("no room for another process (EAGAIN): the session's max_processes, its owner's share "
+                "([daemon] max_processes_per_uid) or the daemon's task ceiling (TasksMax) is reached; "
+                "try again when some of its processes have ended")
+    if exc.errno == errno.ENOMEM:
+        return "out of memory (ENOMEM) at a memory ceiling; try again when some memory is free"
+    return str(exc)
 
 
 class ToolHost:
@@ -370,12 +384,21 @@ class ToolHost:
             argv = [*plan.bwrap_argv(), "--", *argv]
         try:
             # Only 0, 1, 2 and its socket: not what the worker inherited.
-            proc = _spawn.spawn(argv, cwd=plan.workspace, env=host_environment(plan),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                pass_fds=(theirs.fileno(),))
+            for delay in (*_FORK_RETRY_SECS, None):
+                try:
+                    proc = _spawn.spawn(argv, cwd=plan.workspace, env=host_environment(plan),
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        pass_fds=(theirs.fileno(),))
+                    break
+                except OSError as exc:
+                    # At a task or memory ceiling: the room may come back as
+                    # the session's (or others') processes end; tried again, briefly.
+                    if exc.errno not in (errno.EAGAIN, errno.ENOMEM) or delay is None:
+                        raise
+                    await asyncio.sleep(delay)
         except OSError as exc:
             ours.close()
-            raise SandboxError(f"cannot start the tool host: {exc}") from None
+            raise SandboxError(f"cannot start the tool host: {_fork_error(exc)}") from None
         finally:
             theirs.close()
         ours.setblocking(False)

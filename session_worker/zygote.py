@@ -17,13 +17,21 @@ every exit status to the daemon, decoded once (code or signal).  It is also
 the child subreaper, so tool processes orphaned by a worker re-parent to it
 and are reaped instead of haunting init.  After a worker is killed, the
 orphans it leaves are killed too, but only its session's: those of its uid
-(a root daemon's per-session uid), its process group or its session id
+(a root daemon's per-session uid; never a uid another live worker runs
+as, such as a shared `worker_user`), its process group or its session id
 (each worker leads a session of its own); what bears none of these marks
 (a tool that called setsid) is the daemon's to kill, by the session's
 cgroup or uid.  PDEATHSIG ties each worker to the zygote (SIGKILL) and the
 zygote to the daemon (SIGUSR1: when the daemon dies, the zygote kills
 every worker's process group and every process that re-parented to it,
 then exits), so nothing outlives the daemon.
+
+A fork refused for want of tasks or memory (EAGAIN at the unit's
+`TasksMax`, a `pids.max`, RLIMIT_NPROC or the kernel's table; ENOMEM) is
+no reason to die: a spare is simply not made (tried again later, backing
+off), and an order is tried again for a while, backing off, then refused
+with `SpawnFailed` (the daemon answers the create `capacity`, naming the
+ceiling).  Every running worker is untouched: they die only with us.
 
 Each worker runs `[daemon] session_nice` steps nicer than the zygote
 (SESSIOND_SESSION_NICE, set by the daemon before it starts us), set here
@@ -37,6 +45,7 @@ briefly in each worker (`_worker_child`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import importlib
 import logging
@@ -48,6 +57,7 @@ import socket
 import sys
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -74,6 +84,15 @@ _HUNT_POLL_SECS = 0.02
 # A forked worker's first byte to the zygote: it leads its own session now.
 _SETSID_DONE = b"\x00"
 _SETSID_WAIT_MS = 10_000
+# A fork refused for want of tasks or memory: an order is tried again
+# after this long, doubling up to the max, and refused once it has waited
+# _ORDER_GIVE_UP_SECS; a spare is tried again after the same backoff, up
+# to _SPARE_RETRY_MAX_SECS apart.  Other errors (EMFILE) refuse at once.
+_FORK_TRANSIENT = frozenset({errno.EAGAIN, errno.ENOMEM})
+_FORK_RETRY_SECS = 0.02
+_ORDER_RETRY_MAX_SECS = 0.4
+_ORDER_GIVE_UP_SECS = 1.5
+_SPARE_RETRY_MAX_SECS = 5.0
 # How much nicer than the zygote each worker runs (see the module's docstring).
 _session_nice = 0
 # session_worker.main.run_worker, bound by _preload: an import statement
@@ -198,6 +217,11 @@ class Zygote:
         self.hunt_until = 0.0
         self.hunted: list[_Mark] = []
         self.my_uid = os.getuid()
+        # Orders a fork was refused for (EAGAIN, ENOMEM), oldest first, and
+        # when to try again; when to try a spare again (see _FORK_TRANSIENT).
+        self.orders: deque[_Order] = deque()
+        self.order_retry_at = self.order_backoff = 0.0
+        self.spare_retry_at = self.spare_backoff = 0.0
 
     def _on_parent_death(self, signum: int, frame: object) -> None:
         self.parent_died = True  # the loop sees it; the wakeup fd wakes the loop
@@ -211,22 +235,38 @@ class Zygote:
             # With spares to make, poll instead of blocking: an order always
             # comes first, a spare is forked only when nothing is waiting.
             hunting = time.monotonic() < self.hunt_until
-            events = self.sel.select(0 if self._short() else _HUNT_POLL_SECS if hunting else None)
+            events = self.sel.select(self._timeout(hunting))
             if hunting:
                 self.reap()
             if not events and self._short():  # asked again: the reap may have lost a spare
-                pid, ours, pidfd = self.fork_worker(spare=True)
-                self.spares[pid] = (ours, pidfd)
+                self._fork_spare()
                 continue
             daemon_there = self._handle(events)
             self.reap()
+            self._serve_orders()
             if not daemon_there:
                 break
         self._shut_down()
         return 0
 
     def _short(self) -> bool:
-        return len(self.spares) < self.keep_spares
+        """A spare to fork now: fewer than asked, no order waiting, and no
+        backoff after a refused fork."""
+        return (len(self.spares) < self.keep_spares and not self.orders
+                and time.monotonic() >= self.spare_retry_at)
+
+    def _timeout(self, hunting: bool) -> float | None:
+        """How long the loop may wait for the daemon: for ever, unless a
+        spare, a hunt or a refused fork's retry is due sooner."""
+        if self._short():
+            return 0
+        now = time.monotonic()
+        due = [_HUNT_POLL_SECS] if hunting else []
+        if self.orders:
+            due.append(self.order_retry_at - now)
+        elif len(self.spares) < self.keep_spares:
+            due.append(self.spare_retry_at - now)
+        return max(0.0, min(due)) if due else None
 
     def _handle(self, events: list[tuple[selectors.SelectorKey, int]]) -> bool:
         """Drain the wakeup fd (then reap) and obey the daemon's order;
@@ -259,11 +299,16 @@ class Zygote:
 
     def _spawn(self, token: int) -> None:
         """A worker for the daemon's order: a spare if one waits, else a
-        fresh fork; its socket and pidfd go to the daemon, none stay here."""
-        if self.spares:
+        fresh fork (behind the orders already waiting for one)."""
+        if self.spares and not self.orders:
             pid, (ours, pidfd) = self.spares.popitem()
-        else:
-            pid, ours, pidfd = self.fork_worker(spare=False)
+            self._hand_over(token, pid, ours, pidfd)
+            return
+        self.orders.append(_Order(token, time.monotonic()))
+        self._serve_orders()
+
+    def _hand_over(self, token: int, pid: int, ours: socket.socket, pidfd: int) -> None:
+        """Its socket and pidfd go to the daemon, none stay here."""
         self.workers[pid] = token
         try:
             socket.send_fds(self.sock, [_encode(zw.Spawned(token=token, pid=pid))],
@@ -272,11 +317,64 @@ class Zygote:
             ours.close()
             os.close(pidfd)
 
+    def _serve_orders(self) -> None:
+        """Fork for the waiting orders, oldest first, unless a refused fork's
+        backoff runs.  At the task or memory ceiling an order waits (the
+        reaping of exited workers and tools frees room), and is refused
+        after _ORDER_GIVE_UP_SECS; nothing that runs is touched."""
+        while self.orders and time.monotonic() >= self.order_retry_at:
+            order = self.orders[0]
+            try:
+                pid, ours, pidfd = self.fork_worker(spare=False)
+            except OSError as exc:
+                now = time.monotonic()
+                if exc.errno not in _FORK_TRANSIENT:
+                    self._refuse(self.orders.popleft().token, exc, now - order.since)
+                    continue
+                while self.orders and now - self.orders[0].since >= _ORDER_GIVE_UP_SECS:
+                    gone = self.orders.popleft()
+                    self._refuse(gone.token, exc, now - gone.since)
+                self.order_backoff = min(max(_FORK_RETRY_SECS, self.order_backoff * 2), _ORDER_RETRY_MAX_SECS)
+                self.order_retry_at = now + self.order_backoff
+                return
+            self.orders.popleft()
+            self.order_backoff = 0.0
+            self._hand_over(order.token, pid, ours, pidfd)
+
+    def _refuse(self, token: int, exc: OSError, waited: float) -> None:
+        code = exc.errno or 0
+        why = f"fork: {os.strerror(code) if code else exc}" + (f" (for {waited:.1f}s)" if waited >= 0.01 else "")
+        logging.getLogger("sessiond.zygote").warning("no worker for order %d: %s", token, why)
+        with contextlib.suppress(OSError):
+            self.sock.send(_encode(zw.SpawnFailed(token=token, errno=code, message=why)))
+
+    def _fork_spare(self) -> None:
+        """One spare ahead of demand; none while forks are refused (the
+        next try backs off, up to _SPARE_RETRY_MAX_SECS)."""
+        try:
+            pid, ours, pidfd = self.fork_worker(spare=True)
+        except OSError as exc:
+            if not self.spare_backoff:
+                logging.getLogger("sessiond.zygote").warning(
+                    "cannot fork a spare worker (%s); trying again later", os.strerror(exc.errno or 0) or exc)
+            self.spare_backoff = min(max(_FORK_RETRY_SECS, self.spare_backoff * 2), _SPARE_RETRY_MAX_SECS)
+            self.spare_retry_at = time.monotonic() + self.spare_backoff
+            return
+        self.spare_backoff = 0.0
+        self.spares[pid] = (ours, pidfd)
+
     # ---------------------------------------------------------------- forking
 
     def fork_worker(self, spare: bool) -> tuple[int, socket.socket, int]:
+        """A new worker: (pid, the daemon's end of its socket, its pidfd).
+        Raises OSError (EAGAIN, ENOMEM, EMFILE...) with nothing left behind."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            raise
         if pid == 0:
             ours.close()
             # fork ignores CLOEXEC: drop the other spares' daemon ends and
@@ -288,7 +386,15 @@ class Zygote:
         # The daemon kills by pidfd, never by pid number.  Opened here, right
         # after fork: only we reap this child, and not before this line, so
         # the number cannot have passed to another process yet.
-        pidfd = os.pidfd_open(pid)
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            # Not to be handed over without a pidfd: it goes now (our
+            # unreaped child: the number is its own; reaped as an orphan).
+            os.kill(pid, signal.SIGKILL)
+            ours.close()
+            theirs.close()
+            raise
         theirs.close()
         # The daemon signals a worker's process group through its pidfd:
         # that group must be the worker's own before the daemon hears of it,
@@ -323,8 +429,10 @@ class Zygote:
             if code < 0:
                 self.hunt_until = time.monotonic() + _HUNT_SECS
                 # A uid of its own (a root daemon's session uid) marks the
-                # session's processes; the zygote's own uid marks nobody's.
-                self.hunted.append(_Mark(pid, uid if uid != self.my_uid else None))
+                # session's processes; one another worker runs as too (the
+                # zygote's own, a shared worker_user) marks nobody's.
+                own = uid != self.my_uid and not any(_identity(w)[2] == uid for w in self.workers)
+                self.hunted.append(_Mark(pid, uid if own else None))
 
     def _hunt(self) -> None:
         if time.monotonic() < self.hunt_until:
@@ -365,6 +473,13 @@ def _kill_everything(workers: dict[int, int], settle_secs: float = 1.0) -> None:
         if time.monotonic() > deadline:
             return
         time.sleep(0.01)
+
+
+class _Order(NamedTuple):
+    """A worker the daemon ordered and no fork has answered yet."""
+
+    token: int
+    since: float  # time.monotonic() of the order
 
 
 class _Mark(NamedTuple):

@@ -19,7 +19,6 @@ import contextlib
 import faulthandler
 import fcntl
 import gc
-import grp
 import importlib.util
 import logging
 import os
@@ -58,6 +57,7 @@ from supervisor.ops import metrics, tracing_config
 from supervisor.ops.reload import Reloader
 from supervisor.core.manager import SessionManager
 from supervisor.core.mcpcatalog import McpCatalog
+from supervisor.core.admission import Identities, listening_group, resolve_group
 from supervisor.cluster.ray_spawner import RaySpawner  # (imports Ray only when used)
 from supervisor.api.server import ControlServer
 from supervisor.spawn.spawner import ZygoteSpawner
@@ -224,14 +224,6 @@ def prepare_socket_path(path: Path) -> None:
         raise StartupError(f"socket path {path} is too long for a Unix socket (max 107 bytes)")
 
 
-class Identities(NamedTuple):
-    """Who workers run as: `run_as` for all of them ([daemon] worker_user),
-    else a uid per session from `session_uids`, else as the daemon."""
-
-    run_as: tuple[int, int] | None
-    session_uids: range | None
-
-
 def resolve_identities(cfg: Config) -> Identities:
     """As root, tools never run as root unless the operator says so
     (allow_root_tools), as sshd's and postfix's privilege separation refuse."""
@@ -270,7 +262,8 @@ def _cgroups(cfg: Config) -> tuple[Cgroups | None, str]:
     weight = f"workers and tools at nice {nice}" if nice else "workers and tools at the daemon's CPU weight"
     if found is None:
         log.info("no cgroup per session: %s; processes are contained by the tool host and the zygote, "
-                 "and limits enforced by rlimits and the memory sweep; %s", why, weight)
+                 "and limits enforced by rlimits and the memory sweep, per session only (no user's share "
+                 "of tasks or memory: max_processes_per_uid, max_memory_mb_per_uid); %s", why, weight)
         return None, why
     cpu = f", all sessions at the CPU weight of one task at nice {nice}" if "cpu" in found.controllers else ""
     log.info("sessions get %s; %s%s", found.describe(), weight, cpu)
@@ -278,7 +271,7 @@ def _cgroups(cfg: Config) -> tuple[Cgroups | None, str]:
 
 
 def _probe_sandbox(cfg: Config, identities: Identities, state_dir: Path, socket_path: Path,
-                   config_path: Path | None) -> m.SandboxBoot:
+                   config_path: Path | None, counted: set[str]) -> m.SandboxBoot:
     """What confines tools here, for the uid they will run as; every daemon
     path goes on the list no sandbox may show."""
     who = identities.run_as
@@ -291,7 +284,7 @@ def _probe_sandbox(cfg: Config, identities: Identities, state_dir: Path, socket_
         hide.append(Path(os.environ["CREDENTIALS_DIRECTORY"]))
     try:
         uid, gid = who if who is not None else (None, None)
-        return sandbox.probe(cfg.sandbox, uid, gid, hide)
+        return sandbox.probe(cfg.sandbox, uid, gid, hide, counted)
     except sandbox.SandboxUnavailable as exc:
         raise StartupError(str(exc)) from None
 
@@ -338,13 +331,6 @@ def resolve_worker_user(cfg: Config) -> tuple[int, int] | None:
     return entry.pw_uid, entry.pw_gid
 
 
-def _resolve_group(name: str) -> int:
-    try:
-        return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
-    except KeyError:
-        raise StartupError(f"[daemon] socket_group: no such group {name!r}") from None
-
-
 def bind_socket(path: Path, mode: int, group: str = "") -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o777 & ~mode)
@@ -356,7 +342,7 @@ def bind_socket(path: Path, mode: int, group: str = "") -> socket.socket:
     finally:
         os.umask(old_umask)
     if group:
-        os.chown(path, -1, _resolve_group(group))
+        os.chown(path, -1, resolve_group(group))
     os.chmod(path, mode)
     sock.listen(4096)
     sock.setblocking(False)
@@ -403,7 +389,7 @@ def run_daemon(
     # Held until this process exits; the zygote (close_fds) does not inherit it.
     lock_fd = check_state_dir(state_dir)  # noqa: F841 (kept open on purpose)
     if cfg.daemon.socket_group:
-        _resolve_group(cfg.daemon.socket_group)
+        resolve_group(cfg.daemon.socket_group)
     inherited = _inherited_socket()
     if inherited is None:
         prepare_socket_path(socket_path)
@@ -417,7 +403,10 @@ def run_daemon(
     # Before the sandbox probe too: bwrap's children may linger a moment
     # after it returns, and would make our cgroup look shared.
     cgroups = _cgroups(cfg) if not clustered else (None, "cluster mode: workers run on Ray node hosts")
-    sandbox_boot = _probe_sandbox(cfg, identities, state_dir, socket_path, config_path)
+    # What the kernel counts for sessions besides what the daemon reads in
+    # /proc (cluster mode: the workers' nodes measure them).
+    counted = {"memory", "pids"} if clustered else cgroups[0].controllers if cgroups[0] is not None else set()
+    sandbox_boot = _probe_sandbox(cfg, identities, state_dir, socket_path, config_path, counted)
 
     _check_store_driver(cfg)
     spawner: Spawner
@@ -435,6 +424,8 @@ def run_daemon(
         else:
             sock = bind_socket(socket_path, int(cfg.daemon.socket_mode, 8), cfg.daemon.socket_group)
             bound = True
+        # Who is admitted: the socket's group, the one policy for the socket and every re-check.
+        identities = identities._replace(socket_gid=listening_group(sock, cfg.daemon.socket_group))
         metrics_sock: socket.socket | None = None
         try:
             metrics_sock = bind_metrics(cfg)
@@ -551,7 +542,7 @@ def _build(
     catalog = McpCatalog(None if isinstance(spawner, RaySpawner) else mcplist.lister_for(
         state_dir, identities.run_as, identities.session_uids, sandbox_boot), lambda new: manager.reload(new))
     manager = SessionManager(
-        catalog.attach(cfg), state_dir, spawner, run_as=identities.run_as, session_uids=identities.session_uids,
+        catalog.attach(cfg), state_dir, spawner, identities=identities,
         sandbox=sandbox_boot, cgroups=cgroups[0], cgroups_why=cgroups[1], store=store, metrics=recorder or metrics.NO_METRICS,
         # Another daemon may take a session over (the store fences): release, claim back.
         holds=fronts.holds if fronts is not None else fencing.Fencing(),

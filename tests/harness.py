@@ -109,8 +109,10 @@ class Daemon:
         self.preexec: Callable[[], None] | None = None
         # Put before `cmd` when starting (e.g. `run_as_user`'s wrapper).
         self.cmd_prefix: list[str] = []
-        # Descriptors the daemon inherits (as from a careless parent).
+        # Descriptors the daemon inherits (as from a careless parent, or
+        # systemd's listening socket: tests/unit_host.py, kept open here).
         self.pass_fds: tuple[int, ...] = ()
+        self.held: list[Any] = []
         self._exposed: list[Path] = []
 
     @property
@@ -434,6 +436,9 @@ class UnitEmulation:
                         "MemoryMax", "TasksMax", "Delegate")
             if key in settings
         }
+        for key in ("MemoryMax", "TasksMax"):
+            if key in self.not_emulated:
+                self.not_emulated[key] = "scaled down as cgroups around the daemon where a test asks (tests/unit_host.py)"
         if last("ProtectHome").lower() in _YES + ("read-only", "tmpfs"):
             self.not_emulated["ProtectHome"] = (
                 "the test interpreter may live under /root (pyenv); install.sh refuses one there")

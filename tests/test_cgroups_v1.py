@@ -12,6 +12,7 @@ session's cgroup.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import pytest
 
 from fakellm import FakeLLM, text_stream, tool_call_stream
 from harness import FAST_SWEEP, TEST_HANDLERS, wait_for
+from ipc import messages as m
 from test_access import open_root, root_only  # noqa: F401 (open_root: a fixture)
 from test_agent_e2e import agent_config
 
@@ -114,8 +116,35 @@ def test_unmapped_memory_counts_against_the_kernel_cap(make_daemon) -> None:
     wait_for(lambda: not _escapees("held"), 10, "the memfd's holder to be gone")
 
 
-def test_one_sessions_crash_kills_nothing_of_anothers(make_daemon) -> None:
-    d = make_daemon(_config())
+def test_kernel_memory_counts_against_the_kernel_cap(make_daemon) -> None:
+    """Pipe and socket buffers are kernel memory, in no process's RSS; the
+    session's memory cgroup charges them to it (v1 counts kmem in
+    memory.usage_in_bytes), so they cannot pass its cap: a write past it
+    fails (ENOMEM, ENOBUFS), or the session is killed whole."""
+    config = _config("max_memory_mb = 64\n").replace('cgroup_handlers:*"', 'cgroup_handlers:*", "share_handlers:*"')
+    d = make_daemon(config)
+    with d.client() as c:
+        sid = c.create(handler="share_handlers:taker").id
+        done = list(c.send(sid, "buffers 256"))[-1]
+        if isinstance(done, m.TurnDone):  # the write past the cap failed
+            _, held, why = done.reply.split()
+            assert int(held) < 64 and why in ("ENOMEM", "ENOBUFS", "EAGAIN", "MemoryError"), done.reply
+        else:  # or the session met its cap and went whole
+            last = c.status(sid).last_exit
+            assert last.reason == "killed_memory" and "memory cap 64 MiB" in last.detail, last
+            assert float(last.detail.split(" at ")[1].split()[0]) <= 64 + 1, last
+
+
+@pytest.mark.parametrize("worker_user", ["", "nobody"], ids=["as-root", "shared-worker-user"])
+def test_one_sessions_crash_kills_nothing_of_anothers(make_daemon, open_root: Path, worker_user: str) -> None:
+    """Also where every session runs as one `worker_user`: the zygote's hunt
+    for a crashed worker's strays must not take that uid for the session's
+    mark (another session's escapee, re-parented to the zygote, has it too)."""
+    config = _config()
+    if worker_user:
+        shutil.copy(Path(__file__).with_name("cgroup_handlers.py"), open_root / "lib" / "cgroup_handlers.py")
+        config = config.replace("[daemon]\n", f'[daemon]\nworker_user = "{worker_user}"\n')
+    d = make_daemon(config, root=open_root / "d")
     with d.client() as c:
         a = c.create(handler=HANDLER).id
         b = c.create(handler=HANDLER).id
@@ -123,6 +152,8 @@ def test_one_sessions_crash_kills_nothing_of_anothers(make_daemon) -> None:
         assert c.send_text(b, "setsid beta") == "started setsid"
         (beta,) = wait_for(lambda: _escapees("beta"), 10, "b's escapee to start")
         wait_for(lambda: _escapees("alpha"), 10, "a's escapee to start")
+        if worker_user:
+            assert beta.uids().real == psutil.Process(c.status(a).pid).uids().real != 0
         os.kill(c.status(a).pid, signal.SIGKILL)  # a crash of a's worker
         wait_for(lambda: not _escapees("alpha"), 10, "a's escapee to die with its worker")
         # The zygote hunts a killed worker's orphans for a second: b's is none of them.

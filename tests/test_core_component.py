@@ -20,6 +20,7 @@ import pytest
 from fakespawner import FakeSpawner, FakeWorker
 from ipc import messages as m
 from ipc.settings import SessionSettings
+from supervisor.core.admission import Admission, Identities
 from supervisor.config import parse_config
 from supervisor.errors import Capacity
 from supervisor.core.manager import SessionManager
@@ -213,7 +214,8 @@ def test_the_store_holds_what_the_ledger_acknowledged(tmp_path: Path) -> None:
 
 def test_a_full_session_uid_range_refuses_with_capacity(tmp_path: Path) -> None:
     span = range(1879113725, 1879113728)  # three uids no user has here
-    spaces = Workspaces(lambda: parse_config(FAST, "test"), tmp_path, None, span)
+    config = parse_config(FAST, "test")
+    spaces = Workspaces(lambda: config, tmp_path, Admission(lambda: config, Identities(session_uids=span)))
     held: list[Any] = []
     for _ in span[:-1]:  # the last is kept for listing MCP servers' tools (supervisor.spawn.mcplist)
         uid = spaces.allocate_uid(held)

@@ -45,6 +45,7 @@ from ipc.errors import FrameTimeout, ProtocolError
 from ipc.framing import encode_frame
 from supervisor.api import peer
 from supervisor.config import Config, DaemonSettings
+from supervisor.core.admission import Admission, Identities
 from supervisor.core.manager import SessionManager
 from supervisor.api.server import ControlServer
 from test_bad_input import assert_closed, hello, read_frame
@@ -233,15 +234,15 @@ def test_supplementary_groups_come_from_the_socket() -> None:
 # ---------------------------------------------------------------- 2. who is admitted
 
 
-def _server(own_uid: int, **daemon: Any) -> ControlServer:
-    """A ControlServer over a stand-in manager that has the real
-    SessionManager.is_admin (root or admin_uids; not the daemon's own uid)."""
+def _server(own_uid: int, socket_gid: int | None = None, **daemon: Any) -> ControlServer:
+    """A ControlServer over a stand-in manager whose admission is the real
+    one (supervisor.core.admission), as the daemon builds it."""
     cfg = Config(daemon=DaemonSettings(**daemon))
-    mgr = SimpleNamespace(config=cfg)
+    admission = Admission(lambda: cfg, Identities(socket_gid=socket_gid))
+    admission.own_uid = own_uid
+    mgr = SimpleNamespace(config=cfg, admission=admission)
     mgr.is_admin = lambda uid: SessionManager.is_admin(mgr, uid)  # type: ignore[arg-type]
-    server = ControlServer(mgr)  # type: ignore[arg-type]
-    server.own_uid = own_uid
-    return server
+    return ControlServer(mgr)  # type: ignore[arg-type]
 
 
 @pytest.mark.pure
@@ -249,8 +250,7 @@ def test_who_is_admitted() -> None:
     def cred(uid: int, gid: int = 100, groups: tuple[int, ...] = ()) -> peer.PeerCredentials:
         return peer.PeerCredentials(pid=1, uid=uid, gid=gid, groups=frozenset(groups))
 
-    server = _server(1000, admin_uids=[2000], allowed_uids=[3000], allowed_gids=[77])
-    server.socket_gid = 88
+    server = _server(1000, socket_gid=88, admin_uids=[2000], allowed_uids=[3000], allowed_gids=[77])
     admitted = [cred(0), cred(1000), cred(2000), cred(3000), cred(4000, gid=77),
                 cred(4000, groups=(5, 77)), cred(4000, groups=(88,)), cred(4000, gid=88)]
     refused = [cred(4000), cred(4000, groups=(5, 6)), cred(1001)]
@@ -261,8 +261,7 @@ def test_who_is_admitted() -> None:
     assert is_admin(0) and is_admin(2000)
     assert not is_admin(1000) and not is_admin(3000)
     # The socket's group does not open the door when it is root's.
-    root_group = _server(1000)
-    root_group.socket_gid = 0
+    root_group = _server(1000, socket_gid=0)
     assert not root_group.admits(cred(4000, gid=0))
 
 

@@ -493,8 +493,6 @@ class ControlServer:
         self.clients: set[ClientConn] = set()
         self.started = time.monotonic()
         self._acceptor: Acceptor | None = None
-        self.socket_gid: int | None = None
-        self.own_uid = os.geteuid()
         self._connections: dict[int, int] = {}  # admitted, by non-exempt uid
         self._budgets: dict[int, SharedBudget] = {}  # by the same uids
         self.metrics = metrics
@@ -515,20 +513,9 @@ class ControlServer:
             await asyncio.wait(set(self.requests), timeout=timeout)
 
     def admits(self, cred: peer.PeerCredentials) -> bool:
-        """Root, the daemon's own user (someone running the daemon as
-        themselves; an ordinary user who owns its own sessions unless listed
-        in admin_uids), [daemon] admin_uids and allowed_uids, and members
-        (primary or supplementary) of allowed_gids or of the socket's group:
-        whoever the operator let through the socket's mode may talk."""
-        cfg = self.manager.config.daemon
-        uid = cred.uid
-        if uid == self.own_uid or self.manager.is_admin(uid) or uid in cfg.allowed_uids:
-            return True
-        groups = set(cfg.allowed_gids)
-        if self.socket_gid is not None and self.socket_gid != 0:
-            groups.add(self.socket_gid)
-        return not groups.isdisjoint(cred.groups | {cred.gid})
-
+        """Whoever the operator let through the socket's mode: the core's one
+        policy (supervisor.core.admission), also asked of every stored owner."""
+        return self.manager.admission.admits(cred.uid, cred.gid, cred.groups)
 
     def refusal(self, client: ClientConn, sock: Any) -> m.Error | None:
         """Why `client` may not use this daemon, as the error it is told
@@ -593,8 +580,6 @@ class ControlServer:
             self._budgets.pop(uid, None)  # its last connection gave back what it held
 
     async def start(self, sock: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            self.socket_gid = os.stat(sock.getsockname()).st_gid
         # The backlog is set again here: whoever made the socket may have
         # asked for less, and a burst of connections would then be refused.
         sock.listen(_LISTEN_BACKLOG)

@@ -104,6 +104,22 @@ class DaemonSettings(ConfigSection):
     # not affected.  0 = half of [agent.limits] max_concurrent_sessions
     # (rounded up), so that one user never holds every live slot.
     max_live_sessions_per_uid: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
+    # Tasks (processes and threads) all sessions of one owner uid may hold
+    # together: the pids.max of its level in the sessions' cgroups (u-UID),
+    # so that no user alone fills the unit's TasksMax.  A create (or revive)
+    # whose owner is at it is refused (capacity), and its sessions' forks
+    # fail with EAGAIN; other users are not affected.  A session's
+    # max_processes is held below it.  0 = half of the daemon's task ceiling
+    # (the unit's TasksMax=4096: 2048; without one, the kernel's task table).
+    # Needs a cgroup per session with a pids controller (docs/limits.md).
+    max_processes_per_uid: Annotated[int, Meta(ge=0, le=1 << 22)] = 0
+    # Memory (MiB) all sessions of one owner uid may hold together: the
+    # memory limit of its u-UID level.  At it that user's largest session is
+    # killed (killed_memory, its detail naming this key), never another
+    # user's.  0 = half of the daemon's memory ceiling (the unit's
+    # MemoryMax=80%: 40% of the host; without one, half of the host's
+    # memory).  Needs a cgroup per session with a memory controller.
+    max_memory_mb_per_uid: Annotated[int, Meta(ge=0, le=1 << 30)] = 0
     # Bytes queued for one client that is not reading; past it the client is
     # told it lagged and is cut off.  One frame always fits.
     client_buffer_bytes: Annotated[int, Meta(ge=65536, le=1 << 32)] = 8 * 1024 * 1024

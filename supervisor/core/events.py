@@ -159,11 +159,12 @@ class EventLog:
                 else:
                     sub.deliver(frame)
 
-    def emit_limit(self, session: Session, kind: LimitKind, value: float, limit: float) -> None:
+    def emit_limit(self, session: Session, kind: LimitKind, value: float, limit: float, ceiling: str = "") -> None:
+        """`ceiling`: the setting that set `limit`, where it is not the kind's own."""
         self.emit(
             session,
             m.LimitExceeded(session=session.id, seq=self.next_seq(session), kind=kind,
-                            value=round(value, 3), limit=limit),
+                            value=round(value, 3), limit=limit, ceiling=ceiling),
         )
 
     def next_seq(self, session: Session) -> int:

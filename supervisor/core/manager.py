@@ -56,7 +56,8 @@ from supervisor.store.files import FileStateStore
 from supervisor.core.subagents import Subagents
 from supervisor.core.sweep import Sweeper
 from supervisor.core.workers import Pending, WorkerOwner, describe_exit
-from supervisor.core.workspaces import SessionUids, Workspaces
+from supervisor.core.workspaces import Workspaces
+from supervisor.core.admission import Admission, Identities, SessionUids
 
 __all__ = ["SessionManager"]
 
@@ -70,8 +71,7 @@ class SessionManager:
         state_dir: Path,
         spawner: Spawner,
         *,
-        run_as: tuple[int, int] | None = None,
-        session_uids: range | None = None,
+        identities: Identities = Identities(),
         store: StateStore | None = None,
         sandbox: m.SandboxBoot | None = None,
         cgroups: Cgroups | None = None,
@@ -105,7 +105,8 @@ class SessionManager:
         # run against that order (the ledger arms and disarms the sweep's turn
         # timer and has the workers kill a worker ahead of the disk) go
         # through this manager, to parts it builds after the ledger.
-        self.workspaces = Workspaces(current, state_dir, run_as, session_uids)
+        self.admission = Admission(current, identities)  # the socket's and every re-check's
+        self.workspaces = Workspaces(current, state_dir, self.admission)
         self.events = EventLog(lambda: self.config.daemon, self.sessions, tracer)
         self.budgets = Budgets(self.sessions, metrics)
         self.ledger = TurnLedger(
@@ -228,9 +229,8 @@ class SessionManager:
     # ================================================================ the registry
 
     def is_admin(self, uid: int) -> bool:
-        """Root and [daemon] admin_uids.  Not the daemon's own uid: under the
-        unit that is also the uid a session's tools run as."""
-        return uid == 0 or uid in self.config.daemon.admin_uids
+        """Root and [daemon] admin_uids (supervisor.core.admission)."""
+        return self.admission.is_admin(uid)
 
     def get(self, session_id: str, uid: int | None = None) -> Session:
         """The session, if `uid` (None = the daemon itself) may touch it.
@@ -252,7 +252,7 @@ class SessionManager:
         worker = session.worker
         pid = worker.pid if worker is not None and not worker.exited.done() else None
         rss: int | None = None
-        if pid is not None and with_rss:
+        if pid is not None and with_rss and self.workers.measured:  # (blind: unknown, never 0)
             # The last sweep's figure (at most one poll interval old); a worker
             # not swept yet is measured now.
             rss = session.memory.rss_bytes or session.memory.measure(self.proc_table, pid)

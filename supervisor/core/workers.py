@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 import time
@@ -34,7 +33,8 @@ from supervisor.config import Config
 from supervisor.errors import Capacity, Conflict, Internal, SessiondError
 from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger
-from supervisor.core.limits import MIB, REMOTE_PIDS, ProcTable, SessionMemory
+from supervisor.core.containment import Containment
+from supervisor.core.limits import ProcTable, SessionMemory
 from supervisor.ops.logtag import tagged
 from supervisor.ops.metrics import NO_METRICS, Recorder
 from supervisor.spawn.seams import Spawner, SpawnerDied
@@ -50,11 +50,6 @@ log = logging.getLogger("sessiond.manager")
 _worker_decoder = msgspec.msgpack.Decoder(m.FromWorker)
 _settings_encoder = msgspec.msgpack.Encoder()
 _WORKER_FRAME_LIMIT = 1 << 30
-
-# After an OOM notification, look for the kernel's kill this often, this
-# many times (it reclaims first, and may find enough).
-_OOM_CHECK_SECS = 0.02
-_OOM_CHECKS = 50
 
 Pending = asyncio.Future[tuple[int, socket.socket]]
 
@@ -101,10 +96,9 @@ class WorkerOwner:
         # A cgroup per session (supervisor.spawn.cgroups), where the kernel offers one.
         self.cgroups = cgroups
         self.cgroups_why = cgroups_why  # why there is none, for stats
-        # Per session: the kernel's OOM count of its cgroup when its worker
-        # was attached (what is more is this worker's), and the OOM fd watched.
-        self._oom_seen: dict[str, int] = {}
-        self._oom_watched: dict[str, int] = {}
+        # The cgroups' and shares' side of a worker's life, OOMs told by their ceiling.
+        self.containment = Containment(config, cgroups, workspaces, events, self.kill,
+                                       lambda: self.by_pid.values())
         self.metrics = metrics
         # LiveSlots.make_room: a live worker's room, hibernating others for it.
         self._make_room = make_room
@@ -143,6 +137,7 @@ class WorkerOwner:
         try:
             await self._claim(session)
             await self._make_room(session)
+            self.containment.check_room(session)  # its owner's share of tasks
             snapshot, records, _ = await session.store.read_for_boot_soon()
         except BaseException as exc:
             self.drop_pending(pending)
@@ -174,7 +169,7 @@ class WorkerOwner:
         run_as = self._workspaces.run_as(session)
         if self.cgroups is not None:
             # Before Boot: no code of the session has run yet.
-            self._attach(session, pid)
+            self.containment.attach(session, pid)
         proto.send(
             m.Boot(
                 session=session.id, handler=session.meta.handler,
@@ -204,68 +199,6 @@ class WorkerOwner:
             raise Internal(f"worker did not become ready within {timeout:g}s") from None
         self._events.set_state(session, Trigger.READY)
         self._ledger.active(session)
-
-    def _attach(self, session: Session, pid: int) -> None:
-        """The worker into its session's cgroup (under its owner's uid), and
-        the cgroup's OOM notification watched: the session dies whole."""
-        assert self.cgroups is not None
-        limits = session.settings.agent.limits
-        try:
-            self.cgroups.attach(session.id, pid, limits.max_memory_mb, limits.max_processes,
-                                uid=session.meta.owner_uid)
-        except OSError as exc:
-            tagged(log, session.id).warning("cannot put worker %d in its cgroup: %s", pid, exc)
-            return
-        self._oom_seen[session.id] = self.cgroups.ooms(session.id)
-        fd = self.cgroups.oom_fd(session.id)
-        if fd is not None and self._oom_watched.get(session.id) != fd:
-            asyncio.get_running_loop().add_reader(fd, self._on_oom, session, fd)
-            self._oom_watched[session.id] = fd
-
-    def _on_oom(self, session: Session, fd: int, tries: int = 0) -> None:
-        """The session met its cap (an eventfd on v1's memory.oom_control,
-        signalled as the OOM begins, and also when the cgroup goes): once
-        the kernel says so (under_oom, or a kill counted a moment later),
-        the whole session goes."""
-        if not tries:
-            with contextlib.suppress(OSError):
-                os.read(fd, 8)
-        worker = session.worker
-        if worker is None or worker.kill_reason is not None or worker.exited.done():
-            return
-        if not self._oom_check(session, worker) and tries < _OOM_CHECKS:
-            asyncio.get_running_loop().call_later(_OOM_CHECK_SECS, self._on_oom, session, fd, tries + 1)
-
-    def _oom_check(self, session: Session, worker: WorkerProc) -> bool:
-        """Kill the whole session, classified `killed_memory` as the sweep's
-        kill is, if it met its cap in the kernel since its worker came."""
-        if self.cgroups is None or worker.kill_reason is not None:
-            return False
-        if self.cgroups.ooms(session.id) <= self._oom_seen.get(session.id, 0):
-            return False
-        cap = session.settings.agent.limits.max_memory_mb
-        used = (self.cgroups.memory_bytes(session.id) or cap * MIB) / MIB
-        self._events.emit_limit(session, LimitKind.MEMORY, used, cap)
-        self.kill(session, worker, ExitReason.KILLED_MEMORY,
-                  f"memory cap {cap} MiB exceeded at {used:.0f} MiB (the kernel's cgroup limit)")
-        return True
-
-    def _release_cgroup(self, session: Session, pid: int) -> None:
-        """Kill what is left of the session by what a process cannot shed:
-        its cgroup, else its own uid (a root daemon's session uid).  Not
-        for a worker on another machine (cluster mode): its uid's processes
-        here, if any, are not its, and its node host kills its tree."""
-        if self.cgroups is None:
-            uid = session.meta.run_uid
-            if (uid is not None and self._workspaces.session_uids is not None and os.geteuid() == 0
-                    and pid < REMOTE_PIDS):
-                kill_uid(uid)
-            return
-        fd = self._oom_watched.pop(session.id, None)
-        if fd is not None:
-            asyncio.get_running_loop().remove_reader(fd)
-        self._oom_seen.pop(session.id, None)
-        self.cgroups.release(session.id)
 
     def drop_pending(self, pending: Pending | None) -> None:
         """A worker was ordered but will not be used: kill it when it comes."""
@@ -391,7 +324,7 @@ class WorkerOwner:
             tagged(log, session.id).warning("its create failed; killing worker %d", session.worker.pid)
             session.worker.expected = "discarded"
             self.spawner.kill_tree(session.worker.pid, session.memory.escapees())
-            self._release_cgroup(session, session.worker.pid)
+            self.containment.release(session, session.worker.pid)
 
     def on_spawner_lost(self) -> None:
         for pid in list(self.by_pid):
@@ -410,9 +343,9 @@ class WorkerOwner:
             # that left the group but were seen as its descendants, and
             # everything in its cgroup.  (An expected exit is tidied up by
             # terminate, after a grace.)
-            self._oom_check(session, worker)  # the kernel's OOM killer took the worker itself
+            self.containment.oom_check(session, worker, dead=True)  # the kernel's OOM killer took it
             self.spawner.kill_tree(pid, session.memory.escapees())
-            self._release_cgroup(session, pid)
+            self.containment.release(session, pid)
         self._proc_table.forget(pid)
         reason = _classify(worker, code)
         self.metrics.worker_exit(reason)
@@ -482,7 +415,7 @@ class WorkerOwner:
                 if not self.cgroups.pids(session.id):
                     break
                 await asyncio.sleep(0.02)
-        self._release_cgroup(session, worker.pid)
+        self.containment.release(session, worker.pid)
 
     def stopping_for(self, session: Session, exit_reason: ExitReason) -> None:
         """The worker's exit is recorded as the limit it is stopped for, from
@@ -494,6 +427,12 @@ class WorkerOwner:
         """The last exit says the limit the session was stopped for."""
         if session.last_exit is not None:
             session.last_exit = msgspec.structs.replace(session.last_exit, reason=exit_reason.value, detail=detail)
+
+    @property
+    def measured(self) -> bool:
+        """Whether the daemon can read its workers' figures: not where their
+        /proc entries are hidden from it and no cgroup counts them."""
+        return self.sandbox is None or not self.sandbox.unmeasured
 
     def sandbox_report(self, worker: WorkerProc) -> dict[str, Any]:
         """The worker's own report, plus the cgroup the daemon put it in."""
@@ -523,9 +462,7 @@ class WorkerOwner:
         # at the new pace: do not count that against it.
         self.heard_from(worker, time.monotonic() + old.agent.worker.heartbeat_interval_secs)
         worker.conn.send(m.Reconfigure(settings=_settings_encoder.encode(session.settings)))
-        if self.cgroups is not None:
-            limits = session.settings.agent.limits
-            self.cgroups.limit(session.id, limits.max_memory_mb, limits.max_processes)
+        self.containment.limit(session)
 
     def restore_exits(self, session: Session, restarts: int, last_exit: m.ExitInfo | None) -> None:
         """Restarts and the last exit as the store has them (claimed back)."""
@@ -627,46 +564,6 @@ class WorkerOwner:
         except StoreError as exc:
             tagged(log, session.id).warning("restart mark not saved: %s", exc)
         return False
-
-
-def kill_uid(uid: int, rounds: int = 20) -> None:
-    """SIGKILL every process whose real uid is `uid` (a session's own uid:
-    nothing else runs as it), through pidfds, checked after opening; again
-    while any are found, for those forked meanwhile (bounded: it runs on
-    the daemon's loop, and a cgroup is the complete kill)."""
-    for _ in range(rounds):
-        found = False
-        for name in os.listdir("/proc"):
-            if not name.isdigit() or _real_uid(name) != uid:
-                continue
-            try:
-                fd = os.pidfd_open(int(name))
-            except OSError:
-                continue
-            try:
-                if _real_uid(name) == uid:  # the pidfd names this very process
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-                    found = True
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        if not found:
-            return
-
-
-def _real_uid(pid: str) -> int | None:
-    """A live process's real uid (None for a zombie: it is dead already)."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"State:") and line.split()[1] == b"Z":
-                    return None
-                if line.startswith(b"Uid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 async def _no_room_needed(session: Session) -> None:

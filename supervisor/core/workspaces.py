@@ -18,7 +18,6 @@ the root.
 from __future__ import annotations
 
 import contextlib
-import grp
 import logging
 import os
 import pwd
@@ -27,9 +26,10 @@ import shutil
 import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from supervisor.config import Config, workspace_root
+from supervisor.core.admission import Admission, SessionUids
 from supervisor.core import btrfs
 from supervisor.core.diskquota import QuotaPath, detect
 from supervisor.errors import Capacity, SessiondError
@@ -39,40 +39,18 @@ from supervisor.core.session import Session, valid_session_id
 from supervisor.store.state_store import Meta
 from supervisor.core.states import State
 
-__all__ = ["SessionUids", "Workspaces"]
+__all__ = ["SessionUids", "Workspaces"]  # SessionUids: supervisor.core.admission's
 
 log = logging.getLogger("sessiond.manager")
 
 
-class SessionUids(NamedTuple):
-    """The uids a session's processes can run as here (from the daemon's
-    identities: supervisor.daemon.Identities); here, in the core that owns
-    them, for supervisor.api.peer, which tells a session's process by them."""
-
-    daemon: int  # the daemon's own: the zygote's, and the sessions' when nothing else is set
-    worker: int | None  # [daemon] worker_user
-    span: range | None  # [daemon] session_uid_range, when each session gets a uid of its own
-
-    def only_sessions(self, uid: int) -> bool:
-        """A uid that no client of ours has: every process of it is a session's."""
-        if uid == self.daemon:
-            return False
-        return uid == self.worker or (self.span is not None and uid in self.span)
-
-    def could_be_session(self, uid: int) -> bool:
-        return uid == self.daemon or self.only_sessions(uid)
-
-
 class Workspaces:
-    def __init__(
-        self,
-        config: Callable[[], Config],
-        state_dir: Path,
-        run_as: tuple[int, int] | None,
-        session_uids: range | None,
-    ) -> None:
+    def __init__(self, config: Callable[[], Config], state_dir: Path, admission: Admission) -> None:
         self._config = config
         self._state_dir = state_dir
+        # Who may own sessions: the control socket's own policy (supervisor.core.admission).
+        self.admission = admission
+        run_as, session_uids = admission.identities.run_as, admission.identities.session_uids
         self.shared_user = run_as
         self.session_uids = session_uids if run_as is None else None
         # How max_disk_mb is enforced under the workspace root, found once.
@@ -85,8 +63,7 @@ class Workspaces:
 
     def session_uids_here(self) -> SessionUids:
         """Which uids sessions run as, for supervisor.api.peer."""
-        worker = self.shared_user[0] if self.shared_user is not None else None
-        return SessionUids(os.geteuid(), worker, self.session_uids)
+        return self.admission.session_uids()
 
     def stored_problem(self, meta: Meta, others: Iterable[Session]) -> tuple[str, bool] | None:
         """Why a session read back from a store must not be acted on, and
@@ -100,7 +77,7 @@ class Workspaces:
             return f"its stored workspace {meta.workspace!r} is not one of its own ({meta.id}@TOKEN)", False
         if meta.parent is not None and not valid_session_id(meta.parent):
             return f"its stored parent {meta.parent!r} is not a session id", False
-        if not self.may_own(meta.owner_uid):
+        if not self.admission.may_own(meta.owner_uid):
             return (f"its stored owner uid {meta.owner_uid} may not own sessions here (neither root, the "
                     "daemon's user, admin_uids, allowed_uids nor a member of allowed_gids or the "
                     "socket's group; or a session's own uid)"), False
@@ -139,27 +116,6 @@ class Workspaces:
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
             return f"its workspace {where} is not a directory of its stored uid {uid}", False
         return None
-
-    def may_own(self, uid: int) -> bool:
-        """Whether `uid` may own sessions: one the control socket admits
-        (supervisor.api.server.ControlServer.admits) that is not a session's."""
-        if self.session_uids_here().only_sessions(uid):
-            return False
-        cfg = self._config().daemon
-        if uid in (0, os.geteuid()) or uid in cfg.admin_uids or uid in cfg.allowed_uids:
-            return True
-        groups = set(cfg.allowed_gids)
-        if os.getegid() != 0:
-            groups.add(os.getegid())  # the socket's group, unless socket_group says otherwise
-        if cfg.socket_group:
-            with contextlib.suppress(KeyError):
-                name = cfg.socket_group
-                groups.add(int(name) if name.isdigit() else grp.getgrnam(name).gr_gid)
-        try:
-            entry = pwd.getpwuid(uid)
-            return not groups.isdisjoint(os.getgrouplist(entry.pw_name, entry.pw_gid))
-        except (KeyError, OSError):
-            return False
 
     def root(self) -> Path:
         return workspace_root(self._config(), self._state_dir)

@@ -15,7 +15,14 @@ namespace of its own):
 - `max_processes` is the kernel's pids limit: a fork bomb stops at it;
 - the session's CPU weight is below the daemon's (`[daemon] session_nice`),
   one weight per uid above the sessions (`u-UID/s-ID`), so one user's many
-  sessions share one user's share.
+  sessions share one user's share;
+- each owner uid's share of the daemon's ceilings (`supervisor.spawn.ceilings`)
+  is the kernel's at that `u-UID` level: `pids.max` = `max_processes_per_uid`,
+  the memory limit = `max_memory_mb_per_uid`, so that no user alone reaches
+  the unit's `TasksMax` or `MemoryMax`; a create is refused while its owner
+  is at its share of tasks (`user_room`), and an OOM kill is told by the
+  ceiling that caused it (`oom_cause`: the session's own cap, its user's
+  share, or the daemon's own ceiling, the unit's).
 
 `supervisor.spawn.cgroups_detect` (`[daemon] cgroups = "auto"`) takes, in order:
 
@@ -35,10 +42,52 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal, NamedTuple
 
 log = logging.getLogger("sessiond")
 
-__all__ = ["Cgroups", "cgroup_mounts", "flat_key", "nice_weight", "own_cgroups", "remove_empty"]
+__all__ = ["Cgroups", "OomCause", "OomMark", "Shares", "cgroup_mounts", "flat_key", "nice_weight", "own_cgroups",
+           "remove_empty", "room_left", "within_share"]
+
+# Which ceiling an OOM kill in a session's cgroup was for: its own cap
+# (max_memory_mb), its owner's share (max_memory_mb_per_uid), or the daemon's
+# own ceiling (the unit's MemoryMax, the host's memory).
+OomCause = Literal["own", "user", "unit"]
+# Tasks a new worker needs in its owner's share: itself, a tool host, a
+# command (a create is refused with fewer left).
+_WORKER_TASKS = 8
+
+
+class Shares(NamedTuple):
+    """One owner uid's share of what the daemon's ceilings allow."""
+
+    processes: int  # tasks (processes and threads)
+    memory_mb: int
+
+
+class OomMark(NamedTuple):
+    """A session's OOM counters when its worker was attached: what is more
+    later is this worker's (see Cgroups.oom_cause)."""
+
+    own: int = 0  # v2: memory.events `oom` of the session's cgroup
+    user: int = 0  # v2: the same of its u-UID
+    kills: int = 0  # the kernel's OOM kills of the session's processes
+
+
+def within_share(max_processes: int | None, share: Shares | None) -> int | None:
+    """A session's pids.max: never above its owner's share."""
+    if share is None:
+        return max_processes
+    return min(max_processes, share.processes) if max_processes else share.processes
+
+
+def room_left(current: int | None, limit: int | None, uid: int | None) -> str:
+    """'' when a uid's share of tasks has room for one more worker, else
+    why not (pure)."""
+    if current is None or limit is None or current + _WORKER_TASKS <= limit:
+        return ""
+    return (f"uid {uid} holds {current} tasks (processes and threads) of its share of {limit} "
+            "([daemon] max_processes_per_uid); try again when some of its sessions' processes have ended")
 
 # The kernel's weight of a task at each nice level (sched_prio_to_weight,
 # nice 0..19): the share a cgroup gets at the weight of one such task.
@@ -98,13 +147,19 @@ class Cgroups(abc.ABC):
 
     @abc.abstractmethod
     def attach(self, session_id: str, pid: int, max_memory_mb: int, max_processes: int | None,
-               uid: int | None = None) -> None:
+               uid: int | None = None, share: Shares | None = None) -> None:
         """Put a worker that has not run session code yet in its session's
-        cgroup (under its owner's `u-UID`), with the session's limits."""
+        cgroup (under its owner's `u-UID`, limited to the owner's `share`),
+        with the session's limits."""
 
     @abc.abstractmethod
-    def limit(self, session_id: str, max_memory_mb: int, max_processes: int | None) -> None:
-        """New limits for a live session (a reload)."""
+    def limit(self, session_id: str, max_memory_mb: int, max_processes: int | None,
+              share: Shares | None = None) -> None:
+        """New limits for a live session and its owner's share (a reload)."""
+
+    @abc.abstractmethod
+    def user_room(self, uid: int | None) -> str:
+        """'' when the owner's `u-UID` can take one more worker; else why not."""
 
     @abc.abstractmethod
     def kill(self, session_id: str) -> None:
@@ -120,10 +175,18 @@ class Cgroups(abc.ABC):
         memfd pages included), or None without a memory controller."""
 
     @abc.abstractmethod
-    def ooms(self, session_id: str) -> int:
-        """How often the session met its memory cap with nothing left to
-        reclaim (v2: the kernel's OOM kills; v1: those and a session held
-        at its cap now), 0 without a memory controller."""
+    def oom_mark(self, session_id: str) -> OomMark:
+        """The session's OOM counters now (at its worker's attach)."""
+
+    @abc.abstractmethod
+    def oom_cause(self, session_id: str, mark: OomMark) -> OomCause | None:
+        """Whether the session met a memory ceiling with nothing left to
+        reclaim since `mark`, and which: its own cap, its owner's share or
+        the daemon's ceiling (None: none, or no memory controller)."""
+
+    @abc.abstractmethod
+    def user_memory_bytes(self, uid: int | None) -> int | None:
+        """What the owner's `u-UID` holds (the kernel's count), or None."""
 
     def oom_fd(self, session_id: str) -> int | None:
         """An fd that becomes readable when the kernel OOM-kills in the

@@ -21,6 +21,11 @@ removes them.
   woken by an eventfd on `memory.oom_control` (`oom_fd`), kills the whole
   session.  (Were the daemon gone, the zygote kills every worker.)
 - pids: `pids.max` = `max_processes`.
+- per owner (`u-UID`): `pids.max` = `max_processes_per_uid`, the memory
+  limit = `max_memory_mb_per_uid`, its OOM killer off as well: when a
+  user's sessions together reach their share, the daemon (woken by the
+  eventfd of any of them: v1 notifies a cgroup's whole subtree) kills that
+  user's largest session whole, and no other user's.
 - cpu (optional): `cpu.shares` of the daemon's directory, all its sessions
   together, at the weight of one task at `session_nice`.
 - freezer (optional): the kill freezes the session first, so that nothing
@@ -39,7 +44,10 @@ import signal
 import time
 from pathlib import Path
 
-from supervisor.spawn.cgroups import Cgroups, cgroup_mounts, flat_key, nice_weight, own_cgroups, remove_empty
+from supervisor.spawn.cgroups import (
+    Cgroups, OomCause, OomMark, Shares, cgroup_mounts, flat_key, nice_weight, own_cgroups, remove_empty, room_left,
+    within_share,
+)
 
 __all__ = ["CgroupsV1", "detect"]
 
@@ -92,6 +100,13 @@ def _start_time(pid: int) -> str | None:
     except OSError:
         return None
     return stat[stat.rindex(b")") + 2:].split()[19].decode()
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _read_pids(cg: Path) -> list[int]:
@@ -162,13 +177,18 @@ class CgroupsV1(Cgroups):
                 out[ctrl] = base / (f"u-{uid}" if uid is not None else "u-any") / f"s-{session_id}"
         return out
 
+    def _user_dirs(self, uid: int | None) -> dict[str, Path]:
+        return {ctrl: base / (f"u-{uid}" if uid is not None else "u-any") for ctrl, base in self.base.items()}
+
     def attach(self, session_id: str, pid: int, max_memory_mb: int, max_processes: int | None,
-               uid: int | None = None) -> None:
+               uid: int | None = None, share: Shares | None = None) -> None:
         self._uid[session_id] = uid
         dirs = self._dirs(session_id)
         for cg in dirs.values():
             cg.mkdir(parents=True, exist_ok=True)
-        self._write_limits(dirs, max_memory_mb, max_processes)
+        if share is not None:
+            self._share(self._user_dirs(uid), share)
+        self._write_limits(dirs, max_memory_mb, within_share(max_processes, share))
         if "memory" in dirs:
             with contextlib.suppress(OSError):
                 (dirs["memory"] / "memory.oom_control").write_text("1")  # we kill, whole
@@ -176,6 +196,20 @@ class CgroupsV1(Cgroups):
         # Memory first: pages it touches from now on are the session's.
         for ctrl in sorted(dirs, key=lambda c: c != "memory"):
             (dirs[ctrl] / "cgroup.procs").write_text(str(pid))
+
+    def _share(self, user: dict[str, Path], share: Shares) -> None:
+        """The owner's level: its share, and its OOM killer off (the daemon
+        kills the user's largest session whole, see the module's docstring)."""
+        self._write_limits(user, share.memory_mb, share.processes)
+        if "memory" in user:
+            with contextlib.suppress(OSError):
+                (user["memory"] / "memory.oom_control").write_text("1")
+
+    def user_room(self, uid: int | None) -> str:
+        pids = self._user_dirs(uid).get("pids")
+        if pids is None:
+            return ""
+        return room_left(_read_int(pids / "pids.current"), _read_int(pids / "pids.max"), uid)
 
     def _write_limits(self, dirs: dict[str, Path], max_memory_mb: int, max_processes: int | None) -> None:
         if "memory" in dirs:
@@ -215,9 +249,13 @@ class CgroupsV1(Cgroups):
         fds = self._oom.get(session_id)
         return fds[0] if fds is not None else None
 
-    def limit(self, session_id: str, max_memory_mb: int, max_processes: int | None) -> None:
+    def limit(self, session_id: str, max_memory_mb: int, max_processes: int | None,
+              share: Shares | None = None) -> None:
+        dirs = self._dirs(session_id)
         with contextlib.suppress(OSError):
-            self._write_limits(self._dirs(session_id), max_memory_mb, max_processes)
+            if share is not None:
+                self._share({ctrl: d.parent for ctrl, d in dirs.items()}, share)
+            self._write_limits(dirs, max_memory_mb, within_share(max_processes, share))
 
     def kill(self, session_id: str, where: dict[str, Path] | None = None) -> None:
         """Freeze, SIGKILL every process, thaw; again until empty (bounded:
@@ -297,12 +335,31 @@ class CgroupsV1(Cgroups):
         except (OSError, ValueError):
             return None
 
-    def ooms(self, session_id: str) -> int:
+    def oom_mark(self, session_id: str) -> OomMark:
+        mem = self._dirs(session_id).get("memory")
+        return OomMark(kills=flat_key(mem / "memory.oom_control", "oom_kill")) if mem is not None else OomMark()
+
+    def oom_cause(self, session_id: str, mark: OomMark) -> OomCause | None:
+        """v1 marks a whole subtree under OOM: its owner's level under OOM is
+        the user's share, whichever session noticed; the session's own
+        (alone) its cap.  A kill the kernel made in it (its OOM killer is
+        off here) was for a level above: the daemon's own ceiling."""
         mem = self._dirs(session_id).get("memory")
         if mem is None:
-            return 0
-        control = mem / "memory.oom_control"
-        return flat_key(control, "oom_kill") + flat_key(control, "under_oom")
+            return None
+        own = mem / "memory.oom_control"
+        if flat_key(mem.parent / "memory.oom_control", "under_oom"):
+            return "user"
+        if flat_key(own, "under_oom"):
+            return "own"
+        if flat_key(own, "oom_kill") > mark.kills:
+            # The killer put back on for the session (a kill that did not land): its own cap.
+            return "own" if not flat_key(own, "oom_kill_disable") else "unit"
+        return None
+
+    def user_memory_bytes(self, uid: int | None) -> int | None:
+        mem = self._user_dirs(uid).get("memory")
+        return _read_int(mem / "memory.usage_in_bytes") if mem is not None else None
 
     def release(self, session_id: str, where: dict[str, Path] | None = None) -> None:
         dirs = where if where is not None else self._dirs(session_id)

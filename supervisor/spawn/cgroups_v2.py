@@ -4,7 +4,10 @@ Under systemd with `Delegate=yes` (or any cgroup v2 directory the daemon may
 write): `cgroup.kill` ends every process of the session at once;
 `memory.max` with `memory.oom.group` (the kernel kills the whole session
 when the cap is hit); `pids.max`; `cpu.weight` below the daemon's.  Each
-only when the controller is delegated.
+only when the controller is delegated.  Each owner's level (`u-UID`) holds
+its share: `pids.max` = `max_processes_per_uid`, `memory.max` =
+`max_memory_mb_per_uid` (at it the kernel kills in that user's sessions
+only, each whole: `memory.oom.group` of the session's cgroup).
 
 Layout (cgroup v2's "no internal processes" rule wants the daemon in a leaf):
 
@@ -22,7 +25,10 @@ import logging
 import os
 from pathlib import Path
 
-from supervisor.spawn.cgroups import Cgroups, cgroup_mounts, flat_key, nice_weight, own_cgroups, remove_empty
+from supervisor.spawn.cgroups import (
+    Cgroups, OomCause, OomMark, Shares, cgroup_mounts, flat_key, nice_weight, own_cgroups, remove_empty, room_left,
+    within_share,
+)
 
 __all__ = ["CgroupsV2", "detect"]
 
@@ -52,6 +58,13 @@ def detect(nice: int) -> tuple[CgroupsV2 | None, str]:
         # processes around is not ours to do.
         return None, f"the daemon shares its cgroup v2 {path} with other processes"
     return CgroupsV2(here, nice), ""
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _delegated_by_systemd(path: Path) -> bool:
@@ -112,28 +125,43 @@ class CgroupsV2(Cgroups):
         found = list(self.sessions.glob(f"u-*/s-{session_id}"))
         return found[0] if found else self.sessions / "u-any" / f"s-{session_id}"
 
+    def _user_dir(self, uid: int | None) -> Path:
+        return self.sessions / (f"u-{uid}" if uid is not None else "u-any")
+
     def attach(self, session_id: str, pid: int, max_memory_mb: int, max_processes: int | None,
-               uid: int | None = None) -> None:
+               uid: int | None = None, share: Shares | None = None) -> None:
         self._uid[session_id] = uid
         cg = self._dir(session_id)
         if not cg.parent.exists():
             cg.parent.mkdir(exist_ok=True)
             self._enable(cg.parent)
+        if share is not None:
+            self._write(cg.parent, share.memory_mb, share.processes)
         cg.mkdir(exist_ok=True)
+        self._write(cg, max_memory_mb, within_share(max_processes, share))
         if "memory" in self.controllers:
-            (cg / "memory.max").write_text(str(max_memory_mb << 20))
             (cg / "memory.oom.group").write_text("1")
-        if "pids" in self.controllers:
-            (cg / "pids.max").write_text(str(max_processes) if max_processes else "max")
         (cg / "cgroup.procs").write_text(str(pid))
 
-    def limit(self, session_id: str, max_memory_mb: int, max_processes: int | None) -> None:
+    def _write(self, cg: Path, max_memory_mb: int, max_processes: int | None) -> None:
+        if "memory" in self.controllers:
+            (cg / "memory.max").write_text(str(max_memory_mb << 20))
+        if "pids" in self.controllers:
+            (cg / "pids.max").write_text(str(max_processes) if max_processes else "max")
+
+    def limit(self, session_id: str, max_memory_mb: int, max_processes: int | None,
+              share: Shares | None = None) -> None:
         cg = self._dir(session_id)
         with contextlib.suppress(OSError):
-            if "memory" in self.controllers:
-                (cg / "memory.max").write_text(str(max_memory_mb << 20))
-            if "pids" in self.controllers:
-                (cg / "pids.max").write_text(str(max_processes) if max_processes else "max")
+            if share is not None:
+                self._write(cg.parent, share.memory_mb, share.processes)
+            self._write(cg, max_memory_mb, within_share(max_processes, share))
+
+    def user_room(self, uid: int | None) -> str:
+        if "pids" not in self.controllers:
+            return ""
+        user = self._user_dir(uid)
+        return room_left(_read_int(user / "pids.current"), _read_int(user / "pids.max"), uid)
 
     def kill(self, session_id: str) -> None:
         """cgroup.kill (Linux 5.14+): asynchronous, see `pids`."""
@@ -154,10 +182,29 @@ class CgroupsV2(Cgroups):
         except (OSError, ValueError):
             return None
 
-    def ooms(self, session_id: str) -> int:
+    def oom_mark(self, session_id: str) -> OomMark:
         if "memory" not in self.controllers:
-            return 0
-        return flat_key(self._dir(session_id) / "memory.events", "oom_kill")
+            return OomMark()
+        cg = self._dir(session_id)
+        events, user = cg / "memory.events", cg.parent / "memory.events"
+        return OomMark(flat_key(events, "oom"), flat_key(user, "oom"), flat_key(events, "oom_kill"))
+
+    def oom_cause(self, session_id: str, mark: OomMark) -> OomCause | None:
+        """v2 counts an `oom` at the cgroup whose limit was met (and its
+        ancestors), an `oom_kill` at the victim's (and its ancestors)."""
+        if "memory" not in self.controllers:
+            return None
+        now = self.oom_mark(session_id)
+        if now.own > mark.own:
+            return "own"
+        if now.kills <= mark.kills:
+            return None
+        return "user" if now.user > mark.user else "unit"
+
+    def user_memory_bytes(self, uid: int | None) -> int | None:
+        if "memory" not in self.controllers:
+            return None
+        return _read_int(self._user_dir(uid) / "memory.current")
 
     def release(self, session_id: str) -> None:
         self._release_dir(self._dir(session_id))

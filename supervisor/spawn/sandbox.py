@@ -12,6 +12,7 @@ is missing, and sent to every worker in its Boot.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -23,6 +24,7 @@ from typing import Any
 
 from ipc import messages as m
 from ipc.contract import SECCOMP_MACHINES
+from ipc.linux import set_dumpable
 from ipc.settings import SandboxSettings
 # Re-exported: daemon.py catches sandbox.SandboxUnavailable.
 from supervisor.errors import SandboxUnavailable
@@ -62,17 +64,76 @@ def _try_bwrap(bwrap: str, uid: int | None, gid: int | None) -> str:
     return ""
 
 
+def workers_hidden() -> str:
+    """'' when the daemon can read the /proc entries of a non-dumpable
+    process (what every worker is, of the daemon's uid or a session's: the
+    same right, CAP_SYS_PTRACE, or hidepid's gid= exemption, reads both);
+    else why not.  Forks a child that only waits: call it before any
+    thread exists."""
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(done_w)  # (the parent's closing it is the end of the wait)
+            set_dumpable(False)
+            os.write(ready_w, b"x")
+            os.read(done_r, 1)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(done_r)
+    try:
+        os.read(ready_r, 1)
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            f.read()
+        return ""
+    except OSError as exc:
+        return (f"its workers' /proc entries are hidden from it ({exc.strerror}: /proc is mounted "
+                f"{_hidepid() or 'hidepid='} and the daemon lacks CAP_SYS_PTRACE and the mount's gid=)")
+    finally:
+        os.close(done_w)
+        os.close(ready_r)
+        os.waitpid(pid, 0)
+
+
+def _hidepid() -> str:
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4 and fields[4] == "/proc":
+                return next((o for o in fields[-1].split(",") if o.startswith("hidepid=")), "")
+    return ""
+
+
+def unmeasured(hidden: str, counted: set[str]) -> str:
+    """Why max_memory_mb and max_processes cannot be held ('' when they
+    can): the workers' /proc entries are hidden and no cgroup counts their
+    memory and processes instead (pure)."""
+    if not hidden or {"memory", "pids"} <= counted:
+        return ""
+    return (f"{hidden}, and no cgroup with memory and pids controllers counts them instead: "
+            "max_memory_mb and max_processes could not be enforced; delegate a cgroup v2 subtree to the "
+            "daemon (Delegate=yes), give it CAP_SYS_PTRACE, or mount /proc with gid= of its group")
+
+
 def probe(settings: SandboxSettings, uid: int | None, gid: int | None,
-          hide: list[Path]) -> m.SandboxBoot:
+          hide: list[Path], counted: set[str] | None = None) -> m.SandboxBoot:
     """What this host can do, whatever the settings say now (a reload may
     turn the sandbox on: workers then use this); logged for the settings
-    of the start, and refused when they say `required` and it is unmet."""
+    of the start, and refused when they say `required` and it is unmet.
+    `counted`: the controllers of the sessions' cgroups (None: not asked,
+    the daemon's view of its workers is not probed)."""
     bwrap = shutil.which("bwrap") or ""
     why_not = _try_bwrap(bwrap, uid, gid) if bwrap else "bubblewrap (bwrap) is not installed"
+    blind = unmeasured(workers_hidden(), counted) if counted is not None else ""
     boot = m.SandboxBoot(namespaces=not why_not, bwrap=bwrap, why_not=why_not, landlock_abi=landlock_abi(),
-                         hide=sorted({str(p) for p in hide}))
+                         hide=sorted({str(p) for p in hide}), unmeasured=blind)
     if settings.mode == "off":
         log.warning("sandbox.mode = off: tools run as the worker's user, unconfined")
+        if blind:
+            log.error("the daemon cannot measure its sessions: %s (tools run all the same: sandbox.mode = off)",
+                      blind)
         return boot
     if settings.namespaces == "off":
         why_not = "sandbox.namespaces = off"
@@ -90,7 +151,7 @@ def probe(settings: SandboxSettings, uid: int | None, gid: int | None,
             "sandbox.mode = required, but this host lacks: " + "; ".join(missing)
         )
     seccomp_why = "" if seccomp_ok else f"no syscall table for {platform.machine()}"
-    refused = settings.refusal(boot.namespaces, boot.why_not, abi, seccomp_why)
+    refused = settings.refusal(boot.namespaces, boot.why_not, abi, seccomp_why, blind)
     if refused:
         # Fail closed: every tool call says the same (the worker's error).
         log.error("sandbox: %s; see README, Security", refused)
@@ -139,7 +200,9 @@ def summary(settings: SandboxSettings, boot: m.SandboxBoot | None, cgroups: str,
     out = {"mode": settings.mode, "namespaces": namespaces, "landlock_abi": boot.landlock_abi,
            "seccomp": "seccomp" not in why, "cgroups": cgroups, "why_not": why,
            "socket_families": _families(settings.network, namespaces), "tools": "run"}
-    refused = settings.refusal(boot.namespaces, boot.why_not, boot.landlock_abi, seccomp_why)
+    if boot.unmeasured:
+        why["measure"] = boot.unmeasured
+    refused = settings.refusal(boot.namespaces, boot.why_not, boot.landlock_abi, seccomp_why, boot.unmeasured)
     if refused:
         out["tools"] = "refused"
         out["refused"] = refused

@@ -37,7 +37,8 @@ import msgspec
 from ipc import messages as m
 from ipc import zygote_wire as zw
 from supervisor.spawn.pidfd import PidFd
-from supervisor.errors import StartupError, ZygoteDied
+from supervisor.errors import Capacity, StartupError, ZygoteDied
+from supervisor.spawn import ceilings
 
 __all__ = ["ZygoteBackoff", "ZygoteSpawner"]
 
@@ -218,6 +219,12 @@ class ZygoteSpawner:
                     else:  # nobody waits for it any more
                         conn.close()
                         self.signal(pid, signal.SIGKILL)
+                case zw.SpawnFailed(token=token, errno=code, message=why):
+                    # The zygote lives on; this create (or revive) is told why.
+                    fut = self._pending.pop(token, None)
+                    if fut is not None and not fut.done():
+                        fut.set_exception(Capacity(ceilings.fork_refusal(code, why)))
+                        fut.exception()  # (a create given up meanwhile does not wait for it)
                 case zw.Exited(pid=pid, code=code, signal=sig):
                     self.on_exit(pid, code, sig)
                     self._retire(pid)
