@@ -144,6 +144,7 @@ class WorkerOwner:
             await self._claim(session)
             await self._make_room(session)
             snapshot, records, _ = await session.store.read_for_boot_soon()
+            workspace = await asyncio.to_thread(self._workspaces.prepare, session)  # an image: mkfs, mount
         except BaseException as exc:
             self.drop_pending(pending)
             if isinstance(exc, OSError):
@@ -170,7 +171,6 @@ class WorkerOwner:
         session.memory = SessionMemory()
         self.by_pid[pid] = session
         await loop.create_unix_connection(lambda: proto, sock=sock)
-        workspace = self._workspaces.prepare(session)
         run_as = self._workspaces.run_as(session)
         if self.cgroups is not None:
             # Before Boot: no code of the session has run yet.
@@ -251,21 +251,21 @@ class WorkerOwner:
         return True
 
     def _release_cgroup(self, session: Session, pid: int) -> None:
-        """Kill what is left of the session by what a process cannot shed:
-        its cgroup, else its own uid (a root daemon's session uid).  Not
-        for a worker on another machine (cluster mode): its uid's processes
-        here, if any, are not its, and its node host kills its tree."""
+        """Kill what is left of the session by what a process cannot shed: its cgroup, else its
+        own uid (a root daemon's session uid); then the IPC objects that uid left.  Not for a
+        worker on another machine (cluster mode): its node host kills its tree."""
         if self.cgroups is None:
             uid = session.meta.run_uid
             if (uid is not None and self._workspaces.session_uids is not None and os.geteuid() == 0
                     and pid < REMOTE_PIDS):
                 kill_uid(uid)
-            return
-        fd = self._oom_watched.pop(session.id, None)
-        if fd is not None:
-            asyncio.get_running_loop().remove_reader(fd)
-        self._oom_seen.pop(session.id, None)
-        self.cgroups.release(session.id)
+        else:
+            fd = self._oom_watched.pop(session.id, None)
+            if fd is not None:
+                asyncio.get_running_loop().remove_reader(fd)
+            self._oom_seen.pop(session.id, None)
+            self.cgroups.release(session.id)
+        self._workspaces.ended(session, here=pid < REMOTE_PIDS)
 
     def drop_pending(self, pending: Pending | None) -> None:
         """A worker was ordered but will not be used: kill it when it comes."""
