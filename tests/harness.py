@@ -260,9 +260,10 @@ class Daemon:
         found = list((self.state_dir / "workspaces").glob(f"{session_id}@*"))
         assert len(found) == 1, f"workspaces of {session_id}: {found}"
         if self.proc is not None and self.proc.poll() is None:
+            theirs = Path(f"/proc/{self.pid}/root{found[0]}")
             with contextlib.suppress(OSError):
-                if os.stat(f"/proc/{self.pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino:
-                    return Path(f"/proc/{self.pid}/root{found[0]}")
+                if os.path.ismount(theirs) and not os.path.ismount(found[0]):
+                    return theirs
         return found[0]
 
     def client(self) -> Client:
@@ -329,7 +330,7 @@ class Daemon:
         """The workspace images a SIGKILLed daemon left mounted (one outside
         a mount namespace of its own: not the unit's emulation), unmounted
         lazily: their loop devices detach themselves (autoclear)."""
-        roots = [str(self.root)]
+        roots = [str(self.root), str(self.state_dir)]
         with contextlib.suppress(OSError, tomllib.TOMLDecodeError):
             base = tomllib.loads(self.config_path.read_text()).get("tools", {}).get("workspace_dir")
             if base:
