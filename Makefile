@@ -48,6 +48,9 @@ system-deps:
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
 	command -v zsh >/dev/null 2>&1 || missing="$$missing zsh"; \
 	command -v mkfs.btrfs >/dev/null 2>&1 || missing="$$missing btrfs-progs"; \
+	command -v mkfs.ext4 >/dev/null 2>&1 || test -x /usr/sbin/mkfs.ext4 || test -x /sbin/mkfs.ext4 \
+	  || missing="$$missing e2fsprogs"; \
+	command -v ipcmk >/dev/null 2>&1 || missing="$$missing util-linux"; \
 	command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
 	  || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \

@@ -55,6 +55,7 @@ STRUCTS: dict[str, tuple[tuple[str, str, object], ...]] = {
         ('disk_bytes', 'int?', None),
         ('cpu_percent', 'float?', None),
         ('budget', 'dict[str,any]', dict),
+        ('disk_inodes', 'int?', None),
     ),
     'exit': (
         ('reason', 'str', REQUIRED),

@@ -48,7 +48,8 @@ class ExitReason(enum.StrEnum):
     KILLED_TURN_TIMEOUT = "killed_turn_timeout"
     KILLED_HEARTBEAT = "killed_heartbeat"
     KILLED_PROCESSES = "killed_processes"  # max_processes, where the sweep counts them
-    # max_disk_mb: the session is stopped (not restarted) until under it
+    # max_disk_mb or max_disk_inodes (measured): the session is stopped (not
+    # restarted) until under it
     KILLED_DISK = "killed_disk"
     STOPPED = "stopped"  # stopped, hibernated or removed on purpose
 
@@ -65,6 +66,7 @@ class LimitKind(enum.StrEnum):
     TOOL_CALLS = "tool_calls"
     PROCESSES = "processes"
     DISK = "disk"  # max_disk_mb, in MiB
+    DISK_INODES = "disk_inodes"  # max_disk_inodes, in files (and directories)
     # A ceiling of [agent.budget]: LimitExceeded.ceiling names it, .unit says in what.
     BUDGET = "budget"
 
@@ -74,10 +76,11 @@ _LIMIT_UNITS = {
     LimitKind.MEMORY: "MiB", LimitKind.MEMORY_HIGH: "MiB", LimitKind.DISK: "MiB",
     LimitKind.TURN_TIMEOUT: "s", LimitKind.HEARTBEAT: "s",
     LimitKind.RESTARTS: "restarts", LimitKind.TURNS: "model calls", LimitKind.TOOL_CALLS: "tool calls",
-    LimitKind.PROCESSES: "processes",
+    LimitKind.PROCESSES: "processes", LimitKind.DISK_INODES: "files",
 }
 # Kinds whose figures are whole counts; the others are measured (one decimal).
-_COUNTED = frozenset({LimitKind.RESTARTS, LimitKind.TURNS, LimitKind.TOOL_CALLS, LimitKind.PROCESSES})
+_COUNTED = frozenset({LimitKind.RESTARTS, LimitKind.TURNS, LimitKind.TOOL_CALLS, LimitKind.PROCESSES,
+                      LimitKind.DISK_INODES})
 
 
 def limit_text(kind: str, value: float, limit: float, ceiling: str = "", unit: str = "") -> str:

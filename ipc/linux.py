@@ -1,7 +1,9 @@
-"""The few Linux process controls Python does not wrap (prctl), via ctypes.
+"""The few Linux process controls Python does not wrap (prctl, unshare
+before Python 3.12), via ctypes.
 
 Shared by both sides: the daemon marks itself non-dumpable, the zygote is a
-child subreaper, workers set their parent-death signal."""
+child subreaper, workers set their parent-death signal and make an IPC
+namespace of their own."""
 
 from __future__ import annotations
 
@@ -15,12 +17,14 @@ __all__ = [
     "set_child_subreaper",
     "set_dumpable",
     "set_pdeathsig",
+    "unshare_ipc",
 ]
 
 _PR_SET_PDEATHSIG = 1
 _PR_GET_DUMPABLE = 3
 _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
+_CLONE_NEWIPC = 0x08000000
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -58,3 +62,13 @@ def is_dumpable() -> bool:
     return _prctl(_PR_GET_DUMPABLE) == 1
 
 
+
+
+def unshare_ipc() -> str:
+    """Move this process into a new IPC namespace (SysV shared memory,
+    semaphores and message queues, POSIX message queues), which the kernel
+    destroys with everything in it when its last process exits; '' when
+    done, else why not (it takes CAP_SYS_ADMIN)."""
+    if _libc.unshare(_CLONE_NEWIPC) != 0:
+        return os.strerror(ctypes.get_errno())
+    return ""

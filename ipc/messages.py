@@ -265,8 +265,9 @@ class SessionInfo(Msg, tag="session"):
     # Cluster mode: the address of the node its worker runs on, as Ray
     # reports it (pid is then that node's); None on one machine or unplaced.
     node: str | None = None
-    # Blocks its workspace held at the sweep's last walk of it (max_disk_mb);
-    # None when not measured (no quota, or no walk since its worker started).
+    # Blocks its workspace held at the sweep's last walk of it (max_disk_mb;
+    # a workspace image's statfs); None when not measured (no quota, or no
+    # walk since its worker started).
     disk_bytes: int | None = None
     # Its worker tree's CPU use (user + system, % of one core) between the
     # sweep's two last samples, about a second apart; None without a live
@@ -277,6 +278,8 @@ class SessionInfo(Msg, tag="session"):
     # "used", "limit", "unit"}, ...] for each ceiling set; with a uid
     # ceiling also "uid_spent"}.  Empty for a session no daemon holds here.
     budget: dict[str, Any] = {}
+    # Its workspace's files and directories at the same walk (max_disk_inodes).
+    disk_inodes: int | None = None
 
 
 class Created(Msg, tag="created"):

@@ -62,15 +62,26 @@ class LimitsSettings(ConfigSection):
     # RLIMIT_FSIZE: the largest file a worker or tool may write.  None = inherited.
     max_file_size_mb: Annotated[int, Meta(ge=1)] | None = None
     # Blocks the session's workspace may hold (allocated: fallocate counts).
-    # On btrfs with quotas (and a daemon with CAP_SYS_ADMIN) the kernel
-    # refuses a write past it (EDQUOT); elsewhere, past it the session is
-    # stopped (exit reason killed_disk) until files are removed and it is
-    # restarted.  Unless [tools] workspace_dir says otherwise, the
-    # workspaces share a filesystem with every session's durable log: 2 GiB
-    # holds a large checkout with its dependencies and build output, and
-    # keeps one session from filling a common server disk on its own.
-    # None = no quota.
+    # Where the kernel caps it ([tools] disk_quota; a daemon with
+    # CAP_SYS_ADMIN: the shipped unit, a root daemon) a write past it fails
+    # (ENOSPC in a workspace image of its own, EDQUOT on btrfs with
+    # quotas), files unlinked while held open included; elsewhere, past it
+    # the session is stopped (exit reason killed_disk) until files are
+    # removed and it is restarted.  A workspace image keeps the size it was
+    # made with at the session's first start.  Unless [tools] workspace_dir
+    # says otherwise, the workspaces share a filesystem with every
+    # session's durable log: 2 GiB holds a large checkout with its
+    # dependencies and build output, and keeps one session from filling a
+    # common server disk on its own.  None = no quota.
     max_disk_mb: Annotated[int, Meta(ge=1, le=1 << 30)] | None = 2048
+    # Files and directories the workspace may hold: a workspace image's
+    # inode table (the kernel refuses the next file, ENOSPC; rounded up to
+    # fill the table's last block, 15 at most per 128 MiB), else counted
+    # by the walk (past it the session is stopped, as for max_disk_mb).
+    # Without it a session could use up its filesystem's inodes with empty
+    # files; 262,144 holds a large checkout with its node_modules.  None =
+    # no cap (a workspace image then gets one inode per 16 KiB, ext4's own).
+    max_disk_inodes: Annotated[int, Meta(ge=16, le=1 << 31)] | None = 262_144
 
 
 class WorkerSettings(ConfigSection):
@@ -240,6 +251,15 @@ class ToolsSettings(ConfigSection):
     custom: list[str] = msgspec.field(default_factory=list)
     # Workspace of each session; empty = "<state_dir>/workspaces/<session id>".
     workspace_dir: str = ""
+    # How max_disk_mb and max_disk_inodes hold (docs/limits.md): "auto" =
+    # the kernel's where it can (a btrfs qgroup per workspace on btrfs with
+    # quotas, else an ext4 image per workspace on a loop device: both need
+    # CAP_SYS_ADMIN), else the workspace walked every few seconds and the
+    # session stopped past a cap (blind to files unlinked while held open);
+    # "kernel" = refuse to start where the kernel's cannot be had;
+    # "measured" = the walk alone (no mounts made).  `sessionctl stats`
+    # (disk_quota) and the start-up log say which holds and why.
+    disk_quota: Literal["auto", "kernel", "measured"] = "auto"
     bash_timeout_secs: PositiveFloat = 120.0
     output_limit_bytes: Annotated[int, Meta(ge=256)] = 32_768
     # Tools run again when the worker died while they ran (read-only tools):

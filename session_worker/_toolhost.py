@@ -9,6 +9,9 @@ interpreter, and under bubblewrap nothing of the venv or the checkout has to
 be visible.  Before it reads its first order it confines itself, and every
 tool it starts inherits all of it:
 
+- without bubblewrap and where the worker made none, an IPC namespace of
+  its own (in a user namespace mapping only its uid: SysV IPC goes with
+  the session);
 - `no_new_privs`, then the seccomp filter the worker built
   (`session_worker._seccomp`), unless bubblewrap already loaded it;
 - a Landlock domain: read-only system paths, the workspace and the session's
@@ -63,6 +66,7 @@ _PR_SET_DUMPABLE = 4
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_SET_SECCOMP = 22
+_CLONE_NEWUSER, _CLONE_NEWIPC = 0x10000000, 0x08000000
 _SECCOMP_MODE_FILTER = 2
 
 # Landlock (linux/landlock.h); syscall numbers are the same on every arch.
@@ -165,10 +169,37 @@ def _seccomp(program: bytes) -> None:
         raise OSError(ctypes.get_errno(), "seccomp")
 
 
+def _own_ipc() -> str:
+    """An IPC namespace for the host and its tools (its SysV objects go with
+    the last of them): as the unprivileged user we run as, inside a user
+    namespace of our own that maps only our uid and gid, whose capabilities
+    are dropped at once.  '' when made, else why not.  First of all: the
+    new credentials clear the parent-death signal and the dumpable flag,
+    which `confine` then sets."""
+    uid, gid = os.getuid(), os.getgid()
+    if _libc.unshare(_CLONE_NEWUSER | _CLONE_NEWIPC) != 0:
+        return "no user namespace: %s" % os.strerror(ctypes.get_errno())
+    for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)),
+                       ("gid_map", "%d %d 1" % (gid, gid))):
+        with open("/proc/self/" + name, "w") as f:
+            f.write(text)
+    # struct __user_cap_header_struct {version 3, pid 0}; two empty data sets.
+    header, data = struct.pack("=Ii", 0x20080522, 0), bytes(24)
+    if _libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+    return ""
+
+
 def confine(cfg: Config) -> tuple[list[str], dict[str, str]]:
     """Everything the host and its tools run under; returns what was applied."""
     applied: list[str] = []
     skipped: dict[str, str] = {}
+    if cfg.get("ipc"):
+        why = _own_ipc()
+        if why:
+            skipped["ipc-namespace"] = why
+        else:
+            applied.append("ipc-namespace")
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if cfg.get("parent") is not None and os.getppid() != cfg["parent"]:
         os._exit(1)  # the worker died before we armed PDEATHSIG

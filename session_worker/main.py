@@ -50,7 +50,7 @@ from ipc.connection import FramedProtocol
 from ipc.errors import BadMessage, FrameTooLarge, ProtocolError
 from ipc.framing import HEADER as _HEADER
 from ipc.framing import FrameEncoder
-from ipc.linux import set_dumpable, set_pdeathsig
+from ipc.linux import set_dumpable, set_pdeathsig, unshare_ipc
 from ipc.loop import run as run_loop
 from ipc.settings import SessionSettings
 from session_worker import sandbox, tracing
@@ -193,10 +193,10 @@ def boot(msg: m.Boot) -> Booted:
     `_idle`): a handler's constructor and `restore` run with none running."""
     settings = _settings_decoder.decode(msg.settings)
     workspace = Path(msg.workspace)
-    _confine(settings, msg.run_as_uid, msg.run_as_gid)
+    own_ipc = _confine(settings, msg.run_as_uid, msg.run_as_gid)
     workspace.mkdir(parents=True, exist_ok=True, mode=0o700)
     plan = sandbox.plan_for(msg.sandbox, settings, _real_path(workspace),
-                            per_session_uid=msg.run_as_uid is not None)
+                            per_session_uid=msg.run_as_uid is not None, own_ipc=own_ipc)
     factory = load_factory(msg.handler)
     init = HandlerInit(session=msg.session, settings=settings, workspace=workspace, depth=msg.depth)
     handler = factory(init)
@@ -399,9 +399,14 @@ def _warm_up() -> None:
     _frames.encode(m.Ready(pid=0))
 
 
-def _confine(settings: SessionSettings, uid: int | None, gid: int | None) -> None:
-    """Resource limits and the user to run as, before any handler code runs;
-    tools inherit both."""
+def _confine(settings: SessionSettings, uid: int | None, gid: int | None) -> str:
+    """Resource limits, an IPC namespace and the user to run as, before any
+    handler code runs; tools inherit them.  Returns '' when this worker has
+    an IPC namespace of its own (what SysV IPC its handler and tools make
+    goes with the session), else why not."""
+    # While still root (CAP_SYS_ADMIN: a root daemon, the shipped unit).
+    # An unprivileged worker's tool host makes one with a user namespace.
+    own_ipc = unshare_ipc() if os.geteuid() == 0 else "the worker is not root"
     limits = settings.agent.limits
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core dumps of session memory
     # RLIMIT_NPROC counts every process of a user: set here only when the
@@ -429,6 +434,7 @@ def _confine(settings: SessionSettings, uid: int | None, gid: int | None) -> Non
     # own execve makes them dumpable) cannot read our environ or memory,
     # which hold the provider's key.
     set_dumpable(False)
+    return own_ipc
 
 
 class _Link:

@@ -11,6 +11,10 @@ else.  What confines the host, and so every tool:
   and a private /tmp (tmpfs) and nothing of the daemon; its own PID, IPC and,
   unless `network = "full"`, network namespaces; when the worker dies the
   namespace's init dies and the kernel kills every process in it;
+- an IPC namespace of the session's own in every mode where one can be
+  made: a root worker makes it before it drops to its uid, else (without
+  bubblewrap) the tool host in a user namespace of its own; SysV shared
+  memory, semaphores and message queues go with the session;
 - always (where the kernel has it): `no_new_privs`, a Landlock domain (the
   same paths, read-only or read-write; TCP refused under `none`; signals and
   abstract sockets scoped), the seccomp filter of `session_worker._seccomp`,
@@ -113,6 +117,9 @@ class Plan:
     # Non-empty: the configured isolation cannot be built here, and tools
     # do not run (fail closed); says what is missing and what to set.
     why_refused: str = ""
+    # Why the worker has no IPC namespace of its own ('' when it has one: a
+    # root worker makes it before dropping to its uid, main._confine).
+    why_no_ipc: str = "not asked"
     python: str = field(default_factory=lambda: host_python())
 
     @property
@@ -220,6 +227,11 @@ class Plan:
             active.append("namespaces")
         else:
             inactive["namespaces"] = self.why_no_namespaces or "unavailable"
+        if self.namespaces or not self.why_no_ipc:
+            active.append("ipc-namespace")  # bubblewrap's, or the worker's own
+        else:
+            inactive["ipc-namespace"] = (f"the worker could not make one ({self.why_no_ipc}); the tool "
+                                         "host makes one in a user namespace of its own where the kernel allows")
         if not self.why_no_seccomp:
             active.append("seccomp")
         else:
@@ -248,6 +260,8 @@ class Plan:
             "require_landlock": True,
             "parent": None if self.namespaces else os.getpid(),
             "outer": ["namespaces"] if self.namespaces else [],
+            # SysV IPC of its own where neither bubblewrap nor the worker made it one.
+            "ipc": bool(self.why_no_ipc) and not self.namespaces,
         }
 
 
@@ -291,7 +305,7 @@ def _allow_except(root: str, hidden: list[str]) -> list[str]:
 
 
 def plan_for(boot: m.SandboxBoot | None, settings: SessionSettings, workspace: Path,
-             per_session_uid: bool) -> Plan | None:
+             per_session_uid: bool, own_ipc: str = "not asked") -> Plan | None:
     """The plan for this worker, or None when sandbox.mode is off."""
     if boot is None or settings.sandbox.mode == "off":
         return None
@@ -311,7 +325,7 @@ def plan_for(boot: m.SandboxBoot | None, settings: SessionSettings, workspace: P
         bwrap=boot.bwrap, why_no_namespaces=why_no_namespaces, hide=tuple(boot.hide),
         read_paths=tuple(settings.sandbox.read_paths), nproc=nproc,
         tmp_size_mb=settings.sandbox.tmp_size_mb, why_no_seccomp=why_no_seccomp,
-        landlock_abi=boot.landlock_abi,
+        landlock_abi=boot.landlock_abi, why_no_ipc=own_ipc,
         why_refused=settings.sandbox.refusal(boot.namespaces, boot.why_not, boot.landlock_abi,
                                              why_no_seccomp, boot.unmeasured),
     )

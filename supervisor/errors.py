@@ -40,6 +40,7 @@ session's state, at the point that knows what they mean):
     SpawnerDied                         no worker can be had now (the spawner's seam)
     └── ZygoteDied                      the zygote died or cannot be reached (spawn/spawner.py)
     SandboxUnavailable                  sandbox.mode = "required" on a host that cannot provide it
+    NoLoopDevice                        no loop device for a workspace's disk image (spawn/diskimage.py)
     AncestryChanged                     a peer's ancestry kept changing while it was walked
 
 Signals raised and caught inside one module (never escape it):
@@ -73,6 +74,7 @@ __all__ = [
     "Internal",
     "InvalidTransition",
     "LimitError",
+    "NoLoopDevice",
     "NoSpace",
     "NotFound",
     "NotHeld",
@@ -265,6 +267,11 @@ class ZygoteDied(SpawnerDied):
 
 class SandboxUnavailable(Exception):
     """`sandbox.mode = "required"` on a host that cannot provide it."""
+
+
+class NoLoopDevice(Exception):
+    """No loop device could be had for a workspace's disk image (all taken,
+    or none can be opened here); the core answers it as `capacity`."""
 
 
 # ---------------------------------------------------------------- the control socket's peers

@@ -259,9 +259,17 @@ class Daemon:
 
     def workspace(self, session_id: str) -> Path:
         """The session's workspace: workspaces/ID@TOKEN (a new TOKEN for
-        every session that reuses an id)."""
+        every session that reuses an id).  Seen as the daemon sees it: a
+        daemon in a mount namespace of its own (the unit's emulation) has
+        its workspace images mounted there only, so the path goes through
+        its /proc/PID/root while it runs."""
         found = list((self.state_dir / "workspaces").glob(f"{session_id}@*"))
         assert len(found) == 1, f"workspaces of {session_id}: {found}"
+        if self.proc is not None and self.proc.poll() is None:
+            theirs = Path(f"/proc/{self.pid}/root{found[0]}")
+            with contextlib.suppress(OSError):
+                if os.path.ismount(theirs) and not os.path.ismount(found[0]):
+                    return theirs
         return found[0]
 
     def client(self) -> Client:
@@ -322,6 +330,22 @@ class Daemon:
                 for p in cover.iterdir():
                     p.rmdir()
                 cover.rmdir()
+        self.unmount_workspaces()
+
+    def unmount_workspaces(self) -> None:
+        """The workspace images a SIGKILLed daemon left mounted (one outside
+        a mount namespace of its own: not the unit's emulation), unmounted
+        lazily: their loop devices detach themselves (autoclear)."""
+        roots = [str(self.root), str(self.state_dir)]
+        with contextlib.suppress(OSError, tomllib.TOMLDecodeError):
+            base = tomllib.loads(self.config_path.read_text()).get("tools", {}).get("workspace_dir")
+            if base:
+                roots.append(str(base))
+        with open("/proc/self/mountinfo") as f:
+            points = [line.split()[4] for line in f if " - ext4 /dev/loop" in line]
+        for point in reversed(points):
+            if any(point.startswith(r.rstrip("/") + "/") for r in roots):
+                subprocess.run(["umount", "--lazy", point], check=False, capture_output=True)
 
 
 def _alive(pid: int) -> bool:

@@ -37,6 +37,8 @@ FAST = {
     "agent": {"worker": {"restart_backoff_initial_ms": 1, "restart_backoff_max_ms": 2,
                          "max_restart_attempts": 2, "restart_window_secs": 60.0}},
     "daemon": {"stop_grace_secs": 0.2},
+    # No workspace image per session (as root, "auto" makes one): the walk.
+    "tools": {"disk_quota": "measured"},
 }
 
 

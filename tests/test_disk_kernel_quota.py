@@ -1,8 +1,10 @@
 """max_disk_mb where the kernel enforces it (issue 21): on btrfs with
 quotas enabled, each workspace is a subvolume with a qgroup limit, so a
 write past the cap fails with EDQUOT at once (a `fallocate` of 300 MiB in a
-20 MiB workspace takes no block) and the session goes on; where the kernel
-path cannot be had, the walk measures, and says why in `stats`.
+20 MiB workspace takes no block) and the session goes on; without quotas
+the kernel's cap is an image per workspace (tests/test_disk_images.py),
+which says why not a qgroup; and the walk (`disk_quota = "measured"`)
+counts subvolumes made inside a workspace.
 
 A real btrfs (mkfs.btrfs on a loop device, mounted by the test as root),
 a real root daemon with per-session uids and namespaces, the session's bash
@@ -70,8 +72,8 @@ def _key_and_bwrap(monkeypatch: pytest.MonkeyPatch) -> None:
     assert shutil.which("bwrap"), "bubblewrap is missing: apt-get install bubblewrap (make test does, as root)"
 
 
-def _daemon(make_daemon, llm: FakeLLM, open_root: Path, fs: Path):
-    extra = f'[tools]\nworkspace_dir = "{fs}/ws"\n[agent.limits]\nmax_disk_mb = 20\n'
+def _daemon(make_daemon, llm: FakeLLM, open_root: Path, fs: Path, mode: str = "auto"):
+    extra = f'[tools]\nworkspace_dir = "{fs}/ws"\ndisk_quota = "{mode}"\n[agent.limits]\nmax_disk_mb = 20\n'
     d = make_daemon(agent_config(llm, extra), start=False, root=open_root / "d", trust=False)
     d.start()
     return d
@@ -118,10 +120,10 @@ def test_on_btrfs_with_quotas_the_kernel_refuses_writes_past_the_cap(
 def test_without_quotas_the_walk_measures_and_counts_a_subvolume_inside(
     make_daemon, llm: FakeLLM, open_root: Path, plain_fs: Path
 ) -> None:
-    d = _daemon(make_daemon, llm, open_root, plain_fs)
+    d = _daemon(make_daemon, llm, open_root, plain_fs, "measured")
     with d.client() as c:
         text = c.stats().sandbox["disk_quota"]
-        assert text.startswith("measured") and "btrfs quota enable" in text, text
+        assert text.startswith("measured") and 'disk_quota = "measured"' in text, text
         sid = c.create(session="nested").id
         wait_for(lambda: c.status(sid).disk_bytes is not None, 10, "the first walk")
     # A subvolume made inside the workspace by code outside the sandbox (a
@@ -163,3 +165,12 @@ def test_a_workspace_cap_is_set_again_and_lifted(quota_fs: Path) -> None:
     with pytest.raises(OSError, match="not a subvolume"):
         btrfs.set_limit(str(quota_fs / "plain"), 1 << 20)
     assert btrfs.destroy(str(quota_fs), "ws@0") and not ws.exists()
+
+
+def test_without_quotas_a_workspace_image_holds_and_stats_says_why_no_qgroup(
+    make_daemon, llm: FakeLLM, open_root: Path, plain_fs: Path
+) -> None:
+    d = _daemon(make_daemon, llm, open_root, plain_fs)
+    with d.client() as c:
+        text = c.stats().sandbox["disk_quota"]
+        assert text.startswith("kernel: an ext4 image") and "btrfs quota enable" in text, text

@@ -202,7 +202,8 @@ def test_the_sweep_discounts_a_stall_of_its_own_loop(tmp_path) -> None:
     from supervisor.store.memory import InMemoryStateStore
 
     config = {"agent": {"worker": {"heartbeat_interval_secs": 0.05},
-                        "limits": {"memory_poll_interval_ms": 10}}}
+                        "limits": {"memory_poll_interval_ms": 10}},
+              "tools": {"disk_quota": "measured"}}  # no workspace image per session
     spawner = FakeSpawner()
     mgr = SessionManager(parse_config(config, "test"), tmp_path, spawner, store=InMemoryStateStore())
     mgr.load_all()

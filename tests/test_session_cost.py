@@ -42,9 +42,11 @@ def make(make_daemon, llm: FakeLLM, open_root: Path, limits: str, setup: str = "
     session), or the shipped unit's emulation (an ordinary user's daemon,
     no namespaces: Landlock and seccomp)."""
     # `cgroups = "off"` lands in the [daemon] table agent_config ends with:
-    # these test the sweep's own counting, whatever the kernel offers.
+    # these test the sweep's own counting, whatever the kernel offers (the
+    # disk's too: the walk, not a workspace image, tests/test_disk_images.py).
     sandbox = 'namespaces = "off"' if setup == "landlock-only" else ""
-    extra = f'cgroups = "off"\n[sandbox]\n{sandbox}\n[agent.limits]\nmemory_poll_interval_ms = 50\n{limits}'
+    extra = (f'cgroups = "off"\n[sandbox]\n{sandbox}\n[tools]\ndisk_quota = "measured"\n'
+             f'[agent.limits]\nmemory_poll_interval_ms = 50\n{limits}')
     d = make_daemon(agent_config(llm, extra), start=False, root=open_root / "d", trust=False)
     if setup == "landlock-only":
         d.run_as_user(NOBODY, NOBODY)

@@ -329,7 +329,8 @@ def test_manager_lists_removes_and_repairs_a_damaged_session_in_memory(tmp_path:
         log = mem.sessions[sid].log
         log[_record_offsets(bytes(log))[-2] + 10] ^= 0x40  # turn 2's record; turn 3 follows intact
     # uid 1000 may use this daemon: the owner is checked on load as on create.
-    mgr = SessionManager(parse_config({"daemon": {"allowed_uids": [1000]}}, "test"), tmp_path,
+    mgr = SessionManager(parse_config({"daemon": {"allowed_uids": [1000]}, "tools": {"disk_quota": "measured"}},
+                                      "test"), tmp_path,
                          _NoSpawner(), store=mem)  # type: ignore[arg-type]
     mgr.load_all()
     infos = {s.id: mgr.info(s) for s in mgr.visible(1000)}

@@ -228,9 +228,9 @@ def test_a_missing_workspace_holds_nothing(tmp_path) -> None:
 
 
 @pytest.mark.component
-def test_detect_names_the_measured_path_on_a_filesystem_without_project_quotas(tmp_path) -> None:
-    path = detect(tmp_path / "not" / "yet")
-    assert path.kind == "measured" and "walked" in path.describe()
+def test_detect_names_the_measured_path_where_the_operator_chose_it(tmp_path) -> None:
+    path = detect(tmp_path / "not" / "yet", "measured")
+    assert path.kind == "measured" and "walked" in path.describe() and "disk_quota" in path.describe()
 
 
 @pytest.mark.component

@@ -194,20 +194,22 @@ class Containment:
 
     def release(self, session: Session, pid: int) -> None:
         """Kill what is left of the session by what a process cannot shed:
-        its cgroup, else its own uid (a root daemon's session uid).  Not
-        for a worker on another machine (cluster mode): its uid's processes
-        here, if any, are not its, and its node host kills its tree."""
+        its cgroup, else its own uid (a root daemon's session uid); then
+        the IPC objects that uid left.  Not for a worker on another
+        machine (cluster mode): its uid's processes here, if any, are not
+        its, and its node host kills its tree."""
         if self.cgroups is None:
             uid = session.meta.run_uid
             if (uid is not None and self._workspaces.session_uids is not None and os.geteuid() == 0
                     and pid < REMOTE_PIDS):
                 kill_uid(uid)
-            return
-        fd = self._oom_watched.pop(session.id, None)
-        if fd is not None:
-            asyncio.get_running_loop().remove_reader(fd)
-        self._oom_seen.pop(session.id, None)
-        self.cgroups.release(session.id)
+        else:
+            fd = self._oom_watched.pop(session.id, None)
+            if fd is not None:
+                asyncio.get_running_loop().remove_reader(fd)
+            self._oom_seen.pop(session.id, None)
+            self.cgroups.release(session.id)
+        self._workspaces.ended(session, here=pid < REMOTE_PIDS)
 
 
 def kill_uid(uid: int, rounds: int = 20) -> None:

@@ -16,7 +16,7 @@ The PSS of a session's processes, the memory they hold outside any
 mapping and the workspace's size are read off the loop (`supervisor.core.measure`,
 a thread of the daemon); this module holds what was read and the pure
 decisions on it (`pss_estimate`, `settled_figure`, `read_order`,
-`unmapped_total`, `disk_over`).
+`unmapped_total`, `disk_over`, `disk_verdict`).
 
 A worker on another machine (cluster mode) has a pid of REMOTE_PIDS or
 above, a handle of its spawner's that names no process here: the table
@@ -50,7 +50,9 @@ __all__ = [
     "PssRead",
     "RemoteFigures",
     "SessionMemory",
+    "DiskVerdict",
     "disk_over",
+    "disk_verdict",
     "heartbeat_overdue",
     "idle_expired",
     "memory_verdict",
@@ -222,9 +224,11 @@ class SessionMemory:
     sandbox_pid: int = 0
     tmpfs_bytes: int = 0
     tmpfs_at: float = 0.0
-    # The workspace's allocated bytes at the end of the last walk (None:
-    # no walk finished for this worker yet), and when that walk ended.
+    # The workspace's allocated bytes and its files and directories at the
+    # end of the last walk (None: no walk finished for this worker yet),
+    # and when that walk ended.
     disk_bytes: int | None = None
+    disk_inodes: int | None = None
     disk_at: float = 0.0
     # A stop for a limit the session cannot be restarted out of is under way.
     stopping: bool = False
@@ -413,6 +417,41 @@ def disk_over(used_bytes: int, max_disk_mb: int | None) -> bool:
     finished yet: blocks counted are held, so a partial sum over the cap
     is over it already."""
     return max_disk_mb is not None and used_bytes > max_disk_mb * MIB
+
+
+@dataclass(slots=True, frozen=True)
+class DiskVerdict:
+    """Why a workspace's session is stopped: the limit's kind (a LimitKind
+    value, "" for none: an unreadable directory is no figure), its figure
+    and limit, and the detail its stop says."""
+
+    kind: str
+    value: float
+    limit: float
+    detail: str
+
+
+def disk_verdict(used_bytes: int, inodes: int, unreadable: str, max_disk_mb: int | None,
+                 max_disk_inodes: int | None) -> DiskVerdict | None:
+    """A walked workspace over a cap, or that could not be walked whole
+    (fail closed: what an unreadable directory holds cannot be counted);
+    None when it is within both.  Figures of a walk not finished yet count:
+    what was counted is held."""
+    fix = "then `sessionctl restart`"
+    if disk_over(used_bytes, max_disk_mb):
+        assert max_disk_mb is not None
+        return DiskVerdict("disk", used_bytes / MIB, max_disk_mb,
+                           f"workspace holds {used_bytes / MIB:.0f} MiB, over max_disk_mb = {max_disk_mb}: "
+                           f"remove files from it, {fix}")
+    if max_disk_inodes is not None and inodes > max_disk_inodes:
+        return DiskVerdict("disk_inodes", inodes, max_disk_inodes,
+                           f"workspace holds {inodes} files and directories, over max_disk_inodes = "
+                           f"{max_disk_inodes}: remove some, {fix}")
+    if unreadable and (max_disk_mb is not None or max_disk_inodes is not None):
+        return DiskVerdict("", 0.0, 0.0,
+                           f"workspace holds a directory the daemon cannot read ({unreadable!r}), so its "
+                           f"disk quota cannot be measured: make it readable (chmod u+rx) or remove it, {fix}")
+    return None
 
 
 @dataclass(slots=True, frozen=True)

@@ -11,9 +11,8 @@ request becomes work for the parts that own each concern:
     Subagents    (subagents.py)  spawn_agent as child sessions
     Workspaces   (workspaces.py) who workers run as, and their workspaces
 
-`supervisor.core.session` says which part may change which field of a session.
-Transitions come from `supervisor.core.states` (pure); decisions about limits
-from `supervisor.core.limits` (pure); state goes through the store.
+`supervisor.core.session` says which part may change which field of a session. Transitions
+come from `supervisor.core.states`, limits from `supervisor.core.limits` (pure); state goes through the store.
 """
 
 from __future__ import annotations
@@ -265,13 +264,13 @@ class SessionManager:
             owner_uid=session.meta.owner_uid, error=session.error, usage=tokens_of(session.usage),
             sandbox=self.workers.sandbox_report(worker) if pid is not None and worker is not None else {},
             disk_bytes=session.memory.disk_bytes, cpu_percent=session.memory.cpu_percent if pid is not None else None,
-            budget=self.budgets.figures(session),
+            budget=self.budgets.figures(session), disk_inodes=session.memory.disk_inodes,
         )
 
     def host_report(self) -> dict[str, Any]:
         """What this host gives every session, for `stats`: the tools'
         sandbox, the cgroups, the disk quota."""
-        return self.workers.host_report(self.config.sandbox) | {"disk_quota": self.sweeper.quota_text()}
+        return self.workers.host_report(self.config.sandbox) | self.workspaces.host_report()
 
     def session_origins(self) -> tuple[frozenset[int], SessionUids]:
         """What supervisor.api.peer checks a client against: the processes
@@ -696,4 +695,5 @@ class SessionManager:
             session.store.close()
         self.store.close()
         self.proc_table.close()
+        self.workspaces.close()  # workspace images unmounted (a daemon outside systemd)
 

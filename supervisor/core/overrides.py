@@ -72,6 +72,7 @@ ALLOWED: dict[str, Rule] = {
     "agent.limits.max_processes": _C,
     "agent.limits.max_file_size_mb": _C,
     "agent.limits.max_disk_mb": _C,  # only a smaller quota (None lifts none: refused)
+    "agent.limits.max_disk_inodes": _C,
     "agent.worker.heartbeat_interval_secs": _C,  # a longer one would blunt hang detection
     "agent.worker.max_restart_attempts": _C,
     "agent.worker.restart_window_secs": _F,  # a longer window gives up sooner
@@ -136,6 +137,7 @@ _OPERATOR_ONLY = {
     "provider.allowed_models": "",
     "tools.custom": "it names code to import",
     "tools.workspace_dir": "it names a directory on the daemon's host",
+    "tools.disk_quota": "it says how the daemon caps every workspace",
     "sandbox.mode": "the sandbox is the operator's to weaken",
     "sandbox.namespaces": "the sandbox is the operator's to weaken",
     "sandbox.read_paths": "it names directories on the daemon's host",

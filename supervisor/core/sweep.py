@@ -2,7 +2,7 @@
 (memory caps, disk quotas, heartbeats, idleness) and each turn's timeout.
 
 Runs in the daemon's loop.  The decisions are the pure functions of
-`supervisor.core.limits` (`memory_verdict`, `settled_figure`, `disk_over`,
+`supervisor.core.limits` (`memory_verdict`, `settled_figure`, `disk_verdict`,
 `heartbeat_overdue`, `idle_expired`, `turn_deadline_left`); this module
 gathers the figures and acts on the verdicts: kills go through
 `WorkerOwner.kill`, hibernation and stops through the core's callbacks.
@@ -44,10 +44,11 @@ from supervisor.core.limits import (
     HEARTBEATS_MISSED,
     MIB,
     REMOTE_PIDS,
+    DiskVerdict,
     ProcTable,
     PssRead,
     SessionMemory,
-    disk_over,
+    disk_verdict,
     heartbeat_overdue,
     idle_expired,
     memory_verdict,
@@ -310,12 +311,15 @@ class Sweeper:
             self._plan.append((Read(Kind.TMPFS, sid, mem.sandbox_pid), mem))
 
     def _check_disk(self, session: Session, worker: WorkerProc, now: float) -> None:
-        """max_disk_mb measured (where the kernel does not cap the
-        workspace, and as a backstop where it does): walk the workspace off the loop, every DISK_EVERY_SECS, and stop the session
-        past it (a kill would restart it into the same full workspace)."""
-        cap = session.settings.agent.limits.max_disk_mb
+        """max_disk_mb and max_disk_inodes measured (where the kernel does
+        not cap the workspace, and as a backstop where btrfs does; a
+        workspace image is a statfs): walk the workspace off the loop,
+        every DISK_EVERY_SECS, and stop the session past a cap (a kill
+        would restart it into the same full workspace)."""
+        limits = session.settings.agent.limits
         mem = session.memory
-        if cap is None or self._workspaces is None or worker.pid >= REMOTE_PIDS:
+        if (limits.max_disk_mb is None and limits.max_disk_inodes is None) or self._workspaces is None \
+                or worker.pid >= REMOTE_PIDS:
             return
         if not self._planning:
             return  # a batch is out: a walk is stepped by one thread at a time
@@ -327,24 +331,22 @@ class Sweeper:
             if mem.disk_bytes is not None and now - mem.disk_at < DISK_EVERY_SECS:
                 return
             spaces = self._workspaces
-            walk = (DiskWalk(str(spaces.path(session)), subvolumes=spaces.quota.subvolumes), mem)
+            walk = (DiskWalk(str(spaces.path(session)), subvolumes=spaces.quota.subvolumes,
+                             image=spaces.quota.images), mem)
             self._walks[session.id] = walk
         self._plan.append((Read(Kind.DISK, session.id, walk=walk[0]), mem))
 
-    def _disk_stop(self, session: Session, used: int) -> None:
-        limits = session.settings.agent.limits
-        assert limits.max_disk_mb is not None
+    def _disk_stop(self, session: Session, verdict: DiskVerdict) -> None:
         worker = session.worker
-        detail = (f"workspace holds {used / MIB:.0f} MiB, over max_disk_mb = {limits.max_disk_mb}: "
-                  "remove files from it, then `sessionctl restart`")
-        self._events.emit_limit(session, LimitKind.DISK, used / MIB, limits.max_disk_mb)
+        if verdict.kind:
+            self._events.emit_limit(session, LimitKind(verdict.kind), verdict.value, verdict.limit)
         session.memory.stopping = True
         if self._stop is not None:
-            task = asyncio.get_running_loop().create_task(self._stop_for(session, detail))
+            task = asyncio.get_running_loop().create_task(self._stop_for(session, verdict.detail))
             self._stopping.add(task)
             task.add_done_callback(self._stopping.discard)
         elif worker is not None:
-            self._workers.kill(session, worker, ExitReason.KILLED_DISK, detail)
+            self._workers.kill(session, worker, ExitReason.KILLED_DISK, verdict.detail)
 
     async def _stop_for(self, session: Session, detail: str) -> None:
         """Stopped, not killed: a kill restarts the worker into the same full
@@ -404,13 +406,18 @@ class Sweeper:
             self._walks.pop(sid, None)
             return
         if walk.done:
-            mem.disk_bytes, mem.disk_at = walk.total, now
+            mem.disk_bytes, mem.disk_inodes, mem.disk_at = walk.total, walk.inodes, now
             self._walks.pop(sid, None)
-        if disk_over(walk.total, session.settings.agent.limits.max_disk_mb):
+        limits = session.settings.agent.limits
+        # A workspace image is capped by the kernel as it was made (a cap
+        # lowered since is not, the figures say so: docs/limits.md).
+        verdict = None if walk.statfs else disk_verdict(walk.total, walk.inodes, walk.unreadable,
+                                                        limits.max_disk_mb, limits.max_disk_inodes)
+        if verdict is not None:
             walk.close()
             self._walks.pop(sid, None)
             mem.disk_bytes = max(walk.total, mem.disk_bytes or 0)
-            self._disk_stop(session, walk.total)
+            self._disk_stop(session, verdict)
 
     def _check_liveness(self, session: Session, worker: WorkerProc, now: float) -> None:
         hb = session.settings.agent.worker.heartbeat_interval_secs

@@ -139,6 +139,7 @@ class WorkerOwner:
             await self._make_room(session)
             self.containment.check_room(session)  # its owner's share of tasks
             snapshot, records, _ = await session.store.read_for_boot_soon()
+            workspace = await asyncio.to_thread(self._workspaces.prepare, session)  # an image: mkfs, mount
         except BaseException as exc:
             self.drop_pending(pending)
             if isinstance(exc, OSError):
@@ -165,7 +166,6 @@ class WorkerOwner:
         session.memory = SessionMemory()
         self.by_pid[pid] = session
         await loop.create_unix_connection(lambda: proto, sock=sock)
-        workspace = self._workspaces.prepare(session)
         run_as = self._workspaces.run_as(session)
         if self.cgroups is not None:
             # Before Boot: no code of the session has run yet.

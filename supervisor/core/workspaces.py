@@ -31,11 +31,12 @@ from typing import Any
 from supervisor.config import Config, workspace_root
 from supervisor.core.admission import Admission, SessionUids
 from supervisor.core import btrfs
-from supervisor.core.diskquota import QuotaPath, detect
-from supervisor.errors import Capacity, SessiondError
+from supervisor.core.diskquota import IMAGES, QuotaPath, detect
+from supervisor.errors import Capacity, Internal, NoLoopDevice, SessiondError
 from supervisor.ops.logtag import tagged
 from supervisor.core.overrides import check_handler
 from supervisor.core.session import Session, valid_session_id
+from supervisor.spawn import diskimage, sysvipc
 from supervisor.store.state_store import Meta
 from supervisor.core.states import State
 
@@ -54,7 +55,10 @@ class Workspaces:
         self.shared_user = run_as
         self.session_uids = session_uids if run_as is None else None
         # How max_disk_mb is enforced under the workspace root, found once.
-        self.quota: QuotaPath = detect(self.root())
+        self.quota: QuotaPath = detect(self.root(), config().tools.disk_quota)
+        # Where sessions' SysV IPC lives, and what becomes of it.
+        self.ipc, shared = self._ipc_scope()
+        log.log(logging.WARNING if shared else logging.INFO, "IPC of sessions: %s", self.ipc)
 
     @property
     def separate_users(self) -> bool:
@@ -64,6 +68,38 @@ class Workspaces:
     def session_uids_here(self) -> SessionUids:
         """Which uids sessions run as, for supervisor.api.peer."""
         return self.admission.session_uids()
+
+    def _ipc_scope(self) -> tuple[str, bool]:
+        """What `stats` says of sessions' SysV IPC, and whether it can
+        outlive them (the operator is warned at start)."""
+        if os.geteuid() == 0 and diskimage.capability():
+            return "a namespace per session: its worker makes one before it drops to its uid", False
+        own = self.session_uids is not None
+        if own:
+            return ("the host's namespace (no CAP_SYS_ADMIN for one of their own, where bubblewrap does "
+                    "not make it): what a session's uid leaves is removed when its worker ends"), False
+        why = sysvipc.userns_ipc()
+        if not why:
+            return ("a namespace per session's tools: bubblewrap's, or the tool host's own in a user "
+                    "namespace; handler code shares the daemon's"), False
+        return (f"the host's namespace where bubblewrap does not make one ({why}), and sessions share a uid: "
+                "SysV IPC a session's tools make there outlives the session (run the daemon as root, or "
+                "with namespaces)"), True
+
+    def host_report(self) -> dict[str, str]:
+        """The workspaces' part of `stats`: how the disk caps hold, where IPC lives."""
+        return {"disk_quota": self.quota.describe(), "ipc": self.ipc}
+
+    def ended(self, session: Session, here: bool) -> None:
+        """Its worker ended (on the loop, after its processes were killed):
+        what its own uid left in the host's IPC namespace goes.  Not a
+        shared uid's (whose objects no session can be told from), nor for
+        a worker on another machine (`here` False)."""
+        uid = session.meta.run_uid
+        if here and uid is not None and self.session_uids is not None and os.geteuid() == 0:
+            problem = sysvipc.remove(uid)
+            if problem:
+                tagged(log, session.id).warning("what its uid left in the IPC namespace stays: %s", problem)
 
     def stored_problem(self, meta: Meta, others: Iterable[Session]) -> tuple[str, bool] | None:
         """Why a session read back from a store must not be acted on, and
@@ -160,14 +196,21 @@ class Workspaces:
 
     def prepare(self, session: Session) -> Path:
         """Create the session's workspace (0700, owned by whoever its worker
-        runs as).  Only a directory the daemon itself named and created is
-        chowned: never one that was already there, never through a link."""
+        runs as), or mount its image again.  Only a directory the daemon
+        itself named and created is chowned: never one that was already
+        there, never through a link.  Blocking (an image is made by a
+        process): the workers call it in a thread.  Raises Capacity (no
+        loop device) or Internal where its image cannot be made or mounted:
+        a session never runs in an uncapped workspace the operator was told
+        is capped."""
         workspace = self.path(session)
         run_as = self.run_as(session)
+        made = False
         try:
             workspace.parent.mkdir(parents=True, exist_ok=True)
             try:
                 self._make(workspace)
+                made = True
             except FileExistsError:
                 st = os.lstat(workspace)
                 if not stat.S_ISDIR(st.st_mode):
@@ -179,14 +222,17 @@ class Workspaces:
             else:
                 if run_as is not None:
                     os.lchown(workspace, *run_as)
-            if self.quota.kernel:
+            if self.quota.kernel and not self.quota.images:
                 self._cap(session, workspace)
         except OSError as exc:
             tagged(log, session.id).warning("cannot prepare workspace %s: %s", workspace, exc)
+            return workspace
+        if self.quota.images:
+            self._mount(session, workspace, run_as, made)
         return workspace
 
     def _make(self, workspace: Path) -> None:
-        if not self.quota.kernel:
+        if not self.quota.kernel or self.quota.images:
             os.mkdir(workspace, 0o700)
             return
         btrfs.make_workspace(str(workspace.parent), workspace.name)
@@ -206,35 +252,119 @@ class Workspaces:
                 "for this session instead (a workspace made before btrfs quotas were on is not a "
                 "subvolume)", workspace, exc.strerror or exc)
 
+    def _image(self, name: str) -> str:
+        return str(self.root() / IMAGES / f"{name}.img")
+
+    def _mount(self, session: Session, workspace: Path, run_as: tuple[int, int] | None, made: bool) -> None:
+        """The workspace as an image of its own: made at its first start
+        (sized from the session's max_disk_mb and max_disk_inodes then),
+        mounted again at a start after the daemon's (a restart of the
+        shipped unit took its mount namespace, and the mount, with it)."""
+        limits = session.settings.agent.limits
+        image = self._image(workspace.name)
+        where = str(workspace)
+        try:
+            if os.path.exists(image):
+                diskimage.mount(image, where)
+                return
+            new = image + ".new"
+            diskimage.unmount(where, (new,))  # a daemon killed before the rename below
+            diskimage.remove(new)
+            if limits.max_disk_mb is None:
+                return  # no quota: a plain directory (the walk counts max_disk_inodes)
+            if not made and _holds_files(workspace):
+                tagged(log, session.id).warning(
+                    "workspace %s was made before workspace images were on: it stays a plain "
+                    "directory, measured (a new session gets an image)", workspace)
+                return
+            os.makedirs(os.path.dirname(image), mode=0o700, exist_ok=True)
+            cap = limits.max_disk_mb << 20
+            inodes = limits.max_disk_inodes if limits.max_disk_inodes is not None else cap // 16384
+            diskimage.make(new, cap, inodes)
+            try:
+                diskimage.mount(new, where)
+                # Its root is still root's and nobody has used it: 0700, no
+                # lost+found in the user's way (e2fsck makes one when it
+                # needs it), then the session's.
+                os.chmod(workspace, 0o700)
+                with contextlib.suppress(FileNotFoundError):
+                    os.rmdir(workspace / "lost+found")
+                if run_as is not None:
+                    os.lchown(workspace, *run_as)
+                os.rename(new, image)  # made and mounted: from now on it is the workspace
+            except BaseException:
+                diskimage.unmount(where, (new,))
+                diskimage.remove(new)
+                raise
+        except NoLoopDevice as exc:
+            raise Capacity(f"no loop device for the session's workspace image: {exc} (the host's loop "
+                           "devices, or [tools] disk_quota = \"measured\")") from exc
+        except OSError as exc:
+            tagged(log, session.id).error("workspace %s: its disk image could not be made or mounted: %s",
+                                          workspace, exc)
+            raise Internal(f"its workspace's disk image could not be made or mounted: {exc.strerror or exc}") \
+                from exc
+
     def remove(self, session: Session) -> None:
-        """Blocking: call from a thread, a workspace can be large."""
+        """Blocking: call from a thread, a workspace can be large.  What its
+        uid left in IPC goes too (a daemon killed since its worker ended)."""
+        self.ended(session, here=True)
         self._remove(self.path(session))
 
     def _remove(self, path: Path) -> None:
-        # A subvolume goes whole (its blocks freed by the kernel after);
-        # one that cannot (a subvolume nested in it) file by file.
+        # An image is unmounted (lazily if a file of it is still held open:
+        # it goes when that lets go) and deleted first: what is left is
+        # the empty directory it was mounted on.  A subvolume goes whole
+        # (its blocks freed by the kernel after); one that cannot (a
+        # subvolume nested in it) file by file.
+        image = self._image(path.name)
+        diskimage.unmount(str(path), (image, image + ".new"))
+        diskimage.remove(image)
+        diskimage.remove(image + ".new")
         if not (self.quota.subvolumes and btrfs.destroy(str(path.parent), path.name)):
             _rmtree(path)
 
+    def close(self) -> None:
+        """At the daemon's stop, once its workers are gone: unmount every
+        workspace image, so that a daemon outside systemd leaves no mount
+        behind (the next start mounts each again at its session's start)."""
+        if not self.quota.images:
+            return
+        images = self.root() / IMAGES
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(images):
+                if entry.name.endswith(".img"):
+                    with contextlib.suppress(OSError):
+                        diskimage.unmount(str(self.root() / entry.name[:-4]), (entry.path,))
+
     def remove_orphans(self, sessions: Iterable[Session]) -> None:
-        """Workspaces ("ID@TOKEN") whose session is gone: the daemon died
-        between removing a session and removing its workspace."""
+        """Workspaces ("ID@TOKEN") and their images whose session is gone:
+        the daemon died between removing a session and removing its
+        workspace; and loop devices a killed daemon left attached."""
         root = self.root()
         sessions = list(sessions)
         wanted = {s.meta.workspace for s in sessions}
         # A damaged session whose metadata is unreadable keeps whatever may be its own.
         lost = tuple(f"{s.id}@" for s in sessions if s.meta_lost)
+        names: set[str] = set()
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(root / IMAGES):
+                name = entry.name.removesuffix(".new").removesuffix(".img")
+                if "@" in name and not entry.name.startswith(".probe-"):
+                    names.add(name)
         try:
             entries = list(os.scandir(root))
         except OSError:
             return
-        for entry in entries:
-            if (
-                "@" in entry.name and entry.name not in wanted and not entry.name.startswith(lost)
-                and entry.is_dir(follow_symlinks=False)
-            ):
-                log.info("removing the workspace of a deleted session: %s", entry.path)
-                self._remove(Path(entry.path))
+        names |= {e.name for e in entries if "@" in e.name and e.is_dir(follow_symlinks=False)}
+        for name in sorted(names):
+            if name not in wanted and not name.startswith(lost):
+                log.info("removing the workspace of a deleted session: %s", root / name)
+                self._remove(root / name)
+        if self.quota.images:
+            for loop in diskimage.release_stale(str(root / IMAGES)):
+                log.warning("detached loop device %s: it held a workspace image that nothing mounted "
+                            "(a daemon killed while mounting it)", loop)
 
 
 def _own_workspace(session_id: str, name: str) -> bool:
@@ -253,6 +383,11 @@ def _owns_a_workspace(root: Path, uid: int) -> bool:
         return False  # no workspace at all yet
     except OSError:
         return True  # cannot tell: not believed
+
+
+def _holds_files(directory: Path) -> bool:
+    with os.scandir(directory) as inside:
+        return any(inside)
 
 
 def _no_such_user(uid: int) -> bool:

@@ -153,7 +153,8 @@ def print_status(s: dict[str, Any]) -> None:
         exit_text = f"{e['reason']} ({how}){': ' + e['detail'] if e['detail'] else ''}"
     fields = [
         ("id", s["id"]), ("state", s["state"]), ("handler", s["handler"]), ("pid", s["pid"] or "-"),
-        ("rss", fmt_bytes(s["rss_bytes"])), ("disk", fmt_bytes(s["disk_bytes"])),
+        ("rss", fmt_bytes(s["rss_bytes"])),
+        ("disk", fmt_bytes(s["disk_bytes"]) + (f", {s['disk_inodes']} files" if s.get("disk_inodes") else "")),
         ("turns", s["turns"]), ("restarts", s["restarts"]),
         ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["created_at"]))),
         ("last exit", exit_text), ("seq", s["seq"]),
