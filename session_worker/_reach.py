@@ -9,15 +9,22 @@ search (pyenv under a 0700 /root, a venv in a private home), every such
 import fails with `No module named ...`.
 
 So the zygote, before anything else, finds each directory on the way to
-its import path (`sys.path`) that a stranger cannot search, and in a mount
-namespace of its own (which its workers inherit, and the daemon and the
-rest of the machine do not see) covers it with a small tmpfs, mode 0755,
-holding bind mounts of just the entries needed on the way: `/root` shows
+its import path (`sys.path`) that a stranger cannot search (`closed_dirs`),
+checks once in a throw-away child that it can cover them (`check`), and
+leaves the list to its workers (`hold`): each worker, at its boot and
+before it drops to its session's uid (`cover_held`), in a mount namespace
+of its own (which the daemon and the rest of the machine do not see)
+covers each with a small tmpfs, mode 0755, holding bind mounts of just the
+entries needed on the way: `/root` shows
 the sessions `.pyenv` and nothing else.  Nothing is opened that was not
 already readable by everyone below the cover (`/root/.pyenv` itself is
 0755); what else the closed directory holds stays out of sight.  Mounts
-made later on the host still reach the zygote (slave propagation); none of
-ours reach the host.
+made later on the host still reach the worker (slave propagation); none of
+ours reach the host.  Not the zygote's own namespace: its workers would
+inherit the copy made when it started, without the mounts the daemon made
+since in its own (a workspace's disk image, mounted before its worker
+boots: the host's `/` need not propagate them), so each worker makes its
+namespace at boot, after its workspace is mounted.
 
 It needs CAP_SYS_ADMIN (a daemon run as plain root has it; the shipped
 unit does not, and install.sh refuses such a Python there): without it the
@@ -34,7 +41,10 @@ from pathlib import Path
 
 from session_worker.errors import ClosedPython
 
-__all__ = ["closed_dirs", "open_to_sessions"]
+__all__ = ["check", "closed_dirs", "cover_held", "hold", "open_to_sessions"]
+
+# What the zygote found closed (`hold`), covered by each worker at its boot.
+_held: dict[str, set[str]] = {}
 
 _CLONE_NEWNS = 0x00020000
 _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_SLAVE = 0x2, 0x4, 0x1000, 0x4000, 0x80000
@@ -60,6 +70,43 @@ def closed_dirs(paths: list[str], cwd: str = "") -> dict[str, set[str]]:
             if not os.stat(here).st_mode & stat.S_IXOTH:
                 needs.setdefault(str(here), set()).add(below.name)
     return needs
+
+
+def hold(needs: dict[str, set[str]]) -> None:
+    """In the zygote: what each worker covers at its boot (`cover_held`)."""
+    _held.clear()
+    _held.update(needs)
+
+
+def cover_held() -> None:
+    """In a worker at its boot, still root: cover what the zygote held."""
+    open_to_sessions(_held)
+
+
+def check(needs: dict[str, set[str]]) -> None:
+    """In the zygote at start: `ClosedPython` if `needs` cannot be covered
+    here (no CAP_SYS_ADMIN), found in a child forked for the trial (the
+    zygote has no thread), whose namespace goes with it."""
+    if not needs:
+        return
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(r)
+            open_to_sessions(needs)
+        except BaseException as exc:
+            os.write(w, str(exc).encode()[:4000])
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        why = f.read().decode("utf-8", "replace")
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise ClosedPython(why or "the trial of covering the daemon's Python failed")
 
 
 def open_to_sessions(needs: dict[str, set[str]]) -> None:

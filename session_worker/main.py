@@ -53,7 +53,7 @@ from ipc.framing import FrameEncoder
 from ipc.linux import set_dumpable, set_pdeathsig, unshare_ipc
 from ipc.loop import run as run_loop
 from ipc.settings import SessionSettings
-from session_worker import sandbox, tracing
+from session_worker import _reach, sandbox, tracing
 from session_worker._signals import set_signal
 from session_worker.factories import load_factory
 from session_worker.errors import SpawnError, StopWhileIdle, TurnFailure
@@ -193,6 +193,7 @@ def boot(msg: m.Boot) -> Booted:
     `_idle`): a handler's constructor and `restore` run with none running."""
     settings = _settings_decoder.decode(msg.settings)
     workspace = Path(msg.workspace)
+    _reach.cover_held()  # the daemon's Python opened to the session's uid, where it must be (still root)
     own_ipc = _confine(settings, msg.run_as_uid, msg.run_as_gid)
     workspace.mkdir(parents=True, exist_ok=True, mode=0o700)
     plan = sandbox.plan_for(msg.sandbox, settings, _real_path(workspace),

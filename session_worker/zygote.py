@@ -107,8 +107,10 @@ def _prepare(sock: socket.socket, modules: list[str], expose: bool) -> None:
     (`Preloaded`) when it asked for either, and waits for it at start."""
     error = ""
     try:
-        if expose:
-            _reach.open_to_sessions(_reach.closed_dirs(sys.path, os.getcwd()))
+        if expose:  # covered by each worker at its boot (_reach: after its workspace is mounted)
+            needs = _reach.closed_dirs(sys.path, os.getcwd())
+            _reach.check(needs)
+            _reach.hold(needs)
         for name in modules:
             try:
                 importlib.import_module(name)

@@ -165,11 +165,13 @@ def test_images_outlive_a_killed_daemon_and_a_stopped_one_and_go_with_rm(
 @pytest.mark.component
 def test_no_free_loop_device_is_a_capacity_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from supervisor.config import parse_config
+    from supervisor.core.admission import Admission, Identities
     from supervisor.core.workspaces import Workspaces
     from supervisor.errors import Capacity, NoLoopDevice
     from supervisor.spawn import diskimage
 
-    spaces = Workspaces(lambda: parse_config({}, "test"), tmp_path, None, None)
+    config = parse_config({}, "test")
+    spaces = Workspaces(lambda: config, tmp_path, Admission(lambda: config, Identities()))
     assert spaces.quota.images, spaces.quota
 
     def exhausted(image_fd: int, image: str) -> tuple[int, str]:

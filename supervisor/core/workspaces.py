@@ -18,6 +18,7 @@ the root.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import pwd
@@ -37,6 +38,7 @@ from supervisor.ops.logtag import tagged
 from supervisor.core.overrides import check_handler
 from supervisor.core.session import Session, valid_session_id
 from supervisor.spawn import diskimage, sysvipc
+from supervisor.spawn.ceilings import fork_refusal
 from supervisor.store.state_store import Meta
 from supervisor.core.states import State
 
@@ -300,6 +302,11 @@ class Workspaces:
             raise Capacity(f"no loop device for the session's workspace image: {exc} (the host's loop "
                            "devices, or [tools] disk_quota = \"measured\")") from exc
         except OSError as exc:
+            if isinstance(exc.__cause__, OSError) and exc.__cause__.errno in (errno.EAGAIN, errno.ENOMEM):
+                # mkfs could not be started at the task or memory ceiling: a
+                # refusal to try again, as a worker's fork is (ceilings.fork_refusal).
+                raise Capacity(fork_refusal(exc.__cause__.errno, "mkfs.ext4 for its workspace image "
+                                            "could not be started")) from exc
             tagged(log, session.id).error("workspace %s: its disk image could not be made or mounted: %s",
                                           workspace, exc)
             raise Internal(f"its workspace's disk image could not be made or mounted: {exc.strerror or exc}") \
