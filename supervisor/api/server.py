@@ -431,13 +431,13 @@ class ClientConn:
                 reloaded.id = rid
                 return reloaded
             case op.History(id=rid, session=sid, limit=limit):
-                reply = await transfer.history(mgr.get(sid, self.uid), limit)
+                reply = await transfer.history(mgr.get(sid, self.uid), limit, mgr.damage)
                 reply.id = rid
                 return reply
             case op.Export(id=rid, session=sid):
                 cfg = mgr.config.daemon
                 limit = min(cfg.max_document_bytes, cfg.max_frame_bytes - 4096)
-                document = await transfer.export_document(mgr.get(sid, self.uid), limit)
+                document = await transfer.export_document(mgr.get(sid, self.uid), limit, mgr.damage)
                 return op.ExportReply(id=rid, session=sid, document=document)
             case op.Import(id=rid, document=document, session=sid):
                 session = await transfer.import_session(mgr, self.uid, document, sid)

@@ -37,9 +37,10 @@ from supervisor.core.ledger import TurnLedger
 from supervisor.core.limits import MIB, REMOTE_PIDS, ProcTable, SessionMemory
 from supervisor.ops.logtag import tagged
 from supervisor.ops.metrics import NO_METRICS, Recorder
+from supervisor.spawn.pidfd import kill_uid
 from supervisor.spawn.seams import Spawner, SpawnerDied
 from supervisor.core.session import Session, WorkerProc
-from supervisor.store.state_store import Fenced, StoreError
+from supervisor.store.state_store import Fenced, StoreDamaged, StoreError
 from supervisor.core.states import LIVE, RestartPolicy, State, Trigger
 from supervisor.core.workspaces import Workspaces
 
@@ -81,6 +82,7 @@ class WorkerOwner:
         make_room: Callable[[Session], Awaitable[None]],
         on_spawn_agent: Callable[[Session, WorkerProc, m.SpawnAgent], None],
         claim: Callable[[Session], Awaitable[None]] | None = None,
+        damaged: Callable[[Session, StoreDamaged], SessiondError] | None = None,
         sandbox: m.SandboxBoot | None = None,
         cgroups: Cgroups | None = None,
         cgroups_why: str = "not probed",
@@ -110,6 +112,8 @@ class WorkerOwner:
         self._make_room = make_room
         # Takes a session held by another daemon back first (supervisor.cluster.fencing).
         self._claim = claim or _no_room_needed
+        # Damage.at_boot: a boot's read found the log damaged (supervisor.core.damage).
+        self._damaged = damaged
         # Subagents.run, as a task of the manager's.
         self._on_spawn_agent = on_spawn_agent
         # The spawner was built before any of the core (the zygote is forked
@@ -146,6 +150,8 @@ class WorkerOwner:
             snapshot, records, _ = await session.store.read_for_boot_soon()
         except BaseException as exc:
             self.drop_pending(pending)
+            if isinstance(exc, StoreDamaged) and self._damaged is not None:
+                raise self._damaged(session, exc) from None
             if isinstance(exc, OSError):
                 raise Internal(f"cannot read its state: {exc}") from None
             raise
@@ -627,46 +633,6 @@ class WorkerOwner:
         except StoreError as exc:
             tagged(log, session.id).warning("restart mark not saved: %s", exc)
         return False
-
-
-def kill_uid(uid: int, rounds: int = 20) -> None:
-    """SIGKILL every process whose real uid is `uid` (a session's own uid:
-    nothing else runs as it), through pidfds, checked after opening; again
-    while any are found, for those forked meanwhile (bounded: it runs on
-    the daemon's loop, and a cgroup is the complete kill)."""
-    for _ in range(rounds):
-        found = False
-        for name in os.listdir("/proc"):
-            if not name.isdigit() or _real_uid(name) != uid:
-                continue
-            try:
-                fd = os.pidfd_open(int(name))
-            except OSError:
-                continue
-            try:
-                if _real_uid(name) == uid:  # the pidfd names this very process
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-                    found = True
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        if not found:
-            return
-
-
-def _real_uid(pid: str) -> int | None:
-    """A live process's real uid (None for a zombie: it is dead already)."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"State:") and line.split()[1] == b"Z":
-                    return None
-                if line.startswith(b"Uid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 async def _no_room_needed(session: Session) -> None:

@@ -145,22 +145,29 @@ def _plan(path: Path) -> _Plan:
     base = snap.gen if snap is not None else 0
     gens = [g for g in _log_gens(path) if g >= base] or [base]
     scans = {g: _read_scan(path / f"log.{g}") for g in gens}
-    # A note left by journal replay (supervisor.store.replay): records lost
-    # to a damaged journal, which the log alone may not show.
-    lost, _ = read_damage_note(path)
-    for g in gens:
-        if scans[g].damaged:
-            meta = snap.meta if snap is not None else _meta_in(scans.get(0))
-            why = describe_damage(f"log.{g}", scans[g])
-            raise StoreDamaged(sid, f"{lost}. {why}" if lost else why, meta=meta)
-    if lost:
-        meta = snap.meta if snap is not None else _meta_in(scans.get(0))
-        raise StoreDamaged(sid, f"{lost}. `sessionctl repair {sid}` accepts the loss (the log keeps every "
-                           f"intact record), `sessionctl rm {sid}` deletes the session", meta=meta)
+    _check_damage(path, snap, scans)
     if snap is None and not any(isinstance(r, Meta) for s in scans.values() for _, _, r in s.records):
         raise StoreDamaged(sid, f"{path}: no metadata record (not a session directory?)",
                            repairable=False)
     return _Plan(snap, base, gens, scans, fallback)
+
+
+def _check_damage(path: Path, snap: Snapshot | None, scans: dict[int, LogScan]) -> None:
+    """`StoreDamaged` where the logs `scans` hold damage followed by intact
+    records, or journal replay left a note (supervisor.store.replay) of
+    records a damaged journal lost.  The one check of every read, at load
+    and while the daemon runs (a worker's boot, history, export), so that
+    none reads past what the next start would refuse."""
+    sid = path.name
+    lost, _ = read_damage_note(path)
+    meta = snap.meta if snap is not None else _meta_in(scans.get(min(scans, default=0)))
+    for g, scan in scans.items():
+        if scan.damaged:
+            why = describe_damage(f"log.{g}", scan)
+            raise StoreDamaged(sid, f"{lost}. {why}" if lost else why, meta=meta)
+    if lost:
+        raise StoreDamaged(sid, f"{lost}. `sessionctl repair {sid}` accepts the loss (the log keeps every "
+                           f"intact record), `sessionctl rm {sid}` deletes the session", meta=meta)
 
 
 def _meta_in(scan: LogScan | None) -> Meta | None:
@@ -528,12 +535,17 @@ class SessionStore:
         snap, why = _read_snapshot(self.path / "snapshot")
         if why:
             raise StoreError(f"session {self.path.name}: {why}; restart the daemon to fall back")
-        records: list[Record] = []
         # The snapshot's own gen: one being written may have landed already.
-        for g in range(snap.gen if snap is not None else 0, self.gen + 1):
-            scan = _read_scan(self.path / f"log.{g}")
-            records.extend(rec for _, _, rec in scan.records)
-        return boot_state(snap, records)
+        return boot_state(snap, self._records(snap, snap.gen if snap is not None else 0))
+
+    def _records(self, snap: Snapshot | None, first: int) -> list[Record]:
+        """The intact records of log.`first` to the current one; StoreDamaged
+        where the start-up load would find the session damaged.  (A torn
+        tail is not damage: a read in a thread may meet an append half
+        written; the loop's own appends are whole.)"""
+        scans = {g: _read_scan(self.path / f"log.{g}") for g in range(first, self.gen + 1)}
+        _check_damage(self.path, snap, scans)
+        return [rec for scan in scans.values() for _, _, rec in scan.records]
 
     def read_for_boot_soon(self) -> asyncio.Future[tuple[bytes, list[bytes], int]]:
         # A local read of one snapshot and a short log or two: done here.
@@ -544,8 +556,7 @@ class SessionStore:
         snap, why = _read_snapshot(self.path / "snapshot")
         if why:
             raise StoreError(f"session {self.path.name}: {why}")
-        return snap, [rec for g in range(self._snap_gen, self.gen + 1)
-                      for _, _, rec in _read_scan(self.path / f"log.{g}").records]
+        return snap, self._records(snap, self._snap_gen)
 
     def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
         # Local files: read here (api/transfer.py reads them in a thread).
