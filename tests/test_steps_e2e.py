@@ -145,8 +145,11 @@ def test_a_daemon_killed_mid_tool_resumes_the_turn_by_itself(make_daemon, llm: F
         ws = d.workspace(sid)
         wait_for(lambda: "2" in lines(ws / "started"), 15, "tool 2 to start")
         d.kill()
-    send.communicate(timeout=10)  # (its connection died with the daemon)
     d.start()
+    # `send` waited for the daemon, attached again and saw its turn end (README, "What a crash costs").
+    out, err = send.communicate(timeout=60)
+    assert send.returncode == 0, err
+    assert out.rstrip().endswith("all done") and "turn resumed" in err
     with d.client() as c:
         wait_for(lambda: c.history(sid).turns[-1].outcome == "done", 30, "the turn to resume and end")
         turn = c.history(sid).turns[-1]

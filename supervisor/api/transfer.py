@@ -172,6 +172,7 @@ def _history(session_id: str, handler: str, snap: Snapshot | None, records: list
             case Commit(turn=turn) if turn in turns:
                 t = turns[turn]
                 t.outcome, t.reply, t.interrupted, t.usage = "done", rec.reply, rec.interrupted, rec.usage
+                t.stop_reason, t.stop_detail = rec.stop_reason, rec.stop_detail
                 t.tool_calls, t.tool_results = _tools(rec.record)
             case Abort(turn=turn) if turn in turns:
                 t = turns[turn]

@@ -50,7 +50,8 @@ def run_web(socket_path: str | None, port: int, as_json: bool = False) -> int:
     token = secrets.token_urlsafe(32)
 
     async def connect() -> AsyncClient:
-        return await AsyncClient.connect(socket_path, client_name="sessionctl-web")
+        # (0: the feed reconnects by itself, and tells the page: supervisor.ctl.web.feed)
+        return await AsyncClient.connect(socket_path, client_name="sessionctl-web", reconnect_secs=0)
 
     closing = asyncio.Event()
     config = uvicorn.Config(
