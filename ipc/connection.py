@@ -329,6 +329,21 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
             self._flush()
             self.transport.close()
 
+    def shut_write(self) -> None:
+        """Send what is queued, then end our side of the stream (the peer
+        reads EOF after it) and take nothing more from the peer: what it
+        still sends is read and dropped, so its writes do not fail before
+        it has read ours.  The connection ends when the peer closes."""
+        self._stopping = True
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self._flush()
+        if transport.can_write_eof():
+            transport.write_eof()
+        else:
+            transport.close()
+
     def abort(self) -> None:
         self._stopping = True
         if self.transport is not None:

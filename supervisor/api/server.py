@@ -67,6 +67,9 @@ peer_log = RateLimitedLog(log)
 _request_decoder = msgspec.msgpack.Decoder(op.AnyRequest)
 _HANDSHAKE_TIMEOUT_SECS = 10.0
 _LAGGED_GRACE_SECS = 1.0
+# Refused connections kept open (for at most _LAGGED_GRACE_SECS) until
+# their client has read why: a flood of them costs at most this many fds.
+_REFUSED_LINGERING = 64
 _LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 _CLIENT_NAME_CHARS = 64
 # (history, export and import work off the loop: supervisor.api.transfer)
@@ -97,6 +100,7 @@ class ClientConn:
         # Event tags newer than protocol 1 that this client asked for.
         self.event_tags: frozenset[str] = frozenset()
         self.counted = False  # toward max_connections_per_uid
+        self.refused = False  # refused, and lingering to be read (ControlServer.refused_open)
         self._hello_timer: asyncio.TimerHandle | None = None
         self._pacer = server.manager.pacer
         self._queued = 0  # requests of this connection the pacer holds
@@ -144,11 +148,15 @@ class ClientConn:
             self.server.metrics.request("invalid", error.code)
             asyncio.get_running_loop().call_later(_LAGGED_GRACE_SECS, self.proto.abort)
             return
+        elif not self.said_hello:  # (a hello that does not decode is no hello: see _hello)
+            message = f"the first message must be a valid hello: {exc}"
         else:
             message = f"bad frame: {exc}"
         self.proto.send(m.Error(code=m.ErrorCode.BAD_REQUEST, message=message))
         self.server.metrics.request("invalid", m.ErrorCode.BAD_REQUEST)
-        if isinstance(exc, (FrameTooLarge, FrameTimeout)):
+        if not self.said_hello:
+            self.proto.close()
+        elif isinstance(exc, (FrameTooLarge, FrameTimeout)):
             # The connection is being closed; one that does not read would
             # keep it (and its buffers) open forever, so it gets a moment.
             asyncio.get_running_loop().call_later(_LAGGED_GRACE_SECS, self.proto.abort)
@@ -160,12 +168,27 @@ class ClientConn:
         and close."""
         refusal = self.server.refusal(self, sock)
         if refusal is not None:
-            self.proto.send(refusal)
-            self.proto.close()
+            self._refuse(refusal)
             return
         self._hello_timer = asyncio.get_running_loop().call_later(
             _HANDSHAKE_TIMEOUT_SECS, self._hello_timeout
         )
+
+    def _refuse(self, refusal: m.Error) -> None:
+        """Tell a refused client why so that it reads it (closed at once, its
+        hello's write failed, EPIPE, before it read us): our side is shut
+        for writing and what it sends dropped until it closes, for at most
+        a grace.  Past _REFUSED_LINGERING such, one is closed at once."""
+        server = self.server
+        if server.refused_open >= _REFUSED_LINGERING:
+            self.proto.send(refusal)
+            self.proto.close()
+            return
+        server.refused_open += 1
+        self.refused = True
+        self.proto.send(refusal)
+        self.proto.shut_write()
+        asyncio.get_running_loop().call_later(_LAGGED_GRACE_SECS, self.proto.abort)
 
     def _hello_timeout(self) -> None:
         if not self.said_hello:
@@ -175,6 +198,9 @@ class ClientConn:
     def closed(self, exc: BaseException | None) -> None:
         if self._hello_timer is not None:
             self._hello_timer.cancel()
+        if self.refused:
+            self.refused = False
+            self.server.refused_open -= 1
         # Its request tasks are not cancelled (see _ACTIONS): the server
         # holds them until they end; an input's turn goes on, unwatched.
         self.server.manager.detach(self)
@@ -495,6 +521,7 @@ class ControlServer:
         self.socket_gid: int | None = None
         self.own_uid = os.geteuid()
         self._connections: dict[int, int] = {}  # admitted, by non-exempt uid
+        self.refused_open = 0  # refused connections lingering until their client read why
         self._budgets: dict[int, SharedBudget] = {}  # by the same uids
         self.metrics = metrics
         # `sessionctl reload` (supervisor.ops.reload.Reloader.reload, given by the daemon).
