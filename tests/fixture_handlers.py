@@ -427,3 +427,21 @@ class BigStep(_Base):
 
 def big_step(init: HandlerInit) -> BigStep:
     return BigStep(init)
+
+
+class FastStream(_Base):
+    """Input N: N small deltas as fast as the worker can send them (the
+    loop yielded to every 64, so that they go out as they come)."""
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        count = int(text)
+        for i in range(count):
+            ctx.emit(f"{i % 10}")
+            if i % 64 == 63:
+                await asyncio.sleep(0)
+        self.turns += 1
+        return TurnResult(f"{count} deltas", record=1)
+
+
+def fast_stream(init: HandlerInit) -> FastStream:
+    return FastStream(init)

@@ -18,7 +18,8 @@ the zygote: see supervisor/api/peer.py), whatever its uid; and at most
 `max_connections_per_uid` connections per non-admin uid.
 
 One client can only hold a bounded amount of the daemon's memory: a client
-that stops reading is cut off once it is `stream_buffer_size` frames or
+that stops reading is cut off once `stream_buffer_size` frames went out
+while it took none (ipc.connection: `STALL_SECS`), or once it is
 `client_buffer_bytes` bytes behind (told with `Lagged`; the session it
 watched is untouched), and a frame that has begun to arrive must be whole
 within `frame_timeout_secs`.  All connections of one non-admin uid
@@ -112,8 +113,9 @@ class ClientConn:
     def on_lagged(self, backlog: int) -> None:
         cfg = self.server.manager.config
         log.warning(
-            "%s fell %d frames / %d bytes behind ([agent] stream_buffer_size = %d, "
-            "[daemon] client_buffer_bytes = %d, client_buffer_bytes_per_uid = %d); disconnecting it",
+            "%s fell behind (%d frames sent while it took none / %d bytes unsent; [agent] "
+            "stream_buffer_size = %d, [daemon] client_buffer_bytes = %d, client_buffer_bytes_per_uid = %d); "
+            "disconnecting it",
             self.name, backlog, self.proto.queued_bytes, cfg.agent.stream_buffer_size,
             cfg.daemon.client_buffer_bytes, cfg.daemon.client_buffer_bytes_per_uid,
         )
