@@ -42,7 +42,7 @@ class ExitReason(enum.StrEnum):
     """Why a worker's process ended, decided once per exit (ExitInfo.reason)."""
 
     EXITED = "exited"  # code 0, nobody asked
-    BOOT_FAILED = "boot_failed"  # never said Ready, or EXIT_BOOT_FAILED
+    BOOT_FAILED = "boot_failed"  # never said Ready (it exits EXIT_BOOT_FAILED, or dies first)
     CRASHED = "crashed"  # a signal or a non-zero code, or killed for a broken link
     KILLED_MEMORY = "killed_memory"
     KILLED_TURN_TIMEOUT = "killed_turn_timeout"

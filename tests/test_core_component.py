@@ -249,3 +249,22 @@ def test_the_senders_events_follow_its_accepted_and_a_long_hold_lets_go(tmp_path
         assert session.held == {}
 
     _run(body)
+
+
+def test_a_worker_that_said_ready_and_exits_with_code_3_crashed_it_did_not_fail_to_boot(tmp_path: Path) -> None:
+    """The finding: a handler that exits mid-turn with code 3 (the worker's
+    boot-failure code, EXIT_BOOT_FAILED) was told as `boot_failed (exit
+    code 3)`.  A worker that said Ready and then exited crashed."""
+    mgr, spawner, _ = _core(tmp_path)
+
+    async def body() -> None:
+        session = await mgr.create(1000, "s", "echo", {})
+        watcher = Recorder()
+        mgr.attach(session, watcher, None)
+        _worker(spawner, session).behaviour = lambda w, msg: isinstance(msg, m.Input) and (w.exit(code=3) or True)
+        await mgr.send(session, "exit", None)
+        await _until(lambda: watcher.of(m.TurnFailed), "the failed turn")
+        assert session.last_exit is not None and session.last_exit.reason == "crashed"
+        assert session.last_exit.code == 3 and "boot_failed" not in watcher.of(m.TurnFailed)[0].reason
+
+    _run(body)

@@ -25,7 +25,7 @@ import msgspec
 
 from ipc import messages as m
 from ipc.connection import FramedProtocol
-from ipc.contract import EXIT_BOOT_FAILED, ExitReason, LimitKind
+from ipc.contract import ExitReason, LimitKind
 from ipc.errors import ProtocolError
 from ipc.settings import BudgetSettings, SandboxSettings, SessionSettings
 from supervisor.spawn import sandbox
@@ -644,7 +644,7 @@ def _classify(worker: WorkerProc, code: int | None) -> ExitReason:
         return worker.stop_reason or ExitReason.STOPPED
     if worker.kill_reason is not None:
         return worker.kill_reason
-    if not worker.booted or code == EXIT_BOOT_FAILED:
+    if not worker.booted:  # (a worker that said Ready and then exits, 3 or not, crashed)
         return ExitReason.BOOT_FAILED
     if code == 0:
         return ExitReason.EXITED
