@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["BTRFS_SUBVOLUME_IOCTLS", "EXIT_BOOT_FAILED", "ExitReason", "LimitKind", "SESSION_STATES", "StopReason", "INCOMPLETE_STOPS",
-           "limit_text"]
+__all__ = ["BTRFS_SUBVOLUME_IOCTLS", "EXIT_BOOT_FAILED", "ExitReason", "LimitKind", "NODE_LOST_PREFIX", "SESSION_STATES",
+           "StopReason", "INCOMPLETE_STOPS", "limit_text"]
 
 # Like gunicorn's WORKER_BOOT_ERROR: a worker that cannot boot exits with
 # this, and the daemon reads it as "do not respawn in a tight loop".
@@ -51,6 +51,15 @@ class ExitReason(enum.StrEnum):
     # max_disk_mb: the session is stopped (not restarted) until under it
     KILLED_DISK = "killed_disk"
     STOPPED = "stopped"  # stopped, hibernated or removed on purpose
+    # Cluster mode: lost with its machine (its node host's stream broke, or
+    # it did not carry out a kill in time); whatever was tried first (a
+    # kill for missed heartbeats: the silence was the node's loss).
+    NODE_LOST = "node_lost"
+
+
+# How a spawner words a worker lost with its node (`on_worker_lost`'s
+# detail begins so); the exit is then NODE_LOST, its detail the rest.
+NODE_LOST_PREFIX = "node_lost: "
 
 
 class LimitKind(enum.StrEnum):

@@ -25,7 +25,7 @@ import msgspec
 
 from ipc import messages as m
 from ipc.connection import FramedProtocol
-from ipc.contract import ExitReason, LimitKind
+from ipc.contract import NODE_LOST_PREFIX, ExitReason, LimitKind
 from ipc.errors import ProtocolError
 from ipc.settings import BudgetSettings, SandboxSettings, SessionSettings
 from supervisor.spawn import sandbox
@@ -421,6 +421,10 @@ class WorkerOwner:
             self._release_cgroup(session, pid)
         self._proc_table.forget(pid)
         reason = _classify(worker, code)
+        if detail.startswith(NODE_LOST_PREFIX) and not worker.expected:
+            # Lost with its node, whatever was tried first (a heartbeat kill
+            # that could not land): the node is why, for the client and the model.
+            reason, detail = ExitReason.NODE_LOST, detail.removeprefix(NODE_LOST_PREFIX)
         self.metrics.worker_exit(reason)
         info = m.ExitInfo(
             reason=reason, code=code, signal=sig, at=time.time(),
