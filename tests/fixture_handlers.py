@@ -145,9 +145,15 @@ class Tools(_Base):
 
     async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
         plain = await asyncio.create_subprocess_exec("sleep", "300")
+        # Its pid is told once its trap is set: a SIGTERM before the trap
+        # (a busy machine runs bash late) would end it, and a test that
+        # counts on a tool outliving SIGTERM would see it gone.
         stubborn = await asyncio.create_subprocess_exec(
-            "bash", "-c", "trap '' TERM; while true; do sleep 0.1; done"
+            "bash", "-c", "trap '' TERM; echo trapped; while true; do sleep 0.1; done",
+            stdout=asyncio.subprocess.PIPE,
         )
+        assert stubborn.stdout is not None
+        await stubborn.stdout.readline()
         escapee = await asyncio.create_subprocess_exec("setsid", "sleep", "300")
         ctx.emit(f"pids {plain.pid} {stubborn.pid} {escapee.pid}\n")
         await asyncio.sleep(3600)
