@@ -101,7 +101,6 @@ class ClientConn:
         # Event tags newer than protocol 1 that this client asked for.
         self.event_tags: frozenset[str] = frozenset()
         self.counted = False  # toward max_connections_per_uid
-        self.refused = False  # refused, and lingering to be read (ControlServer.refused_open)
         self._hello_timer: asyncio.TimerHandle | None = None
         self._pacer = server.manager.pacer
         self._queued = 0  # requests of this connection the pacer holds
@@ -170,27 +169,11 @@ class ClientConn:
         and close."""
         refusal = self.server.refusal(self, sock)
         if refusal is not None:
-            self._refuse(refusal)
+            self.server.refuse(self, refusal)
             return
         self._hello_timer = asyncio.get_running_loop().call_later(
             _HANDSHAKE_TIMEOUT_SECS, self._hello_timeout
         )
-
-    def _refuse(self, refusal: m.Error) -> None:
-        """Tell a refused client why so that it reads it (closed at once, its
-        hello's write failed, EPIPE, before it read us): our side is shut
-        for writing and what it sends dropped until it closes, for at most
-        a grace.  Past _REFUSED_LINGERING such, one is closed at once."""
-        server = self.server
-        if server.refused_open >= _REFUSED_LINGERING:
-            self.proto.send(refusal)
-            self.proto.close()
-            return
-        server.refused_open += 1
-        self.refused = True
-        self.proto.send(refusal)
-        self.proto.shut_write()
-        asyncio.get_running_loop().call_later(_LAGGED_GRACE_SECS, self.proto.abort)
 
     def _hello_timeout(self) -> None:
         if not self.said_hello:
@@ -200,9 +183,7 @@ class ClientConn:
     def closed(self, exc: BaseException | None) -> None:
         if self._hello_timer is not None:
             self._hello_timer.cancel()
-        if self.refused:
-            self.refused = False
-            self.server.refused_open -= 1
+        self.server.refused.discard(self)
         # Its request tasks are not cancelled (see _ACTIONS): the server
         # holds them until they end; an input's turn goes on, unwatched.
         self.server.manager.detach(self)
@@ -523,7 +504,7 @@ class ControlServer:
         self.socket_gid: int | None = None
         self.own_uid = os.geteuid()
         self._connections: dict[int, int] = {}  # admitted, by non-exempt uid
-        self.refused_open = 0  # refused connections lingering until their client read why
+        self.refused: set[ClientConn] = set()  # lingering until their client read why (`refuse`)
         self._budgets: dict[int, SharedBudget] = {}  # by the same uids
         self.metrics = metrics
         # `sessionctl reload` (supervisor.ops.reload.Reloader.reload, given by the daemon).
@@ -541,6 +522,19 @@ class ControlServer:
         would come back after the restart), for up to `timeout`."""
         if self.requests:
             await asyncio.wait(set(self.requests), timeout=timeout)
+
+    def refuse(self, client: ClientConn, refusal: m.Error) -> None:
+        """Tell a refused client why so that it reads it (closed at once, its
+        hello's write failed, EPIPE, before it read us): our side is shut
+        for writing and what it sends dropped until it closes, for at most
+        a grace.  Past _REFUSED_LINGERING such, one is closed at once."""
+        client.proto.send(refusal)
+        if len(self.refused) >= _REFUSED_LINGERING:
+            client.proto.close()
+            return
+        self.refused.add(client)
+        client.proto.shut_write()
+        asyncio.get_running_loop().call_later(_LAGGED_GRACE_SECS, client.proto.abort)
 
     def admits(self, cred: peer.PeerCredentials) -> bool:
         """Root, the daemon's own user (someone running the daemon as
