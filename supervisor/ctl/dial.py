@@ -13,6 +13,7 @@ import msgspec
 from ipc import messages as m
 from ipc import operator as op
 from ipc.connection import FramedProtocol
+from ipc.errors import ProtocolError
 from ipc.paths import socket_trust_problem
 from supervisor.ctl.errors import DaemonUnavailable, RequestError
 from supervisor.ctl.link import MAX_REPLY_FRAME_BYTES, START_HINT
@@ -63,10 +64,13 @@ async def open_connection(
             answer.set_exception(DaemonUnavailable(
                 f"sessiond at {path} closed the connection before answering hello{f': {exc}' if exc else ''}"))
 
+    def bad(exc: ProtocolError) -> None:
+        proto.abort()  # a frame we cannot read: this connection is done (lost, then, is told)
+
     # (The daemon may answer, a refusal, and close before our hello: the
     # callbacks exist from the first byte.)
     proto: FramedProtocol[op.AnyReply] = FramedProtocol(
-        _reply_decoder(), on_message=got, on_close=lost, on_bad_message=lost,
+        _reply_decoder(), on_message=got, on_close=lost, on_bad_message=bad,
         max_frame_bytes=MAX_REPLY_FRAME_BYTES)
     try:
         await asyncio.wait_for(loop.create_unix_connection(lambda: proto, path), timeout)
