@@ -37,37 +37,43 @@ run: $(VENV)/.installed
 
 # What the tests start for real and a fresh machine may lack: bubblewrap
 # (each session's sandbox), PostgreSQL's server binaries (the postgres
-# store), zsh (its completion script is parsed by zsh itself), Node.js
-# (the Node client of the published protocol, clients/node/, is run
-# against a daemon; tests/test_node_client.py fails without it) and a
-# headless Chromium with its driver (the web console's browser test).  As root with apt-get they are installed from the distribution;
-# otherwise make stops and names them.  PG_BIN=/path/to/bin points at a
-# PostgreSQL installed elsewhere.
+# store), zsh (its completion script is parsed by zsh itself), btrfs-progs
+# (the kernel disk cap's tests), Node.js (the Node client of the published
+# protocol, clients/node/, is run against a daemon; tests/test_node_client.py
+# fails without it) and a headless Chromium with its driver (the web
+# console's browser test).  Each is named as Debian/Ubuntu and as Fedora
+# package it (`need DEB RPM`).  As root with apt-get or dnf they are
+# installed from the distribution; otherwise make stops and names them.
+# PG_BIN=/path/to/bin points at a PostgreSQL installed elsewhere.
 system-deps:
-	@missing=""; \
-	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
-	command -v zsh >/dev/null 2>&1 || missing="$$missing zsh"; \
-	command -v mkfs.btrfs >/dev/null 2>&1 || missing="$$missing btrfs-progs"; \
-	command -v mkfs.ext4 >/dev/null 2>&1 || test -x /usr/sbin/mkfs.ext4 || test -x /sbin/mkfs.ext4 \
-	  || missing="$$missing e2fsprogs"; \
-	command -v ipcmk >/dev/null 2>&1 || missing="$$missing util-linux"; \
+	@deb=""; rpm=""; \
+	need() { deb="$$deb $$1"; rpm="$$rpm $$2"; }; \
+	command -v bwrap >/dev/null 2>&1 || need bubblewrap bubblewrap; \
+	command -v zsh >/dev/null 2>&1 || need zsh zsh; \
+	command -v mkfs.btrfs >/dev/null 2>&1 || need btrfs-progs btrfs-progs; \
 	command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
-	  || missing="$$missing chromium"; \
-	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
-	command -v node >/dev/null 2>&1 || missing="$$missing nodejs"; \
-	command -v useradd >/dev/null 2>&1 && command -v groupadd >/dev/null 2>&1 || missing="$$missing passwd"; \
+	  || need chromium chromium; \
+	command -v chromedriver >/dev/null 2>&1 || need chromium-driver chromedriver; \
+	command -v mkfs.ext4 >/dev/null 2>&1 || test -x /usr/sbin/mkfs.ext4 || test -x /sbin/mkfs.ext4 \
+	  || need e2fsprogs e2fsprogs; \
+	command -v ipcmk >/dev/null 2>&1 || need util-linux util-linux; \
+	command -v node >/dev/null 2>&1 || need nodejs nodejs; \
+	command -v useradd >/dev/null 2>&1 && command -v groupadd >/dev/null 2>&1 || need passwd shadow-utils; \
 	{ test -n "$$PG_BIN" && test -x "$$PG_BIN/initdb"; } || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
-	  || command -v initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
-	if [ -n "$$missing" ]; then \
+	  || command -v initdb >/dev/null 2>&1 || need postgresql postgresql-server; \
+	if [ -n "$$deb" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "make: installing$$missing from the distribution" >&2; \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing >/dev/null \
+	    echo "make: installing$$deb from the distribution" >&2; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$deb >/dev/null \
 	      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-	           --no-install-recommends $$missing >/dev/null; } \
-	      || { echo "make: could not install$$missing with apt-get" >&2; exit 1; }; \
+	           --no-install-recommends $$deb >/dev/null; } \
+	      || { echo "make: could not install$$deb with apt-get" >&2; exit 1; }; \
+	  elif [ "$$(id -u)" = 0 ] && command -v dnf >/dev/null 2>&1; then \
+	    echo "make: installing$$rpm from the distribution" >&2; \
+	    dnf install -y -q $$rpm >/dev/null || { echo "make: could not install$$rpm with dnf" >&2; exit 1; }; \
 	  else \
-	    echo "make: the tests need$$missing: install with your package manager (Debian/Ubuntu:" \
-	         "apt-get install$$missing; Fedora: dnf install$$missing), then run make test again" >&2; \
+	    echo "make: the tests need$$deb: install with your package manager (Debian/Ubuntu:" \
+	         "apt-get install$$deb; Fedora: dnf install$$rpm), then run make test again" >&2; \
 	    exit 1; \
 	  fi; \
 	fi

@@ -16,14 +16,20 @@ batch, in order: the
 daemon's worker links, whose messages are data-plane work that must not
 delay a control request read in the same pass.
 
-Writes never block.  When the peer does not read, the transport buffers up to
-its high-water mark and then pauses us; every frame sent while paused counts
-toward `max_backlog`.  Bytes count too, toward `max_backlog_bytes`: those
-queued for the next write (a burst in one pass of the loop, e.g. a replay of
-retained events, is never paused) plus those the paused transport holds.
-Past either `on_lagged` is called (the daemon tells the client it lagged and
-cuts it off), so one slow reader can never make the daemon hold an unbounded
-queue or wait on it.  One frame always fits: an empty queue takes any frame.
+Writes never block.  When the peer reads slower than we write, the
+transport buffers up to its high-water mark and then pauses us.  A peer
+that then takes none of our bytes while `max_backlog` frames are sent and
+for at least `STALL_SECS` has stopped reading; one that takes any resets
+both, however long it stays paused.  (Counting every frame sent while
+paused cut off readers that kept up: at a few dozen bytes a frame, a
+thousand go out in a millisecond, and the buffer between the marks holds
+more.)  Bytes count too, toward `max_backlog_bytes`: those queued for
+the next write (a burst in one pass of the loop, e.g. a replay of retained
+events, is never paused) plus those the paused transport holds, reading or
+not.  Past either `on_lagged` is called (the daemon tells the client it
+lagged and cuts it off), so one slow reader can never make the daemon hold
+an unbounded queue or wait on it.  One frame always fits: an empty queue
+takes any frame.
 
 With `frame_timeout`, a frame that has begun to arrive must be whole within
 that many seconds, or the connection fails with `FrameTimeout` (a peer that
@@ -53,7 +59,13 @@ from ipc.errors import BadMessage, ConnectionClosed, FrameTimeout, FrameTooLarge
 from ipc.framing import DEFAULT_MAX_FRAME_BYTES, FrameEncoder, FrameParser
 from ipc.pacing import Pacer
 
-__all__ = ["FramedProtocol", "SharedBudget", "open_unix_connection"]
+__all__ = ["FramedProtocol", "STALL_SECS", "SharedBudget", "open_unix_connection"]
+
+# A peer that took none of our bytes for `max_backlog` frames is cut off
+# only once it has also taken nothing for this long: a reader busy for a
+# moment while a burst of frames goes out (a thousand small ones take a
+# millisecond) has not stopped reading.
+STALL_SECS = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +111,10 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
         self._closed_exc: BaseException | None = None
         self._is_closed = False
         self._paused = False
-        self._backlog = 0
+        self._backlog = 0  # frames sent while paused since the peer last took bytes
+        self._written = 0  # bytes handed to the transport, ever
+        self._taken = 0  # of them, those the peer had taken at the last look
+        self._took_at = 0.0  # when it was seen to take some last (loop time)
         self._max_backlog_bytes = max_backlog_bytes
         self._wbuf_bytes = 0  # in _wbuf
         self._paused_bytes = 0  # in the paused transport's buffer, as of the last write
@@ -194,6 +209,7 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
 
     def pause_writing(self) -> None:
         self._paused = True
+        self._took_at = self._loop.time()  # (what it had was taken: the stall counts from here)
 
     def resume_writing(self) -> None:
         self._paused = False
@@ -230,11 +246,9 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
         transport = self.transport
         if self._is_closed or transport is None or transport.is_closing():
             return False
-        if self._paused and self._max_backlog is not None:
-            self._backlog += 1
-            if self._backlog > self._max_backlog:
-                self._lagged()
-                return False
+        if self._paused and self._max_backlog is not None and self._stalled(transport):
+            self._lagged()
+            return False
         if self._max_backlog_bytes is not None:
             queued = self._wbuf_bytes + self._paused_bytes
             if queued and queued + len(frame) > self._max_backlog_bytes:
@@ -252,6 +266,17 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
             pending.append(frame)
         return True
 
+    def _stalled(self, transport: asyncio.Transport) -> bool:
+        """Whether the peer has taken none of our bytes for `max_backlog`
+        frames and `STALL_SECS`: a look at what the transport has handed
+        the kernel (which takes more only as the peer reads)."""
+        taken = self._written - transport.get_write_buffer_size()
+        if taken > self._taken:
+            self._taken, self._backlog, self._took_at = taken, 0, self._loop.time()
+        self._backlog += 1
+        assert self._max_backlog is not None
+        return self._backlog > self._max_backlog and self._loop.time() - self._took_at >= STALL_SECS
+
     def _lagged(self) -> None:
         if self._on_lagged is not None:
             lagged, self._on_lagged = self._on_lagged, None
@@ -263,7 +288,9 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
         transport = self.transport
         if not pending or transport is None or transport.is_closing():
             return
-        transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+        data = pending[0] if len(pending) == 1 else b"".join(pending)
+        self._written += len(data)
+        transport.write(data)
         if self._paused and self._max_backlog_bytes is not None:
             # Asked only when paused: otherwise the buffer is under the
             # transport's high-water mark, small next to the bound.
@@ -328,6 +355,21 @@ class FramedProtocol(asyncio.Protocol, Generic[In]):
         if self.transport is not None and not self.transport.is_closing():
             self._flush()
             self.transport.close()
+
+    def shut_write(self) -> None:
+        """Send what is queued, then end our side of the stream (the peer
+        reads EOF after it) and take nothing more from the peer: what it
+        still sends is read and dropped, so its writes do not fail before
+        it has read ours.  The connection ends when the peer closes."""
+        self._stopping = True
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self._flush()
+        if transport.can_write_eof():
+            transport.write_eof()
+        else:
+            transport.close()
 
     def abort(self) -> None:
         self._stopping = True

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["BTRFS_SUBVOLUME_IOCTLS", "EXIT_BOOT_FAILED", "ExitReason", "LimitKind", "LIST_PAGE_MAX", "SESSION_STATES", "StopReason", "INCOMPLETE_STOPS",
-           "limit_text"]
+__all__ = ["BTRFS_SUBVOLUME_IOCTLS", "EXIT_BOOT_FAILED", "ExitReason", "LimitKind", "LIST_PAGE_MAX",
+           "NODE_LOST_PREFIX", "SESSION_STATES", "StopReason", "INCOMPLETE_STOPS", "limit_text"]
 
 # Like gunicorn's WORKER_BOOT_ERROR: a worker that cannot boot exits with
 # this, and the daemon reads it as "do not respawn in a tight loop".
@@ -42,7 +42,7 @@ class ExitReason(enum.StrEnum):
     """Why a worker's process ended, decided once per exit (ExitInfo.reason)."""
 
     EXITED = "exited"  # code 0, nobody asked
-    BOOT_FAILED = "boot_failed"  # never said Ready, or EXIT_BOOT_FAILED
+    BOOT_FAILED = "boot_failed"  # never said Ready (it exits EXIT_BOOT_FAILED, or dies first)
     CRASHED = "crashed"  # a signal or a non-zero code, or killed for a broken link
     KILLED_MEMORY = "killed_memory"
     KILLED_TURN_TIMEOUT = "killed_turn_timeout"
@@ -52,6 +52,15 @@ class ExitReason(enum.StrEnum):
     # restarted) until under it
     KILLED_DISK = "killed_disk"
     STOPPED = "stopped"  # stopped, hibernated or removed on purpose
+    # Cluster mode: lost with its machine (its node host's stream broke, or
+    # it did not carry out a kill in time); whatever was tried first (a
+    # kill for missed heartbeats: the silence was the node's loss).
+    NODE_LOST = "node_lost"
+
+
+# How a spawner words a worker lost with its node (`on_worker_lost`'s
+# detail begins so); the exit is then NODE_LOST, its detail the rest.
+NODE_LOST_PREFIX = "node_lost: "
 
 
 class LimitKind(enum.StrEnum):

@@ -47,6 +47,10 @@ class HistoryTurn(Msg, tag="turn"):
     reply: str = ""
     reason: str = ""  # why it was aborted
     interrupted: bool = False
+    # A done turn's stop_reason and stop_detail, as its turn_done had them
+    # ("" also for turns stored before they were kept).
+    stop_reason: str = ""
+    stop_detail: str = ""
     # {"name", "arguments"} per call, {"name"?, "output"} per result, in order
     # (as the agent handler records them; other handlers record none).
     tool_calls: list[dict[str, Any]] = []

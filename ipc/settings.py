@@ -175,7 +175,9 @@ class AgentSettings(ConfigSection):
     max_tool_calls_per_turn: PositiveInt = 16
     session_timeout_secs: PositiveFloat = 1800.0
     turn_timeout_secs: PositiveFloat = 600.0
-    # Frames queued for one slow client before it is told it lagged and is cut off.
+    # Frames sent to a client that takes none of them (for at least a second,
+    # its write buffer full) before it is told it lagged and is cut off; a
+    # client that reads, however slowly, is bounded by client_buffer_bytes.
     stream_buffer_size: Annotated[int, Meta(ge=16)] = 1024
     limits: LimitsSettings = msgspec.field(default_factory=LimitsSettings)
     worker: WorkerSettings = msgspec.field(default_factory=WorkerSettings)

@@ -145,9 +145,15 @@ class Tools(_Base):
 
     async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
         plain = await asyncio.create_subprocess_exec("sleep", "300")
+        # Its pid is told once its trap is set: a SIGTERM before the trap
+        # (a busy machine runs bash late) would end it, and a test that
+        # counts on a tool outliving SIGTERM would see it gone.
         stubborn = await asyncio.create_subprocess_exec(
-            "bash", "-c", "trap '' TERM; while true; do sleep 0.1; done"
+            "bash", "-c", "trap '' TERM; echo trapped; while true; do sleep 0.1; done",
+            stdout=asyncio.subprocess.PIPE,
         )
+        assert stubborn.stdout is not None
+        await stubborn.stdout.readline()
         escapee = await asyncio.create_subprocess_exec("setsid", "sleep", "300")
         ctx.emit(f"pids {plain.pid} {stubborn.pid} {escapee.pid}\n")
         await asyncio.sleep(3600)
@@ -465,3 +471,21 @@ class ParallelSteps(_Base):
 
 def parallel_steps(init: HandlerInit) -> ParallelSteps:
     return ParallelSteps(init)
+
+
+class FastStream(_Base):
+    """Input N: N small deltas as fast as the worker can send them (the
+    loop yielded to every 64, so that they go out as they come)."""
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        count = int(text)
+        for i in range(count):
+            ctx.emit(f"{i % 10}")
+            if i % 64 == 63:
+                await asyncio.sleep(0)
+        self.turns += 1
+        return TurnResult(f"{count} deltas", record=1)
+
+
+def fast_stream(init: HandlerInit) -> FastStream:
+    return FastStream(init)

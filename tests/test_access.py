@@ -194,3 +194,46 @@ def test_max_file_size_mb_stops_a_large_write(daemon: Daemon) -> None:
         assert c.send_text(sid, "write 2") == "write failed: File too large"
         assert c.send_text(sid, "write 1") == "wrote 1 MiB"  # at the limit is allowed
         assert c.status(sid).restarts == 0  # the worker carried on
+
+
+@root_only
+def test_a_refused_client_reads_why_whenever_it_writes_its_hello(make_daemon, open_root) -> None:
+    """The finding: the daemon wrote `permission_denied` and closed before
+    reading the client's hello, so the hello's write failed (EPIPE) before
+    the client read why; the project's own Node example died of EPIPE 3
+    times of 3.  Now the refusal is read whenever the hello is written:
+    here after the refusal and the daemon's end of stream have both
+    arrived, the latest a client can be."""
+    import shutil
+    import subprocess
+
+    from test_node_client import NODE_DIR, node
+
+    d = make_daemon('[daemon]\nsocket_mode = "0666"\n')
+    open_up(d)
+
+    def late_hello() -> list[bytes]:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect(str(d.socket))
+        (n,) = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))
+        refusal = s.recv(n, socket.MSG_WAITALL)
+        end = s.recv(1)  # the daemon's side is shut: EOF
+        s.sendall(encode_frame(m.Hello(protocol=m.PROTOCOL_VERSION, client="late")))  # EPIPE before
+        s.close()
+        return [refusal, end]
+
+    refusal, end = run_as(NOBODY, late_hello)
+    assert _reply.decode(refusal).code == "permission_denied" and end == b""
+    # The Node example, as nobody, from a copy nobody can read.
+    copy = open_root / "node"
+    shutil.copytree(NODE_DIR, copy)
+    for path in (copy, *copy.iterdir()):
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    for _ in range(3):
+        done = subprocess.run([node(), str(copy / "example.mjs"), "--socket", str(d.socket)], user=NOBODY,
+                              capture_output=True, text=True, timeout=30, cwd="/")
+        assert done.returncode != 0 and "EPIPE" not in done.stderr, done.stderr
+        assert "permission_denied" in done.stderr and "may not use this daemon" in done.stderr, done.stderr
+    with d.client() as c:  # and the daemon holds nothing of them
+        wait_for(lambda: c.stats().clients == 1, 10, "the refused connections to go")

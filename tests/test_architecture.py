@@ -333,7 +333,7 @@ def _field_writes(name: str, source: str, owners: dict[str, set[str]], worker_fi
 
 def test_the_ownership_table_covers_every_field() -> None:
     owners, _ = _owners()
-    assert owners["error"] == {"supervisor.core.manager", "supervisor.core.holding"}
+    assert owners["error"] == {"supervisor.core.manager", "supervisor.core.holding", "supervisor.core.damage"}
     assert owners["seq"] == {"supervisor.core.events"}
     tree = ast.parse((REPO / "supervisor" / "core" / "session.py").read_text())
     assert _dataclass_fields(tree, "Session") - set(owners) == {"id"}  # (set once, at construction)

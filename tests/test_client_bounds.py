@@ -222,3 +222,42 @@ def test_unread_replies_count_toward_the_uids_bound(make_daemon) -> None:
     assert "watcher" in d.log and "behind" in d.log
     with d.client() as c:
         assert c.status("big").state == "idle"  # the session did not suffer for it
+
+
+def test_a_client_that_reads_is_never_cut_off_however_fast_the_stream(make_daemon) -> None:
+    """The finding: a client reading a fast stream as fast as it could was
+    cut off (`lagged`) after 2,100-2,900 frames: every frame sent while the
+    daemon's write buffer was over its high-water mark counted toward
+    `stream_buffer_size`, read or not, and small frames go out far faster
+    than a client takes them.  Here a reader that takes 2 KiB at a time,
+    steadily, of a stream written faster: it is never cut off (only one
+    that takes nothing is: tests/test_bad_input.py)."""
+    import time
+
+    d = make_daemon()
+    with d.client() as c:
+        sid = c.create(handler="fixture_handlers:fast_stream").id
+    count = 30000
+    s = raw_connect(d.socket)
+    try:
+        s.sendall(encode_frame(m.Hello(protocol=m.PROTOCOL_VERSION, client="steady-reader")))
+        s.sendall(encode_frame(m.Send(id=1, session=sid, text=str(count))))
+        decoder = msgspec.msgpack.Decoder(m.Reply | m.Event)
+        buf, kinds, texts = b"", [], 0
+        while "TurnDone" not in kinds and "Lagged" not in kinds:
+            chunk = s.recv(2048)
+            if not chunk:
+                break
+            buf += chunk
+            while len(buf) >= 4 and len(buf) - 4 >= (n := int.from_bytes(buf[:4], "big")):
+                msg = decoder.decode(buf[4:4 + n])
+                buf = buf[4 + n:]
+                if isinstance(msg, m.TextDelta):
+                    texts += 1
+                else:
+                    kinds.append(type(msg).__name__)
+            time.sleep(0.001)  # (the pace of a reader slower than the stream, not a wait)
+    finally:
+        s.close()
+    assert "Lagged" not in kinds and "TurnDone" in kinds, (kinds, texts)
+    assert texts == count and "behind" not in d.log

@@ -355,3 +355,53 @@ def test_a_turn_whose_steps_cannot_be_read_back_fails_and_the_session_goes_on(tm
         await _until(lambda: watcher.of(m.TurnDone), "the next turn")
 
     _run(body)
+
+
+def test_a_worker_that_said_ready_and_exits_with_code_3_crashed_it_did_not_fail_to_boot(tmp_path: Path) -> None:
+    """The finding: a handler that exits mid-turn with code 3 (the worker's
+    boot-failure code, EXIT_BOOT_FAILED) was told as `boot_failed (exit
+    code 3)`.  A worker that said Ready and then exited crashed."""
+    mgr, spawner, _ = _core(tmp_path)
+
+    async def body() -> None:
+        session = await mgr.create(1000, "s", "echo", {})
+        watcher = Recorder()
+        mgr.attach(session, watcher, None)
+        _worker(spawner, session).behaviour = lambda w, msg: isinstance(msg, m.Input) and (w.exit(code=3) or True)
+        await mgr.send(session, "exit", None)
+        await _until(lambda: watcher.of(m.TurnFailed), "the failed turn")
+        assert session.last_exit is not None and session.last_exit.reason == "crashed"
+        assert session.last_exit.code == 3 and "boot_failed" not in watcher.of(m.TurnFailed)[0].reason
+
+    _run(body)
+
+
+def test_a_worker_lost_with_its_node_is_node_lost_even_after_a_heartbeat_kill(tmp_path: Path) -> None:
+    """The finding (a chaos run, 8 resumes of 11): a node's loss was told to
+    the client and to the model as `killed_heartbeat`, because the worker's
+    silence was noticed first and its kill (which could not land) was
+    recorded as the reason.  The loss of the node is why."""
+    from ipc.contract import ExitReason
+
+    spawner, store = FakeSpawner(), InMemoryStateStore()
+    spawner.on_worker_lost = None  # type: ignore[attr-defined]  # workers on other machines (cluster mode)
+    mgr = SessionManager(parse_config(FAST, "test"), tmp_path, spawner, store=store)
+    mgr.load_all()
+
+    async def body() -> None:
+        session = await mgr.create(1000, "s", "echo", {})
+        watcher = Recorder()
+        mgr.attach(session, watcher, None)
+        worker = session.worker
+        assert worker is not None
+        _worker(spawner, session).behaviour = lambda w, msg: isinstance(msg, m.Input)  # the turn runs on
+        await mgr.send(session, "x", None)
+        spawner.kill_tree = lambda *args, **kwargs: None  # type: ignore[method-assign]  # its node is gone
+        mgr.workers.kill(session, worker, ExitReason.KILLED_HEARTBEAT, "no heartbeat for 0.6s")
+        spawner.on_worker_lost(worker.pid, "node_lost: lost the node host on 10.0.0.7 (ActorDiedError)")  # type: ignore[attr-defined]
+        await _until(lambda: watcher.of(m.TurnFailed), "the failed turn")
+        assert session.last_exit is not None and session.last_exit.reason == "node_lost"
+        assert session.last_exit.detail == "lost the node host on 10.0.0.7 (ActorDiedError)"
+        assert watcher.of(m.TurnFailed)[0].reason.startswith("node_lost: lost the node host on 10.0.0.7")
+
+    _run(body)

@@ -72,8 +72,11 @@ def test_exit_codes(daemon: Daemon, tmp_path) -> None:
     bad_id = daemon.ctl("create", "--id", "../escape")
     assert bad_id.returncode == 2 and "invalid session id" in bad_id.stderr
     assert daemon.ctl("frobnicate").returncode == 2
-    unreachable = daemon.ctl("--socket", str(tmp_path / "none.sock"), "ls")
-    assert unreachable.returncode == 3 and "cannot connect" in unreachable.stderr
+    # No daemon there: 3, saying how to start one (the one-shot path and the full one).
+    for argv in (["ls"], ["send", "s", "x"]):
+        unreachable = daemon.ctl("--socket", str(tmp_path / "none.sock"), *argv)
+        assert unreachable.returncode == 3 and "cannot connect" in unreachable.stderr
+        assert "`make run`" in unreachable.stderr and "systemctl start sessiond.socket" in unreachable.stderr
 
 
 def test_set_overrides_are_validated_and_capped(daemon: Daemon) -> None:

@@ -153,9 +153,10 @@ def test_exit_codes_follow_the_contract(opd: Daemon) -> None:
 
 
 def test_attach_exits_3_when_the_daemon_dies(opd: Daemon) -> None:
+    # (With no wait for it to come back; the wait: tests/test_reconnect_e2e.py.)
     sid = _create(opd, "echo")
     assert opd.ctl("send", sid, "hi").returncode == 0
-    proc = _ctl_process(opd, "attach", sid, "--from", "0")
+    proc = _ctl_process(opd, "attach", sid, "--from", "0", "--reconnect-secs", "0")
     try:
         _read_until(proc.stdout, "turn 1 done")
         opd.kill()

@@ -47,6 +47,8 @@ def client(daemon: Daemon) -> Iterator[WireClient]:
 @pytest.mark.parametrize("first", [
     {"type": "hello", "protocol": 99, "client": "future"},
     {"type": "ls", "id": 1},
+    {"type": "hello", "protocol": "one"},  # a hello that does not decode is no hello (it stayed open)
+    {"type": "hello"},
 ])
 def test_the_handshake_refuses_another_version_and_a_request_before_hello(daemon: Daemon, first: dict) -> None:
     c = WireClient(str(daemon.socket))
@@ -55,7 +57,7 @@ def test_the_handshake_refuses_another_version_and_a_request_before_hello(daemon
         error = c.recv()
         conforms(error, "Reply")
         assert error["type"] == "error"
-        assert error["code"] == ("protocol_mismatch" if first["type"] == "hello" else "bad_request")
+        assert error["code"] == ("protocol_mismatch" if first.get("protocol") == 99 else "bad_request")
         with pytest.raises(Closed):
             c.recv()  # and the connection is closed
     finally:

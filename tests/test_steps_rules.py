@@ -29,7 +29,7 @@ SETTINGS = msgspec.convert({"agent": {"limits": {"max_memory_mb": 64},
     ("killed_memory", 9, "memory cap 64 MiB exceeded at 70 MiB", "memory cap of 64 MiB reached"),
     ("crashed", 9, "", "the worker crashed (signal SIGKILL)"),
     ("crashed", None, "", "the worker crashed (exit code 3)"),
-    ("crashed", 9, "node_lost: lost the node host on 10.0.0.7 (ActorDiedError)",
+    ("node_lost", 9, "lost the node host on 10.0.0.7 (ActorDiedError)",
      "the worker was lost with its node (lost the node host on 10.0.0.7 (ActorDiedError))"),
     ("killed_heartbeat", 9, "", "the worker stopped answering (missed heartbeats) and was killed"),
 ])

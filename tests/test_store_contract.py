@@ -340,6 +340,33 @@ def test_corruption_in_the_middle_is_kept_until_repaired(ad: Adapter) -> None:
     assert h2.read_for_boot()[1] == [b"\x01", b"\x03"] and loaded.seq == 3
 
 
+def test_damage_found_while_a_writer_holds_the_log_is_never_read_past(ad: Adapter) -> None:
+    """The finding: a byte flipped in the middle of a log the daemon holds
+    open was read past by a worker's boot (its turn count one short, the
+    next turn written after the hole); history and export too.  Every read
+    now checks as load does, and the _soon forms alike."""
+    h = ad.store.create(meta())
+    for t in range(1, 4):
+        h.append(commit(t, bytes([t]), t), durable=True)
+    assert h.read_for_boot()[1] == [b"\x01", b"\x02", b"\x03"]
+    ad.corrupt_middle("s1")  # turn 2's record, under the open writer
+
+    async def soon() -> None:
+        with pytest.raises(StoreDamaged):
+            await h.read_for_boot_soon()
+        with pytest.raises(StoreDamaged):
+            await h.read_history_soon()
+
+    for read in (h.read_for_boot, h.read_history):
+        with pytest.raises(StoreDamaged) as exc:
+            read()
+        assert exc.value.meta is not None and exc.value.meta.id == "s1" and exc.value.repairable
+    asyncio.run(soon())
+    h.close()
+    with pytest.raises(StoreDamaged):  # and the next load says the same
+        ad.store.load("s1")
+
+
 def test_an_older_writer_is_fenced_off(ad: Adapter) -> None:
     h1 = ad.store.create(meta())
     h1.append(commit(1, b"\x01", 1), durable=True)

@@ -355,3 +355,163 @@ def test_manager_lists_removes_and_repairs_a_damaged_session_in_memory(tmp_path:
     asyncio.run(run())
     assert mem.ids() == ["bad", "good"]
     assert mgr.info(mgr.get("bad")).error is None
+
+
+# ---------------------------------------------------------------- damage found while the daemon runs
+
+
+def _flip_commit(log: bytearray, turn: int) -> None:
+    """Flip a byte inside turn `turn`'s commit record (intact ones follow)."""
+    data = bytes(log)
+    offsets = _record_offsets(data)
+    commits = [o for o in offsets if b"commit" in data[o + 8 : o + 40]]
+    log[commits[turn - 1] + 12] ^= 0x40
+
+
+def _only_lifecycle_after(now: bytes, damaged: bytes) -> bool:
+    """The log is as it was when damaged, but for the bookkeeping of the
+    state change that led to the read (`hibernated -> starting` and its seq
+    reservation, written before the read found the damage): no input, no turn."""
+    from supervisor.store.files import scan_log
+    from supervisor.store.state_store import LifeEvent, Mark
+
+    tail = scan_log(now[len(damaged):])
+    return (now.startswith(damaged) and not tail.bad
+            and all(isinstance(r, (LifeEvent, Mark)) for _, _, r in tail.records))
+
+
+@pytest.mark.component
+def test_a_revival_that_finds_its_log_damaged_makes_the_session_damaged_at_once(tmp_path: Path) -> None:
+    """The finding in the core: a hibernated session whose log was damaged
+    meanwhile was revived past the damage (one turn short) and its next
+    turn written after it.  Now its boot's read marks it damaged, the input
+    is refused, nothing is written, and `repair` brings it back."""
+    import asyncio
+
+    from fakespawner import FakeSpawner
+    from supervisor.config import parse_config
+    from supervisor.core.manager import SessionManager
+    from supervisor.errors import Conflict
+    from supervisor.store.memory import InMemoryStateStore
+
+    mem = InMemoryStateStore()
+    mgr = SessionManager(parse_config({}, "test"), tmp_path, FakeSpawner(), store=mem)
+    mgr.load_all()
+
+    async def run() -> None:
+        session = await mgr.create(0, "s", "echo", {})
+        for n in range(1, 4):
+            await mgr.send(session, f"t{n}", None)
+            await _until(lambda: session.state.value == "idle" and session.turns == n, "the turn")
+        await mgr._hibernate(session, "test")
+        assert session.state.value == "hibernated"
+        _flip_commit(mem.sessions["s"].log, 2)
+        damaged = bytes(mem.sessions["s"].log)
+        with pytest.raises(Conflict, match="is damaged .*sessionctl repair s"):
+            await mgr.send(session, "more", None)
+        assert session.state.value == "damaged" and "corrupt" in (session.error or "")
+        assert session.worker is None and _only_lifecycle_after(bytes(mem.sessions["s"].log), damaged)
+        with pytest.raises(Conflict, match="damaged"):  # and it stays so
+            await mgr.send(session, "again", None)
+        restored, result = await mgr.repair(session, "skip_bad")
+        assert result.dropped_bytes > 0 and restored.state.value == "hibernated"
+        await mgr.send(restored, "after", None)
+        await _until(lambda: restored.state.value == "idle" and restored.turns == 4, "the turn after repair")
+        await mgr.shutdown(0.2)
+
+    asyncio.run(asyncio.wait_for(run(), 20))
+
+
+@pytest.mark.component
+def test_history_that_finds_damage_stops_the_worker_and_fails_its_turn(tmp_path: Path) -> None:
+    """A live session (its worker in a turn) whose `history` read meets
+    damage: writes are refused at once, the worker is stopped, the turn
+    fails saying why, the session is damaged, the log stays as it was."""
+    import asyncio
+
+    import msgspec
+
+    from fakespawner import FakeSpawner
+    from ipc import messages as m
+    from supervisor.api import transfer
+    from supervisor.config import parse_config
+    from supervisor.core.manager import SessionManager
+    from supervisor.errors import Conflict
+    from supervisor.store.memory import InMemoryStateStore
+
+    mem, spawner = InMemoryStateStore(), FakeSpawner()
+    mgr = SessionManager(parse_config({"daemon": {"stop_grace_secs": 0.2}}, "test"), tmp_path, spawner,
+                         store=mem)
+    mgr.load_all()
+    failed: list[m.TurnFailed] = []
+
+    class Watcher:
+        uid = 0
+        event_tags: frozenset[str] = frozenset()
+
+        def deliver(self, frame: bytes | bytearray) -> None:
+            ev = msgspec.msgpack.decode(bytes(frame)[4:], type=m.Event)
+            if isinstance(ev, m.TurnFailed):
+                failed.append(ev)
+
+    async def run() -> None:
+        session = await mgr.create(0, "s", "echo", {})
+        mgr.attach(session, Watcher(), None)
+        for n in (1, 2):
+            await mgr.send(session, f"t{n}", None)
+            await _until(lambda: session.state.value == "idle" and session.turns == n, "the turn")
+        assert session.worker is not None
+        worker = spawner.workers[session.worker.pid]
+        worker.behaviour = lambda w, msg: isinstance(msg, m.Input)  # the turn runs on and on
+        await mgr.send(session, "long", None)
+        assert session.state.value == "running"
+        _flip_commit(mem.sessions["s"].log, 1)
+        damaged = bytes(mem.sessions["s"].log)
+        with pytest.raises(Conflict, match="is damaged"):
+            await transfer.history(session, None, mgr.damage)
+        assert session.state.value == "damaged" and session.worker is None and not worker.alive
+        await _until(lambda: failed, "the turn's end")
+        assert failed[0].turn == 3 and "damaged" in failed[0].reason
+        assert bytes(mem.sessions["s"].log) == damaged
+        with pytest.raises(Conflict, match="damaged"):
+            await transfer.export_document(session, 1 << 20, mgr.damage)
+        await mgr.shutdown(0.2)
+
+    asyncio.run(asyncio.wait_for(run(), 20))
+
+
+async def _until(predicate: object, what: str) -> None:
+    import asyncio
+
+    for _ in range(2000):
+        if predicate():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.process
+def test_a_log_damaged_while_the_daemon_runs_is_not_read_past(make_daemon) -> None:
+    """The issue's scenario: seven turns, a restart, one byte flipped in the
+    middle of log.0, then `send`: the reply said turn 7 (a commit skipped
+    silently) and turn 8 was written after the damage.  Now the send is
+    refused, the session is damaged at once, the log kept as it was."""
+    d = make_daemon()
+    with d.client() as c:
+        sid = c.create("seven", handler="echo").id
+        for i in range(1, 8):
+            assert c.send_text(sid, f"t{i}") == f"{i}: t{i}"
+    d.stop()
+    d.start()
+    log = d.state_dir / "sessions" / sid / "log.0"
+    data = bytearray(log.read_bytes())
+    _flip_commit(data, 4)
+    log.write_bytes(bytes(data))
+    r = d.ctl("send", sid, "more")
+    assert r.returncode == 1 and "damaged" in r.stderr and f"sessionctl repair {sid}" in r.stderr, r
+    assert "8: more" not in r.stdout and "7: more" not in r.stdout
+    st = _ctl_json(d, "status", sid)
+    assert st["state"] == "damaged" and "corrupt" in st["error"]
+    assert _only_lifecycle_after(log.read_bytes(), bytes(data))  # no input, no turn after the damage
+    r = d.ctl("history", sid)
+    assert r.returncode == 1 and "damaged" in r.stderr

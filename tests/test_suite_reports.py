@@ -66,3 +66,26 @@ def test_the_suite_s_postgresql_listens_on_its_unix_socket_only(pg_server: PgSer
         assert row is not None and row[0] == ""
         row = conn.execute("SELECT inet_server_addr()").fetchone()
         assert row is not None and row[0] is None  # this very connection came over the Unix socket
+
+
+@pytest.mark.process
+def test_system_deps_names_each_missing_tool_as_debian_and_fedora_package_it(tmp_path: Path) -> None:
+    """The finding: `make system-deps` told a Fedora user to `dnf install
+    chromium-driver postgresql`, Debian's names (Fedora's are chromedriver
+    and postgresql-server).  Here every tool is missing (a PATH with none of
+    them, nor apt-get or dnf, and an `ls` that finds no PostgreSQL)."""
+    import shutil
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "id").symlink_to(shutil.which("id") or "/usr/bin/id")
+    (bin_dir / "ls").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "ls").chmod(0o755)
+    done = subprocess.run([shutil.which("make") or "make", "-s", "-C", str(TESTS.parent), "system-deps"],
+                          env={"PATH": str(bin_dir)}, capture_output=True, text=True, timeout=30)
+    assert done.returncode != 0
+    said = done.stderr
+    debian = said.split("apt-get install", 1)[1].split(";", 1)[0].split()
+    fedora = said.split("dnf install", 1)[1].split(")", 1)[0].split()
+    assert debian == ["bubblewrap", "zsh", "btrfs-progs", "chromium", "chromium-driver", "nodejs", "postgresql"]
+    assert fedora == ["bubblewrap", "zsh", "btrfs-progs", "chromium", "chromedriver", "nodejs", "postgresql-server"]

@@ -267,11 +267,13 @@ def test_stop_kills_the_whole_tree_even_tools_that_ignore_sigterm(daemon: Daemon
         pids, _stream = _tool_pids(c, sid)
         assert all(alive(p) for p in pids)
         wait_for(lambda: os.getpgid(pids[2]) != worker, 5, "the escapee to leave the group")
-        t0 = time.monotonic()
         c2.stop(sid)
-        # The stubborn tool outlived the polite request: stop took the grace period.
-        assert time.monotonic() - t0 >= 0.9
         wait_for(lambda: not any(alive(p) for p in [worker, *pids]), 5, "every process of the session to exit")
+        # The stubborn tool outlived the polite request: the daemon waited
+        # out the grace, then killed.  (Its trap is set before its pid is
+        # told: fixture_handlers.Tools.  Not a measured time: one on a busy
+        # machine says nothing.)
+        assert f"session={sid} processes still running" in daemon.log and "after SIGTERM; killing them" in daemon.log
 
 
 def test_daemon_sigkill_leaves_no_process_behind(make_daemon) -> None:

@@ -390,11 +390,16 @@ def _new_enough(python: str) -> bool:
     return subprocess.run([python, "-c", "import sys; sys.exit(sys.version_info < (3, 11))"]).returncode == 0
 
 
-def _git_state() -> str | None:
+def _git_state() -> list[str] | None:
+    """The checkout's changed and ignored paths, less Python's bytecode
+    caches: any process importing the checkout writes those (a sibling
+    test worker did, during an install), so they say nothing of install.sh."""
     if shutil.which("git") is None or not (REPO / ".git").exists():
         return None
-    return subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=REPO,
-                          capture_output=True, text=True, check=True).stdout
+    status = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout
+    return [line for line in status.splitlines()
+            if not (line.rstrip("/").endswith("__pycache__") or "__pycache__/" in line or line.endswith(".pyc"))]
 
 
 @pytest.mark.process

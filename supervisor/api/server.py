@@ -18,7 +18,8 @@ the zygote: see supervisor/api/peer.py), whatever its uid; and at most
 `max_connections_per_uid` connections per non-admin uid.
 
 One client can only hold a bounded amount of the daemon's memory: a client
-that stops reading is cut off once it is `stream_buffer_size` frames or
+that stops reading is cut off once `stream_buffer_size` frames went out
+while it took none (ipc.connection: `STALL_SECS`), or once it is
 `client_buffer_bytes` bytes behind (told with `Lagged`; the session it
 watched is untouched), and a frame that has begun to arrive must be whole
 within `frame_timeout_secs`.  All connections of one non-admin uid
@@ -67,6 +68,9 @@ peer_log = RateLimitedLog(log)
 _request_decoder = msgspec.msgpack.Decoder(op.AnyRequest)
 _HANDSHAKE_TIMEOUT_SECS = 10.0
 _LAGGED_GRACE_SECS = 1.0
+# Refused connections kept open (for at most _LAGGED_GRACE_SECS) until
+# their client has read why: a flood of them costs at most this many fds.
+_REFUSED_LINGERING = 64
 _LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 _CLIENT_NAME_CHARS = 64
 # (history, export and import work off the loop: supervisor.api.transfer)
@@ -108,8 +112,9 @@ class ClientConn:
     def on_lagged(self, backlog: int) -> None:
         cfg = self.server.manager.config
         log.warning(
-            "%s fell %d frames / %d bytes behind ([agent] stream_buffer_size = %d, "
-            "[daemon] client_buffer_bytes = %d, client_buffer_bytes_per_uid = %d); disconnecting it",
+            "%s fell behind (%d frames sent while it took none / %d bytes unsent; [agent] "
+            "stream_buffer_size = %d, [daemon] client_buffer_bytes = %d, client_buffer_bytes_per_uid = %d); "
+            "disconnecting it",
             self.name, backlog, self.proto.queued_bytes, cfg.agent.stream_buffer_size,
             cfg.daemon.client_buffer_bytes, cfg.daemon.client_buffer_bytes_per_uid,
         )
@@ -144,11 +149,15 @@ class ClientConn:
             self.server.metrics.request("invalid", error.code)
             asyncio.get_running_loop().call_later(_LAGGED_GRACE_SECS, self.proto.abort)
             return
+        elif not self.said_hello:  # (a hello that does not decode is no hello: see _hello)
+            message = f"the first message must be a valid hello: {exc}"
         else:
             message = f"bad frame: {exc}"
         self.proto.send(m.Error(code=m.ErrorCode.BAD_REQUEST, message=message))
         self.server.metrics.request("invalid", m.ErrorCode.BAD_REQUEST)
-        if isinstance(exc, (FrameTooLarge, FrameTimeout)):
+        if not self.said_hello:
+            self.proto.close()
+        elif isinstance(exc, (FrameTooLarge, FrameTimeout)):
             # The connection is being closed; one that does not read would
             # keep it (and its buffers) open forever, so it gets a moment.
             asyncio.get_running_loop().call_later(_LAGGED_GRACE_SECS, self.proto.abort)
@@ -160,8 +169,7 @@ class ClientConn:
         and close."""
         refusal = self.server.refusal(self, sock)
         if refusal is not None:
-            self.proto.send(refusal)
-            self.proto.close()
+            self.server.refuse(self, refusal)
             return
         self._hello_timer = asyncio.get_running_loop().call_later(
             _HANDSHAKE_TIMEOUT_SECS, self._hello_timeout
@@ -175,6 +183,7 @@ class ClientConn:
     def closed(self, exc: BaseException | None) -> None:
         if self._hello_timer is not None:
             self._hello_timer.cancel()
+        self.server.refused.discard(self)
         # Its request tasks are not cancelled (see _ACTIONS): the server
         # holds them until they end; an input's turn goes on, unwatched.
         self.server.manager.detach(self)
@@ -432,13 +441,13 @@ class ClientConn:
                 reloaded.id = rid
                 return reloaded
             case op.History(id=rid, session=sid, limit=limit):
-                reply = await transfer.history(mgr.get(sid, self.uid), limit)
+                reply = await transfer.history(mgr.get(sid, self.uid), limit, mgr.damage)
                 reply.id = rid
                 return reply
             case op.Export(id=rid, session=sid):
                 cfg = mgr.config.daemon
                 limit = min(cfg.max_document_bytes, cfg.max_frame_bytes - 4096)
-                document = await transfer.export_document(mgr.get(sid, self.uid), limit)
+                document = await transfer.export_document(mgr.get(sid, self.uid), limit, mgr.damage)
                 return op.ExportReply(id=rid, session=sid, document=document)
             case op.Import(id=rid, document=document, session=sid):
                 session = await transfer.import_session(mgr, self.uid, document, sid)
@@ -494,6 +503,7 @@ class ControlServer:
         self.started = time.monotonic()
         self._acceptor: Acceptor | None = None
         self._connections: dict[int, int] = {}  # admitted, by non-exempt uid
+        self.refused: set[ClientConn] = set()  # lingering until their client read why (`refuse`)
         self._budgets: dict[int, SharedBudget] = {}  # by the same uids
         self.metrics = metrics
         # `sessionctl reload` (supervisor.ops.reload.Reloader.reload, given by the daemon).
@@ -511,6 +521,19 @@ class ControlServer:
         would come back after the restart), for up to `timeout`."""
         if self.requests:
             await asyncio.wait(set(self.requests), timeout=timeout)
+
+    def refuse(self, client: ClientConn, refusal: m.Error) -> None:
+        """Tell a refused client why so that it reads it (closed at once, its
+        hello's write failed, EPIPE, before it read us): our side is shut
+        for writing and what it sends dropped until it closes, for at most
+        a grace.  Past _REFUSED_LINGERING such, one is closed at once."""
+        client.proto.send(refusal)
+        if len(self.refused) >= _REFUSED_LINGERING:
+            client.proto.close()
+            return
+        self.refused.add(client)
+        client.proto.shut_write()
+        asyncio.get_running_loop().call_later(_LAGGED_GRACE_SECS, client.proto.abort)
 
     def admits(self, cred: peer.PeerCredentials) -> bool:
         """Whoever the operator let through the socket's mode: the core's one

@@ -53,6 +53,7 @@ from supervisor.store.state_store import (
     Record,
     Resume,
     Snapshot,
+    StoreDamaged,
     StoreError,
 )
 from supervisor.store.files import SessionStore
@@ -60,6 +61,7 @@ from supervisor.store.files import SessionStore
 from supervisor.core.overrides import check_handler
 
 if TYPE_CHECKING:
+    from supervisor.core.damage import Damage
     from supervisor.core.manager import SessionManager
 
 log = logging.getLogger("sessiond.manager")
@@ -125,7 +127,9 @@ _msgpack = msgspec.msgpack.Decoder()
 _encoder = msgspec.msgpack.Encoder()
 
 
-async def _read(session: Session) -> tuple[Snapshot | None, list[Record]]:
+async def _read(session: Session, damage: Damage | None) -> tuple[Snapshot | None, list[Record]]:
+    """The store's read; damage it finds makes the session `damaged` at
+    once (supervisor.core.damage), as the next start would."""
     store = session.store
     if isinstance(store, SessionStore):
         try:
@@ -134,6 +138,10 @@ async def _read(session: Session) -> tuple[Snapshot | None, list[Record]]:
             pass  # a snapshot replaced the logs meanwhile: read again, on the loop
     try:
         return await store.read_history_soon()
+    except StoreDamaged as exc:
+        if damage is not None:
+            raise await damage.found(session, exc) from None
+        raise Conflict(f"session {session.id} is damaged: {exc.reason}") from None
     except StoreError as exc:
         raise Conflict(f"session {session.id}: its stored state cannot be read: {exc}") from None
 
@@ -141,14 +149,15 @@ async def _read(session: Session) -> tuple[Snapshot | None, list[Record]]:
 # ---------------------------------------------------------------- history
 
 
-async def history(session: Session, limit: int | None, max_bytes: int = 8 << 20) -> op.HistoryReply:
+async def history(session: Session, limit: int | None, damage: Damage | None = None,
+                  max_bytes: int = 8 << 20) -> op.HistoryReply:
     """The turns the log holds (the last `limit` of them), with the tool
     calls the agent handler recorded, and the running turn as "open".
     The newest turns that fit in `max_bytes` (one frame must carry the
     reply); those left out are counted in `omitted_turns`."""
     if limit is not None and limit < 0:
         raise BadRequest("--limit must be 0 or more")
-    snap, records = await _read(session)
+    snap, records = await _read(session, damage)
     return await asyncio.to_thread(_history, session.id, session.meta.handler, snap, records, limit, max_bytes)
 
 
@@ -163,6 +172,7 @@ def _history(session_id: str, handler: str, snap: Snapshot | None, records: list
             case Commit(turn=turn) if turn in turns:
                 t = turns[turn]
                 t.outcome, t.reply, t.interrupted, t.usage = "done", rec.reply, rec.interrupted, rec.usage
+                t.stop_reason, t.stop_detail = rec.stop_reason, rec.stop_detail
                 t.tool_calls, t.tool_results = _tools(rec.record)
             case Abort(turn=turn) if turn in turns:
                 t = turns[turn]
@@ -236,9 +246,9 @@ def _tools(record: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 # ---------------------------------------------------------------- export
 
 
-async def export_document(session: Session, max_bytes: int) -> bytes:
+async def export_document(session: Session, max_bytes: int, damage: Damage | None = None) -> bytes:
     """The session as an export document, at most `max_bytes` of it."""
-    snap, records = await _read(session)
+    snap, records = await _read(session, damage)
     meta = session.meta
     doc = ExportDocument(
         format=FORMAT, version=1, id=session.id, handler=meta.handler,

@@ -44,9 +44,10 @@ streaming call, and an idle worker's stream would never notice.
 Exits: the frames stream ends with the worker's exit (code or signal, as
 its zygote decoded it), classified by WorkerOwner as any other.  A stream
 that breaks (the node host's actor or its whole node died) is a lost
-worker: `on_worker_lost(pid, why)`, which the daemon reports as `crashed`
-with a detail that starts "node_lost:" and names the node (so a turn it
-was running fails with that reason).  Kills and signals are actor calls that the node host
+worker: `on_worker_lost(pid, why)`, with a detail that starts
+NODE_LOST_PREFIX ("node_lost: ") and names the node, which the daemon
+reports as `node_lost` (whatever it tried first: a kill for missed
+heartbeats), so a turn it was running resumes or fails saying so.  Kills and signals are actor calls that the node host
 carries out through its pidfds; `tree_alive` is what the stream last said
 (the node host says "gone" once the worker's group is empty).
 
@@ -78,6 +79,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ipc.contract import NODE_LOST_PREFIX
 from supervisor.config import ClusterSettings
 from supervisor.core.limits import REMOTE_PIDS
 from supervisor.cluster.nodehost import checked_exit, checked_usage, recv_batch
@@ -574,7 +576,7 @@ class RaySpawner:
         except Exception as exc:
             # Its node died, or its node host did (and its zygote and
             # workers with it): Ray says which only by the error's type.
-            why = f"node_lost: lost the node host on {remote.ip} ({type(exc).__name__})"
+            why = f"{NODE_LOST_PREFIX}lost the node host on {remote.ip} ({type(exc).__name__})"
         finally:
             if why and not remote.exited:
                 remote.exited = True
@@ -623,7 +625,7 @@ class RaySpawner:
         as on a lost node (see the module's docstring)."""
         if self._workers.get(pid) is not remote or remote.gone or remote.exited:
             return  # (an exit came: the host answers; its "gone" may take longer)
-        why = (f"node_lost: the node host on {remote.ip} did not carry out a kill within "
+        why = (f"{NODE_LOST_PREFIX}the node host on {remote.ip} did not carry out a kill within "
                f"{self._answer_secs:g}s")
         log.warning("worker %d on %s: %s", remote.node_pid, remote.ip, why)
         if self._loop is not None:

@@ -38,8 +38,9 @@ from supervisor.errors import Capacity
 from supervisor.ops.logtag import tagged
 from supervisor.spawn.ceilings import Ceilings, read_ceilings, user_shares
 from supervisor.spawn.cgroups import Cgroups, OomMark, Shares
+from supervisor.spawn.pidfd import kill_uid
 
-__all__ = ["Containment", "kill_uid"]
+__all__ = ["Containment"]
 
 log = logging.getLogger("sessiond.manager")
 
@@ -210,43 +211,3 @@ class Containment:
             self._oom_seen.pop(session.id, None)
             self.cgroups.release(session.id)
         self._workspaces.ended(session, here=pid < REMOTE_PIDS)
-
-
-def kill_uid(uid: int, rounds: int = 20) -> None:
-    """SIGKILL every process whose real uid is `uid` (a session's own uid:
-    nothing else runs as it), through pidfds, checked after opening; again
-    while any are found, for those forked meanwhile (bounded: it runs on
-    the daemon's loop, and a cgroup is the complete kill)."""
-    for _ in range(rounds):
-        found = False
-        for name in os.listdir("/proc"):
-            if not name.isdigit() or _real_uid(name) != uid:
-                continue
-            try:
-                fd = os.pidfd_open(int(name))
-            except OSError:
-                continue
-            try:
-                if _real_uid(name) == uid:  # the pidfd names this very process
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-                    found = True
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        if not found:
-            return
-
-
-def _real_uid(pid: str) -> int | None:
-    """A live process's real uid (None for a zombie: it is dead already)."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"State:") and line.split()[1] == b"Z":
-                    return None
-                if line.startswith(b"Uid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None

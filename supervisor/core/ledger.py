@@ -226,8 +226,9 @@ class TurnLedger:
         began = time.monotonic()
         try:
             session.store.append(
-                Commit(turn=msg.turn, reply=msg.reply, record=msg.record,
-                       interrupted=msg.interrupted, seq=seq, usage=_turn_usage(session, msg)),
+                Commit(turn=msg.turn, reply=msg.reply, record=msg.record, interrupted=msg.interrupted,
+                       seq=seq, usage=_turn_usage(session, msg), stop_reason=msg.stop_reason,
+                       stop_detail=msg.stop_detail),
                 durable=False,
             )
             self.metrics.commit(time.monotonic() - began)

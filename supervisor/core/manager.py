@@ -10,6 +10,7 @@ request becomes work for the parts that own each concern:
     Sweeper      (sweep.py)      memory caps, disk quotas, heartbeats, idleness, turn timeouts
     Subagents    (subagents.py)  spawn_agent as child sessions
     Workspaces   (workspaces.py) who workers run as, and their workspaces
+    Damage       (damage.py)     a log a read finds damaged while the daemon runs
 
 `supervisor.core.session` says which part may change which field of a session. Transitions
 come from `supervisor.core.states`, limits from `supervisor.core.limits` (pure); state goes through the store.
@@ -36,6 +37,7 @@ from supervisor.spawn.cgroups import Cgroups
 from supervisor.config import Config
 from supervisor.errors import BadRequest, Capacity, Conflict, Internal, NotFound, SessiondError
 from supervisor.core.budgets import Budgets, tokens_of
+from supervisor.core.damage import Damage
 from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger, store_failure
 from supervisor.core.holding import Holding, Holds
@@ -123,8 +125,9 @@ class SessionManager:
             closing=closing, make_room=self.slots.make_room,
             on_spawn_agent=lambda session, worker, msg: self.spawn_task(self.subagents.run(session, worker, msg)),
             claim=(lambda session: holds.claim(self.holding, session)) if holds is not None else None,
-            sandbox=sandbox, cgroups=cgroups, cgroups_why=cgroups_why, metrics=metrics,
+            damaged=lambda session, exc: self.damage.at_boot(session, exc), sandbox=sandbox, cgroups=cgroups, cgroups_why=cgroups_why, metrics=metrics,
         )
+        self.damage = Damage(current, self.store, self.events, self.workers)
         self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
                                self._hibernate_soon, stop=self.stop, workspaces=self.workspaces,
                                closing=closing, metrics=metrics)
@@ -243,9 +246,8 @@ class SessionManager:
         return session
 
     def visible(self, uid: int) -> list[Session]:
-        if self.is_admin(uid):
-            return list(self.sessions.values())
-        return [s for s in self.sessions.values() if s.meta.owner_uid == uid]
+        admin = self.is_admin(uid)
+        return [s for s in self.sessions.values() if admin or s.meta.owner_uid == uid]
 
     def info(self, session: Session, with_rss: bool = True) -> m.SessionInfo:
         worker = session.worker
@@ -288,11 +290,9 @@ class SessionManager:
         return sum(1 for s in self.sessions.values() if s.current_turn is not None)
 
     def check_quota(self, uid: int) -> None:
-        if self.is_admin(uid):
-            return
         limit = self.config.daemon.max_sessions_per_uid
         held = sum(1 for s in self.sessions.values() if s.meta.owner_uid == uid)
-        if held >= limit:
+        if held >= limit and not self.is_admin(uid):
             raise Capacity(
                 f"uid {uid} already has {held} sessions (max_sessions_per_uid = {limit}); "
                 "remove some with `sessionctl rm`"

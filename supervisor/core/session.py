@@ -20,6 +20,7 @@ each own some of its fields, and only they write them:
                                   restart_handle, pings
     Sweeper        (sweep.py)     memory, turn_timer, kill_timer
     Subagents      (subagents.py) spawned
+    Damage         (damage.py)    store, error (on the manager's behalf)
 
 A `WorkerProc` is WorkerOwner's alone.  Others ask the owner through its
 public operations (`EventLog.raise_seq`, `TurnLedger.take_input`,

@@ -11,6 +11,7 @@
     (any) ─delete─> deleted
     damaged ─repair─> hibernated      (its stored state failed to load; only
                                        repair or delete leave it: nothing runs)
+    (any) ─damage─> damaged           (a read while it lives found its log damaged)
 
 The session manager asks `transition()` for every change and emits the
 result as a `StateChanged` event; an illegal move raises instead of leaving
@@ -67,6 +68,7 @@ class Trigger(enum.StrEnum):
     RESTART = "restart"  # the operator asked
     DELETE = "delete"
     REPAIR = "repair"  # the operator repaired its stored state
+    DAMAGE = "damage"  # a read of its stored state (a boot, history, export) found damage
     RELEASE = "release"  # another daemon took it over: no worker here (supervisor.cluster.fencing)
 
 
@@ -115,6 +117,8 @@ for _s in State:
         TRANSITIONS[(_s, T.STOP)] = S.STOPPING
     if _s is not S.DELETED:
         TRANSITIONS[(_s, T.DELETE)] = S.DELETED
+    if _s not in (S.DELETED, S.DAMAGED):
+        TRANSITIONS[(_s, T.DAMAGE)] = S.DAMAGED
 
 
 def transition(state: State, trigger: Trigger) -> State:

@@ -73,8 +73,8 @@ def cause_of(info: m.ExitInfo, settings: SessionSettings) -> str:
             return "the worker stopped answering (missed heartbeats) and was killed"
         case ExitReason.BOOT_FAILED:
             return "the worker failed to start again"
-    if info.detail.startswith("node_lost"):
-        return f"the worker was lost with its node ({info.detail.removeprefix('node_lost: ')})"
+        case ExitReason.NODE_LOST:
+            return f"the worker was lost with its node ({info.detail})"
     how = f"signal {_signame(info.signal)}" if info.signal else f"exit code {info.code}"
     return f"the worker crashed ({how})"
 

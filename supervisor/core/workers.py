@@ -24,7 +24,7 @@ import msgspec
 
 from ipc import messages as m
 from ipc.connection import FramedProtocol
-from ipc.contract import EXIT_BOOT_FAILED, ExitReason, LimitKind
+from ipc.contract import NODE_LOST_PREFIX, ExitReason, LimitKind
 from ipc.errors import ProtocolError
 from ipc.settings import BudgetSettings, SandboxSettings, SessionSettings
 from supervisor.spawn import sandbox
@@ -39,7 +39,7 @@ from supervisor.ops.logtag import tagged
 from supervisor.ops.metrics import NO_METRICS, Recorder
 from supervisor.spawn.seams import Spawner, SpawnerDied
 from supervisor.core.session import Session, WorkerProc
-from supervisor.store.state_store import Fenced, StoreError
+from supervisor.store.state_store import Fenced, StoreDamaged, StoreError
 from supervisor.core.states import LIVE, RestartPolicy, State, Trigger
 from supervisor.core.workspaces import Workspaces
 
@@ -76,6 +76,7 @@ class WorkerOwner:
         make_room: Callable[[Session], Awaitable[None]],
         on_spawn_agent: Callable[[Session, WorkerProc, m.SpawnAgent], None],
         claim: Callable[[Session], Awaitable[None]] | None = None,
+        damaged: Callable[[Session, StoreDamaged], SessiondError] | None = None,
         sandbox: m.SandboxBoot | None = None,
         cgroups: Cgroups | None = None,
         cgroups_why: str = "not probed",
@@ -104,6 +105,8 @@ class WorkerOwner:
         self._make_room = make_room
         # Takes a session held by another daemon back first (supervisor.cluster.fencing).
         self._claim = claim or _no_room_needed
+        # Damage.at_boot: a boot's read found the log damaged (supervisor.core.damage).
+        self._damaged = damaged
         # Subagents.run, as a task of the manager's.
         self._on_spawn_agent = on_spawn_agent
         # The spawner was built before any of the core (the zygote is forked
@@ -142,6 +145,8 @@ class WorkerOwner:
             workspace = await asyncio.to_thread(self._workspaces.prepare, session)  # an image: mkfs, mount
         except BaseException as exc:
             self.drop_pending(pending)
+            if isinstance(exc, StoreDamaged) and self._damaged is not None:
+                raise self._damaged(session, exc) from None
             if isinstance(exc, OSError):
                 raise Internal(f"cannot read its state: {exc}") from None
             raise
@@ -348,6 +353,10 @@ class WorkerOwner:
             self.containment.release(session, pid)
         self._proc_table.forget(pid)
         reason = _classify(worker, code)
+        if detail.startswith(NODE_LOST_PREFIX) and not worker.expected:
+            # Lost with its node, whatever was tried first (a heartbeat kill
+            # that could not land): the node is why, for the client and the model.
+            reason, detail = ExitReason.NODE_LOST, detail.removeprefix(NODE_LOST_PREFIX)
         self.metrics.worker_exit(reason)
         info = m.ExitInfo(
             reason=reason, code=code, signal=sig, at=time.time(),
@@ -575,7 +584,7 @@ def _classify(worker: WorkerProc, code: int | None) -> ExitReason:
         return worker.stop_reason or ExitReason.STOPPED
     if worker.kill_reason is not None:
         return worker.kill_reason
-    if not worker.booted or code == EXIT_BOOT_FAILED:
+    if not worker.booted:  # (a worker that said Ready and then exits, 3 or not, crashed)
         return ExitReason.BOOT_FAILED
     if code == 0:
         return ExitReason.EXITED

@@ -24,6 +24,7 @@ from ipc.traceparent import parse_traceparent
 from supervisor import __version__
 from supervisor.ctl.client import AsyncClient
 from supervisor.ctl.errors import DaemonUnavailable, RequestError
+from supervisor.ctl.link import RECONNECT_SECS, RECONNECT_SECS_ENV
 from supervisor.ctl.drain import drain_exit_code, drain_json, drain_text, timeout_secs
 from supervisor.ctl.render import (
     EXIT_FAILED,
@@ -103,6 +104,11 @@ def _session_id(text: str) -> str:
     return text
 
 
+_reconnect_secs = _number(float, 0.0, 86400.0, "seconds", "must be between 0 and 86400, got {text}")
+_RECONNECT_HELP = (f"if the daemon goes away, reconnect for up to SECS and go on from the last event seen "
+                   f"(default: ${RECONNECT_SECS_ENV}, else {RECONNECT_SECS:g}; 0: do not)")
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
@@ -132,10 +138,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning", action="store_true", help=_REASONING_HELP)
     p.add_argument("--traceparent", metavar="TRACEPARENT",
                    help="continue this W3C trace in the turn's trace (default: $TRACEPARENT)")
+    p.add_argument("--reconnect-secs", type=_reconnect_secs, metavar="SECS", help=_RECONNECT_HELP)
     p = add("attach", "stream a session's events")
     p.add_argument("id")
     p.add_argument("--reasoning", action="store_true", help=_REASONING_HELP)
     p.add_argument("--from", dest="from_seq", type=int, help="replay retained events from this seq")
+    p.add_argument("--reconnect-secs", type=_reconnect_secs, metavar="SECS", help=_RECONNECT_HELP)
     p = add("ls", "list sessions")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the ids, one a line")
     _add_selection(p)
@@ -218,9 +226,29 @@ def _add_selection(p: argparse.ArgumentParser) -> None:
 _REASONING_HELP = "also show the model's reasoning (dimmed, on stderr; with --json, as events)"
 
 
+def _said(line: str) -> None:
+    print(f"sessionctl: {line}", file=sys.stderr, flush=True)
+
+
+def _reconnect_wait(args: argparse.Namespace) -> float:
+    """--reconnect-secs, else $SESSIOND_RECONNECT_SECS, else the default;
+    a bad value of the variable is said and the default used."""
+    if getattr(args, "reconnect_secs", None) is not None:
+        return float(args.reconnect_secs)
+    text = os.environ.get(RECONNECT_SECS_ENV, "").strip()
+    if not text:
+        return RECONNECT_SECS
+    try:
+        return _reconnect_secs(text)
+    except argparse.ArgumentTypeError as exc:
+        print(f"sessionctl: ignoring ${RECONNECT_SECS_ENV}: {exc}", file=sys.stderr)
+        return RECONNECT_SECS
+
+
 async def _run(args: argparse.Namespace) -> int:
     client = await AsyncClient.connect(
-        args.socket, client_name="sessionctl", reasoning=getattr(args, "reasoning", False)
+        args.socket, client_name="sessionctl", reasoning=getattr(args, "reasoning", False),
+        reconnect_secs=_reconnect_wait(args), on_reconnect=_said,
     )
     try:
         return await _COMMANDS[args.command](client, args, args.json)
@@ -279,17 +307,13 @@ async def _send_command(client: AsyncClient, args: argparse.Namespace, as_json: 
 
 
 async def _attach(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
-    deleted = False
+    # Ends when the session is deleted (0), the daemon is gone past the
+    # reconnect wait (3) or comes back without the session (4).
     async for ev in client.attach(args.id, args.from_seq):
         if as_json:
             print(event_json(ev), flush=True)
         else:
             print_event(ev)
-        deleted = isinstance(ev, m.StateChanged) and ev.new == "deleted"
-    if not deleted:
-        # The stream ends by itself only when the session is deleted;
-        # anything else is the daemon going away.
-        raise DaemonUnavailable("connection to sessiond lost")
     return EXIT_OK
 
 

@@ -15,7 +15,9 @@ Sync use (a private event loop per client; not for use inside a running loop):
         print(client.send_text(sid, "hello"))
 
 One connection multiplexes any number of requests and attached sessions:
-replies are matched to requests by id, events are routed by session.
+replies are matched to requests by id, events are routed by session.  When
+the daemon goes away, the connection is made again (supervisor.ctl.dial)
+and each stream goes on from the last event it saw (`AsyncClient`).
 """
 
 from __future__ import annotations
@@ -23,15 +25,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar
-
-import msgspec
 
 from ipc import messages as m
 from ipc import operator as op
 from ipc.connection import FramedProtocol
-from ipc.errors import ProtocolError
 from ipc.loop import new_event_loop
 from ipc.messages import (
     Event,
@@ -42,33 +41,44 @@ from ipc.messages import (
     TurnDone,
     TurnFailed,
 )
-from ipc.paths import default_socket_path, socket_trust_problem
+from ipc.paths import default_socket_path
+from supervisor.ctl.dial import open_connection
 # Re-exported: applications catch them as supervisor.client's (and this module's).
-from supervisor.ctl.errors import DaemonUnavailable, RequestError, TurnFailedError
-from supervisor.ctl.link import CONNECT_TIMEOUT_SECS, MAX_REPLY_FRAME_BYTES
+from supervisor.ctl.errors import DaemonUnavailable, InputUnacknowledged, RequestError, TurnFailedError
+from supervisor.ctl.link import CONNECT_TIMEOUT_SECS, RECONNECT_SECS
 
 __all__ = [
     "AsyncClient",
     "Client",
     "DaemonUnavailable",
+    "InputUnacknowledged",
     "RequestError",
     "TurnFailedError",
 ]
 
 R = TypeVar("R")
-_decoders: list[msgspec.msgpack.Decoder[op.AnyReply]] = []
-
-
-def _reply_decoder() -> msgspec.msgpack.Decoder[op.AnyReply]:
-    """Built at the first connection, not at import: ~5 ms here (the whole
-    reply union), which `sessionctl --help` and other importers that never
-    connect need not pay."""
-    if not _decoders:
-        _decoders.append(msgspec.msgpack.Decoder(op.AnyReply))
-    return _decoders[0]
-
-
 _END = object()
+# Turns of the session's recent history a client reads back after a
+# reconnect to learn how its turn ended, when its end was not retained.
+_HISTORY_TURNS = 16
+
+
+def stored_end(history: op.HistoryReply, session: str, turn: int) -> Event | None:
+    """How `turn` ended, as the session's log has it: its TurnDone or
+    TurnFailed as read back (seq 0: not an event the daemon sent), or None
+    while it is still open.  DaemonUnavailable when the log no longer says
+    (folded into a snapshot, or more turns since than were read)."""
+    for t in history.turns:
+        if t.turn != turn:
+            continue
+        if t.outcome == "done":
+            return TurnDone(session=session, seq=0, turn=turn, reply=t.reply, interrupted=t.interrupted,
+                            stop_reason=t.stop_reason, stop_detail=t.stop_detail, usage=t.usage)
+        if t.outcome == "aborted":
+            return TurnFailed(session=session, seq=0, turn=turn, reason=t.reason)
+        return None
+    raise DaemonUnavailable(f"turn {turn} of {session} ended while the connection was lost, and its end is "
+                            f"no longer kept event by event: `sessionctl history {session}` shows what is")
 
 
 # One page of a listing: the sessions, and where the next page starts ("": none).
@@ -76,11 +86,33 @@ Page = tuple[list[SessionInfo], str]
 
 
 class AsyncClient:
-    def __init__(self, proto: FramedProtocol[op.AnyReply]) -> None:
-        self._proto = proto
+    """One connection to the daemon, made again when it is lost: a stream
+    (`send`'s turn, `attach`) that loses it reconnects with backoff for up
+    to `reconnect_secs`, attaches again from the last event it saw, and goes
+    on to the end it would have had (docs/protocol.md, "When the daemon
+    goes away").  A request in flight when the connection dropped fails with
+    DaemonUnavailable (carried out or not, nobody knows: it is not sent
+    again); a request made while it is down waits for the reconnection."""
+
+    def __init__(
+        self, path: str, *, client_name: str = "sessiond-python", reasoning: bool = False,
+        timeout: float = CONNECT_TIMEOUT_SECS, reconnect_secs: float = RECONNECT_SECS,
+        on_reconnect: Callable[[str], None] | None = None,
+    ) -> None:
+        """Not connected: use `AsyncClient.connect`."""
+        self.path = path
+        self._name = client_name
+        self._reasoning = reasoning
+        self._timeout = timeout
+        self.reconnect_secs = max(reconnect_secs, 0.0)
+        # Told, in words, when the connection is lost and when it is back.
+        self._on_reconnect = on_reconnect
+        self._proto: FramedProtocol[op.AnyReply] | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._streams: dict[str, list[asyncio.Queue[Any]]] = {}
+        self._redialing: asyncio.Future[None] | None = None
+        self._shut = False
         self.server_pid = 0
         self.server_version = ""
 
@@ -94,73 +126,36 @@ class AsyncClient:
         client_name: str = "sessiond-python",
         timeout: float = CONNECT_TIMEOUT_SECS,
         reasoning: bool = False,
+        reconnect_secs: float = RECONNECT_SECS,
+        on_reconnect: Callable[[str], None] | None = None,
     ) -> AsyncClient:
         """`reasoning`: also receive `ReasoningDelta` events (the model's
         reasoning, live only); off, the daemon sends none, as to clients
-        older than them."""
-        path = str(socket_path or default_socket_path())
-        if problem := socket_trust_problem(path):
-            # Before a byte is sent: a squatter must not see the Hello either.
-            raise DaemonUnavailable(f"refusing to connect to sessiond at {path}: {problem}")
-        loop = asyncio.get_running_loop()
-        client: AsyncClient | None = None
-        # The daemon may answer (a refusal) and close before our Hello, even
-        # before create_unix_connection returns: keep that for the client.
-        early: list[op.AnyReply] = []
-        early_close: list[BaseException | None] = []
-
-        def on_message(msg: op.AnyReply) -> None:
-            if client is None:
-                early.append(msg)
-            else:
-                client._dispatch(msg)
-
-        def on_close(exc: BaseException | None) -> None:
-            if client is None:
-                early_close.append(exc)
-            else:
-                client._closed(exc)
-
-        def on_bad(exc: ProtocolError) -> None:
-            on_close(exc)
-
-        try:
-            _, proto = await asyncio.wait_for(
-                loop.create_unix_connection(
-                    lambda: FramedProtocol(
-                        _reply_decoder(), on_message=on_message, on_close=on_close,
-                        on_bad_message=on_bad, max_frame_bytes=MAX_REPLY_FRAME_BYTES,
-                    ),
-                    path,
-                ),
-                timeout,
-            )
-        except (OSError, asyncio.TimeoutError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "timed out"
-            raise DaemonUnavailable(f"cannot connect to sessiond at {path}: {reason}") from None
-        client = cls(proto)
-        fut = loop.create_future()
-        client._pending[0] = fut
-        proto.send(m.Hello(protocol=m.PROTOCOL_VERSION, client=client_name,
-                           error_codes=sorted(m.NEW_ERROR_CODES),
-                           events=["reasoning"] if reasoning else []))
-        for msg in early:
-            client._dispatch(msg)
-        if early_close:
-            client._closed(early_close[0])
-        try:
-            welcome = await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            proto.close()
-            raise DaemonUnavailable(f"sessiond at {path} did not answer hello") from None
-        except BaseException:
-            proto.close()
-            raise
-        client.server_pid = welcome.pid
-        client.server_version = welcome.server_version
+        older than them.  `reconnect_secs`: how long a stream that lost the
+        daemon tries to reconnect before it raises DaemonUnavailable (0:
+        not at all); `on_reconnect` is told, in words, when it does."""
+        client = cls(str(socket_path or default_socket_path()), client_name=client_name, reasoning=reasoning,
+                     timeout=timeout, reconnect_secs=reconnect_secs, on_reconnect=on_reconnect)
+        await client._dial()
         return client
 
+    async def _dial(self) -> None:
+        proto, welcome = await open_connection(self.path, client_name=self._name, reasoning=self._reasoning,
+                                     timeout=self._timeout, on_message=self._dispatch, on_close=self._lost)
+        self._proto = proto
+        self.server_pid = welcome.pid
+        self.server_version = welcome.server_version
+
+    @property
+    def connected(self) -> bool:
+        return self._proto is not None and not self._proto.is_closed
+
     async def close(self) -> None:
+        self._shut = True
+        if self._redialing is not None:
+            self._redialing.cancel()
+        if self._proto is None:
+            return
         self._proto.close()
         if not self._proto.closed.done():
             await asyncio.wait([self._proto.closed], timeout=1.0)
@@ -173,14 +168,17 @@ class AsyncClient:
 
     def _dispatch(self, msg: op.AnyReply) -> None:
         if isinstance(msg, m.EVENT_TYPES):
+            if isinstance(msg, Lagged):
+                # The daemon cut us off for falling behind; it closes the
+                # connection after this: close it now, and the streams
+                # attach again from where they were (see `send`).
+                if self._proto is not None:
+                    self._proto.abort()
+                return
             for q in self._streams.get(getattr(msg, "session", ""), ()):
                 q.put_nowait(msg)
-            if isinstance(msg, Lagged):
-                for queues in self._streams.values():
-                    for q in queues:
-                        q.put_nowait(msg)
             return
-        req_id = 0 if isinstance(msg, m.Welcome) else getattr(msg, "id", 0)
+        req_id = getattr(msg, "id", 0)
         fut = self._pending.pop(req_id, None)
         if fut is None or fut.done():
             return
@@ -189,7 +187,9 @@ class AsyncClient:
         else:
             fut.set_result(msg)
 
-    def _closed(self, exc: BaseException | None) -> None:
+    def _lost(self, proto: FramedProtocol[op.AnyReply], exc: BaseException | None) -> None:
+        if proto is not self._proto:
+            return  # a connection already replaced
         err = DaemonUnavailable(f"connection to sessiond lost{f': {exc}' if exc else ''}")
         for fut in self._pending.values():
             if not fut.done():
@@ -199,9 +199,50 @@ class AsyncClient:
             for q in queues:
                 q.put_nowait(_END)
 
+    async def _reconnected(self) -> None:
+        """Connected again (at once if the connection is up): one
+        reconnection shared by every stream and request waiting on it.
+        DaemonUnavailable when the wait is over, or reconnecting is off."""
+        if self.connected:
+            return
+        if self._shut:
+            raise DaemonUnavailable("this client was closed")
+        if self.reconnect_secs <= 0:
+            raise DaemonUnavailable("connection to sessiond lost (reconnect_secs = 0: not waiting for it)")
+        if self._redialing is None or self._redialing.done():
+            self._redialing = asyncio.ensure_future(self._redial())
+        await asyncio.shield(self._redialing)
+
+    async def _redial(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.reconnect_secs
+        delay = 0.05
+        self._say(f"connection to sessiond lost; reconnecting for up to {self.reconnect_secs:g}s")
+        while True:
+            try:
+                await self._dial()
+            except DaemonUnavailable as exc:
+                why = str(exc)
+            except RequestError as exc:
+                if exc.code != m.ErrorCode.CAPACITY:  # (too many connections: it may pass)
+                    raise
+                why = exc.message
+            else:
+                self._say(f"reconnected to sessiond (pid {self.server_pid})")
+                return
+            if loop.time() + delay >= deadline:
+                raise DaemonUnavailable(f"sessiond did not come back within {self.reconnect_secs:g}s ({why})")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _say(self, line: str) -> None:
+        if self._on_reconnect is not None:
+            self._on_reconnect(line)
+
     async def _request(self, msg: Any, expect: type[R]) -> R:
-        if self._proto.is_closed:
-            raise DaemonUnavailable("connection to sessiond is closed")
+        if not self.connected:
+            await self._reconnected()
+        assert self._proto is not None
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[msg.id] = fut
         self._proto.send(msg)
@@ -232,26 +273,64 @@ class AsyncClient:
         TurnDone or TurnFailed.  `traceparent` (W3C Trace Context, e.g. the
         caller's current span, `opentelemetry.propagate.inject(carrier)`
         then `carrier["traceparent"]`): the turn's trace continues it,
-        when the daemon traces turns."""
-        q: asyncio.Queue[Any] = asyncio.Queue()
-        self._streams.setdefault(session, []).append(q)
+        when the daemon traces turns.
+
+        Once the input is acknowledged (durable), the turn is followed to
+        its end across a daemon restart: reconnected, attached again from
+        the last event seen (a `Gap` says what was not retained), and, if
+        its end was not retained, ended with the TurnDone or TurnFailed read
+        back from the session's history (seq 0).  Lost before the
+        acknowledgement: InputUnacknowledged, and the input is not re-sent."""
+        q = self._follow(session)
         try:
-            accepted = await self._request(
-                m.Send(id=self._next_id(), session=session, text=text, traceparent=traceparent), m.Accepted
-            )
+            try:
+                accepted = await self._request(
+                    m.Send(id=self._next_id(), session=session, text=text, traceparent=traceparent), m.Accepted)
+            except DaemonUnavailable as exc:
+                raise InputUnacknowledged(session, "the connection to sessiond was lost") from exc
+            last, turn = accepted.seq, accepted.turn
+            stored: Event | None = None  # its end as the log has it (after a reconnect)
             while True:
+                if stored is not None and q.empty():
+                    # Every event the daemon still had is in: the end was not retained.
+                    yield stored
+                    return
                 ev = await q.get()
                 if ev is _END:
-                    raise DaemonUnavailable("connection to sessiond lost during the turn")
-                if isinstance(ev, Lagged):
-                    raise DaemonUnavailable("this client fell behind and was disconnected")
-                if ev.seq <= accepted.seq:
+                    self._unfollow(session, q)
+                    q, stored = await self._refollow(session, last, turn)
                     continue
+                if ev.seq <= last:
+                    continue
+                last = ev.seq - 1 if isinstance(ev, m.Gap) else ev.seq
                 yield ev
-                if isinstance(ev, (TurnDone, TurnFailed)) and ev.turn == accepted.turn:
+                if isinstance(ev, (TurnDone, TurnFailed)) and ev.turn == turn:
                     return
         finally:
-            self._drop_stream(session, q)
+            self._unfollow(session, q)
+
+    async def _refollow(self, session: str, last: int, turn: int) -> tuple[asyncio.Queue[Any], Event | None]:
+        """The connection was lost while following `turn`: reconnect,
+        attach from the event after `last`, and read back how the turn
+        ended if it did (None: still open; its end comes as an event)."""
+        while True:
+            try:
+                await self._reconnected()
+            except DaemonUnavailable as exc:
+                raise DaemonUnavailable(f"{exc}; turn {turn} of {session} goes on in the daemon if it comes "
+                                        f"back: `sessionctl history {session}` tells how it ended") from None
+            q = self._follow(session)
+            try:
+                await self._request(m.Attach(id=self._next_id(), session=session, from_seq=last + 1), m.Attached)
+                # After the attach: what the history read misses comes as events.
+                history = await self.history(session, _HISTORY_TURNS)
+            except DaemonUnavailable:
+                self._unfollow(session, q)
+                continue  # lost again: once more
+            except BaseException:
+                self._unfollow(session, q)
+                raise
+            return q, stored_end(history, session, turn)
 
     async def send_text(self, session: str, text: str, traceparent: str = "") -> str:
         """Send an input and return the whole reply; raises TurnFailedError."""
@@ -267,30 +346,56 @@ class AsyncClient:
         is durable.  The turn's events come to this connection too (the
         daemon attaches it), for whoever also `attach`es here; the turn goes
         on whatever becomes of this connection."""
-        return await self._request(m.Send(id=self._next_id(), session=session, text=text), m.Accepted)
+        try:
+            return await self._request(m.Send(id=self._next_id(), session=session, text=text), m.Accepted)
+        except DaemonUnavailable as exc:
+            raise InputUnacknowledged(session, "the connection to sessiond was lost") from exc
 
     async def attach(self, session: str, from_seq: int | None = None) -> AsyncIterator[Event]:
         """Yield the session's events (retained ones from `from_seq` first)
-        until the session is deleted or the connection ends."""
-        q: asyncio.Queue[Any] = asyncio.Queue()
-        self._streams.setdefault(session, []).append(q)
+        until the session is deleted.  A lost connection is made again (see
+        `send`) and the events go on from the last one seen; a session gone
+        when the daemon is back raises RequestError (not_found)."""
+        q = self._follow(session)
         try:
-            await self._request(
-                m.Attach(id=self._next_id(), session=session, from_seq=from_seq), m.Attached
-            )
+            attached = await self._request(m.Attach(id=self._next_id(), session=session, from_seq=from_seq),
+                                           m.Attached)
+            last = attached.next_seq - 1 if from_seq is None else from_seq - 1
             while True:
                 ev = await q.get()
                 if ev is _END:
-                    return
-                if isinstance(ev, Lagged):
-                    raise DaemonUnavailable("this client fell behind and was disconnected")
+                    self._unfollow(session, q)
+                    q = await self._reattach(session, last)
+                    continue
+                if ev.seq <= last and not isinstance(ev, m.Gap):
+                    continue
+                last = ev.seq - 1 if isinstance(ev, m.Gap) else ev.seq
                 yield ev
                 if isinstance(ev, m.StateChanged) and ev.new == "deleted":
                     return
         finally:
-            self._drop_stream(session, q)
+            self._unfollow(session, q)
 
-    def _drop_stream(self, session: str, q: asyncio.Queue[Any]) -> None:
+    async def _reattach(self, session: str, last: int) -> asyncio.Queue[Any]:
+        while True:
+            await self._reconnected()
+            q = self._follow(session)
+            try:
+                await self._request(m.Attach(id=self._next_id(), session=session, from_seq=last + 1), m.Attached)
+            except DaemonUnavailable:
+                self._unfollow(session, q)
+                continue
+            except BaseException:
+                self._unfollow(session, q)
+                raise
+            return q
+
+    def _follow(self, session: str) -> asyncio.Queue[Any]:
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams.setdefault(session, []).append(q)
+        return q
+
+    def _unfollow(self, session: str, q: asyncio.Queue[Any]) -> None:
         queues = self._streams.get(session)
         if queues and q in queues:
             queues.remove(q)
@@ -381,12 +486,15 @@ class Client:
 
     def __init__(
         self, socket_path: str | os.PathLike[str] | None = None, *, client_name: str = "sessiond-python",
-        reasoning: bool = False,
+        reasoning: bool = False, reconnect_secs: float = RECONNECT_SECS,
+        on_reconnect: Callable[[str], None] | None = None,
     ) -> None:
+        """See AsyncClient.connect."""
         self._loop = new_event_loop()
         try:
             self._client = self._loop.run_until_complete(
-                AsyncClient.connect(socket_path, client_name=client_name, reasoning=reasoning)
+                AsyncClient.connect(socket_path, client_name=client_name, reasoning=reasoning,
+                                    reconnect_secs=reconnect_secs, on_reconnect=on_reconnect)
             )
         except BaseException:
             self._loop.close()

@@ -42,7 +42,7 @@ from supervisor.ctl.errors import RequestError as _Refused
 from supervisor.ctl.errors import Unsure as _Unsure
 from supervisor.ctl.jsontext import json_text, python_json_text
 from ipc.contract import LIST_PAGE_MAX, SESSION_STATES
-from supervisor.ctl.link import CONNECT_TIMEOUT_SECS, MAX_REPLY_FRAME_BYTES
+from supervisor.ctl.link import CONNECT_TIMEOUT_SECS, MAX_REPLY_FRAME_BYTES, START_HINT
 # (EXIT_UNREACHABLE and exit_code_for are render's, re-exported: both paths exit alike)
 from supervisor.ctl.render import (
     EXIT_OK,
@@ -411,7 +411,8 @@ class _Link:
             if isinstance(exc, BlockingIOError):
                 raise _Unsure("connect would block") from None
             reason = exc.strerror if exc.strerror else "timed out"
-            raise _Unavailable(f"cannot connect to sessiond at {path}: {reason}") from None
+            hint = START_HINT if isinstance(exc, (FileNotFoundError, ConnectionRefusedError)) else ""
+            raise _Unavailable(f"cannot connect to sessiond at {path}: {reason}{hint}") from None
         self.sock = sock
         self.buf = bytearray()
 

@@ -20,7 +20,7 @@ import msgspec
 from ipc import messages as m
 from ipc.contract import INCOMPLETE_STOPS, LimitKind, StopReason, limit_text
 from supervisor.ctl.client import AsyncClient
-from supervisor.ctl.errors import RequestError
+from supervisor.ctl.errors import DaemonUnavailable, RequestError
 from supervisor.ctl.render import EXIT_FAILED, EXIT_OK, EXIT_SIGINT
 
 __all__ = ["event_json", "print_event", "send_interruptibly", "to_plain"]
@@ -186,7 +186,7 @@ async def send_interruptibly(client: AsyncClient, session: str, text: str, as_js
                 sigint.cancel()
                 code = stream.result()
                 return EXIT_SIGINT if interrupted and code == EXIT_OK else code
-            if not interrupted:
+            if not interrupted and client.connected:
                 interrupted = True
                 print(f"\nsessionctl: interrupting the turn of {session} (Ctrl-C again to detach)",
                       file=sys.stderr, flush=True)
@@ -195,7 +195,17 @@ async def send_interruptibly(client: AsyncClient, session: str, text: str, as_js
                 except RequestError as exc:
                     # Typically: the turn ended meanwhile; its end is on its way.
                     print(f"sessionctl: {exc.message}", file=sys.stderr, flush=True)
-                continue
+                    continue
+                except DaemonUnavailable:
+                    pass  # lost meanwhile: nothing to interrupt through; stop waiting
+                else:
+                    continue
+            if not client.connected:
+                # Waiting for a daemon that went away: nothing can be
+                # interrupted, so Ctrl-C stops the wait.
+                print(f"\nsessionctl: stopped waiting for sessiond; the turn of {session} goes on if it comes "
+                      f"back (`sessionctl history {session}` tells how it ended)", file=sys.stderr, flush=True)
+                return EXIT_SIGINT
             print(f"sessionctl: detached; the turn of {session} goes on in the daemon "
                   f"(`sessionctl interrupt {session}` stops it)", file=sys.stderr, flush=True)
             return EXIT_SIGINT
@@ -240,6 +250,11 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool, tra
                         sys.stdout.flush()
                         ended_with_newline = True
                     print(line, file=sys.stderr, flush=True)
+            case m.Gap(seq=seq, from_seq=from_seq) if not as_json:
+                # After a reconnect: the daemon restarted, or cut this client off for lagging.
+                print(f"\nsessionctl: events {from_seq}..{seq - 1} of {session} were not kept: what the turn "
+                      "streamed then, if anything, is not shown (its reply is, when it ends)",
+                      file=sys.stderr, flush=True)
             case m.PermissionRequest() if not as_json:
                 print(f"\nsessionctl: permission request {ev.request_id}: {_permission_text(ev)}\n"
                       f"sessionctl: answer with `sessionctl approve|deny {session} {ev.request_id}`",
@@ -251,6 +266,9 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool, tra
                     print(f"\nsessionctl: limit {kind} exceeded: {limit_text(kind, value, limit, ceiling, unit)}",
                           file=sys.stderr)
             case m.TurnDone(interrupted=interrupted, stop_reason=stop):
+                if ev.seq == 0 and not as_json:  # (AsyncClient.send: read back after a reconnect)
+                    print(f"\nsessionctl: turn {ev.turn} ended while sessiond was away; as its history keeps it:",
+                          file=sys.stderr, flush=True)
                 if not as_json:
                     rest = _unstreamed(ev.reply, "".join(streamed), ended_with_newline)
                     if rest:

@@ -38,6 +38,7 @@ Runs in the daemon only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -266,21 +267,25 @@ class CgroupsV1(Cgroups):
             return
         freezer = dirs.get("freezer")
         deadline = time.monotonic() + _KILL_SECS
+        refused: set[int] = set()  # members our SIGKILL could not be sent to
         while time.monotonic() < deadline:
             pids = _read_pids(procs)
             if not pids:
                 return
             frozen = freezer is not None and self._freeze(freezer)
             for pid in _read_pids(procs) if frozen else pids:
-                self._kill_member(pid, procs, checked=frozen)
+                if not self._kill_member(pid, procs, checked=frozen):
+                    refused.add(pid)
             if frozen and freezer is not None:
                 with contextlib.suppress(OSError):
                     (freezer / "freezer.state").write_text("THAWED")  # the SIGKILLs land
             time.sleep(0.002)
-        # Not empty: our kills did not land (no CAP_KILL, a process we may
-        # not signal).  A process at the cap would wait in the kernel for
-        # ever with the OOM killer off: hand the cgroup back to the kernel's.
-        if "memory" in dirs and _read_pids(procs):
+        # Not empty.  Members killed and still exiting (a busy machine, a
+        # process freeing hundreds of MiB) go by themselves.  One our kill
+        # could not reach (no CAP_KILL, a process we may not signal) would,
+        # at the cap, wait in the kernel for ever with the OOM killer off:
+        # hand the cgroup back to the kernel's.
+        if "memory" in dirs and refused & set(_read_pids(procs)):
             log.warning("cgroup %s: processes outlived the kill; the kernel's OOM killer is on for it",
                         dirs["memory"])
             with contextlib.suppress(OSError):
@@ -301,25 +306,27 @@ class CgroupsV1(Cgroups):
         return True  # FREEZING: the kills still go, and the next round sees the rest
 
     @staticmethod
-    def _kill_member(pid: int, procs: Path, checked: bool) -> None:
+    def _kill_member(pid: int, procs: Path, checked: bool) -> bool:
         """SIGKILL through a pidfd.  Frozen, a process cannot exit and free
         its number; not frozen, the pidfd is checked to still be a member
-        (its number read from cgroup.procs may have passed on)."""
+        (its number read from cgroup.procs may have passed on).  False: the
+        signal could not be sent to it (EPERM); True: sent, or it is gone."""
         try:
             fd = os.pidfd_open(pid)
         except OSError:
-            return
+            return True  # (exited meanwhile)
         try:
             if not checked:
                 tail = "/" + "/".join(procs.parts[-4:])  # sessiond/d-…/u-…/s-…: ours alone
                 with open(f"/proc/{pid}/cgroup") as f:
                     if not any(line.rstrip("\n").endswith(tail) for line in f):
-                        return
+                        return True
             signal.pidfd_send_signal(fd, signal.SIGKILL)
-        except OSError:
-            pass
+        except OSError as exc:
+            return exc.errno not in (errno.EPERM, errno.EACCES)  # (else gone meanwhile)
         finally:
             os.close(fd)
+        return True
 
     def pids(self, session_id: str) -> list[int]:
         dirs = self._dirs(session_id)

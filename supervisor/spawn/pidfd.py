@@ -28,7 +28,7 @@ import os
 import select
 import signal
 
-__all__ = ["PidFd"]
+__all__ = ["PidFd", "kill_uid"]
 
 _PIDFD_SIGNAL_PROCESS_GROUP = 1 << 2
 _group_flag_works: bool | None = None
@@ -99,3 +99,43 @@ class PidFd:
 
     def __repr__(self) -> str:
         return f"PidFd(pid={self.pid}, fd={self.fd})"
+
+
+def kill_uid(uid: int, rounds: int = 20) -> None:
+    """SIGKILL every process whose real uid is `uid` (a session's own uid:
+    nothing else runs as it), through pidfds, checked after opening; again
+    while any are found, for those forked meanwhile (bounded: it runs on
+    the daemon's loop, and a cgroup is the complete kill)."""
+    for _ in range(rounds):
+        found = False
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or _real_uid(name) != uid:
+                continue
+            try:
+                fd = os.pidfd_open(int(name))
+            except OSError:
+                continue
+            try:
+                if _real_uid(name) == uid:  # the pidfd names this very process
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    found = True
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        if not found:
+            return
+
+
+def _real_uid(pid: str) -> int | None:
+    """A live process's real uid (None for a zombie: it is dead already)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"State:") and line.split()[1] == b"Z":
+                    return None
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -14,7 +14,7 @@ from supervisor.store.replay import read_damage_note
 from supervisor.store.sessiondir import log_gens
 from supervisor.store.state_store import Meta, Snapshot
 
-__all__ = ["Plan", "meta_from_log", "meta_in", "plan"]
+__all__ = ["Plan", "check_damage", "meta_from_log", "meta_in", "plan"]
 
 
 @dataclass(slots=True)
@@ -49,22 +49,30 @@ def plan(path: Path) -> Plan:
     base = snap.gen if snap is not None else 0
     gens = [g for g in log_gens(path) if g >= base] or [base]
     scans = {g: read_scan(path / f"log.{g}") for g in gens}
-    # A note left by journal replay (supervisor.store.replay): records lost
-    # to a damaged journal, which the log alone may not show.
-    lost, _ = read_damage_note(path)
-    for g in gens:
-        if scans[g].damaged:
-            meta = snap.meta if snap is not None else meta_in(scans.get(0))
-            why = describe_damage(f"log.{g}", scans[g])
-            raise StoreDamaged(sid, f"{lost}. {why}" if lost else why, meta=meta)
-    if lost:
-        meta = snap.meta if snap is not None else meta_in(scans.get(0))
-        raise StoreDamaged(sid, f"{lost}. `sessionctl repair {sid}` accepts the loss (the log keeps every "
-                           f"intact record), `sessionctl rm {sid}` deletes the session", meta=meta)
+    check_damage(path, snap, scans)
     if snap is None and not any(isinstance(r, Meta) for s in scans.values() for _, _, r in s.records):
         raise StoreDamaged(sid, f"{path}: no metadata record (not a session directory?)",
                            repairable=False)
     return Plan(snap, base, gens, scans, fallback)
+
+
+def check_damage(path: Path, snap: Snapshot | None, scans: dict[int, LogScan]) -> None:
+    """`StoreDamaged` where the logs `scans` hold damage followed by intact
+    records, or journal replay left a note (supervisor.store.replay) of
+    records a damaged journal lost.  The one check of every read, at load
+    and while the daemon runs (a worker's boot, a resumed turn's steps,
+    history, export), so that none reads past what the next start would
+    refuse."""
+    sid = path.name
+    lost, _ = read_damage_note(path)
+    meta = snap.meta if snap is not None else meta_in(scans.get(min(scans, default=0)))
+    for g, scan in scans.items():
+        if scan.damaged:
+            why = describe_damage(f"log.{g}", scan)
+            raise StoreDamaged(sid, f"{lost}. {why}" if lost else why, meta=meta)
+    if lost:
+        raise StoreDamaged(sid, f"{lost}. `sessionctl repair {sid}` accepts the loss (the log keeps every "
+                           f"intact record), `sessionctl rm {sid}` deletes the session", meta=meta)
 
 
 def meta_in(scan: LogScan | None) -> Meta | None:

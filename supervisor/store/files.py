@@ -49,6 +49,7 @@ import struct
 from pathlib import Path
 
 from supervisor.store.dirplan import Plan
+from supervisor.store.dirplan import check_damage as _check_damage
 from supervisor.store.dirplan import plan as _plan_of
 from supervisor.store.journal import Journal
 from supervisor.store.replay import clear_damage_note
@@ -492,12 +493,17 @@ class SessionStore:
         snap, why = _read_snapshot(self.path / "snapshot")
         if why:
             raise StoreError(f"session {self.path.name}: {why}; restart the daemon to fall back")
-        records: list[Record] = []
         # The snapshot's own gen: one being written may have landed already.
-        for g in range(snap.gen if snap is not None else 0, self.gen + 1):
-            scan = _read_scan(self.path / f"log.{g}")
-            records.extend(rec for _, _, rec in scan.records)
-        return boot_state(snap, records)
+        return boot_state(snap, self._records(snap, snap.gen if snap is not None else 0))
+
+    def _records(self, snap: Snapshot | None, first: int, last: int | None = None) -> list[Record]:
+        """The intact records of log.`first` to the current one; StoreDamaged
+        where the start-up load would find the session damaged.  (A torn
+        tail is not damage: a read in a thread may meet an append half
+        written; the loop's own appends are whole.)"""
+        scans = {g: _read_scan(self.path / f"log.{g}") for g in range(first, (self.gen if last is None else last) + 1)}
+        _check_damage(self.path, snap, scans)
+        return [rec for scan in scans.values() for _, _, rec in scan.records]
 
     def read_for_boot_soon(self) -> asyncio.Future[tuple[bytes, list[bytes], int]]:
         # A local read of one snapshot and a short log or two: done here.
@@ -508,8 +514,7 @@ class SessionStore:
         snap, why = _read_snapshot(self.path / "snapshot")
         if why:
             raise StoreError(f"session {self.path.name}: {why}")
-        return snap, [rec for g in range(self._snap_gen, self.gen + 1)
-                      for _, _, rec in _read_scan(self.path / f"log.{g}").records]
+        return snap, self._records(snap, self._snap_gen)
 
     def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
         # Local files: read here (api/transfer.py reads them in a thread).
@@ -518,9 +523,9 @@ class SessionStore:
     def read_steps_soon(self, turn: int) -> asyncio.Future[list[StepRecord]]:
         # In a thread (tens of MB); the logs it reads stay meanwhile (a
         # snapshot comes after a commit, and removes only older logs).
-        path, gens = self.path, range(self._snap_gen, self.gen + 1)
+        first, last = self._snap_gen, self.gen
         return asyncio.ensure_future(asyncio.to_thread(
-            lambda: turn_steps((r for g in gens for _, _, r in _read_scan(path / f"log.{g}").records), turn)))
+            lambda: turn_steps(self._records(None, first, last), turn)))
 
     # ---------------------------------------------------------------- files held
 

@@ -30,7 +30,7 @@ from supervisor.store.state_store import (
     settled,
     turn_steps,
 )
-from supervisor.store.files import describe_damage, frame_record, scan_log
+from supervisor.store.files import LogScan, describe_damage, frame_record, scan_log
 
 __all__ = ["InMemoryStateStore", "MemoryLog"]
 
@@ -117,14 +117,13 @@ class MemoryLog:
         return settled(lambda: self.write_snapshot(snap))
 
     def read_for_boot(self) -> tuple[bytes, list[bytes], int]:
-        scan = scan_log(bytes(self._stored.log))
-        return boot_state(self._stored.snapshot, [rec for _, _, rec in scan.records])
+        return boot_state(*self.read_history())
 
     def read_for_boot_soon(self) -> asyncio.Future[tuple[bytes, list[bytes], int]]:
         return settled(self.read_for_boot)
 
     def read_history(self) -> tuple[Snapshot | None, list[Record]]:
-        scan = scan_log(bytes(self._stored.log))
+        scan = _checked(self._id, self._stored)  # as load checks: never read past damage
         return self._stored.snapshot, [rec for _, _, rec in scan.records]
 
     def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
@@ -148,6 +147,18 @@ class MemoryLog:
         return settled(self.remove)
 
 
+def _checked(session_id: str, stored: _Stored) -> LogScan:
+    """The log scanned; StoreDamaged for damage followed by intact records
+    (a torn tail is load's to cut)."""
+    scan = scan_log(bytes(stored.log))
+    if scan.damaged:
+        snap = stored.snapshot
+        meta = snap.meta if snap is not None else next(
+            (r for _, _, r in scan.records if isinstance(r, Meta)), None)
+        raise StoreDamaged(session_id, describe_damage("log", scan), meta=meta)
+    return scan
+
+
 class InMemoryStateStore:
     def __init__(self) -> None:
         self.sessions: dict[str, _Stored] = {}
@@ -167,12 +178,8 @@ class InMemoryStateStore:
 
     def load(self, session_id: str) -> tuple[MemoryLog, LoadedSession]:
         stored = self.sessions[session_id]
-        scan = scan_log(bytes(stored.log))
+        scan = _checked(session_id, stored)
         snap = stored.snapshot
-        if scan.damaged:
-            meta = snap.meta if snap is not None else next(
-                (r for _, _, r in scan.records if isinstance(r, Meta)), None)
-            raise StoreDamaged(session_id, describe_damage("log", scan), meta=meta)
         stored.fence += 1
         torn = scan.torn_at
         if torn is not None:

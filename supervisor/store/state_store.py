@@ -142,6 +142,9 @@ class Commit(_Rec, tag="commit"):
     # Tokens this turn spent (see SessionInfo.usage), and its LLM calls
     # (`llm_calls`, for [agent.budget]); summed at load.
     usage: dict[str, int] = {}
+    # As its TurnDone said: a client that missed it reads them back (history).
+    stop_reason: str = ""
+    stop_detail: str = ""
 
 
 class Abort(_Rec, tag="abort"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import signal
 import socket
 import sys
 from types import FrameType
@@ -50,7 +51,8 @@ def run_web(socket_path: str | None, port: int, as_json: bool = False) -> int:
     token = secrets.token_urlsafe(32)
 
     async def connect() -> AsyncClient:
-        return await AsyncClient.connect(socket_path, client_name="sessionctl-web")
+        # (0: the feed reconnects by itself, and tells the page: supervisor.ctl.web.feed)
+        return await AsyncClient.connect(socket_path, client_name="sessionctl-web", reconnect_secs=0)
 
     closing = asyncio.Event()
     config = uvicorn.Config(
@@ -62,8 +64,11 @@ def run_web(socket_path: str | None, port: int, as_json: bool = False) -> int:
     )
 
     class Server(uvicorn.Server):
+        interrupted = False  # a Ctrl-C stopped it: exit 130, whatever else comes of the signal
+
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             super().handle_exit(sig, frame)
+            self.interrupted = self.interrupted or sig == signal.SIGINT
             # A signal handler: only enqueue.  The streams end on the loop.
             loop.call_soon_threadsafe(closing.set)
 
@@ -86,10 +91,18 @@ def run_web(socket_path: str | None, port: int, as_json: bool = False) -> int:
                   file=sys.stderr, flush=True)
         await server.serve(sockets=[listener])
 
+    # The exit code comes from our own note of the Ctrl-C: uvicorn stops,
+    # then raises the signal again, and whether that surfaces here as a
+    # KeyboardInterrupt, a cancelled main task or nothing at all depends on
+    # which handler it meets and when (a console with pages open exited 0).
     try:
         run_loop(serve())
-    except KeyboardInterrupt:  # uvicorn stops, then raises the Ctrl-C again
+    except KeyboardInterrupt:
+        return EXIT_SIGINT
+    except asyncio.CancelledError:
+        if not server.interrupted:
+            raise
         return EXIT_SIGINT
     finally:
         listener.close()
-    return EXIT_OK
+    return EXIT_SIGINT if server.interrupted else EXIT_OK

@@ -12,7 +12,7 @@ from supervisor.errors import StoreDamaged
 from supervisor.store.state_store import LoadedSession, Meta, Record, Snapshot
 from supervisor.store.files import scan_log
 
-__all__ = ["Rows", "decode_snapshot", "describe", "intact", "replay", "snap_encoder"]
+__all__ = ["Rows", "checked", "decode_snapshot", "describe", "intact", "replay", "snap_encoder"]
 
 snap_encoder = msgspec.msgpack.Encoder()
 _snap_decoder = msgspec.msgpack.Decoder(Snapshot)
@@ -74,6 +74,16 @@ def describe(rows: Rows) -> str:
         "they are kept as they are. `sessionctl repair ID --skip-bad` keeps every intact record, "
         "`--truncate` keeps what precedes the damage, `sessionctl rm ID` deletes the session"
     )
+
+
+def checked(session_id: str, snap: Snapshot | None, rows: Rows) -> list[Record]:
+    """The intact records of `rows`, in order; `StoreDamaged` for damaged
+    rows followed by intact ones.  The one check of every read: load, and a
+    worker's boot, history and export while the daemon runs, so that none
+    reads past what the next start would refuse."""
+    if rows.damaged:
+        raise StoreDamaged(session_id, describe(rows), meta=snap.meta if snap is not None else rows.meta())
+    return [rec for _, rec in rows.records]
 
 
 def replay(session_id: str, snap: Snapshot | None, rows: Rows) -> LoadedSession:

@@ -69,7 +69,7 @@ from typing import Any, TypeVar
 
 import psycopg
 
-from supervisor.errors import Diverged, Fenced, StoreDamaged, StoreError, StoreFull
+from supervisor.errors import Diverged, Fenced, StoreError, StoreFull
 from supervisor.ops.logtag import tagged
 from supervisor.store.postgres.batch import (
     CHANNEL,
@@ -81,7 +81,7 @@ from supervisor.store.postgres.batch import (
     Request,
 )
 from supervisor.store.postgres.link import PgLink, PgReader, safe_dsn
-from supervisor.store.postgres.rows import Rows, decode_snapshot, describe, intact, replay, snap_encoder
+from supervisor.store.postgres.rows import Rows, checked, decode_snapshot, replay, snap_encoder
 from supervisor.store.postgres.schema import SCHEMA_VERSION, migrate
 from supervisor.store.postgres.link import store_error as _store_error  # noqa: F401 (tests)
 from supervisor.store.state_store import (
@@ -407,30 +407,33 @@ class PgSessionLog:
         # Appended, not sent: they follow what is stored, unless they are
         # sent and land meanwhile (then they are stored: counted once).
         epoch, base, pending = self._epoch, self._next_pos, list(self._pending)
-        body, stored_end, frames = await reader.run(self._read_op, f"session {self._id}")
+        body, stored_end, rows = await reader.run(self._read_op, f"session {self._id}")
         if self._epoch == epoch:
-            frames = [*frames, *pending[max(stored_end - base, 0):]]
-        return decode_snapshot(self._id, body), [rec for rec in map(intact, map(bytes, frames)) if rec]
+            rows += [(base + i, frame) for i, frame in enumerate(pending) if base + i >= stored_end]
+        snap = decode_snapshot(self._id, body)
+        return snap, checked(self._id, snap, Rows(rows))
 
-    def _read_op(self, cur: psycopg.Cursor[Any]) -> tuple[bytes | None, int, list[bytes]]:
+    def _read_op(self, cur: psycopg.Cursor[Any]) -> tuple[bytes | None, int, list[tuple[int, bytes]]]:
         """The snapshot, where the log ends, and the records after the
-        snapshot: one statement, so one consistent view."""
+        snapshot with their positions: one statement, so one consistent view."""
         cur.execute(
-            "SELECT s.snapshot, s.next_pos, ARRAY(SELECT frame FROM sessiond_records r "
+            "SELECT s.snapshot, s.next_pos, ARRAY(SELECT pos FROM sessiond_records r "
+            "WHERE r.session = s.id ORDER BY pos), ARRAY(SELECT frame FROM sessiond_records r "
             "WHERE r.session = s.id ORDER BY pos) FROM sessiond_sessions s WHERE s.id = %s",
             (self._id,))
         row = cur.fetchone()
         if row is None:
             raise StoreError(f"session {self._id}: it was removed")
-        return row[0], row[1], row[2]
+        return row[0], row[1], [(pos, bytes(frame)) for pos, frame in zip(row[2], row[3], strict=True)]
 
     def read_history(self) -> tuple[Snapshot | None, list[Record]]:
         """The snapshot and every record after it (those not yet committed
-        by this writer included), as stored."""
+        by this writer included), as stored; `StoreDamaged` as load has it."""
         self._drain()
-        body, _, frames = self._store.run(self._read_op, f"session {self._id}")
+        body, stored_end, rows = self._store.run(self._read_op, f"session {self._id}")
         snap = decode_snapshot(self._id, body)
-        return snap, [rec for rec in map(intact, [*map(bytes, frames), *self._pending]) if rec]
+        rows += [(max(stored_end, self._next_pos) + i, frame) for i, frame in enumerate(self._pending)]
+        return snap, checked(self._id, snap, Rows(rows))
 
     def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
         """History and export, on the reader thread's connection, after
@@ -628,9 +631,7 @@ class PgStateStore:
         def op(cur: psycopg.Cursor[Any]) -> tuple[PgSessionLog, LoadedSession]:
             with self._transaction():
                 snap, snap_gen, _, rows = self.read(cur, session_id)
-                if rows.damaged:
-                    meta = snap.meta if snap is not None else rows.meta()
-                    raise StoreDamaged(session_id, describe(rows), meta=meta)
+                checked(session_id, snap, rows)
                 loaded = replay(session_id, snap, rows)
                 if self.check_claim is not None:
                     self.check_claim(cur, session_id, loaded)
