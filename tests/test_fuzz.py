@@ -267,6 +267,7 @@ def model_control(chunks: list[bytes], said_hello: bool) -> Expect:
             exp.too_large_first = i == 0
         elif f.kind == "bad":
             exp.bad_frames += 1
+            exp.closes = not handshake_done  # a first message that does not decode is no hello
         elif not handshake_done:
             if isinstance(f.msg, m.Hello) and f.msg.protocol == m.PROTOCOL_VERSION:
                 handshake_done = True
