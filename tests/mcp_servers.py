@@ -40,7 +40,9 @@ from collections.abc import Iterator
 if __name__ == "__main__" and len(sys.argv) > 2:
     sys.path.insert(0, sys.argv[2])
 
-from mcp.server.mcpserver import Context, MCPServer  # noqa: E402
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from mcp.server.mcpserver import MCPServer
 
 __all__ = ["LONG_DESCRIPTION", "build", "http_server"]
 
@@ -48,6 +50,12 @@ LONG_DESCRIPTION = "Describes itself at length. " * 2000
 
 
 def build() -> MCPServer:
+    # Imported here, not at the top: the tests that only import this module
+    # (for http_server) would pay the SDK's import at collection.  The
+    # tools' `ctx: Context` is resolved in this module's globals.
+    global Context
+    from mcp.server.mcpserver import Context, MCPServer
+
     server = MCPServer("sessiond-test", version=_version())
 
     @server.tool()

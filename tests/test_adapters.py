@@ -3,35 +3,37 @@ and `langgraph` against the scripted LLM server, with a context that
 journals steps and replays them as a resumed turn would (tests/
 test_adapters_e2e.py does the same through the daemon, with real kills);
 `ctx.run` under the permission rules.  What a client sees (notices, usage,
-stop reasons, limits), what the model is told, what the record holds."""
+stop reasons, limits), what the model is told, what the record holds.
+The frameworks' side (tools, agents, graphs) is tests/adapter_cases.py,
+imported by the `cases` fixture: not at collection."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import operator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, TypedDict
+from types import ModuleType
+from typing import Any
 
 import msgspec
 import pytest
-from agents import Agent, InputGuardrail, GuardrailFunctionOutput, RunContextWrapper, function_tool
-from langchain_core.messages import AIMessage
-from langchain_core.tools import tool
-from langgraph.graph import END, START, MessagesState, StateGraph
-from langgraph.prebuilt import ToolNode
-from langgraph.types import interrupt
 
 from fakellm import FakeLLM, Reply, chunk, fake_llm, text_stream, tool_call_stream
 from ipc.settings import BudgetSettings
-from session_worker.adapters.langgraph import handler as graph_handler
-from session_worker.adapters.openai_agents import handler as openai_handler
 from session_worker.handler import CommandRefused, HandlerInit, Interruption, TurnFailure
 from test_agent_support import AgentSettings, FakeCtx, PermissionRule, ToolsSettings, make_settings
 
 __all__ = ["fake_llm"]  # (the fixture)
 
 _encode, _decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder().decode
+
+
+@pytest.fixture(scope="module")
+def cases() -> Iterator[ModuleType]:
+    import adapter_cases
+
+    yield adapter_cases
 
 
 class StepCtx(FakeCtx):
@@ -68,22 +70,6 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-counts: list[int] = []
-
-
-@function_tool
-async def count(n: int) -> str:
-    """Count n."""
-    counts.append(n)
-    return f"counted {n}"
-
-
-@function_tool(needs_approval=True)
-async def launch(target: str) -> str:
-    """Launch at a target."""
-    return f"launched {target}"
-
-
 def usage_stream(text: str, prompt: int, completion: int) -> Any:
     stream = text_stream(text)
     stream.events = [*stream.events, {**chunk({}), "choices": [], "usage": {
@@ -91,27 +77,18 @@ def usage_stream(text: str, prompt: int, completion: int) -> Any:
     return stream
 
 
-def openai_session(llm: FakeLLM, tmp_path: Path, sdk_agent: Agent[Any] | None = None,
-                   **settings: Any) -> tuple[Any, Any]:
-    s = make_settings(llm, **settings)
-    made = openai_handler(sdk_agent or Agent(name="t", instructions="Count.", tools=[count, launch]))
-    h = made(HandlerInit(session="s", settings=s, workspace=tmp_path))
-    h.restore(None, [])
-    return h, s
-
-
 @pytest.mark.component
 def test_parallel_tool_calls_are_steps_clients_see_them_and_the_record_keeps_them(
-        fake_llm: FakeLLM, tmp_path: Path) -> None:
-    counts.clear()
+        fake_llm: FakeLLM, tmp_path: Path, cases: ModuleType) -> None:
+    cases.counts.clear()
     fake_llm.script(tool_call_stream(("c1", "count", {"n": 1}), ("c2", "count", {"n": 2}), text="Counting."),
                     usage_stream("Done.", 30, 4))
-    h, s = openai_session(fake_llm, tmp_path)
+    h, s = cases.openai_session(fake_llm, tmp_path)
     ctx = StepCtx(s, tmp_path)
     result = run(h.handle("count to two", ctx))
     assert result.reply == "Counting.\n\nDone." and ctx.text == "Counting.\n\nDone."
     assert set(ctx.journal) == {"llm:1", "tool:count:c1", "tool:count:c2", "llm:2"}
-    assert sorted(counts) == [1, 2]
+    assert sorted(cases.counts) == [1, 2]
     assert [d["id"] for d in ctx.notices_of("tool_call")] == ["c1", "c2"]
     assert {d["id"]: d["output"] for d in ctx.notices_of("tool_result")} == {"c1": "counted 1", "c2": "counted 2"}
     assert result.usage == {"prompt_tokens": 30, "completion_tokens": 4}
@@ -119,7 +96,7 @@ def test_parallel_tool_calls_are_steps_clients_see_them_and_the_record_keeps_the
     assert [m.get("type") for m in messages if m.get("type", "").startswith("function_call")] == \
         ["function_call", "function_call", "function_call_output", "function_call_output"]
     # The next turn's request carries the conversation, restored from the record.
-    again, _ = openai_session(fake_llm, tmp_path)
+    again, _ = cases.openai_session(fake_llm, tmp_path)
     again.restore(None, [result.record])
     fake_llm.script(text_stream("Again."))
     run(again.handle("and again?", StepCtx(s, tmp_path)))
@@ -129,19 +106,19 @@ def test_parallel_tool_calls_are_steps_clients_see_them_and_the_record_keeps_the
 
 @pytest.mark.component
 def test_a_resumed_turn_replays_its_steps_and_answers_the_running_tool_as_killed(
-        fake_llm: FakeLLM, tmp_path: Path) -> None:
-    counts.clear()
+        fake_llm: FakeLLM, tmp_path: Path, cases: ModuleType) -> None:
+    cases.counts.clear()
     fake_llm.script(tool_call_stream(("c1", "count", {"n": 1}), ("c2", "count", {"n": 2})), text_stream("Ok."))
-    h, s = openai_session(fake_llm, tmp_path)
+    h, s = cases.openai_session(fake_llm, tmp_path)
     first = StepCtx(s, tmp_path)
     run(h.handle("count", first))
     journal = {k: v for k, v in first.journal.items() if k in ("llm:1", "tool:count:c1")}
-    counts.clear()
+    cases.counts.clear()
     fake_llm.script(text_stream("Resumed."))
-    resumed, _ = openai_session(fake_llm, tmp_path)
+    resumed, _ = cases.openai_session(fake_llm, tmp_path)
     ctx = StepCtx(s, tmp_path, journal=journal, running="tool:count:c2")
     result = run(resumed.handle("count", ctx))
-    assert ctx.ran == ["llm:2"] and counts == []  # no journaled call again, no tool run again
+    assert ctx.ran == ["llm:2"] and cases.counts == []  # no journaled call again, no tool run again
     assert len(fake_llm.requests) == 3
     tools = {m["tool_call_id"]: m["content"] for m in fake_llm.requests[-1].json["messages"] if m["role"] == "tool"}
     assert tools == {"c1": "counted 1",
@@ -151,11 +128,11 @@ def test_a_resumed_turn_replays_its_steps_and_answers_the_running_tool_as_killed
 
 
 @pytest.mark.component
-def test_permission_rules_and_a_tools_own_approval_ask_the_clients(fake_llm: FakeLLM, tmp_path: Path) -> None:
-    counts.clear()
+def test_permission_rules_and_a_tools_own_approval_ask_the_clients(fake_llm: FakeLLM, tmp_path: Path, cases: ModuleType) -> None:
+    cases.counts.clear()
     fake_llm.script(tool_call_stream(("c1", "count", {"n": 5}), ("c2", "launch", {"target": "moon"}),
                                      ("c3", "count", {"n": 6})), text_stream("ok"))
-    h, s = openai_session(fake_llm, tmp_path, permissions=[
+    h, s = cases.openai_session(fake_llm, tmp_path, permissions=[
         PermissionRule(tool="count", match="5", action="deny"), PermissionRule(tool="count", action="ask")])
     ctx = StepCtx(s, tmp_path, answers=[False, True])
     run(h.handle("go", ctx))
@@ -164,44 +141,41 @@ def test_permission_rules_and_a_tools_own_approval_ask_the_clients(fake_llm: Fak
     assert {tools["c2"], tools["c3"]} == {"error: permission denied: the user did not approve this launch call.",
                                           "counted 6"} or tools["c3"].startswith("error: permission denied")
     assert sorted(name for name, _ in ctx.asked) == ["count", "launch"]
-    assert counts in ([6], [])
+    assert cases.counts in ([6], [])
 
 
 @pytest.mark.component
-def test_limits_budget_and_guardrails_end_the_turn_as_the_agent_does(fake_llm: FakeLLM, tmp_path: Path) -> None:
+def test_limits_budget_and_guardrails_end_the_turn_as_the_agent_does(fake_llm: FakeLLM, tmp_path: Path, cases: ModuleType) -> None:
     loop = tool_call_stream(("c1", "count", {"n": 1}))
     fake_llm.script(loop, loop)
-    h, s = openai_session(fake_llm, tmp_path, agent=AgentSettings(max_turns=2))
+    h, s = cases.openai_session(fake_llm, tmp_path, agent=AgentSettings(max_turns=2))
     ctx = StepCtx(s, tmp_path)
     result = run(h.handle("forever", ctx))
     assert ctx.limits == [("turns", 2, 2)] and "agent.max_turns" in result.reply
     fake_llm.script(loop)
-    h, s = openai_session(fake_llm, tmp_path, agent=AgentSettings(budget=BudgetSettings(turn_max_llm_calls=1)))
+    h, s = cases.openai_session(fake_llm, tmp_path, agent=AgentSettings(budget=BudgetSettings(turn_max_llm_calls=1)))
     stopped: list[Any] = []
     ctx = StepCtx(s, tmp_path)
     ctx.budget_exceeded = lambda *args: stopped.append(args)  # type: ignore[method-assign]
     result = run(h.handle("count", ctx))
     assert stopped == [("agent.budget.turn_max_llm_calls", 1, 1, "LLM calls")]
     assert "turn_max_llm_calls" in result.reply and len(fake_llm.requests) == 3
-
-    async def block(ctx: RunContextWrapper[Any], agent: Any, text: Any) -> GuardrailFunctionOutput:
-        return GuardrailFunctionOutput(output_info=None, tripwire_triggered="secret" in str(text))
-
-    guarded = Agent(name="g", instructions="x", input_guardrails=[InputGuardrail(block, name="no_secrets")])
+    guarded = cases.guarded_agent()
     fake_llm.script(text_stream("never"))
-    h, s = openai_session(fake_llm, tmp_path, sdk_agent=guarded)
+    h, s = cases.openai_session(fake_llm, tmp_path, sdk_agent=guarded)
     result = run(h.handle("the secret is 42", StepCtx(s, tmp_path)))
     assert (result.stop_reason, result.stop_detail) == ("filtered", "input guardrail no_secrets")
 
 
 @pytest.mark.component
 def test_a_provider_the_sdk_cannot_use_fails_the_turn_naming_the_key(fake_llm: FakeLLM, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    h, s = openai_session(fake_llm, tmp_path, kind="anthropic")
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   cases: ModuleType) -> None:
+    h, s = cases.openai_session(fake_llm, tmp_path, kind="anthropic")
     with pytest.raises(TurnFailure, match="provider.kind"):
         run(h.handle("hi", StepCtx(s, tmp_path)))
     monkeypatch.setenv("ADAPTER_KEY", "sk-adapter-secret-1")
-    h, s = openai_session(fake_llm, tmp_path, api_key_env="ADAPTER_KEY", max_retries=0)
+    h, s = cases.openai_session(fake_llm, tmp_path, api_key_env="ADAPTER_KEY", max_retries=0)
     fake_llm.script(Reply(401, {"error": {"message": "bad key sk-adapter-secret-1"}}))
     with pytest.raises(TurnFailure) as failed:
         run(h.handle("hi", StepCtx(s, tmp_path)))
@@ -210,7 +184,7 @@ def test_a_provider_the_sdk_cannot_use_fails_the_turn_naming_the_key(fake_llm: F
 
 
 @pytest.mark.component
-def test_ctx_run_runs_as_the_bash_tool_under_its_rules(fake_llm: FakeLLM, tmp_path: Path) -> None:
+def test_ctx_run_runs_as_the_bash_tool_under_its_rules(fake_llm: FakeLLM, tmp_path: Path, cases: ModuleType) -> None:
     s = make_settings(fake_llm, tools=ToolsSettings(bash_timeout_secs=0.5), permissions=[
         PermissionRule(tool="bash", match="rm *", action="deny"),
         PermissionRule(tool="bash", match="sudo *", action="ask")])
@@ -229,56 +203,18 @@ def test_ctx_run_runs_as_the_bash_tool_under_its_rules(fake_llm: FakeLLM, tmp_pa
         run(off.run("true"))
 
 
-class _Tools(MessagesState):
-    log: Annotated[list[str], operator.add]
-
-
-ran_tools: list[str] = []
-
-
-@tool
-def lookup(q: str) -> str:
-    """Look q up."""
-    ran_tools.append(q)
-    return f"found {q}"
-
-
-def _tool_graph() -> Any:
-    def think(state: _Tools) -> dict[str, Any]:
-        if any(m.type == "tool" for m in state["messages"]):
-            return {"messages": [AIMessage("Found both.")]}
-        return {"messages": [AIMessage("", tool_calls=[{"name": "lookup", "args": {"q": "a"}, "id": "t1"},
-                                                       {"name": "lookup", "args": {"q": "b"}, "id": "t2"}])]}
-
-    def ask(state: _Tools) -> dict[str, Any]:
-        return {"log": [f"approved={interrupt({'tool': 'publish', 'what': 'the answer'})}"]}
-
-    def route(state: _Tools) -> str:
-        return "tools" if state["messages"][-1].tool_calls else "ask"
-
-    builder = StateGraph(_Tools)
-    builder.add_node("think", think)
-    builder.add_node("tools", ToolNode([lookup]))
-    builder.add_node("ask", ask)
-    builder.add_edge(START, "think")
-    builder.add_conditional_edges("think", route, ["tools", "ask"])
-    builder.add_edge("tools", "think")
-    builder.add_edge("ask", END)
-    return builder.compile()
-
-
 @pytest.mark.component
 def test_a_graphs_nodes_and_tool_calls_are_steps_and_an_interrupt_asks_the_clients(
-        fake_llm: FakeLLM, tmp_path: Path) -> None:
-    ran_tools.clear()
-    make = graph_handler(_tool_graph())
+        fake_llm: FakeLLM, tmp_path: Path, cases: ModuleType) -> None:
+    cases.ran_tools.clear()
+    make = cases.graph_handler(cases.tool_graph())
     s = make_settings(fake_llm)
     h = make(HandlerInit(session="s", settings=s, workspace=tmp_path))
     h.restore(None, [])
     ctx = StepCtx(s, tmp_path, answers=[False])
     result = run(h.handle("find a and b", ctx))
     assert result.reply == "Found both." and ctx.text == "Found both."
-    assert sorted(ran_tools) == ["a", "b"]
+    assert sorted(cases.ran_tools) == ["a", "b"]
     assert {k for k in ctx.journal if k.startswith("tool:")} == {"tool:lookup:t1", "tool:lookup:t2"}
     assert any(k.startswith("node:1:think:") for k in ctx.journal) and "ask:1" in ctx.journal
     assert ctx.asked == [("publish", {"tool": "publish", "what": "the answer"})]
@@ -287,11 +223,11 @@ def test_a_graphs_nodes_and_tool_calls_are_steps_and_an_interrupt_asks_the_clien
     restored.restore(None, [result.record])
     assert restored._values["log"] == ["approved=False"] and restored._values["messages"][-1].text == "Found both."
     # A resumed turn: every step journaled, nothing runs again.
-    ran_tools.clear()
+    cases.ran_tools.clear()
     again = make(HandlerInit(session="s", settings=s, workspace=tmp_path))
     replay = StepCtx(s, tmp_path, journal=ctx.journal)
     run(again.handle("find a and b", replay))
-    assert replay.ran == [] and ran_tools == [] and replay.asked == []
+    assert replay.ran == [] and cases.ran_tools == [] and replay.asked == []
 
 
 @pytest.mark.pure
@@ -311,13 +247,9 @@ def test_history_lists_the_tool_calls_of_a_record_of_responses_items() -> None:
 
 
 @pytest.mark.component
-def test_a_graph_past_agent_max_turns_ends_with_the_limit(fake_llm: FakeLLM, tmp_path: Path) -> None:
-    builder = StateGraph(_Tools)
-    builder.add_node("spin", lambda state: {"log": ["spin"]})
-    builder.add_edge(START, "spin")
-    builder.add_edge("spin", "spin")
+def test_a_graph_past_agent_max_turns_ends_with_the_limit(fake_llm: FakeLLM, tmp_path: Path, cases: ModuleType) -> None:
     s = make_settings(fake_llm, agent=AgentSettings(max_turns=3))
-    h = graph_handler(builder.compile())(HandlerInit(session="s", settings=s, workspace=tmp_path))
+    h = cases.graph_handler(cases.spin_graph())(HandlerInit(session="s", settings=s, workspace=tmp_path))
     h.restore(None, [])
     ctx = StepCtx(s, tmp_path)
     result = run(h.handle("go", ctx))
