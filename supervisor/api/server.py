@@ -437,7 +437,7 @@ class ClientConn:
             case op.Export(id=rid, session=sid):
                 cfg = mgr.config.daemon
                 limit = min(cfg.max_document_bytes, cfg.max_frame_bytes - 4096)
-                document = await transfer.export_document(mgr.get(sid, self.uid), limit)
+                document = await transfer.export_document(mgr.get(sid, self.uid), limit, mgr.budgets.spent)
                 return op.ExportReply(id=rid, session=sid, document=document)
             case op.Import(id=rid, document=document, session=sid):
                 session = await transfer.import_session(mgr, self.uid, document, sid)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
@@ -40,6 +41,7 @@ from msgspec import Meta as Bound
 
 from ipc import messages as m
 from ipc import operator as op
+from ipc.budget import SPEND_KEYS, total
 from supervisor.errors import BadRequest, Conflict, LimitError
 from supervisor.core.ledger import store_failure
 from supervisor.ops.logtag import tagged
@@ -97,6 +99,7 @@ class ExportedAbort(_Doc, tag="abort", tag_field="kind"):
     turn: _Turn
     reason: Annotated[str, Bound(max_length=65536)]
     record: bytes = b""
+    usage: _Usage = {}  # what its calls spent before it ended
 
 
 ExportedRecord = ExportedInput | ExportedCommit | ExportedAbort
@@ -116,6 +119,10 @@ class ExportDocument(_Doc):
     overrides: dict[Annotated[str, Bound(max_length=128)], Any] = {}
     created_at: Annotated[float, Bound(ge=0)] = 0.0
     exported_at: Annotated[float, Bound(ge=0)] = 0.0
+    # What the session spent, as the daemon's spend ledger counts it (its
+    # LLM calls as they began, killed ones included); None: not said (an
+    # older export, or one edited): see `spent_figures`.
+    spent: _Usage | None = None
     snapshot: ExportedSnapshot | None = None
     records: list[ExportedRecord] = []
 
@@ -229,13 +236,16 @@ def _tools(record: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 # ---------------------------------------------------------------- export
 
 
-async def export_document(session: Session, max_bytes: int) -> bytes:
-    """The session as an export document, at most `max_bytes` of it."""
+async def export_document(session: Session, max_bytes: int,
+                          spent: Callable[[Session], Mapping[str, int]]) -> bytes:
+    """The session as an export document, at most `max_bytes` of it;
+    `spent`: what the spend ledger says it spent (Budgets.spent)."""
     snap, records = await _read(session)
     meta = session.meta
     doc = ExportDocument(
         format=FORMAT, version=1, id=session.id, handler=meta.handler,
         overrides=dict(meta.overrides), created_at=meta.created_at, exported_at=time.time(),
+        spent=dict(spent(session)),
         snapshot=ExportedSnapshot(turns=snap.turns, handler_state=snap.handler_state, usage=snap.usage)
         if snap is not None else None,
     )
@@ -257,7 +267,8 @@ def _encode_export(doc: ExportDocument, records: list[Record], running: bool) ->
                 exported.append(ExportedCommit(turn=rec.turn, reply=rec.reply, record=rec.record,
                                                interrupted=rec.interrupted, usage=rec.usage))
             case Abort():
-                exported.append(ExportedAbort(turn=rec.turn, reason=rec.reason, record=rec.record))
+                exported.append(ExportedAbort(turn=rec.turn, reason=rec.reason, record=rec.record,
+                                              usage=rec.usage))
     if running and exported and isinstance(exported[-1], ExportedInput):
         exported.pop()  # the running turn: not part of the session's past yet
     doc.records = exported
@@ -317,11 +328,28 @@ def turn_records(doc: ExportDocument) -> tuple[list[Record], int]:
             out.append(Commit(turn=rec.turn, reply=rec.reply, record=rec.record,
                               interrupted=rec.interrupted, seq=seq, usage=dict(rec.usage)))
         else:
-            out.append(Abort(turn=rec.turn, reason=rec.reason, record=rec.record, seq=seq))
+            out.append(Abort(turn=rec.turn, reason=rec.reason, record=rec.record, seq=seq, usage=dict(rec.usage)))
     if open_turn is not None:
         seq += 1
         out.append(Abort(turn=open_turn, reason="the turn had not ended when it was exported", seq=seq))
     return out, turns
+
+
+def spent_figures(doc: ExportDocument) -> dict[str, int] | None:
+    """What an imported session counts as spent before its import: what
+    its document says, the larger of its `spent` and its turns' usage,
+    key by key; None (unknown, docs/limits.md "Budgets") when it says
+    nothing: no `spent` and no usage on any turn of a session that had
+    turns.  A figure is the document's word: a client may write any (the
+    uid's ceilings are the ledger's own count, which no document lowers)."""
+    usages = [doc.snapshot.usage] if doc.snapshot is not None else []
+    usages += [rec.usage for rec in doc.records if not isinstance(rec, ExportedInput)]
+    summed = total(*usages)
+    if doc.spent is None and not any(summed.values()):
+        had_turns = doc.records or (doc.snapshot is not None and doc.snapshot.turns)
+        return None if had_turns else {}
+    said = doc.spent or {}
+    return {k: v for k in SPEND_KEYS if (v := max(said.get(k, 0), summed.get(k, 0)))}
 
 
 def _decode_and_check(data: bytes) -> tuple[ExportDocument, list[Record], int]:
@@ -366,6 +394,7 @@ async def import_session(mgr: SessionManager, owner_uid: int, data: bytes, sessi
     except StoreError as exc:
         raise store_failure("", exc) from None
     try:
+        await mgr.budgets.imported(session_id, owner_uid, spent_figures(doc))
         snap = None
         if doc.snapshot is not None:
             snap = Snapshot(gen=0, meta=meta, turns=doc.snapshot.turns, seq=0,
@@ -382,6 +411,7 @@ async def import_session(mgr: SessionManager, owner_uid: int, data: bytes, sessi
     except BaseException as exc:
         store.close()
         mgr.store.remove(session_id)
+        mgr.budgets.forget(session_id)
         if isinstance(exc, StoreError):
             raise store_failure(f"session {session_id!r} could not be saved: ", exc) from None
         raise

@@ -107,7 +107,7 @@ class SessionManager:
         # through this manager, to parts it builds after the ledger.
         self.workspaces = Workspaces(current, state_dir, run_as, session_uids)
         self.events = EventLog(lambda: self.config.daemon, self.sessions, tracer)
-        self.budgets = Budgets(self.sessions, metrics)
+        self.budgets = Budgets(self.sessions, self.store.spend, metrics)
         self.ledger = TurnLedger(
             self.events,
             on_unsaved=lambda session, worker, why: self.workers.kill(session, worker, ExitReason.CRASHED, why),
@@ -131,8 +131,7 @@ class SessionManager:
         # What a session held by another daemon may have done to it (supervisor.cluster.fencing).
         self.holding = Holding(current, self.sessions, self.store, self.events, self.ledger, self.workers,
                                self.workspaces, self.settings_for, self.spawn_task, self.forget)
-        # How a stored session is opened at start: claimed (alone on the
-        # store), or only read (daemons sharing a database, supervisor.cluster.fronts).
+        # How a stored session is opened at start: claimed (alone), or read (supervisor.cluster.fronts).
         self._open_stored = open_stored or self.store.load
 
     @property
@@ -408,6 +407,7 @@ class SessionManager:
 
     def _unlink(self, session: Session) -> asyncio.Future[None]:
         self.forget(session)
+        self.budgets.forget(session.id)  # (its uid's total keeps what it spent)
         return session.store.remove_soon()  # behind its writes; `rm` is answered once it is done
 
     # ================================================================ requests

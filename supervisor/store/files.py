@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.store.journal import Journal
+from supervisor.store.spendfile import FileSpendBook
 from supervisor.store.replay import clear_damage_note, read_damage_note
 from supervisor.store.sessiondir import fsync_dir as _fsync_dir
 from supervisor.store.sessiondir import log_gens as _log_gens
@@ -589,6 +590,15 @@ class FileStateStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._journal: Journal | None = None
+        self._spend: FileSpendBook | None = None
+
+    @property
+    def spend(self) -> FileSpendBook:
+        """The spend ledger (supervisor.store.spendfile), opened at first use."""
+        if self._spend is None:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._spend = FileSpendBook(self.root)
+        return self._spend
 
     @property
     def journal(self) -> Journal:
@@ -606,6 +616,9 @@ class FileStateStore:
         if self._journal is not None:
             self._journal.close()
             self._journal = None
+        if self._spend is not None:
+            self._spend.close()
+            self._spend = None
 
     def load(self, session_id: str) -> tuple[SessionStore, LoadedSession]:
         path = self.root / session_id

@@ -4,6 +4,7 @@
     ├── create(meta)           -> SessionLog   (a new session, fenced)
     ├── load(id)               -> (SessionLog, LoadedSession)   (fenced)
     ├── ids() / remove(id) / repair(id, mode)
+    ├── spend                  -> SpendBook   (the spend ledger: supervisor.store.spend)
     SessionLog                 one per session, held by its one writer
     ├── append(record, durable) / sync() / sync_soon() / make_durable(_soon)()
     ├── write_snapshot(snap) / write_snapshot_soon(snap)
@@ -64,6 +65,7 @@ import msgspec
 # cluster code that import them from this seam.
 from supervisor.errors import Fenced, HeldElsewhere, IdTaken, StoreDamaged, StoreError, StoreFull
 from supervisor.ops.logtag import tagged
+from supervisor.store.spend import SpendBook
 
 _T = TypeVar("_T")
 
@@ -407,6 +409,12 @@ class StateStore(Protocol):
 
     def repair(self, session_id: str, mode: RepairMode) -> RepairResult:
         """Rewrite a damaged session atomically so that it loads again."""
+        ...
+
+    @property
+    def spend(self) -> SpendBook:
+        """What each session and uid spent on LLM calls (supervisor.store.spend):
+        apart from the sessions, so that it outlives their removal."""
         ...
 
     def close(self) -> None:
