@@ -676,7 +676,7 @@ def run_worker(sock: socket.socket, warm_up: bool = False) -> int:
     try:
         booted = boot(first)
     except Exception as exc:
-        log.debug("boot failed:\n%s", traceback.format_exc())
+        log.debug("boot failed", exc_info=True)
         link.send(m.BootFailed(reason=f"{type(exc).__name__}: {exc}"))
         return EXIT_BOOT_FAILED
     uses_steps = bool(getattr(booted.handler, "uses_steps", False))

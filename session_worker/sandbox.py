@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from ipc import messages as m
+from ipc.logfields import escape
 from ipc.settings import SessionSettings
 from session_worker import _seccomp, _spawn
 from session_worker.errors import CommandError, OrderNotSent, SandboxError
@@ -579,12 +580,6 @@ class _HostErrors:
             log.warning("tool host: %d lines dropped (at most %d per session reach the log)",
                         self._dropped - self._noted, _LOG_LINES)
             self._noted = self._dropped
-
-
-def escape(text: str) -> str:
-    """`text` with every non-printable character (newlines, carriage
-    returns, terminal escapes) written out as its escape sequence."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def host_environment(plan: Plan) -> dict[str, str]:

@@ -49,6 +49,7 @@ from session_worker import _spawn, sandbox
 from session_worker.agent._bash import OutputCap, kill_tree, tool_environment
 from session_worker.agent._errors import McpServerError, ToolError
 from session_worker.errors import SandboxError
+from ipc.logfields import escape
 from ipc.settings import McpServer
 
 __all__ = ["ListedTool", "McpConnection", "render_result"]
@@ -459,7 +460,7 @@ class _CappedStream(httpx2.AsyncByteStream):
 
 def _quote(data: bytes, *, last: bool = False) -> str:
     """Bytes of the server's, shown escaped: the first (or `last`) 300 characters."""
-    text = sandbox.escape(data.decode("utf-8", "replace").strip())
+    text = escape(data.decode("utf-8", "replace").strip())
     if len(text) > 300:
         text = "..." + text[-300:] if last else text[:300] + "..."
     return f'"{text}"'

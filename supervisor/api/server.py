@@ -48,6 +48,7 @@ from ipc import messages as m
 from ipc import operator as op
 from ipc.connection import FramedProtocol, SharedBudget
 from ipc.errors import FrameTimeout, FrameTooLarge, OverBudget, ProtocolError
+from ipc.logfields import escape
 from supervisor import __version__
 from supervisor.api import peer, transfer
 from supervisor.api.accept import Acceptor
@@ -660,6 +661,4 @@ def _no_reload() -> op.ReloadReply:
 def _printable(name: str) -> str:
     """A client-chosen name made safe for one log line: bounded, and with
     control characters (newlines above all) escaped."""
-    cut = name[:_CLIENT_NAME_CHARS]
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
-    return text + ("..." if len(name) > _CLIENT_NAME_CHARS else "")
+    return escape(name[:_CLIENT_NAME_CHARS]) + ("..." if len(name) > _CLIENT_NAME_CHARS else "")
