@@ -645,8 +645,9 @@ class _SessionTag(logging.Filter):
 
 
 def _name_process(session: str) -> None:
-    """`ps` shows `sessiond: worker ID`, and the log lines carry the id."""
-    setproctitle.setproctitle(f"sessiond: worker {session}")
+    """The log lines carry the id; `ps` shows `sessiond: worker (booted)`,
+    not the id: other users see every process's title (docs/security.md)."""
+    setproctitle.setproctitle("sessiond: worker (booted)")
     tag = _SessionTag(session)
     for handler in logging.getLogger().handlers:
         handler.addFilter(tag)
