@@ -335,7 +335,9 @@ class ClientConn:
             reply = await self._handle_later(msg, trace)
         except Exception as exc:
             reply = self._error_reply(msg, exc)
-        if reply is not None:
+        if isinstance(reply, transfer.Encoded):  # (a large reply, encoded off the loop)
+            self.proto.send_frame(reply.frame)
+        elif reply is not None:
             self.proto.send(reply)
         if self.proto.is_closed:
             self.server.manager.detach(self)  # a `send` that subscribed a client gone meanwhile
@@ -434,12 +436,12 @@ class ClientConn:
             case op.History(id=rid, session=sid, limit=limit):
                 reply = await transfer.history(mgr.get(sid, self.uid), limit)
                 reply.id = rid
-                return reply
+                return await transfer.encoded(reply)
             case op.Export(id=rid, session=sid):
                 cfg = mgr.config.daemon
                 limit = min(cfg.max_document_bytes, cfg.max_frame_bytes - 4096)
                 document = await transfer.export_document(mgr.get(sid, self.uid), limit, mgr.budgets.spent)
-                return op.ExportReply(id=rid, session=sid, document=document)
+                return await transfer.encoded(op.ExportReply(id=rid, session=sid, document=document))
             case op.Import(id=rid, document=document, session=sid):
                 session = await transfer.import_session(mgr, self.uid, document, sid)
                 return m.Created(id=rid, session=mgr.info(session, with_rss=False))

@@ -103,8 +103,11 @@ __all__ = [
 # ---------------------------------------------------------------- records
 
 
-class _Rec(msgspec.Struct, tag_field="r", omit_defaults=True, kw_only=True):
-    pass
+class _Rec(msgspec.Struct, tag_field="r", omit_defaults=True, kw_only=True, gc=False):
+    """Records are data, never part of a cycle: untracked by the cyclic
+    collector (`gc=False`, inherited), so reading back a long log (an
+    export, a history, an import's replay) does not set off full
+    collections that hold the GIL for tens of ms (ipc.messages does the same)."""
 
 
 class Meta(_Rec, tag="meta"):
