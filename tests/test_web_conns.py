@@ -57,7 +57,8 @@ def _half_open(port: int) -> socket.socket:
     return s
 
 
-def _closed(s: socket.socket) -> bool:
+def closed_by_peer(s: socket.socket) -> bool:
+    """Whether the other end closed `s` (polled: False while it is open)."""
     s.settimeout(0.05)
     try:
         return s.recv(1) == b""
@@ -70,7 +71,7 @@ def _closed(s: socket.socket) -> bool:
 def test_a_head_not_in_by_its_deadline_is_closed(quick: int) -> None:
     silent = socket.create_connection(("127.0.0.1", quick))  # not a byte
     trickle = _half_open(quick)
-    wait_for(lambda: _closed(silent) and _closed(trickle), 10, "both closed at their deadline")
+    wait_for(lambda: closed_by_peer(silent) and closed_by_peer(trickle), 10, "both closed at their deadline")
     # A kept-alive connection whose next head never ends: closed as well.
     with httpx.Client() as client:
         assert client.get(f"http://127.0.0.1:{quick}/").text == "ok"
@@ -79,15 +80,15 @@ def test_a_head_not_in_by_its_deadline_is_closed(quick: int) -> None:
     s.settimeout(5)
     assert s.recv(4096).startswith(b"HTTP/1.1 200")
     s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
-    wait_for(lambda: _closed(s), 10, "the second head's deadline")
+    wait_for(lambda: closed_by_peer(s), 10, "the second head's deadline")
     for sock in (silent, trickle, s):
         sock.close()
 
 
 def test_past_the_cap_the_longest_waiting_is_closed_and_requests_still_pass(capped: int) -> None:
     held = [_half_open(capped) for _ in range(5)]
-    wait_for(lambda: _closed(held[0]) and _closed(held[1]), 10, "the two oldest closed")
-    assert not any(_closed(s) for s in held[2:])
+    wait_for(lambda: closed_by_peer(held[0]) and closed_by_peer(held[1]), 10, "the two oldest closed")
+    assert not any(closed_by_peer(s) for s in held[2:])
     assert httpx.get(f"http://127.0.0.1:{capped}/", timeout=10).text == "ok"
     for s in held:
         s.close()

@@ -422,6 +422,7 @@ def test_half_open_connections_are_bounded_and_a_refused_path_is_escaped(console
     import socket
 
     from supervisor.ctl.web.conns import MAX_WAITING_HEADS
+    from test_web_conns import closed_by_peer
 
     extra = 4
     held = []
@@ -430,16 +431,7 @@ def test_half_open_connections_are_bounded_and_a_refused_path_is_escaped(console
         s.sendall(f"GET /?token=x HTTP/1.1\r\nHost: 127.0.0.1:{console.port}\r\n".encode())  # no end
         held.append(s)
     try:
-        def closed(s: socket.socket) -> bool:
-            s.settimeout(0.05)
-            try:
-                return s.recv(1) == b""
-            except TimeoutError:
-                return False
-            except ConnectionResetError:
-                return True
-
-        wait_for(lambda: all(closed(s) for s in held[:extra]), 10, "the oldest half-open connections closed")
+        wait_for(lambda: all(closed_by_peer(s) for s in held[:extra]), 10, "the oldest half-open connections closed")
         assert httpx.get(console.url, timeout=10).status_code == 200
     finally:
         for s in held:
