@@ -40,7 +40,6 @@ from ipc import messages as m
 from ipc.budget import SPEND_KEYS, first_reached_at, spend_of, standings_at, total
 from ipc.settings import BudgetSettings
 from supervisor.core.session import Session
-from supervisor.ops.logtag import tagged
 from supervisor.ops.metrics import NO_METRICS, Recorder
 from supervisor.store.spend import Book, Charge, Entry, SpendBook, fold
 
@@ -72,8 +71,8 @@ class _Volatile:
     def read(self) -> Book:
         return Book()
 
-    def write(self, charges: list[Charge]) -> asyncio.Future[None]:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    def write(self, charges: list[Charge]) -> asyncio.Future[Book | None]:
+        fut: asyncio.Future[Book | None] = asyncio.get_running_loop().create_future()
         fut.set_result(None)
         return fut
 
@@ -189,7 +188,7 @@ class Budgets:
         session.turn_spend = total(before, {"llm_calls": 1})
         written = self._moved(session, before)
 
-        def answer(fut: asyncio.Future[None]) -> None:
+        def answer(fut: asyncio.Future[Book | None]) -> None:
             if session.worker is not worker:
                 return  # (it died meanwhile: the call is counted, never made)
             exc = None if fut.cancelled() else fut.exception()
@@ -209,12 +208,12 @@ class Budgets:
     def turn_over(self, session: Session) -> None:
         session.turn_spend = {}
 
-    def _moved(self, session: Session, before: Mapping[str, int]) -> asyncio.Future[None]:
+    def _moved(self, session: Session, before: Mapping[str, int]) -> asyncio.Future[Book | None]:
         """The running turn's spend grew from `before`: charge the ledger,
         and tell the uid's other running turns, whose uid ceilings it moves."""
         delta = _less(session.turn_spend, before)
         if not delta:
-            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done: asyncio.Future[Book | None] = asyncio.get_running_loop().create_future()
             done.set_result(None)
             return done
         written = self._write(Charge(session=session.id, uid=session.meta.owner_uid, add=delta,
@@ -232,7 +231,8 @@ class Budgets:
 
     # ---------------------------------------------------------------- sessions coming and going
 
-    def imported(self, session_id: str, uid: int, figures: Mapping[str, int] | None) -> asyncio.Future[None]:
+    def imported(self, session_id: str, uid: int,
+                 figures: Mapping[str, int] | None) -> asyncio.Future[Book | None]:
         """An imported session's entry: what its document says it spent, or
         `unknown` (None).  Its uid is not charged: that spend was made
         elsewhere, or is in the uid's total already.  Any entry the id had
@@ -243,22 +243,32 @@ class Budgets:
         for charge in charges:
             fold(self._book, charge)
         charges, self._seeds = [*self._seeds, *charges], []
-        return self._store.write(charges)
+        written = self._store.write(charges)
+        written.add_done_callback(self._written)
+        return written
 
     def forget(self, session_id: str) -> None:
         """The session is removed: its entry goes; its uid's total keeps it."""
         self._write(Charge(session=session_id, drop=True))
 
-    def _write(self, charge: Charge) -> asyncio.Future[None]:
+    def _write(self, charge: Charge) -> asyncio.Future[Book | None]:
         fold(self._book, charge)
         written = self._store.write([*self._seeds, charge])
         self._seeds = []
-        sid = charge.session
-
-        def failed(fut: asyncio.Future[None]) -> None:
-            if not fut.cancelled() and (exc := fut.exception()) is not None:
-                tagged(log, sid).error("the spend ledger could not be written: %s (the daemon's figures "
-                                       "keep the charge; a restart would not)", exc)
-
-        written.add_done_callback(failed)
+        written.add_done_callback(self._written)
         return written
+
+    def _written(self, fut: asyncio.Future[Book | None]) -> None:
+        if fut.cancelled():
+            return
+        if (exc := fut.exception()) is not None:
+            log.error("the spend ledger could not be written: %s (the daemon's figures keep the charge; "
+                      "a restart would not)", exc)
+            return
+        # Daemons sharing the store: what the others charged these uids too.
+        # The larger figure of each (ours may hold charges still on their way).
+        fresh = fut.result()
+        for uid, spent in (fresh.uids.items() if fresh is not None else ()):
+            mine = self._book.uids.setdefault(uid, {})
+            for key, value in spent.items():
+                mine[key] = max(mine.get(key, 0), value)

@@ -152,9 +152,9 @@ class MemorySpendBook:
     def read(self) -> Book:
         return copy_book(self.book)
 
-    def write(self, charges: list[Charge]) -> asyncio.Future[None]:
+    def write(self, charges: list[Charge]) -> asyncio.Future[Book | None]:
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
+        fut: asyncio.Future[Book | None] = loop.create_future()
 
         def done() -> None:
             if self._owner.flush_error is not None:

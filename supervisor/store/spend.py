@@ -115,11 +115,12 @@ class SpendBook(Protocol):
         """Every principal, as last made durable (at start; a copy)."""
         ...
 
-    def write(self, charges: list[Charge]) -> asyncio.Future[None]:
+    def write(self, charges: list[Charge]) -> asyncio.Future[Book | None]:
         """Apply `charges`, in order, after every earlier write; the future
         completes once they are durable, or fails with `StoreError` (then
-        none of them is kept, and no later write is either until one
-        succeeds: a store keeps its charges in order)."""
+        none of them is kept).  Its result: None, or, from a store that
+        daemons share, the principals the charges named as the store holds
+        them now (other daemons' charges to the same uid included)."""
         ...
 
     def close(self) -> None:

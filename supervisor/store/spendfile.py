@@ -37,19 +37,19 @@ FILE_NAME = ".spend"
 
 class BookWriter:
     """One thread that hands batches of charges to `persist`, in order,
-    and completes each write's future on its loop.  `persist` raises
-    `StoreError` for a batch that is not durable."""
+    and completes each write's future on its loop with what it returns.
+    `persist` raises `StoreError` for a batch that is not durable."""
 
-    def __init__(self, persist: Callable[[list[Charge]], None], name: str) -> None:
+    def __init__(self, persist: Callable[[list[Charge]], Book | None], name: str) -> None:
         self._persist = persist
         self._cond = threading.Condition()
-        self._pending: list[tuple[list[Charge], asyncio.Future[None]]] = []
+        self._pending: list[tuple[list[Charge], asyncio.Future[Book | None]]] = []
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def write(self, charges: list[Charge]) -> asyncio.Future[None]:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    def write(self, charges: list[Charge]) -> asyncio.Future[Book | None]:
+        fut: asyncio.Future[Book | None] = asyncio.get_running_loop().create_future()
         with self._cond:
             if self._closed:
                 fut.set_exception(StoreError("the spend ledger is closed"))
@@ -73,20 +73,21 @@ class BookWriter:
                 if not batch and self._closed:
                     return
             error: StoreError | None = None
+            result: Book | None = None
             try:
-                self._persist([c for charges, _ in batch for c in charges])
+                result = self._persist([c for charges, _ in batch for c in charges])
             except StoreError as exc:
                 error = exc
             for _, fut in batch:
-                _settle_soon(fut, error)
+                _settle_soon(fut, result, error)
 
 
-def _settle_soon(fut: asyncio.Future[None], error: StoreError | None) -> None:
+def _settle_soon(fut: asyncio.Future[Book | None], result: Book | None, error: StoreError | None) -> None:
     def settle() -> None:
         if fut.done():
             return
         if error is None:
-            fut.set_result(None)
+            fut.set_result(result)
         else:
             fut.set_exception(error)
 
@@ -129,7 +130,7 @@ class FileSpendBook:
         with self._lock:
             return copy_book(self._book)
 
-    def write(self, charges: list[Charge]) -> asyncio.Future[None]:
+    def write(self, charges: list[Charge]) -> asyncio.Future[Book | None]:
         return self._writer.write(charges)
 
     def close(self) -> None:
@@ -137,7 +138,7 @@ class FileSpendBook:
         os.close(self._fd)
 
     def _persist(self, charges: list[Charge]) -> None:
-        """(On the writer thread.)"""
+        """(On the writer thread.)  The one writer of its file: nothing fresher to say."""
         data = b"".join(frame(c) for c in charges)
         try:
             write_all(self._fd, data)

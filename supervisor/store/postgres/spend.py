@@ -7,7 +7,8 @@ as the file store's) with a connection of its own applies each batch of
 charges in one transaction: the rows it names are made to exist, locked
 in a fixed order (`FOR UPDATE`, so that daemons sharing the database
 charge one uid's row one after the other and never deadlock), folded
-(supervisor.store.spend.fold, as every store) and written back.  The
+(supervisor.store.spend.fold, as every store) and written back; the write
+answers with them, so a daemon learns what the others charged its uids.  The
 server's COMMIT waits for its WAL flush, so a completed write is durable.
 A connection lost mid-commit is retried (`PgLink.run`): a charge whose
 commit did land is then counted twice, which errs high, never low.
@@ -71,20 +72,21 @@ class PgSpendBook:
 
         return self._loop_link.run(op, "the spend ledger")
 
-    def write(self, charges: list[Charge]) -> asyncio.Future[None]:
+    def write(self, charges: list[Charge]) -> asyncio.Future[Book | None]:
         return self._writer.write(charges)
 
     def close(self) -> None:
         self._writer.close()
         self._link.close()
 
-    def _persist(self, charges: list[Charge]) -> None:
-        """(On the writer thread.)"""
+    def _persist(self, charges: list[Charge]) -> Book | None:
+        """(On the writer thread.)  Returns the principals charged as the
+        table holds them now: other daemons' charges to a uid included."""
         principals = sorted({key for c in charges for key in _key(c)})
         if not principals:
-            return
+            return None
 
-        def op(cur: psycopg.Cursor[Any]) -> None:
+        def op(cur: psycopg.Cursor[Any]) -> Book:
             with self._link.conn.transaction():
                 cur.execute("INSERT INTO sessiond_spend (principal) SELECT unnest(%s::text[]) "
                             "ON CONFLICT DO NOTHING", (principals,))
@@ -100,5 +102,6 @@ class PgSpendBook:
                                 [(data, principal) for principal, data in _rows(book, principals)])
                 cur.execute("DELETE FROM sessiond_spend WHERE principal = ANY(%s) AND entry IS NULL",
                             (principals,))
+            return book
 
-        self._link.run(op, "the spend ledger")
+        return self._link.run(op, "the spend ledger")
