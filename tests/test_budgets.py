@@ -22,6 +22,7 @@ from supervisor.core.overrides import OverrideError, resolve_overrides
 from ipc.settings import SessionSettings
 from test_agent_e2e import agent_config
 from test_agent_support import AgentSettings, FakeCtx, make_handler, make_settings, run
+from harness import wait_for
 from test_metrics import parse, tcp_metrics_url, value
 
 __all__ = ["fake_llm"]
@@ -259,6 +260,36 @@ def test_workers_killed_during_llm_calls_never_push_requests_past_a_ceiling(make
         assert isinstance(last, m.TurnDone) and "session_max_llm_calls" in last.reply, last
         assert kills == 10
         assert other.status(sid).budget["spent"]["llm_calls"] == 10
+
+
+@pytest.mark.process
+def test_a_daemon_killed_during_an_llm_call_has_counted_it(make_daemon, llm: FakeLLM,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`session_max_llm_calls = 2`: the first call's worker is SIGKILLed,
+    then the daemon itself during the second call.  Both were counted as
+    they began: the turn the restarted daemon resumes makes no third."""
+    monkeypatch.setenv("SESSIOND_TEST_KEY", "sk-test")
+    d = make_daemon(agent_config(llm, "[agent.budget]\nsession_max_llm_calls = 2\n"))
+    answered = iter([Stream([chunk({"content": "x"}), Hang()]), Stream([chunk({"content": "x"}), Hang()])])
+    llm.respond = lambda body: next(answered, text_stream("a third call"))
+    with d.client() as c, d.client() as other:
+        sid = c.create().id
+        deltas = 0
+        for ev in c.send(sid, "go"):
+            if isinstance(ev, m.TextDelta) and ev.text == "x":
+                deltas += 1
+                if deltas == 1:
+                    pid = other.status(sid).pid
+                    assert pid, "a call in flight and no worker?"
+                    os.kill(pid, signal.SIGKILL)
+                else:
+                    break
+    d.kill()  # during the second call
+    d.start()
+    with d.client() as c:
+        wait_for(lambda: c.status(sid).state == "idle", 15, f"the resumed turn ended: {c.status(sid)}")
+        assert c.status(sid).budget["spent"]["llm_calls"] == 2
+    assert len(llm.requests) == 2, f"the provider received {len(llm.requests)} requests"
 
 
 def _strip_figures(document: bytes) -> bytes:
