@@ -16,6 +16,14 @@ Spend is a dict in the usage's own names (`prompt_tokens`,
     uid_others  every other session of the same owner uid: their turns and
                 their running turns' calls so far, as the daemon last saw them
 
+That is how a worker sees them (`first_reached`, with the figures its turn
+was handed).  The daemon, which counts each call as it begins in its spend
+ledger (supervisor.store.spend), holds the totals themselves: the
+session's, the running turn's included, and its uid's, every session it
+ever had included (`first_reached_at`); and it may not know what an
+imported session spent before (`unknown`): then each `session_` ceiling
+set counts as reached.
+
 A ceiling is reached when what counts against it is at or above it: the
 next call is not made.
 """
@@ -27,7 +35,8 @@ from dataclasses import dataclass
 
 from ipc.settings import BudgetSettings
 
-__all__ = ["MEASURES", "SPEND_KEYS", "Standing", "first_reached", "spend_of", "standings", "total"]
+__all__ = ["MEASURES", "SPEND_KEYS", "Standing", "first_reached", "first_reached_at", "spend_of", "standings",
+           "standings_at", "total"]
 
 # (measure in the ceiling's name, key in a spend dict, unit), in the order
 # the ceilings are checked and shown.
@@ -50,16 +59,26 @@ class Standing:
     used: int
     limit: int
     unit: str  # "tokens" or "LLM calls"
+    # A session ceiling of a session imported without its figures: what
+    # it spent before is not known, so the ceiling counts as reached.
+    unknown: bool = False
 
     @property
     def reached(self) -> bool:
-        return self.used >= self.limit
+        return self.unknown or self.used >= self.limit
 
     def describe(self) -> str:
+        if self.unknown:
+            return (f"{self.ceiling} = {self.limit} {self.unit}: {self.used} {self.unit} spent since an "
+                    "import whose document did not say what the session spent before")
         return f"{self.ceiling} = {self.limit} {self.unit}: {self.used} {self.unit} spent"
 
-    def as_json(self) -> dict[str, int | str]:
-        return {"ceiling": self.ceiling, "used": self.used, "limit": self.limit, "unit": self.unit}
+    def as_json(self) -> dict[str, int | str | bool]:
+        out: dict[str, int | str | bool] = {"ceiling": self.ceiling, "used": self.used, "limit": self.limit,
+                                            "unit": self.unit}
+        if self.unknown:
+            out["unknown"] = True
+        return out
 
 
 def total(*spends: Mapping[str, int]) -> dict[str, int]:
@@ -78,17 +97,21 @@ def spend_of(spend: Mapping[str, int]) -> dict[str, int]:
 def standings(budget: BudgetSettings, turn: Mapping[str, int], session: Mapping[str, int],
               uid_others: Mapping[str, int]) -> list[Standing]:
     """Every ceiling `budget` sets, against the spends above."""
-    spent = {
-        "turn": turn,
-        "session": total(session, turn),
-        "uid": total(uid_others, session, turn),
-    }
+    return standings_at(budget, turn, total(session, turn), total(uid_others, session, turn))
+
+
+def standings_at(budget: BudgetSettings, turn: Mapping[str, int], session: Mapping[str, int],
+                 uid: Mapping[str, int], unknown: bool = False) -> list[Standing]:
+    """Every ceiling `budget` sets, against the totals of each scope (the
+    daemon's: `session` and `uid` include the running turn)."""
+    spent = {"turn": turn, "session": session, "uid": uid}
     out = []
     for scope in _SCOPES:
         for measure, key, unit in MEASURES:
             limit = getattr(budget, f"{scope}_max_{measure}", None)
             if limit is not None:
-                out.append(Standing(f"{_PREFIX}{scope}_max_{measure}", spent[scope].get(key, 0), limit, unit))
+                out.append(Standing(f"{_PREFIX}{scope}_max_{measure}", spent[scope].get(key, 0), limit, unit,
+                                    unknown and scope == "session"))
     return out
 
 
@@ -97,3 +120,9 @@ def first_reached(budget: BudgetSettings, turn: Mapping[str, int], session: Mapp
     """The first ceiling reached (turn, then session, then uid), or None:
     the next LLM call may be made."""
     return next((s for s in standings(budget, turn, session, uid_others) if s.reached), None)
+
+
+def first_reached_at(budget: BudgetSettings, turn: Mapping[str, int], session: Mapping[str, int],
+                     uid: Mapping[str, int], unknown: bool = False) -> Standing | None:
+    """`first_reached` against the daemon's totals (`standings_at`)."""
+    return next((s for s in standings_at(budget, turn, session, uid, unknown) if s.reached), None)

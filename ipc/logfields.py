@@ -48,8 +48,8 @@ import struct
 import sys
 
 __all__ = ["FORMAT_ENV", "JOURNAL_SOCKET", "SOCKET_ENV", "JournalHandler", "JsonFormatter", "PriorityFormatter",
-           "configure_zygote",
-           "encode_entry", "journal_socket", "on_journal", "record_fields", "syslog_priority"]
+           "TextFormatter", "configure_zygote",
+           "encode_entry", "escape", "journal_socket", "on_journal", "record_fields", "syslog_priority"]
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 SOCKET_ENV = "SESSIOND_JOURNAL_SOCKET"
@@ -222,7 +222,40 @@ def configure_zygote(fmt: str) -> bool:
     return True
 
 
-class PriorityFormatter(logging.Formatter):
+def escape(text: str) -> str:
+    """`text` with every non-printable character (newlines, carriage
+    returns, terminal escapes) written out as its escape sequence: what a
+    client, a handler or a tool wrote, made one harmless piece of a line.
+    The one escaping function of every process (text logs, the tool
+    host's lines, the web console's)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+# Starts every line of a record after its first (a traceback's): no line
+# that text inside a record makes can read as a record of its own.
+CONTINUED = "  | "
+
+
+class TextFormatter(logging.Formatter):
+    """Log lines as text (a terminal, a file, journald's stream): the
+    message escaped to one line, a traceback (or stack) as a block whose
+    every line starts with `CONTINUED` and is escaped too.  A reason or an
+    exception that quotes its input (a handler's, a client's) cannot forge
+    a line of the log, nor write terminal escapes to it."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.message = escape(record.getMessage())
+        if self.usesTime():
+            record.asctime = self.formatTime(record, self.datefmt)
+        lines = [self.formatMessage(record)]
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        for block in (record.exc_text or "", self.formatStack(record.stack_info) if record.stack_info else ""):
+            lines += [CONTINUED + escape(line) for line in block.splitlines()]
+        return "\n".join(lines)
+
+
+class PriorityFormatter(TextFormatter):
     """`<N>` before each line, for the journal's stream (sd-daemon(3)): every
     line of a traceback too, or `journalctl -p err` would miss them."""
 

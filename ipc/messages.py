@@ -31,7 +31,7 @@ from ipc.wirebase import Msg
 # The worker link's messages, defined by link in ipc.worker_wire; named here
 # too (`m.Boot`), the one face every side imports.
 from ipc.worker_wire import (
-    AskPermission, Boot, BootFailed, BudgetUpdate, Delta, Done, Failed, FromWorker, Heartbeat, Input,
+    AskPermission, Boot, BootFailed, BudgetUpdate, CallCleared, Delta, Done, Failed, FromWorker, Heartbeat, Input,
     InterruptTurn, MemoryHigh, PermissionAnswer, Ready, Reconfigure, Resumed, SandboxBoot, Shutdown, SpanEvent,
     SpanRecord, SpawnAgent, SpawnResult, Spent, StepBegun, StepDone, StepInFlight, StepResult, StepSaved,
     ToWorker, WorkerLimit, WorkerNotice, WorkerPing, WorkerPong, WorkerReasoning, WorkerSpans,
@@ -51,7 +51,7 @@ __all__ = [
     # daemon <-> worker (defined in ipc.worker_wire)
     "Boot", "SandboxBoot", "Input", "InterruptTurn", "WorkerPing", "Shutdown", "PermissionAnswer",
     "SpawnResult", "MemoryHigh", "Reconfigure", "StepResult", "StepInFlight", "Resumed", "StepSaved",
-    "BudgetUpdate", "ToWorker",
+    "BudgetUpdate", "CallCleared", "ToWorker",
     "Ready", "BootFailed", "Delta", "WorkerReasoning", "WorkerNotice", "WorkerLimit", "Spent", "Done", "Failed",
     "Heartbeat", "WorkerPong", "AskPermission", "SpawnAgent", "StepBegun", "StepDone", "SpanEvent",
     "SpanRecord", "WorkerSpans", "FromWorker",

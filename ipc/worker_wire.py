@@ -24,7 +24,7 @@ __all__ = [
     "StepResult", "StepInFlight", "Resumed", "SpanEvent", "SpanRecord",
     # daemon -> worker
     "Boot", "SandboxBoot", "Input", "InterruptTurn", "WorkerPing", "Shutdown", "PermissionAnswer",
-    "SpawnResult", "MemoryHigh", "Reconfigure", "StepSaved", "BudgetUpdate", "ToWorker",
+    "SpawnResult", "MemoryHigh", "Reconfigure", "StepSaved", "BudgetUpdate", "CallCleared", "ToWorker",
     # worker -> daemon
     "Ready", "BootFailed", "Delta", "WorkerReasoning", "WorkerNotice", "WorkerLimit", "Spent", "Done",
     "Failed", "Heartbeat", "WorkerPong", "AskPermission", "SpawnAgent", "StepBegun", "StepDone",
@@ -200,9 +200,25 @@ class Reconfigure(Msg, tag="reconfigure"):
     settings: bytes  # msgpack of session_worker.settings.SessionSettings
 
 
+class CallCleared(Msg, tag="call_cleared"):
+    """The answer to a `Spent` with a `request_id`: the call is counted and
+    may be made (no `ceiling`, no `error`); or a ceiling leaves no room
+    for it (as `LimitExceeded`'s fields; `unknown`: a session ceiling of a
+    session imported without its figures); or it could not be counted
+    (`error`: the ledger could not be written) and is not made."""
+
+    request_id: str
+    ceiling: str = ""
+    used: int = 0
+    limit: int = 0
+    unit: str = ""
+    unknown: bool = False
+    error: str = ""
+
+
 ToWorker = (
     Boot | Input | InterruptTurn | WorkerPing | Shutdown | PermissionAnswer | SpawnResult
-    | MemoryHigh | Reconfigure | StepSaved | BudgetUpdate
+    | MemoryHigh | Reconfigure | StepSaved | BudgetUpdate | CallCleared
 )
 
 
@@ -252,10 +268,16 @@ class Spent(Msg, tag="spent"):
     """After each LLM call: what the running turn spent so far (usage keys
     plus `llm_calls`; cumulative, so a repeat or a resumed turn's replay
     never counts twice).  The daemon counts it against the uid's ceilings
-    at once, and, should the turn not commit, into the session's."""
+    at once, and, should the turn not commit, into the session's.
+
+    With `request_id`: an LLM call is about to be made (`spend` unused).
+    The daemon checks the ceilings, counts the call in its spend ledger
+    durably and answers `CallCleared`; the request goes out only then, so
+    a worker killed during the call has already paid for it."""
 
     turn: int
     spend: dict[str, int] = {}
+    request_id: str = ""
 
 
 class Done(Msg, tag="done"):

@@ -34,6 +34,8 @@ Conversation with the worker, JSON over a SEQPACKET socket (fd FD):
     host  -> {"ready": true, "applied": [...], "skipped": {...}}
     worker-> {"op": "run", "id": N, "argv": [...], "cwd": ..., "env": {...}}
              + the write end of the output pipe (SCM_RIGHTS)
+             (with "stdin": true, a second descriptor: the command's stdin,
+             which holds the bash tool's command: never in an argv)
              (with "stdio": true, three descriptors instead: the command's
              stdin, stdout and stderr: a server the worker talks to, MCP's)
     host  -> {"id": N, "pid": P} | {"id": N, "error": "..."}
@@ -245,11 +247,12 @@ def _start(order: Config, fds: list[int]) -> int:
             raise OSError("a stdio command needs its stdin, stdout and stderr")
         actions = [(os.POSIX_SPAWN_DUP2, fd, n) for n, fd in enumerate(fds)]
     else:
-        actions = [
-            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-            (os.POSIX_SPAWN_DUP2, fds[0], 1),
-            (os.POSIX_SPAWN_DUP2, fds[0], 2),
-        ]
+        stdin: tuple[Any, ...] = (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)
+        if order.get("stdin"):
+            if len(fds) != 2:
+                raise OSError("a command with a stdin needs its output and its stdin")
+            stdin = (os.POSIX_SPAWN_DUP2, fds[1], 0)
+        actions = [stdin, (os.POSIX_SPAWN_DUP2, fds[0], 1), (os.POSIX_SPAWN_DUP2, fds[0], 2)]
     # A stdio server's argv[0] is looked up on the host's PATH (posix_spawnp):
     # an operator names an MCP server as a shell would.
     spawn = os.posix_spawnp if order.get("stdio") else os.posix_spawn

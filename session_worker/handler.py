@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from ipc.budget import Standing
 from ipc.settings import SessionSettings
 # Re-exported: a handler's author raises them as this interface's (docs/agent.md).
 from session_worker.errors import CommandRefused, SpawnError, StepError, TurnFailure
@@ -189,6 +190,16 @@ class TurnContext(abc.ABC):
         daemon counts it at once against the uid's ceilings (its other
         sessions may be running), and into the session's if the turn ends
         without a commit.  Not abstract: a context may drop it."""
+
+    async def begin_llm_call(self) -> Standing | None:
+        """Call right before an LLM request goes out: the daemon checks the
+        `[agent.budget]` ceilings against its own figures and counts the
+        call durably first (so a worker killed during the call has paid
+        for it).  None: make the call; a `Standing`: the ceiling that
+        leaves no room for it (do not make it).  Raises `TurnFailure`
+        when the call could not be counted.  Not abstract: a context
+        without a daemon counts nothing and says go."""
+        return None
 
     def budget_exceeded(self, ceiling: str, used: int, limit: int, unit: str) -> None:
         """Report that a budget ceiling (its config key) stopped the turn."""

@@ -52,6 +52,7 @@ from ipc.framing import HEADER as _HEADER
 from ipc.framing import FrameEncoder
 from ipc.linux import set_dumpable, set_pdeathsig, unshare_ipc
 from ipc.loop import run as run_loop
+from ipc.budget import Standing
 from ipc.settings import SessionSettings
 from session_worker import _reach, sandbox, tracing
 from session_worker._signals import set_signal
@@ -131,6 +132,18 @@ class _Context(TurnContext):
 
     def report_spend(self, spend: dict[str, int]) -> None:
         self._worker.send(m.Spent(turn=self.turn, spend=spend))
+
+    async def begin_llm_call(self) -> Standing | None:
+        request_id, fut = self._worker.new_request()
+        self._worker.send(m.Spent(turn=self.turn, request_id=request_id))
+        self._worker.conn.flush()
+        answer = await fut
+        assert isinstance(answer, m.CallCleared)
+        if answer.error:
+            raise TurnFailure(f"the LLM call could not be counted against the budgets: {answer.error}")
+        if not answer.ceiling:
+            return None
+        return Standing(answer.ceiling, answer.used, answer.limit, answer.unit, answer.unknown)
 
     def budget_exceeded(self, ceiling: str, used: int, limit: int, unit: str) -> None:
         self._worker.send(m.WorkerLimit(turn=self.turn, kind=LimitKind.BUDGET, value=used, limit=limit,
@@ -277,7 +290,7 @@ class Worker:
                     self.turn_task.cancel()
             case m.WorkerPing(nonce=nonce):
                 self.send(m.WorkerPong(nonce=nonce))
-            case m.PermissionAnswer(request_id=rid) | m.SpawnResult(request_id=rid):
+            case m.PermissionAnswer(request_id=rid) | m.SpawnResult(request_id=rid) | m.CallCleared(request_id=rid):
                 fut = self._requests.get(rid)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
@@ -639,8 +652,9 @@ class _SessionTag(logging.Filter):
 
 
 def _name_process(session: str) -> None:
-    """`ps` shows `sessiond: worker ID`, and the log lines carry the id."""
-    setproctitle.setproctitle(f"sessiond: worker {session}")
+    """The log lines carry the id; `ps` shows `sessiond: worker (booted)`,
+    not the id: other users see every process's title (docs/security.md)."""
+    setproctitle.setproctitle("sessiond: worker (booted)")
     tag = _SessionTag(session)
     for handler in logging.getLogger().handlers:
         handler.addFilter(tag)
@@ -670,7 +684,7 @@ def run_worker(sock: socket.socket, warm_up: bool = False) -> int:
     try:
         booted = boot(first)
     except Exception as exc:
-        log.debug("boot failed:\n%s", traceback.format_exc())
+        log.debug("boot failed", exc_info=True)
         link.send(m.BootFailed(reason=f"{type(exc).__name__}: {exc}"))
         return EXIT_BOOT_FAILED
     uses_steps = bool(getattr(booted.handler, "uses_steps", False))

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from ipc import messages as m
+from ipc.logfields import escape
 from ipc.settings import SessionSettings
 from session_worker import _seccomp, _spawn
 from session_worker.errors import CommandError, OrderNotSent, SandboxError
@@ -394,15 +395,20 @@ class ToolHost:
         # Queued before it starts (a datagram each; it reads them first thing).
         ours.sendall(_HOST_SOURCE.encode())
         ours.sendall(json.dumps(plan.host_config()).encode())
+        passed = [theirs.fileno()]
         if plan.namespaces:
-            argv = [*plan.bwrap_argv(), "--", *argv]
+            # bubblewrap's own arguments name the workspace (ID@TOKEN):
+            # read from a pipe (`--args`), not shown by `ps` to every user.
+            args = _args_pipe(plan.bwrap_argv()[1:])
+            passed.append(args)
+            argv = [plan.bwrap, "--args", str(args), "--", *argv]
         try:
             # Only 0, 1, 2 and its socket: not what the worker inherited.
             for delay in (*_FORK_RETRY_SECS, None):
                 try:
                     proc = _spawn.spawn(argv, cwd=plan.workspace, env=host_environment(plan),
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        pass_fds=(theirs.fileno(),))
+                                        pass_fds=passed)
                     break
                 except OSError as exc:
                     # At a task or memory ceiling: the room may come back as
@@ -415,6 +421,8 @@ class ToolHost:
             raise SandboxError(f"cannot start the tool host: {_fork_error(exc)}") from None
         finally:
             theirs.close()
+            if len(passed) > 1:
+                os.close(passed[1])
         ours.setblocking(False)
         self._proc = proc
         errors = self._errors.follow(proc)
@@ -469,26 +477,28 @@ class ToolHost:
             self._pending.clear()
             self._exits.clear()
 
-    async def spawn(self, argv: list[str], env: dict[str, str], outfd: int | tuple[int, int, int]) -> HostCommand:
+    async def spawn(self, argv: list[str], env: dict[str, str], outfd: int | tuple[int, int, int],
+                    stdin: int | None = None) -> HostCommand:
         """Start `argv` in the workspace with stdout and stderr on `outfd`
-        (stdin /dev/null), or with `outfd` = (stdin, stdout, stderr): a
-        server the worker speaks to over its stdio (an MCP server).
+        (stdin /dev/null, or `stdin`: the bash tool's command), or with
+        `outfd` = (stdin, stdout, stderr): a server the worker speaks to
+        over its stdio (an MCP server).
 
         A host found dead before it took the order (a tool may kill its
         parent) is started again, once.  Once the order is out, never: the
         command may have run, so a host lost then is the command's result
         (its `exited` fails), not a reason to run it twice."""
         try:
-            return await self._spawn(argv, env, outfd)
+            return await self._spawn(argv, env, outfd, stdin)
         except OrderNotSent:
             self.close()
             try:
-                return await self._spawn(argv, env, outfd)
+                return await self._spawn(argv, env, outfd, stdin)
             except OrderNotSent as exc:
                 raise SandboxError(str(exc)) from None
 
     async def _spawn(self, argv: list[str], env: dict[str, str],
-                     outfd: int | tuple[int, int, int]) -> HostCommand:
+                     outfd: int | tuple[int, int, int], stdin: int | None) -> HostCommand:
         sock = await self._ensure()
         loop = asyncio.get_running_loop()
         oid = next(self._ids)
@@ -498,6 +508,9 @@ class ToolHost:
         fds = [outfd] if isinstance(outfd, int) else list(outfd)
         if not isinstance(outfd, int):
             order["stdio"] = True
+        elif stdin is not None:
+            order["stdin"] = True
+            fds.append(stdin)
         try:
             socket.send_fds(sock, [json.dumps(order).encode()], fds)
         except OSError as exc:
@@ -619,10 +632,21 @@ class _HostErrors:
             self._noted = self._dropped
 
 
-def escape(text: str) -> str:
-    """`text` with every non-printable character (newlines, carriage
-    returns, terminal escapes) written out as its escape sequence."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+def _args_pipe(args: list[str]) -> int:
+    """The read end of a pipe holding `args` NUL-separated, whole (for
+    `bwrap --args FD`; far below a pipe's 64 KiB)."""
+    data = b"".join(arg.encode() + b"\0" for arg in args)
+    rfd, wfd = os.pipe()
+    try:
+        if len(data) > 65536:
+            raise SandboxError(f"bubblewrap's arguments are {len(data)} bytes (a pipe holds 65536)")
+        os.write(wfd, data)
+    except BaseException:
+        os.close(rfd)
+        raise
+    finally:
+        os.close(wfd)
+    return rfd
 
 
 def host_environment(plan: Plan) -> dict[str, str]:

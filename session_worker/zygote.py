@@ -147,8 +147,12 @@ def _configure_logging() -> None:
     was forked from the daemon (its handler came along); a zygote started
     by exec has none: it logs as the daemon does (ipc.logfields)."""
     fmt = "sessiond-worker[%(process)d]: %(levelname)s: %(message)s"
-    if logging.getLogger().handlers or not logfields.configure_zygote(fmt):
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=fmt)
+    if logging.getLogger().handlers or logfields.configure_zygote(fmt):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logfields.TextFormatter(fmt))
+    logging.getLogger().addHandler(handler)
+    logging.getLogger().setLevel(logging.INFO)
 
 
 def zygote_main(sock: socket.socket, daemon_pid: int, preload: list[str] | None = None, expose: bool = False) -> int:

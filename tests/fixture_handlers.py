@@ -72,6 +72,18 @@ def crash_mid_turn(init: HandlerInit) -> CrashMidTurn:
     return CrashMidTurn(init)
 
 
+class QuotesItsInput(_Base):
+    """Fails every turn with an exception that quotes its input as is (a
+    handler's bug that a client can word)."""
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        raise ValueError(f"cannot parse {text}")
+
+
+def quotes_its_input(init: HandlerInit) -> QuotesItsInput:
+    return QuotesItsInput(init)
+
+
 def crash_at_boot(init: HandlerInit) -> Any:
     raise RuntimeError("this handler cannot start")
 

@@ -108,6 +108,25 @@ def test_bash_output_cap_keeps_head_and_tail(tmp_path: Path) -> None:
     assert len(out) < 1300
 
 
+# Lists every process's command line from inside the command; the marker
+# is in the command's comment only, so only an argv holding the command
+# itself could show it.
+LIST_ARGVS = "# ARGV-MARKER-7f3a\nfor f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f 2>/dev/null; echo; done"
+
+
+@pytest.mark.process
+def test_the_bash_tool_s_command_is_in_no_process_s_arguments(tmp_path: Path) -> None:
+    """Other users see every process's arguments (`ps`): the command goes
+    to bash on its stdin, never in its argv."""
+    out = call("bash", {"command": LIST_ARGVS}, tmp_path / "ws")
+    assert "/bin/bash -c IFS= read" in out, out[-2000:]  # (bash's own, the same for every command)
+    assert "ARGV-MARKER-7f3a" not in out
+    # And the command still reads as bash -c would: a multi-line script,
+    # stdin at /dev/null for what it runs, its exit code.
+    assert call("bash", {"command": "x=1\nif [ $x = 1 ]; then cat; echo yes; fi\nexit 4"}, tmp_path / "ws") \
+        == "yes\n[exit code: 4]"
+
+
 @pytest.mark.pure
 def test_output_cap_unit() -> None:
     cap = OutputCap(10)

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fakellm import FakeLLM, Stream, fake_llm, text_stream, tool_call_stream
+from fakellm import FakeLLM, Hang, Stream, chunk, fake_llm, text_stream, tool_call_stream
 from ipc import messages as m
 from ipc.budget import first_reached, standings
 from ipc.settings import BudgetSettings
@@ -22,6 +22,7 @@ from supervisor.core.overrides import OverrideError, resolve_overrides
 from ipc.settings import SessionSettings
 from test_agent_e2e import agent_config
 from test_agent_support import AgentSettings, FakeCtx, make_handler, make_settings, run
+from harness import wait_for
 from test_metrics import parse, tcp_metrics_url, value
 
 __all__ = ["fake_llm"]
@@ -229,6 +230,124 @@ def test_a_resumed_turn_does_not_count_from_zero_nor_does_a_restarted_daemon(mak
         events = list(c.send(sid, "and again"))
         assert any(isinstance(e, m.LimitExceeded) and e.kind == "budget" for e in events)
     assert len(llm.requests) == 4
+
+
+@pytest.mark.process
+def test_workers_killed_during_llm_calls_never_push_requests_past_a_ceiling(make_daemon, llm: FakeLLM,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chaos run: every LLM call hangs, and its worker is SIGKILLed while
+    the request is in flight; the session restarts and its resumed turn
+    calls again.  With `session_max_llm_calls = 10` the provider receives
+    10 requests, not one more per kill: a call is counted durably as it
+    begins, before its request goes out."""
+    monkeypatch.setenv("SESSIOND_TEST_KEY", "sk-test")
+    config = agent_config(llm, "[agent.budget]\nsession_max_llm_calls = 10\n").replace(
+        "restart_backoff_initial_ms = 20",
+        "restart_backoff_initial_ms = 20\nrestart_backoff_max_ms = 50\nmax_restart_attempts = 14")
+    d = make_daemon(config)
+    llm.respond = lambda body: Stream([chunk({"content": "x"}), Hang()])
+    kills = 0
+    with d.client() as c, d.client() as other:
+        sid = c.create().id
+        for ev in c.send(sid, "go"):
+            if isinstance(ev, m.TextDelta) and ev.text == "x":  # a request is in flight: kill its worker
+                pid = other.status(sid).pid
+                assert pid, "a call in flight and no worker?"
+                os.kill(pid, signal.SIGKILL)
+                kills += 1
+            last = ev
+        assert len(llm.requests) == 10, f"the provider received {len(llm.requests)} requests"
+        assert isinstance(last, m.TurnDone) and "session_max_llm_calls" in last.reply, last
+        assert kills == 10
+        assert other.status(sid).budget["spent"]["llm_calls"] == 10
+
+
+@pytest.mark.process
+def test_a_daemon_killed_during_an_llm_call_has_counted_it(make_daemon, llm: FakeLLM,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`session_max_llm_calls = 2`: the first call's worker is SIGKILLed,
+    then the daemon itself during the second call.  Both were counted as
+    they began: the turn the restarted daemon resumes makes no third."""
+    monkeypatch.setenv("SESSIOND_TEST_KEY", "sk-test")
+    d = make_daemon(agent_config(llm, "[agent.budget]\nsession_max_llm_calls = 2\n"))
+    answered = iter([Stream([chunk({"content": "x"}), Hang()]), Stream([chunk({"content": "x"}), Hang()])])
+    llm.respond = lambda body: next(answered, text_stream("a third call"))
+    with d.client() as c, d.client() as other:
+        sid = c.create().id
+        deltas = 0
+        for ev in c.send(sid, "go"):
+            if isinstance(ev, m.TextDelta) and ev.text == "x":
+                deltas += 1
+                if deltas == 1:
+                    pid = other.status(sid).pid
+                    assert pid, "a call in flight and no worker?"
+                    os.kill(pid, signal.SIGKILL)
+                else:
+                    break
+    d.kill()  # during the second call
+    d.start()
+    with d.client() as c:
+        wait_for(lambda: c.status(sid).state == "idle", 15, f"the resumed turn ended: {c.status(sid)}")
+        assert c.status(sid).budget["spent"]["llm_calls"] == 2
+    assert len(llm.requests) == 2, f"the provider received {len(llm.requests)} requests"
+
+
+def _strip_figures(document: bytes) -> bytes:
+    """The export as a client may edit it: no `spent`, no usage anywhere."""
+    doc = json.loads(document)
+    doc.pop("spent", None)
+    for rec in [*doc.get("records", []), doc.get("snapshot") or {}]:
+        rec.pop("usage", None)
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.process
+def test_export_strip_import_and_rm_then_create_do_not_reset_spend(make_daemon, llm: FakeLLM,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spend is a ledger: an import counts what its document says was
+    spent, or, when it says nothing, does not know (a session ceiling then
+    refuses every call); no import or `rm` lowers the uid's total."""
+    monkeypatch.setenv("SESSIOND_TEST_KEY", "sk-test")
+    d = make_daemon(agent_config(llm, "[agent.budget]\nsession_max_llm_calls = 2\nuid_max_llm_calls = 4\n"))
+    with d.client() as c:
+        a = c.create().id
+        llm.script(text_stream("one"), text_stream("two"))
+        assert c.send_text(a, "1") == "one" and c.send_text(a, "2") == "two"
+        document = c.export(a)
+        assert json.loads(document)["spent"]["llm_calls"] == 2
+        # Stripped of its figures: the spend before the import is unknown, not zero.
+        stripped = c.import_session(_strip_figures(document), "stripped").id
+        status = c.status(stripped).budget
+        assert status["unknown_before_import"] and status["ceilings"][0]["unknown"]
+        assert "session_max_llm_calls 0 of 2 LLM calls (and unknown before its import)" \
+            in d.ctl("status", stripped).stdout
+        events = list(c.send(stripped, "3"))
+        limit = next(e for e in events if isinstance(e, m.LimitExceeded))
+        assert limit.ceiling == "agent.budget.session_max_llm_calls" and len(llm.requests) == 2
+        assert "did not say what it spent" in next(e for e in events if isinstance(e, m.TurnDone)).reply
+        # As exported: the figures come along, the session ceiling is reached.
+        honest = c.import_session(document, "honest").id
+        assert c.status(honest).budget["spent"]["llm_calls"] == 2
+        assert any(isinstance(e, m.LimitExceeded) for e in c.send(honest, "3")) and len(llm.requests) == 2
+        # Figures forged to zero pass the session ceiling; the uid's total is
+        # the daemon's own count, which no document lowers: 2 calls left.
+        forged = json.loads(_strip_figures(document))
+        forged["spent"] = {}
+        zero = c.import_session(json.dumps(forged).encode(), "zero").id
+        llm.script(text_stream("three"), text_stream("four"))
+        assert c.send_text(zero, "3") == "three" and c.send_text(zero, "4") == "four"
+        assert c.status(zero).budget["uid_spent"]["llm_calls"] == 4
+        # rm takes nothing off the uid's total: a new session has no call left.
+        for sid in (a, zero, stripped, honest):
+            c.remove(sid)
+        fresh = c.create().id
+        assert c.status(fresh).budget["uid_spent"]["llm_calls"] == 4
+        limit = next(e for e in c.send(fresh, "5") if isinstance(e, m.LimitExceeded))
+        assert limit.ceiling == "agent.budget.uid_max_llm_calls" and len(llm.requests) == 4
+    d.kill()
+    d.start()  # and the ledger is durable
+    with d.client() as c:
+        assert c.status(fresh).budget["uid_spent"]["llm_calls"] == 4
 
 
 @pytest.mark.pure

@@ -626,3 +626,26 @@ def test_a_snapshot_the_server_refuses_fails_alone_and_the_commits_around_it_lan
     assert results[0] is None and isinstance(results[1], StoreFull) and results[2] is None, results
     assert log_rows(dsn)[1:] == [frame_record(commit(1, 1)), frame_record(commit(2, 2))]
     assert sql(dsn, "SELECT snapshot IS NULL FROM sessiond_sessions") == [(True,)]
+
+
+@pytest.mark.component
+def test_daemons_sharing_the_database_learn_each_other_s_charges_to_a_uid(dsn: str,
+                                                                       stores: list[PgStateStore]) -> None:
+    """The spend ledger is one row per uid for every daemon on the
+    database: a charge from one is answered with the uid's total, the
+    other's charges included (supervisor.core.budgets keeps the larger)."""
+    from supervisor.store.spend import Charge
+
+    a, b = PgStateStore(dsn), PgStateStore(dsn)
+    stores += [a, b]
+
+    async def go() -> tuple[object, object]:
+        first = await a.spend.write([Charge(session="on-a", uid=7, add={"llm_calls": 3}, turn=1)])
+        second = await b.spend.write([Charge(session="on-b", uid=7, add={"llm_calls": 1}, turn=1)])
+        return first, second
+
+    first, second = asyncio.run(go())
+    assert first is not None and first.uids[7] == {"llm_calls": 3}  # type: ignore[attr-defined]
+    assert second is not None and second.uids[7] == {"llm_calls": 4}  # type: ignore[attr-defined]
+    assert set(second.sessions) == {"on-b"}  # type: ignore[attr-defined]
+    assert a.spend.read().uids[7] == {"llm_calls": 4}

@@ -400,7 +400,7 @@ def test_the_tool_host_command_line_is_short(make_daemon, llm: FakeLLM, open_roo
     config now come over its socket."""
     d = make(make_daemon, llm, open_root, "root-uid-per-session")
     with d.client() as c:
-        sid = c.create(session="cmdline").id
+        sid = c.create(session="cmdline-7e1a").id
     assert "ran" in run_tool(d, llm, sid, "echo ran", {})
     hosts = []
     for p in d.descendants():
@@ -408,7 +408,22 @@ def test_the_tool_host_command_line_is_short(make_daemon, llm: FakeLLM, open_roo
             cmdline = p.cmdline()
             if "-I" in cmdline and "-S" in cmdline:
                 hosts.append(cmdline)
+            # No title or argument names the session (nor its workspace,
+            # ID@TOKEN, which bubblewrap reads from a pipe): `ps` shows every user.
+            assert sid not in " ".join(cmdline), cmdline
     assert hosts, "no tool host among the daemon's descendants"
     for cmdline in hosts:
         assert len("\0".join(cmdline)) < 2048, (len("\0".join(cmdline)), cmdline[:3])
         assert not any("def confine" in arg for arg in cmdline)
+
+
+def test_a_sandboxed_tool_s_command_is_in_no_process_s_arguments(make_daemon, llm: FakeLLM, open_root: Path) -> None:
+    """As tests/test_agent_tools.py's, through the tool host: the command
+    reaches bash on its stdin (a pipe the host hands it), not in its argv."""
+    from test_agent_tools import LIST_ARGVS
+
+    d = make(make_daemon, llm, open_root, "root-uid-per-session")
+    with d.client() as c:
+        sid = c.create(session="argv").id
+    out = run_tool(d, llm, sid, LIST_ARGVS, {})
+    assert "/bin/bash -c IFS= read" in out and "ARGV-MARKER-7f3a" not in out, out[-2000:]

@@ -494,10 +494,10 @@ def test_journal_formatter_prefixes_every_line(level: int, prefix: str) -> None:
         exc_info = sys.exc_info()
     record = logging.LogRecord("sessiond.x", level, __file__, 1, "two\nlines", None, exc_info)
     lines = sdnotify.JournalFormatter().format(record).split("\n")
-    assert len(lines) > 3  # message lines plus a traceback
+    assert len(lines) > 3  # the message's line plus a traceback
     assert all(line.startswith(prefix) for line in lines), lines
-    assert lines[0] == prefix + "sessiond.x: two"
-    assert lines[-1] == prefix + "ValueError: boom"
+    assert lines[0] == prefix + "sessiond.x: two\\nlines"  # (one line: a message cannot make lines of its own)
+    assert lines[-1] == prefix + "  | ValueError: boom"
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ from supervisor.store.state_store import (
 )
 from supervisor.errors import Fenced, StoreDamaged, StoreFull
 from supervisor.store.files import FileStateStore, SessionStore
+from supervisor.store.spend import Charge
 
 pytestmark = pytest.mark.component
 
@@ -103,6 +104,8 @@ class FileAdapter(Adapter):
             journal.abandon()
             with open(journal.path, "r+b") as f:
                 f.truncate(synced)
+        if self.file_store._spend is not None:
+            self.file_store._spend.close()  # (its writes are durable once their futures completed)
         self._open()
 
     def fail_flushes(self, errno_: int) -> object:
@@ -637,3 +640,54 @@ def test_a_create_whose_id_is_taken_writes_nothing(ad: Adapter) -> None:
     asyncio.run(main())
     h, loaded = ad.store.load("a")
     assert loaded.meta.handler == "echo" and h.read_for_boot()[1] == []
+
+
+# ---------------------------------------------------------------- the spend ledger (StateStore.spend)
+
+
+def _charge(sid: str, uid: int, calls: int, turn: int = 0, **tokens: int) -> Charge:
+    return Charge(session=sid, uid=uid, add={"llm_calls": calls, **tokens}, turn=turn)
+
+
+def test_spend_charges_are_durable_once_written_and_outlive_the_session(ad: Adapter) -> None:
+    h = ad.store.create(meta("s1"))
+    h.close()
+
+    async def main() -> None:
+        await ad.store.spend.write([_charge("s1", 1000, 1, turn=1), _charge("s1", 1000, 1, turn=1)])
+        await ad.store.spend.write([_charge("s1", 1000, 1, turn=2, prompt_tokens=50)])
+
+    asyncio.run(main())
+    ad.crash()
+    book = ad.store.spend.read()
+    assert book.sessions["s1"].spent == {"llm_calls": 3, "prompt_tokens": 50}
+    assert (book.sessions["s1"].turn, book.sessions["s1"].turn_spent) == (2, {"llm_calls": 1, "prompt_tokens": 50})
+    assert book.uids[1000] == {"llm_calls": 3, "prompt_tokens": 50}
+    ad.store.remove("s1")  # the session goes; the ledger is not the session's
+    assert ad.store.spend.read().sessions["s1"].spent["llm_calls"] == 3
+
+    async def drop() -> None:
+        await ad.store.spend.write([Charge(session="s1", drop=True)])
+
+    asyncio.run(drop())
+    ad.crash()
+    book = ad.store.spend.read()
+    assert "s1" not in book.sessions and book.uids[1000]["llm_calls"] == 3
+
+
+def test_spend_a_session_opens_once(ad: Adapter) -> None:
+    async def main() -> None:
+        await ad.store.spend.write([
+            Charge(session="imp", uid=7, add={"llm_calls": 9}, opens=True),  # an import: its uid is not charged
+            Charge(session="imp", uid=7, add={"llm_calls": 100}, opens=True, uid_too=True),  # too late: no effect
+            Charge(session="old", uid=7, add={"llm_calls": 4}, opens=True, uid_too=True),  # from before the ledger
+            Charge(session="blind", uid=7, opens=True, unknown=True),
+        ])
+
+    asyncio.run(main())
+    ad.crash()
+    book = ad.store.spend.read()
+    assert book.sessions["imp"].spent == {"llm_calls": 9}
+    assert book.sessions["old"].spent == {"llm_calls": 4}
+    assert book.sessions["blind"].unknown and not book.sessions["imp"].unknown
+    assert book.uids[7] == {"llm_calls": 4}

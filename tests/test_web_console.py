@@ -417,3 +417,39 @@ def test_ctrl_c_stops_a_console_with_pages_open_cleanly(console: Console, browse
             second.wait(10)
     assert "Traceback" not in other.refusals(), other.refusals()
     browser.wait(lambda: "not answering" in (browser.text("#banner") or ""), 10, "the page to say so")
+
+
+def test_half_open_connections_are_bounded_and_a_refused_path_is_escaped(console: Console) -> None:
+    """A local user without the token opens connections and never finishes
+    a request's head: past `MAX_WAITING_HEADS` the oldest are closed, and
+    the user's own request still gets through.  And the path of a refused
+    request reaches the console's stderr escaped: no terminal escape, no
+    line of its own."""
+    import socket
+
+    from supervisor.ctl.web.conns import MAX_WAITING_HEADS
+    from test_web_conns import closed_by_peer
+
+    extra = 4
+    held = []
+    for _ in range(MAX_WAITING_HEADS + extra):
+        s = socket.create_connection(("127.0.0.1", console.port))
+        s.sendall(f"GET /?token=x HTTP/1.1\r\nHost: 127.0.0.1:{console.port}\r\n".encode())  # no end
+        held.append(s)
+    try:
+        wait_for(lambda: all(closed_by_peer(s) for s in held[:extra]), 10, "the oldest half-open connections closed")
+        assert httpx.get(console.url, timeout=10).status_code == 200
+    finally:
+        for s in held:
+            s.close()
+    with socket.create_connection(("127.0.0.1", console.port)) as s:  # (the path exactly as written)
+        s.sendall(f"GET /%1b[31mred%0a2099-01-01%20forged%20line HTTP/1.1\r\nHost: 127.0.0.1:{console.port}\r\n"
+                  "\r\n".encode())
+        s.settimeout(10)
+        answer = b""
+        while chunk := s.recv(4096):  # (read to the end: the console closes a refused connection)
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 403") and b"connection: close" in answer.lower()
+    wait_for(lambda: "[31mred" in console.refusals(), 5, "the refusal on stderr")
+    assert "\x1b" not in console.refusals() and "\n2099-01-01" not in console.refusals()
+    assert "\\x1b[31mred\\n2099-01-01 forged line" in console.refusals()

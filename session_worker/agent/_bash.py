@@ -1,4 +1,11 @@
-"""The `bash` tool: `/bin/bash -c COMMAND` in the workspace.
+"""The `bash` tool: the command run by `/bin/bash` in the workspace.
+
+The command is not in any process's arguments (`ps` and /proc/PID/cmdline
+show every user a process's arguments): bash is started as
+`/bin/bash -c READ_AND_RUN` (`_READ_AND_RUN`, the same for every command)
+with the command on its stdin, a pipe holding it and a NUL; bash reads it
+up to the NUL, points its stdin at /dev/null and runs it with `eval`, as
+`bash -c` would (the command's processes get /dev/null as stdin, as before).
 
 With a sandbox (the default), the session's tool host starts the command
 inside it (`session_worker.sandbox`), in a process group of its own that a
@@ -8,7 +15,8 @@ it), so killing "the command and its children" walks its descendants.
 
 The environment is built from nothing (an allowlist), so no provider key,
 SESSIOND_* variable or systemd socket variable can reach a tool; nor does
-any descriptor but stdin (/dev/null), stdout and stderr, on either path.  Output
+any descriptor but stdin (/dev/null once the command is read), stdout and
+stderr, on either path.  Output
 (stdout and stderr merged, in order) is capped while it is read: the head and
 the tail are kept in memory, the middle is only counted.
 """
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import signal
 from pathlib import Path
@@ -32,6 +41,17 @@ from session_worker.agent._errors import ToolError
 __all__ = ["Captured", "OutputCap", "kill_tree", "run_bash", "run_captured", "tool_environment"]
 
 _PATH = "/usr/local/bin:/usr/bin:/bin"
+# bash's own program, the same for every command: read the command from
+# stdin up to its NUL (`read` takes one byte at a time from a pipe: never
+# past it), stdin to /dev/null, run it.  The variable is unset by the
+# command's first words, so the command does not see itself in it.
+_READ_AND_RUN = 'IFS= read -r -d "" __sessiond_command; exec </dev/null; ' \
+                'eval "unset __sessiond_command; $__sessiond_command"'
+_ARGV = ["/bin/bash", "-c", _READ_AND_RUN]
+# A pipe holds this much at most (fs.pipe-max-size, its default): a longer
+# command is refused (as arguments, bash -c took 128 KiB).
+_COMMAND_MAX_BYTES = 1 << 20
+_F_SETPIPE_SZ = 1031
 # After the shell exits, how long a background child holding the output pipe
 # may keep us reading before we stop and report.  Background children are
 # left running (they are in the session's process group, so stopping the
@@ -159,20 +179,47 @@ class _Hosted:
         self.host.kill(self.command)
 
 
+def _command_pipe(command: str) -> int:
+    """The read end of a pipe that holds `command` and its NUL, whole (its
+    write end closed): bash's stdin."""
+    data = command.encode("utf-8", "surrogateescape") + b"\0"
+    if b"\0" in data[:-1]:
+        raise ToolError("the command holds a NUL character, which no shell command can")
+    if len(data) > _COMMAND_MAX_BYTES:
+        raise ToolError(f"the command is {len(data)} bytes; at most {_COMMAND_MAX_BYTES} are run")
+    rfd, wfd = os.pipe2(os.O_CLOEXEC)
+    try:
+        if len(data) > 65536:
+            fcntl.fcntl(wfd, _F_SETPIPE_SZ, len(data))
+        view = memoryview(data)
+        while view:
+            view = view[os.write(wfd, view):]
+    except OSError as exc:
+        os.close(rfd)
+        raise ToolError(f"cannot pass the command to bash: {exc.strerror}") from None
+    finally:
+        os.close(wfd)
+    return rfd
+
+
 async def _start(command: str, workspace: Path, wfd: int) -> _Local | _Hosted:
     host = sandbox.current()
-    if host is not None:
-        env = {**tool_environment(workspace), "TMPDIR": host.plan.tmp}
-        started = await host.spawn(["/bin/bash", "-c", command], env, wfd)
-        return _Hosted(host, started)
-    # Not asyncio's subprocess: under uvloop it hands the worker's
-    # inherited descriptors on (close_fds is ignored).
+    stdin = _command_pipe(command)
     try:
-        proc = _spawn.spawn(["/bin/bash", "-c", command], cwd=workspace, env=tool_environment(workspace),
-                            stdout=wfd, stderr=wfd)
-    except OSError as exc:
-        raise ToolError(f"cannot start bash: {exc}") from None
-    return _Local(proc)
+        if host is not None:
+            env = {**tool_environment(workspace), "TMPDIR": host.plan.tmp}
+            started = await host.spawn(_ARGV, env, wfd, stdin=stdin)
+            return _Hosted(host, started)
+        # Not asyncio's subprocess: under uvloop it hands the worker's
+        # inherited descriptors on (close_fds is ignored).
+        try:
+            proc = _spawn.spawn(_ARGV, cwd=workspace, env=tool_environment(workspace),
+                                stdout=wfd, stderr=wfd, stdin=stdin)
+        except OSError as exc:
+            raise ToolError(f"cannot start bash: {exc}") from None
+        return _Local(proc)
+    finally:
+        os.close(stdin)
 
 
 async def run_bash(command: str, workspace: Path, timeout_secs: float, limit: int) -> str:

@@ -2,11 +2,16 @@
 
 Runs in the worker, inside the turn's task.  `TurnSpend` is the running
 turn's count (tokens as the provider reported them, and LLM calls,
-compaction summaries included); `check` is made at the loop's one place
-that sends an LLM request (`Turn._request`), right before it, against the
-figures the daemon handed the turn (`TurnContext.budget_spent`: the
-session's turns before this one, as it holds them durably, and the other
-sessions of the uid).  What counts against which ceiling is
+compaction summaries included); `begin_call` is awaited where the loop
+sends an LLM request (the turn's calls and compaction's summaries), right
+before it.  It checks twice: first against the figures the daemon handed
+the turn (`TurnContext.budget_spent`: the session's turns before this
+one, and the other sessions of the uid), which costs nothing; then the
+daemon's own word (`TurnContext.begin_llm_call`): it checks its spend
+ledger, which no export, import or `rm` lowers, and counts the call there
+durably before answering, so the request goes out only once it is paid
+for and a worker killed during the call cannot push what the provider
+receives past a ceiling.  What counts against which ceiling is
 `ipc.budget`'s, shared with the daemon's `status`.
 
 A turn resumed after its worker died starts its `TurnSpend` from the
@@ -23,7 +28,7 @@ from session_worker.handler import TurnContext
 from ipc.budget import first_reached
 from ipc.settings import BudgetSettings
 
-__all__ = ["TurnSpend", "check", "stop_note"]
+__all__ = ["TurnSpend", "begin_call", "check", "stop_note"]
 
 
 class TurnSpend:
@@ -49,6 +54,14 @@ def check(budget: BudgetSettings, ctx: TurnContext, spend: TurnSpend) -> None:
         raise BudgetReached(reached.ceiling, reached.used, reached.limit, reached.unit)
 
 
+async def begin_call(budget: BudgetSettings, ctx: TurnContext, spend: TurnSpend) -> None:
+    """Raise BudgetReached unless the call may be made, and counted, now."""
+    check(budget, ctx, spend)
+    reached = await ctx.begin_llm_call()
+    if reached is not None:
+        raise BudgetReached(reached.ceiling, reached.used, reached.limit, reached.unit, reached.unknown)
+
+
 def stop_note(exc: BudgetReached) -> str:
     """What the user and, in the history, the model read."""
     scope = exc.ceiling.rpartition(".")[2].partition("_")[0]
@@ -57,5 +70,8 @@ def stop_note(exc: BudgetReached) -> str:
         "session": "This session makes no further LLM call.",
         "uid": "No session of this user makes a further LLM call.",
     }.get(scope, "")
+    if exc.unknown:
+        return (f"[Stopped: the budget {exc.ceiling} = {exc.limit} {exc.unit} cannot be checked: this "
+                f"session was imported from a document that did not say what it spent. {then}]")
     return (f"[Stopped: the budget {exc.ceiling} = {exc.limit} {exc.unit} is reached ({exc.used} "
             f"{exc.unit} spent). {then}]")

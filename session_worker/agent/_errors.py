@@ -63,9 +63,11 @@ class ProviderStreamError(ProviderError):
 class BudgetReached(AgentError):
     """Raised at the one place an LLM request is made, before making it."""
 
-    def __init__(self, ceiling: str, used: int, limit: int, unit: str) -> None:
+    def __init__(self, ceiling: str, used: int, limit: int, unit: str, unknown: bool = False) -> None:
         super().__init__(f"{ceiling} = {limit} {unit}: {used} {unit} spent")
         self.ceiling, self.used, self.limit, self.unit = ceiling, used, limit, unit
+        # A session ceiling of a session imported without its figures.
+        self.unknown = unknown
 
 
 class ToolLoadError(AgentError):

@@ -217,7 +217,7 @@ class Turn:
         async def call() -> dict[str, Any]:
             nonlocal streamed
             # Only a call made now is checked: a journaled one was paid for.
-            _budget.check(self._settings.agent.budget, self._ctx, self._spend)
+            await _budget.begin_call(self._settings.agent.budget, self._ctx, self._spend)
             streamed = True
             self._partial = []
             completion = await self._provider.stream_chat(
@@ -424,7 +424,7 @@ class Turn:
         """The summary of the oldest `cut` messages, as a durable step."""
 
         async def call() -> dict[str, Any]:
-            _budget.check(self._settings.agent.budget, self._ctx, self._spend)
+            await _budget.begin_call(self._settings.agent.budget, self._ctx, self._spend)
             try:
                 completion = await self._provider.stream_chat(
                     summary_request(self._history.summary, self._history.messages[:cut]),

@@ -32,6 +32,7 @@ from session_worker import _spawn, sandbox
 from session_worker.agent._bash import kill_tree, tool_environment
 from session_worker.agent._errors import McpServerError
 from session_worker.errors import SandboxError
+from ipc.logfields import escape
 from ipc.mcp import expand
 from ipc.settings import McpServer
 
@@ -241,7 +242,7 @@ async def _pump_in(outgoing: Any, writer: asyncio.StreamWriter, incoming: Any, p
 
 def quote(data: bytes, *, last: bool = False) -> str:
     """Bytes of the server's, shown escaped: the first (or `last`) 300 characters."""
-    text = sandbox.escape(data.decode("utf-8", "replace").strip())
+    text = escape(data.decode("utf-8", "replace").strip())
     if len(text) > 300:
         text = "..." + text[-300:] if last else text[:300] + "..."
     return f'"{text}"'

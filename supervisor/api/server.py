@@ -49,6 +49,7 @@ from ipc import messages as m
 from ipc import operator as op
 from ipc.connection import FramedProtocol, SharedBudget
 from ipc.errors import FrameTimeout, FrameTooLarge, OverBudget, ProtocolError
+from ipc.logfields import escape
 from supervisor import __version__
 from supervisor.api import listing, peer, transfer
 from supervisor.api.accept import Acceptor
@@ -343,7 +344,9 @@ class ClientConn:
             reply = await self._handle_later(msg, trace)
         except Exception as exc:
             reply = self._error_reply(msg, exc)
-        if reply is not None:
+        if isinstance(reply, transfer.Encoded):  # (a large reply, encoded off the loop)
+            self.proto.send_frame(reply.frame)
+        elif reply is not None:
             self.proto.send(reply)
         if self.proto.is_closed:
             self.server.manager.detach(self)  # a `send` that subscribed a client gone meanwhile
@@ -443,12 +446,13 @@ class ClientConn:
             case op.History(id=rid, session=sid, limit=limit):
                 reply = await transfer.history(mgr.get(sid, self.uid), limit, mgr.damage)
                 reply.id = rid
-                return reply
+                return await transfer.encoded(reply)
             case op.Export(id=rid, session=sid):
                 cfg = mgr.config.daemon
                 limit = min(cfg.max_document_bytes, cfg.max_frame_bytes - 4096)
-                document = await transfer.export_document(mgr.get(sid, self.uid), limit, mgr.damage)
-                return op.ExportReply(id=rid, session=sid, document=document)
+                document = await transfer.export_document(mgr.get(sid, self.uid), limit, mgr.budgets.spent,
+                                                          mgr.damage)
+                return await transfer.encoded(op.ExportReply(id=rid, session=sid, document=document))
             case op.Import(id=rid, document=document, session=sid):
                 session = await transfer.import_session(mgr, self.uid, document, sid)
                 return m.Created(id=rid, session=mgr.info(session, with_rss=False))
@@ -671,6 +675,4 @@ def _no_reload() -> op.ReloadReply:
 def _printable(name: str) -> str:
     """A client-chosen name made safe for one log line: bounded, and with
     control characters (newlines above all) escaped."""
-    cut = name[:_CLIENT_NAME_CHARS]
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
-    return text + ("..." if len(name) > _CLIENT_NAME_CHARS else "")
+    return escape(name[:_CLIENT_NAME_CHARS]) + ("..." if len(name) > _CLIENT_NAME_CHARS else "")

@@ -9,7 +9,8 @@ checking, encoding and the replay of what an import wrote run in a thread
 state the loop changes); other stores are read on the loop, as before.
 An import's writes stay on the loop, in the order `create` writes them
 (the metadata, durable, then the snapshot and the records, then one
-`sync_soon` for them all), yielding to other work every `_SLICE` records.
+`sync_soon` for them all), yielding to other work every `_SLICE` records
+or `_SLICE_BYTES` of them, whichever comes first.
 Documents are bounded: `[daemon] max_document_bytes` for an import's
 input and an export's output, and one frame must carry either.
 
@@ -18,7 +19,8 @@ last snapshot and the records after it (at most `snapshot_every_turns`
 turns' worth), so a history or an export costs O(what the log holds), not
 O(every turn ever).
 
-The export document is JSON (`ExportDocument`): the session's handler,
+The export document is JSON (`ExportDocument`, supervisor.api.document,
+which decodes and encodes it in slices): the session's handler,
 its overrides, the snapshot's handler state and the turn records, all
 self-contained; it names no path, uid, workspace or generation.  `import`
 treats it as hostile: it is decoded strictly (unknown fields, wrong types
@@ -33,13 +35,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
-from msgspec import Meta as Bound
 
 from ipc import messages as m
 from ipc import operator as op
+from ipc.framing import FrameEncoder
+from ipc.budget import SPEND_KEYS, total
 from supervisor.errors import BadRequest, Conflict, LimitError
 from supervisor.core.ledger import store_failure
 from supervisor.ops.logtag import tagged
@@ -59,6 +64,10 @@ from supervisor.store.state_store import (
 from supervisor.store.files import SessionStore
 
 from supervisor.core.overrides import check_handler
+from supervisor.api.document import (
+    FORMAT, ExportDocument, ExportedAbort, ExportedCommit, ExportedInput, ExportedRecord, ExportedSnapshot,
+    Pause, check_msgpack, decode_document, encode_document, free,
+)
 
 if TYPE_CHECKING:
     from supervisor.core.damage import Damage
@@ -66,65 +75,38 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sessiond.manager")
 
-__all__ = ["ExportDocument", "decode_document", "export_document", "history", "import_session", "turn_records"]
+__all__ = ["Encoded", "ExportDocument", "ExportedAbort", "ExportedCommit", "ExportedInput", "ExportedRecord",
+           "ExportedSnapshot", "decode_document", "encoded", "export_document", "history", "import_session",
+           "spent_figures", "turn_records"]
 
-_SLICE = 512  # records an import appends between two yields to the loop
+_SLICE = 128  # records an import appends between two yields to the loop
+_SLICE_BYTES = 256 * 1024  # ... or this much of their text, written on the loop
 
-FORMAT: Literal["sessiond-session"] = "sessiond-session"
-_TEXT_MAX = 8 * 1024 * 1024
-_Turn = Annotated[int, Bound(ge=1, le=1 << 40)]
-_Text = Annotated[str, Bound(max_length=_TEXT_MAX)]
-_Usage = dict[Annotated[str, Bound(max_length=64)], Annotated[int, Bound(ge=0, le=1 << 53)]]
-
-
-class _Doc(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
-    pass
-
-
-class ExportedInput(_Doc, tag="input", tag_field="kind"):
-    turn: _Turn
-    text: _Text
-    at: Annotated[float, Bound(ge=0)] = 0.0
-
-
-class ExportedCommit(_Doc, tag="commit", tag_field="kind"):
-    turn: _Turn
-    reply: _Text
-    record: bytes = b""  # the handler's record of the turn (msgpack)
-    interrupted: bool = False
-    usage: _Usage = {}
-
-
-class ExportedAbort(_Doc, tag="abort", tag_field="kind"):
-    turn: _Turn
-    reason: Annotated[str, Bound(max_length=65536)]
-    record: bytes = b""
-
-
-ExportedRecord = ExportedInput | ExportedCommit | ExportedAbort
-
-
-class ExportedSnapshot(_Doc):
-    turns: Annotated[int, Bound(ge=0, le=1 << 40)]
-    handler_state: bytes = b""  # msgpack
-    usage: _Usage = {}
-
-
-class ExportDocument(_Doc):
-    format: Literal["sessiond-session"]
-    version: Literal[1]
-    id: Annotated[str, Bound(max_length=64)]
-    handler: Annotated[str, Bound(max_length=256)]
-    overrides: dict[Annotated[str, Bound(max_length=128)], Any] = {}
-    created_at: Annotated[float, Bound(ge=0)] = 0.0
-    exported_at: Annotated[float, Bound(ge=0)] = 0.0
-    snapshot: ExportedSnapshot | None = None
-    records: list[ExportedRecord] = []
-
-
-_decoder = msgspec.json.Decoder(ExportDocument)
 _msgpack = msgspec.msgpack.Decoder()
 _encoder = msgspec.msgpack.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A reply and its frame, encoded off the loop (`encoded`): msgpack of
+    a history of 40,000 turns holds the GIL ~8 ms; the server sends the frame."""
+
+    reply: Any
+    frame: bytearray
+
+
+async def encoded(reply: Any) -> Encoded:
+    return Encoded(reply, await asyncio.to_thread(_encode_reply, reply))
+
+
+def _encode_reply(reply: Any) -> bytearray:
+    """(In a thread.)  A FrameEncoder of its own: the connection's is the
+    loop's.  A history's turns are freed here too, not on the loop."""
+    frame = FrameEncoder().encode(reply)
+    if isinstance(reply, op.HistoryReply):
+        free(reply.turns)
+        free(reply.earlier_messages)
+    return frame
 
 
 async def _read(session: Session, damage: Damage | None) -> tuple[Snapshot | None, list[Record]]:
@@ -165,7 +147,9 @@ def _history(session_id: str, handler: str, snap: Snapshot | None, records: list
              limit: int | None, max_bytes: int) -> op.HistoryReply:
     """(In a thread: reads only its arguments.)"""
     turns: dict[int, op.HistoryTurn] = {}
+    pause = Pause()
     for rec in records:
+        pause.item()
         match rec:
             case InputRecord(turn=turn, text=text, at=at):
                 turns[turn] = op.HistoryTurn(turn=turn, input=text, at=at)
@@ -187,6 +171,7 @@ def _history(session_id: str, handler: str, snap: Snapshot | None, records: list
     kept: list[op.HistoryTurn] = []
     budget = max_bytes
     for t in reversed(ordered):
+        pause.item()
         budget -= len(_encoder.encode(t))
         if budget < 0:
             break
@@ -199,8 +184,11 @@ def _history(session_id: str, handler: str, snap: Snapshot | None, records: list
             earlier = [msg for msg in state["messages"] if isinstance(msg, dict)]
             if len(_encoder.encode(earlier)) > budget:
                 earlier = []  # the turns came first; `history --json` of the export has them all
+    omitted = len(ordered) - len(kept)
+    free(records)  # (what was read: freed here, not where the reply is sent)
+    free(ordered)
     return op.HistoryReply(id=0, session=session_id, earlier_turns=snap.turns if snap else 0,
-                          earlier_messages=earlier, turns=kept, omitted_turns=len(ordered) - len(kept))
+                          earlier_messages=earlier, turns=kept, omitted_turns=omitted)
 
 
 def _decoded(data: bytes) -> Any:
@@ -246,13 +234,16 @@ def _tools(record: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 # ---------------------------------------------------------------- export
 
 
-async def export_document(session: Session, max_bytes: int, damage: Damage | None = None) -> bytes:
-    """The session as an export document, at most `max_bytes` of it."""
+async def export_document(session: Session, max_bytes: int,
+                          spent: Callable[[Session], Mapping[str, int]], damage: Damage | None = None) -> bytes:
+    """The session as an export document, at most `max_bytes` of it;
+    `spent`: what the spend ledger says it spent (Budgets.spent)."""
     snap, records = await _read(session, damage)
     meta = session.meta
     doc = ExportDocument(
         format=FORMAT, version=1, id=session.id, handler=meta.handler,
         overrides=dict(meta.overrides), created_at=meta.created_at, exported_at=time.time(),
+        spent=dict(spent(session)),
         snapshot=ExportedSnapshot(turns=snap.turns, handler_state=snap.handler_state, usage=snap.usage)
         if snap is not None else None,
     )
@@ -260,13 +251,16 @@ async def export_document(session: Session, max_bytes: int, damage: Damage | Non
     if len(data) > max_bytes:
         raise LimitError(f"the export of {session.id} is {len(data)} bytes, more than {max_bytes} "
                          "([daemon] max_document_bytes, and one frame must carry it: max_frame_bytes)")
-    return data
+    # A bytearray, sent as bytes are (msgpack bin): bytes(data) would copy 10 MB on the loop.
+    return cast(bytes, data)
 
 
-def _encode_export(doc: ExportDocument, records: list[Record], running: bool) -> bytes:
+def _encode_export(doc: ExportDocument, records: list[Record], running: bool) -> bytes | bytearray:
     """(In a thread: reads only its arguments.)"""
     exported: list[ExportedRecord] = []
+    pause = Pause()
     for rec in records:
+        pause.item()
         match rec:
             case InputRecord():
                 exported.append(ExportedInput(turn=rec.turn, text=rec.text, at=rec.at))
@@ -274,34 +268,18 @@ def _encode_export(doc: ExportDocument, records: list[Record], running: bool) ->
                 exported.append(ExportedCommit(turn=rec.turn, reply=rec.reply, record=rec.record,
                                                interrupted=rec.interrupted, usage=rec.usage))
             case Abort():
-                exported.append(ExportedAbort(turn=rec.turn, reason=rec.reason, record=rec.record))
+                exported.append(ExportedAbort(turn=rec.turn, reason=rec.reason, record=rec.record,
+                                              usage=rec.usage))
     if running and exported and isinstance(exported[-1], ExportedInput):
         exported.pop()  # the running turn: not part of the session's past yet
     doc.records = exported
-    return msgspec.json.encode(doc)
+    data = encode_document(doc)
+    free(exported)
+    free(records)  # (what was read: freed here, not on the loop)
+    return data
 
 
 # ---------------------------------------------------------------- import
-
-
-def decode_document(data: bytes) -> ExportDocument:
-    """The document, or BadRequest saying what is wrong with it."""
-    try:
-        doc = _decoder.decode(data)
-    except msgspec.ValidationError as exc:
-        raise BadRequest(f"not a sessiond export: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"not a sessiond export (not JSON): {exc}") from None
-    if doc.snapshot is not None and doc.snapshot.handler_state:
-        _check_msgpack(doc.snapshot.handler_state, "the snapshot's handler_state")
-    return doc
-
-
-def _check_msgpack(data: bytes, what: str) -> None:
-    try:
-        _msgpack.decode(data)
-    except msgspec.DecodeError:
-        raise BadRequest(f"not a sessiond export: {what} is not msgpack") from None
 
 
 def turn_records(doc: ExportDocument) -> tuple[list[Record], int]:
@@ -314,7 +292,9 @@ def turn_records(doc: ExportDocument) -> tuple[list[Record], int]:
     seq = 0
     out: list[Record] = []
     open_turn: int | None = None
+    pause = Pause()
     for i, rec in enumerate(doc.records):
+        pause.item()
         where = f"records[{i}]"
         seq += 1
         if isinstance(rec, ExportedInput):
@@ -328,24 +308,44 @@ def turn_records(doc: ExportDocument) -> tuple[list[Record], int]:
         if rec.turn != open_turn:
             raise BadRequest(f"not a sessiond export: {where}: ends turn {rec.turn}, which is not open")
         if rec.record:
-            _check_msgpack(rec.record, f"{where}.record")
+            check_msgpack(rec.record, f"{where}.record")
         open_turn = None
         if isinstance(rec, ExportedCommit):
             out.append(Commit(turn=rec.turn, reply=rec.reply, record=rec.record,
                               interrupted=rec.interrupted, seq=seq, usage=dict(rec.usage)))
         else:
-            out.append(Abort(turn=rec.turn, reason=rec.reason, record=rec.record, seq=seq))
+            out.append(Abort(turn=rec.turn, reason=rec.reason, record=rec.record, seq=seq, usage=dict(rec.usage)))
     if open_turn is not None:
         seq += 1
         out.append(Abort(turn=open_turn, reason="the turn had not ended when it was exported", seq=seq))
     return out, turns
 
 
-def _decode_and_check(data: bytes) -> tuple[ExportDocument, list[Record], int]:
-    """(In a thread.)"""
+def spent_figures(doc: ExportDocument) -> dict[str, int] | None:
+    """What an imported session counts as spent before its import: what
+    its document says, the larger of its `spent` and its turns' usage,
+    key by key; None (unknown, docs/limits.md "Budgets") when it says
+    nothing: no `spent` and no usage on any turn of a session that had
+    turns.  A figure is the document's word: a client may write any (the
+    uid's ceilings are the ledger's own count, which no document lowers)."""
+    usages = [doc.snapshot.usage] if doc.snapshot is not None else []
+    usages += [rec.usage for rec in doc.records if not isinstance(rec, ExportedInput)]
+    summed = total(*usages)
+    if doc.spent is None and not any(summed.values()):
+        had_turns = doc.records or (doc.snapshot is not None and doc.snapshot.turns)
+        return None if had_turns else {}
+    said = doc.spent or {}
+    return {k: v for k in SPEND_KEYS if (v := max(said.get(k, 0), summed.get(k, 0)))}
+
+
+def _decode_and_check(data: bytes) -> tuple[ExportDocument, list[Record], int, dict[str, int] | None]:
+    """(In a thread.)  The document (less its records), them as the
+    store's, its turns, what it says was spent."""
     doc = decode_document(data)
     records, turns = turn_records(doc)
-    return doc, records, turns
+    figures = spent_figures(doc)
+    free(doc.records)  # (as the store's records now: freed here, not on the loop)
+    return doc, records, turns, figures
 
 
 async def import_session(mgr: SessionManager, owner_uid: int, data: bytes, session_id: str | None) -> Session:
@@ -359,7 +359,7 @@ async def import_session(mgr: SessionManager, owner_uid: int, data: bytes, sessi
                          "([daemon] max_document_bytes)")
     if mgr.closing:
         raise Conflict("the daemon is shutting down")
-    doc, records, turns = await asyncio.to_thread(_decode_and_check, data)
+    doc, records, turns, figures = await asyncio.to_thread(_decode_and_check, data)
     session_id = doc.id if session_id is None else session_id
     if not valid_session_id(session_id):
         raise BadRequest(f"invalid session id {session_id!r}: 1-64 characters of A-Z a-z 0-9 . _ -, "
@@ -383,22 +383,28 @@ async def import_session(mgr: SessionManager, owner_uid: int, data: bytes, sessi
     except StoreError as exc:
         raise store_failure("", exc) from None
     try:
+        await mgr.budgets.imported(session_id, owner_uid, figures)
         snap = None
         if doc.snapshot is not None:
             snap = Snapshot(gen=0, meta=meta, turns=doc.snapshot.turns, seq=0,
                             handler_state=doc.snapshot.handler_state, usage=dict(doc.snapshot.usage))
             store.write_snapshot(snap)
-        for i, rec in enumerate(records, 1):
+        count = size = 0
+        for rec in records:
             store.append(rec, durable=False)
-            if i % _SLICE == 0:
+            count, size = count + 1, size + _size(rec)
+            if count >= _SLICE or size >= _SLICE_BYTES:
+                count = size = 0
                 await asyncio.sleep(0)  # other clients' requests, between slices
         await store.sync_soon()
         loaded = await asyncio.to_thread(
             LoadedSession.replay, session_id, snap, records if snap is not None else [meta, *records])
+        await asyncio.to_thread(free, records)
         _check_free(mgr, session_id, owner_uid)  # (what changed while we wrote)
     except BaseException as exc:
         store.close()
         mgr.store.remove(session_id)
+        mgr.budgets.forget(session_id)
         if isinstance(exc, StoreError):
             raise store_failure(f"session {session_id!r} could not be saved: ", exc) from None
         raise
@@ -406,6 +412,17 @@ async def import_session(mgr: SessionManager, owner_uid: int, data: bytes, sessi
     session = mgr.sessions[session_id]
     tagged(log, session_id).info("imported (%d turns, handler %s)", turns, doc.handler)
     return session
+
+
+def _size(rec: Record) -> int:
+    match rec:
+        case InputRecord(text=text):
+            return len(text)
+        case Commit(reply=reply, record=record):
+            return len(reply) + len(record)
+        case Abort(reason=reason, record=record):
+            return len(reason) + len(record)
+    return 0
 
 
 def _check_free(mgr: SessionManager, session_id: str, owner_uid: int) -> None:

@@ -36,7 +36,6 @@ from collections.abc import Callable
 import msgspec
 
 from ipc import messages as m
-from ipc.budget import SPEND_KEYS
 from ipc.pacing import Pacer
 from supervisor.errors import Conflict, Internal, NoSpace, SessiondError
 from supervisor.core.budgets import Budgets
@@ -79,7 +78,7 @@ class TurnLedger:
     ) -> None:
         self._events = events
         # What a turn may spend ([agent.budget]): told to its worker with the input.
-        self._budgets = budgets if budgets is not None else Budgets({}, metrics)
+        self._budgets = budgets if budgets is not None else Budgets({}, metrics=metrics)
         # What to do with a worker that is ahead of the disk (kill it; it
         # restarts from the log), and with a turn that has begun (arm its
         # timeout): the manager's, passed in when it builds the ledger.
@@ -206,14 +205,9 @@ class TurnLedger:
             self._settle_input(session, pending, error)
 
     def spent(self, session: Session, msg: m.Spent) -> None:
-        """The running turn's spend so far, after one of its LLM calls."""
-        if msg.turn != session.current_turn or session.committing == msg.turn:
-            return
-        before = session.turn_spend
-        # Cumulative: a figure only grows (a resumed turn's replay repeats them).
-        reported = {k: v for k, v in msg.spend.items() if k in SPEND_KEYS and isinstance(v, int) and v > 0}
-        session.turn_spend = {k: v for k in SPEND_KEYS if (v := max(reported.get(k, 0), before.get(k, 0)))}
-        self._budgets.spend_moved(session, before)
+        """The running turn's spend so far, after one of its LLM calls, or
+        a call about to begin (counted first: supervisor.core.budgets)."""
+        self._budgets.reported(session, msg)
 
     def commit(self, session: Session, worker: WorkerProc, msg: m.Done) -> None:
         if msg.turn != session.current_turn:
@@ -596,7 +590,7 @@ class TurnLedger:
         session.current_turn = None
         session.suspended = None
         session.step_records, session.step_bytes, session.steps_flying = 0, 0, {}
-        session.turn_spend = {}
+        self._budgets.turn_over(session)
         session.last_turn_secs = time.monotonic() - session.turn_started
         self.metrics.turn_ended(session, outcome[0], outcome[1], session.last_turn_secs)
         session.pending_asks.clear()

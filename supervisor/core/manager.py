@@ -109,7 +109,7 @@ class SessionManager:
         self.admission = Admission(current, identities)  # the socket's and every re-check's
         self.workspaces = Workspaces(current, state_dir, self.admission)
         self.events = EventLog(lambda: self.config.daemon, self.sessions, tracer)
-        self.budgets = Budgets(self.sessions, metrics)
+        self.budgets = Budgets(self.sessions, self.store.spend, metrics)
         self.ledger = TurnLedger(
             self.events,
             on_unsaved=lambda session, worker, why: self.workers.kill(session, worker, ExitReason.CRASHED, why),
@@ -134,8 +134,7 @@ class SessionManager:
         # What a session held by another daemon may have done to it (supervisor.cluster.fencing).
         self.holding = Holding(current, self.sessions, self.store, self.events, self.ledger, self.workers,
                                self.workspaces, self.settings_for, self.spawn_task, self.forget)
-        # How a stored session is opened at start: claimed (alone on the
-        # store), or only read (daemons sharing a database, supervisor.cluster.fronts).
+        # How a stored session is opened at start: claimed (alone), or read (supervisor.cluster.fronts).
         self._open_stored = open_stored or self.store.load
 
     @property
@@ -407,6 +406,7 @@ class SessionManager:
 
     def _unlink(self, session: Session) -> asyncio.Future[None]:
         self.forget(session)
+        self.budgets.forget(session.id)  # (its uid's total keeps what it spent)
         return session.store.remove_soon()  # behind its writes; `rm` is answered once it is done
 
     # ================================================================ requests

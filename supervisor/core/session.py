@@ -13,7 +13,7 @@ each own some of its fields, and only they write them:
                                   usage (token totals of its turns:
                                   prompt_tokens, completion_tokens,
                                   reasoning_tokens, and llm_calls; restored
-                                  from the log), turn_spend, committing,
+                                  from the log), committing,
                                   step_records, step_bytes, steps_flying,
                                   suspended, trace
     WorkerOwner    (workers.py)   worker, last_exit, restarts, policy,
@@ -21,6 +21,7 @@ each own some of its fields, and only they write them:
     Sweeper        (sweep.py)     memory, turn_timer, kill_timer
     Subagents      (subagents.py) spawned
     Damage         (damage.py)    store, error (on the manager's behalf)
+    Budgets        (budgets.py)   turn_spend
 
 A `WorkerProc` is WorkerOwner's alone.  Others ask the owner through its
 public operations (`EventLog.raise_seq`, `TurnLedger.take_input`,

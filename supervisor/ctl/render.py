@@ -172,7 +172,8 @@ def print_status(s: dict[str, Any]) -> None:
         if not (isinstance(c, dict) and isinstance(c.get("ceiling"), str) and {"used", "limit", "unit"} <= c.keys()):
             continue
         # One line per [agent.budget] ceiling set: what counts against it now.
-        fields.append(("budget", f"{c['ceiling'].rpartition('.')[2]} {c['used']} of {c['limit']} {c['unit']}"))
+        unknown = " (and unknown before its import)" if c.get("unknown") is True else ""
+        fields.append(("budget", f"{c['ceiling'].rpartition('.')[2]} {c['used']} of {c['limit']} {c['unit']}{unknown}"))
     for k, v in fields:
         print(f"{k + ':':<11}{v}")
 

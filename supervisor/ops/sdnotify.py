@@ -45,7 +45,9 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from ipc.logfields import FORMAT_ENV, JournalHandler, JsonFormatter, PriorityFormatter, journal_socket, on_journal
+from ipc.logfields import (
+    FORMAT_ENV, JournalHandler, JsonFormatter, PriorityFormatter, TextFormatter, journal_socket, on_journal,
+)
 
 __all__ = [
     "SD_LISTEN_FDS_START",
@@ -342,7 +344,7 @@ def configure_logging(
         if path is not None:
             handler = _Journal(path, fallback=handler)
     else:
-        handler.setFormatter(logging.Formatter(_PLAIN_FORMAT))
+        handler.setFormatter(TextFormatter(_PLAIN_FORMAT))
     root.addHandler(handler)
     root.setLevel(level)
     # A zygote started by exec (the first one died) sets itself up from this.

@@ -52,6 +52,8 @@ from supervisor.store.dirplan import Plan
 from supervisor.store.dirplan import check_damage as _check_damage
 from supervisor.store.dirplan import plan as _plan_of
 from supervisor.store.journal import Journal
+from supervisor.store.spendfile import FileSpendBook
+from supervisor.store.repair import repair_dir
 from supervisor.store.replay import clear_damage_note
 from supervisor.store.sessiondir import fsync_dir as _fsync_dir
 from supervisor.store.sessiondir import log_gens as _log_gens
@@ -604,6 +606,15 @@ class FileStateStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._journal: Journal | None = None
+        self._spend: FileSpendBook | None = None
+
+    @property
+    def spend(self) -> FileSpendBook:
+        """The spend ledger (supervisor.store.spendfile), opened at first use."""
+        if self._spend is None:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._spend = FileSpendBook(self.root)
+        return self._spend
 
     @property
     def journal(self) -> Journal:
@@ -621,6 +632,9 @@ class FileStateStore:
         if self._journal is not None:
             self._journal.close()
             self._journal = None
+        if self._spend is not None:
+            self._spend.close()
+            self._spend = None
 
     def load(self, session_id: str) -> tuple[SessionStore, LoadedSession]:
         path = self.root / session_id
@@ -651,50 +665,6 @@ class FileStateStore:
         _erase(self.root / session_id, self.journal)
 
     def repair(self, session_id: str, mode: RepairMode) -> RepairResult:
-        """Rewrite each damaged log of a session atomically (temp file,
-        fsync, rename, fsync dir), per `mode`.  A snapshot beyond repair
-        stays beyond repair (StoreDamaged)."""
-        path = self.root / session_id
-        if not path.is_dir():
-            raise KeyError(session_id)
-        try:
-            _plan_of(path)
-        except StoreDamaged as exc:
-            if not exc.repairable:
-                raise
-        else:
-            return RepairResult(0, 0, 0)
-        snap, _ = _read_snapshot(path / "snapshot")
-        base = snap.gen if snap is not None else 0
-        kept = dropped_records = dropped_bytes = 0
-        for g in _log_gens(path):
-            if g < base:
-                continue
-            log_path = path / f"log.{g}"
-            data = log_path.read_bytes()
-            scan = scan_log(data)
-            if not scan.bad:
-                kept += len(scan.records)
-                continue
-            if mode is RepairMode.TRUNCATE:
-                cut = scan.bad[0][0]
-                keep = [(a, b) for a, b, _ in scan.records if a < cut]
-                dropped_records += len(scan.records) - len(keep)
-            else:
-                keep = [(a, b) for a, b, _ in scan.records]
-            kept += len(keep)
-            dropped_bytes += sum(b - a for a, b in scan.bad)
-            body = b"".join(data[a:b] for a, b in keep)
-            tmp = path / f"log.{g}.repair"
-            with open(tmp, "wb") as f:
-                f.write(body)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, log_path)
-            _fsync_dir(path)
-            tagged(log, session_id).warning("log.%d repaired (%s): %d record(s) kept, %d intact record(s) and "
-                                            "%d damaged byte(s) dropped",
-                                            g, mode.value, len(keep), len(scan.records) - len(keep),
-                                            sum(b - a for a, b in scan.bad))
-        clear_damage_note(path, self.root)
-        return RepairResult(kept, dropped_records, dropped_bytes)
+        """Rewrite each damaged log of a session atomically, per `mode`
+        (supervisor.store.repair)."""
+        return repair_dir(self.root / session_id, self.root, mode)

@@ -31,8 +31,9 @@ from supervisor.store.state_store import (
     turn_steps,
 )
 from supervisor.store.files import LogScan, describe_damage, frame_record, scan_log
+from supervisor.store.spend import Book, Charge, copy_book, fold
 
-__all__ = ["InMemoryStateStore", "MemoryLog"]
+__all__ = ["InMemoryStateStore", "MemoryLog", "MemorySpendBook"]
 
 log = logging.getLogger("sessiond.store")
 
@@ -159,11 +160,42 @@ def _checked(session_id: str, stored: _Stored) -> LogScan:
     return scan
 
 
+class MemorySpendBook:
+    """`SpendBook` in memory: a write is durable on the loop's next turn
+    (as a group commit), unless the store's `flush_error` is set."""
+
+    def __init__(self, owner: InMemoryStateStore) -> None:
+        self._owner = owner
+        self.book = Book()
+
+    def read(self) -> Book:
+        return copy_book(self.book)
+
+    def write(self, charges: list[Charge]) -> asyncio.Future[Book | None]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Book | None] = loop.create_future()
+
+        def done() -> None:
+            if self._owner.flush_error is not None:
+                fut.set_exception(write_error("the spend ledger", self._owner.flush_error))
+                return
+            for charge in charges:
+                fold(self.book, charge)
+            fut.set_result(None)
+
+        loop.call_soon(done)
+        return fut
+
+    def close(self) -> None:
+        pass
+
+
 class InMemoryStateStore:
     def __init__(self) -> None:
         self.sessions: dict[str, _Stored] = {}
         # For tests: every group commit (sync_soon) fails with this.
         self.flush_error: OSError | None = None
+        self.spend = MemorySpendBook(self)
 
     def create(self, meta: Meta, durable: bool = True) -> MemoryLog:
         if meta.id in self.sessions:

@@ -4,6 +4,7 @@
     ├── create(meta)           -> SessionLog   (a new session, fenced)
     ├── load(id)               -> (SessionLog, LoadedSession)   (fenced)
     ├── ids() / remove(id) / repair(id, mode)
+    ├── spend                  -> SpendBook   (the spend ledger: supervisor.store.spend)
     SessionLog                 one per session, held by its one writer
     ├── append(record, durable) / sync() / sync_soon() / make_durable(_soon)()
     ├── write_snapshot(snap) / write_snapshot_soon(snap)
@@ -65,6 +66,7 @@ import msgspec
 # cluster code that import them from this seam.
 from supervisor.errors import Fenced, HeldElsewhere, IdTaken, StoreDamaged, StoreError, StoreFull
 from supervisor.ops.logtag import tagged
+from supervisor.store.spend import SpendBook
 
 _T = TypeVar("_T")
 
@@ -106,8 +108,11 @@ __all__ = [
 # ---------------------------------------------------------------- records
 
 
-class _Rec(msgspec.Struct, tag_field="r", omit_defaults=True, kw_only=True):
-    pass
+class _Rec(msgspec.Struct, tag_field="r", omit_defaults=True, kw_only=True, gc=False):
+    """Records are data, never part of a cycle: untracked by the cyclic
+    collector (`gc=False`, inherited), so reading back a long log (an
+    export, a history, an import's replay) does not set off full
+    collections that hold the GIL for tens of ms (ipc.messages does the same)."""
 
 
 class Meta(_Rec, tag="meta"):
@@ -478,6 +483,12 @@ class StateStore(Protocol):
 
     def repair(self, session_id: str, mode: RepairMode) -> RepairResult:
         """Rewrite a damaged session atomically so that it loads again."""
+        ...
+
+    @property
+    def spend(self) -> SpendBook:
+        """What each session and uid spent on LLM calls (supervisor.store.spend):
+        apart from the sessions, so that it outlives their removal."""
         ...
 
     def close(self) -> None:

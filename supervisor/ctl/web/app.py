@@ -34,6 +34,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ipc.inputs import valid_session_id
+from ipc.logfields import escape
 from supervisor.ctl.client import AsyncClient
 from supervisor.ctl.errors import DaemonUnavailable, RequestError
 from supervisor.ctl.web.feed import Connect, Emit, session_list, session_view
@@ -58,6 +59,7 @@ MAX_BODY_BYTES = 2 * 1024 * 1024
 # events; the page's EventSource reconnects and starts from a snapshot.
 MAX_QUEUED_EVENTS = 10_000
 KEEPALIVE_SECS = 15.0
+_PATH_SHOWN = 256  # characters of a refused path the log line shows
 # What the daemon's errors are, in HTTP.
 _STATUS = {"not_found": 404, "bad_request": 400, "conflict": 409, "permission_denied": 403,
            "capacity": 503, "limit_exceeded": 429}
@@ -86,8 +88,14 @@ class _Guarded:
             needs_token=not path.startswith("/static/"), page=path == "/",
         )
         if why is not None:
-            print(f"sessionctl web: refused {request.method} {path}: {why}", file=sys.stderr, flush=True)
-            await _with_headers(PlainTextResponse(f"refused: {why}\n", status_code=403))(scope, receive, send)
+            # The path is the client's (decoded: %1b is ESC): escaped, so a
+            # refusal cannot write terminal escapes or lines of its own.
+            shown = escape(str(scope.get("path", ""))[:_PATH_SHOWN])
+            print(f"sessionctl web: refused {escape(request.method)} {shown}: {why}",
+                  file=sys.stderr, flush=True)
+            # Closed once answered: a client the guard refuses holds no connection (conns.py).
+            refused = PlainTextResponse(f"refused: {why}\n", status_code=403, headers={"Connection": "close"})
+            await _with_headers(refused)(scope, receive, send)
             return
 
         async def send_with_headers(message: Any) -> None:

@@ -32,6 +32,7 @@ def run_web(socket_path: str | None, port: int, as_json: bool = False) -> int:
         import uvicorn
 
         from supervisor.ctl.web.app import build_app
+        from supervisor.ctl.web.conns import bounded_h11
         from supervisor.ctl.web.guard import Guard
     except ImportError as exc:
         print(f"sessionctl: {_NEEDS_EXTRA} ({exc})", file=sys.stderr)
@@ -56,7 +57,8 @@ def run_web(socket_path: str | None, port: int, as_json: bool = False) -> int:
 
     closing = asyncio.Event()
     config = uvicorn.Config(
-        build_app(Guard(token, port), connect, closing), http="h11", ws="none", lifespan="off",
+        # h11 with a deadline and a cap on connections whose request head is not in (conns.py).
+        build_app(Guard(token, port), connect, closing), http=bounded_h11(), ws="none", lifespan="off",
         log_config=None, log_level="warning", access_log=False, server_header=False,
         # Never take the client's address from X-Forwarded-For: the guard
         # needs the request as the browser sent it.

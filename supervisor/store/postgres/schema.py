@@ -44,6 +44,14 @@ _MIGRATIONS: list[str] = [
         expires_at timestamptz NOT NULL
     );
     """,
+    # The spend ledger (supervisor.store.postgres.spend): one row a session
+    # or uid, outliving the sessions; `entry` NULL only inside a charge.
+    """
+    CREATE TABLE sessiond_spend (
+        principal text PRIMARY KEY,
+        entry bytea
+    );
+    """,
 ]
 SCHEMA_VERSION = len(_MIGRATIONS)
 # pg_advisory_xact_lock key: daemons starting together migrate one at a time.

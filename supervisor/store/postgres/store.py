@@ -9,6 +9,7 @@ Tables (created and migrated by the store itself, see supervisor.store.postgres.
     sessiond_records   (session, pos, frame): the log after the snapshot,
                        each frame `u32 length | u32 crc32 | msgpack` as in
                        the file store's log
+    sessiond_spend     the spend ledger (supervisor.store.postgres.spend)
 
 Commits go through the group commit (supervisor.store.postgres.batch): `sync_soon`
 hands the session's appended frames to a writer thread with a connection
@@ -83,6 +84,7 @@ from supervisor.store.postgres.batch import (
 from supervisor.store.postgres.link import PgLink, PgReader, safe_dsn
 from supervisor.store.postgres.rows import Rows, checked, decode_snapshot, replay, snap_encoder
 from supervisor.store.postgres.schema import SCHEMA_VERSION, migrate
+from supervisor.store.postgres.spend import PgSpendBook
 from supervisor.store.postgres.link import store_error as _store_error  # noqa: F401 (tests)
 from supervisor.store.state_store import (
     LoadedSession,
@@ -542,6 +544,7 @@ class PgStateStore:
         self.check_claim = check_claim
         self.reader = PgReader(dsn, retry_secs) if batch else None
         self.run(self._migrate, "the schema")
+        self.spend = PgSpendBook(dsn, retry_secs, self._link)
 
     @property
     def where(self) -> str:
@@ -561,6 +564,7 @@ class PgStateStore:
 
     def close(self) -> None:
         """Land the commits in flight, then close both connections."""
+        self.spend.close()
         if self.writer is not None:
             self.writer.close()
         if self.reader is not None:
