@@ -184,3 +184,20 @@ def test_the_exporter_process_s_pipeline_is_bounded_and_counts_its_drops() -> No
     (first, *_) = stuck.get_finished_spans()
     assert first.parent.span_id == 7 and first.parent.is_remote and first.kind.value == 1
     assert first.resource.attributes["service.name"] == "sessiond"
+
+
+@pytest.mark.pure
+def test_the_protocol_is_the_config_s_else_the_standard_variables_and_an_unknown_one_is_refused() -> None:
+    from supervisor.errors import StartupError
+    from supervisor.ops.tracing_config import protocol
+
+    assert protocol(TracingSettings(), {}) == "http/protobuf"
+    assert protocol(TracingSettings(), {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}) == "grpc"
+    assert protocol(TracingSettings(), {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                                        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}) == "http/protobuf"
+    assert protocol(TracingSettings(protocol="grpc"), {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}) == "grpc"
+    # Once silently ignored: now said at start.
+    with pytest.raises(StartupError, match="OTEL_EXPORTER_OTLP_PROTOCOL=http/json"):
+        protocol(TracingSettings(), {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+    with pytest.raises(ConfigError, match="'tracing.protocol'"):
+        parse_config({"tracing": {"protocol": "http/json"}}, "x.toml")

@@ -324,7 +324,7 @@ class Turn:
         # wait=False: the next LLM request overlaps this result's flush; the
         # next tool that acts still waits for it.
         result = await self._ctx.step(f"tool:{call.name}:{call.id}",
-                                      lambda: _traced.tool_call(call.id, call.name, self._run_one(call)), kind="tool",
+                                      lambda: _traced.tool_call(call, self._run_one(call)), kind="tool",
                                       interrupted=None if rerun else _killed_result, idempotent=rerun, wait=False)
         return bool(result[0]), str(result[1])
 
