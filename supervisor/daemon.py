@@ -547,7 +547,7 @@ def _build(
         per_session = cfg.daemon.metrics_top_sessions if cfg.daemon.metrics_per_session else 0
         # Reads what it counts when scraped, from the parts built below.
         recorder = metrics.PrometheusRecorder(lambda: manager.sessions.values(), lambda: len(server.clients),
-                                              per_session)
+                                              per_session, tracer.stats)
     manager = SessionManager(
         cfg, state_dir, spawner, run_as=identities.run_as, session_uids=identities.session_uids,
         sandbox=sandbox_boot, cgroups=cgroups[0], cgroups_why=cgroups[1], store=store, metrics=recorder or metrics.NO_METRICS,
