@@ -320,7 +320,8 @@ def test_spans_go_over_otlp_grpc_when_asked(make_daemon, monkeypatch: pytest.Mon
         assert "OTLP/gRPC to " + rx.endpoint in d.log
 
 
-def test_the_exporter_logs_in_the_daemon_s_json_format(make_daemon) -> None:
+def test_the_exporter_logs_in_the_daemon_s_json_format(make_daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
     d = make_daemon(f"""
 [daemon]
 log_format = "json"
