@@ -294,12 +294,14 @@ def test_tools_in_flight_when_a_turn_fails_get_spans_and_its_log_ids_come_and_go
     tracer.step(trace, m.StepBegun(turn=1, n=2, key="tool:read_file:c2", kind="tool"))
     tracer.step(trace, m.StepDone(turn=1, n=2, key="tool:read_file:c2", kind="tool"))
     tracer.ended("s9", trace, failed="the session was stopped")
+    assert "s9" in logtag._TRACED, "the lines of the turn's end still name it"
     (bash,) = [s for s in emitted if s.name.startswith("execute_tool")]
     assert bash.name == "execute_tool bash" and bash.parent_id == turn.span_id and bash.trace_id == turn.trace_id
     assert bash.error == "the session was stopped" and bash.attributes["error.type"] == "stopped"
     (ended,) = [s for s in emitted if s.span_id == turn.span_id]
     assert ended.error == "the session was stopped" and ended.attributes["error.type"] == "stopped"
-    assert "s9" not in logtag._TRACED, "its lines no longer name the trace"
+    tracer.state_changed("s9", "stopping", "stopped", "", None)
+    assert "s9" not in logtag._TRACED, "at rest, its lines no longer name the trace"
 
 
 @pytest.mark.pure

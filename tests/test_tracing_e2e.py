@@ -294,7 +294,8 @@ def test_a_tool_killed_by_the_memory_cap_has_its_span_and_the_log_names_the_trac
     kill = next(o for o in lines if o.get("SESSION_ID") == sid and "killing worker" in o["MESSAGE"])
     assert (kill["TRACE_ID"], kill["SPAN_ID"]) == (turn.trace_id, turn.span_id), kill
     resumed = next(o for o in lines if o.get("SESSION_ID") == sid and "turn 1 resumed" in o["MESSAGE"])
-    assert resumed["TRACE_ID"] == turn.trace_id
+    restarting = next(o for o in lines if o.get("SESSION_ID") == sid and o.get("SESSION_STATE") == "restarting")
+    assert resumed["TRACE_ID"] == restarting["TRACE_ID"] == turn.trace_id
     # ... and no line about it once it ended.
     assert d.ctl("stop", sid).returncode == 0
     lines = [json.loads(line) for line in d.log.splitlines() if line]

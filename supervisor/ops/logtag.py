@@ -13,15 +13,17 @@ fields (`SESSION_ID`, `SESSION_UID`, `SESSIOND_EVENT`...) or JSON keys.
 
 While a session's turn is traced, its lines also carry the trace's and
 the turn span's ids (`TRACE_ID`, `SPAN_ID`), so a log line leads to its
-trace and back: the tracer (supervisor.ops.otel) says which sessions' turns
-are traced (`traced`, `untraced`); with tracing off the table stays empty
-and a line pays one dict lookup."""
+trace and back: from the turn's start until the session is at rest again
+(the lines of its end, and of a restart after it, belong to its trace).
+The tracer (supervisor.ops.otel) says which sessions' turns are traced
+(`traced`, `untraced`); with tracing off the table stays empty and a line
+pays one dict lookup."""
 
 from __future__ import annotations
 
 import logging
 
-__all__ = ["SessionLogger", "tagged", "traced", "untraced"]
+__all__ = ["SessionLogger", "tagged", "trace_of", "traced", "untraced"]
 
 # Session id -> the log fields of its traced turn (trace_id, span_id).
 _TRACED: dict[str, dict[str, object]] = {}
@@ -33,8 +35,17 @@ def traced(session_id: str, trace_id: str, span_id: str) -> None:
     _TRACED[session_id] = {"trace_id": trace_id, "span_id": span_id}
 
 
-def untraced(session_id: str) -> None:
-    _TRACED.pop(session_id, None)
+def trace_of(session_id: str) -> str | None:
+    """The trace the session's lines name now, if any."""
+    ids = _TRACED.get(session_id)
+    return str(ids["trace_id"]) if ids is not None else None
+
+
+def untraced(session_id: str, trace_id: str = "") -> None:
+    """The session's lines no longer name a trace (with `trace_id`: only if
+    they still name that one)."""
+    if not trace_id or _TRACED.get(session_id, {}).get("trace_id") == trace_id:
+        _TRACED.pop(session_id, None)
 
 
 class SessionLogger:

@@ -66,6 +66,8 @@ _KINDS = range(5)
 # that end it otherwise.
 _BACK = frozenset({"idle", "running"})
 _GAVE_UP = frozenset({"failed", "stopped", "stopping", "deleted", "hibernated", "damaged"})
+# States a session rests in between turns: its lines name no trace there.
+_AT_REST = frozenset({"idle", "failed", "stopped", "deleted", "hibernated", "damaged"})
 # Spans waiting for the pipe (bytes of encoded frames), past which new ones are dropped.
 _MAX_PENDING_BYTES = 4 << 20
 _PIPE_BYTES = 1 << 20
@@ -449,7 +451,6 @@ class OtelTracer(Tracer):
 
     def ended(self, session_id: str, trace: TurnTrace, failed: str = "", done: m.Done | None = None) -> None:
         spans: _Spans = trace.spans
-        logtag.untraced(session_id)
         if spans.input is not None:  # the flush that covered it was the commit's
             spans.input.end()
             spans.input = None
@@ -502,6 +503,8 @@ class OtelTracer(Tracer):
         return _Subagent(span)
 
     def state_changed(self, session_id: str, old: str, new: str, reason: str, trace: TurnTrace | None) -> None:
+        if trace is None and new in _AT_REST:
+            self._untraced_soon(session_id)
         if new == "starting":
             self._booting[session_id] = time.time_ns()
         elif old == "starting":
@@ -526,6 +529,18 @@ class OtelTracer(Tracer):
                 restart.end(error="" if new in _BACK else f"{new}: {reason}", error_type=new)
                 del self._restarts[session_id]
 
+    def _untraced_soon(self, session_id: str) -> None:
+        """The session is at rest after its turn: its log lines stop naming
+        the turn's trace once this state's own line is written (it is
+        logged after this call), unless a new turn has begun by then."""
+        ids = logtag.trace_of(session_id)
+        if ids is None:
+            return
+        try:
+            asyncio.get_running_loop().call_soon(logtag.untraced, session_id, ids)
+        except RuntimeError:  # no loop (tests of the parts)
+            logtag.untraced(session_id, ids)
+
     def forget(self, session_id: str) -> None:
         logtag.untraced(session_id)
         for table in (self._boots, self._booting, self._just_failed):
@@ -542,7 +557,7 @@ class OtelTracer(Tracer):
         counts, past = self._exporter_counts, self._past_counts
         got = int(counts.get("received", 0)) + past["received"]
         return {
-            "exporter": "otlp", "protocol": self._settings.protocol, "endpoint": self.endpoint,
+            "exporter": "otlp", "protocol": self._settings.protocol or "http/protobuf", "endpoint": self.endpoint,
             "ready": bool(counts), "spans": self.made,
             "exported": int(counts.get("exported", 0)) + past["exported"],
             "failed": int(counts.get("failed", 0)) + past["failed"],
