@@ -14,7 +14,8 @@ present, each record goes to that socket as one datagram of fields
 `LOGGER`, and for a line about one session `SESSION_ID`, plus, on its
 lifecycle lines, `SESSIOND_EVENT` (`state`, `limit`, `turn_failed`),
 `SESSION_STATE` or `SESSIOND_LIMIT`, `SESSION_UID` (the uid it runs as) and
-`SESSION_OWNER_UID`.  So `journalctl SESSION_ID=abc` finds a session's
+`SESSION_OWNER_UID`, and for a line about a traced turn `TRACE_ID` and
+`SPAN_ID` (the turn's span).  So `journalctl SESSION_ID=abc` finds a session's
 lines, daemon's and worker's.  A field whose value holds a newline is sent
 in the protocol's length-prefixed form; an entry too large for one datagram
 goes in a sealed memfd passed with `SCM_RIGHTS`, as systemd's own client
@@ -65,6 +66,9 @@ _SESSION_FIELDS = (
     ("sessiond_limit", "SESSIOND_LIMIT"),
     ("session_uid", "SESSION_UID"),
     ("session_owner_uid", "SESSION_OWNER_UID"),
+    # A line about a traced turn: its trace and span (supervisor.ops.logtag).
+    ("trace_id", "TRACE_ID"),
+    ("span_id", "SPAN_ID"),
 )
 _PRIORITIES = ((logging.CRITICAL, 2), (logging.ERROR, 3), (logging.WARNING, 4), (logging.INFO, 6))
 _U64 = struct.Struct("<Q")

@@ -82,8 +82,12 @@ class Span:
         if len(self.events) < 64:
             self.events.append(m.SpanEvent(name=name, at_ns=time.time_ns(), attributes=attributes or {}))
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, error_type: str = "") -> None:
+        """The span's work failed: `reason` in words, `error_type` its kind
+        (`error.type`, a word from a small set; the exception's class when
+        one ends the span, "_OTHER" when none is given)."""
         self.error = reason or "error"
+        self.attributes.setdefault("error.type", error_type or "_OTHER")
 
     def __enter__(self) -> Span:
         self._token = _current.set(self)
@@ -95,6 +99,7 @@ class Span:
         if exc is not None and not self.error:
             # A cancellation is the turn's interrupt (or the worker stopping).
             self.error = f"{type(exc).__name__}: {exc}"[:500] if isinstance(exc, Exception) else "interrupted"
+            self.attributes.setdefault("error.type", _error_type(exc))
         turn = self._turn
         if turn.sent >= _MAX_SPANS:
             return
@@ -104,6 +109,18 @@ class Span:
             start_ns=self.start_ns, end_ns=time.time_ns(), error=self.error,
             attributes=self.attributes, events=self.events,
         )]))
+
+
+def _error_type(exc: BaseException) -> str:
+    """`error.type` of an exception: an HTTP error's status (the semantic
+    conventions' choice for HTTP clients; the provider's errors carry it
+    as `status`), else its class; "cancelled" for an interrupt."""
+    if not isinstance(exc, Exception):
+        return "cancelled"
+    status = getattr(exc, "status", None)
+    if isinstance(status, int) and 100 <= status <= 599:
+        return str(status)
+    return type(exc).__qualname__
 
 
 class _NoSpan:
@@ -119,7 +136,7 @@ class _NoSpan:
     def event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
         pass
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, error_type: str = "") -> None:
         pass
 
     def __enter__(self) -> _NoSpan:

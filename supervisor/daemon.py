@@ -537,7 +537,7 @@ def _build(
         per_session = cfg.daemon.metrics_top_sessions if cfg.daemon.metrics_per_session else 0
         # Reads what it counts when scraped, from the parts built below.
         recorder = metrics.PrometheusRecorder(lambda: manager.sessions.values(), lambda: len(server.clients),
-                                              per_session)
+                                              per_session, tracer.stats)
     # The lazy MCP servers' tool lists, in the config sessions run with (cluster mode: none).
     catalog = McpCatalog(None if isinstance(spawner, RaySpawner) else mcplist.lister_for(
         state_dir, identities.run_as, identities.session_uids, sandbox_boot), lambda new: manager.reload(new))

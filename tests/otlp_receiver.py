@@ -1,20 +1,26 @@
-"""A real OTLP/HTTP trace receiver on loopback, for tests and bench/tracing.py.
+"""Real OTLP trace receivers on loopback, for tests and bench/tracing.py.
 
-A stdlib `ThreadingHTTPServer` on 127.0.0.1 (a free port) that takes
-`POST /v1/traces`, decodes the body with OpenTelemetry's own protobuf classes
-(`ExportTraceServiceRequest`, opentelemetry-proto), gzip or not, and keeps
-every span as a `Received` (ids as hex, attributes as Python values)::
+`OtlpReceiver`: a stdlib `ThreadingHTTPServer` on 127.0.0.1 (a free port)
+that takes `POST /v1/traces`, decodes the body with OpenTelemetry's own
+protobuf classes (`ExportTraceServiceRequest`, opentelemetry-proto), gzip or
+not, and keeps every span as a `Received` (ids as hex, attributes as Python
+values)::
 
     with OtlpReceiver() as rx:
         ... OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=rx.endpoint ...
-        spans = rx.wait_for(lambda spans: any(s.name == "sessiond.turn" for s in spans))
+        spans = rx.wait_for(lambda spans: any(s.name == "invoke_agent agent" for s in spans))
 
 `OtlpReceiver(keep=False)` only counts the spans (`rx.count`).
 `rx.status = 503` makes it answer errors (a collector that is up but refusing).
+
+`OtlpGrpcReceiver`: the same over OTLP/gRPC, a grpcio server of the
+`TraceService` opentelemetry-proto defines (its `trace_service_pb2_grpc`),
+`rx.endpoint` the address a gRPC exporter takes ("http://127.0.0.1:PORT").
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import gzip
 import threading
 import time
@@ -29,7 +35,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-__all__ = ["OtlpReceiver", "Received", "tree"]
+__all__ = ["OtlpGrpcReceiver", "OtlpReceiver", "Received", "tree"]
 
 
 @dataclass
@@ -63,7 +69,9 @@ def _attrs(kvs: Any) -> dict[str, Any]:
     return {kv.key: _value(kv.value) for kv in kvs}
 
 
-class OtlpReceiver:
+class _Receiver:
+    """What both receivers keep, and how a test waits for it."""
+
     def __init__(self, keep: bool = True) -> None:
         self.spans: list[Received] = []
         self.keep = keep  # False: only count them (a bench's many turns)
@@ -71,6 +79,48 @@ class OtlpReceiver:
         self.requests = 0
         self.status = 200
         self._lock = threading.Lock()
+
+    def _take(self, request: ExportTraceServiceRequest) -> None:
+        if not self.keep:
+            with self._lock:
+                self.requests += 1
+                self.count += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+            return
+        spans = []
+        for rs in request.resource_spans:
+            service = _attrs(rs.resource.attributes).get("service.name", "")
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    spans.append(Received(
+                        trace_id=s.trace_id.hex(), span_id=s.span_id.hex(), parent_id=s.parent_span_id.hex(),
+                        name=s.name, kind=s.kind, start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano,
+                        attributes=_attrs(s.attributes),
+                        events=[(e.name, _attrs(e.attributes)) for e in s.events],
+                        status_code=s.status.code, status_message=s.status.message,
+                        service=service, scope=ss.scope.name,
+                    ))
+        with self._lock:
+            self.requests += 1
+            if self.status == 200:
+                self.spans.extend(spans)
+
+    def wait_for(self, done: Callable[[list[Received]], bool], timeout: float = 20.0) -> list[Received]:
+        """The spans so far, once `done(spans)` holds (polled; AssertionError at the deadline)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                spans = list(self.spans)
+            if done(spans):
+                return spans
+            if time.monotonic() > deadline:
+                names = sorted(s.name for s in spans)
+                raise AssertionError(f"spans never arrived as expected; received: {names}")
+            time.sleep(0.05)
+
+
+class OtlpReceiver(_Receiver):
+    def __init__(self, keep: bool = True) -> None:
+        super().__init__(keep)
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -100,30 +150,6 @@ class OtlpReceiver:
         self.endpoint = f"http://127.0.0.1:{self.port}/v1/traces"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
-    def _take(self, request: ExportTraceServiceRequest) -> None:
-        if not self.keep:
-            with self._lock:
-                self.requests += 1
-                self.count += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-            return
-        spans = []
-        for rs in request.resource_spans:
-            service = _attrs(rs.resource.attributes).get("service.name", "")
-            for ss in rs.scope_spans:
-                for s in ss.spans:
-                    spans.append(Received(
-                        trace_id=s.trace_id.hex(), span_id=s.span_id.hex(), parent_id=s.parent_span_id.hex(),
-                        name=s.name, kind=s.kind, start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano,
-                        attributes=_attrs(s.attributes),
-                        events=[(e.name, _attrs(e.attributes)) for e in s.events],
-                        status_code=s.status.code, status_message=s.status.message,
-                        service=service, scope=ss.scope.name,
-                    ))
-        with self._lock:
-            self.requests += 1
-            if self.status == 200:
-                self.spans.extend(spans)
-
     def __enter__(self) -> OtlpReceiver:
         self._thread.start()
         return self
@@ -132,18 +158,34 @@ class OtlpReceiver:
         self._server.shutdown()
         self._server.server_close()
 
-    def wait_for(self, done: Callable[[list[Received]], bool], timeout: float = 20.0) -> list[Received]:
-        """The spans so far, once `done(spans)` holds (polled; AssertionError at the deadline)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            with self._lock:
-                spans = list(self.spans)
-            if done(spans):
-                return spans
-            if time.monotonic() > deadline:
-                names = sorted(s.name for s in spans)
-                raise AssertionError(f"spans never arrived as expected; received: {names}")
-            time.sleep(0.05)
+
+class OtlpGrpcReceiver(_Receiver):
+    def __init__(self, keep: bool = True) -> None:
+        # (grpcio comes with the `otel` extra's gRPC exporter)
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+        super().__init__(keep)
+        receiver = self
+
+        class Service(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]
+            def Export(self, request: ExportTraceServiceRequest, context: Any) -> ExportTraceServiceResponse:
+                receiver._take(request)
+                if receiver.status != 200:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "unavailable")
+                return ExportTraceServiceResponse()
+
+        self._server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self._server)
+        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> OtlpGrpcReceiver:
+        self._server.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._server.stop(grace=None)
 
 
 def tree(spans: list[Received], trace_id: str) -> list[Received]:

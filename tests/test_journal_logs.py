@@ -278,3 +278,39 @@ def test_logs_keep_the_lifecycle_across_a_daemon_restart(make_daemon) -> None:
         assert c.send_text(sid, "two") == "2: two"
     later = json.loads(again.ctl("--json", "logs", sid).stdout)["entries"]
     assert later[:len(after)] == after and ("state", "starting") in [(e["type"], e.get("new")) for e in later[len(after):]]
+
+
+@pytest.mark.process
+def test_the_span_exporter_s_errors_reach_the_journal_as_errors(journal_socket: socket.socket, tmp_path: Path) -> None:
+    # The span exporter process (docs/tracing.md) alone, its stderr journald's
+    # stream, told to export to a port where nothing listens.
+    import subprocess
+    import sys
+
+    import msgspec
+
+    from harness import env_for_children
+    from supervisor.ops.otel import ExportSpan
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    stderr = tmp_path / "stderr"
+    stderr.touch()
+    st = os.stat(stderr)
+    env = {**env_for_children(), "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}",
+           "SESSIOND_JOURNAL_SOCKET": journal_socket.getsockname(), "SESSIOND_LOG_FORMAT": "text"}
+    settings = json.dumps({"exporter": "otlp", "endpoint": f"http://127.0.0.1:{closed}/v1/traces",
+                           "export_timeout_secs": 1})
+    span = ExportSpan((7).to_bytes(16, "big"), 5, 0, False, "invoke_agent agent", 1, 10, 20, "", {}, [], False)
+    body = msgspec.msgpack.encode([span])
+    with stderr.open("ab") as err:
+        done = subprocess.run([sys.executable, "-P", "-m", "supervisor.ops.otel_export", settings],
+                              input=len(body).to_bytes(4, "big") + body, stdout=subprocess.DEVNULL, stderr=err,
+                              env=env, timeout=30)
+    assert done.returncode == 0
+    entries = receive(journal_socket, [])
+    failed = [e for e in entries if e["LOGGER"].startswith("opentelemetry.exporter")]
+    assert failed, (entries, stderr.read_text())
+    assert all(e["PRIORITY"] == "3" and e["SYSLOG_IDENTIFIER"] == "sessiond" for e in failed)
+    assert stderr.read_text() == "", "nothing as plain lines (journald would store them at info)"

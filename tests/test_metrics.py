@@ -221,3 +221,32 @@ def test_provider_errors_are_counted_by_status(make_daemon, llm, monkeypatch) ->
     assert value(s, "sessiond_provider_errors_total", status="401") == 1
     assert value(s, "sessiond_turns_failed_total", reason="provider") == 1
     assert value(s, "sessiond_turns_total", outcome="done") == 1
+
+
+def test_tool_calls_and_exported_spans_are_counted(make_daemon, llm, monkeypatch) -> None:
+    from fakellm import text_stream, tool_call_stream
+    from otlp_receiver import OtlpReceiver
+    from test_agent_e2e import agent_config
+
+    monkeypatch.setenv("SESSIOND_TEST_KEY", "sk-test")
+    with OtlpReceiver() as rx:
+        monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", rx.endpoint)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+        d = make_daemon(agent_config(llm, extra='metrics_listen = "127.0.0.1:0"'))
+        url = tcp_metrics_url(d)
+        before = parse(httpx.get(url, timeout=5).text)
+        assert before[("sessiond_tool_calls_total", (("kind", "bash"), ("outcome", "ok")))] == 0
+        assert value(before, "process_open_fds") > 0
+        llm.script(tool_call_stream(("c1", "bash", {"command": "echo hi"})), text_stream("done"))
+        with d.client() as c:
+            sid = c.create().id
+            assert c.send_text(sid, "go").endswith("done")
+        # The turn's seven spans (the turn, queue, input, two LLM calls, the
+        # tool, the commit), once the exporter's counts come back.
+        s = wait_for(lambda: (got := parse(httpx.get(url, timeout=5).text))
+                     and value(got, "sessiond_trace_spans_total", outcome="exported") >= 7 and got, 20,
+                     "the turn's spans counted as exported")
+    assert value(s, "sessiond_tool_calls_total", kind="bash", outcome="ok") == 1
+    assert sum(v for (name, _), v in s.items() if name == "sessiond_tool_calls_total") == 1
+    assert value(s, "sessiond_trace_spans_total", outcome="dropped") == 0

@@ -54,9 +54,82 @@ def test_the_grafana_dashboard_queries_only_metrics_the_daemon_exports() -> None
     from supervisor.ops.metrics import PrometheusRecorder
 
     registry = PrometheusRecorder(lambda: [], lambda: 0).registry
-    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",),
+                "info": ("_info",)}
     exported = {family.name + suffix for family in registry.collect() for suffix in suffixes[family.type]}
     dashboard = json.loads((REPO / "contrib" / "grafana" / "sessiond.json").read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     named = {name for e in exprs for name in re.findall(r"\bsessiond_[a-z_]+", e)}
     assert named and named <= exported, named - exported
+
+
+def _scrape(recorder) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:  # type: ignore[no-untyped-def]
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(recorder.exposition()[0].decode())
+            for s in family.samples}
+
+
+@pytest.mark.component
+def test_a_fresh_daemon_s_metrics_have_every_known_series_at_0_its_process_and_its_build() -> None:
+    from ipc.contract import ExitReason
+    from supervisor import __version__
+    from supervisor.ops.labels import TOOL_KINDS, TOOL_OUTCOMES
+    from supervisor.ops.metrics import PrometheusRecorder
+
+    s = _scrape(PrometheusRecorder(lambda: [], lambda: 0))
+    names = {name for name, _ in s}
+    # The daemon's own process (prometheus-client's collector) and its build.
+    assert {"process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds",
+            "process_start_time_seconds"} <= names, names
+    (build,) = [labels for name, labels in s if name == "sessiond_build_info"]
+    assert dict(build)["version"] == __version__ and s[("sessiond_build_info", build)] == 1
+    # Each labelled counter at 0 for each value it knows, before any event,
+    # so that increase() sees the first one.
+    zero = {(name, labels) for (name, labels), value in s.items() if value == 0}
+    for reason in ExitReason:
+        assert ("sessiond_worker_exits_total", (("reason", reason.value),)) in zero
+    for reason in FAILURE_KINDS:
+        assert ("sessiond_turns_failed_total", (("reason", reason),)) in zero
+    for kind in TOOL_KINDS:
+        for outcome in TOOL_OUTCOMES:
+            assert ("sessiond_tool_calls_total", (("kind", kind), ("outcome", outcome))) in zero
+    for outcome in ("ok", "failed"):
+        assert ("sessiond_mcp_server_starts_total", (("outcome", outcome),)) in zero
+    for outcome in ("exported", "failed", "dropped"):
+        assert ("sessiond_trace_spans_total", (("outcome", outcome),)) in zero
+    assert ("sessiond_provider_errors_total", (("status", "429"),)) in zero
+    assert ("sessiond_budget_exceeded_total", (("ceiling", "turn_max_llm_calls"),)) in zero
+    assert ("sessiond_control_requests_total", (("code", "ok"), ("type", "send"))) in zero
+    # Turn durations resolve 1 to 50 ms (an echo's turn takes 5-15).
+    bounds = sorted(float(dict(labels)["le"]) for name, labels in s if name == "sessiond_turn_duration_seconds_bucket")
+    assert sum(0.001 <= b <= 0.05 for b in bounds) >= 6, bounds
+    assert {0.005, 0.025, 0.1, 0.5, 1.0, 900.0} <= set(bounds), "the old boundaries stay (dashboards)"
+
+
+@pytest.mark.component
+def test_tool_calls_and_mcp_starts_are_counted_from_the_workers_notices() -> None:
+    from supervisor.ops.metrics import PrometheusRecorder
+
+    stats = {"exported": 7, "failed": 1, "dropped": 2, "queued": 3, "exporting": 0, "in_transit": 1}
+    recorder = PrometheusRecorder(lambda: [], lambda: 0, tracing=lambda: stats)
+    recorder.notice("tool_result", {"id": "c1", "name": "bash", "ok": True, "output": "hi"})
+    recorder.notice("tool_result", {"name": "read_file", "ok": False, "output": "error: no such file"})
+    recorder.notice("tool_result", {"name": "bash", "ok": False, "output": "error: permission denied: a rule"})
+    recorder.notice("tool_result", {"name": "mcp__fs__read", "ok": True, "output": "x"})
+    recorder.notice("tool_result", {"name": "bash", "ok": True, "output": "hi", "replayed": True})  # ran before
+    recorder.notice("tool_result", {"name": ["hostile"], "ok": "yes", "output": 3})  # nonsense: counted, bounded
+    recorder.notice("mcp_server_unavailable", {"server": "fs", "error": "Connection closed"})
+    s = _scrape(recorder)
+
+    def tools(kind: str, outcome: str) -> float:
+        return s[("sessiond_tool_calls_total", (("kind", kind), ("outcome", outcome)))]
+
+    assert tools("bash", "ok") == 1 and tools("bash", "denied") == 1 and tools("file", "error") == 1
+    assert tools("mcp", "ok") == 1 and tools("custom", "error") == 1
+    assert sum(v for (name, _), v in s.items() if name == "sessiond_tool_calls_total") == 5
+    assert s[("sessiond_mcp_server_starts_total", (("outcome", "failed"),))] == 1
+    assert s[("sessiond_trace_spans_total", (("outcome", "exported"),))] == 7
+    assert s[("sessiond_trace_spans_total", (("outcome", "dropped"),))] == 2
+    assert s[("sessiond_trace_spans_pending", ())] == 4

@@ -184,3 +184,151 @@ def test_the_exporter_process_s_pipeline_is_bounded_and_counts_its_drops() -> No
     (first, *_) = stuck.get_finished_spans()
     assert first.parent.span_id == 7 and first.parent.is_remote and first.kind.value == 1
     assert first.resource.attributes["service.name"] == "sessiond"
+
+
+@pytest.mark.pure
+def test_the_protocol_is_the_config_s_else_the_standard_variables_and_an_unknown_one_is_refused() -> None:
+    from supervisor.errors import StartupError
+    from supervisor.ops.tracing_config import protocol
+
+    assert protocol(TracingSettings(), {}) == "http/protobuf"
+    assert protocol(TracingSettings(), {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}) == "grpc"
+    assert protocol(TracingSettings(), {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                                        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}) == "http/protobuf"
+    assert protocol(TracingSettings(protocol="grpc"), {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}) == "grpc"
+    # Once silently ignored: now said at start.
+    with pytest.raises(StartupError, match="OTEL_EXPORTER_OTLP_PROTOCOL=http/json"):
+        protocol(TracingSettings(), {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+    with pytest.raises(ConfigError, match="'tracing.protocol'"):
+        parse_config({"tracing": {"protocol": "http/json"}}, "x.toml")
+
+
+@pytest.mark.pure
+def test_a_failed_worker_span_says_its_error_type() -> None:
+    sent: list[Any] = []
+
+    class HTTPError(Exception):
+        status = 429
+
+    def turn() -> None:
+        tracing.begin_turn(1, sent.append)
+        for exc in (RuntimeError("no"), HTTPError("slow down")):
+            with pytest.raises(type(exc)):
+                with tracing.span("chat m"):
+                    raise exc
+        with tracing.span("execute_tool bash") as span:
+            span.fail("error: permission denied: a rule", "permission_denied")
+        with tracing.span("plain") as span:
+            span.fail("it broke")
+        with tracing.span("fine"):
+            pass
+
+    contextvars.copy_context().run(turn)
+    runtime, http, denied, plain, fine = _record(sent)
+    assert runtime.attributes["error.type"] == "RuntimeError" and runtime.error == "RuntimeError: no"
+    assert http.attributes["error.type"] == "429", "an HTTP error's status, as the conventions say"
+    assert denied.attributes["error.type"] == "permission_denied"
+    assert plain.attributes["error.type"] == "_OTHER"
+    assert "error.type" not in fine.attributes and not fine.error
+
+
+@pytest.mark.pure
+def test_the_response_s_model_and_id_are_read_from_either_dialect_s_stream() -> None:
+    from session_worker.agent._anthropic import AnthropicAssembler
+    from session_worker.agent._stream import StreamAssembler
+
+    openai = StreamAssembler()
+    openai.feed({"id": "chatcmpl-1", "model": "gpt-4o-mini-2024-07-18",
+                 "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]})
+    openai.feed({"id": "chatcmpl-other", "model": "x", "choices": [], "usage": {"prompt_tokens": 1}})
+    done = openai.finish()
+    assert (done.model, done.response_id) == ("gpt-4o-mini-2024-07-18", "chatcmpl-1")
+    anthropic = AnthropicAssembler()
+    anthropic.feed({"type": "message_start", "message": {"id": "msg_01", "model": "claude-x", "usage": {}}})
+    anthropic.feed({"type": "message_delta", "delta": {"stop_reason": "end_turn"}})
+    done = anthropic.finish()
+    assert (done.model, done.response_id) == ("claude-x", "msg_01")
+    # What a server says is cut to size, and a value that is not text ignored.
+    hostile = StreamAssembler()
+    hostile.feed({"id": ["not text"], "model": "m" * 10_000, "choices": []})
+    done = hostile.finish()
+    assert done.response_id == "" and len(done.model) == 256
+
+
+@pytest.mark.pure
+def test_a_tool_its_worker_died_in_is_named_from_its_step_and_the_death() -> None:
+    from supervisor.ops.genai import killed_tool
+    from supervisor.ops.labels import killed_by
+
+    name, attrs = killed_tool("tool:bash:call_7", "killed_memory: memory cap 64 MiB exceeded (signal SIGKILL)")
+    assert name == "execute_tool bash" and attrs["gen_ai.tool.call.id"] == "call_7"
+    assert attrs["error.type"] == "killed_memory" and attrs["sessiond.tool.killed_by"] == "memory"
+    name, attrs = killed_tool("tool:mcp__fs__read:a:b", "crashed (signal SIGSEGV)")
+    assert name == "execute_tool mcp__fs__read" and attrs["gen_ai.tool.call.id"] == "a:b"
+    assert attrs["error.type"] == "crashed" and "sessiond.tool.killed_by" not in attrs, "no limit killed it"
+    # A handler's own step key; a hostile one, cut.
+    assert killed_tool("fetch page", "the session was stopped")[0] == "execute_tool fetch page"
+    name, attrs = killed_tool("tool:" + "x" * 10_000, "")
+    assert len(attrs["gen_ai.tool.name"]) == 128 and "gen_ai.tool.call.id" not in attrs
+    assert [killed_by(f"{r}: x (signal SIGKILL)") for r in (
+        "killed_turn_timeout", "killed_heartbeat", "killed_processes", "killed_disk", "crashed", "stopped")] == [
+        "turn_timeout", "heartbeat", "processes", "disk", "", ""]
+
+
+@pytest.mark.component
+def test_tools_in_flight_when_a_turn_fails_get_spans_and_its_log_ids_come_and_go() -> None:
+    from supervisor.ops import logtag
+    from supervisor.ops.otel import OtelTracer
+
+    tracer = OtelTracer(TracingSettings(exporter="otlp"), environ={}, start=False)
+    emitted: list[Any] = []
+    tracer.emit = emitted.append  # type: ignore[method-assign]
+    trace = tracer.begin("s9", 1, "agent", None, text="secret words", owner_uid=1234)
+    assert trace is not None and not trace.content
+    turn = trace.spans.turn
+    assert turn.name == "invoke_agent agent" and turn.attributes["user.id"] == "1234"
+    assert "input.value" not in turn.attributes, "content capture is off"
+    assert logtag._TRACED["s9"] == {"trace_id": turn.trace_id.hex(), "span_id": f"{turn.span_id:016x}"}
+    tracer.step(trace, m.StepBegun(turn=1, n=0, key="llm:1", kind="llm"))
+    tracer.step(trace, m.StepBegun(turn=1, n=1, key="tool:bash:c1", kind="tool"))
+    tracer.step(trace, m.StepBegun(turn=1, n=2, key="tool:read_file:c2", kind="tool"))
+    tracer.step(trace, m.StepDone(turn=1, n=2, key="tool:read_file:c2", kind="tool"))
+    tracer.ended("s9", trace, failed="the session was stopped")
+    assert "s9" in logtag._TRACED, "the lines of the turn's end still name it"
+    (bash,) = [s for s in emitted if s.name.startswith("execute_tool")]
+    assert bash.name == "execute_tool bash" and bash.parent_id == turn.span_id and bash.trace_id == turn.trace_id
+    assert bash.error == "the session was stopped" and bash.attributes["error.type"] == "stopped"
+    (ended,) = [s for s in emitted if s.span_id == turn.span_id]
+    assert ended.error == "the session was stopped" and ended.attributes["error.type"] == "stopped"
+    tracer.state_changed("s9", "stopping", "stopped", "", None)
+    assert "s9" not in logtag._TRACED, "at rest, its lines no longer name the trace"
+
+
+@pytest.mark.pure
+def test_a_traced_session_s_log_records_carry_the_journal_fields_of_its_trace() -> None:
+    import logging
+
+    from ipc.logfields import encode_entry, record_fields
+    from supervisor.ops import logtag
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("sessiond.test-trace-ids")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logtag.traced("s1", "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7")
+    try:
+        logtag.tagged(logger, "s1").warning("worker %d killed", 7)
+        logtag.tagged(logger, "s2").info("another session's line")
+    finally:
+        logtag.untraced("s1")
+    logtag.tagged(logger, "s1").info("after the turn")
+    traced, other, after = (record_fields(r) for r in records)
+    assert traced["TRACE_ID"] == "4bf92f3577b34da6a3ce929d0e0e4736" and traced["SPAN_ID"] == "00f067aa0ba902b7"
+    assert b"\nTRACE_ID=4bf92f3577b34da6a3ce929d0e0e4736\n" in encode_entry(traced)
+    assert "TRACE_ID" not in other and "TRACE_ID" not in after

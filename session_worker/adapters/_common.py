@@ -117,7 +117,7 @@ async def tool_step(ctx: TurnContext, name: str, call_id: str, raw_arguments: st
         return True, journalable(value)
 
     rerun = name in ctx.settings.tools.rerun_after_crash
-    result = await ctx.step(f"tool:{name}:{call_id}", lambda: _traced.tool_call(call_id, name, fn()), kind="tool",
+    result = await ctx.step(f"tool:{name}:{call_id}", lambda: _traced.tool_call(call_id, name, fn(), raw_arguments), kind="tool",
                             interrupted=None if rerun else killed_result, idempotent=rerun, wait=False)
     ok, value = bool(result[0]), result[1]
     text = value if isinstance(value, str) else json.dumps(value, default=str)

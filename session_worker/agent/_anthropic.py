@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from session_worker.agent._errors import ProviderError
-from session_worker.agent._stream import Completion, Delta, ToolCall, describe_error
+from session_worker.agent._stream import Completion, Delta, ToolCall, describe_error, response_ids
 
 __all__ = ["ANTHROPIC_VERSION", "AnthropicAssembler", "DEFAULT_MAX_TOKENS", "request_body"]
 
@@ -161,6 +161,7 @@ class AnthropicAssembler:
         self.stop_reason: str | None = None
         self.usage: dict[str, Any] = {}
         self._ended = False
+        self.model = self.response_id = ""
 
     @property
     def ended(self) -> bool:
@@ -180,6 +181,8 @@ class AnthropicAssembler:
             )
         if kind == "message_start":
             message = chunk.get("message") or {}
+            if isinstance(message, dict):
+                self.model, self.response_id = response_ids(message, self.model, self.response_id)
             self._usage(message.get("usage"))
         elif kind == "message":
             # A whole answer (a server that ignored `stream: true`).
@@ -200,6 +203,7 @@ class AnthropicAssembler:
         return "", ""
 
     def _whole(self, message: dict[str, Any]) -> Delta:
+        self.model, self.response_id = response_ids(message, self.model, self.response_id)
         self._usage(message.get("usage"))
         text: list[str] = []
         reasoning: list[str] = []
@@ -290,4 +294,6 @@ class AnthropicAssembler:
             self.usage or None,
             "".join(reasoning),
             fields,
+            self.model,
+            self.response_id,
         )

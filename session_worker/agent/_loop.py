@@ -323,8 +323,8 @@ class Turn:
         rerun = call.name in self._settings.tools.rerun_after_crash
         # wait=False: the next LLM request overlaps this result's flush; the
         # next tool that acts still waits for it.
-        result = await self._ctx.step(f"tool:{call.name}:{call.id}",
-                                      lambda: _traced.tool_call(call.id, call.name, self._run_one(call)), kind="tool",
+        traced = lambda: _traced.tool_call(call.id, call.name, self._run_one(call), call.arguments)  # noqa: E731
+        result = await self._ctx.step(f"tool:{call.name}:{call.id}", traced, kind="tool",
                                       interrupted=None if rerun else _killed_result, idempotent=rerun, wait=False)
         return bool(result[0]), str(result[1])
 

@@ -31,7 +31,8 @@ from session_worker.agent._errors import ProviderError
 from ipc.contract import StopReason
 
 __all__ = [
-    "Assembler", "Completion", "Delta", "StreamAssembler", "ToolCall", "describe_error", "stop_reason_of", "usage_counts",
+    "Assembler", "Completion", "Delta", "StreamAssembler", "ToolCall", "describe_error", "response_ids",
+    "stop_reason_of", "usage_counts",
 ]
 
 # Provider finish/stop reasons that mean the reply did not end by itself:
@@ -77,6 +78,22 @@ class Completion:
     # can send the reasoning back (`reasoning_content`, `reasoning`, or
     # Anthropic's signed `thinking_blocks`); the loop only copies them.
     history_fields: dict[str, Any] = field(default_factory=dict)
+    # What the provider says answered (the model may be a dated version of
+    # the one asked for) and its id for this response; "" when not said.
+    # For the call's span only: not journaled with the step.
+    model: str = ""
+    response_id: str = ""
+
+
+def response_ids(source: dict[str, Any], model: str, response_id: str) -> tuple[str, str]:
+    """The first `model` and `id` a stream says (text of a sane size), kept."""
+    found = source.get("model")
+    if not model and isinstance(found, str):
+        model = found[:256]
+    found = source.get("id")
+    if not response_id and isinstance(found, str):
+        response_id = found[:256]
+    return model, response_id
 
 
 # What one stream event adds: (reply text, reasoning text), "" for none.
@@ -125,6 +142,7 @@ class StreamAssembler:
         self._reasoning: list[str] = []
         # `reasoning_content` or `reasoning`: whichever the server used.
         self._reasoning_key = "reasoning_content"
+        self.model = self.response_id = ""
 
     @property
     def text(self) -> str:
@@ -147,6 +165,8 @@ class StreamAssembler:
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
+        if not self.response_id:
+            self.model, self.response_id = response_ids(chunk, self.model, self.response_id)
         added: list[str] = []
         thought: list[str] = []
         choices = chunk.get("choices") or []
@@ -246,7 +266,8 @@ class StreamAssembler:
             calls.append(ToolCall(id=call_id, name=part.name, arguments=arguments))
         reasoning = "".join(self._reasoning)
         fields = {self._reasoning_key: reasoning} if reasoning else {}
-        return Completion(self.text, calls, self.finish_reason, self.usage, reasoning, fields)
+        return Completion(self.text, calls, self.finish_reason, self.usage, reasoning, fields, self.model,
+                          self.response_id)
 
 
 def usage_counts(usage: dict[str, Any] | None) -> dict[str, int]:

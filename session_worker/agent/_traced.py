@@ -1,13 +1,16 @@
 """The agent's spans, named and filled as OpenTelemetry's GenAI semantic
 conventions say: a `chat {model}` span per LLM call, an `execute_tool
-{name}` span per tool call.
+{name}` span per tool call (each also with OpenInference's span kind, LLM
+or TOOL, which Phoenix reads).
 
 Runs in the worker's event loop, through `session_worker.tracing` (which
 says how spans get to the daemon).  One hook per LLM call (`Provider.
 stream_chat`) and one per tool call (`Turn._run_calls`); the bash tool adds
 its exit to the open tool span.  Prompts and completions go into a span
 only when the operator asked ([tracing] capture_content), as JSON, cut at
-`_CONTENT_CHARS`.
+`_CONTENT_CHARS`; so do a tool call's arguments and result
+(`gen_ai.tool.call.arguments`, `gen_ai.tool.call.result`, and as
+OpenInference's `input.value`, `output.value`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from session_worker import tracing
-from session_worker.agent._stream import Completion, usage_counts
+from session_worker.agent._stream import Completion, ToolCall, usage_counts
 from ipc.settings import ProviderSettings
 
 __all__ = ["bash_exit", "llm_done", "llm_span", "on_first", "on_retry", "tool_call"]
@@ -41,6 +44,7 @@ def llm_span(settings: ProviderSettings, messages: list[dict[str, Any]]) -> trac
     model = settings.model or ""
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": "chat",
+        "openinference.span.kind": "LLM",
         "gen_ai.provider.name": settings.kind,
         "gen_ai.system": settings.kind,  # the older name, still read by many viewers
         "gen_ai.request.model": model,
@@ -95,6 +99,10 @@ def llm_done(span: tracing.Span, completion: Completion) -> None:
             span.set(theirs, counts[ours])
     if completion.finish_reason:
         span.set("gen_ai.response.finish_reasons", [completion.finish_reason])
+    if completion.model:
+        span.set("gen_ai.response.model", completion.model)
+    if completion.response_id:
+        span.set("gen_ai.response.id", completion.response_id)
     if completion.tool_calls:
         span.set("sessiond.llm.tool_calls", len(completion.tool_calls))
     if tracing.capturing():
@@ -105,15 +113,29 @@ def llm_done(span: tracing.Span, completion: Completion) -> None:
             [{"role": "assistant", "parts": parts, "finish_reason": completion.finish_reason or ""}]))
 
 
-async def tool_call(call_id: str, name: str, run: Awaitable[tuple[bool, T]]) -> tuple[bool, T]:
+async def tool_call(call_id: str, name: str, run: Awaitable[tuple[bool, T]],
+                    arguments: str | None = None) -> tuple[bool, T]:
     """Run one tool call (`run`: the whole of it: checks, permission, the
-    tool) under its span (the agent's tools and the framework adapters')."""
-    attributes = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name or "",
-                  "gen_ai.tool.call.id": call_id, "gen_ai.tool.type": "function"}
+    tool) under its span (the agent's tools and the framework adapters');
+    `arguments`: as the model wrote them (JSON, maybe broken), shown with
+    content capture."""
+    attributes = {"gen_ai.operation.name": "execute_tool", "openinference.span.kind": "TOOL",
+                  "gen_ai.tool.name": name or "", "gen_ai.tool.call.id": call_id,
+                  "gen_ai.tool.type": "function"}
+    content = tracing.capturing()
+    if content and arguments is not None:
+        attributes["gen_ai.tool.call.arguments"] = attributes["input.value"] = _cut(arguments)
+        attributes["input.mime_type"] = "application/json"
     with tracing.span(f"execute_tool {name}", attributes=attributes) as span:
         ok, output = await run
+        if content:
+            span.set("gen_ai.tool.call.result", _cut(str(output)))
+            span.set("output.value", _cut(str(output)))
         if not ok:
-            span.fail(str(output)[:300])
+            # (the loop's words: "error: permission denied: ...")
+            text = str(output)
+            span.fail(text[:300], "permission_denied" if text.startswith("error: permission denied")
+                      else "tool_error")
         return ok, output
 
 
@@ -156,5 +178,8 @@ def _parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _content(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False, default=str)
+    return _cut(json.dumps(value, ensure_ascii=False, default=str))
+
+
+def _cut(text: str) -> str:
     return text if len(text) <= _CONTENT_CHARS else text[:_CONTENT_CHARS] + "…"

@@ -223,22 +223,31 @@ class ClusterSettings(ConfigSection):
 
 class TracingSettings(ConfigSection):
     # OpenTelemetry traces of turns (docs/tracing.md; needs the `otel` extra:
-    # pip install 'sessiond[otel]'): "otlp" exports them over OTLP/HTTP,
+    # pip install 'sessiond[otel]'): "otlp" exports them over OTLP,
     # "none" never; empty = as OTEL_TRACES_EXPORTER says (otlp: on; unset:
     # off). The other OTEL_* variables (endpoint, headers, service name,
     # sampler, resource attributes) are read as every OpenTelemetry SDK
     # reads them. Read at start, not on reload.
     exporter: Literal["", "otlp", "none"] = ""
-    # The OTLP/HTTP traces endpoint ("http://collector:4318/v1/traces");
+    # How spans go to the collector: "http/protobuf" (OTLP/HTTP, port 4318)
+    # or "grpc" (OTLP/gRPC, port 4317); empty =
+    # OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL,
+    # else http/protobuf (any other value there is refused at start).
+    protocol: Literal["", "http/protobuf", "grpc"] = ""
+    # Over HTTP the traces endpoint ("http://collector:4318/v1/traces");
     # empty = OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else
     # OTEL_EXPORTER_OTLP_ENDPOINT + "/v1/traces", else
-    # http://localhost:4318/v1/traces.
+    # http://localhost:4318/v1/traces. Over gRPC the collector's address
+    # ("http://collector:4317": http plaintext, https TLS); empty = the
+    # same variables as they are, else http://localhost:4317.
     endpoint: str = ""
     # The spans' service.name; empty = OTEL_SERVICE_NAME, else "sessiond".
     service_name: str = ""
-    # Put prompts and completions into the LLM call spans
-    # (gen_ai.input.messages, gen_ai.output.messages; up to 64 KiB each):
-    # whoever reads the traces then reads the conversations. Also on with
+    # Put what was said into the spans: each LLM call's messages and answer
+    # (gen_ai.input.messages, gen_ai.output.messages), each tool call's
+    # arguments and result, the turn's input and reply (input.value,
+    # output.value); up to 64 KiB each. Whoever reads the traces then reads
+    # the conversations. Also on with
     # OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true.
     capture_content: bool = False
     # Spans held for export while the collector is slow or down; past it

@@ -112,7 +112,8 @@ class TurnLedger:
         except StoreError as exc:
             self._events.release(session)
             raise store_failure("input not accepted: ", exc) from None
-        session.trace = self._tracer.begin(session.id, turn, session.meta.handler, trace)
+        session.trace = self._tracer.begin(session.id, turn, session.meta.handler, trace, text=text,
+                                           owner_uid=session.meta.owner_uid)
         worker.conn.send(self.input_message(session, turn, text))
         worker.conn.flush()
         loop = asyncio.get_running_loop()
@@ -437,6 +438,8 @@ class TurnLedger:
             return
         session.step_records += 1
         session.step_bytes += rec.size
+        if session.trace is not None:
+            self._tracer.step(session.trace, msg)
         if begun:
             session.steps_flying[msg.n] = msg.key
         else:
@@ -475,6 +478,8 @@ class TurnLedger:
             turn=turn, text=session.current_input, reason=info.reason, cause=cause_of(info, session.settings),
             failure=failure,
         )
+        if session.trace is not None:
+            self._tracer.worker_lost(session.trace, failure)
         session.steps_flying = {}  # (its steps in flight are in the store: read back at the resume)
         session.pending_asks.clear()
         pending = session.pending_input

@@ -7,9 +7,10 @@ the control server) call a `Recorder`; with `[daemon] metrics_listen = ""`
 turn pays one call of an empty method per event counted.
 
 With metrics on, `PrometheusRecorder` keeps counters and histograms in a
-registry of its own (not the library's global one, which would add the
-library's process and GC collectors and anything an import registered).
-Gauges that describe the daemon's state (sessions by state, clients, the
+registry of its own (not the library's global one, which would add its GC
+collector and anything an import registered), with the library's process
+collector (the daemon's `process_*`) and a build info.  Every series of a
+known label value exists from the start, at 0.  Gauges that describe the daemon's state (sessions by state, clients, the
 largest sessions' RSS) are not updated as things happen: a custom
 collector reads the manager's dicts when a scrape comes, so the hot path
 pays nothing for them.
@@ -17,10 +18,10 @@ pays nothing for them.
 The endpoint is served from the daemon's own loop, not from the library's
 threaded HTTP server: the collectors read dicts only the loop may touch,
 the daemon stays free of threads (STYLE rule 7), and a thread would hold
-the GIL for as long as the formatting takes anyway (~0.7 ms for ~90
+the GIL for as long as the formatting takes anyway (~1 ms for ~210
 samples; bench/metrics.py measures turns with and without scrapes).
-Failure reasons and provider statuses become labels from fixed sets
-(`failure_kind`, `provider_status`), so no label grows with the input.
+Failure reasons, provider statuses, tool kinds and outcomes become labels
+from fixed sets (supervisor.ops.labels), so no label grows with the input.
 `serve` is a small
 HTTP/1.0-style responder: one request per connection, the request head
 capped at `_MAX_HEAD_BYTES` and due within `_READ_TIMEOUT_SECS`, at most
@@ -46,15 +47,23 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
-import re
+import platform
 import socket
 import time
+import typing
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ipc import operator as op
 from ipc.contract import ExitReason
+from ipc.settings import BudgetSettings
+from supervisor import __version__
 from supervisor.core.session import Session
 from supervisor.core.states import State
+from supervisor.ops.labels import (
+    FAILURE_KINDS, PROVIDER_STATUSES, TOOL_KINDS, TOOL_OUTCOMES, failure_kind, provider_status, tool_kind,
+    tool_outcome,
+)
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -85,7 +94,10 @@ _WRITE_TIMEOUT_SECS = 10.0
 _MAX_HEAD_BYTES = 8192
 _MAX_CONNECTIONS = 32
 
-_TURN_BUCKETS = (0.005, 0.025, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
+# Turns of an echo or a cached answer take 5-15 ms, an agent's seconds to
+# minutes: buckets from 1 ms (the old boundaries kept, for the dashboards).
+_TURN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                 30.0, 60.0, 120.0, 300.0, 900.0)
 _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -134,45 +146,16 @@ class Recorder:
 NO_METRICS = Recorder()
 
 
-# Why a turn failed, as a bounded label.  A worker's death reads
-# "killed_memory: ... (signal SIGKILL)" (supervisor.core.workers.describe_exit):
-# its ExitReason.  Otherwise the first rule whose words are in the reason
-# wins; the texts come from supervisor.core.ledger, .workers and the agent loop.
-_FAILURE_WORDS = (
-    ("the session was ", "stopped"), ("stopped during this turn", "daemon_restart"),
-    ("LLM provider error", "provider"), ("could not be saved", "store"), ("internal error", "internal"),
-)
-FAILURE_KINDS = tuple(dict.fromkeys((*ExitReason, *(kind for _, kind in _FAILURE_WORDS), "handler")))
-_HTTP_STATUS = re.compile(r"\bHTTP ([1-5][0-9][0-9])\b")
-
-
-def failure_kind(reason: str) -> str:
-    """`reason` as one of FAILURE_KINDS ("handler": the handler failed the
-    turn, or raised, in words of its own)."""
-    head = reason.partition(":")[0].partition(" (")[0]
-    if head in ExitReason.__members__.values():
-        return head
-    for words, kind in _FAILURE_WORDS:
-        if words in reason:
-            return kind
-    return "handler"
-
-
-def provider_status(error: str) -> str:
-    """The HTTP status in a provider error's text ("provider answered HTTP
-    429: ..."), or "none" (connection refused, timeout, a broken stream)."""
-    found = _HTTP_STATUS.search(error)
-    return found.group(1) if found else "none"
-
-
 class PrometheusRecorder(Recorder):
     """Metrics on: counters and histograms, plus the scrape-time gauges
     read from `sessions()` and `clients()`."""
 
     def __init__(self, sessions: Callable[[], Iterable[Session]], clients: Callable[[], int],
-                 top_sessions: int = TOP_RSS_SESSIONS) -> None:
+                 top_sessions: int = TOP_RSS_SESSIONS, tracing: Callable[[], dict[str, Any]] = dict) -> None:
         # Here, not at the top: a daemon without metrics never pays the import.
-        from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+        from prometheus_client import (
+            CollectorRegistry, Counter, Histogram, Info, ProcessCollector, disable_created_metrics,
+        )
 
         # The `_created` series: in the text format each is a gauge family of
         # its own that nobody queries, and a third of a scrape's samples
@@ -181,6 +164,11 @@ class PrometheusRecorder(Recorder):
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry: CollectorRegistry = CollectorRegistry()
         r = self.registry
+        # The daemon's own process_* series (memory, CPU, open fds, start
+        # time), read from /proc at each scrape; and which build it is.
+        ProcessCollector(registry=r)
+        Info("sessiond_build", "The running daemon's version.", registry=r).info(
+            {"version": __version__, "python": platform.python_version()})
         self._exits = Counter("sessiond_worker_exits", "Worker exits, by how they were classified.",
                               ["reason"], registry=r)
         self._restarts = Counter("sessiond_restarts", "Automatic restarts of a session's worker.",
@@ -219,19 +207,38 @@ class PrometheusRecorder(Recorder):
                                    "(input, output, reasoning; output includes reasoning).", ["kind"], registry=r)
         self._budget = Counter("sessiond_budget_exceeded", "Turns ended at an [agent.budget] ceiling, by "
                                "ceiling.", ["ceiling"], registry=r)
+        self._tool_calls = Counter("sessiond_tool_calls", "Tool calls agents ran, by kind (bash, file, spawn_agent, "
+                                   "mcp, custom) and outcome (ok, error, denied), as their workers report each "
+                                   "result.", ["kind", "outcome"], registry=r)
+        self._mcp_starts = Counter("sessiond_mcp_server_starts", "MCP servers a session's worker started "
+                                   "(ok) or could not start (failed).", ["outcome"], registry=r)
         self._token_kinds = {key: self._llm_tokens.labels(kind) for kind, key in (
             ("input", "prompt_tokens"), ("output", "completion_tokens"), ("reasoning", "reasoning_tokens"))}
         self._llm_calls.inc(0)
-        # Children created up front: a series that is 0 says "none yet",
-        # where a missing one says nothing.
+        # Every series of a known label value created up front, at 0: one
+        # that is 0 says "none yet", where a missing one says nothing (and
+        # `increase()` cannot see its first event: it has no value before).
         # (kept: `labels()` takes a lock and a dict lookup; a turn counts
         # into these without either).
         self._started, self._done, self._failed_turns = (
             self._turns.labels(outcome) for outcome in ("started", "done", "failed"))
-        self._request_children: dict[tuple[str, str], Any] = {}
+        self._request_children: dict[tuple[str, str], Any] = {
+            (tag, "ok"): self._requests.labels(tag, "ok") for tag in _request_tags()}
+        self._tool_children = {(kind, outcome): self._tool_calls.labels(kind, outcome)
+                               for kind in TOOL_KINDS for outcome in TOOL_OUTCOMES}
+        self._mcp_children = {outcome: self._mcp_starts.labels(outcome) for outcome in ("ok", "failed")}
+        for reason in ExitReason:
+            self._exits.labels(reason)
+        for kind in FAILURE_KINDS:
+            self._failed.labels(kind)
+        for status in PROVIDER_STATUSES:
+            self._provider.labels(status)
+        for ceiling in BudgetSettings.__struct_fields__:
+            self._budget.labels(ceiling)
         self._restarts.inc(0)
         self._awaiting_first: set[str] = set()  # sessions whose turn has streamed nothing yet
         r.register(_StateCollector(sessions, clients, top_sessions))
+        r.register(_TracingCollector(tracing))
 
     def worker_exit(self, reason: str) -> None:
         self._exits.labels(reason).inc()
@@ -278,7 +285,16 @@ class PrometheusRecorder(Recorder):
         child.inc()
 
     def notice(self, kind: str, data: dict[str, Any]) -> None:
-        if kind == "provider_retry":
+        # (data is the worker's: hostile; every label below is from a fixed set)
+        if kind == "tool_result":
+            if data.get("replayed") is True:
+                return  # a resumed turn's journaled result: counted when it ran
+            name, output = data.get("name"), data.get("output")
+            self._tool_children[(tool_kind(name if isinstance(name, str) else ""),
+                                 tool_outcome(data.get("ok") is True, output if isinstance(output, str) else ""))].inc()
+        elif kind in _MCP_NOTICES:
+            self._mcp_children[_MCP_NOTICES[kind]].inc()
+        elif kind == "provider_retry":
             self._provider.labels(provider_status(str(data.get("error", "")))).inc()
 
     def llm_spent(self, spend: dict[str, int]) -> None:
@@ -295,6 +311,42 @@ class PrometheusRecorder(Recorder):
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+# The worker's notices about its MCP servers, by the outcome they count as:
+# `mcp_server_unavailable` (session_worker/agent/_mcp.py) is sent for each
+# server that could not be started or listed; `mcp_server_started` is the
+# name for one started, which the agent does not send yet (the hook for it:
+# until then `ok` stays 0).
+_MCP_NOTICES = {"mcp_server_started": "ok", "mcp_server_unavailable": "failed"}
+
+
+def _request_tags() -> list[str]:
+    """The control protocol's request types (the `type` label's values)."""
+    return [str(kind.__struct_config__.tag) for kind in typing.get_args(op.AnyRequest)]
+
+
+class _TracingCollector:
+    """The spans of turn traces, as the tracer counts them (`Tracer.stats`),
+    when scraped; 0 with tracing off."""
+
+    def __init__(self, tracing: Callable[[], dict[str, Any]]) -> None:
+        self._tracing = tracing
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self._tracing()
+        spans = CounterMetricFamily(
+            "sessiond_trace_spans", "Spans of turn traces by how they ended: exported to the collector, failed "
+            "(refused by it, or not through within the export timeout), dropped (a queue full, the exporter "
+            "down).", labels=["outcome"])
+        for outcome in ("exported", "failed", "dropped"):
+            spans.add_metric([outcome], float(stats.get(outcome, 0)))
+        yield spans
+        yield GaugeMetricFamily("sessiond_trace_spans_pending", "Spans made and not yet exported, failed or "
+                                "dropped: on their way to the exporter, queued there, being exported.",
+                                value=sum(float(stats.get(k, 0)) for k in ("queued", "exporting", "in_transit")))
 
 
 class _StateCollector:

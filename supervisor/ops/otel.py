@@ -44,6 +44,8 @@ import msgspec
 from ipc import messages as m
 from ipc.traceparent import TraceParent
 from supervisor.config import TracingSettings
+from supervisor.ops import genai, logtag
+from supervisor.ops.labels import failure_kind
 from supervisor.ops.tracing import SubagentTrace, Tracer, TurnTrace
 
 __all__ = ["ExportSpan", "OtelTracer", "clean_attributes"]
@@ -55,7 +57,6 @@ _MAX_NAME = 128
 _MAX_ATTRIBUTES = 64
 _MAX_EVENTS = 64
 _MAX_VALUE_CHARS = 4096
-_CONTENT_KEYS = frozenset({"gen_ai.input.messages", "gen_ai.output.messages"})
 _MAX_CONTENT_CHARS = 64 * 1024
 _MAX_LIST = 64
 # OpenTelemetry's SpanKind numbers (internal, server, client, producer, consumer).
@@ -65,6 +66,8 @@ _KINDS = range(5)
 # that end it otherwise.
 _BACK = frozenset({"idle", "running"})
 _GAVE_UP = frozenset({"failed", "stopped", "stopping", "deleted", "hibernated", "damaged"})
+# States a session rests in between turns: its lines name no trace there.
+_AT_REST = frozenset({"idle", "failed", "stopped", "deleted", "hibernated", "damaged"})
 # Spans waiting for the pipe (bytes of encoded frames), past which new ones are dropped.
 _MAX_PENDING_BYTES = 4 << 20
 _PIPE_BYTES = 1 << 20
@@ -122,11 +125,15 @@ class _Span:
         if len(self.events) < _MAX_EVENTS:
             self.events.append((name, time.time_ns(), attributes or {}))
 
-    def end(self, end_ns: int = 0, error: str = "") -> None:
+    def end(self, end_ns: int = 0, error: str = "", error_type: str = "") -> None:
+        """`error`: the span failed, saying this; `error_type`, its kind
+        (`error.type`: a word from a fixed set; "_OTHER" when not given)."""
         if self.ended:
             return
         self.ended = True
         self.error = (error or self.error)[:_MAX_VALUE_CHARS]
+        if self.error and "error.type" not in self.attributes:
+            self.attributes["error.type"] = error_type or "_OTHER"
         self.tracer.emit(ExportSpan(
             self.trace_id, self.span_id, self.parent_id, self.remote, self.name, self.kind, self.start_ns,
             max(end_ns or time.time_ns(), self.start_ns), self.error, self.attributes, self.events, False))
@@ -135,7 +142,7 @@ class _Span:
 class _Spans:
     """A traced turn's open spans (TurnTrace.spans)."""
 
-    __slots__ = ("turn", "input", "commit", "worker_spans", "dropped", "session")
+    __slots__ = ("turn", "input", "commit", "worker_spans", "dropped", "session", "tools")
 
     def __init__(self, turn: _Span, session: str) -> None:
         self.turn = turn
@@ -144,6 +151,9 @@ class _Spans:
         self.worker_spans = 0
         self.dropped = 0
         self.session = session
+        # The tool calls running now, by step number: (step key, start): a
+        # worker that dies takes their spans with it; the daemon makes them.
+        self.tools: dict[int, tuple[str, int]] = {}
 
 
 class _Subagent(SubagentTrace):
@@ -156,12 +166,11 @@ class _Subagent(SubagentTrace):
                          spans=_LOCAL)
 
     def child(self, session_id: str) -> None:
-        self._span.attributes["gen_ai.agent.name"] = session_id
         self._span.attributes["sessiond.session.id"] = session_id
-        self._span.name = f"invoke_agent {session_id}"
+        self._span.name = f"sessiond.subagent {session_id}"
 
     def end(self, error: str = "") -> None:
-        self._span.end(error=error)
+        self._span.end(error=error, error_type=failure_kind(error) if error else "")
 
 
 # TurnTrace.spans of an input whose parent is a span of ours (a sub-agent's):
@@ -226,6 +235,9 @@ class OtelTracer(Tracer):
         self.made = 0
         self.dropped = 0  # here: the pipe and the buffer were full, or the exporter gone
         self._exporter_counts: dict[str, Any] = {}
+        # What the exporter processes before this one counted (each starts
+        # from 0): the counts stay totals across its restarts.
+        self._past_counts: collections.Counter[str] = collections.Counter()
         self._proc: subprocess.Popen[bytes] | None = None
         self._fd = -1
         self._started_at = 0.0
@@ -236,10 +248,11 @@ class OtelTracer(Tracer):
         self._boots: dict[str, tuple[int, int]] = {}
         self._booting: dict[str, int] = {}
         self._just_failed: dict[str, _Span] = {}
-        self.endpoint = settings.endpoint or _endpoint_from(environ)
+        self.endpoint = settings.endpoint or _endpoint_from(environ, settings.protocol)
         if start:
             self._start_exporter()
-        log.info("tracing: turns are traced and exported over OTLP/HTTP to %s ([tracing])", self.endpoint)
+        log.info("tracing: turns are traced and exported over OTLP/%s to %s ([tracing])",
+                 "gRPC" if settings.protocol == "grpc" else "HTTP", self.endpoint)
 
     # ---------------------------------------------------------------- the exporter process
 
@@ -295,6 +308,12 @@ class OtelTracer(Tracer):
         if self._proc is not proc:
             return
         _reap(proc)
+        # (what it held, queued or being exported, is lost with it: dropped)
+        counts = {k: int(self._exporter_counts.get(k, 0)) for k in ("received", "exported", "failed", "dropped",
+                                                                    "queued", "exporting")}
+        counts["dropped"] += counts.pop("queued") + counts.pop("exporting")
+        self._past_counts.update(counts)
+        self._exporter_counts = {}
         log.error("tracing: the span exporter (pid %d) is gone; spans are dropped until it is started again",
                   proc.pid)
         self._close_pipe()
@@ -369,7 +388,8 @@ class OtelTracer(Tracer):
     def request(self, parent: TraceParent | None, received_ns: int) -> TurnTrace | None:
         return TurnTrace(received_ns, parent)
 
-    def begin(self, session_id: str, turn: int, handler: str, trace: TurnTrace | None) -> TurnTrace | None:
+    def begin(self, session_id: str, turn: int, handler: str, trace: TurnTrace | None, *, text: str = "",
+              owner_uid: int | None = None) -> TurnTrace | None:
         now = time.time_ns()
         if trace is None:
             trace = TurnTrace(now)
@@ -379,11 +399,12 @@ class OtelTracer(Tracer):
         if not self._sampler.sample(trace_id, parent):
             return None
         span = _Span(self, trace_id.to_bytes(16, "big"), parent.span_id if parent is not None else 0,
-                     "sessiond.turn", remote=parent is not None and trace.spans is not _LOCAL, kind=SERVER,
+                     genai.turn_name(handler), remote=parent is not None and trace.spans is not _LOCAL, kind=SERVER,
                      start_ns=trace.received_ns,
-                     attributes={"session.id": session_id, "sessiond.session.id": session_id,
-                                 "sessiond.turn": turn, "sessiond.handler": handler})
+                     attributes=genai.turn_attributes(session_id, turn, handler, owner_uid, text, self._content))
         spans = _Spans(span, session_id)
+        # The daemon's log lines about this session carry the turn's ids now.
+        logtag.traced(session_id, span.trace_id.hex(), f"{span.span_id:016x}")
         queue = span.child("sessiond.queue", trace.received_ns)
         boot = self._boots.pop(session_id, None)
         if boot is not None and boot[1] >= trace.received_ns:  # a worker started for this input
@@ -399,8 +420,31 @@ class OtelTracer(Tracer):
     def input_durable(self, trace: TurnTrace, error: str = "") -> None:
         spans: _Spans = trace.spans
         if spans.input is not None:
-            spans.input.end(error=error)
+            spans.input.end(error=error, error_type="store")
             spans.input = None
+
+    def step(self, trace: TurnTrace, msg: m.StepBegun | m.StepDone) -> None:
+        if msg.kind != "tool":
+            return
+        tools = trace.spans.tools
+        if isinstance(msg, m.StepBegun):
+            tools[msg.n] = (msg.key, time.time_ns())  # (the ledger bounds the steps in flight)
+        else:
+            tools.pop(msg.n, None)
+
+    def worker_lost(self, trace: TurnTrace, failure: str) -> None:
+        self._tools_died(trace.spans, failure)
+
+    def _tools_died(self, spans: _Spans, failure: str) -> None:
+        """The tool calls in flight died with the worker (the memory cap, a
+        timeout, a crash): the worker never sent their spans, so they are
+        made here, their status saying why."""
+        for key, started in spans.tools.values():
+            name, attributes = genai.killed_tool(key, failure)
+            attributes["sessiond.session.id"] = spans.session
+            tool = spans.turn.child(name, started, attributes)
+            tool.end(error=failure or "the worker died", error_type=attributes["error.type"])
+        spans.tools.clear()
 
     def commit_started(self, trace: TurnTrace) -> None:
         spans: _Spans = trace.spans
@@ -412,24 +456,17 @@ class OtelTracer(Tracer):
             spans.input.end()
             spans.input = None
         if spans.commit is not None:
-            spans.commit.end(error=failed)
+            spans.commit.end(error=failed, error_type="store")
             spans.commit = None
+        if spans.tools:  # it failed while they ran (its worker died, or was stopped)
+            self._tools_died(spans, failed)
         turn = spans.turn
-        attrs = turn.attributes
         if spans.dropped:
-            attrs["sessiond.worker_spans.dropped"] = spans.dropped
+            turn.attributes["sessiond.worker_spans.dropped"] = spans.dropped
+        genai.turn_ended(turn.attributes, done, failed, trace.content)
         if done is not None:
-            attrs["sessiond.turn.outcome"] = "interrupted" if done.interrupted else "done"
-            if done.stop_reason:
-                attrs["sessiond.turn.stop_reason"] = done.stop_reason
-            for ours, theirs in (("prompt_tokens", "gen_ai.usage.input_tokens"),
-                                 ("completion_tokens", "gen_ai.usage.output_tokens"),
-                                 ("reasoning_tokens", "gen_ai.usage.reasoning.output_tokens")):
-                if ours in done.usage:
-                    attrs[theirs] = done.usage[ours]
             turn.end()
             return
-        attrs["sessiond.turn.outcome"] = "failed"
         turn.end(error=failed or "failed")
         self._just_failed[session_id] = turn
         # Only the exit being handled now may take it as the turn it ended.
@@ -463,11 +500,12 @@ class OtelTracer(Tracer):
             return _UNSAMPLED  # the parent's turn was not sampled: nor is the child's
         turn = trace.spans.turn
         parent = span_id if 0 < span_id <= _MAX_ID else turn.span_id  # under the worker's spawn_agent call
-        span = _Span(self, turn.trace_id, parent, "invoke_agent",
-                     attributes={"gen_ai.operation.name": "invoke_agent", "sessiond.handler": handler})
+        span = _Span(self, turn.trace_id, parent, "sessiond.subagent", attributes={"sessiond.handler": handler})
         return _Subagent(span)
 
     def state_changed(self, session_id: str, old: str, new: str, reason: str, trace: TurnTrace | None) -> None:
+        if trace is None and new in _AT_REST:
+            self._untraced_soon(session_id)
         if new == "starting":
             self._booting[session_id] = time.time_ns()
         elif old == "starting":
@@ -489,10 +527,23 @@ class OtelTracer(Tracer):
         elif restart is not None:
             restart.event(f"sessiond.state.{new}", {"sessiond.reason": reason} if reason else None)
             if new in _BACK or new in _GAVE_UP:
-                restart.end(error="" if new in _BACK else f"{new}: {reason}")
+                restart.end(error="" if new in _BACK else f"{new}: {reason}", error_type=new)
                 del self._restarts[session_id]
 
+    def _untraced_soon(self, session_id: str) -> None:
+        """The session is at rest after its turn: its log lines stop naming
+        the turn's trace once this state's own line is written (it is
+        logged after this call), unless a new turn has begun by then."""
+        ids = logtag.trace_of(session_id)
+        if ids is None:
+            return
+        try:
+            asyncio.get_running_loop().call_soon(logtag.untraced, session_id, ids)
+        except RuntimeError:  # no loop (tests of the parts)
+            logtag.untraced(session_id, ids)
+
     def forget(self, session_id: str) -> None:
+        logtag.untraced(session_id)
         for table in (self._boots, self._booting, self._just_failed):
             table.pop(session_id, None)
         restart = self._restarts.pop(session_id, None)
@@ -504,12 +555,14 @@ class OtelTracer(Tracer):
     def stats(self) -> dict[str, Any]:
         """Spans made here; what the exporter process says of those it got
         (its counts lag by up to half a second)."""
-        counts = self._exporter_counts
-        got = int(counts.get("received", 0))
+        counts, past = self._exporter_counts, self._past_counts
+        got = int(counts.get("received", 0)) + past["received"]
         return {
-            "exporter": "otlp", "endpoint": self.endpoint, "ready": bool(counts), "spans": self.made,
-            "exported": counts.get("exported", 0), "failed": counts.get("failed", 0),
-            "dropped": self.dropped + int(counts.get("dropped", 0)),
+            "exporter": "otlp", "protocol": self._settings.protocol or "http/protobuf", "endpoint": self.endpoint,
+            "ready": bool(counts), "spans": self.made,
+            "exported": int(counts.get("exported", 0)) + past["exported"],
+            "failed": int(counts.get("failed", 0)) + past["failed"],
+            "dropped": self.dropped + int(counts.get("dropped", 0)) + past["dropped"],
             "queued": counts.get("queued", 0), "exporting": counts.get("exporting", 0),
             "in_transit": max(0, self.made - self.dropped - got),
         }
@@ -522,11 +575,14 @@ def _reap(proc: subprocess.Popen[bytes], tries: int = 20) -> None:
             asyncio.get_running_loop().call_later(0.5, _reap, proc, tries - 1)
 
 
-def _endpoint_from(environ: Mapping[str, str]) -> str:
-    """Where the exporter will post, as it resolves it (for the log line)."""
+def _endpoint_from(environ: Mapping[str, str], protocol: str) -> str:
+    """Where the exporter will send, as it resolves it (for the log line):
+    over HTTP a URL with the signal's path, over gRPC the collector's address."""
     traces = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
     if traces:
         return traces
+    if protocol == "grpc":
+        return environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or "http://localhost:4317"
     base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or "http://localhost:4318"
     return base.rstrip("/") + "/v1/traces"
 
@@ -554,7 +610,7 @@ def _text(value: Any, limit: int) -> str:
 
 def _value(key: str, value: Any) -> Any:
     """An attribute value OpenTelemetry takes, cut to size; None: dropped."""
-    limit = _MAX_CONTENT_CHARS if key in _CONTENT_KEYS else _MAX_VALUE_CHARS
+    limit = _MAX_CONTENT_CHARS if key in genai.CONTENT_KEYS else _MAX_VALUE_CHARS
     if isinstance(value, str):
         return value[:limit]
     if isinstance(value, bool) or isinstance(value, float):

@@ -12,6 +12,11 @@ and the standard OTEL_* variables.  At most `queue_size` spans wait for the
 collector; past that one more is dropped and counted.  Its counts go back
 on stdout, one JSON line whenever they changed (at most twice a second).
 
+It logs as the daemon does (its stderr is the daemon's): JSON lines with
+`[daemon] log_format = "json"`, the journal's fields and priorities under
+journald, timestamped lines otherwise; only errors (a failed export), each
+under the name of the exporter's logger that said it.
+
 It runs in the SCHED_IDLE class, below the daemon and the sessions.  It ends when its stdin does (the daemon stopped or died): the last spans get
 at most `_EXIT_FLUSH_SECS` to go out, so a collector that is down does not
 keep it.  It is not dumpable: the exporter's headers may hold a collector's
@@ -32,7 +37,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -40,6 +44,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from ipc.linux import set_dumpable
+from ipc.logfields import PriorityFormatter, configure_zygote, on_journal
 from supervisor import __version__
 from supervisor.config import TracingSettings
 from supervisor.ops.otel import ExportSpan
@@ -97,8 +102,7 @@ class Pipeline:
                 "OTEL_RESOURCE_ATTRIBUTES", ""):
             attributes["service.name"] = "sessiond"
         self.resource = Resource.create(attributes)
-        self.exporter = _Counted(exporter or OTLPSpanExporter(
-            endpoint=settings.endpoint or None, timeout=settings.export_timeout_secs))
+        self.exporter = _Counted(exporter or _otlp(settings))
         self.limit = settings.queue_size
         self.received = 0
         self.taken = 0
@@ -149,6 +153,35 @@ class Pipeline:
             stop.cancel()
 
 
+def _otlp(settings: TracingSettings) -> SpanExporter:
+    """The SDK's OTLP exporter for the protocol (its package imported only
+    for the one in use: gRPC's is heavy)."""
+    if settings.protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        return GrpcExporter(endpoint=settings.endpoint or None, timeout=settings.export_timeout_secs)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=settings.endpoint or None, timeout=settings.export_timeout_secs)
+
+
+_LINE = "sessiond.otel-export: %(name)s: %(message)s"
+
+
+def _configure_logging() -> None:
+    """As the daemon logs ($SESSIOND_LOG_FORMAT, which the daemon sets, and
+    the journal: ipc.logfields); errors only: a failed export, not each
+    retry."""
+    root = logging.getLogger()
+    if not configure_zygote(_LINE):
+        handler = logging.StreamHandler(sys.stderr)
+        # journald's stream without its socket: each line's priority as <N>.
+        handler.setFormatter(PriorityFormatter(_LINE) if on_journal(2)
+                             else logging.Formatter("%(asctime)s %(levelname)s " + _LINE))
+        root.addHandler(handler)
+    root.setLevel(logging.ERROR)
+
+
 def _read_exactly(stream: Any, n: int) -> bytes | None:
     data = b""
     while len(data) < n:
@@ -177,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     except (AttributeError, OSError):
         with contextlib.suppress(OSError):
             os.nice(19)
-    # Into the daemon's log (its stderr): a failed export, not each retry.
-    logging.basicConfig(level=logging.ERROR, format="%(levelname)s sessiond.otel-export: %(message)s")
+    _configure_logging()
     settings = msgspec.convert(json.loads(args[0]) if args else {}, TracingSettings)
     pipeline = Pipeline(settings)
     decode = msgspec.msgpack.Decoder(list[ExportSpan]).decode

@@ -3,21 +3,23 @@ does nothing (the default: tracing is off unless configured).
 
 Runs in the daemon's loop.  One trace per turn (docs/tracing.md):
 
-    sessiond.turn                      from the input's arrival to TurnDone/TurnFailed
+    invoke_agent HANDLER               the turn: from the input's arrival to TurnDone/TurnFailed
     ├─ sessiond.queue                  arrival → the worker has the input
     │  └─ sessiond.worker.start        a hibernated session revived for it
     ├─ sessiond.input.durable          the input's append and fsync → Accepted
     ├─ chat MODEL, execute_tool NAME   recorded by the worker (WorkerSpans)
-    │  └─ invoke_agent CHILD           spawn_agent: the child's turn, on its own worker
-    │     └─ sessiond.turn ...
+    │  └─ sessiond.subagent CHILD      spawn_agent: the child session, on its own worker
+    │     └─ invoke_agent HANDLER ...  its turn
+    ├─ execute_tool NAME               made here for a tool call the worker died in
     ├─ sessiond.commit.durable         Done → its append and fsync → TurnDone
     └─ sessiond.restart                the worker died during the turn: until it is back
 
 The parts call a `Tracer` they are built with, as they call the metrics
 `Recorder`: the control socket (`request`, at an input's arrival), the
-ledger (`begin`, `input_durable`, `commit_started`, `ended`), the
-workers' owner (`worker_spans`), the event log (`state_changed`: restarts,
-worker boots), sub-agents (`subagent`) and a resumed turn (`resumed`).
+ledger (`begin`, `input_durable`, `step`, `worker_lost`, `commit_started`,
+`ended`), the workers' owner (`worker_spans`), the event log
+(`state_changed`: restarts, worker boots), sub-agents (`subagent`) and a
+resumed turn (`resumed`).
 `TurnTrace` is the ledger's handle on a turn's trace (`Session.trace`).
 `supervisor.ops.tracing_config.build` makes the OpenTelemetry one
 (`supervisor.ops.otel`, the `otel` extra) when the config or the standard
@@ -74,9 +76,18 @@ class Tracer:
         """An input arrived (None: not traced)."""
         return None
 
-    def begin(self, session_id: str, turn: int, handler: str, trace: TurnTrace | None) -> TurnTrace | None:
-        """The turn begins: its input is appended and sent to the worker."""
+    def begin(self, session_id: str, turn: int, handler: str, trace: TurnTrace | None, *, text: str = "",
+              owner_uid: int | None = None) -> TurnTrace | None:
+        """The turn begins: its input (`text`, from the session's owner) is
+        appended and sent to the worker."""
         return None
+
+    def step(self, trace: TurnTrace, msg: m.StepBegun | m.StepDone) -> None:
+        """A step of the traced turn began or ended (the ledger took it)."""
+
+    def worker_lost(self, trace: TurnTrace, failure: str) -> None:
+        """The turn's worker died (`failure`: how), and the turn is held to
+        resume on the next one: what it ran died with it."""
 
     def input_durable(self, trace: TurnTrace, error: str = "") -> None:
         pass
