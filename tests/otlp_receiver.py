@@ -175,7 +175,8 @@ class OtlpGrpcReceiver(_Receiver):
                     context.abort(grpc.StatusCode.UNAVAILABLE, "unavailable")
                 return ExportTraceServiceResponse()
 
-        self._server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+        self._server = grpc.server(self._pool)
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self._server)
         self.port = self._server.add_insecure_port("127.0.0.1:0")
         self.endpoint = f"http://127.0.0.1:{self.port}"
@@ -185,7 +186,9 @@ class OtlpGrpcReceiver(_Receiver):
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._server.stop(grace=None)
+        # Its threads end here: a test process that forks next must have none.
+        self._server.stop(grace=None).wait(10)
+        self._pool.shutdown(wait=True)
 
 
 def tree(spans: list[Received], trace_id: str) -> list[Received]:

@@ -207,11 +207,11 @@ def test_a_lazily_started_server_gets_the_trace_context_and_its_spans_join_the_t
     stdio, http = (json.loads(r) for r in results(requests[1]))
 
     def complete(spans: list[Received]) -> bool:
-        return any(s.name == "sessiond.turn" and s.attributes.get("sessiond.session.id") == sid
+        return any(s.name.startswith("invoke_agent ") and s.attributes.get("sessiond.session.id") == sid
                    and "sessiond.turn.outcome" in s.attributes for s in spans) and sum(
             s.name.startswith("tools/call") for s in spans if s.attributes.get("sessiond.session.id") == sid) == 2
     spans = setup.receiver.wait_for(complete)
-    turn = next(s for s in spans if s.name == "sessiond.turn" and s.attributes.get("sessiond.session.id") == sid)
+    turn = next(s for s in spans if s.name.startswith("invoke_agent ") and s.attributes.get("sessiond.session.id") == sid)
     (root,) = tree(spans, turn.trace_id)
     tools = [s for s in root.children if s.name.startswith("execute_tool mcp__")]
     assert [t.name for t in tools] == ["execute_tool mcp__s1__traceparent", "execute_tool mcp__web__traceparent"]

@@ -161,13 +161,17 @@ def test_attach_follows_across_a_restart_and_a_session_gone_is_exit_4(make_daemo
     with d.client() as c:
         kept, gone = c.create(handler="echo").id, c.create(handler="echo").id
         c.send_text(kept, "one")
-        after = c.status(kept).seq
-    # From the next seq: turn 2's events reach it even if it subscribes after they were sent.
-    follow, lost = _ctl(d, "attach", kept, "--from", str(after + 1)), _ctl(d, "attach", gone)
+        after, gone_after = c.status(kept).seq, c.status(gone).seq
+    # From the next seq: a turn's events reach each even if it subscribes
+    # after they were sent; once each has printed its turn it is attached.
+    follow = _ctl(d, "attach", kept, "--from", str(after + 1))
+    lost = _ctl(d, "attach", gone, "--from", str(gone_after + 1))
     try:
         out = Lines(follow.stdout)
         assert d.ctl("send", kept, "two").returncode == 0
         out.until("turn 2 done")
+        assert d.ctl("send", gone, "only").returncode == 0
+        Lines(lost.stdout).until("turn 1 done")
         d.kill()
         shutil.rmtree(d.state_dir / "sessions" / gone)  # gone when the daemon comes back
         d.start()

@@ -151,6 +151,7 @@ class Pipeline:
             self.processor.shutdown()  # type: ignore[no-untyped-call]
         finally:
             stop.cancel()
+            stop.join()  # (gone with the call: no thread of ours outlives close)
 
 
 def _otlp(settings: TracingSettings) -> SpanExporter:
