@@ -1,5 +1,5 @@
 """The few Linux process controls Python does not wrap (prctl, unshare
-before Python 3.12), via ctypes.
+before Python 3.12, glibc's mallopt), via ctypes.
 
 Shared by both sides: the daemon marks itself non-dumpable, the zygote is a
 child subreaper, workers set their parent-death signal and make an IPC
@@ -14,6 +14,7 @@ import signal
 
 __all__ = [
     "is_dumpable",
+    "large_allocations_mapped",
     "set_child_subreaper",
     "set_dumpable",
     "set_pdeathsig",
@@ -72,3 +73,19 @@ def unshare_ipc() -> str:
     if _libc.unshare(_CLONE_NEWIPC) != 0:
         return os.strerror(ctypes.get_errno())
     return ""
+
+
+# glibc's mallopt(M_MMAP_THRESHOLD): -3.  Setting it also turns off glibc's
+# dynamic threshold, which after one large mmapped buffer is freed serves
+# the next ones from the heap, where freeing them gives nothing back.
+_M_MMAP_THRESHOLD = -3
+
+
+def large_allocations_mapped(threshold: int = 1 << 20) -> bool:
+    """Allocations of `threshold` bytes and more each get a mapping of their
+    own, unmapped when freed: a burst of clients' large buffers (64 half-sent
+    16 MiB frames) goes back to the system once they end, instead of staying
+    in the heap as the process's RSS.  False where the C library has no
+    mallopt (not glibc)."""
+    mallopt = getattr(_libc, "mallopt", None)
+    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, threshold))

@@ -37,7 +37,7 @@ import setproctitle
 
 from ipc import messages as m
 from ipc.loop import run as run_loop
-from ipc.linux import set_dumpable
+from ipc.linux import large_allocations_mapped, set_dumpable
 from supervisor.errors import StartupError
 from supervisor import __version__
 from supervisor.spawn import mcplist, preload, sandbox, seams
@@ -383,6 +383,7 @@ def run_daemon(
     # Before the zygote is forked: it renames itself, and so do workers.
     setproctitle.setproctitle("sessiond: daemon")
     faulthandler.enable()  # a watchdog SIGABRT leaves the stuck stack in the journal
+    large_allocations_mapped()  # clients' large buffers go back to the system when freed
     _raise_nofile_limit()
     state_dir = state_dir or default_state_dir(cfg)
     socket_path = socket_path or daemon_socket_path(cfg)
