@@ -193,7 +193,7 @@ def test_modules_stay_readable(name: str) -> None:
 
 def test_the_checker_sees_a_crossing() -> None:
     # The graph is real: the worker's entry point imports the handler interface.
-    assert "session_worker.handler" in GRAPH["session_worker.main"]
+    assert "session_worker.handler" in GRAPH["session_worker.worker.main"]
     assert "ipc.messages" in GRAPH["supervisor.api.server"]
 
 
