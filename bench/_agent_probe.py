@@ -48,7 +48,7 @@ from typing import Any  # noqa: E402
 import httpx  # noqa: E402
 
 from ipc.connection import FramedProtocol  # noqa: E402
-from session_worker import main as worker_main  # noqa: E402
+from session_worker.worker import main as worker_main  # noqa: E402
 from session_worker.agent import _provider  # noqa: E402
 from session_worker.agent._handler import AgentHandler  # noqa: E402
 from session_worker.handler import HandlerInit, TurnContext, TurnResult  # noqa: E402

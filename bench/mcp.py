@@ -66,7 +66,7 @@ import msgspec  # noqa: E402
 
 from ipc import messages as m  # noqa: E402
 from ipc.settings import McpSettings, SandboxSettings, SessionSettings  # noqa: E402
-from session_worker import sandbox  # noqa: E402
+from session_worker.worker import sandbox  # noqa: E402
 from session_worker.agent._builtins import builtin_tools  # noqa: E402
 from session_worker.agent._mcp import McpTools  # noqa: E402
 from session_worker.agent._tools import Tool, ToolEnv  # noqa: E402

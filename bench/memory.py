@@ -8,7 +8,7 @@ What is measured (psutil `memory_full_info()`, median over the processes):
   idle; measured once after boot and again after one echo turn each.
   USS = pages only this worker has (what killing it frees), PSS = its RSS
   with every shared page divided among the processes sharing it.
-* popen: `python -c 'import session_worker.main, session_worker.echo,
+* popen: `python -c 'import session_worker.worker.main, session_worker.echo,
   session_worker.agent; <block on a pipe>'`, --popen-n of them alive at
   once, measured the same way: what a worker would cost without the zygote.
 * for context: the zygote's and the daemon's RSS and USS.
@@ -50,7 +50,7 @@ max_concurrent_sessions = 1000
 """
 
 _POPEN_CHILD = (
-    "import sys, session_worker.main, session_worker.echo, session_worker.agent\n"
+    "import sys, session_worker.worker.main, session_worker.echo, session_worker.agent\n"
     "sys.stdout.write('ready\\n'); sys.stdout.flush()\n"
     "sys.stdin.read()\n"
 )
@@ -64,8 +64,8 @@ MIB = 1024 * 1024
 # then waits for stdin to close.
 _FORK_HELPER = r"""
 import asyncio, gc, os, socket, sys
-import supervisor.cli, supervisor.daemon, session_worker.zygote
-session_worker.zygote._preload()
+import supervisor.cli, supervisor.daemon, session_worker.zygote.server
+session_worker.zygote.server._preload()
 n = int(sys.argv[1])
 gc.collect(); gc.freeze()
 pids = {"bare": [], "raw": [], "loop": []}

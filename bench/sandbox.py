@@ -39,7 +39,7 @@ import psutil  # noqa: E402
 
 from ipc import messages as m  # noqa: E402
 from ipc.settings import SessionSettings  # noqa: E402
-from session_worker import sandbox  # noqa: E402
+from session_worker.worker import sandbox  # noqa: E402
 from session_worker.agent._bash import run_bash  # noqa: E402
 from supervisor.ctl.client import AsyncClient  # noqa: E402
 

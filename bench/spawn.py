@@ -7,7 +7,7 @@ What is timed:
   reply comes once the worker (forked by the zygote) has booted and said
   Ready and the session's log is fsync'd.  Sessions are removed in batches of
   `--batch` (50), so at most that many are alive at once.
-* popen: `subprocess.Popen([python, -c, "import session_worker.main,
+* popen: `subprocess.Popen([python, -c, "import session_worker.worker.main,
   session_worker.echo; <send one frame>"])` with one end of a socketpair;
   the parent waits for the frame.  What a session would cost without the
   zygote.
@@ -50,7 +50,7 @@ max_concurrent_sessions = 1000
 
 _POPEN_CHILD = """
 import os, socket, sys
-import session_worker.main, session_worker.echo
+import session_worker.worker.main, session_worker.echo
 from ipc import messages as m
 from ipc.framing import encode_frame
 s = socket.socket(fileno=int(sys.argv[1]))
@@ -65,8 +65,8 @@ n, kind = int(sys.argv[1]), sys.argv[2]
 if kind in ("zygote", "boot"):
     # What the real zygote holds: the daemon's modules (it is a fork of the
     # daemon) plus its own preloads.
-    import gc, supervisor.cli, supervisor.daemon, session_worker.zygote
-    session_worker.zygote._preload()
+    import gc, supervisor.cli, supervisor.daemon, session_worker.zygote.server
+    session_worker.zygote.server._preload()
     from ipc import messages as m
     from ipc.framing import encode_frame
     def payload():
@@ -99,7 +99,7 @@ def recv_frame(s):
         buf += chunk
     return buf
 def boot_once():
-    from session_worker.main import run_worker
+    from session_worker.worker.main import run_worker
     t0 = time.perf_counter_ns()
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     pid = os.fork()

@@ -26,7 +26,7 @@ EXIT_BOOT_FAILED = 3
 IDLE_HEARTBEAT_FACTOR = 30
 
 
-# The machines session_worker._seccomp has a syscall table for: the daemon
+# The machines session_worker.worker._seccomp has a syscall table for: the daemon
 # says seccomp is missing elsewhere, the worker runs without it.
 SECCOMP_MACHINES = ("x86_64", "amd64")
 

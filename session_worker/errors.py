@@ -1,8 +1,9 @@
 """Errors of the worker side: run by the zygote (which imports everything
-before it forks), by each session's worker, and by a handler inside it.
-The tool host (_toolhost.py) is a standalone standard-library script and
+before it forks), by each session's worker, by a handler inside it, and by
+the MCP lister.
+The tool host (toolhost/host.py) is a standalone standard-library script and
 imports none of this; its failures reach the worker as messages, which
-sandbox.py turns into these.
+worker/sandbox.py turns into these.
 
     TurnFailure(reason, record)     a handler fails the current turn; `record` is still committed
     └── StepError                   a step (ctx.step) could not be journaled, or a resumed turn
@@ -14,13 +15,13 @@ sandbox.py turns into these.
     SandboxError                    the tools' host could not be started or has gone away
     ├── CommandError                the host is up but could not start this command
     └── OrderNotSent                the host was gone before it took the order: safe to start
-                                    it again (raised and caught inside sandbox.py)
+                                    it again (raised and caught inside worker/sandbox.py)
     UnsupportedArch                 no seccomp syscall table for this machine: run without
                                     seccomp, and say so
     ClosedPython                    the zygote cannot open the daemon's Python to the session
-                                    uids (_reach.py); the daemon's start-up fails with it
+                                    uids (worker/_reach.py); the daemon's start-up fails with it
     StopWhileIdle                   SIGTERM while the worker waits for its first input
-                                    (raised and caught inside main.py)
+                                    (raised and caught inside worker/main.py)
 
 The agent handler's own tree (AgentError: the provider's failures, tools that
 cannot load) is session_worker/agent/_errors.py: it stays inside the agent,
@@ -108,4 +109,4 @@ class UnsupportedArch(Exception):
 
 
 class StopWhileIdle(Exception):
-    """SIGTERM while the worker waits for its first input (see main.py's `_Link`)."""
+    """SIGTERM while the worker waits for its first input (see worker/main.py's `_Link`)."""

@@ -60,7 +60,7 @@ from ipc.budget import Standing
 from ipc.settings import SessionSettings
 # Re-exported: a handler's author raises them as this interface's (docs/agent.md).
 from session_worker.errors import CommandRefused, SpawnError, StepError, TurnFailure
-from session_worker.steps import Interruption
+from session_worker.worker.steps import Interruption
 
 __all__ = [
     "CommandRefused",

@@ -35,7 +35,7 @@ class ForkedWorker:
                 from ipc.linux import set_pdeathsig
 
                 set_pdeathsig(signal.SIGKILL)
-                from session_worker.main import run_worker
+                from session_worker.worker.main import run_worker
 
                 code = run_worker(theirs)
             except BaseException:

@@ -17,7 +17,7 @@ from fakellm import FakeLLM, Hang, Reply, Stream, chunk, fake_llm, text_stream, 
 from session_worker.agent import AgentHandler
 from session_worker.agent._compaction import RequestSizes, estimate_tokens, system_content
 from session_worker.agent._history import History
-from session_worker.factories import load_factory
+from session_worker.worker.factories import load_factory
 from session_worker.handler import SpawnError, TurnFailure, TurnResult
 from ipc.settings import SessionSettings
 from test_agent_support import (

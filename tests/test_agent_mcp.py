@@ -337,7 +337,7 @@ def test_the_worker_side_does_not_import_the_sdk_until_a_server_is_listed() -> N
     must stay out of every worker that has no MCP server."""
     import subprocess
 
-    code = ("import sys, session_worker.zygote, session_worker.main, session_worker.agent; "
+    code = ("import sys, session_worker.zygote, session_worker.worker.main, session_worker.agent; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'mcp', 'mcp_types', 'pydantic', 'httpx2'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parent.parent)

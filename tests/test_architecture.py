@@ -1,9 +1,11 @@
 """The layout's rules, checked on the source (pure): the daemon and the worker
 side meet only in ipc/; inside supervisor/, each folder imports only the
-folders its allow-list names (FOLDER_MAY_IMPORT); sessionctl and the client
-library (supervisor/ctl/) pull in nothing but ipc/ and the standard library;
-no module imports itself back through others; no module is past the size a
-reader can hold."""
+folders its allow-list names (FOLDER_MAY_IMPORT); inside session_worker/,
+laid out by process, likewise (WORKER_SIDE_MAY_IMPORT), each folder using
+only the ipc/ modules of its links (IPC_MAY_USE), and the tool host nothing
+but the standard library; sessionctl and the client library (supervisor/ctl/)
+pull in nothing but ipc/ and the standard library; no module imports itself
+back through others; no module is past the size a reader can hold."""
 
 from __future__ import annotations
 
@@ -193,8 +195,144 @@ def test_modules_stay_readable(name: str) -> None:
 
 def test_the_checker_sees_a_crossing() -> None:
     # The graph is real: the worker's entry point imports the handler interface.
-    assert "session_worker.handler" in GRAPH["session_worker.main"]
+    assert "session_worker.handler" in GRAPH["session_worker.worker.main"]
     assert "ipc.messages" in GRAPH["supervisor.api.server"]
+
+
+# ---------------------------------------------------------------- the worker side, by process
+# session_worker/ is laid out by process (its __init__.py draws it): which of
+# its folders each may import, read as FOLDER_MAY_IMPORT is ("the folder on
+# the left runs in this process and may use these"), besides itself, ipc/
+# (below: which of it) and `session_worker` itself (a face that imports
+# nothing).  The folder of session_worker.x.y is session_worker.x; the
+# modules at the top (the handler API, the echo handler, errors) are folders
+# of their own.
+WORKER_SIDE_MAY_IMPORT: dict[str, set[str]] = {
+    # The leaves: the side's errors; the tool host, which imports nothing of
+    # ours (the standard library only: test_the_tool_host_needs_only_the_standard_library).
+    "session_worker.errors": set(),
+    "session_worker.toolhost": set(),
+    # The worker's code: the handler API, the handlers, the worker itself.
+    # None of it imports the zygote, the lister or the tool host.
+    "session_worker.tracing": set(),
+    # Interruption is the steps'; TurnContext.run is the agent's bash, under its rules.
+    "session_worker.handler": {"session_worker.errors", "session_worker.worker", "session_worker.agent"},
+    "session_worker.echo": {"session_worker.handler"},
+    "session_worker.agent": {"session_worker.errors", "session_worker.handler", "session_worker.tracing",
+                             "session_worker.worker"},
+    # Reached only by an operator's `[agent] handler = "session_worker.adapters...:handler"`.
+    "session_worker.adapters": {"session_worker.handler", "session_worker.agent"},
+    # Loads the handlers it knows by name (echo, agent); never the adapters.
+    "session_worker.worker": {"session_worker.errors", "session_worker.handler", "session_worker.tracing",
+                              "session_worker.echo", "session_worker.agent"},
+    # The processes that run the worker's code besides the worker: the zygote
+    # preloads it (and runs a worker's first lines after fork); the lister
+    # runs the sandbox and the agent's MCP client as a session's worker would.
+    "session_worker.zygote": {"session_worker.errors", "session_worker.worker", "session_worker.echo",
+                              "session_worker.agent"},
+    "session_worker.mcplist": {"session_worker.errors", "session_worker.worker", "session_worker.agent"},
+}
+
+# Which modules of ipc/ each may use: the links it speaks and the contract
+# it shares.  Only the zygote speaks the zygote link (zygote_wire), only the
+# lister the lister's pipe (ipc.mcplist), only the worker frames and
+# connections; none uses the daemon's or sessionctl's (operator, pacing,
+# inputs, wiregen, protogen, mcpjson, traceparent, paths).
+_CONTRACT = {"ipc.settings", "ipc.budget", "ipc.contract", "ipc.mcp", "ipc.logfields", "ipc.linux"}
+IPC_MAY_USE: dict[str, set[str]] = {
+    "session_worker.errors": set(),
+    "session_worker.toolhost": set(),
+    "session_worker.tracing": {"ipc.messages"},  # the spans it sends (WorkerSpans)
+    "session_worker.handler": _CONTRACT,
+    "session_worker.echo": _CONTRACT,
+    "session_worker.agent": _CONTRACT,
+    "session_worker.adapters": _CONTRACT,
+    "session_worker.worker": _CONTRACT | {"ipc.messages", "ipc.framing", "ipc.connection", "ipc.errors",
+                                          "ipc.loop"},
+    "session_worker.zygote": _CONTRACT | {"ipc.messages", "ipc.zygote_wire"},
+    "session_worker.mcplist": _CONTRACT | {"ipc.mcplist"},
+}
+
+
+def _side_folder(name: str) -> str:
+    return ".".join(name.split(".")[:2])
+
+
+def test_every_worker_side_folder_has_rules() -> None:
+    folders = {_side_folder(n) for n in MODULES if n.startswith("session_worker.")}
+    assert folders == set(WORKER_SIDE_MAY_IMPORT) == set(IPC_MAY_USE), \
+        folders ^ set(WORKER_SIDE_MAY_IMPORT) | folders ^ set(IPC_MAY_USE)
+
+
+def _worker_side_strays(graph: dict[str, set[str]]) -> list[str]:
+    wrong: list[str] = []
+    for a, deps in graph.items():
+        if a == "session_worker" and deps:
+            wrong.extend(f"{a} (the face) imports {b}" for b in deps)
+        if not a.startswith("session_worker."):
+            continue
+        here = _side_folder(a)
+        for b in deps:
+            if b.startswith("session_worker.") and _side_folder(b) != here \
+                    and _side_folder(b) not in WORKER_SIDE_MAY_IMPORT[here]:
+                wrong.append(f"{a} imports {b}")
+            elif b.startswith("ipc.") and b not in IPC_MAY_USE[here]:
+                wrong.append(f"{a} imports {b}")
+    return wrong
+
+
+def test_each_worker_side_folder_imports_only_what_its_rules_allow() -> None:
+    assert _worker_side_strays(GRAPH) == []
+
+
+def test_the_worker_side_checker_sees_a_stray() -> None:
+    # The worker's code reaching into the zygote; the zygote using the lister's pipe.
+    graph = {"session_worker.worker.main": {"session_worker.zygote.server"},
+             "session_worker.zygote.server": {"ipc.mcplist", "session_worker.worker.main"}}
+    assert _worker_side_strays(graph) == ["session_worker.worker.main imports session_worker.zygote.server",
+                                          "session_worker.zygote.server imports ipc.mcplist"]
+
+
+def test_each_worker_side_package_says_who_runs_it_and_what_it_may_import() -> None:
+    faces = sorted((REPO / "session_worker").rglob("__init__.py"))
+    assert len(faces) >= 7, faces  # the side's face, zygote, worker, mcplist, toolhost, agent, adapters
+    for path in faces:
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert "run" in doc and "May import" in doc, path
+
+
+def _not_standard_library(source: str) -> list[str]:
+    """Every import in `source` of a module outside the standard library (a
+    relative one included), at any depth, `__import__` and `import_module`
+    of a constant name too."""
+    import sys
+
+    names: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.append("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and ast.unparse(node.func) in ("__import__", "importlib.import_module", "import_module"):
+            names.append(str(node.args[0].value))
+    return [n for n in names if n.startswith(".") or n.partition(".")[0] not in sys.stdlib_module_names]
+
+
+def test_the_tool_host_needs_only_the_standard_library() -> None:
+    # It runs on the system's Python in isolated mode (-I -S), from its
+    # source text, under bubblewrap where nothing of the venv is visible.
+    paths = sorted((REPO / "session_worker" / "toolhost").rglob("*.py"))
+    assert [p.name for p in paths] == ["__init__.py", "host.py"], paths
+    assert {p.name: _not_standard_library(p.read_text()) for p in paths} == {"__init__.py": [], "host.py": []}
+    # ... and nothing imports it: the worker sends its source.
+    assert [a for a, deps in GRAPH.items() for b in deps if b.startswith("session_worker.toolhost")] == []
+
+
+def test_the_standard_library_checker_sees_another_import() -> None:
+    src = ("import os, msgspec\nfrom . import x\nfrom ipc import messages\n"
+           "def f():\n    import yaml.parser\n    __import__('psutil')\n    return importlib.import_module('json')\n")
+    assert _not_standard_library(src) == ["msgspec", ".", "ipc", "yaml.parser", "psutil"]
 
 
 # ---------------------------------------------------------------- wiring

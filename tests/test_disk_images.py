@@ -153,7 +153,7 @@ def test_images_outlive_a_killed_daemon_and_a_stopped_one_and_go_with_rm(
     d.stop()
     assert not os.path.ismount(workspace), "a stopped daemon left its mounts"
     # The loop device goes with the last mount of it: a worker's own mount
-    # namespace (session_worker._reach) holds a copy until it has exited.
+    # namespace (session_worker.worker._reach) holds a copy until it has exited.
     wait_for(lambda: not _loops_of(image), 10, "the image's loop device to detach")
     d.start()
     llm.script(tool_call_stream(("t", "bash", {"command": "cat note"})), text_stream("read"))

@@ -48,7 +48,7 @@ from supervisor.ctl.client import RequestError
 from test_bad_input import hello
 
 MAX_FRAME = 64 * 1024  # the fuzzed daemon's [daemon] max_frame_bytes: cheap to pad up to
-WORKER_MAX_FRAME = 1 << 30  # session_worker/main.py
+WORKER_MAX_FRAME = 1 << 30  # session_worker/worker/main.py
 SENTINEL = 0x5E55  # request id of the closing ping
 FUZZ_CONFIG = f"""
 [agent.worker]

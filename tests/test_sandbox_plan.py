@@ -13,7 +13,7 @@ import pytest
 from ipc import messages as m
 from ipc.settings import SandboxSettings, SessionSettings
 from ipc.contract import BTRFS_SUBVOLUME_IOCTLS
-from session_worker import _seccomp, sandbox
+from session_worker.worker import _seccomp, sandbox
 from session_worker.errors import UnsupportedArch
 from supervisor.core.overrides import OverrideError, resolve_overrides
 

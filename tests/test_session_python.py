@@ -5,7 +5,7 @@ what the zygote did not preload as that uid.  Here the daemon's Python path
 has a directory only root can read (a module of our own in a 0700 tree,
 as a pyenv under /root is on this machine): a handler importing at its
 turn a standard-library module and that module, and an agent whose MCP
-server's SDK is imported at its first turn, all work (session_worker/_reach.py).
+server's SDK is imported at its first turn, all work (session_worker/worker/_reach.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 from fakellm import FakeLLM, text_stream, tool_call_stream
 from harness import TEST_HANDLERS
 from ipc import messages as m
-from session_worker import _reach
+from session_worker.worker import _reach
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="sessions of their own uid need a root daemon")
 SERVER = str(Path(__file__).with_name("mcp_servers.py"))

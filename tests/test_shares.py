@@ -221,7 +221,7 @@ def test_the_daemon_can_read_a_non_dumpable_child_without_hidepid() -> None:
 
 @pytest.mark.pure
 def test_a_tool_host_that_cannot_be_forked_is_told_which_ceilings_may_be_full() -> None:
-    from session_worker.sandbox import _fork_error
+    from session_worker.worker.sandbox import _fork_error
 
     eagain = _fork_error(BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable"))
     assert "max_processes" in eagain and "max_processes_per_uid" in eagain and "TasksMax" in eagain

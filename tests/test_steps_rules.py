@@ -1,5 +1,5 @@
 """Durable steps without processes: the daemon's rules (supervisor.core.steps)
-and the worker's replay (session_worker.steps) over a fake link."""
+and the worker's replay (session_worker.worker.steps) over a fake link."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from ipc import messages as m
 from ipc.settings import SessionSettings
 from session_worker.errors import StepError
-from session_worker.steps import Interruption, TurnSteps
+from session_worker.worker.steps import Interruption, TurnSteps
 from supervisor.store.state_store import Step, StepRecord, StepStart
 from supervisor.core.steps import MAX_STEPS_IN_FLIGHT, cause_of, plan_resume, resumes_after, step_problem
 

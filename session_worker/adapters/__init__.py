@@ -11,6 +11,8 @@ when the operator's module is imported).  Each module imports its framework
 
 each returns a handler factory for `[agent] handler = "mymodule:make"`.
 `_common` is what both share: a tool call or a node as a durable step, the
-turn's spend against `[agent.budget]`, and the notices clients see.  May
-import the worker side (`session_worker`, its `agent` package) and `ipc`.
+turn's spend against `[agent.budget]`, and the notices clients see.
+
+May import: ipc/, the handler API (session_worker.handler) and the agent's
+parts they share (session_worker.agent).  Nothing of ours imports them.
 """

@@ -17,6 +17,11 @@ Module map (all private; `AgentHandler` is the whole public surface):
 * `_compaction`  token estimate and where to cut (pure)
 * `_history`     state, ops, records, restore
 * `_errors`      the exception tree
+
+Runs in the worker (the zygote preloads it; the MCP lister runs its MCP
+client).  May import: ipc/, session_worker.errors, the handler API
+(session_worker.handler, session_worker.tracing) and the worker's plumbing
+(session_worker.worker: the sandbox, starting processes, openat2).
 """
 
 from session_worker.agent._handler import AgentHandler

@@ -8,7 +8,7 @@ up to the NUL, points its stdin at /dev/null and runs it with `eval`, as
 `bash -c` would (the command's processes get /dev/null as stdin, as before).
 
 With a sandbox (the default), the session's tool host starts the command
-inside it (`session_worker.sandbox`), in a process group of its own that a
+inside it (`session_worker.worker.sandbox`), in a process group of its own that a
 timeout or an interrupt kills.  With `sandbox.mode = "off"` the worker starts
 it itself, in the worker's process group (the supervisor's `killpg` reaches
 it), so killing "the command and its children" walks its descendants.
@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import psutil
 
-from session_worker import _spawn, sandbox
+from session_worker.worker import _spawn, sandbox
 from session_worker.errors import SandboxError
 from session_worker.agent import _traced
 from session_worker.agent._errors import ToolError

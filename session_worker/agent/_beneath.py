@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from session_worker._linux import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, openat2
+from session_worker.worker._linux import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, openat2
 
 __all__ = [
     "ESCAPE_ERRNOS",

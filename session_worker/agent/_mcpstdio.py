@@ -28,7 +28,7 @@ import mcp_types
 from mcp.client._transport import TransportStreams
 from mcp.shared.message import SessionMessage
 
-from session_worker import _spawn, sandbox
+from session_worker.worker import _spawn, sandbox
 from session_worker.agent._bash import kill_tree, tool_environment
 from session_worker.agent._errors import McpServerError
 from session_worker.errors import SandboxError

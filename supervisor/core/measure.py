@@ -94,7 +94,7 @@ class Read:
     mnt_ns: int = 0  # FDS: its mount namespace (inode), 0 if unreadable
     # FDS: its /tmp or /dev is not the daemon's: a sandbox's own namespace
     # (the zygote's and its workers' namespace differs from the daemon's
-    # only by covers over closed directories: session_worker/_reach.py).
+    # only by covers over closed directories: session_worker/worker/_reach.py).
     own_fs: bool = False
     tmpfs: int = 0  # TMPFS: bytes used
 

@@ -2,7 +2,7 @@
 (a line reads `sessiond.manager: session=ID ...`: the logger's name first),
 and the same as fields for machines.
 
-A worker's messages already start with `session=ID` (session_worker/main.py
+A worker's messages already start with `session=ID` (session_worker/worker/main.py
 tags them with a handler filter); the daemon's own lines about that session
 carry the same field, so `journalctl -u sessiond --grep 'session=ID'` finds
 both sides. Call sites write `tagged(log, session.id).warning("worker %d

@@ -1,5 +1,5 @@
 """Starting and containing workers (run by sessiond; spawner.py's other half
-is session_worker/zygote.py, and cluster/nodehost.py runs it on a Ray node):
+is session_worker/zygote/, and cluster/nodehost.py runs it on a Ray node):
 the Spawner seam, the zygote's daemon side, pidfds, cgroups (v1, v2 and the
 choice between them), the sandbox probe, the MCP lister (a confined
 process that lists MCP servers' tools for the daemon), and the host's part

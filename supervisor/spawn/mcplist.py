@@ -14,7 +14,7 @@ own, and confined before it runs a line of ours:
   makes the switch itself (`--as UID:GID`: no groups, then setresgid and
   setresuid) before it reads its order, after opening the daemon's
   Python to that uid where a directory on the way is closed to it, as
-  the zygote does for sessions (session_worker._reach).
+  the zygote does for sessions (session_worker.worker._reach).
 * **where**: each stdio server is started by a tool host of its own
   sandbox (namespaces, Landlock, seccomp, as `[sandbox]` says), in an
   empty directory made for this listing under the state directory and
@@ -130,7 +130,7 @@ class McpLister:
                              workspace=str(workspace), own_uid=self._own_uid)
         # Started as the daemon's user and told whom to become: it first
         # opens the daemon's Python to that uid where a directory on the way
-        # is closed to it (session_worker._reach, as the zygote does), then
+        # is closed to it (session_worker.worker._reach, as the zygote does), then
         # drops to it before reading anything of the order.  (Exec'd as that
         # uid, a Python under a 0700 /root could not even start.)
         becomes = ["--as", f"{self._run_as[0]}:{self._run_as[1]}"] if self._run_as is not None else []

@@ -9,7 +9,7 @@ worker (~1.6 s and ~70 MiB for the OpenAI Agents SDK: bench/frameworks.py).
 The modules: those of `[agent] handler`, `allowed_handlers` (a pattern
 `package.module:*` names its module), `[agent.subagents] allowed_handlers`,
 `[tools] custom`, and `[daemon] preload_modules`.  The zygote imports them
-in that order, once (`session_worker.zygote._preload_operator`); one that
+in that order, once (`session_worker.zygote.server._prepare`); one that
 fails, or that starts a thread (the zygote forks: a thread in it would not
 be in its workers, and a lock it held stays held there), is an error that
 names it: at start, the daemon's (`ZygoteSpawner.attach`); in a zygote

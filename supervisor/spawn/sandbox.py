@@ -1,6 +1,6 @@
 """What this host offers for confining tools, found once at start.
 
-The worker does the confining (`session_worker.sandbox`); the daemon finds
+The worker does the confining (`session_worker.worker.sandbox`); the daemon finds
 out, before any session exists, whether bubblewrap can make namespaces for
 the uid tools will run as (a root daemon's session uids, or its own), and
 which daemon paths must stay out of every sandbox.  Said in the start-up
@@ -171,7 +171,7 @@ def probe(settings: SandboxSettings, uid: int | None, gid: int | None,
 
 
 def _families(network: str, namespaces: bool) -> list[str]:
-    """What socket(2) may create (session_worker._seccomp's allow-list); a
+    """What socket(2) may create (session_worker.worker._seccomp's allow-list); a
     loopback of the session's own needs namespaces, else it is `none`."""
     inet = network == "full" or (network == "loopback" and namespaces)
     return (["unix"] if namespaces else []) + (["inet", "inet6"] if inet else [])

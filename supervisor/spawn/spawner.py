@@ -126,7 +126,7 @@ class ZygoteSpawner:
         # empty (see `_retire`): what `signal` and `kill_tree` act through.
         self._workers: dict[int, PidFd] = {}
         # What every zygote is told to do before it forks (supervisor.spawn.preload,
-        # session_worker._reach); with either, it says how it went (Preloaded).
+        # session_worker.worker._reach); with either, it says how it went (Preloaded).
         self._preload = list(preload or [])
         self._expose = expose
 

@@ -5,7 +5,7 @@ reads of /proc/sysvipc and a listing of /dev/shm when nothing is left (the
 usual case); a process only when something is.
 
 Where a session's worker or its tools have an IPC namespace of their own
-(session_worker.main._confine, bubblewrap, the tool host's user namespace)
+(session_worker.worker.main._confine, bubblewrap, the tool host's user namespace)
 their SysV objects go with the namespace and nothing of them is here.
 Where they have none (a root daemon without CAP_SYS_ADMIN, with
 `namespaces = "off"`), what the session made in the host's namespace is

@@ -54,9 +54,10 @@ from ipc.linux import set_dumpable, set_pdeathsig, unshare_ipc
 from ipc.loop import run as run_loop
 from ipc.budget import Standing
 from ipc.settings import SessionSettings
-from session_worker import _reach, sandbox, tracing
-from session_worker._signals import set_signal
-from session_worker.factories import load_factory
+from session_worker import tracing
+from session_worker.worker import _reach, sandbox
+from session_worker.worker._signals import set_signal
+from session_worker.worker.factories import load_factory
 from session_worker.errors import SpawnError, StopWhileIdle, TurnFailure
 from session_worker.handler import (
     Handler,
@@ -64,7 +65,7 @@ from session_worker.handler import (
     TurnContext,
     TurnResult,
 )
-from session_worker.steps import Interruption, TurnSteps
+from session_worker.worker.steps import Interruption, TurnSteps
 
 __all__ = ["run_worker"]
 

@@ -3,7 +3,7 @@
 Started by the worker at a session's first tool call, with the system's
 Python in isolated mode and no site (`python -I -S -c BOOT FD`, BOOT a line
 that reads this source and its config from the socket FD, as its first two
-messages, and runs it with `argv = [name, CONFIG, FD]`: session_worker.sandbox): it
+messages, and runs it with `argv = [name, CONFIG, FD]`: session_worker.worker.sandbox): it
 imports nothing but the standard library, so it needs nothing but the
 interpreter, and under bubblewrap nothing of the venv or the checkout has to
 be visible.  Before it reads its first order it confines itself, and every
@@ -13,7 +13,7 @@ tool it starts inherits all of it:
   its own (in a user namespace mapping only its uid: SysV IPC goes with
   the session);
 - `no_new_privs`, then the seccomp filter the worker built
-  (`session_worker._seccomp`), unless bubblewrap already loaded it;
+  (`session_worker.worker._seccomp`), unless bubblewrap already loaded it;
 - a Landlock domain: read-only system paths, the workspace and the session's
   temporary directory read-write, nothing else; TCP refused when the network
   policy is `none`; signals and abstract Unix sockets scoped to the domain

@@ -1,7 +1,7 @@
 """A session's sandbox, seen from its worker: the tool host and what confines it.
 
 Every process a session's tools start descends from one tool host
-(`session_worker._toolhost`), started at the session's first tool call and
+(`session_worker/toolhost/host.py`), started at the session's first tool call and
 kept until the worker exits.  Isolation is per session, not per command:
 commands share the session's /tmp and can see each other, never anything
 else.  What confines the host, and so every tool:
@@ -17,7 +17,7 @@ else.  What confines the host, and so every tool:
   memory, semaphores and message queues go with the session;
 - always (where the kernel has it): `no_new_privs`, a Landlock domain (the
   same paths, read-only or read-write; TCP refused under `none`; signals and
-  abstract sockets scoped), the seccomp filter of `session_worker._seccomp`,
+  abstract sockets scoped), the seccomp filter of `session_worker.worker._seccomp`,
   RLIMIT_NPROC, umask 077.  Without namespaces, tools still see only these
   paths (Landlock), /tmp is `<workspace>/.tmp`, /proc shows only system-wide
   files, no Unix socket can be made (seccomp: Landlock does not cover
@@ -53,14 +53,15 @@ from typing import Any
 from ipc import messages as m
 from ipc.logfields import escape
 from ipc.settings import SessionSettings
-from session_worker import _seccomp, _spawn
+from session_worker.worker import _seccomp, _spawn
 from session_worker.errors import CommandError, OrderNotSent, SandboxError
 
 __all__ = ["HostCommand", "Plan", "ToolHost", "configure", "current"]
 
 log = logging.getLogger("sessiond.sandbox")
 
-_HOST_SOURCE = Path(__file__).with_name("_toolhost.py").read_text()
+# The tool host's source (session_worker/toolhost/: the standard library only).
+_HOST_SOURCE = (Path(__file__).parent.parent / "toolhost" / "host.py").read_text()
 # What the tool host is started with (`python -I -S -c _HOST_BOOT FD`): it
 # reads its source and its config as the first two messages on its socket
 # and runs them.  Not the source itself on the command line: ~19 KB of
@@ -211,7 +212,7 @@ class Plan:
         inactive: dict[str, str] = {}
         if self.landlock_abi:
             active.append("landlock")
-            # What the host's ruleset adds with the kernel's ABI (session_worker._toolhost).
+            # What the host's ruleset adds with the kernel's ABI (session_worker/toolhost/host.py).
             if self.landlock_abi >= 6:
                 active.append("landlock-scope")
             else:

@@ -68,9 +68,9 @@ from ipc import logfields
 from ipc import messages as m
 from ipc import zygote_wire as zw
 from ipc.linux import set_child_subreaper, set_dumpable, set_pdeathsig
-from session_worker import _reach
+from session_worker.worker import _reach
 from session_worker.errors import ClosedPython
-from session_worker._signals import set_signal
+from session_worker.worker._signals import set_signal
 
 __all__ = ["Zygote", "zygote_main"]
 
@@ -95,7 +95,7 @@ _ORDER_GIVE_UP_SECS = 1.5
 _SPARE_RETRY_MAX_SECS = 5.0
 # How much nicer than the zygote each worker runs (see the module's docstring).
 _session_nice = 0
-# session_worker.main.run_worker, bound by _preload: an import statement
+# session_worker.worker.main.run_worker, bound by _preload: an import statement
 # run in every forked worker is Python work that copies pages.
 _run_worker: Callable[..., int]
 
@@ -133,7 +133,7 @@ def _prepare(sock: socket.socket, modules: list[str], expose: bool) -> None:
 def _preload() -> None:
     global _run_worker
     import session_worker.echo  # noqa: F401
-    from session_worker.main import run_worker
+    from session_worker.worker.main import run_worker
 
     _run_worker = run_worker
     with contextlib.suppress(ImportError):
@@ -143,7 +143,7 @@ def _preload() -> None:
 def _configure_logging() -> None:
     """Once, here, for every worker: each worker would otherwise run
     `logging.basicConfig` after its fork, and so copy the pages that code
-    touches (see session_worker.main.run_worker).  A no-op when the zygote
+    touches (see session_worker.worker.main.run_worker).  A no-op when the zygote
     was forked from the daemon (its handler came along); a zygote started
     by exec has none: it logs as the daemon does (ipc.logfields)."""
     fmt = "sessiond-worker[%(process)d]: %(levelname)s: %(message)s"
@@ -595,20 +595,3 @@ def _worker_child(
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
-
-
-def _exec_main() -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m session_worker.zygote")
-    parser.add_argument("--fd", type=int, required=True)
-    parser.add_argument("--daemon-pid", type=int, required=True)
-    parser.add_argument("--preload", default="")
-    parser.add_argument("--expose", action="store_true")
-    args = parser.parse_args()
-    return zygote_main(socket.socket(fileno=args.fd), args.daemon_pid, [m for m in args.preload.split(",") if m],
-                       args.expose)
-
-
-if __name__ == "__main__":
-    sys.exit(_exec_main())

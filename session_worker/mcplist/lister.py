@@ -4,13 +4,13 @@
 
 Started by the daemon (`supervisor.spawn.mcplist`), by exec, as the daemon's
 user; with `--as UID:GID` it first opens the daemon's Python to that uid
-where a directory on the way is closed to it (`session_worker._reach`, as
+where a directory on the way is closed to it (`session_worker.worker._reach`, as
 the zygote does), then becomes it, before it reads its order: it lists as
 that user (never the daemon's privileges: a uid of no session, or the
 sessions' shared user; the daemon's own only where sessions run as it too), with an environment of PATH, LANG and the variables the servers'
 tables name.  It confines itself as a session's worker does: no core
 dumps, not dumpable, killed with its parent.  Each stdio server is started
-by a tool host of its own sandbox (`session_worker.sandbox`, as a session's
+by a tool host of its own sandbox (`session_worker.worker.sandbox`, as a session's
 tools are), in an empty directory and with no network whatever
 `[sandbox] network` says: no session's identity, workspace or network.
 An HTTP server is reached from here, as a session's worker reaches it.
@@ -37,7 +37,7 @@ from ipc.linux import set_dumpable, set_pdeathsig
 from ipc.mcp import MAX_SCHEMA_BYTES, MAX_TOOLS_PER_SERVER, ListedTool, McpListing, RefusedTool, bounded, listing_key
 from ipc.mcplist import McpListOrder, order_decoder
 from ipc.settings import McpServer, SessionSettings
-from session_worker import _reach, sandbox
+from session_worker.worker import _reach, sandbox
 
 __all__ = ["list_servers", "main"]
 
@@ -95,7 +95,7 @@ def _become(argv: list[str]) -> None:
     taken for good (no groups, no way back) before anything else runs."""
     if argv[:1] != ["--as"] or len(argv) != 2:
         if argv:
-            raise SystemExit(f"usage: python -m {__name__} [--as UID:GID]")
+            raise SystemExit("usage: python -m session_worker.mcplist [--as UID:GID]")
         return
     uid, _, gid = argv[1].partition(":")
     _reach.open_to_sessions(_reach.closed_dirs(sys.path, os.getcwd()))
@@ -128,7 +128,3 @@ def main() -> int:
     sys.stdout.buffer.write(msgspec.msgpack.encode(listings))
     sys.stdout.buffer.flush()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
