@@ -141,8 +141,10 @@ def test_a_turn_that_calls_no_mcp_tool_starts_no_server_and_the_first_call_start
         worker = psutil.Process(c.status(sid).pid)
     assert worker.children(recursive=True) == [], "no MCP server, no tool host: nothing started"
 
-    _, requests = setup.turn(sid, tool_call_stream(("c1", "mcp__s1__whoami", {})),
-                             tool_call_stream(("c2", "mcp__s1__echo", {"text": "again"})), text_stream("done"))
+    events, requests = setup.turn(sid, tool_call_stream(("c1", "mcp__s1__whoami", {})),
+                                  tool_call_stream(("c2", "mcp__s1__echo", {"text": "again"})), text_stream("done"))
+    # One start, said once (what sessiond_mcp_server_starts_total{outcome="ok"} counts).
+    assert [e.data["server"] for e in events if isinstance(e, m.Notice) and e.kind == "mcp_server_started"] == ["s1"]
     whoami = dict(part.split("=", 1) for part in results(requests[1])[0].split())
     assert whoami["cwd"] == str(setup.d.workspace(sid).resolve())  # the session's workspace
     assert int(whoami["pid"]) < 100  # in the session's own PID namespace

@@ -401,6 +401,8 @@ class McpTools:
                 wait = self._set_down(server, str(exc), env.ctx.notice)
                 raise McpStartError(f"{exc}; its tools are withdrawn, and it is not tried again for "
                                     f"{wait:.0f} s") from None
+            # Counted by the daemon (sessiond_mcp_server_starts_total{outcome="ok"}); no line for a person.
+            env.ctx.notice("mcp_server_started", {"server": server.name, "version": connection.version})
         self._down.pop(server.name, None)
         listing = self._from.get(server.name)
         if listing is not None and connection.version != listing.version:

@@ -315,9 +315,9 @@ class PrometheusRecorder(Recorder):
 
 # The worker's notices about its MCP servers, by the outcome they count as:
 # `mcp_server_unavailable` (session_worker/agent/_mcp.py) is sent for each
-# server that could not be started or listed; `mcp_server_started` is the
-# name for one started, which the agent does not send yet (the hook for it:
-# until then `ok` stays 0).
+# server that could not be started or listed; `mcp_server_started` for a
+# session's copy of a server started (at its first call, or a lazy=false
+# server at the session's first turn).
 _MCP_NOTICES = {"mcp_server_started": "ok", "mcp_server_unavailable": "failed"}
 
 
