@@ -31,7 +31,7 @@ from typing import Any
 
 from ipc import messages as m
 
-__all__ = ["CLIENT", "INTERNAL", "Span", "active", "annotate", "begin_turn", "capturing", "current_span_id", "span",
+__all__ = ["CLIENT", "INTERNAL", "Span", "active", "annotate", "begin_turn", "capturing", "current_span_id", "log_ids", "span",
            "traceparent"]
 
 INTERNAL = 0
@@ -191,6 +191,17 @@ def traceparent() -> str:
     if not isinstance(current, Span) or not current._turn.trace_id:
         return ""
     return f"00-{current._turn.trace_id}-{current.id:016x}-01"
+
+
+def log_ids() -> tuple[str, str] | None:
+    """(trace id, span id), in hex, for a log line written during a traced
+    turn (the span id of the open span, "" outside one); None when the
+    turn is not traced or the daemon gave no trace id."""
+    current = _current.get()
+    turn = current._turn if isinstance(current, Span) else current
+    if turn is None or not turn.trace_id:
+        return None
+    return turn.trace_id, f"{current.id:016x}" if isinstance(current, Span) else ""
 
 
 def active() -> bool:

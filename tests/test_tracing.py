@@ -332,3 +332,43 @@ def test_a_traced_session_s_log_records_carry_the_journal_fields_of_its_trace() 
     assert traced["TRACE_ID"] == "4bf92f3577b34da6a3ce929d0e0e4736" and traced["SPAN_ID"] == "00f067aa0ba902b7"
     assert b"\nTRACE_ID=4bf92f3577b34da6a3ce929d0e0e4736\n" in encode_entry(traced)
     assert "TRACE_ID" not in other and "TRACE_ID" not in after
+
+
+@pytest.mark.component
+def test_a_workers_log_line_during_a_traced_turn_names_its_trace_and_span() -> None:
+    """The daemon's lines about a traced turn carried TRACE_ID and SPAN_ID;
+    the worker's own (its handler's errors, a tool host's words) did not."""
+    import asyncio
+    import io
+    import json
+    import logging
+
+    from ipc.logfields import JsonFormatter
+    from session_worker import tracing as worker_tracing
+    from session_worker.worker.main import _SessionTag
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    handler.addFilter(_SessionTag("s1"))
+    logger = logging.getLogger("sessiond.test-worker-trace")
+    logger.propagate = False
+    logger.addHandler(handler)
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+    async def turn() -> int:
+        worker_tracing.begin_turn(1, lambda msg: None, False, trace_id)
+        logger.warning("outside any span")
+        with worker_tracing.span("execute_tool bash") as span:
+            logger.warning("in the tool's span")
+            return span.id
+
+    try:
+        span_id = asyncio.run(turn())
+        logger.warning("no turn")
+    finally:
+        logger.removeHandler(handler)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(x.get("TRACE_ID"), x.get("SPAN_ID")) for x in lines] == [
+        (trace_id, None), (trace_id, f"{span_id:016x}"), (None, None)]
+    assert all(x["SESSION_ID"] == "s1" for x in lines)

@@ -649,6 +649,11 @@ class _SessionTag(logging.Filter):
             # lines' keys): the uid is read here, as confinement changes it.
             record.session_id = self.session
             record.session_uid = os.getuid()
+            # A line written during a traced turn names its trace (and the
+            # span open then), as the daemon's lines about it do.
+            ids = tracing.log_ids()
+            if ids is not None:
+                record.trace_id, record.span_id = ids
         return True
 
 
