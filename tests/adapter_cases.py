@@ -22,7 +22,7 @@ from session_worker.adapters.openai_agents import handler as openai_handler
 from session_worker.handler import HandlerInit
 from test_agent_support import make_settings
 
-__all__ = ["Agent", "counts", "graph_handler", "guarded_agent", "openai_session", "ran_tools", "spin_graph",
+__all__ = ["Agent", "counts", "graph_handler", "guarded_agent", "openai_session", "ran_tools", "spin_graph", "streaming_graph",
            "tool_graph"]
 
 counts: list[int] = []
@@ -102,4 +102,26 @@ def spin_graph() -> Any:
     builder.add_node("spin", lambda state: {"log": ["spin"]})
     builder.add_edge(START, "spin")
     builder.add_edge("spin", "spin")
+    return builder.compile()
+
+
+def streaming_graph() -> Any:
+    """A node that awaits a chat model streaming its answer, then a node
+    that adds a message of its own."""
+    from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+
+    model = GenericFakeChatModel(messages=iter([AIMessage("Hello there, world"), AIMessage("Again")]))
+
+    async def think(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [await model.ainvoke(state["messages"])]}
+
+    def sign(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [AIMessage("-- signed")]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("think", think)
+    builder.add_node("sign", sign)
+    builder.add_edge(START, "think")
+    builder.add_edge("think", "sign")
+    builder.add_edge("sign", END)
     return builder.compile()

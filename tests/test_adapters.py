@@ -254,3 +254,24 @@ def test_a_graph_past_agent_max_turns_ends_with_the_limit(fake_llm: FakeLLM, tmp
     ctx = StepCtx(s, tmp_path)
     result = run(h.handle("go", ctx))
     assert ctx.limits == [("turns", 3, 3)] and "agent.max_turns" in result.reply and result.record is None
+
+
+@pytest.mark.component
+def test_a_graphs_model_streams_its_text_token_by_token_and_a_replay_says_it_once(
+        fake_llm: FakeLLM, tmp_path: Path, cases: ModuleType) -> None:
+    """A node's model streamed its answer, but clients saw it only when the
+    node ended, as one piece (issue 30: streaming as the built-in agent's)."""
+    s = make_settings(fake_llm)
+    make = cases.graph_handler(cases.streaming_graph())
+    h = make(HandlerInit(session="s", settings=s, workspace=tmp_path))
+    h.restore(None, [])
+    ctx = StepCtx(s, tmp_path)
+    result = run(h.handle("hi", ctx))
+    assert result.reply == "-- signed"  # the default reply: the last AI message
+    assert "".join(ctx.emits) == "Hello there, world\n\n-- signed"
+    assert len(ctx.emits) > 3, ctx.emits  # the model's pieces as they came, then the other node's
+    # Resumed with both nodes journaled: nothing runs, each message said once.
+    again = make(HandlerInit(session="s", settings=s, workspace=tmp_path))
+    replay = StepCtx(s, tmp_path, journal=ctx.journal)
+    run(again.handle("hi", replay))
+    assert replay.ran == [] and "".join(replay.emits) == ""

@@ -6,7 +6,7 @@
 
 Runs in the worker; `handler(graph)` runs where the operator's module is
 imported (the zygote, when preloaded).  Each turn is one run of the graph
-(`ainvoke`) from the session's state so far plus the input:
+(`astream`) from the session's state so far plus the input:
 
 * **each node's run is a durable step** (`node:RUN:NAME:STEP:PATH`): on a
   resumed turn a journaled node returns its update without running, so the
@@ -30,9 +30,10 @@ imported (the zygote, when preloaded).  Each turn is one run of the graph
   dataclasses come back as they were).  The next turn's input is
   `input(text, values)`: by default the values with a user message appended
   to `messages`; the reply is `reply(values)`: by default the text of the
-  last message when it is the AI's.  Clients see each node's new AI
-  messages as it ends, tool calls as notices, usage from the messages'
-  `usage_metadata`; `[agent.budget]` is checked before each node that runs,
+  last message when it is the AI's.  Clients see a model's text token by
+  token as a node streams it (LangGraph's `messages` stream: a chat model
+  a node awaits streams), and a node's other new AI messages as it ends;
+  tool calls as notices, usage from the messages' `usage_metadata`; `[agent.budget]` is checked before each node that runs,
   and `agent.max_turns` is the graph's `recursion_limit` (super-steps).
 """
 
@@ -45,7 +46,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage, convert_to_openai_messages
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, ToolMessage, convert_to_openai_messages
 from langchain_core.runnables import Runnable, RunnableConfig
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
@@ -112,10 +113,34 @@ class _Turn:
         self.run = 0  # the graph's runs in this turn: 1, then one more per resume
         self.spend = _common.Spend(ctx)
         self.text: list[str] = []
+        # Messages streamed token by token, by id: (their place in `text`,
+        # the separator they began with).
+        self.streamed: dict[str, tuple[int, str]] = {}
+
+    def _separator(self) -> str:
+        return "\n\n" if self.text and not self.text[-1].endswith("\n") else ""
+
+    def streaming(self, chunk: Any) -> None:
+        """A piece of an AI message a model streams while its node runs:
+        to the clients at once (the node's update, when it ends, adds it to
+        the reply without saying it again)."""
+        if not isinstance(chunk, AIMessageChunk) or not chunk.id or not isinstance(chunk.content, str):
+            return
+        if not chunk.content:
+            return
+        place = self.streamed.get(chunk.id)
+        if place is None:
+            place = self.streamed[chunk.id] = (len(self.text), self._separator())
+            self.text.append(place[1])
+            self.ctx.emit(place[1] + chunk.content)
+        else:
+            self.ctx.emit(chunk.content)
+        self.text[place[0]] += chunk.content
 
     def said(self, update: Any, live: bool) -> None:
         """A node's update: its new AI messages are reply text (streamed
-        now when the node ran now) and their usage counts."""
+        now when the node ran now, unless a model streamed it already) and
+        their usage counts."""
         messages = update.get("messages") if isinstance(update, dict) else None
         if isinstance(messages, BaseMessage):
             messages = [messages]
@@ -128,8 +153,12 @@ class _Turn:
                 self.spend.add({"prompt_tokens": usage.get("input_tokens"),
                                 "completion_tokens": usage.get("output_tokens"),
                                 "reasoning_tokens": details.get("reasoning")})
-            if message.text:
-                piece = ("\n\n" if self.text and not self.text[-1].endswith("\n") else "") + message.text
+            if message.id is not None and message.id in self.streamed:
+                # Said already, piece by piece: the message's own text takes its place.
+                index, sep = self.streamed.pop(message.id)
+                self.text[index] = sep + message.text
+            elif message.text:
+                piece = self._separator() + message.text
                 self.text.append(piece)
                 if live:
                     self.ctx.emit(piece)
@@ -250,7 +279,12 @@ class LangGraphHandler:
         asks = itertools.count(1)
         while True:
             turn.run += 1
-            result = await self._graph.ainvoke(graph_input, config)
+            result: Any = None
+            async for mode, data in self._graph.astream(graph_input, config, stream_mode=["messages", "values"]):
+                if mode == "messages":
+                    turn.streaming(data[0])
+                else:
+                    result = data
             pending = result.pop("__interrupt__", None) if isinstance(result, dict) else None
             if not pending:
                 return dict(result)
