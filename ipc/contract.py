@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["BTRFS_SUBVOLUME_IOCTLS", "EXIT_BOOT_FAILED", "ExitReason", "LimitKind", "SESSION_STATES", "StopReason", "INCOMPLETE_STOPS",
-           "limit_text"]
+__all__ = ["BTRFS_SUBVOLUME_IOCTLS", "EXIT_BOOT_FAILED", "ExitReason", "LimitKind", "PERMISSION_ANSWERED",
+           "SESSION_STATES", "StopReason", "INCOMPLETE_STOPS", "limit_text"]
 
 # Like gunicorn's WORKER_BOOT_ERROR: a worker that cannot boot exits with
 # this, and the daemon reads it as "do not respawn in a tight loop".
@@ -67,6 +67,12 @@ class LimitKind(enum.StrEnum):
     DISK = "disk"  # max_disk_mb, in MiB
     # A ceiling of [agent.budget]: LimitExceeded.ceiling names it, .unit says in what.
     BUDGET = "budget"
+
+
+# Notice.kind of a permission request's answer: data {"request_id", "tool",
+# "allowed", "uid", "client", "at"} (who answered: the connection's uid and
+# the client name its Hello gave; unix time).
+PERMISSION_ANSWERED = "permission_answered"
 
 
 # Units of LimitExceeded.value and .limit, by kind (what `limit_text` prints).

@@ -37,7 +37,7 @@ __all__ = [
     "NEW_ERROR_CODES",
     # daemon -> client
     "Welcome", "Error", "ErrorCode", "Ok", "Created", "Accepted", "Attached",
-    "StatusReply", "SessionList", "StatsReply", "Pong", "Repaired", "ExitInfo", "SessionInfo",
+    "StatusReply", "SessionList", "StatsReply", "Pong", "Repaired", "ExitInfo", "Waiting", "SessionInfo",
     "TextDelta", "ReasoningDelta", "TurnDone", "TurnFailed", "StateChanged", "LimitExceeded", "Notice",
     "PermissionRequest", "Gap", "Lagged", "Event", "Reply", "EVENT_TYPES",
     # daemon <-> worker
@@ -229,6 +229,17 @@ class ExitInfo(_Msg, tag="exit"):
     detail: str = ""
 
 
+class Waiting(_Msg, tag="waiting"):
+    """A permission request of the session's running turn that waits on a
+    person (`Answer` settles it): what `SessionInfo.waiting` lists."""
+
+    request_id: str
+    tool: str
+    since: float = 0.0  # unix time it was asked
+    turn: int = 0
+    seq: int = 0  # its PermissionRequest event's (an Attach from here replays it)
+
+
 class SessionInfo(_Msg, tag="session"):
     id: str
     state: str
@@ -265,6 +276,9 @@ class SessionInfo(_Msg, tag="session"):
     # "used", "limit", "unit"}, ...] for each ceiling set; with a uid
     # ceiling also "uid_spent"}.  Empty for a session no daemon holds here.
     budget: dict[str, Any] = {}
+    # Its running turn waits on a person: the permission requests not yet
+    # answered, oldest first.  (Its state stays "running".)
+    waiting: list[Waiting] = []
 
 
 class Created(_Msg, tag="created"):
