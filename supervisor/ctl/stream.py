@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import msgspec
@@ -23,7 +24,7 @@ from supervisor.ctl.client import AsyncClient
 from supervisor.ctl.errors import RequestError
 from supervisor.ctl.render import EXIT_FAILED, EXIT_OK, EXIT_SIGINT
 
-__all__ = ["event_json", "print_event", "send_interruptibly", "to_plain"]
+__all__ = ["answered_text", "event_json", "print_event", "send_interruptibly", "to_plain"]
 
 
 def to_plain(obj: Any) -> Any:
@@ -75,6 +76,15 @@ def _permission_text(ev: m.PermissionRequest) -> str:
     return f"{ev.tool} {json.dumps(ev.arguments, ensure_ascii=False)}"
 
 
+def answered_text(data: dict[str, Any]) -> str:
+    """A `permission_answered` notice: what, which way, who and when."""
+    how = "allowed" if data.get("allowed") else "denied"
+    who = f"uid {data.get('uid')}" + (f" ({data['client']})" if data.get("client") else "")
+    at = data.get("at")
+    when = time.strftime(" at %H:%M:%S", time.localtime(at)) if isinstance(at, (int, float)) and at else ""
+    return f"permission request {data.get('request_id')} ({data.get('tool')}) {how} by {who}{when}"
+
+
 def _print_reasoning(text: str) -> None:
     # stderr, so that stdout stays the reply alone; dimmed on a terminal.
     if sys.stderr.isatty():
@@ -98,10 +108,13 @@ def print_event(ev: Any) -> None:
             print(f"[{old} -> {new}{': ' + reason if reason else ''}]")
         case m.LimitExceeded(kind=kind, value=value, limit=limit, ceiling=ceiling, unit=unit):
             print(f"[limit {kind}: {limit_text(kind, value, limit, ceiling, unit)}]")
+        case m.Notice(kind="permission_answered", data=data):
+            print(f"[{answered_text(data)}]")
         case m.Notice(kind=kind, data=data):
             print(_tool_line(kind, data) or f"[{kind}: {json.dumps(data)}]")
-        case m.PermissionRequest(request_id=rid):
-            print(f"[permission request {rid}: {_permission_text(ev)}]")
+        case m.PermissionRequest(request_id=rid, session=sid):
+            print(f"[permission request {rid}: {_permission_text(ev)}] "
+                  f"(sessionctl approve|deny {sid} {rid})")
         case m.Gap(seq=seq, from_seq=from_seq):
             print(f"[events {from_seq}..{seq - 1} are no longer retained]")
     sys.stdout.flush()
@@ -218,6 +231,8 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool, tra
                 _print_reasoning(thought)
             case m.PermissionRequest() if interactive:
                 asks.add(asyncio.create_task(_ask_on_terminal(client, session, ev)))
+            case m.Notice(kind="permission_answered", data=data) if not as_json:
+                print(f"sessionctl: {answered_text(data)}", file=sys.stderr, flush=True)
             case m.Notice(kind="turn_resumed", data=data) if not as_json:
                 # The worker died; the turn goes on on a new one (docs/agent.md, "Durable steps").
                 print(f"\nsessionctl: the turn resumed at step {data.get('step')} after "
