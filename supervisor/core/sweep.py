@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ipc import messages as m
-from ipc.contract import IDLE_HEARTBEAT_FACTOR, ExitReason, LimitKind
+from ipc.contract import IDLE_HEARTBEAT_FACTOR, ExitReason, LimitKind, figure_past
 from supervisor.config import Config
 from supervisor.core.diskquota import DISK_EVERY_SECS, DiskWalk
 from supervisor.errors import SessiondError
@@ -243,7 +243,8 @@ class Sweeper:
         if verdict.kill:
             self._events.emit_limit(session, LimitKind.MEMORY, rss / MIB, limits.max_memory_mb)
             self._workers.kill(session, worker, ExitReason.KILLED_MEMORY,
-                               f"memory cap {limits.max_memory_mb} MiB exceeded at {rss / MIB:.0f} MiB")
+                               f"memory cap {limits.max_memory_mb} MiB exceeded at "
+                               f"{figure_past(rss / MIB, limits.max_memory_mb)} MiB")
             return
         if verdict.high_crossed:
             assert limits.memory_high_mb is not None

@@ -25,7 +25,7 @@ import msgspec
 
 from ipc import messages as m
 from ipc.connection import FramedProtocol
-from ipc.contract import EXIT_BOOT_FAILED, ExitReason, LimitKind
+from ipc.contract import EXIT_BOOT_FAILED, ExitReason, LimitKind, figure_past
 from ipc.errors import ProtocolError
 from ipc.settings import BudgetSettings, SandboxSettings, SessionSettings
 from supervisor.spawn import sandbox
@@ -246,8 +246,9 @@ class WorkerOwner:
         cap = session.settings.agent.limits.max_memory_mb
         used = (self.cgroups.memory_bytes(session.id) or cap * MIB) / MIB
         self._events.emit_limit(session, LimitKind.MEMORY, used, cap)
+        over = f"exceeded at {figure_past(used, cap)} MiB" if used > cap else "reached"  # (usage stops at the cap)
         self.kill(session, worker, ExitReason.KILLED_MEMORY,
-                  f"memory cap {cap} MiB exceeded at {used:.0f} MiB (the kernel's cgroup limit)")
+                  f"memory cap {cap} MiB {over} (the kernel's cgroup limit)")
         return True
 
     def _release_cgroup(self, session: Session, pid: int) -> None:

@@ -254,7 +254,7 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool, tra
                 if kind in _CUTTING_LIMITS:
                     cut_by = ceiling or _CUTTING_LIMITS[kind]
                 if not as_json:
-                    print(f"\nsessionctl: limit {kind} exceeded: {limit_text(kind, value, limit, ceiling, unit)}",
+                    print(f"\nsessionctl: limit {kind}: {limit_text(kind, value, limit, ceiling, unit)}",
                           file=sys.stderr)
             case m.TurnDone(interrupted=interrupted, stop_reason=stop):
                 if not as_json:
