@@ -55,6 +55,8 @@ def _clip(text: str, limit: int = _TOOL_LINE_CHARS) -> str:
 def _tool_line(kind: str, data: dict[str, Any]) -> str | None:
     """One compact line for a `tool_call` or `tool_result` notice (None for
     other notices): what the agent runs, and how it went."""
+    if data.get("replayed"):
+        return ""  # a resumed turn's result of a run shown before its worker died: not a new run
     name = str(data.get("name", "?"))
     if kind == "tool_call":
         args = data.get("arguments", {})
@@ -111,7 +113,9 @@ def print_event(ev: Any) -> None:
         case m.Notice(kind="permission_answered", data=data):
             print(f"[{answered_text(data)}]")
         case m.Notice(kind=kind, data=data):
-            print(_tool_line(kind, data) or f"[{kind}: {json.dumps(data)}]")
+            line = _tool_line(kind, data)
+            if line != "":
+                print(line or f"[{kind}: {json.dumps(data)}]")
         case m.PermissionRequest(request_id=rid, session=sid):
             print(f"[permission request {rid}: {_permission_text(ev)}] "
                   f"(sessionctl approve|deny {sid} {rid})")
@@ -239,7 +243,7 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool, tra
                       f"{data.get('reason')}: {data.get('cause')}", file=sys.stderr, flush=True)
             case m.Notice(kind=kind, data=data) if not as_json:
                 line = _tool_line(kind, data)
-                if line is not None:
+                if line:
                     # Tool calls go to stderr: stdout stays the reply alone.
                     if not ended_with_newline and same_terminal:
                         sys.stdout.write("\n")
