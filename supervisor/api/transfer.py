@@ -40,6 +40,7 @@ from msgspec import Meta as Bound
 
 from ipc import messages as m
 from ipc import operator as op
+from supervisor.api import story
 from supervisor.errors import BadRequest, Conflict, LimitError
 from supervisor.core.ledger import store_failure
 from supervisor.ops.logtag import tagged
@@ -156,21 +157,27 @@ def _history(session_id: str, handler: str, snap: Snapshot | None, records: list
              limit: int | None, max_bytes: int) -> op.HistoryReply:
     """(In a thread: reads only its arguments.)"""
     turns: dict[int, op.HistoryTurn] = {}
+    between: list[Record] = []  # the open turn's records after its input
     for rec in records:
         match rec:
             case InputRecord(turn=turn, text=text, at=at):
                 turns[turn] = op.HistoryTurn(turn=turn, input=text, at=at)
+                between = []
+                continue
             case Commit(turn=turn) if turn in turns:
                 t = turns[turn]
                 t.outcome, t.reply, t.interrupted, t.usage = "done", rec.reply, rec.interrupted, rec.usage
                 t.tool_calls, t.tool_results = _tools(rec.record)
+                t.events = story.tell(session_id, turn, between, rec)
             case Abort(turn=turn) if turn in turns:
                 t = turns[turn]
                 t.outcome, t.reason = "aborted", rec.reason
                 t.tool_calls, t.tool_results = _tools(rec.record)
+                t.events = story.tell(session_id, turn, between, rec)
             case Resume(turn=turn) if turn in turns:
                 turns[turn].resumed.append({"at": rec.at, "reason": rec.reason, "cause": rec.cause,
                                             "step": rec.step})
+        between.append(rec)
     ordered = sorted(turns.values(), key=lambda t: t.turn)
     if limit is not None:
         ordered = ordered[len(ordered) - limit:] if limit else []
@@ -211,6 +218,8 @@ def _tools(record: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     if not isinstance(data, dict) or not isinstance(data.get("ops"), list):
         return calls, results
     names: dict[str, str] = {}
+    raw_ok = data.get("tool_ok")
+    tool_ok: dict[str, Any] = raw_ok if isinstance(raw_ok, dict) else {}
     for op in data["ops"]:
         msg = op.get("message") if isinstance(op, dict) and op.get("op") == "append" else None
         if not isinstance(msg, dict):
@@ -219,10 +228,14 @@ def _tools(record: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             fn = call.get("function", {}) if isinstance(call, dict) else {}
             if isinstance(fn, dict):
                 names[str(call.get("id", ""))] = str(fn.get("name", "?"))
-                calls.append({"name": str(fn.get("name", "?")), "arguments": fn.get("arguments", "")})
+                calls.append({"id": str(call.get("id", "")), "name": str(fn.get("name", "?")),
+                              "arguments": fn.get("arguments", "")})
         if msg.get("role") == "tool":
-            results.append({"name": names.get(str(msg.get("tool_call_id", "")), "?"),
-                            "output": msg.get("content", "")})
+            cid = str(msg.get("tool_call_id", ""))
+            result = {"id": cid, "name": names.get(cid, "?"), "output": msg.get("content", "")}
+            if isinstance(tool_ok.get(cid), bool):
+                result["ok"] = tool_ok[cid]  # (none in a record older than outcomes: unknown)
+            results.append(result)
     return calls, results
 
 

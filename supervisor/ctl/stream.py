@@ -24,7 +24,7 @@ from supervisor.ctl.client import AsyncClient
 from supervisor.ctl.errors import RequestError
 from supervisor.ctl.render import EXIT_FAILED, EXIT_OK, EXIT_SIGINT
 
-__all__ = ["answered_text", "event_json", "print_event", "send_interruptibly", "to_plain"]
+__all__ = ["answered_text", "event_json", "event_line", "print_event", "send_interruptibly", "to_plain"]
 
 
 def to_plain(obj: Any) -> Any:
@@ -68,7 +68,9 @@ def _tool_line(kind: str, data: dict[str, Any]) -> str | None:
         tail = f" (+{more} line{'s' if more > 1 else ''})" if more else ""
         if data.get("truncated"):
             tail += " (cut)"
-        status = "ok" if data.get("ok") else "failed"
+        # No "ok": a turn stored before outcomes were (history), never shown as a success.
+        ok = data.get("ok")
+        status = "ok" if ok is True else "failed" if ok is False else "(outcome unknown)"
         return _clip(f"[tool] {name} {status}: {lines[0]}", _TOOL_LINE_CHARS - len(tail)) + tail
     return None
 
@@ -95,32 +97,46 @@ def _print_reasoning(text: str) -> None:
     sys.stderr.flush()
 
 
+def event_line(ev: Any) -> str | None:
+    """One line for an event that is not reply text, as `attach` prints it
+    live and `history` prints a stored turn's (None: nothing to print)."""
+    match ev:
+        case m.TurnDone(turn=turn, interrupted=interrupted, stop_reason=stop):
+            how = " (interrupted)" if interrupted else f" ({stop})" if stop else ""
+            return f"[turn {turn} done{how}]"
+        case m.TurnFailed(turn=turn, reason=reason):
+            return f"[turn {turn} failed: {reason}]"
+        case m.StateChanged(old=old, new=new, reason=reason):
+            return f"[{old} -> {new}{': ' + reason if reason else ''}]"
+        case m.LimitExceeded(kind=kind, value=value, limit=limit, ceiling=ceiling, unit=unit):
+            return f"[limit {kind}: {limit_text(kind, value, limit, ceiling, unit)}]"
+        case m.Notice(kind="permission_answered", data=data):
+            return f"[{answered_text(data)}]"
+        case m.Notice(kind="turn_resumed", data=data):
+            return f"[turn resumed at step {data.get('step')} after {data.get('reason')}: {data.get('cause')}]"
+        case m.Notice(kind=kind, data=data):
+            line = _tool_line(kind, data)
+            return None if line == "" else line or f"[{kind}: {json.dumps(data)}]"
+        case m.PermissionRequest(request_id=rid):
+            return f"[permission request {rid}: {_permission_text(ev)}]"
+        case m.Gap(seq=seq, from_seq=from_seq):
+            return f"[events {from_seq}..{seq - 1} are no longer retained]"
+    return None
+
+
 def print_event(ev: Any) -> None:
     match ev:
         case m.TextDelta(text=text):
             sys.stdout.write(text)
         case m.ReasoningDelta(text=text):
             _print_reasoning(text)
-        case m.TurnDone(turn=turn, interrupted=interrupted, stop_reason=stop):
-            how = " (interrupted)" if interrupted else f" ({stop})" if stop else ""
-            print(f"\n[turn {turn} done{how}]")
-        case m.TurnFailed(turn=turn, reason=reason):
-            print(f"\n[turn {turn} failed: {reason}]")
-        case m.StateChanged(old=old, new=new, reason=reason):
-            print(f"[{old} -> {new}{': ' + reason if reason else ''}]")
-        case m.LimitExceeded(kind=kind, value=value, limit=limit, ceiling=ceiling, unit=unit):
-            print(f"[limit {kind}: {limit_text(kind, value, limit, ceiling, unit)}]")
-        case m.Notice(kind="permission_answered", data=data):
-            print(f"[{answered_text(data)}]")
-        case m.Notice(kind=kind, data=data):
-            line = _tool_line(kind, data)
-            if line != "":
-                print(line or f"[{kind}: {json.dumps(data)}]")
+        case m.TurnDone() | m.TurnFailed():
+            print(f"\n{event_line(ev)}")
         case m.PermissionRequest(request_id=rid, session=sid):
-            print(f"[permission request {rid}: {_permission_text(ev)}] "
-                  f"(sessionctl approve|deny {sid} {rid})")
-        case m.Gap(seq=seq, from_seq=from_seq):
-            print(f"[events {from_seq}..{seq - 1} are no longer retained]")
+            print(f"{event_line(ev)} (sessionctl approve|deny {sid} {rid})")
+        case _:
+            if (line := event_line(ev)) is not None:
+                print(line)
     sys.stdout.flush()
 
 
