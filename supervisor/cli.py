@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         provider = cfg.provider
         missing = provider.missing()
         if missing and (provider.base_url or provider.model):
-            print(f"sessiond: {args.path}: [provider] is incomplete: {missing} is not set; "
-                  "agent sessions would be refused at create", file=sys.stderr)
+            print(f"sessiond: {args.path}: [provider] is incomplete: {provider.missing_text(args.path)}; "
+                  "until then agent sessions are refused at create", file=sys.stderr)
             return EXIT_USAGE
         if provider.api_key_env and not os.environ.get(provider.api_key_env):
             print(f"sessiond: warning: {args.path}: provider.api_key_env names "

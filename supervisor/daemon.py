@@ -586,8 +586,8 @@ def _say_provider(cfg: Config) -> None:
             "agent turns will fail until it is (set it and restart)", cfg.provider.api_key_env,
         )
     if (cfg.provider.base_url or cfg.provider.model) and cfg.provider.missing():
-        log.error("[provider] is incomplete: %s is not set; agent sessions are refused",
-                  cfg.provider.missing())
+        log.error("[provider] is incomplete: %s; until then agent sessions are refused",
+                  cfg.provider.missing_text())
     elif not cfg.provider.configured:
         log.info(
             "no [provider] configured: sessions run the echo handler; set [provider] base_url and "

@@ -225,7 +225,8 @@ class McpConnection:
             value = os.environ.get(variable)
             if not value:
                 raise McpServerError(f"MCP server {self.name!r}: environment variable {variable} "
-                                     f"(headers_env.{header}) is not set")
+                                     f"(headers_env.{header}) is not set in sessiond's environment: set it "
+                                     "where sessiond is started and restart sessiond")
             headers[header] = value
         # trust_env off: the operator's URL is reached directly, not through
         # a proxy the worker's environment happens to name.

@@ -366,9 +366,8 @@ async def import_session(mgr: SessionManager, owner_uid: int, data: bytes, sessi
     except OverrideError as exc:
         raise BadRequest(f"the export's overrides: {exc}") from None
     check_handler(doc.handler, settings)
-    if doc.handler == "agent" and (missing := settings.provider.missing()) is not None:
-        raise BadRequest(f"the agent handler needs an LLM provider: {missing} is not set "
-                         "([provider] in config.toml)")
+    if doc.handler == "agent" and (missing := settings.provider.missing_text()) is not None:
+        raise BadRequest(f"the agent handler needs an LLM provider: {missing}")
     meta = mgr.new_meta(session_id, doc.handler, dict(doc.overrides), owner_uid, min(doc.created_at, time.time()))
     try:
         # The id is taken from here on: a create or import of it meets the
