@@ -82,3 +82,4 @@ def test_the_page_s_files_are_package_data() -> None:
     shipped = [p for p in (web / "static").iterdir()
                if any(fnmatch.fnmatch(str(p.relative_to(web)), g) for g in globs["supervisor.ctl.web"])]
     assert {p.name for p in shipped} == {"index.html", "app.js", "app.css"}
+
