@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from supervisor import __version__
+from ipc.install import install_command
 from supervisor.config import ConfigError, default_config_path, default_toml, load_config
 
 __all__ = ["main"]
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{provider.api_key_env}, which is not set in this environment", file=sys.stderr)
         if cfg.mcp.servers and importlib.util.find_spec("mcp") is None:
             print(f"sessiond: warning: {args.path}: [[mcp.servers]] needs the MCP SDK, which is not "
-                  "installed: pip install 'sessiond[mcp]'", file=sys.stderr)
+                  f"installed: {install_command('mcp')}", file=sys.stderr)
         for server in cfg.mcp.servers:
             for header, variable in server.headers_env.items():
                 if not os.environ.get(variable):

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import setproctitle
 
+from ipc.install import install_command
 from ipc import messages as m
 from ipc.loop import run as run_loop
 from ipc.linux import set_dumpable
@@ -629,7 +630,7 @@ async def _stop(cfg: Config, parts: _Parts, metrics_server: asyncio.AbstractServ
 def _check_store_driver(cfg: Config) -> None:
     if cfg.store.backend == "postgres" and importlib.util.find_spec("psycopg") is None:
         raise StartupError("[store] backend = \"postgres\" needs the PostgreSQL driver, which is not "
-                           "installed: pip install 'sessiond[cluster]'")
+                           f"installed: {install_command('cluster')}")
 
 
 def _open_store(cfg: Config, state_dir: Path) -> tuple[StateStore | None, Fronts | None]:

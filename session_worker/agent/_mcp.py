@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from session_worker.agent._errors import McpServerError, ToolError
 from session_worker.agent._tools import Tool, ToolEnv
+from ipc.install import install_command
 from ipc.settings import McpServer, McpSettings
 
 if TYPE_CHECKING:
@@ -165,7 +166,7 @@ class McpTools:
         try:
             await _client_module()  # once, before the servers connect side by side
         except ImportError as exc:
-            why = f"the MCP SDK cannot be imported ({exc}): pip install 'sessiond[mcp]'"
+            why = f"the MCP SDK cannot be imported ({exc}): {install_command('mcp')}"
             log.warning("%s; no MCP server's tools are offered", why)
             for server in pending:
                 notice("mcp_server_unavailable", {"server": server.name, "error": why})
