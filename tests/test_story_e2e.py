@@ -45,16 +45,22 @@ def _story(text: str) -> list[str]:
     return out
 
 
+def script_the_turn(llm: FakeLLM, command: str) -> None:
+    """bash (asked: the rule says ask), list_dir outside the workspace
+    (fails), an LLM call its worker is killed in, the resumed call's reply."""
+    llm.script(
+        tool_call_stream(("c1", "bash", {"command": command})),
+        tool_call_stream(("c2", "list_dir", {"path": "/nowhere"})),
+        Stream([chunk({"role": "assistant", "content": ""}), Hang()]),
+        text_stream("all ", "done"),
+    )
+
+
 def test_attach_and_history_tell_one_story_before_and_after_a_daemon_restart(
         make_daemon, llm: FakeLLM, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SESSIOND_TEST_KEY", "sk-test-secret-123")
     d = make_daemon(agent_config(llm, ASK_BASH))
-    llm.script(
-        tool_call_stream(("c1", "bash", {"command": "echo hi"})),
-        tool_call_stream(("c2", "list_dir", {"path": "/nowhere"})),  # outside the workspace: fails
-        Stream([chunk({"role": "assistant", "content": ""}), Hang()]),  # its worker is killed here
-        text_stream("all ", "done"),
-    )
+    script_the_turn(llm, "echo hi")
     with d.client() as c:
         sid = c.create().id
     attach = _ctl_process(d, "attach", sid, "--from", "0")  # (from the start, however late it connects)

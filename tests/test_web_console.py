@@ -30,6 +30,7 @@ import pytest
 
 from fakellm import Delay, FakeLLM, Hang, Stream, chunk, text_stream, tool_call_stream
 from harness import Daemon, env_for_children, wait_for
+from test_story_e2e import script_the_turn
 from webdriver import Browser
 
 pytestmark = pytest.mark.process
@@ -491,12 +492,7 @@ def test_one_turn_reads_the_same_live_after_a_reload_and_after_a_daemon_restart(
     daemon restarted; the three are the same."""
     d = console.daemon
     asked = len(scripted.requests)
-    scripted.script(
-        tool_call_stream(("c1", "bash", {"command": "echo from-the-page"})),
-        tool_call_stream(("c2", "list_dir", {"path": "/nowhere"})),  # outside the workspace: fails
-        Stream([chunk({"role": "assistant", "content": ""}), Hang()]),  # its worker is killed here
-        text_stream("all ", "done"),
-    )
+    script_the_turn(scripted, "echo from-the-page")
     with d.client() as c:
         sid = c.create().id
     open_session(browser, console, sid)

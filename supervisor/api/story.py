@@ -41,7 +41,7 @@ from ipc import messages as m
 from ipc.contract import PERMISSION_ANSWERED
 from supervisor.store.state_store import Abort, Answered, Asked, Commit, LifeEvent, Record, Resume, Step
 
-__all__ = ["OUTPUT_CHARS", "tell"]
+__all__ = ["OUTPUT_CHARS", "decoded", "tell"]
 
 # As much of a tool's output as its live `tool_result` notice carries.
 OUTPUT_CHARS = 2000
@@ -112,7 +112,7 @@ class _Story:
 
     def read_record(self, record: bytes, reply: str) -> None:
         """The items, from the agent's record; else the reply alone."""
-        data = _decoded(record)
+        data = decoded(record)
         ops = data.get("ops") if isinstance(data, dict) else None
         if not isinstance(ops, list):
             if reply:
@@ -211,7 +211,8 @@ class _Story:
         return out
 
 
-def _decoded(data: bytes) -> Any:
+def decoded(data: bytes) -> Any:
+    """A handler record (msgpack), or None."""
     if not data:
         return None
     try:

@@ -191,7 +191,7 @@ def _history(session_id: str, handler: str, snap: Snapshot | None, records: list
     kept.reverse()
     earlier: list[dict[str, Any]] = []
     if snap is not None and handler == "agent" and len(kept) == len(ordered):
-        state = _decoded(snap.handler_state)
+        state = story.decoded(snap.handler_state)
         if isinstance(state, dict) and isinstance(state.get("messages"), list):
             earlier = [msg for msg in state["messages"] if isinstance(msg, dict)]
             if len(_encoder.encode(earlier)) > budget:
@@ -200,19 +200,10 @@ def _history(session_id: str, handler: str, snap: Snapshot | None, records: list
                           earlier_messages=earlier, turns=kept, omitted_turns=len(ordered) - len(kept))
 
 
-def _decoded(data: bytes) -> Any:
-    if not data:
-        return None
-    try:
-        return _msgpack.decode(data)
-    except msgspec.DecodeError:
-        return None
-
-
 def _tools(record: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Tool calls and results from an agent turn record ({"ops": [{"op":
     "append", "message": {...}}]}); nothing for other handlers' records."""
-    data = _decoded(record)
+    data = story.decoded(record)
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     if not isinstance(data, dict) or not isinstance(data.get("ops"), list):
