@@ -92,7 +92,7 @@ def test_a_turn_with_an_ask_a_failed_tool_and_a_crash_in_a_tool_reads_as_it_ran(
     assert all(e.session == "s" and getattr(e, "turn", 1) == 1 for e in events)
 
 
-def test_a_crash_between_steps_is_marked_after_the_last_one() -> None:
+def test_a_crash_between_steps_is_marked_before_the_next_one() -> None:
     crashed = m.StateChanged(session="s", seq=5, old="running", new="crashed")
     between = [Step(turn=1, n=0, key="llm:1"), Step(turn=1, n=1, key="tool:bash:c1"), _life(crashed),
                Resume(turn=1, step=2, reason="crashed", running="llm:2")]
@@ -109,6 +109,18 @@ def test_an_old_record_says_no_outcome_and_another_handler_s_turn_is_its_reply()
     echo = tell("s", 2, [Step(turn=2, n=0, key="mine"), _life(m.LimitExceeded(session="s", seq=3, kind="memory",
                                                                               value=70, limit=64))],
                 Commit(turn=2, reply="2: hi", record=_enc.encode(2)))
-    assert _shape(echo) == ["text '2: hi'", "LimitExceeded"]
+    assert _shape(echo) == ["LimitExceeded", "text '2: hi'"]  # (its reply came at its end)
     aborted = tell("s", 3, [Asked(turn=3, request_id="r9", tool="bash")], Abort(turn=3, reason="killed"))
     assert _shape(aborted) == ["ask r9"]  # asked, never answered: the turn's end says the rest
+
+
+def test_a_limit_that_ends_the_turn_comes_before_its_closing_note() -> None:
+    """max_turns: the calls the last response asked for are answered as not
+    run, the limit is hit, then the note closes the reply (as it came live)."""
+    ops = [*OPS[:2], {"role": "tool", "tool_call_id": "c1", "content": "error: not run: at most 1 model calls"},
+           {"role": "assistant", "content": "[Stopped: reached the limit]"}]
+    limit = m.LimitExceeded(session="s", seq=4, kind="turns", value=1, limit=1)
+    events = tell("s", 1, [Step(turn=1, n=0, key="llm:1"), _life(limit)],
+                  Commit(turn=1, reply="Looking.\n\n[Stopped: reached the limit]", record=_record(ops)))
+    assert _shape(events) == ["text 'Looking.'", "call c1", "result c1 unknown", "LimitExceeded",
+                              "text '\\n\\n[Stopped: reached the limit]'"]

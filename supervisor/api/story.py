@@ -16,9 +16,10 @@ their answers (`Asked`, `Answered`), and its `Commit` or `Abort`, whose
 handler record holds the agent's messages (the text of each LLM response,
 the calls, the results) and how each call went (`tool_ok`).  The messages
 give the events' order; the steps place the markers among them: a marker
-logged after step K goes after what step K produced (an LLM response's
-text, a tool's result), and one whose worker died in a tool goes between
-that tool's call and its result, as it came live.  A permission request
+logged between steps K and K+1 goes before what step K+1 produced (an LLM
+response's text, a tool's call), one after the last step before the text
+that closes the turn, and one whose worker died in a tool between that
+tool's call and its result, as it came live.  A permission request
 goes after the call it asked about (the first with its tool and
 arguments), its answer right after it.
 
@@ -54,15 +55,15 @@ def tell(session: str, turn: int, between: Iterable[Record], end: Commit | Abort
     """The turn's events: `between` are its records after its input, in log order."""
     story = _Story(session, turn)
     story.read_record(end.record, end.reply if isinstance(end, Commit) else "")
-    anchor: tuple[str, str] | None = None  # where what is logged now goes
+    died_in = ""  # the call a worker died in, since the last step: what is logged goes before its result
     group: list[m.Event] = []
     asks: dict[str, Asked] = {}
     answers: dict[str, Answered] = {}
     for rec in between:
         match rec:
             case Step(key=key):
-                story.place(anchor, group)
-                group, anchor = [], ("after", key)
+                story.place(("call", died_in) if died_in else ("before", key), group)
+                group, died_in = [], ""
             case LifeEvent():
                 try:
                     event = _lifecycle.decode(rec.event)
@@ -74,12 +75,12 @@ def tell(session: str, turn: int, between: Iterable[Record], end: Commit | Abort
                 group.append(m.Notice(session=session, seq=0, turn=turn, kind="turn_resumed", data={
                     "reason": rec.reason, "cause": rec.cause, "step": rec.step, "running": rec.running}))
                 if rec.running.startswith("tool:"):
-                    anchor = ("call", rec.running.split(":", 2)[2])  # it died in that tool: before its result
+                    died_in = rec.running.split(":", 2)[2]
             case Asked():
                 asks[rec.request_id] = rec
             case Answered():
                 answers[rec.request_id] = rec
-    story.place(anchor, group)
+    story.place(("call", died_in) if died_in else ("end", ""), group)
     for rid, ask in asks.items():
         story.ask(ask, answers.get(rid))
     return story.events()
@@ -89,8 +90,9 @@ class _Story:
     def __init__(self, session: str, turn: int) -> None:
         self.session, self.turn = session, turn
         self.items: list[m.Event] = []
-        # Where a marker goes, by anchor: after an LLM response's text, after
-        # a call, after a result (an index into items, taken before any insert).
+        # Where a marker goes: where an LLM response's items start (its
+        # text), where a call is, after a call (an index into items, taken
+        # before any insert).
         self.llm_at: list[int] = []
         self.compact_at: list[int] = []
         self.call_at: dict[str, int] = {}
@@ -125,17 +127,17 @@ class _Story:
             if not isinstance(op, dict):
                 continue
             if op.get("op") == "compact":
+                self.compact_at.append(len(self.items))
                 self.items.append(self._notice("compaction", {
                     "dropped_messages": op.get("drop"), "method": "summarized" if op.get("summary") else "dropped"}))
-                self.compact_at.append(len(self.items))
                 continue
             msg = op.get("message")
             if op.get("op") != "append" or not isinstance(msg, dict):
                 continue
             if msg.get("role") == "assistant":
+                self.llm_at.append(len(self.items))
                 if isinstance(msg.get("content"), str) and msg["content"]:
                     self._text(msg["content"])
-                self.llm_at.append(len(self.items))
                 for call in msg.get("tool_calls") or []:
                     fn = call.get("function") if isinstance(call, dict) else None
                     if isinstance(fn, dict):
@@ -156,26 +158,37 @@ class _Story:
                 self.items.append(self._notice("tool_result", result))
                 self.result_at[cid] = len(self.items)
 
-    def place(self, anchor: tuple[str, str] | None, events: list[m.Event]) -> None:
-        """`events`, logged after `anchor` (("after", a step's key) or
-        ("call", a call id)), where that is among the items."""
-        at = 0
-        if anchor is not None:
-            how, key = anchor
-            if how == "call":
-                at = self.call_at.get(key, len(self.items))
-            elif key.startswith("tool:"):
-                at = self.result_at.get(key.split(":", 2)[2], len(self.items))
-            elif key.startswith("llm:"):
-                self._llm_steps += 1
-                at = self._nth(self.llm_at, self._llm_steps)
-            elif key.startswith("compact:"):
-                self._compact_steps += 1
-                at = self._nth(self.compact_at, self._compact_steps)
-            else:
-                at = len(self.items)  # another handler's step: its turn is its reply
+    def place(self, anchor: tuple[str, str], events: list[m.Event]) -> None:
+        """`events`, logged between two steps, where that is among the
+        items: before what the next step produced (("before", its key)),
+        or, after the last step, before the text that closes the turn
+        (("end", "")); between a call and its result when its worker died
+        in that tool (("call", its id)).  Called once for every step, in
+        order: the LLM steps are told apart by their order."""
+        how, key = anchor
+        if how == "call":
+            at = self.call_at.get(key, len(self.items))
+        elif how == "end":
+            at = self._before_closing_text()
+        elif key.startswith("tool:"):
+            after_call = self.call_at.get(key.split(":", 2)[2])
+            at = after_call - 1 if after_call is not None else len(self.items)
+        elif key.startswith("llm:"):
+            self._llm_steps += 1
+            at = self._nth(self.llm_at, self._llm_steps)
+        elif key.startswith("compact:"):
+            self._compact_steps += 1
+            at = self._nth(self.compact_at, self._compact_steps)
+        else:
+            at = self._before_closing_text()  # another handler's step: its turn is its reply
         if events:
             self.inserts.append((at, len(self.inserts), events))
+
+    def _before_closing_text(self) -> int:
+        at = len(self.items)
+        while at and isinstance(self.items[at - 1], m.TextDelta):
+            at -= 1
+        return at
 
     def _nth(self, positions: list[int], n: int) -> int:
         return positions[n - 1] if n <= len(positions) else len(self.items)
