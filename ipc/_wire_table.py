@@ -56,6 +56,7 @@ STRUCTS: dict[str, tuple[tuple[str, str, object], ...]] = {
         ('cpu_percent', 'float?', None),
         ('budget', 'dict[str,any]', dict),
         ('disk_inodes', 'int?', None),
+        ('waiting', 'list[waiting]', list),
     ),
     'exit': (
         ('reason', 'str', REQUIRED),
@@ -63,6 +64,13 @@ STRUCTS: dict[str, tuple[tuple[str, str, object], ...]] = {
         ('signal', 'int?', None),
         ('at', 'float', 0.0),
         ('detail', 'str', ''),
+    ),
+    'waiting': (
+        ('request_id', 'str', REQUIRED),
+        ('tool', 'str', REQUIRED),
+        ('since', 'float', 0.0),
+        ('turn', 'int', 0),
+        ('seq', 'int', 0),
     ),
     'status': (
         ('id', 'int', REQUIRED),

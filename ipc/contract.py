@@ -7,7 +7,8 @@ from __future__ import annotations
 import enum
 
 __all__ = ["BTRFS_SUBVOLUME_IOCTLS", "EXIT_BOOT_FAILED", "ExitReason", "LimitKind", "LIST_PAGE_MAX",
-           "NODE_LOST_PREFIX", "SESSION_STATES", "StopReason", "INCOMPLETE_STOPS", "limit_text"]
+           "NODE_LOST_PREFIX", "PERMISSION_ANSWERED", "figure_past", "SESSION_STATES", "StopReason",
+           "INCOMPLETE_STOPS", "limit_text"]
 
 # Like gunicorn's WORKER_BOOT_ERROR: a worker that cannot boot exits with
 # this, and the daemon reads it as "do not respawn in a tight loop".
@@ -80,6 +81,12 @@ class LimitKind(enum.StrEnum):
     BUDGET = "budget"
 
 
+# Notice.kind of a permission request's answer: data {"request_id", "tool",
+# "allowed", "uid", "client", "at"} (who answered: the connection's uid and
+# the client name its Hello gave; unix time).
+PERMISSION_ANSWERED = "permission_answered"
+
+
 # Units of LimitExceeded.value and .limit, by kind (what `limit_text` prints).
 _LIMIT_UNITS = {
     LimitKind.MEMORY: "MiB", LimitKind.MEMORY_HIGH: "MiB", LimitKind.DISK: "MiB",
@@ -87,23 +94,44 @@ _LIMIT_UNITS = {
     LimitKind.RESTARTS: "restarts", LimitKind.TURNS: "model calls", LimitKind.TOOL_CALLS: "tool calls",
     LimitKind.PROCESSES: "processes", LimitKind.DISK_INODES: "files",
 }
+def figure_past(value: float, limit: float) -> str:
+    """`value`, measured, with the fewest decimals (up to 3) that show it
+    past `limit`: the words "exceeded at 64.3 MiB" never read "at 64"."""
+    for digits in range(4):
+        shown = f"{value:.{digits}f}"
+        if float(shown) > limit:
+            return shown
+    return f"{value:.3f}"
+
+
+# A counted unit of one.
+_ONE = {"restarts": "restart", "model calls": "model call", "tool calls": "tool call", "processes": "process"}
 # Kinds whose figures are whole counts; the others are measured (one decimal).
 _COUNTED = frozenset({LimitKind.RESTARTS, LimitKind.TURNS, LimitKind.TOOL_CALLS, LimitKind.PROCESSES,
                       LimitKind.DISK_INODES})
 
 
 def limit_text(kind: str, value: float, limit: float, ceiling: str = "", unit: str = "") -> str:
-    """A LimitExceeded's figures with their unit: `1.0 s > 1 s` (measured),
-    `26 > 25 model calls` (counted); a budget's, reached at its ceiling
-    and not only past it, with the ceiling's name: `agent.budget.
-    session_max_output_tokens = 50 tokens: 50 tokens spent`."""
+    """A LimitExceeded's figures with their unit: `64.3 MiB > 64 MiB`
+    (measured), `26 > 25 model calls` (counted), and where the figure is
+    not past the limit as shown, the limit reached: `64 MiB reached` (the
+    kernel's cap met: a cgroup's usage stops at its limit), `3 model calls
+    reached` (the last call allowed made), never `64.0 MiB > 64 MiB`; a
+    budget's, reached at its ceiling and not only past it, with the
+    ceiling's name: `agent.budget.session_max_output_tokens = 50 tokens:
+    50 tokens spent`."""
     if ceiling:
         return f"{ceiling} = {limit:g} {unit}: {value:g} {unit} spent"
     unit = _LIMIT_UNITS.get(kind)  # type: ignore[call-overload]
     suffix = f" {unit}" if unit else ""
-    if kind in _COUNTED:
-        return f"{value:.0f} > {limit:g}{suffix}"
-    return f"{value:.1f}{suffix} > {limit:g}{suffix}"
+    shown = f"{value:.0f}" if kind in _COUNTED else f"{value:.1f}"
+    if float(shown) > limit:
+        return f"{shown} > {limit:g}{suffix}" if kind in _COUNTED else f"{shown}{suffix} > {limit:g}{suffix}"
+    if value >= limit:
+        if limit == 1 and unit in _ONE:
+            suffix = f" {_ONE[unit]}"
+        return f"{limit:g}{suffix} reached"
+    return f"{shown}{suffix} of {limit:g}{suffix}"
 
 
 # The session states (supervisor.core.states.State, which a test holds to

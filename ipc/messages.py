@@ -45,7 +45,7 @@ __all__ = [
     "NEW_ERROR_CODES",
     # daemon -> client
     "Welcome", "Error", "ErrorCode", "Ok", "Created", "Accepted", "Attached",
-    "StatusReply", "SessionList", "StatsReply", "Pong", "Repaired", "ExitInfo", "SessionInfo",
+    "StatusReply", "SessionList", "StatsReply", "Pong", "Repaired", "ExitInfo", "Waiting", "SessionInfo",
     "TextDelta", "ReasoningDelta", "TurnDone", "TurnFailed", "StateChanged", "LimitExceeded", "Notice",
     "PermissionRequest", "Gap", "Lagged", "Event", "Reply", "EVENT_TYPES",
     # daemon <-> worker (defined in ipc.worker_wire)
@@ -241,6 +241,17 @@ class ExitInfo(Msg, tag="exit"):
     detail: str = ""
 
 
+class Waiting(Msg, tag="waiting"):
+    """A permission request of the session's running turn that waits on a
+    person (`Answer` settles it): what `SessionInfo.waiting` lists."""
+
+    request_id: str
+    tool: str
+    since: float = 0.0  # unix time it was asked
+    turn: int = 0
+    seq: int = 0  # its PermissionRequest event's (an Attach from here replays it)
+
+
 class SessionInfo(Msg, tag="session"):
     id: str
     state: str
@@ -280,6 +291,9 @@ class SessionInfo(Msg, tag="session"):
     budget: dict[str, Any] = {}
     # Its workspace's files and directories at the same walk (max_disk_inodes).
     disk_inodes: int | None = None
+    # Its running turn waits on a person: the permission requests not yet
+    # answered, oldest first.  (Its state stays "running".)
+    waiting: list[Waiting] = []
 
 
 class Created(Msg, tag="created"):

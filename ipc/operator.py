@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ipc.messages import (
+    Event,
     ExitInfo,
     LimitExceeded,
     Reply,
@@ -51,14 +52,22 @@ class HistoryTurn(Msg, tag="turn"):
     # ("" also for turns stored before they were kept).
     stop_reason: str = ""
     stop_detail: str = ""
-    # {"name", "arguments"} per call, {"name"?, "output"} per result, in order
-    # (as the agent handler records them; other handlers record none).
+    # {"id", "name", "arguments"} per call, {"id", "name", "output", "ok"?}
+    # per result, in order (as the agent handler records them; other
+    # handlers record none).  No "ok": a turn recorded before outcomes were
+    # (unknown, not a success).
     tool_calls: list[dict[str, Any]] = []
     tool_results: list[dict[str, Any]] = []
     usage: dict[str, int] = {}
     # Each time its worker died and the turn went on on a new one:
     # {"at", "reason", "cause", "step"} (docs/agent.md, "Durable steps").
     resumed: list[dict[str, Any]] = []
+    # An ended turn as its clients saw it live, for them to render alike
+    # (supervisor/api/story.py): its text, tool calls and results (with
+    # their outcome), permission requests with their answers, and the crash,
+    # restart and resume markers where they happened.  seq: the stored one
+    # where kept (lifecycle events), else 0.  Empty for the open turn.
+    events: list[Event] = []
 
 
 class HistoryReply(Msg, tag="history"):

@@ -239,6 +239,16 @@ class ProviderSettings(ConfigSection):
             return "provider.model"
         return None
 
+    def missing_text(self, where: str = "the config file sessiond runs with") -> str | None:
+        """What an agent session lacks, and what to do about it; None when
+        nothing is missing."""
+        missing = self.missing()
+        if missing is None:
+            return None
+        both = " and " in missing
+        return (f"{missing} {'are' if both else 'is'} not set: add {'them' if both else 'it'} under [provider] "
+                f"in {where} (`sessiond config default` shows every key), then `sessionctl reload`")
+
 
 # The built-in tools' names (a contract: DESIGN.md): what `tools.enabled`
 # may list besides the names of `tools.custom` functions.

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ipc.mcp import variables
 from supervisor import __version__
+from ipc.install import install_command
 from supervisor.config import Config, ConfigError, default_config_path, default_toml, load_config
 
 __all__ = ["main"]
@@ -85,15 +86,15 @@ def main(argv: list[str] | None = None) -> int:
         provider = cfg.provider
         missing = provider.missing()
         if missing and (provider.base_url or provider.model):
-            print(f"sessiond: {args.path}: [provider] is incomplete: {missing} is not set; "
-                  "agent sessions would be refused at create", file=sys.stderr)
+            print(f"sessiond: {args.path}: [provider] is incomplete: {provider.missing_text(args.path)}; "
+                  "until then agent sessions are refused at create", file=sys.stderr)
             return EXIT_USAGE
         if provider.api_key_env and not os.environ.get(provider.api_key_env):
             print(f"sessiond: warning: {args.path}: provider.api_key_env names "
                   f"{provider.api_key_env}, which is not set in this environment", file=sys.stderr)
         if cfg.mcp.servers and importlib.util.find_spec("mcp") is None:
             print(f"sessiond: warning: {args.path}: [[mcp.servers]] needs the MCP SDK, which is not "
-                  "installed: pip install 'sessiond[mcp]'", file=sys.stderr)
+                  f"installed: {install_command('mcp')}", file=sys.stderr)
         for warning in _mcp_warnings(cfg):
             print(f"sessiond: warning: {args.path}: {warning}", file=sys.stderr)
         if missing:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import setproctitle
 
+from ipc.install import install_command
 from ipc import messages as m
 from ipc.loop import run as run_loop
 from ipc.linux import large_allocations_mapped, set_dumpable
@@ -581,8 +582,8 @@ def _say_provider(cfg: Config) -> None:
             "agent turns will fail until it is (set it and restart)", cfg.provider.api_key_env,
         )
     if (cfg.provider.base_url or cfg.provider.model) and cfg.provider.missing():
-        log.error("[provider] is incomplete: %s is not set; agent sessions are refused",
-                  cfg.provider.missing())
+        log.error("[provider] is incomplete: %s; until then agent sessions are refused",
+                  cfg.provider.missing_text())
     elif not cfg.provider.configured:
         log.info(
             "no [provider] configured: sessions run the echo handler; set [provider] base_url and "
@@ -622,7 +623,7 @@ async def _stop(cfg: Config, parts: _Parts, metrics_server: asyncio.AbstractServ
 def _check_store_driver(cfg: Config) -> None:
     if cfg.store.backend == "postgres" and importlib.util.find_spec("psycopg") is None:
         raise StartupError("[store] backend = \"postgres\" needs the PostgreSQL driver, which is not "
-                           "installed: pip install 'sessiond[cluster]'")
+                           f"installed: {install_command('cluster')}")
 
 
 def _open_store(cfg: Config, state_dir: Path) -> tuple[StateStore | None, Fronts | None]:

@@ -70,3 +70,19 @@ class ToolUser(_Base):
 def tool_user(init: HandlerInit) -> ToolUser:
     return ToolUser(init)
 
+
+
+class TwoAsks(_Base):
+    """Asks two permissions at once (as the agent's parallel tool calls may)."""
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        import asyncio
+
+        answers = await asyncio.gather(ctx.ask_permission("bash", {"command": "one"}),
+                                       ctx.ask_permission("write_file", {"path": "two"}))
+        self.turns += 1
+        return TurnResult(reply=f"{answers}", record=1)
+
+
+def two_asks(init: HandlerInit) -> TwoAsks:
+    return TwoAsks(init)

@@ -606,3 +606,16 @@ def test_first_request_needs_no_import() -> None:
     subprocess.run(
         [sys.executable, "-c", code], check=True, timeout=60, cwd=Path(__file__).resolve().parent.parent
     )
+
+
+@pytest.mark.component
+def test_an_unset_key_variable_says_where_to_set_it(fake_llm: FakeLLM, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    settings = make_settings(fake_llm, api_key_env=KEY_ENV)
+    with pytest.raises(TurnFailure) as info:
+        run(make_handler(settings, tmp_path).handle("hi", FakeCtx(settings, tmp_path)))
+    assert (f"{KEY_ENV} (provider.api_key_env) is not set in sessiond's environment: set it where sessiond is "
+            f"started (under systemd: `systemctl edit sessiond`, Environment={KEY_ENV}=...) and restart "
+            "sessiond") in info.value.reason
+    assert fake_llm.requests == []

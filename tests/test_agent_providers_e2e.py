@@ -46,7 +46,10 @@ def test_agent_without_a_provider_is_refused_at_create(make_daemon) -> None:
     d = make_daemon('[agent]\nhandler = "agent"\n')
     named = d.ctl("create", "--handler", "agent")
     assert named.returncode == 2  # a handler this daemon cannot run, as one it does not allow
-    assert "provider.base_url and provider.model is not set" in named.stderr
+    # What is missing, and what to do about it.
+    assert ("provider.base_url and provider.model are not set: add them under [provider] in the config file "
+            "sessiond runs with (`sessiond config default` shows every key), then `sessionctl reload`; "
+            "or create an echo session (--handler echo)") in named.stderr, named.stderr
     # Not named: the offline default, as the start-up log says.
     with d.client() as c:
         assert c.create().handler == "echo"
@@ -64,7 +67,7 @@ def test_half_a_provider_is_refused_at_create_and_at_config_check(make_daemon, t
     path.write_text(config)
     r = subprocess.run([sys.executable, "-m", "supervisor.cli", "config", "check", str(path)],
                        capture_output=True, text=True, env=env_for_children())
-    assert r.returncode == 2 and "provider.model is not set" in r.stderr
+    assert r.returncode == 2 and f"provider.model is not set: add it under [provider] in {path}" in r.stderr
 
 
 def test_unset_api_key_env_is_reported_at_start_up(make_daemon, llm: FakeLLM, tmp_path, monkeypatch) -> None:

@@ -145,7 +145,7 @@ def test_a_session_ceiling_through_the_daemon_status_and_metrics(make_daemon, ll
     assert sent.returncode == 1, sent  # a turn a limit cut short, as max_turns
     assert "cut short by a limit: agent.budget.session_max_output_tokens" in sent.stderr
     assert len(llm.requests) == 2  # none after the crossing
-    assert "limit budget exceeded: agent.budget.session_max_output_tokens = 25 tokens: 30 tokens spent" \
+    assert "limit budget: agent.budget.session_max_output_tokens = 25 tokens: 30 tokens spent" \
         in sent.stderr
     budget = json.loads(d.ctl("--json", "status", sid).stdout)["budget"]
     assert budget["spent"] == {"llm_calls": 2, "input_tokens": 200, "output_tokens": 30, "reasoning_tokens": 0}

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ipc.contract import SESSION_STATES, LimitKind, limit_text
+from ipc.contract import SESSION_STATES, LimitKind, figure_past, limit_text
 from ipc.messages import SessionInfo
 from supervisor.config import Config, plain_error
 from supervisor.core.limits import ProcTable, SessionMemory
@@ -68,11 +68,39 @@ def test_ls_sorts_as_top_does() -> None:
 
 @pytest.mark.pure
 def test_limit_lines_carry_units() -> None:
-    assert limit_text(LimitKind.TURN_TIMEOUT, 1.0004, 1) == "1.0 s > 1 s"
     assert limit_text(LimitKind.MEMORY, 117.672, 96) == "117.7 MiB > 96 MiB"
-    assert limit_text(LimitKind.TURNS, 3, 3) == "3 > 3 model calls"
     assert limit_text(LimitKind.PROCESSES, 65, 64) == "65 > 64 processes"
     assert limit_text("a_kind_from_later", 2.5, 2) == "2.5 > 2"  # an old client, a newer daemon
+
+
+@pytest.mark.pure
+def test_a_limit_line_at_the_limit_says_reached_not_past() -> None:
+    """The words agree with the comparison: a figure that shows as the
+    limit (a cgroup's usage stops at its cap; the last model call allowed;
+    a timeout's deadline) was reached, not exceeded (`64.0 MiB > 64 MiB`)."""
+    assert limit_text(LimitKind.MEMORY, 64.0, 64) == "64 MiB reached"
+    assert limit_text(LimitKind.MEMORY, 64.02, 64) == "64 MiB reached"
+    assert limit_text(LimitKind.MEMORY, 64.06, 64) == "64.1 MiB > 64 MiB"
+    assert limit_text(LimitKind.TURN_TIMEOUT, 1.0004, 1) == "1 s reached"
+    assert limit_text(LimitKind.TURNS, 3, 3) == "3 model calls reached"
+    assert limit_text(LimitKind.TURNS, 1, 1) == "1 model call reached"
+    assert limit_text(LimitKind.MEMORY_HIGH, 40.0, 48) == "40.0 MiB of 48 MiB"  # (never sent so)
+    # A kill's reason: "exceeded at" a figure that reads past the cap.
+    assert (figure_past(131.2, 96), figure_past(96.3, 96), figure_past(96.04, 96)) == ("131", "96.3", "96.04")
+
+
+@pytest.mark.pure
+def test_counts_agree_with_their_nouns() -> None:
+    import io
+    from contextlib import redirect_stdout
+
+    from supervisor.ctl.render import print_stats
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        print_stats({"version": "1", "pid": 1, "uptime_secs": 3, "rss_bytes": 1 << 20, "sessions": 1,
+                     "by_state": {"idle": 1}, "live_workers": 1, "clients": 1, "sandbox": {}})
+    assert out.getvalue().splitlines()[1] == "1 session (1 idle), 1 live worker, 1 client"
 
 
 @pytest.mark.pure

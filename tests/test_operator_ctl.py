@@ -184,3 +184,63 @@ def _peek(pipe: object) -> bytes:
     fd = pipe.fileno()  # type: ignore[attr-defined]
     ready, _, _ = select.select([fd], [], [], 0)
     return os.read(fd, 65536) if ready else b""
+
+
+def test_a_waiting_session_shows_everywhere_and_approve_takes_the_session_alone(opd: Daemon) -> None:
+    """`ls`, `status` (text and JSON, both paths), `top` and a plain
+    `attach` show the request a turn waits on; `approve ID` answers it when
+    it is the only one, and the attached client sees who answered."""
+    import json
+    import re
+
+    from test_ctl_fast import _same
+
+    sid = _create(opd, "operator_handlers:tool_user")
+    with opd.client() as c:
+        c.send_input(sid, "rm -rf build")
+        [waiting] = wait_for(lambda: c.status(sid).waiting, 10, "the request")
+    rid = waiting.request_id
+    sock = ["--socket", str(opd.socket)]
+    when = r"\d\d:\d\d:\d\d \(\d+s\)|\"since\": [\d.e+]+|\"(rss|disk)_bytes\": (\d+|null)|\d+(\.\d)?(B|KiB|MiB|GiB)"
+    ls = _same([*sock, "ls"], mask=when)
+    assert re.search(rf"^{sid}\s+running \(waiting\)\s", ls, re.M), ls
+    assert f"{sid}: waiting on a person: bash since " in ls
+    assert f"request {rid} (sessionctl approve|deny {sid})" in ls
+    status = _same([*sock, "status", sid], mask=when)
+    assert "state:     running (waiting)" in status and f"waiting:   bash since " in status, status
+    for argv in (["--json", "ls"], ["--json", "status", sid]):
+        got = json.loads(_same([*sock, *argv], mask=when))
+        info = got["sessions"][0] if "sessions" in got else got
+        assert info["state"] == "running"  # scripts' field unchanged
+        assert [(w["request_id"], w["tool"], w["turn"]) for w in info["waiting"]] == [(rid, "bash", 1)]
+    top = opd.ctl("top", "--once", "--sample-secs", "0.05")
+    assert "1 waiting on a person" in top.stdout and re.search(rf"^{sid}\s+waiting\s", top.stdout, re.M), top.stdout
+    # A plain attach (no --from) is shown the request at once.
+    attach = _ctl_process(opd, "attach", sid)
+    try:
+        _read_until(attach.stdout, f"[permission request {rid}: bash {{\"command\": \"rm -rf build\"}}]")
+        approve = opd.ctl("approve", sid)
+        assert approve.returncode == 0, approve.stderr
+        assert f"allowing bash (request {rid})" in approve.stderr
+        said = _read_until(attach.stdout, "[turn 1 done]")
+    finally:
+        attach.kill()
+        attach.wait()
+    assert re.search(rf"\[permission request {rid} \(bash\) allowed by uid {os.getuid()} \(sessionctl\) "
+                     r"at \d\d:\d\d:\d\d\]", said), said
+    nothing = opd.ctl("approve", sid)
+    assert nothing.returncode == 1 and "no permission request waiting" in nothing.stderr
+    # Two at once: name one (usage), each listed.
+    sid2 = _create(opd, "operator_handlers:two_asks")
+    with opd.client() as c:
+        c.send_input(sid2, "go")
+        waiting = wait_for(lambda: len(c.status(sid2).waiting) == 2 and c.status(sid2).waiting, 10, "two requests")
+    several = opd.ctl("deny", sid2)
+    assert several.returncode == 2, several.stderr
+    assert "2 permission requests waiting" in several.stderr
+    for w in waiting:
+        assert f"{w.request_id}  {w.tool}" in several.stderr
+        assert opd.ctl("deny", sid2, w.request_id).returncode == 0
+    with opd.client() as c:
+        wait_for(lambda: c.status(sid2).state == "idle", 10, "the turn's end")
+        assert c.history(sid2).turns[0].reply == "[False, False]"

@@ -209,7 +209,7 @@ def test_top_once_json_has_the_fields_scripts_use(make_daemon) -> None:
     got = ctl_json(d, "top", "--once", "--sort", "turns", "--sample-secs", "0.1")
     assert [s["id"] for s in got["sessions"]] == ["busy", "quiet"]
     fields = {"id", "state", "handler", "pid", "rss_bytes", "cpu_percent", "cpu_secs", "restarts", "turns",
-              "last_exit", "age_secs"}
+              "last_exit", "age_secs", "waiting"}
     for s in got["sessions"]:
         assert set(s) == fields
     live, stopped = got["sessions"]

@@ -30,6 +30,7 @@ import pytest
 
 from fakellm import Delay, FakeLLM, Hang, Stream, chunk, text_stream, tool_call_stream
 from harness import Daemon, env_for_children, wait_for
+from test_story_e2e import script_the_turn
 from webdriver import Browser
 
 pytestmark = pytest.mark.process
@@ -205,7 +206,7 @@ def test_a_permission_request_is_approved_from_the_page_and_the_tool_runs(
     assert not (console.daemon.workspace(sid) / "proof.txt").exists()
     browser.click(card + " .allow")
     browser.wait(lambda: browser.js(f"return !!document.querySelector('{turn(1)}.ended')"), 20, "the turn to end")
-    assert browser.text(card + " .ask-status") == "allowed"
+    assert browser.text(card + " .ask-status").startswith("allowed by uid ")
     assert (console.daemon.workspace(sid) / "proof.txt").read_text() == "approved-42\n"
     # The call and its result, folded (their full text is inside).
     assert "bash" in browser.text(turn(1, "details.tool.call summary"))
@@ -224,8 +225,8 @@ def test_limit_hits_and_restarts_are_marked(console: Console, browser: Browser, 
         info = c.create(settings={"agent.max_turns": 1})
     open_session(browser, console, info.id)
     send_from_page(browser, "look around")
-    browser.wait(lambda: "limit turns hit" in (browser.text("#conversation .marker.limit") or ""), 15,
-                 "the limit hit")
+    browser.wait(lambda: "limit turns: 1 model call reached" in (browser.text("#conversation .marker.limit") or ""),
+                 15, "the limit hit")
     with console.daemon.client() as c:
         pid = c.status(info.id).pid
         os.kill(pid, signal.SIGKILL)
@@ -453,3 +454,117 @@ def test_half_open_connections_are_bounded_and_a_refused_path_is_escaped(console
     wait_for(lambda: "[31mred" in console.refusals(), 5, "the refusal on stderr")
     assert "\x1b" not in console.refusals() and "\n2099-01-01" not in console.refusals()
     assert "\\x1b[31mred\\n2099-01-01 forged line" in console.refusals()
+
+
+# ---------------------------------------------------------------- a person in the loop
+
+# A turn's rendering, as one line per part of its reply (class and the text
+# that shows folded), then its end; clock times masked (live markers are
+# timed on arrival, stored ones by the daemon).
+TURN_PARTS = """
+const turn = document.querySelector('#conversation .turn[data-turn="' + arguments[0] + '"]');
+if (!turn) return null;
+const parts = [...turn.querySelectorAll('.reply > *')].map((n) => {
+  const summary = n.querySelector(':scope > summary');
+  const what = n.classList.contains('ask')
+    ? n.querySelector('.ask-title').textContent + ' ' + n.querySelector('.args').textContent + ' | ' +
+      n.querySelector('.ask-status').textContent
+    : summary ? summary.textContent : n.textContent;
+  return n.className + ' :: ' + what;
+});
+return [...parts, 'end :: ' + turn.querySelector('.end').textContent];
+"""
+
+
+def turn_parts(browser: Browser, n: int) -> list[str] | None:
+    parts = browser.js(TURN_PARTS, n)
+    return None if parts is None else [re.sub(r"\d{1,2}:\d\d:\d\d(\s?[AP]M)?", "T", p) for p in parts]
+
+
+def ended(browser: Browser, n: int) -> bool:
+    return bool(browser.js(f"return !!document.querySelector('{turn(n)}.ended')"))
+
+
+def test_a_waiting_session_is_badged_counted_in_the_title_and_its_request_kept_in_view(
+        console: Console, browser: Browser, scripted: FakeLLM) -> None:
+    long = "\n".join(f"line {i}" for i in range(60))
+    scripted.script(text_stream(long), text_stream(long),
+                    tool_call_stream(("c1", "bash", {"command": "echo from-sessionctl"})), text_stream("ran"))
+    with console.daemon.client() as c:
+        sid = c.create().id
+        for _ in range(2):
+            c.send_text(sid, "talk")
+    open_session(browser, console, sid)
+    browser.wait(lambda: ended(browser, 2), 10, "the stored turns")
+    # The person reads an earlier turn: the view is scrolled to the top.
+    browser.js("document.querySelector('#conversation').scrollTop = 0")
+    row = f'#session-rows tr[data-session="{sid}"]'
+    with console.daemon.client() as c:
+        c.send_input(sid, "run it")
+    card = turn(3, ".ask")
+    browser.wait(lambda: browser.text(card), 15, "the permission request")
+    # In view however the view was scrolled, and said above it.
+    in_view = """
+    const card = document.querySelector(arguments[0]).getBoundingClientRect();
+    const box = document.querySelector('#conversation').getBoundingClientRect();
+    return card.top >= box.top - 1 && card.bottom <= box.bottom + 1;"""
+    browser.wait(lambda: browser.js(in_view, card), 5, "the card in view")
+    assert "waiting on you: bash (request " in browser.text("#waiting")
+    # The list: a badge on the row, a count in the page's title.
+    browser.wait(lambda: browser.js(f"return !document.querySelector('{row} .state-waiting').hidden"), 5,
+                 "the waiting badge")
+    assert browser.js("return document.title") == "(1 waiting) sessiond console"
+    # Answered from sessionctl, by the session alone: the page says who and when.
+    approve = console.daemon.ctl("approve", sid)
+    assert approve.returncode == 0, approve.stderr
+    browser.wait(lambda: re.fullmatch(r"allowed by uid \d+ \(sessionctl\) at .+",
+                                      browser.text(card + " .ask-status") or ""), 10, "who answered")
+    browser.wait(lambda: ended(browser, 3), 15, "the turn's end")
+    assert browser.js("return document.querySelector('#waiting').hidden")
+    browser.wait(lambda: browser.js(f"return document.querySelector('{row} .state-waiting').hidden"), 5,
+                 "the badge gone")
+    assert browser.js("return document.title") == "sessiond console"
+
+
+def test_one_turn_reads_the_same_live_after_a_reload_and_after_a_daemon_restart(
+        console: Console, browser: Browser, scripted: FakeLLM) -> None:
+    """A permission request allowed from the page, a tool that fails, the
+    worker SIGKILLed in an LLM call and the turn resumed: rendered live,
+    then from what the daemon stored (a reload), then again after the
+    daemon restarted; the three are the same."""
+    d = console.daemon
+    asked = len(scripted.requests)
+    script_the_turn(scripted, "echo from-the-page")
+    with d.client() as c:
+        sid = c.create().id
+    open_session(browser, console, sid)
+    send_from_page(browser, "go")
+    card = turn(1, ".ask")
+    browser.wait(lambda: browser.text(card), 15, "the permission request")
+    browser.click(card + " .allow")
+    wait_for(lambda: len(scripted.requests) >= asked + 3, 15, "the third LLM call")
+    with d.client() as c:
+        os.kill(c.status(sid).pid, signal.SIGKILL)
+    browser.wait(lambda: ended(browser, 1), 20, "the turn's end")
+    live = turn_parts(browser, 1)
+    assert live is not None
+    assert [p.split(" :: ")[0] for p in live] == [
+        "tool call", "ask settled", "tool result ok", "tool call", "tool result failed",
+        "marker restart", "marker restart", "marker restart", "say", "end"], live
+    assert re.fullmatch(r"ask settled :: permission request: bash \{.*from-the-page.*\} \| allowed by uid \d+ "
+                        r"\(sessionctl-web\) at T", live[1].replace("\n", " ")), live[1]
+    assert live[5].startswith("marker restart :: T  running → crashed") and "turn resumed at step 4" in live[7]
+    assert live[8] == "say :: all done" and live[9] == "end :: done", live
+    # A reload: the turn as the daemon stored it.
+    open_session(browser, console, sid)
+    browser.wait(lambda: ended(browser, 1), 10, "the stored turn")
+    assert turn_parts(browser, 1) == live
+    # The daemon restarts underneath: the page reconnects and reads it back
+    # (into a new turn node: the old one is marked).
+    browser.js("document.querySelector(arguments[0]).dataset.before = '1'", turn(1))
+    d.stop()
+    browser.wait(lambda: "cannot reach sessiond" in (browser.text("#banner") or ""), 10, "the page to say so")
+    d.start()
+    browser.wait(lambda: "reconnected" in (browser.text("#banner") or ""), 15, "the page to reconnect")
+    browser.wait(lambda: browser.js("return !document.querySelector(arguments[0]).dataset.before", turn(1))
+                 and turn_parts(browser, 1) == live, 10, "the same turn after the restart")

@@ -82,3 +82,26 @@ def test_the_page_s_files_are_package_data() -> None:
     shipped = [p for p in (web / "static").iterdir()
                if any(fnmatch.fnmatch(str(p.relative_to(web)), g) for g in globs["supervisor.ctl.web"])]
     assert {p.name for p in shipped} == {"index.html", "app.js", "app.css"}
+
+
+
+def test_a_missing_extra_is_installed_by_a_command_for_this_install(tmp_path: Path) -> None:
+    """In a checkout (README: `make run`) the package is the checkout in
+    its .venv: the command is that venv's pip with -e and the checkout, not
+    `pip install 'sessiond[web]'` (another copy, maybe another Python)."""
+    from ipc.install import install_command
+
+    checkout = tmp_path / "sessiond"
+    (checkout / ".venv" / "bin").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text("")
+    (checkout / ".venv" / "pyvenv.cfg").write_text("")
+    (checkout / ".venv" / "bin" / "pip").write_text("")
+    python = str(checkout / ".venv" / "bin" / "python")
+    assert install_command("web", checkout, python, str(checkout)) == ".venv/bin/pip install -e '.[web]'"
+    assert install_command("web", checkout, python, "/elsewhere") == \
+        f"{checkout}/.venv/bin/pip install -e '{checkout}[web]'"
+    # An installed release: the pip of the Python it runs on.
+    site = tmp_path / "lib" / "site-packages"
+    site.mkdir(parents=True)
+    assert install_command("mcp", site, "/usr/bin/python3", "/home/me") == \
+        "/usr/bin/python3 -m pip install 'sessiond[mcp]'"

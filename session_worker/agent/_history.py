@@ -17,7 +17,10 @@ by identity).
 
 A turn's record is `{"v": 1, "ops": [...]}` with the ops in the order they
 happened (a compaction can fall between two appends of one turn), so
-`restore` replays exactly what `handle()` did.  Ops are applied to the live
+`restore` replays exactly what `handle()` did; `"tool_ok": {call id: bool}`
+says how each tool call of the turn went (for `history`, which shows it as
+the live `tool_result` did; `restore` has no use for it, and a record
+written before it has none: the outcome is then unknown).  Ops are applied to the live
 state as they are journaled; `Journal.rollback` undoes a turn that failed in
 a way that commits no record.
 """
@@ -79,9 +82,14 @@ class Journal:
         self._saved_messages = list(history.messages)
         self._saved_summary = history.summary
         self.ops: list[dict[str, Any]] = []
+        self.tool_ok: dict[str, bool] = {}
 
     def append(self, message: dict[str, Any]) -> None:
         self._add({"op": "append", "message": message})
+
+    def tool_result(self, call_id: str, content: str, ok: bool) -> None:
+        self.append({"role": "tool", "tool_call_id": call_id, "content": content})
+        self.tool_ok[call_id] = ok
 
     def compact(self, drop: int, summary: str | None) -> None:
         self._add({"op": "compact", "drop": drop, "summary": summary})
@@ -91,12 +99,14 @@ class Journal:
         self.ops.append(op)
 
     def record(self, **extra: Any) -> dict[str, Any]:
-        return {"v": RECORD_VERSION, "ops": copy.deepcopy(self.ops), **extra}
+        outcomes = {"tool_ok": dict(self.tool_ok)} if self.tool_ok else {}
+        return {"v": RECORD_VERSION, "ops": copy.deepcopy(self.ops), **outcomes, **extra}
 
     def rollback(self) -> None:
         self._history.messages = self._saved_messages
         self._history.summary = self._saved_summary
         self.ops = []
+        self.tool_ok = {}
 
 
 def well_formed(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

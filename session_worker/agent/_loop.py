@@ -211,7 +211,8 @@ class Turn:
         return TurnResult("".join(self._reply), self._journal.record(limit="budget"))
 
     async def _complete(self) -> Completion:
-        self._separate = bool(self._reply) and not self._reply[-1].endswith("\n")
+        said = "".join(self._reply)
+        self._separate = bool(said) and not said.endswith("\n")
         streamed = False
 
         async def call() -> dict[str, Any]:
@@ -241,7 +242,8 @@ class Turn:
             if self._separate and completion.text:
                 self._separate = False
                 self._reply.append("\n\n")
-            self._reply.append(completion.text)
+            if completion.text:
+                self._reply.append(completion.text)
         self._spent(completion.usage)
         return completion
 
@@ -315,18 +317,31 @@ class Turn:
         for call, run in zip(batch, runs):
             self._answer(call, *run.result())
 
-    async def _tool_step(self, call: ToolCall) -> tuple[bool, str]:
+    async def _tool_step(self, call: ToolCall) -> tuple[bool, str, bool]:
         """The call as a durable step: run once, its result journaled.  A
         tool safe to run again (`rerun_after_crash`: read-only) is run again
         if the worker died during it, and needs nothing durable before it
-        runs; any other waits for the response that asked for it."""
+        runs; any other waits for the response that asked for it.  The
+        third value: the result is the journal's, of a run before the
+        worker died (a resumed turn rebuilding itself), not a new one."""
         rerun = call.name in self._settings.tools.rerun_after_crash
+        fresh = False
+
+        def run() -> Any:
+            nonlocal fresh
+            fresh = True
+            return _traced.tool_call(call.id, call.name, self._run_one(call), call.arguments)
+
+        def killed(why: Interruption) -> list[Any]:
+            nonlocal fresh
+            fresh = True
+            return _killed_result(why)
+
         # wait=False: the next LLM request overlaps this result's flush; the
         # next tool that acts still waits for it.
-        traced = lambda: _traced.tool_call(call.id, call.name, self._run_one(call), call.arguments)  # noqa: E731
-        result = await self._ctx.step(f"tool:{call.name}:{call.id}", traced, kind="tool",
-                                      interrupted=None if rerun else _killed_result, idempotent=rerun, wait=False)
-        return bool(result[0]), str(result[1])
+        result = await self._ctx.step(f"tool:{call.name}:{call.id}", run, kind="tool",
+                                      interrupted=None if rerun else killed, idempotent=rerun, wait=False)
+        return bool(result[0]), str(result[1]), not fresh
 
     async def _run_one(self, call: ToolCall) -> tuple[bool, str]:
         parsed = _parse_arguments(call.arguments)
@@ -375,8 +390,8 @@ class Turn:
         async with self._asking:
             return await self._ctx.ask_permission(tool, args)
 
-    def _answer(self, call: ToolCall, ok: bool, output: str) -> None:
-        self._journal.append({"role": "tool", "tool_call_id": call.id, "content": output})
+    def _answer(self, call: ToolCall, ok: bool, output: str, replayed: bool = False) -> None:
+        self._journal.tool_result(call.id, output, ok)
         self._unanswered = [c for c in self._unanswered if c is not call]
         preview = output[:_NOTICE_OUTPUT_CHARS]
         self._ctx.notice(
@@ -387,6 +402,8 @@ class Turn:
                 "ok": ok,
                 "output": preview,
                 "truncated": len(output) > len(preview),
+                # A result its clients saw before the worker died: not a new run.
+                **({"replayed": True} if replayed else {}),
             },
         )
 

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 from session_worker import tracing
 from session_worker.agent._errors import McpServerError, McpStartError, ToolError
 from session_worker.agent._tools import Tool, ToolEnv
+from ipc.install import install_command
 from ipc.mcp import MAX_DESCRIPTION_CHARS, MAX_SCHEMA_BYTES, MAX_SOURCE_NAME, MAX_TOOLS_PER_SERVER, PREFIX, \
     McpListing, listing_key
 from ipc.settings import McpServer, McpSettings
@@ -321,7 +322,7 @@ class McpTools:
             # The hint only when the SDK is missing: a module it needs that
             # this uid cannot read is another matter (docs/operations.md).
             missing = isinstance(exc, ModuleNotFoundError) and (exc.name or "").partition(".")[0] == "mcp"
-            why = f"the MCP SDK cannot be imported ({exc})" + (": pip install 'sessiond[mcp]'" if missing else "")
+            why = f"the MCP SDK cannot be imported ({exc})" + (f": {install_command('mcp')}" if missing else "")
             for server in servers:
                 self._set_down(server, why, notice)
             return False

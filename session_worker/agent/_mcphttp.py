@@ -40,7 +40,8 @@ def endpoint_of(server: McpServer, environ: Mapping[str, str]) -> tuple[str, dic
         headers = {k: expand(v, environ) for k, v in server.headers.items()}
     except KeyError as exc:
         raise McpServerError(f"MCP server {server.name!r}: its url or headers name ${{{exc.args[0]}}}, "
-                             "which is not set in the daemon's environment") from None
+                             "which is not set in sessiond's environment: set it where sessiond is started "
+                             "and restart sessiond") from None
     if not _URL.match(url):
         raise McpServerError(f"MCP server {server.name!r}: its url is not an http:// or https:// URL "
                              "once its variables are read")
@@ -48,7 +49,8 @@ def endpoint_of(server: McpServer, environ: Mapping[str, str]) -> tuple[str, dic
         value = environ.get(variable)
         if not value:
             raise McpServerError(f"MCP server {server.name!r}: environment variable {variable} "
-                                 f"(headers_env.{header}) is not set")
+                                 f"(headers_env.{header}) is not set in sessiond's environment: set it "
+                                 "where sessiond is started and restart sessiond")
         headers[header] = value
     return url, headers
 

@@ -135,8 +135,9 @@ class Provider:
             self._key = env.get(settings.api_key_env) or None
             if self._key is None:
                 self._key_problem = (
-                    f"environment variable {settings.api_key_env} "
-                    "(provider.api_key_env) is not set"
+                    f"environment variable {settings.api_key_env} (provider.api_key_env) is not set in "
+                    "sessiond's environment: set it where sessiond is started (under systemd: `systemctl "
+                    f"edit sessiond`, Environment={settings.api_key_env}=...) and restart sessiond"
                 )
         self._dialect = dialect_for(settings)
         # Every request is a JSON body (`_attempt` sends it pre-encoded).

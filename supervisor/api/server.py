@@ -96,6 +96,7 @@ class ClientConn:
         self.cred = cred
         self.uid, self.gid, self.pid = cred.uid, cred.gid, cred.pid
         self.name = f"client pid={self.pid} uid={self.uid}"
+        self.client = ""  # the name its Hello gave, made printable
         self.said_hello = False
         # Error codes newer than protocol 1 that this client said it decodes.
         self.error_codes: frozenset[str] = frozenset()
@@ -321,7 +322,8 @@ class ClientConn:
             self._hello_timer.cancel()
         if msg.client:
             # The name goes into log lines: a newline in it would forge one.
-            self.name = f"{_printable(msg.client)} pid={self.pid} uid={self.uid}"
+            self.client = _printable(msg.client)
+            self.name = f"{self.client} pid={self.pid} uid={self.uid}"
         self.proto.send(
             m.Welcome(protocol=m.PROTOCOL_VERSION, server_version=__version__, pid=os.getpid())
         )
@@ -397,7 +399,7 @@ class ClientConn:
                 return op.LogsReply(id=rid, session=sid, entries=entries, last_exit=session.last_exit,
                                    next_seq=session.seq + 1)
             case m.Answer(id=rid, session=sid, request_id=request_id, allow=allow):
-                mgr.answer(mgr.get(sid, self.uid), request_id, allow)
+                mgr.answer(mgr.get(sid, self.uid), request_id, allow, self.uid, self.client)
                 return m.Ok(id=rid)
             case m.Hello():
                 raise BadRequest("hello was already said")

@@ -43,6 +43,7 @@ import msgspec
 
 from ipc import messages as m
 from ipc import operator as op
+from supervisor.api import story
 from ipc.framing import FrameEncoder
 from ipc.budget import SPEND_KEYS, total
 from supervisor.errors import BadRequest, Conflict, LimitError
@@ -147,24 +148,30 @@ def _history(session_id: str, handler: str, snap: Snapshot | None, records: list
              limit: int | None, max_bytes: int) -> op.HistoryReply:
     """(In a thread: reads only its arguments.)"""
     turns: dict[int, op.HistoryTurn] = {}
+    between: list[Record] = []  # the open turn's records after its input
     pause = Pause()
     for rec in records:
         pause.item()
         match rec:
             case InputRecord(turn=turn, text=text, at=at):
                 turns[turn] = op.HistoryTurn(turn=turn, input=text, at=at)
+                between = []
+                continue
             case Commit(turn=turn) if turn in turns:
                 t = turns[turn]
                 t.outcome, t.reply, t.interrupted, t.usage = "done", rec.reply, rec.interrupted, rec.usage
                 t.stop_reason, t.stop_detail = rec.stop_reason, rec.stop_detail
                 t.tool_calls, t.tool_results = _tools(rec.record)
+                t.events = story.tell(session_id, turn, between, rec)
             case Abort(turn=turn) if turn in turns:
                 t = turns[turn]
                 t.outcome, t.reason = "aborted", rec.reason
                 t.tool_calls, t.tool_results = _tools(rec.record)
+                t.events = story.tell(session_id, turn, between, rec)
             case Resume(turn=turn) if turn in turns:
                 turns[turn].resumed.append({"at": rec.at, "reason": rec.reason, "cause": rec.cause,
                                             "step": rec.step})
+        between.append(rec)
     ordered = sorted(turns.values(), key=lambda t: t.turn)
     if limit is not None:
         ordered = ordered[len(ordered) - limit:] if limit else []
@@ -179,7 +186,7 @@ def _history(session_id: str, handler: str, snap: Snapshot | None, records: list
     kept.reverse()
     earlier: list[dict[str, Any]] = []
     if snap is not None and handler == "agent" and len(kept) == len(ordered):
-        state = _decoded(snap.handler_state)
+        state = story.decoded(snap.handler_state)
         if isinstance(state, dict) and isinstance(state.get("messages"), list):
             earlier = [msg for msg in state["messages"] if isinstance(msg, dict)]
             if len(_encoder.encode(earlier)) > budget:
@@ -191,25 +198,25 @@ def _history(session_id: str, handler: str, snap: Snapshot | None, records: list
                           earlier_messages=earlier, turns=kept, omitted_turns=omitted)
 
 
-def _decoded(data: bytes) -> Any:
-    if not data:
-        return None
-    try:
-        return _msgpack.decode(data)
-    except msgspec.DecodeError:
-        return None
-
-
 def _tools(record: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Tool calls and results from an agent turn record ({"ops": [{"op":
     "append", "message": {...}}]}, the framework adapters' too, whose
     messages may be Responses API items); nothing for other handlers' records."""
-    data = _decoded(record)
+    data = story.decoded(record)
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     if not isinstance(data, dict) or not isinstance(data.get("ops"), list):
         return calls, results
     names: dict[str, str] = {}
+    raw_ok = data.get("tool_ok")
+    tool_ok: dict[str, Any] = raw_ok if isinstance(raw_ok, dict) else {}
+
+    def result(cid: str, output: Any) -> dict[str, Any]:
+        out = {"id": cid, "name": names.get(cid, "?"), "output": output}
+        if isinstance(tool_ok.get(cid), bool):
+            out["ok"] = tool_ok[cid]  # (none in a record older than outcomes: unknown)
+        return out
+
     for op in data["ops"]:
         msg = op.get("message") if isinstance(op, dict) and op.get("op") == "append" else None
         if not isinstance(msg, dict):
@@ -218,16 +225,17 @@ def _tools(record: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             fn = call.get("function", {}) if isinstance(call, dict) else {}
             if isinstance(fn, dict):
                 names[str(call.get("id", ""))] = str(fn.get("name", "?"))
-                calls.append({"name": str(fn.get("name", "?")), "arguments": fn.get("arguments", "")})
+                calls.append({"id": str(call.get("id", "")), "name": str(fn.get("name", "?")),
+                              "arguments": fn.get("arguments", "")})
         if msg.get("role") == "tool":
-            results.append({"name": names.get(str(msg.get("tool_call_id", "")), "?"),
-                            "output": msg.get("content", "")})
+            results.append(result(str(msg.get("tool_call_id", "")), msg.get("content", "")))
         # The Responses API's items (the OpenAI Agents SDK adapter's records).
         if msg.get("type") == "function_call":
             names[str(msg.get("call_id", ""))] = str(msg.get("name", "?"))
-            calls.append({"name": str(msg.get("name", "?")), "arguments": msg.get("arguments", "")})
+            calls.append({"id": str(msg.get("call_id", "")), "name": str(msg.get("name", "?")),
+                          "arguments": msg.get("arguments", "")})
         elif msg.get("type") == "function_call_output":
-            results.append({"name": names.get(str(msg.get("call_id", "")), "?"), "output": msg.get("output", "")})
+            results.append(result(str(msg.get("call_id", "")), msg.get("output", "")))
     return calls, results
 
 
@@ -370,9 +378,8 @@ async def import_session(mgr: SessionManager, owner_uid: int, data: bytes, sessi
     except OverrideError as exc:
         raise BadRequest(f"the export's overrides: {exc}") from None
     check_handler(doc.handler, settings)
-    if doc.handler == "agent" and (missing := settings.provider.missing()) is not None:
-        raise BadRequest(f"the agent handler needs an LLM provider: {missing} is not set "
-                         "([provider] in config.toml)")
+    if doc.handler == "agent" and (missing := settings.provider.missing_text()) is not None:
+        raise BadRequest(f"the agent handler needs an LLM provider: {missing}")
     meta = mgr.new_meta(session_id, doc.handler, dict(doc.overrides), owner_uid, min(doc.created_at, time.time()))
     try:
         # The id is taken from here on: a create or import of it meets the

@@ -85,6 +85,7 @@ from supervisor.core.limits import REMOTE_PIDS
 from supervisor.cluster.nodehost import checked_exit, checked_usage, recv_batch
 from supervisor.spawn.pidfd import PidFd
 from supervisor.cluster.ray_spares import SpareWorkers
+from ipc.install import install_command
 from supervisor.spawn.seams import SpawnerDied
 
 __all__ = ["RaySpawner"]
@@ -171,7 +172,7 @@ class RaySpawner:
             import ray
         except ImportError:
             raise SpawnerDied("[cluster] backend = \"ray\" needs Ray, which is not installed: "
-                              "pip install 'sessiond[cluster]'") from None
+                              f"{install_command('cluster')}") from None
         if ray.is_initialized():
             return
         try:

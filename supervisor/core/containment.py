@@ -28,7 +28,7 @@ import os
 import signal
 from collections.abc import Callable, Iterable
 
-from ipc.contract import ExitReason, LimitKind
+from ipc.contract import ExitReason, LimitKind, figure_past
 from supervisor.config import Config
 from supervisor.core.events import EventLog
 from supervisor.core.limits import MIB, REMOTE_PIDS
@@ -151,8 +151,9 @@ class Containment:
         if cause == "own":
             cap = limits.max_memory_mb
             used = used or cap
-            return self._memory_kill(session, worker, used, cap, "", f"memory cap {cap} MiB exceeded at "
-                                     f"{used:.0f} MiB (the kernel's cgroup limit)")
+            over = f"exceeded at {figure_past(used, cap)} MiB" if used > cap else "reached"  # (usage stops at the cap)
+            return self._memory_kill(session, worker, used, cap, "",
+                                     f"memory cap {cap} MiB {over} (the kernel's cgroup limit)")
         assert self.ceilings is not None
         ceiling = self.ceilings.memory
         return self._memory_kill(

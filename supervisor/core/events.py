@@ -263,20 +263,27 @@ class EventLog:
 
     # ---------------------------------------------------------------- clients
 
-    def attach(self, session: Session, subscriber: Subscriber, from_seq: int | None) -> int:
-        """Subscribe; replay retained events from `from_seq`.  Returns next seq."""
+    def oldest_retained(self, session: Session) -> int:
+        """The seq of the oldest event a replay can still send."""
+        return session.ring[0][0] if session.ring else session.seq + 1
+
+    def attach(self, session: Session, subscriber: Subscriber, from_seq: int | None,
+               first: Iterable[m.Event] = ()) -> int:
+        """Subscribe; replay retained events from `from_seq`, after `first`
+        (older events the client must see all the same: the permission
+        requests still waiting, supervisor.core.asks).  Returns next seq."""
         session.subscribers.add(subscriber)
         held = session.held.pop(subscriber, None)
         if held and from_seq is None:
             for frame in held:  # (a replay would send them again)
                 subscriber.deliver(frame)
+        oldest = self.oldest_retained(session)
+        # Seqs start at 1: asking from 0 (or below) misses nothing that was ever sent.
+        if from_seq is not None and max(from_seq, 1) < oldest:
+            subscriber.deliver(self._encoder.encode(m.Gap(session=session.id, seq=oldest, from_seq=from_seq)))
+        for event in first:
+            subscriber.deliver(self._encoder.encode(event))
         if from_seq is not None:
-            oldest = session.ring[0][0] if session.ring else session.seq + 1
-            # Seqs start at 1: asking from 0 (or below) misses nothing that was ever sent.
-            if max(from_seq, 1) < oldest:
-                subscriber.deliver(
-                    self._encoder.encode(m.Gap(session=session.id, seq=oldest, from_seq=from_seq))
-                )
             for seq, frame in session.ring:
                 if seq >= from_seq:
                     subscriber.deliver(frame)

@@ -38,6 +38,7 @@ import msgspec
 from ipc import messages as m
 from ipc.pacing import Pacer
 from supervisor.errors import Conflict, Internal, NoSpace, SessiondError
+from supervisor.core.asks import Asks
 from supervisor.core.budgets import Budgets
 from supervisor.core.events import EventLog
 from supervisor.ops.logtag import tagged
@@ -93,6 +94,8 @@ class TurnLedger:
         # The daemon's data-plane work, in bounded slices (ipc.pacing): the
         # workers' messages and exits, flushes' completions, clients' inputs.
         self.pacer = Pacer()
+        # The running turns' permission requests (`asked`, `answer`, `waiting`).
+        self._asks = Asks(events)
 
     def begin(
         self, session: Session, text: str, on_accepted: Callable[[m.Accepted], None] | None = None,
@@ -313,6 +316,18 @@ class TurnLedger:
                        trace=trace is not None, trace_content=trace is not None and trace.content,
                        trace_id=trace.trace_id if trace is not None else "")
 
+    def asked(self, session: Session, msg: m.AskPermission) -> None:
+        self._asks.asked(session, msg)
+
+    def answer(self, session: Session, request_id: str, allow: bool, uid: int | None, client: str) -> None:
+        self._asks.answer(session, request_id, allow, uid, client)
+
+    def waiting(self, session: Session) -> list[m.Waiting]:
+        return self._asks.waiting(session)
+
+    def unseen_asks(self, session: Session, from_seq: int | None, oldest: int) -> list[m.PermissionRequest]:
+        return list(self._asks.unseen(session, from_seq, oldest))
+
     def resumed(self, session: Session, detail: str = "") -> None:
         """The running turn goes on on a new worker (the resume path's hook)."""
         self._tracer.resumed(session.trace, detail)
@@ -481,7 +496,7 @@ class TurnLedger:
         if session.trace is not None:
             self._tracer.worker_lost(session.trace, failure)
         session.steps_flying = {}  # (its steps in flight are in the store: read back at the resume)
-        session.pending_asks.clear()
+        self._asks.drop(session)
         pending = session.pending_input
         if pending is not None:
             self._flush_input(session, pending)  # it must be durable before the turn goes on
@@ -549,7 +564,7 @@ class TurnLedger:
         self.resumed(session, f"at step {step} after {held.reason}: {held.cause}")
         try:  # for `history`; carried by the next flush (the next step's, the commit's)
             session.store.append(Resume(turn=held.turn, step=step, reason=held.reason, cause=held.cause,
-                                        at=time.time()), durable=False)
+                                        at=time.time(), running=resumed.running), durable=False)
         except StoreError as exc:
             tagged(log, session.id).warning("the resume of turn %d is not in the log: %s", held.turn, exc)
         flying = [f.key for f in plan.in_flight]
@@ -598,7 +613,7 @@ class TurnLedger:
         self._budgets.turn_over(session)
         session.last_turn_secs = time.monotonic() - session.turn_started
         self.metrics.turn_ended(session, outcome[0], outcome[1], session.last_turn_secs)
-        session.pending_asks.clear()
+        self._asks.drop(session)
         session.last_active = time.monotonic()
         self.on_turn_ended(session)
 

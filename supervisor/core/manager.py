@@ -266,6 +266,7 @@ class SessionManager:
             sandbox=self.workers.sandbox_report(worker) if pid is not None and worker is not None else {},
             disk_bytes=session.memory.disk_bytes, cpu_percent=session.memory.cpu_percent if pid is not None else None,
             budget=self.budgets.figures(session), disk_inodes=session.memory.disk_inodes,
+            waiting=self.ledger.waiting(session),
         )
 
     def host_report(self) -> dict[str, Any]:
@@ -479,7 +480,8 @@ class SessionManager:
         return self.ledger.begin(session, text, on_accepted, trace)
 
     def attach(self, session: Session, subscriber: Subscriber, from_seq: int | None) -> int:
-        return self.events.attach(session, subscriber, from_seq)
+        first = self.ledger.unseen_asks(session, from_seq, self.events.oldest_retained(session))
+        return self.events.attach(session, subscriber, from_seq, first)
 
     def detach(self, subscriber: Subscriber, session: Session | None = None) -> None:
         self.events.detach(subscriber, [session] if session is not None else self.sessions.values())
@@ -625,12 +627,9 @@ class SessionManager:
         worker.conn.send(m.WorkerPing(nonce=self._ping_nonce))
         return worker.pid
 
-    def answer(self, session: Session, request_id: str, allow: bool) -> None:
-        worker = session.worker
-        if worker is None or request_id not in session.pending_asks:
-            raise NotFound(f"session {session.id} has no pending permission request {request_id!r}")
-        session.pending_asks.discard(request_id)
-        worker.conn.send(m.PermissionAnswer(request_id=request_id, allow=allow))
+    def answer(self, session: Session, request_id: str, allow: bool, uid: int | None = None, client: str = "") -> None:
+        """A person's answer (`uid`, `client`: who, for the story)."""
+        self.ledger.answer(session, request_id, allow, uid, client)
 
     # ================================================================ capacity
 

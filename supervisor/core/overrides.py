@@ -431,14 +431,12 @@ def choose_handler(handler: str | None, settings: SessionSettings, *, checked: b
         handler = settings.agent.handler
     elif not checked:
         check_handler(handler, settings)
-    if handler == "agent" and (missing := settings.provider.missing()) is not None:
+    if handler == "agent" and (missing := settings.provider.missing_text()) is not None:
         provider = settings.provider
         if named or provider.base_url or provider.model:
             # Asked for the agent, or half a provider: an echo session
             # would look like a working agent that answers nonsense.
-            raise BadRequest(
-                f"the agent handler needs an LLM provider: {missing} is not set "
-                "([provider] in config.toml)"
-            )
+            raise BadRequest(f"the agent handler needs an LLM provider: {missing}; or create an echo "
+                             "session (--handler echo)")
         handler = "echo"  # no provider at all: the offline default, said at start-up
     return handler

@@ -7,8 +7,8 @@ each own some of its fields, and only they write them:
                     holding.py)   store, error, meta_lost, removing
     EventLog       (events.py)    state, seq, reserved_seq, ring, ring_bytes,
                                   subscribers, held, state_waiters, lifecycle
-    TurnLedger     (ledger.py)    turns, current_turn, current_input,
-                                  pending_input, pending_asks, turn_results,
+    TurnLedger     (ledger.py,    turns, current_turn, current_input,
+                    asks.py)      pending_input, pending_asks, turn_results,
                                   turn_started, last_turn_secs, last_active,
                                   usage (token totals of its turns:
                                   prompt_tokens, completion_tokens,
@@ -50,7 +50,7 @@ from supervisor.ops.tracing import TurnTrace
 from supervisor.core.states import RestartPolicy, State
 from supervisor.store.state_store import Meta, SessionLog
 
-__all__ = ["PendingInput", "Session", "Subscriber", "Suspension", "WorkerProc", "damaged_hint",
+__all__ = ["PendingAsk", "PendingInput", "Session", "Subscriber", "Suspension", "WorkerProc", "damaged_hint",
            "valid_session_id"]
 
 
@@ -112,6 +112,15 @@ class Suspension:
     uncertain: bool = False  # (after a daemon restart: whether its steps in flight began is unknown)
 
 
+@dataclass(slots=True, frozen=True)
+class PendingAsk:
+    """A permission request of the running turn that waits on a person
+    (supervisor.core.asks)."""
+
+    request: m.PermissionRequest  # as clients were sent it (its seq: where it is in the stream)
+    since: float  # unix time
+
+
 LIFECYCLE_KEEP = 500
 
 
@@ -158,8 +167,9 @@ class Session:
     step_bytes: int = 0
     steps_flying: dict[int, str] = field(default_factory=dict)
     suspended: Suspension | None = None
-    # Permission requests of the running turn awaiting a client's answer.
-    pending_asks: set[str] = field(default_factory=set)
+    # Permission requests of the running turn awaiting a person's answer,
+    # by request id, oldest first.
+    pending_asks: dict[str, PendingAsk] = field(default_factory=dict)
     # Resolved with (ok, reply or reason) when that turn ends; used to run
     # a sub-agent's task and hand its reply to the parent.
     turn_results: dict[int, asyncio.Future[tuple[bool, str]]] = field(default_factory=dict)

@@ -20,7 +20,9 @@ good either).
 
 Where the kernel counts a session's memory (a cgroup with a memory
 controller: `Cgroups.memory_bytes`), its figure is the memory figure and
-its `memory.max` the cap; none of the reads above are made for it.
+its `memory.max` the cap; none of the reads above are made for it.  What
+`ls` shows is that figure or the worker's own RSS, whichever is larger
+(the pages a worker shares with the zygote are charged to the zygote).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ipc import messages as m
-from ipc.contract import IDLE_HEARTBEAT_FACTOR, ExitReason, LimitKind
+from ipc.contract import IDLE_HEARTBEAT_FACTOR, ExitReason, LimitKind, figure_past
 from supervisor.config import Config
 from supervisor.core.diskquota import DISK_EVERY_SECS, DiskWalk
 from supervisor.errors import SessiondError
@@ -232,7 +234,14 @@ class Sweeper:
             return
         kernel = self._kernel_figure(session)
         if kernel is not None:
-            mem.rss_bytes = rss = kernel  # the kernel's cap holds; the figure is shown, high is told
+            # The kernel's cap holds; its figure is what high is told on.
+            # Shown: at least the worker's own RSS.  The kernel charges a
+            # page to the cgroup that first touched it, so the pages a
+            # worker shares with the zygote it was forked from (its
+            # interpreter, the preloaded modules) are the zygote's: the
+            # cgroup's count of a fresh 30 MB worker is a few hundred KiB.
+            rss = kernel
+            mem.rss_bytes = max(kernel, mem.rss_by_pid.get(worker.pid, 0))
         elif worker.pid < REMOTE_PIDS:
             figure = self._local_figure(session, mem, now)
             if figure is None:
@@ -244,7 +253,8 @@ class Sweeper:
         if verdict.kill:
             self._events.emit_limit(session, LimitKind.MEMORY, rss / MIB, limits.max_memory_mb)
             self._workers.kill(session, worker, ExitReason.KILLED_MEMORY,
-                               f"memory cap {limits.max_memory_mb} MiB exceeded at {rss / MIB:.0f} MiB")
+                               f"memory cap {limits.max_memory_mb} MiB exceeded at "
+                               f"{figure_past(rss / MIB, limits.max_memory_mb)} MiB")
             return
         if verdict.high_crossed:
             assert limits.memory_high_mb is not None

@@ -296,13 +296,8 @@ class WorkerOwner:
                 )
             case m.Spent():
                 self._ledger.spent(session, msg)
-            case m.AskPermission(turn=turn, request_id=rid, tool=tool, arguments=arguments):
-                session.pending_asks.add(rid)
-                events.emit(
-                    session,
-                    m.PermissionRequest(session=session.id, seq=events.next_seq(session), turn=turn,
-                                        request_id=rid, tool=tool, arguments=arguments),
-                )
+            case m.AskPermission():
+                self._ledger.asked(session, msg)
             case m.SpawnAgent():
                 self._on_spawn_agent(session, worker, msg)
             case m.StepBegun() | m.StepDone():

@@ -53,7 +53,7 @@ examples:
   sessionctl send ID "list the files"    stream the reply; Ctrl-C interrupts
                                          the turn, a second Ctrl-C detaches
   sessionctl attach ID --from 0          replay retained events, then follow
-  sessionctl approve ID REQUEST_ID       answer a permission request
+  sessionctl approve ID [REQUEST_ID]     answer a permission request
   sessionctl --json status ID            one JSON object
   sessionctl ls --state idle --sort cpu  filter and order the listing
   sessionctl rm --state failed --dry-run what `rm --state failed` would remove
@@ -168,7 +168,8 @@ def _parser() -> argparse.ArgumentParser:
     for name in ("approve", "deny"):
         p = add(name, f"{name} a pending permission request")
         p.add_argument("id")
-        p.add_argument("request_id")
+        p.add_argument("request_id", nargs="?",
+                       help="the request (`status ID` lists them); may be left out when exactly one waits")
     p = add("repair", "rewrite a damaged session's log so that it loads again")
     p.add_argument("id")
     how = p.add_mutually_exclusive_group(required=True)
@@ -465,7 +466,18 @@ async def _drain(client: AsyncClient, args: argparse.Namespace, as_json: bool) -
 
 
 async def _answer(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> int:
-    """approve, deny."""
+    """approve, deny; without REQUEST_ID, the one request that waits."""
+    if args.request_id is None:
+        waiting = (await client.status(args.id)).waiting
+        if len(waiting) != 1:
+            listed = "".join(f"\n  {w.request_id}  {w.tool}" for w in waiting)
+            print(f"sessionctl: session {args.id} has "
+                  + (f"{len(waiting)} permission requests waiting: name one ({args.command} {args.id} "
+                     f"REQUEST_ID):{listed}" if waiting else "no permission request waiting"), file=sys.stderr)
+            return EXIT_USAGE if waiting else EXIT_FAILED
+        args.request_id = waiting[0].request_id
+        how = "allowing" if args.command == "approve" else "denying"
+        print(f"sessionctl: {how} {waiting[0].tool} (request {args.request_id})", file=sys.stderr)
     try:
         await client.answer(args.id, args.request_id, args.command == "approve")
     except RequestError as exc:

@@ -16,6 +16,7 @@ from ipc import operator as op
 from supervisor.ctl.client import AsyncClient
 from supervisor.ctl.errors import DaemonUnavailable, ImportFileError
 from supervisor.ctl.render import EXIT_OK
+from supervisor.ctl.stream import event_line
 
 __all__ = ["follow_logs", "print_history", "print_logs", "read_document"]
 
@@ -38,7 +39,7 @@ def _plain(obj: Any) -> Any:
         return [_plain(x) for x in obj]
     if hasattr(obj, "__struct_fields__"):
         data = {f: _plain(getattr(obj, f)) for f in obj.__struct_fields__}
-        if isinstance(obj, (m.StateChanged, m.LimitExceeded, m.TurnFailed)):
+        if isinstance(obj, m.EVENT_TYPES):  # (a turn's events, a log entry's event)
             data = {"type": type(obj).__struct_config__.tag, **data}
         return data
     return obj
@@ -69,16 +70,29 @@ def print_history(reply: op.HistoryReply, as_json: bool) -> None:
                "aborted": f"aborted: {t.reason}", "open": "running"}.get(t.outcome, t.outcome)
         print(f"--- turn {t.turn}  {_when(t.at)}  {how}", file=out)
         print(f"> {t.input}", file=out)
-        for r in t.resumed:
-            print(f"[resumed at step {r.get('step')} after {r.get('reason')}: {r.get('cause')}]", file=out)
-        for call in t.tool_calls:
-            args = call.get("arguments", "")
-            shown = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-            print(f"[tool] {call.get('name', '?')} {_clip(shown)}", file=out)
-        for result in t.tool_results:
-            print(f"[tool] {result.get('name', '?')} -> {_clip(str(result.get('output', '')))}", file=out)
-        if t.reply:
+        _print_story(t, out)
+
+
+def _print_story(t: op.HistoryTurn, out: Any) -> None:
+    """The turn as `attach` showed it live (its stored events, in order:
+    supervisor/api/story.py); a turn without them (the open one) as what
+    the log holds so far."""
+    said = False
+    for ev in t.events:
+        if isinstance(ev, m.TextDelta):
+            text = ev.text.lstrip("\n") if not said else ev.text  # (parts text from text before it only)
+            out.write(text if text.endswith("\n") else text + "\n")
+            said = True
+        elif (line := event_line(ev)) is not None:
+            print(line, file=out)
+    if t.events:
+        if not said and t.reply:
             print(t.reply, file=out)
+        return
+    for r in t.resumed:
+        print(f"[turn resumed at step {r.get('step')} after {r.get('reason')}: {r.get('cause')}]", file=out)
+    if t.reply:
+        print(t.reply, file=out)
 
 
 def _entry_text(at: float, ev: Any) -> str:

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 __all__ = ["EXIT_CODES", "EXIT_FAILED", "EXIT_NO_SESSION", "EXIT_OK", "EXIT_SIGINT", "EXIT_SIGPIPE", "EXIT_UNREACHABLE",
            "EXIT_USAGE", "stdout_gone",
-           "SORT_KEYS", "exit_code_for", "exit_codes_text", "failed", "fmt_age", "fmt_bytes", "pong_text", "print_stats", "print_status", "print_table",
-           "sandbox_line"]
+           "SORT_KEYS", "exit_code_for", "exit_codes_text", "failed", "fmt_age", "fmt_bytes", "plural", "pong_text", "print_stats", "print_status", "print_table",
+           "sandbox_line", "shown_state", "waiting_text"]
 
 # sessionctl's exit codes (a contract: scripts test them), for both paths
 # and every command; `sessionctl --help` and the man page list EXIT_CODES.
@@ -108,6 +108,26 @@ def fmt_age(secs: float) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+def plural(n: int, word: str) -> str:
+    """`1 client`, `2 clients`."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def shown_state(s: dict[str, Any]) -> str:
+    """The state as `ls` and `top` show it: a running turn that waits on a
+    person says so (`running (waiting)`); `--json` keeps `state` as it is
+    and lists the requests in `waiting`."""
+    return f"{s['state']} (waiting)" if s.get("waiting") else s["state"]
+
+
+def waiting_text(sid: str, w: dict[str, Any], now: float) -> str:
+    """One request a person must answer, and how."""
+    since = time.strftime("%H:%M:%S", time.localtime(w["since"])) if w["since"] else "?"
+    age = f" ({fmt_age(now - w['since'])})" if w["since"] else ""
+    return (f"{w['tool']} since {since}{age}, request {w['request_id']} "
+            f"(sessionctl approve|deny {sid})")
+
+
 def print_table(sessions: list[dict[str, Any]], now: float | None = None) -> None:
     """`ls`: one row a session in the order given, children indented under
     their parent.  CPU is the daemon's last sample (`cpu_percent`), AGE the
@@ -130,7 +150,7 @@ def print_table(sessions: list[dict[str, Any]], now: float | None = None) -> Non
             walk(s, 0)
     header = ("ID", "STATE", "PID", "RSS", "CPU%", "AGE", "TURNS", "RESTARTS", "HANDLER")
     table = [header] + [
-        (name, s["state"], str(s["pid"] or "-"), fmt_bytes(s["rss_bytes"]),
+        (name, shown_state(s), str(s["pid"] or "-"), fmt_bytes(s["rss_bytes"]),
          "-" if s.get("cpu_percent") is None else f"{s['cpu_percent']:.0f}",
          fmt_age(now - s["created_at"]) if s["created_at"] else "-", str(s["turns"]),
          str(s["restarts"]), s["handler"])
@@ -142,6 +162,8 @@ def print_table(sessions: list[dict[str, Any]], now: float | None = None) -> Non
     for s in sessions:
         if s["error"]:
             print(f"{s['id']}: {s['state']}: {s['error']}")
+        for w in s.get("waiting") or ():
+            print(f"{s['id']}: waiting on a person: {waiting_text(s['id'], w, now)}")
 
 
 def print_status(s: dict[str, Any]) -> None:
@@ -152,13 +174,15 @@ def print_status(s: dict[str, Any]) -> None:
         how = f"signal {e['signal']}" if e["signal"] else f"code {e['code']}"
         exit_text = f"{e['reason']} ({how}){': ' + e['detail'] if e['detail'] else ''}"
     fields = [
-        ("id", s["id"]), ("state", s["state"]), ("handler", s["handler"]), ("pid", s["pid"] or "-"),
+        ("id", s["id"]), ("state", shown_state(s)), ("handler", s["handler"]), ("pid", s["pid"] or "-"),
         ("rss", fmt_bytes(s["rss_bytes"])),
         ("disk", fmt_bytes(s["disk_bytes"]) + (f", {s['disk_inodes']} files" if s.get("disk_inodes") else "")),
         ("turns", s["turns"]), ("restarts", s["restarts"]),
         ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["created_at"]))),
         ("last exit", exit_text), ("seq", s["seq"]),
     ]
+    for w in s.get("waiting") or ():
+        fields.append(("waiting", waiting_text(s["id"], w, time.time())))
     if s["node"]:
         fields.append(("node", s["node"]))  # cluster mode: where its worker runs
     if s["error"]:
@@ -183,8 +207,8 @@ def print_stats(stats: dict[str, Any]) -> None:
     print(f"sessiond {stats['version']}, pid {stats['pid']}, up {stats['uptime_secs']:.0f}s, "
           f"rss {fmt_bytes(stats['rss_bytes'])}")
     states = ", ".join(f"{n} {k}" for k, n in sorted(stats["by_state"].items()))
-    print(f"{stats['sessions']} sessions ({states or 'none'}), {stats['live_workers']} live "
-          f"workers, {stats['clients']} clients")
+    print(f"{plural(stats['sessions'], 'session')} ({states or 'none'}), "
+          f"{plural(stats['live_workers'], 'live worker')}, {plural(stats['clients'], 'client')}")
     if stats["sandbox"]:
         print(sandbox_line(stats["sandbox"]))
     tracing = stats.get("tracing")

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import msgspec
@@ -23,7 +24,7 @@ from supervisor.ctl.client import AsyncClient
 from supervisor.ctl.errors import DaemonUnavailable, RequestError
 from supervisor.ctl.render import EXIT_FAILED, EXIT_OK, EXIT_SIGINT
 
-__all__ = ["event_json", "print_event", "send_interruptibly", "to_plain"]
+__all__ = ["answered_text", "event_json", "event_line", "print_event", "send_interruptibly", "to_plain"]
 
 
 def to_plain(obj: Any) -> Any:
@@ -55,6 +56,8 @@ def _tool_line(kind: str, data: dict[str, Any]) -> str | None:
     """One compact line for a `tool_call` or `tool_result` notice, or an
     MCP server's (None for other notices): what the agent runs, how it
     went, and a server whose tools it cannot use (said once, with why)."""
+    if data.get("replayed"):
+        return ""  # a resumed turn's result of a run shown before its worker died: not a new run
     if kind == "mcp_server_unavailable":
         retry = data.get("retry_in_secs")
         again = f" (tried again in {retry:g} s)" if isinstance(retry, (int, float)) else ""
@@ -74,7 +77,9 @@ def _tool_line(kind: str, data: dict[str, Any]) -> str | None:
         tail = f" (+{more} line{'s' if more > 1 else ''})" if more else ""
         if data.get("truncated"):
             tail += " (cut)"
-        status = "ok" if data.get("ok") else "failed"
+        # No "ok": a turn stored before outcomes were (history), never shown as a success.
+        ok = data.get("ok")
+        status = "ok" if ok is True else "failed" if ok is False else "(outcome unknown)"
         return _clip(f"[tool] {name} {status}: {lines[0]}", _TOOL_LINE_CHARS - len(tail)) + tail
     return None
 
@@ -82,6 +87,15 @@ def _tool_line(kind: str, data: dict[str, Any]) -> str | None:
 def _permission_text(ev: m.PermissionRequest) -> str:
     """The whole request, arguments uncut: the user decides on exactly this."""
     return f"{ev.tool} {json.dumps(ev.arguments, ensure_ascii=False)}"
+
+
+def answered_text(data: dict[str, Any]) -> str:
+    """A `permission_answered` notice: what, which way, who and when."""
+    how = "allowed" if data.get("allowed") else "denied"
+    who = f"uid {data.get('uid')}" + (f" ({data['client']})" if data.get("client") else "")
+    at = data.get("at")
+    when = time.strftime(" at %H:%M:%S", time.localtime(at)) if isinstance(at, (int, float)) and at else ""
+    return f"permission request {data.get('request_id')} ({data.get('tool')}) {how} by {who}{when}"
 
 
 def _print_reasoning(text: str) -> None:
@@ -92,27 +106,46 @@ def _print_reasoning(text: str) -> None:
     sys.stderr.flush()
 
 
+def event_line(ev: Any) -> str | None:
+    """One line for an event that is not reply text, as `attach` prints it
+    live and `history` prints a stored turn's (None: nothing to print)."""
+    match ev:
+        case m.TurnDone(turn=turn, interrupted=interrupted, stop_reason=stop):
+            how = " (interrupted)" if interrupted else f" ({stop})" if stop else ""
+            return f"[turn {turn} done{how}]"
+        case m.TurnFailed(turn=turn, reason=reason):
+            return f"[turn {turn} failed: {reason}]"
+        case m.StateChanged(old=old, new=new, reason=reason):
+            return f"[{old} -> {new}{': ' + reason if reason else ''}]"
+        case m.LimitExceeded(kind=kind, value=value, limit=limit, ceiling=ceiling, unit=unit):
+            return f"[limit {kind}: {limit_text(kind, value, limit, ceiling, unit)}]"
+        case m.Notice(kind="permission_answered", data=data):
+            return f"[{answered_text(data)}]"
+        case m.Notice(kind="turn_resumed", data=data):
+            return f"[turn resumed at step {data.get('step')} after {data.get('reason')}: {data.get('cause')}]"
+        case m.Notice(kind=kind, data=data):
+            line = _tool_line(kind, data)
+            return None if line == "" else line or f"[{kind}: {json.dumps(data)}]"
+        case m.PermissionRequest(request_id=rid):
+            return f"[permission request {rid}: {_permission_text(ev)}]"
+        case m.Gap(seq=seq, from_seq=from_seq):
+            return f"[events {from_seq}..{seq - 1} are no longer retained]"
+    return None
+
+
 def print_event(ev: Any) -> None:
     match ev:
         case m.TextDelta(text=text):
             sys.stdout.write(text)
         case m.ReasoningDelta(text=text):
             _print_reasoning(text)
-        case m.TurnDone(turn=turn, interrupted=interrupted, stop_reason=stop):
-            how = " (interrupted)" if interrupted else f" ({stop})" if stop else ""
-            print(f"\n[turn {turn} done{how}]")
-        case m.TurnFailed(turn=turn, reason=reason):
-            print(f"\n[turn {turn} failed: {reason}]")
-        case m.StateChanged(old=old, new=new, reason=reason):
-            print(f"[{old} -> {new}{': ' + reason if reason else ''}]")
-        case m.LimitExceeded(kind=kind, value=value, limit=limit, ceiling=ceiling, unit=unit):
-            print(f"[limit {kind}: {limit_text(kind, value, limit, ceiling, unit)}]")
-        case m.Notice(kind=kind, data=data):
-            print(_tool_line(kind, data) or f"[{kind}: {json.dumps(data)}]")
-        case m.PermissionRequest(request_id=rid):
-            print(f"[permission request {rid}: {_permission_text(ev)}]")
-        case m.Gap(seq=seq, from_seq=from_seq):
-            print(f"[events {from_seq}..{seq - 1} are no longer retained]")
+        case m.TurnDone() | m.TurnFailed():
+            print(f"\n{event_line(ev)}")
+        case m.PermissionRequest(request_id=rid, session=sid):
+            print(f"{event_line(ev)} (sessionctl approve|deny {sid} {rid})")
+        case _:
+            if (line := event_line(ev)) is not None:
+                print(line)
     sys.stdout.flush()
 
 
@@ -237,13 +270,15 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool, tra
                 _print_reasoning(thought)
             case m.PermissionRequest() if interactive:
                 asks.add(asyncio.create_task(_ask_on_terminal(client, session, ev)))
+            case m.Notice(kind="permission_answered", data=data) if not as_json:
+                print(f"sessionctl: {answered_text(data)}", file=sys.stderr, flush=True)
             case m.Notice(kind="turn_resumed", data=data) if not as_json:
                 # The worker died; the turn goes on on a new one (docs/agent.md, "Durable steps").
                 print(f"\nsessionctl: the turn resumed at step {data.get('step')} after "
                       f"{data.get('reason')}: {data.get('cause')}", file=sys.stderr, flush=True)
             case m.Notice(kind=kind, data=data) if not as_json:
                 line = _tool_line(kind, data)
-                if line is not None:
+                if line:
                     # Tool calls go to stderr: stdout stays the reply alone.
                     if not ended_with_newline and same_terminal:
                         sys.stdout.write("\n")
@@ -263,7 +298,7 @@ async def _send(client: AsyncClient, session: str, text: str, as_json: bool, tra
                 if kind in _CUTTING_LIMITS:
                     cut_by = ceiling or _CUTTING_LIMITS[kind]
                 if not as_json:
-                    print(f"\nsessionctl: limit {kind} exceeded: {limit_text(kind, value, limit, ceiling, unit)}",
+                    print(f"\nsessionctl: limit {kind}: {limit_text(kind, value, limit, ceiling, unit)}",
                           file=sys.stderr)
             case m.TurnDone(interrupted=interrupted, stop_reason=stop):
                 if ev.seq == 0 and not as_json:  # (AsyncClient.send: read back after a reconnect)

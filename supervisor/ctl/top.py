@@ -23,7 +23,7 @@ from typing import Any
 from ipc import messages as m
 from ipc import operator as op
 from supervisor.ctl.client import AsyncClient
-from supervisor.ctl.render import EXIT_OK, EXIT_USAGE, SORT_KEYS, fmt_age
+from supervisor.ctl.render import EXIT_OK, EXIT_USAGE, SORT_KEYS, fmt_age, plural
 
 __all__ = ["Row", "SORT_KEYS", "render", "rows_from", "run_top", "snapshot_json", "totals"]
 
@@ -48,6 +48,8 @@ class Row:
     # SessionInfo.budget, and the share of its most used ceiling (None: no ceiling set).
     budget: dict[str, Any]
     budget_percent: float | None
+    # SessionInfo.waiting: the permission requests its turn waits on, as dicts.
+    waiting: list[dict[str, Any]]
 
     def as_json(self) -> dict[str, Any]:
         e = self.last_exit
@@ -57,7 +59,7 @@ class Row:
             "cpu_secs": _round(self.cpu_secs), "restarts": self.restarts, "turns": self.turns,
             "last_exit": None if e is None else {"reason": e.reason, "code": e.code, "signal": e.signal,
                                                  "at": e.at, "detail": e.detail},
-            "age_secs": round(self.age_secs, 1),
+            "age_secs": round(self.age_secs, 1), "waiting": self.waiting,
             # Only where [agent.budget] sets a ceiling: scripts' fields stay as they were.
             **({"budget": self.budget} if self.budget.get("ceilings") else {}),
         }
@@ -88,6 +90,8 @@ def rows_from(now: op.TopReply, before: op.TopReply | None) -> list[Row]:
             cpu_secs=e.cpu_secs, cpu_percent=pct, restarts=s.restarts, turns=s.turns,
             last_exit=s.last_exit, age_secs=max(0.0, now.at - s.created_at) if s.created_at else 0.0,
             budget=s.budget, budget_percent=_budget_percent(s.budget),
+            waiting=[{"request_id": w.request_id, "tool": w.tool, "since": w.since, "turn": w.turn, "seq": w.seq}
+                     for w in s.waiting],
         ))
     return rows
 
@@ -123,6 +127,7 @@ def totals(rows: list[Row], reply: op.TopReply) -> dict[str, Any]:
     cpu = [r.cpu_percent for r in rows if r.cpu_percent is not None]
     return {
         "sessions": len(rows), "live": sum(1 for r in rows if r.pid is not None), "by_state": by_state,
+        "waiting": sum(1 for r in rows if r.waiting),
         "rss_bytes": sum(r.rss_bytes or 0 for r in rows), "cpu_percent": round(sum(cpu), 2) if cpu else None,
         "turns": sum(r.turns for r in rows), "restarts": sum(r.restarts for r in rows),
         "daemon": {"uptime_secs": round(reply.uptime_secs, 1), "rss_bytes": reply.rss_bytes,
@@ -177,9 +182,10 @@ def render(rows: list[Row], reply: op.TopReply, sort: str, width: int, height: i
     t = totals(rows, reply)
     states = ", ".join(f"{n} {k}" for k, n in sorted(t["by_state"].items())) or "none"
     cpu = "-" if t["cpu_percent"] is None else f"{t['cpu_percent']:.0f}%"
+    waiting = f"; {t['waiting']} waiting on a person (sessionctl approve|deny ID)" if t["waiting"] else ""
     head = [
-        f"sessiond up {_age(reply.uptime_secs)}, rss {_bytes(reply.rss_bytes)}, {reply.clients} clients",
-        f"{t['sessions']} sessions ({states})",
+        f"sessiond up {_age(reply.uptime_secs)}, rss {_bytes(reply.rss_bytes)}, {plural(reply.clients, 'client')}",
+        f"{plural(t['sessions'], 'session')} ({states}){waiting}",
         f"live {t['live']}: rss {_bytes(t['rss_bytes'])}, cpu {cpu}; turns {t['turns']}, "
         f"restarts {t['restarts']}",
         f"sort: {sort} (c cpu, m rss, t turns, r restarts, a age, i id, s state, b budget; q quit)",
@@ -200,7 +206,9 @@ def render(rows: list[Row], reply: op.TopReply, sort: str, width: int, height: i
     for r in sort_rows(rows, sort):
         pct = "-" if r.cpu_percent is None else f"{r.cpu_percent:.0f}"
         budget = "-" if r.budget_percent is None else f"{r.budget_percent:.0f}%"
-        table.append(line([r.id, r.state, str(r.pid or "-"), _bytes(r.rss_bytes), pct, str(r.restarts),
+        # A turn that waits on a person: "waiting" where "running" was (JSON keeps the state).
+        state = "waiting" if r.waiting else r.state
+        table.append(line([r.id, state, str(r.pid or "-"), _bytes(r.rss_bytes), pct, str(r.restarts),
                            str(r.turns), _exit(r.last_exit), _age(r.age_secs), budget]))
     lines = [_clip(x, width) for x in head + [""] + table]
     if len(lines) > height:

@@ -363,10 +363,15 @@ class _StateCollector:
 
         counts = dict.fromkeys((s.value for s in State), 0)
         live: list[tuple[int, str]] = []
+        waiting, oldest = 0, None
         for session in self._sessions():
             counts[session.state.value] += 1
             if session.worker is not None:
                 live.append((session.memory.rss_bytes, session.id))
+            if session.pending_asks:
+                waiting += 1
+                since = min(p.since for p in session.pending_asks.values())
+                oldest = since if oldest is None else min(oldest, since)
         states = GaugeMetricFamily("sessiond_sessions", "Sessions, by state.", labels=["state"])
         for state, n in counts.items():
             states.add_metric([state], n)
@@ -383,6 +388,12 @@ class _StateCollector:
                                 "RSS of all live sessions' processes together, at the last sweep.",
                                 value=sum(value for value, _ in live))
         yield GaugeMetricFamily("sessiond_clients", "Connected control clients.", value=self._clients())
+        yield GaugeMetricFamily("sessiond_sessions_waiting",
+                                "Sessions whose running turn waits on a person (a permission request).",
+                                value=waiting)
+        yield GaugeMetricFamily("sessiond_permission_wait_seconds",
+                                "How long the oldest unanswered permission request has waited (0: none).",
+                                value=0.0 if oldest is None else max(0.0, time.time() - oldest))
 
 
 # ---------------------------------------------------------------- the endpoint

@@ -21,6 +21,7 @@ import msgspec
 
 from supervisor.config import TracingSettings
 from supervisor.errors import StartupError
+from ipc.install import install_command
 from supervisor.ops.tracing import NO_TRACER, Tracer
 
 __all__ = ["build", "protocol", "wanted"]
@@ -80,7 +81,7 @@ def build(settings: TracingSettings) -> Tracer:
         if not found:
             raise StartupError(
                 f"tracing is on ([tracing] exporter or OTEL_TRACES_EXPORTER) but OpenTelemetry is not "
-                f"installed ({module}): pip install 'sessiond[otel]'"
+                f"installed ({module}): {install_command('otel')}"
             )
     from supervisor.ops.otel import OtelTracer
 

@@ -72,6 +72,8 @@ _T = TypeVar("_T")
 
 __all__ = [
     "Abort",
+    "Answered",
+    "Asked",
     "Commit",
     "DamagedLog",
     "Fenced",
@@ -213,6 +215,31 @@ class Resume(_Rec, tag="resume"):
     reason: str
     cause: str = ""
     at: float = 0.0
+    running: str = ""  # the key of the step in flight when its worker died ("" unknown)
+
+
+class Asked(_Rec, tag="asked"):
+    """A permission request of a running turn (for `history`: the request
+    where it came, with its answer).  (A daemon older than this record, as
+    for `Resume`, reads a log holding it as damaged.)"""
+
+    turn: int
+    request_id: str
+    tool: str
+    arguments: dict[str, Any] = {}
+    at: float = 0.0  # unix time
+
+
+class Answered(_Rec, tag="answered"):
+    """Its answer: allowed or not, when, and by whom (the connection's uid
+    and the name its client gave in `Hello`)."""
+
+    turn: int
+    request_id: str
+    allowed: bool
+    at: float = 0.0
+    uid: int | None = None
+    client: str = ""
 
 
 class Mark(_Rec, tag="mark"):
@@ -243,7 +270,7 @@ class LifeEvent(_Rec, tag="life"):
 # The last LifeEvents a loaded session (and a snapshot) keeps.
 LIFE_EVENTS_KEPT = 500
 
-Record = Meta | InputRecord | Commit | Abort | Mark | LifeEvent | Step | StepStart | Resume
+Record = Meta | InputRecord | Commit | Abort | Mark | LifeEvent | Step | StepStart | Resume | Asked | Answered
 StepRecord = Step | StepStart
 
 
@@ -308,7 +335,7 @@ class LoadedSession:
                 if self.open_input is not None and self.open_input.turn == rec.turn:
                     self.open_step_records += 1
                     self.open_step_bytes += rec.size
-            case Resume():
+            case Resume() | Asked() | Answered():
                 pass
             case Commit() | Abort():
                 self.seq = max(self.seq, rec.seq)

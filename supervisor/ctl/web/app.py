@@ -241,6 +241,7 @@ async def _sse(feed: Callable[[Emit], Coroutine[Any, Any, None]],
 
     task = asyncio.create_task(run())
     closed = asyncio.ensure_future(closing.wait())
+    getter: asyncio.Future[dict[str, Any] | None] | None = None
     try:
         # Reconnect soon if the console restarts (EventSource's retry).
         yield b"retry: 1000\n\n"
@@ -261,5 +262,9 @@ async def _sse(feed: Callable[[Emit], Coroutine[Any, Any, None]],
     finally:
         # Not awaited: this generator may itself be being cancelled (the
         # page went away); the task closes its daemon connection on its own.
+        # The getter too: left waiting on the queue, it was collected later
+        # as "Task was destroyed but it is pending!" on the console's stderr.
         task.cancel()
         closed.cancel()
+        if getter is not None:
+            getter.cancel()

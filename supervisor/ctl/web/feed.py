@@ -145,7 +145,10 @@ async def _follow(client: AsyncClient, session: str, emit: Emit) -> bool:
     history = await client.history(session, HISTORY_TURNS)
     ended = [t.turn for t in history.turns if t.outcome != "open"]
     last_ended = max([*ended, history.earlier_turns])
-    emit({"type": "snapshot", "session": session, "history": plain(history),
+    told = plain(history)
+    for turn, stored in zip(told["turns"], history.turns):
+        turn["events"] = [event_dict(e) for e in stored.events]  # (tagged, as live events are)
+    emit({"type": "snapshot", "session": session, "history": told,
           "logs": [{"at": e.at, "event": event_dict(e.event)} for e in logs.entries],
           "last_exit": plain(logs.last_exit)})
     # From 0: what the daemon still keeps of the open turn (the reply so far,

@@ -14,6 +14,7 @@ import socket
 import sys
 from types import FrameType
 
+from ipc.install import install_command
 from ipc.loop import run as run_loop
 from supervisor.ctl.client import AsyncClient
 from supervisor.ctl.errors import DaemonUnavailable, RequestError
@@ -21,8 +22,7 @@ from supervisor.ctl.render import EXIT_FAILED, EXIT_OK, EXIT_SIGINT
 
 __all__ = ["run_web"]
 
-_NEEDS_EXTRA = ("sessionctl web needs starlette and uvicorn, the 'web' extra: "
-                "pip install 'sessiond[web]' (in a checkout: .venv/bin/pip install -e '.[web]')")
+_NEEDS_EXTRA = "sessionctl web needs starlette and uvicorn, the 'web' extra: "
 
 
 def run_web(socket_path: str | None, port: int, as_json: bool = False) -> int:
@@ -35,7 +35,7 @@ def run_web(socket_path: str | None, port: int, as_json: bool = False) -> int:
         from supervisor.ctl.web.conns import bounded_h11
         from supervisor.ctl.web.guard import Guard
     except ImportError as exc:
-        print(f"sessionctl: {_NEEDS_EXTRA} ({exc})", file=sys.stderr)
+        print(f"sessionctl: {_NEEDS_EXTRA}{install_command('web')} ({exc})", file=sys.stderr)
         return EXIT_FAILED
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:

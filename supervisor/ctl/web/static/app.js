@@ -28,6 +28,8 @@
     return n >= 10000 ? (n / 1000).toFixed(0) + "k" : n >= 1000 ? (n / 1000).toFixed(1) + "k" : String(n);
   }
 
+  function plural(n, word) { return n + " " + word + (n === 1 ? "" : "s"); }
+
   function tokens(usage) {
     if (!usage || (!usage.prompt_tokens && !usage.completion_tokens)) return "–";
     return "in " + count(usage.prompt_tokens) + " · out " + count(usage.completion_tokens);
@@ -112,6 +114,10 @@
     if (current.length !== order.length || current.some((tr, i) => tr !== order[i])) body.replaceChildren(...order);
     $("no-sessions").hidden = sessions.length > 0;
     if (selected && byId.has(selected)) showFacts(byId.get(selected));
+    // Sessions whose turn waits on a person: counted in the title, so that
+    // a tab in the background says it too.
+    const waiting = sessions.filter((s) => (s.waiting || []).length).length;
+    document.title = (waiting ? "(" + waiting + " waiting) " : "") + "sessiond console";
   }
 
   function rowFor(s, depth) {
@@ -125,12 +131,13 @@
       const tree = el("span", "tree");
       name.append(tree, el("span", "", s.id), el("span", "muted handler", " " + (s.handler || "")));
       const badge = el("span");
+      const waits = el("span", "state state-waiting", "waiting");
       const state = el("td");
-      state.append(badge);
+      state.append(badge, " ", waits);
       const memory = el("td", "num"), turns = el("td", "num"), used = el("td", "num"), restarts = el("td", "num");
       used.title = "tokens the session's turns used (prompt · completion)";
       tr.append(name, state, memory, turns, used, restarts);
-      r = {tr, name, tree, badge, state, memory, turns, used, restarts};
+      r = {tr, name, tree, badge, waits, state, memory, turns, used, restarts};
       rowsById.set(s.id, r);
     }
     r.tr.classList.toggle("selected", s.id === selected);
@@ -138,7 +145,11 @@
     r.tree.textContent = depth ? "└ " : "";
     r.badge.textContent = s.state;
     r.badge.className = "state state-" + s.state;
-    r.state.title = s.error || "";
+    const waiting = s.waiting || [];
+    r.waits.hidden = !waiting.length;
+    r.tr.classList.toggle("waiting", waiting.length > 0);
+    r.state.title = s.error || waiting.map((w) => "waiting on you since " + clock(w.since) + ": " + w.tool +
+                                                    " (request " + w.request_id + ")").join("\n");
     r.memory.textContent = bytes(s.rss_bytes);
     r.turns.textContent = String(s.turns);
     r.used.textContent = tokens(s.usage);
@@ -150,7 +161,7 @@
     const state = $("view-state");
     state.textContent = s.state;
     state.className = "state state-" + s.state;
-    const facts = [bytes(s.rss_bytes), s.turns + " turns", tokens(s.usage) + " tokens", s.restarts + " restarts"];
+    const facts = [bytes(s.rss_bytes), plural(s.turns, "turn"), tokens(s.usage) + " tokens", plural(s.restarts, "restart")];
     if (s.parent) facts.push("sub-agent of " + s.parent);
     if (s.error) facts.push(s.error);
     $("view-facts").textContent = facts.join(" · ");
@@ -187,7 +198,8 @@
     const s = sessions.find((x) => x.id === sid);
     if (s) showFacts(s);
     const source = new EventSource("/api/sessions/" + encodeURIComponent(sid) + "/events" + tokenQuery);
-    view = {source, sid, turns: new Map()};
+    view = {source, sid, turns: new Map(), asks: new Map()};
+    showWaiting();
     const mine = view;
     source.onmessage = (message) => { if (view === mine) onViewEvent(JSON.parse(message.data)); };
   }
@@ -213,7 +225,7 @@
       const reply = el("div", "reply");
       const end = el("div", "end");
       node.append(head, reply, end);
-      t = {node, inputText: text, reply, end, say: null, streamed: "", asks: []};
+      t = {node, inputText: text, reply, end, say: null, streamed: "", asks: [], results: new Set()};
       view.turns.set(turn, t);
       conversation().append(node);
     }
@@ -228,9 +240,20 @@
   }
 
   function say(t, text) {
-    if (!t.say) { t.say = el("div", "say"); t.reply.append(t.say); }
-    t.say.textContent += text;
     t.streamed += text;
+    if (!t.say) { t.say = el("div", "say"); t.reply.append(t.say); }
+    // A paragraph starts with its text: the blank lines that part it from
+    // the text before it (a tool call between) are the paragraph break.
+    if (!t.say.textContent) text = text.replace(/^\n+/, "");
+    t.say.textContent += text;
+  }
+
+  // The turn that is running now (its end not come): where a crash, a
+  // restart or a limit hit is marked, in place, not after the turn.
+  function openTurn() {
+    let last = null;
+    for (const t of view.turns.values()) last = t;
+    return last && !last.node.classList.contains("ended") ? last : null;
   }
 
   function folded(summary, body, cls) {
@@ -247,38 +270,57 @@
   }
 
   function toolResult(t, data) {
+    // A resumed turn sends again the results of tools that ran before its
+    // worker died: shown once (a page that missed them shows them as they were).
+    if (data.replayed && t.results.has(data.id)) return;
+    t.results.add(data.id);
     t.say = null;
     const output = String(data.output === undefined ? "" : data.output);
     const first = oneLine(output.split("\n")[0] || "", 100);
-    const status = data.ok === false ? "failed" : "ok";
-    const node = folded("↳ " + (data.name || "result") + " " + status + ": " + first +
-                        (data.truncated ? " (cut)" : ""), output, "tool result " + status);
+    // No outcome said (a turn stored before outcomes were): unknown, never "ok".
+    const status = data.ok === true ? "ok" : data.ok === false ? "failed" : "unknown";
+    const node = folded("↳ " + (data.name || "result") + " " + (status === "unknown" ? "(outcome unknown)" : status) +
+                        ": " + first + (data.truncated ? " (cut)" : ""), output, "tool result " + status);
+    if (data.replayed) node.title = "ran before the turn's worker died";
     t.reply.append(node);
     // The request for this tool, if one was waiting, has been answered.
     const ask = t.asks.find((a) => a.pending && a.tool === data.name);
     if (ask) settle(ask, "answered");
   }
 
-  function marker(text, cls) {
+  // In turn `t` (where it happened) when given, else between turns.
+  function marker(text, cls, t) {
     const node = el("div", "marker " + (cls || ""), text);
-    conversation().append(node);
+    if (t) { t.say = null; t.reply.append(node); } else conversation().append(node);
     return node;
   }
 
-  function stateMarker(ev, at) {
+  function stateMarker(ev, at, t) {
     if (!NOTABLE_STATES.has(ev.new)) return;
     const text = (at ? clock(at) + "  " : "") + ev.old + " → " + ev.new + (ev.reason ? ": " + ev.reason : "");
-    marker(text, ev.new === "restarting" || ev.new === "crashed" ? "restart" : "state");
+    marker(text, ev.new === "restarting" || ev.new === "crashed" ? "restart" : "state", t);
   }
 
-  function limitMarker(ev, at) {
-    const what = ev.ceiling  // a budget: reached at its ceiling
-      ? ev.ceiling + " = " + ev.limit + " " + ev.unit + ": " + ev.value + " " + ev.unit + " spent"
-      : ev.value + " (limit " + ev.limit + ")";
-    marker((at ? clock(at) + "  " : "") + "limit " + ev.kind + " hit: " + what, "limit");
+  // As sessionctl says it (ipc.contract.limit_text): past the limit, or at it.
+  const UNITS = {memory: "MiB", memory_high: "MiB", disk: "MiB", turn_timeout: "s", heartbeat: "s",
+                 restarts: "restarts", turns: "model calls", tool_calls: "tool calls", processes: "processes"};
+  const COUNTED = new Set(["restarts", "turns", "tool_calls", "processes"]);
+  const ONE = {restarts: "restart", "model calls": "model call", "tool calls": "tool call", processes: "process"};
+
+  function limitText(ev) {
+    if (ev.ceiling) return ev.ceiling + " = " + ev.limit + " " + ev.unit + ": " + ev.value + " " + ev.unit + " spent";
+    const unit = UNITS[ev.kind] || "";
+    const shown = COUNTED.has(ev.kind) ? ev.value.toFixed(0) : ev.value.toFixed(1);
+    if (Number(shown) > ev.limit) return shown + (COUNTED.has(ev.kind) ? "" : " " + unit) + " > " + ev.limit + " " + unit;
+    return ev.limit + " " + (ev.limit === 1 && ONE[unit] ? ONE[unit] : unit) + " reached";
   }
 
-  function permission(t, ev) {
+  function limitMarker(ev, at, t) {
+    marker((at ? clock(at) + "  " : "") + "limit " + ev.kind + ": " + limitText(ev).trim(), "limit", t);
+  }
+
+  function permission(t, ev, live) {
+    if (view.asks.has(ev.request_id)) return;  // (sent again to a client that attaches)
     const card = el("div", "ask");
     card.setAttribute("data-request", ev.request_id);
     const title = el("div", "ask-title", "permission request: ");
@@ -291,10 +333,15 @@
     const buttons = el("div", "ask-buttons");
     buttons.append(allow, deny, status);
     card.append(title, args, buttons);
-    const ask = {card, tool: ev.tool, pending: true, status, buttons: [allow, deny]};
+    const ask = {card, tool: ev.tool, pending: true, status, buttons: [allow, deny], since: Date.now() / 1000};
     t.asks.push(ask);
+    view.asks.set(ev.request_id, ask);
     t.reply.append(card);
     t.say = null;
+    if (live) {
+      showWaiting();
+      card.scrollIntoView({block: "nearest"});  // a request nobody sees is an agent that looks hung
+    }
     const answer = async (yes) => {
       for (const b of ask.buttons) b.disabled = true;
       status.textContent = yes ? "allowing…" : "denying…";
@@ -316,12 +363,43 @@
     for (const b of ask.buttons) b.disabled = true;
     ask.status.textContent = text;
     ask.card.classList.add("settled");
+    if (view) showWaiting();
+  }
+
+  // Who answered, and when (a `permission_answered` notice): on this page
+  // or elsewhere (sessionctl approve), live or read back.
+  function answered(data) {
+    const ask = view.asks.get(data.request_id);
+    if (!ask) return;
+    const text = (data.allowed ? "allowed" : "denied") + " by uid " + data.uid +
+                 (data.client ? " (" + data.client + ")" : "") + (data.at ? " at " + clock(data.at) : "");
+    settle(ask, text);
+    ask.status.textContent = text;  // (also over this page's own "allowed")
+  }
+
+  // The requests this view waits on, above the conversation: in view
+  // however far the conversation is scrolled.
+  function showWaiting() {
+    const bar = $("waiting");
+    const pending = view ? [...view.asks.entries()].filter(([, a]) => a.pending) : [];
+    bar.hidden = !pending.length;
+    const items = pending.map(([rid, a]) => {
+      const go = el("button", "link", a.tool + " (request " + rid + ")");
+      go.type = "button";
+      go.title = "show the request";
+      go.addEventListener("click", () => a.card.scrollIntoView({block: "center"}));
+      return go;
+    });
+    bar.replaceChildren(el("span", "", "waiting on you: "), ...items);
   }
 
   function endTurn(t, ev) {
     if (ev.type === "turn_done") {
+      // The reply, unless the page has shown it (whitespace aside: stored
+      // turns give each response's text apart).
       const reply = ev.reply || "";
-      if (reply && reply !== t.streamed) {
+      const squash = (x) => x.replace(/\s+/g, "");
+      if (reply && !squash(t.streamed).startsWith(squash(reply))) {
         if (reply.startsWith(t.streamed)) say(t, reply.slice(t.streamed.length));
         else { t.say = null; say(t, reply); }
       }
@@ -341,38 +419,76 @@
   function renderSnapshot(ev) {
     conversation().replaceChildren();
     view.turns = new Map();
+    view.asks = new Map();
     const h = ev.history;
     const hidden = h.turns.length ? h.turns[0].turn - 1 : (h.earlier_turns || 0) + (h.omitted_turns || 0);
     if (hidden) marker(hidden + " earlier turn(s) not shown (sessionctl history " + ev.session + " has them)", "state");
-    // Turns and kept lifecycle events in time order.
+    // The kept lifecycle events' times, by seq: a turn's own (a crash in
+    // it) are among its events, in place; the others go between turns.
+    const atBySeq = new Map(ev.logs.map((entry) => [entry.event.seq, entry.at]));
+    const inTurns = new Set();
+    for (const turn of h.turns) for (const e of turn.events || []) if (e.seq) inTurns.add(e.seq);
+    // Turns and the other kept lifecycle events in time order.
     const items = [];
     let lastAt = 0;
-    h.turns.forEach((turn, i) => { lastAt = turn.at || lastAt; items.push([lastAt, 1, i, () => historyTurn(turn)]); });
+    h.turns.forEach((turn, i) => { lastAt = turn.at || lastAt; items.push([lastAt, 1, i, () => historyTurn(turn, atBySeq)]); });
     ev.logs.forEach((entry, i) => {
       const e = entry.event;
+      if (inTurns.has(e.seq)) return;
       if (e.type === "state") items.push([entry.at, 0, i, () => stateMarker(e, entry.at)]);
       else if (e.type === "limit") items.push([entry.at, 0, i, () => limitMarker(e, entry.at)]);
     });
     items.sort((a, b) => a[0] - b[0] || a[1] - b[1] || a[2] - b[2]);
     for (const item of items) item[3]();
+    showWaiting();
     const box = conversation();
     box.scrollTop = box.scrollHeight;
   }
 
-  function historyTurn(turn) {
+  // A stored turn: its events, as the daemon tells them (the same the page
+  // got live), through the same code as live events.
+  function historyTurn(turn, atBySeq) {
     const t = turnBox(turn.turn, turn.input);
     if (turn.at) t.node.title = "input at " + clock(turn.at);
-    const results = turn.tool_results || [];
-    (turn.tool_calls || []).forEach((call, i) => {
-      toolCall(t, {name: call.name, arguments: call.arguments});
-      if (results[i]) toolResult(t, {name: results[i].name || call.name, output: results[i].output, ok: results[i].ok});
-    });
-    if (turn.outcome === "open") return;  // running: its events follow
+    if (turn.outcome === "open") return;  // running: its events follow, live
+    if (turn.events && turn.events.length) {
+      for (const e of turn.events) show(e, atBySeq.get(e.seq), t, false);
+    } else {  // (a daemon older than stored events)
+      const results = turn.tool_results || [];
+      (turn.tool_calls || []).forEach((call, i) => {
+        toolCall(t, {name: call.name, arguments: call.arguments});
+        if (results[i]) toolResult(t, {name: results[i].name || call.name, output: results[i].output, ok: results[i].ok});
+      });
+    }
     if (turn.outcome === "aborted") {
-      if (turn.reply) say(t, turn.reply);
+      if (turn.reply && !t.streamed) say(t, turn.reply);
       endTurn(t, {type: "turn_failed", reason: turn.reason || "aborted"});
     } else {
       endTurn(t, {type: "turn_done", reply: turn.reply, interrupted: turn.interrupted, usage: turn.usage});
+    }
+  }
+
+  // One event of a session, live (`t` null: its turn by its number, a
+  // marker in the running turn) or read back (`t`: the stored turn).
+  function show(ev, at, t, live) {
+    switch (ev.type) {
+      case "text": say(t || turnBox(ev.turn), ev.text); break;
+      case "notice": {
+        const turn = t || turnBox(ev.turn);
+        const d = ev.data || {};
+        if (ev.kind === "tool_call") toolCall(turn, d);
+        else if (ev.kind === "tool_result") toolResult(turn, d);
+        else if (ev.kind === "permission_answered") answered(d);
+        else if (ev.kind === "turn_resumed") {  // its worker died; the same turn goes on
+          marker("turn resumed at step " + d.step + " after " + d.reason + ": " + d.cause, "restart", turn);
+        } else { turn.say = null; turn.reply.append(folded("• " + ev.kind, json(ev.data), "notice")); }
+        break;
+      }
+      case "permission_request": permission(t || turnBox(ev.turn), ev, live); break;
+      case "turn_done": case "turn_failed": endTurn(t || turnBox(ev.turn), ev); break;
+      case "state": stateMarker(ev, at, t || openTurn()); break;
+      case "limit": limitMarker(ev, at, t || openTurn()); break;
+      default: break;
     }
   }
 
@@ -380,31 +496,17 @@
     stickToBottom(() => {
       switch (ev.type) {
         case "snapshot": renderSnapshot(ev); break;
-        case "text": say(turnBox(ev.turn), ev.text); break;
-        case "notice": {
-          const t = turnBox(ev.turn);
-          if (ev.kind === "tool_call") toolCall(t, ev.data || {});
-          else if (ev.kind === "tool_result") toolResult(t, ev.data || {});
-          else if (ev.kind === "turn_resumed") {  // its worker died; the same turn goes on
-            const d = ev.data || {};
-            t.say = null;
-            marker("turn resumed at step " + d.step + " after " + d.reason + ": " + d.cause, "restart");
-          } else { t.say = null; t.reply.append(folded("• " + ev.kind, json(ev.data), "notice")); }
-          break;
-        }
-        case "permission_request": permission(turnBox(ev.turn), ev); break;
-        case "turn_done": case "turn_failed": endTurn(turnBox(ev.turn), ev); break;
         case "state": {
-          stateMarker(ev, Date.now() / 1000);
+          show(ev, Date.now() / 1000, null, true);
           const s = sessions.find((x) => x.id === view.sid);
           if (s) { s.state = ev.new; showFacts(s); }
           if (ev.new === "deleted") view.source.close();
           break;
         }
-        case "limit": limitMarker(ev, Date.now() / 1000); break;
         case "gone": marker("session " + view.sid + ": " + ev.message, "limit"); view.source.close(); break;
         case "error": marker(ev.message, "limit"); view.source.close(); break;
-        default: break;  // "daemon": the list's feed says it
+        case "daemon": break;  // the list's feed says it
+        default: show(ev, Date.now() / 1000, null, true);
       }
     });
   }
