@@ -242,8 +242,8 @@ def test_history_lists_the_tool_calls_of_a_record_of_responses_items() -> None:
         {"type": "function_call_output", "call_id": "c1", "output": "counted 1"},
         {"role": "assistant", "content": "done"})]}
     calls, results = _tools(_encode(record))
-    assert calls == [{"name": "count", "arguments": '{"n": 1}'}]
-    assert results == [{"name": "count", "output": "counted 1"}]
+    assert calls == [{"id": "c1", "name": "count", "arguments": '{"n": 1}'}]
+    assert results == [{"id": "c1", "name": "count", "output": "counted 1"}]
 
 
 @pytest.mark.component

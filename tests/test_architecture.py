@@ -238,7 +238,7 @@ WORKER_SIDE_MAY_IMPORT: dict[str, set[str]] = {
 # lister the lister's pipe (ipc.mcplist), only the worker frames and
 # connections; none uses the daemon's or sessionctl's (operator, pacing,
 # inputs, wiregen, protogen, mcpjson, traceparent, paths).
-_CONTRACT = {"ipc.settings", "ipc.budget", "ipc.contract", "ipc.mcp", "ipc.logfields", "ipc.linux"}
+_CONTRACT = {"ipc.settings", "ipc.budget", "ipc.contract", "ipc.mcp", "ipc.logfields", "ipc.linux", "ipc.install"}
 IPC_MAY_USE: dict[str, set[str]] = {
     "session_worker.errors": set(),
     "session_worker.toolhost": set(),

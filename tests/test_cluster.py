@@ -163,7 +163,7 @@ def test_a_front_that_dies_leaves_no_worker_behind(
     assert pid is not None
     worker = psutil.Process(pid)  # every node is this machine here
     d.kill()
-    wait_for(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 20,
+    wait_for(lambda: _dead(worker), 20,
              "the node host to kill the dead front's worker")
     d.start()
     with d.client() as c:
@@ -193,7 +193,7 @@ def test_two_fronts_serve_the_same_sessions_and_one_dying_breaks_nothing(
         assert c.status(moved).node in NODE_IPS
     with a.client() as c:
         wait_for(lambda: c.status(moved).state == "hibernated", 10, "front a to let go")
-        wait_for(lambda: not psutil.pid_exists(was) or psutil.Process(was).status() == psutil.STATUS_ZOMBIE,
+        wait_for(lambda: _dead(was),
                  10, "front a's worker to be stopped")
         assert c.send_text(stays, "a2") == "2: a2"  # the other session is a's still
     a.kill()
@@ -600,9 +600,11 @@ def _drain_and_undo(d: Any, c: Any) -> None:
     assert drained in unknown.stderr  # it lists the live ones
 
 
-def _dead(proc: psutil.Process) -> bool:
+def _dead(proc: psutil.Process | int) -> bool:
     """Gone or a zombie (it may be reaped between the two questions)."""
     try:
+        if isinstance(proc, int):
+            proc = psutil.Process(proc)
         return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True

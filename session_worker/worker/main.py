@@ -56,6 +56,7 @@ from ipc.budget import Standing
 from ipc.settings import SessionSettings
 from session_worker import tracing
 from session_worker.worker import _reach, sandbox
+from session_worker.worker._logtag import name_process
 from session_worker.worker._signals import set_signal
 from session_worker.worker.factories import load_factory
 from session_worker.errors import SpawnError, StopWhileIdle, TurnFailure
@@ -628,44 +629,6 @@ async def _flush(conn: FramedProtocol[Any]) -> None:
         await asyncio.wait_for(asyncio.shield(conn.closed), 1.0)
 
 
-class _SessionTag(logging.Filter):
-    """Puts `session=ID` at the start of every line this worker logs.
-
-    A filter on the handlers, not a format: the worker keeps the handler it
-    inherited from the daemon through the zygote (journal priorities or
-    timestamps, as the daemon chose) and only adds the field, whichever
-    logger the record comes from (ours, asyncio, a handler's own)."""
-
-    def __init__(self, session: str) -> None:
-        super().__init__()
-        self.session = session
-        self.prefix = f"session={session} "
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not getattr(record, "session_tagged", False):
-            record.msg = self.prefix + str(record.msg)
-            record.session_tagged = True
-            # As fields too (journald's SESSION_ID, SESSION_UID; the JSON
-            # lines' keys): the uid is read here, as confinement changes it.
-            record.session_id = self.session
-            record.session_uid = os.getuid()
-            # A line written during a traced turn names its trace (and the
-            # span open then), as the daemon's lines about it do.
-            ids = tracing.log_ids()
-            if ids is not None:
-                record.trace_id, record.span_id = ids
-        return True
-
-
-def _name_process(session: str) -> None:
-    """The log lines carry the id; `ps` shows `sessiond: worker (booted)`,
-    not the id: other users see every process's title (docs/security.md)."""
-    setproctitle.setproctitle("sessiond: worker (booted)")
-    tag = _SessionTag(session)
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(tag)
-
-
 def run_worker(sock: socket.socket, warm_up: bool = False) -> int:
     """Entry point in the forked child; returns the exit code.
 
@@ -686,7 +649,7 @@ def run_worker(sock: socket.socket, warm_up: bool = False) -> int:
     if not isinstance(first, m.Boot):
         link.send(m.BootFailed(reason=f"expected boot, got {type(first).__name__}"))
         return EXIT_BOOT_FAILED
-    _name_process(first.session)
+    name_process(first.session)
     try:
         booted = boot(first)
     except Exception as exc:

@@ -361,15 +361,25 @@ class AsyncClient:
             attached = await self._request(m.Attach(id=self._next_id(), session=session, from_seq=from_seq),
                                            m.Attached)
             last = attached.next_seq - 1 if from_seq is None else from_seq - 1
+            asked: set[int] = set()
             while True:
                 ev = await q.get()
                 if ev is _END:
                     self._unfollow(session, q)
                     q = await self._reattach(session, last)
                     continue
+                if isinstance(ev, m.PermissionRequest) and ev.seq <= last:
+                    # One still waiting: the daemon sends it first whatever
+                    # the seq asked from; shown once across reconnections.
+                    if ev.seq not in asked:
+                        asked.add(ev.seq)
+                        yield ev
+                    continue
                 if ev.seq <= last and not isinstance(ev, m.Gap):
                     continue
                 last = ev.seq - 1 if isinstance(ev, m.Gap) else ev.seq
+                if isinstance(ev, m.PermissionRequest):
+                    asked.add(ev.seq)
                 yield ev
                 if isinstance(ev, m.StateChanged) and ev.new == "deleted":
                     return
