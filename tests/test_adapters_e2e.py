@@ -176,11 +176,11 @@ def test_a_worker_killed_with_one_tool_done_then_during_the_next_llm_call(daemon
 def test_a_daemon_killed_while_three_tools_run_resumes_the_turn(daemon: Daemon, llm: FakeLLM) -> None:
     model, sid, ws, turn = three_running(daemon, llm)
     daemon.kill()
-    turn.thread.join(10)
     daemon.start(timeout=60)
     with daemon.client() as c:
         wait_for(lambda: c.history(sid).turns[-1].outcome == "done", 60, "the turn to resume and end")
         done = c.history(sid).turns[-1]
+    turn.thread.join(30)  # its client followed the turn across the restart
     assert done.reply.endswith("all done") and [r["reason"] for r in done.resumed] == ["daemon_stopped"]
     assert sorted(lines(ws / "counter")) == ["start 0", "start 1", "start 2"]
     assert model.seen == {0: 1, 3: 1}

@@ -633,7 +633,9 @@ def _capability_steps(d: Daemon, llm: FakeLLM) -> str:
                    text_stream("done"))
         list(c.send(sid, "hog"))
         try:
-            wait_for(lambda: c.status(sid).last_exit is not None and not forks(), 15, "the kill")
+            # (A kill that cannot land says so in the log at once.)
+            wait_for(lambda: (c.status(sid).last_exit is not None and not forks())
+                     or "processes outlived the kill" in d.log, 15, "the kill")
         except AssertionError:
             return "kill: the session's processes outlived its kill"
         if "processes outlived the kill" in d.log:

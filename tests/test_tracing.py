@@ -345,12 +345,12 @@ def test_a_workers_log_line_during_a_traced_turn_names_its_trace_and_span() -> N
 
     from ipc.logfields import JsonFormatter
     from session_worker import tracing as worker_tracing
-    from session_worker.worker.main import _SessionTag
+    from session_worker.worker._logtag import SessionTag
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter())
-    handler.addFilter(_SessionTag("s1"))
+    handler.addFilter(SessionTag("s1"))
     logger = logging.getLogger("sessiond.test-worker-trace")
     logger.propagate = False
     logger.addHandler(handler)

@@ -11,10 +11,10 @@ import setproctitle
 
 from session_worker import tracing
 
-__all__ = ["name_process"]
+__all__ = ["SessionTag", "name_process"]
 
 
-class _SessionTag(logging.Filter):
+class SessionTag(logging.Filter):
     """Puts `session=ID` at the start of every line this worker logs.
 
     A filter on the handlers, not a format: the worker keeps the handler it
@@ -47,6 +47,6 @@ def name_process(session: str) -> None:
     """The log lines carry the id; `ps` shows `sessiond: worker (booted)`,
     not the id: other users see every process's title (docs/security.md)."""
     setproctitle.setproctitle("sessiond: worker (booted)")
-    tag = _SessionTag(session)
+    tag = SessionTag(session)
     for handler in logging.getLogger().handlers:
         handler.addFilter(tag)
