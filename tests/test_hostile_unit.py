@@ -604,7 +604,10 @@ def _capability_steps(d: Daemon, llm: FakeLLM) -> str:
             sid = c.create(session="caps").id  # a worker that becomes its session's uid
         except RequestError as exc:
             return f"create: {exc}"
-        uid = uid_of(c.status(sid).pid)
+        try:
+            uid = uid_of(c.status(sid).pid)
+        except psutil.NoSuchProcess:
+            return f"create: its worker is gone: {c.status(sid).last_exit}"
         # An IPC namespace made by each worker before it drops to its uid
         # (the same capability mounts the workspace images: test_disk_images.py).
         ipc = c.stats().sandbox.get("ipc", "")
