@@ -32,6 +32,12 @@ class ForkedWorker:
             code = 1
             try:
                 ours.close()
+                # Only what a worker the zygote forks has: an epoll or a
+                # file this process (pytest, an earlier test) left open
+                # is not the worker's.
+                keep = theirs.fileno()
+                os.closerange(3, keep)
+                os.closerange(keep + 1, 65536)
                 from ipc.linux import set_pdeathsig
 
                 set_pdeathsig(signal.SIGKILL)

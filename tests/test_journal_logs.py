@@ -307,7 +307,7 @@ def test_the_span_exporter_s_errors_reach_the_journal_as_errors(journal_socket: 
     with stderr.open("ab") as err:
         done = subprocess.run([sys.executable, "-P", "-m", "supervisor.ops.otel_export", settings],
                               input=len(body).to_bytes(4, "big") + body, stdout=subprocess.DEVNULL, stderr=err,
-                              env=env, timeout=30)
+                              env=env, timeout=120)  # ~1 s at rest, 30 s beside 8 busy loops
     assert done.returncode == 0
     entries = receive(journal_socket, [])
     failed = [e for e in entries if e["LOGGER"].startswith("opentelemetry.exporter")]

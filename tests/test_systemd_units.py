@@ -110,7 +110,7 @@ def verifiable_units(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
 def run_verify(*units: Path) -> tuple[int, list[str]]:
     assert ANALYZE is not None
     done = subprocess.run(
-        [ANALYZE, "verify", *map(str, units)], capture_output=True, text=True, timeout=120
+        [ANALYZE, "verify", *map(str, units)], capture_output=True, text=True, timeout=240
     )
     lines = (done.stdout + done.stderr).splitlines()
     problems = [line for line in lines if _VERIFY_PROBLEMS.search(line)]
@@ -141,7 +141,7 @@ def test_verify_check_catches_what_verify_only_warns_about(tmp_path: Path, verif
 def exposure(service: Path) -> tuple[float, str]:
     assert ANALYZE is not None
     done = subprocess.run(
-        [ANALYZE, "security", "--offline=true", str(service)], capture_output=True, text=True, timeout=120
+        [ANALYZE, "security", "--offline=true", str(service)], capture_output=True, text=True, timeout=240
     )
     output = done.stdout + done.stderr
     match = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", output)
@@ -292,7 +292,7 @@ def run_install(*args: str, env_extra: dict[str, str] | None = None) -> subproce
     env = {k: v for k, v in os.environ.items() if k != "DESTDIR"}
     env.update(env_extra or {})
     return subprocess.run(
-        ["bash", str(INSTALL), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        ["bash", str(INSTALL), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
     )
 
 
@@ -403,6 +403,7 @@ def _git_state() -> list[str] | None:
 
 
 @pytest.mark.process
+@pytest.mark.timeout(300)  # a venv and a pip install: 12 s at rest, past a minute beside 8 busy loops
 def test_staged_install_names_final_paths_leaves_the_checkout_clean_and_runs_once_moved(tmp_path: Path) -> None:
     system = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3")
                    if os.path.exists(p) and not _hidden(p) and _new_enough(p)), None)
