@@ -153,6 +153,9 @@ class RaySpawner:
         self._closing = False
         # Nodes known to be draining (node id -> address): no new worker there.
         self._draining: dict[str, str] = {}
+        # How many times this front set or cleared each node's mark: a
+        # re-read of the host's mark asked before the last one is stale.
+        self._marks_set: dict[str, int] = {}
         # Nodes whose host did not answer in time -> loop time until which
         # this front places nothing there.
         self._shunned: dict[str, float] = {}
@@ -204,11 +207,14 @@ class RaySpawner:
         """Keep a known mark only while its node host still holds it (an
         undo from another front clears it there).  A host that does not
         answer keeps it: its node may be dead, and Ray places nothing there."""
+        asked_at = self._marks_set.get(node_id, 0)
         try:
             held = await asyncio.wait_for(self._host(node_id).draining.remote(), _MARK_ASK_SECS)
         except Exception:
             return
-        if held is False:
+        # An answer to a question asked before this front set the mark
+        # again says nothing of the mark now.
+        if held is False and self._marks_set.get(node_id, 0) == asked_at:
             self._draining.pop(node_id, None)
 
     @property
@@ -511,6 +517,7 @@ class RaySpawner:
         on its node host, which tells the other fronts.  A host that
         cannot be told (its node is dying) is only logged: this front
         keeps the mark it set."""
+        self._marks_set[node_id] = self._marks_set.get(node_id, 0) + 1
         if on:
             self._draining[node_id] = ip
         else:
