@@ -47,7 +47,9 @@ class ConfigSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class LimitsSettings(ConfigSection):
-    # Live workers at once; when full the least recently used idle session hibernates.
+    # Live workers at once; when full the least recently used idle session
+    # hibernates.  Held at start to what the daemon's file descriptors allow
+    # (each live session holds 9 of them; a warning names LimitNOFILE=).
     max_concurrent_sessions: PositiveInt = 64
     # RSS cap of a worker plus all of its descendants.
     max_memory_mb: Annotated[int, Meta(ge=16)] = 1024
