@@ -215,3 +215,65 @@ def test_config_check_says_when_the_live_ceiling_does_not_fit_the_fds(tmp_path) 
     assert "max_concurrent_sessions = 64 does not fit" in tight.stderr and "LimitNOFILE=" in tight.stderr
     roomy = check(4096)
     assert roomy.returncode == 0 and "does not fit" not in roomy.stderr, roomy.stderr
+
+
+@pytest.mark.component
+def test_emfile_met_anyway_on_create_or_revive_is_capacity_and_the_session_goes_on(tmp_path) -> None:
+    """The estimate may be wrong (another thread's files, a burst of
+    connections): an EMFILE while a new session's files are made, or while
+    a hibernated one's are read for its revive, is `capacity` naming file
+    descriptors, not `internal`; the revived session is not failed and
+    answers its next input."""
+    import asyncio
+
+    from fakespawner import FakeSpawner
+    from supervisor.config import parse_config
+    from supervisor.core.manager import SessionManager
+    from supervisor.store.memory import InMemoryStateStore
+
+    fast = {"agent": {"worker": {"restart_backoff_initial_ms": 1, "restart_backoff_max_ms": 2}},
+            "tools": {"disk_quota": "measured"}}
+    store = InMemoryStateStore()
+    mgr = SessionManager(parse_config(fast, "test"), tmp_path, FakeSpawner(), store=store)
+    mgr.load_all()
+    emfile = OSError(errno.EMFILE, "Too many open files")
+
+    async def body() -> None:
+        real_create = store.create
+
+        def no_fds(*args: object, **kwargs: object) -> object:
+            try:
+                raise emfile
+            except OSError as exc:
+                raise write_error("s2/fence", exc) from exc
+
+        store.create = no_fds  # type: ignore[assignment,method-assign]
+        with pytest.raises(Capacity) as told:
+            await mgr.create(1000, "s2", "echo", {})
+        assert "file descriptors" in told.value.message and "s2" not in mgr.sessions
+        store.create = real_create  # type: ignore[method-assign]
+
+        session = await mgr.create(1000, "s", "echo", {})
+        await mgr._hibernate(session, "test")
+        assert session.state.value == "hibernated"
+        real_read = session.store.read_for_boot_soon
+
+        def unreadable() -> asyncio.Future[object]:
+            fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+            fut.set_exception(emfile)
+            session.store.read_for_boot_soon = real_read  # type: ignore[method-assign]
+            return fut
+
+        session.store.read_for_boot_soon = unreadable  # type: ignore[method-assign]
+        with pytest.raises(Capacity) as told:
+            await mgr.send(session, "hi", None)
+        assert "file descriptors" in told.value.message
+        for _ in range(2000):
+            if session.state.value in ("idle", "hibernated"):
+                break
+            await asyncio.sleep(0.005)
+        assert session.state.value in ("idle", "hibernated"), session.state
+        accepted = await mgr.send(session, "again", None)
+        assert accepted.turn == 1
+
+    asyncio.run(asyncio.wait_for(body(), 20))
