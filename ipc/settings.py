@@ -47,7 +47,9 @@ class ConfigSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class LimitsSettings(ConfigSection):
-    # Live workers at once; when full the least recently used idle session hibernates.
+    # Live workers at once; when full the least recently used idle session
+    # hibernates.  Held at start to what the daemon's file descriptors allow
+    # (each live session holds 9 of them; a warning names LimitNOFILE=).
     max_concurrent_sessions: PositiveInt = 64
     # RSS cap of a worker plus all of its descendants.
     max_memory_mb: Annotated[int, Meta(ge=16)] = 1024
@@ -59,6 +61,12 @@ class LimitsSettings(ConfigSection):
     # refuses the fork past it; else the memory sweep counts and kills.
     # None = no limit (root's tools are never limited by RLIMIT_NPROC).
     max_processes: Annotated[int, Meta(ge=8)] | None = 512
+    # RLIMIT_NOFILE of the worker and everything it starts (tools, bash, MCP
+    # servers), soft and hard alike, so a tool cannot raise it: without it
+    # they would inherit the daemon's raised limit and one session could
+    # take the host's whole file table (fs.file-max).  1024 is what systemd
+    # gives a service's processes.
+    max_open_files: Annotated[int, Meta(ge=64, le=1 << 20)] = 1024
     # RLIMIT_FSIZE: the largest file a worker or tool may write.  None = inherited.
     max_file_size_mb: Annotated[int, Meta(ge=1)] | None = None
     # Blocks the session's workspace may hold (allocated: fallocate counts).

@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.mcp.servers and importlib.util.find_spec("mcp") is None:
             print(f"sessiond: warning: {args.path}: [[mcp.servers]] needs the MCP SDK, which is not "
                   f"installed: {install_command('mcp')}", file=sys.stderr)
+        from supervisor.daemon import fd_clamp_here
+
+        if clamp := fd_clamp_here(cfg):
+            print(f"sessiond: warning: {args.path}: with this shell's hard RLIMIT_NOFILE, {clamp}", file=sys.stderr)
         for warning in _mcp_warnings(cfg):
             print(f"sessiond: warning: {args.path}: {warning}", file=sys.stderr)
         if missing:

@@ -56,6 +56,7 @@ from supervisor.config import (
 from supervisor.cluster import drain, fencing, wiring as cluster
 from supervisor.ops import metrics, tracing_config
 from supervisor.ops.reload import Reloader
+from supervisor.core import fdbudget
 from supervisor.core.manager import SessionManager
 from supervisor.core.mcpcatalog import McpCatalog
 from supervisor.core.admission import Identities, listening_group, resolve_group
@@ -361,13 +362,11 @@ def _inherited_socket() -> socket.socket | None:
     return None
 
 
-def _raise_nofile_limit() -> None:
-    # Every session costs the daemon a socket and a log fd; systemd's default
-    # soft limit of 1024 is far below its hard limit.
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+def fd_clamp_here(cfg: Config) -> str:
+    """For `config check`: whether max_concurrent_sessions fits the fds a
+    daemon started from this shell could have (the unit's LimitNOFILE=
+    decides where it runs); '' when it does."""
+    return fdbudget.FdBudget.of(resource.getrlimit(resource.RLIMIT_NOFILE)[1], cfg).clamped(cfg)
 
 
 def run_daemon(
@@ -385,7 +384,7 @@ def run_daemon(
     setproctitle.setproctitle("sessiond: daemon")
     faulthandler.enable()  # a watchdog SIGABRT leaves the stuck stack in the journal
     large_allocations_mapped()  # clients' large buffers go back to the system when freed
-    _raise_nofile_limit()
+    fdbudget.raise_nofile_limit()
     state_dir = state_dir or default_state_dir(cfg)
     socket_path = socket_path or daemon_socket_path(cfg)
     # Held until this process exits; the zygote (close_fds) does not inherit it.
@@ -551,6 +550,7 @@ def _build(
         open_stored=fronts.open_stored if fronts is not None else None,
         # Cluster mode: remote workers' memory as their nodes measure it.
         remote=spawner if isinstance(spawner, RaySpawner) else None, tracer=tracer,
+        fds=fdbudget.at_start(cfg),  # the live sessions the daemon's fds hold
     )
     drainer = drain.Drainer(manager, spawner, manager.events, manager.workers)
 

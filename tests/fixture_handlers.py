@@ -294,6 +294,23 @@ def boot_once(init: HandlerInit) -> BootOnce:
     return BootOnce(init)
 
 
+_FD_PROBE = """
+import os, resource
+try:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1 << 16, 1 << 16))
+    raised = "raised"
+except (ValueError, OSError):
+    raised = "kept"
+n = 0
+try:
+    while n < 1 << 20:
+        os.open("/dev/null", os.O_RDONLY)
+        n += 1
+except OSError as exc:
+    print(raised, exc.errno, n, *resource.getrlimit(resource.RLIMIT_NOFILE))
+"""
+
+
 class WhoAmI(_Base):
     """Replies with the worker's uid, its workspace owner and its limits."""
 
@@ -315,6 +332,14 @@ class WhoAmI(_Base):
             libc = ctypes.CDLL(None, use_errno=True)
             ident = libc.shmget(0, ctypes.c_size_t(int(text.split()[1])), 0o1600)  # IPC_PRIVATE, IPC_CREAT
             return TurnResult(f"shm {ident}" if ident >= 0 else f"shmget failed: {ctypes.get_errno()}", record=None)
+        if text == "fds":  # a tool (a child process) tries to raise RLIMIT_NOFILE, then opens fds until refused
+            import sys
+
+            probe = await asyncio.create_subprocess_exec(sys.executable, "-c", _FD_PROBE,
+                                                         stdout=asyncio.subprocess.PIPE)
+            out, _ = await probe.communicate()
+            limit = resource.getrlimit(resource.RLIMIT_NOFILE)
+            return TurnResult(f"worker={limit[0]},{limit[1]} tool={out.decode().strip()}", record=None)
         if text.startswith("write "):
             mib = int(text.split()[1])
             try:

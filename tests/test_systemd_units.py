@@ -192,6 +192,8 @@ def test_service_contract() -> None:
     assert seconds(one(unit, svc, "TimeoutStopSec")) >= DAEMON_GRACE_SECS + 10
     assert one(unit, svc, "OOMPolicy") == "continue"
     assert one(unit, svc, "MemoryMax")
+    # The daemon's fds: sized for the documented live sessions (supervisor.core.fdbudget).
+    assert int(one(unit, svc, "LimitNOFILE")) >= 500 * 9 + 1024
     # State survives stops; the runtime dir holds the activated socket, so it
     # must survive them too.
     assert one(unit, svc, "StateDirectory") == "sessiond"

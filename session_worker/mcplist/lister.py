@@ -117,6 +117,9 @@ def main() -> int:
     if settings.agent.limits.max_file_size_mb is not None:
         size = settings.agent.limits.max_file_size_mb << 20
         resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+    # As a session's worker (session_worker.worker.main): soft and hard, never above the hard one we got.
+    files = min(settings.agent.limits.max_open_files, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
     workspace = Path(order.workspace)
     sandbox.configure(sandbox.plan_for(order.sandbox, settings, workspace, per_session_uid=order.own_uid))
     try:

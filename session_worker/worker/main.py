@@ -434,6 +434,10 @@ def _confine(settings: SessionSettings, uid: int | None, gid: int | None) -> str
     if limits.max_file_size_mb is not None:
         size = limits.max_file_size_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+    # Hard too: a tool may not raise it back to the daemon's (raised) limit;
+    # never above the hard limit we got (an unprivileged worker may not raise it).
+    files = min(limits.max_open_files, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
     if uid is not None and os.geteuid() == 0:
         run_gid = gid if gid is not None else uid
         parent = os.getppid()

@@ -55,6 +55,7 @@ from supervisor.api import listing, peer, transfer
 from supervisor.api.accept import Acceptor
 from supervisor.errors import BadRequest, Conflict, PermissionDenied, SessiondError
 from supervisor.core.manager import SessionManager
+from supervisor.core.fdbudget import out_of_fds
 from supervisor.ops.metrics import NO_METRICS, Recorder
 from supervisor.ops.tracing import NO_TRACER, Tracer, TurnTrace
 from ipc.traceparent import parse_traceparent
@@ -338,6 +339,8 @@ class ClientConn:
             if code in m.NEW_ERROR_CODES and code not in self.error_codes:
                 code = m.ErrorCode.INTERNAL  # an older client would fail to decode it
             return m.Error(id=rid, code=code, message=exc.message)
+        if (refusal := out_of_fds(exc)) is not None:  # whatever opened a file: a refusal, not a bug
+            return m.Error(id=rid, code=refusal.code, message=refusal.message)
         log.error("request %s from %s failed", type(msg).__name__, self.name, exc_info=exc)
         return m.Error(id=rid, code=m.ErrorCode.INTERNAL, message=f"internal error: {exc}")
 

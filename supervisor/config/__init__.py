@@ -101,8 +101,9 @@ class DaemonSettings(ConfigSection):
     # Live sessions (holding a worker) one non-admin uid may have at once:
     # past it that uid's own least recently used idle session is hibernated
     # to make room, else its request is refused (capacity); other users are
-    # not affected.  0 = half of [agent.limits] max_concurrent_sessions
-    # (rounded up), so that one user never holds every live slot.
+    # not affected.  0 = half of [agent.limits] max_concurrent_sessions as
+    # the daemon's fds hold it (rounded up), so that one user never holds
+    # every live slot.
     max_live_sessions_per_uid: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
     # Tasks (processes and threads) all sessions of one owner uid may hold
     # together: the pids.max of its level in the sessions' cgroups (u-UID),

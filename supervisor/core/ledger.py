@@ -41,6 +41,7 @@ from supervisor.errors import Conflict, Internal, NoSpace, SessiondError
 from supervisor.core.asks import Asks
 from supervisor.core.budgets import Budgets
 from supervisor.core.events import EventLog
+from supervisor.core.fdbudget import out_of_fds
 from supervisor.ops.logtag import tagged
 from supervisor.ops.metrics import NO_METRICS, Recorder
 from supervisor.core.session import PendingInput, Session, Suspension, WorkerProc
@@ -639,6 +640,8 @@ def store_failure(prefix: str, exc: StoreError) -> SessiondError:
     `conflict` for an id another daemon sharing the store took first."""
     if isinstance(exc, StoreFull):
         return NoSpace(f"{prefix}{exc}")
+    if (refusal := out_of_fds(exc, prefix)) is not None:
+        return refusal
     if isinstance(exc, IdTaken):
         return Conflict(f"{prefix}{exc}")
     return Internal(f"{prefix}{exc}")

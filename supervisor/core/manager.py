@@ -59,6 +59,7 @@ from supervisor.core.sweep import Sweeper
 from supervisor.core.workers import Pending, WorkerOwner, describe_exit
 from supervisor.core.workspaces import Workspaces
 from supervisor.core.admission import Admission, Identities, SessionUids
+from supervisor.core.fdbudget import FdBudget
 
 __all__ = ["SessionManager"]
 
@@ -81,7 +82,7 @@ class SessionManager:
         holds: Holds | None = None,
         open_stored: Callable[[str], tuple[SessionLog, LoadedSession]] | None = None,
         remote: RemoteFigures | None = None,
-        tracer: Tracer = NO_TRACER,
+        tracer: Tracer = NO_TRACER, fds: FdBudget | None = None,
     ) -> None:
         self.config = config
         self.state_dir = state_dir
@@ -118,7 +119,7 @@ class SessionManager:
             on_fenced=(lambda session, exc: holds.fenced(self.holding, session, exc)) if holds is not None else None,
             metrics=metrics, tracer=tracer, budgets=self.budgets,
         )
-        self.slots = LiveSlots(current, self.sessions, self.is_admin, self._hibernating, self._hibernate)
+        self.slots = LiveSlots(current, self.sessions, self.is_admin, self._hibernating, self._hibernate, fds)
         self.subagents = Subagents(self, self.sessions, tracer)
         self.workers = WorkerOwner(
             current, spawner, self.events, self.ledger, self.proc_table, self.workspaces, self.spawn_task,
@@ -290,6 +291,7 @@ class SessionManager:
         return sum(1 for s in self.sessions.values() if s.current_turn is not None)
 
     def check_quota(self, uid: int) -> None:
+        self.slots.check_fds()  # before a new session's files are opened
         limit = self.config.daemon.max_sessions_per_uid
         held = sum(1 for s in self.sessions.values() if s.meta.owner_uid == uid)
         if held >= limit and not self.is_admin(uid):

@@ -71,6 +71,7 @@ ALLOWED: dict[str, Rule] = {
     "agent.limits.memory_high_mb": _C,
     "agent.limits.max_processes": _C,
     "agent.limits.max_file_size_mb": _C,
+    "agent.limits.max_open_files": _C,  # RLIMIT_NOFILE: only fewer fds than the operator's
     "agent.limits.max_disk_mb": _C,  # only a smaller quota (None lifts none: refused)
     "agent.limits.max_disk_inodes": _C,
     "agent.worker.heartbeat_interval_secs": _C,  # a longer one would blunt hang detection

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 
 from supervisor.config import Config
+from supervisor.core.fdbudget import FdBudget
 from supervisor.errors import Capacity
 from supervisor.ops.logtag import tagged
 from supervisor.core.session import Session
@@ -28,10 +29,11 @@ __all__ = ["LiveSlots", "per_uid_ceiling"]
 log = logging.getLogger("sessiond.manager")
 
 
-def per_uid_ceiling(config: Config) -> int:
-    """[daemon] max_live_sessions_per_uid, 0 meaning half of
-    max_concurrent_sessions (rounded up), never above the daemon-wide one."""
-    total = config.agent.limits.max_concurrent_sessions
+def per_uid_ceiling(config: Config, total: int | None = None) -> int:
+    """[daemon] max_live_sessions_per_uid, 0 meaning half of the daemon-wide
+    live ceiling (`total`: max_concurrent_sessions as the fds clamp it;
+    rounded up), never above it."""
+    total = config.agent.limits.max_concurrent_sessions if total is None else total
     own = config.daemon.max_live_sessions_per_uid or (total + 1) // 2
     return max(1, min(own, total))
 
@@ -39,8 +41,9 @@ def per_uid_ceiling(config: Config) -> int:
 class LiveSlots:
     def __init__(self, config: Callable[[], Config], sessions: dict[str, Session],
                  is_admin: Callable[[int], bool], hibernating: set[str],
-                 hibernate: Callable[[Session, str], Awaitable[None]]) -> None:
+                 hibernate: Callable[[Session, str], Awaitable[None]], fds: FdBudget | None = None) -> None:
         self._config = config
+        self.fds = fds  # None: not measured (tests of the manager alone)
         self._sessions = sessions
         self._is_admin = is_admin
         self._hibernating = hibernating
@@ -56,11 +59,20 @@ class LiveSlots:
             and (uid is None or s.meta.owner_uid == uid)
         )
 
-    def has_room(self, uid: int) -> bool:
+    def ceiling(self) -> int:
+        """Live sessions at most, daemon-wide."""
         cfg = self._config()
-        if not self._is_admin(uid) and self.count(uid=uid) >= per_uid_ceiling(cfg):
+        return self.fds.live_ceiling(cfg) if self.fds is not None else cfg.agent.limits.max_concurrent_sessions
+
+    def check_fds(self) -> None:
+        """`capacity` naming file descriptors unless one more session can start."""
+        if self.fds is not None:
+            self.fds.check()
+
+    def has_room(self, uid: int) -> bool:
+        if not self._is_admin(uid) and self.count(uid=uid) >= per_uid_ceiling(self._config(), self.ceiling()):
             return False
-        return self.count() < cfg.agent.limits.max_concurrent_sessions
+        return self.count() < self.ceiling()
 
     async def make_room(self, session: Session) -> None:
         """Keep `session`'s owner under its ceiling and live workers under
@@ -68,7 +80,7 @@ class LiveSlots:
         session (the owner's own for its ceiling), or refuse with `capacity`."""
         uid = session.meta.owner_uid
         if not self._is_admin(uid):
-            while self.count(session, uid) >= (ceiling := per_uid_ceiling(self._config())):
+            while self.count(session, uid) >= (ceiling := per_uid_ceiling(self._config(), self.ceiling())):
                 victim = self._idle(session, uid)
                 if victim is None:
                     raise Capacity(
@@ -76,14 +88,13 @@ class LiveSlots:
                         "max_live_sessions_per_uid); try again when one of its turns ends"
                     )
                 await self._evict(victim, session, "max_live_sessions_per_uid")
-        while self.count(session) >= (limit := self._config().agent.limits.max_concurrent_sessions):
+        while self.count(session) >= (limit := self.ceiling()):
             victim = self._idle(session, None)
             if victim is None:
-                raise Capacity(
-                    f"all {limit} live sessions are busy (max_concurrent_sessions); "
-                    "try again when a turn ends"
-                )
+                setting = self.fds.busy_refusal(self._config()) if self.fds else "max_concurrent_sessions"
+                raise Capacity(f"all {limit} live sessions are busy ({setting}); try again when a turn ends")
             await self._evict(victim, session, "max_concurrent_sessions")
+        self.check_fds()  # after evictions: a hibernated session's fds are closed
 
     def _idle(self, session: Session, uid: int | None) -> Session | None:
         idle = [

@@ -40,6 +40,7 @@ from supervisor.ops.metrics import NO_METRICS, Recorder
 from supervisor.spawn.seams import Spawner, SpawnerDied
 from supervisor.core.session import Session, WorkerProc
 from supervisor.store.state_store import Fenced, StoreDamaged, StoreError
+from supervisor.core.fdbudget import out_of_fds
 from supervisor.core.states import LIVE, RestartPolicy, State, Trigger
 from supervisor.core.workspaces import Workspaces
 
@@ -147,6 +148,8 @@ class WorkerOwner:
             self.drop_pending(pending)
             if isinstance(exc, StoreDamaged) and self._damaged is not None:
                 raise self._damaged(session, exc) from None
+            if (refusal := out_of_fds(exc, "cannot open its files: ")) is not None:
+                raise refusal from None  # a refusal: nothing of the session is touched
             if isinstance(exc, OSError):
                 raise Internal(f"cannot read its state: {exc}") from None
             raise

@@ -8,6 +8,7 @@ by the file store (supervisor.store.files) and the in-memory one.
 
 from __future__ import annotations
 
+import errno
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -141,6 +142,8 @@ def _read_snapshot(path: Path) -> tuple[Snapshot | None, str]:
     except FileNotFoundError:
         return None, ""
     except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise  # the daemon is out of fds, the file is fine: the caller refuses (`capacity`)
         return None, f"{path.name} cannot be read: {exc.strerror}"
     if data[:4] == _SNAP_MAGIC:
         if len(data) < _SNAP_HEAD.size:
