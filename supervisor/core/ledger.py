@@ -196,7 +196,7 @@ class TurnLedger:
             elif session.worker is not None:
                 # It has an input the log does not: it must restart from the log.
                 tagged(log, session.id).error("input not saved (%s)", exc)
-                self.on_unsaved(session, session.worker, "its input could not be saved")
+                self.on_unsaved(session, session.worker, f"its input could not be saved: {exc}")
             self._input_durable(session, store_failure("input not accepted: ", exc))
             return
         self._input_durable(session)
@@ -247,7 +247,9 @@ class TurnLedger:
         if isinstance(exc, Fenced):
             self.on_fenced(session, exc)
         elif session.worker is not None:
-            self.on_unsaved(session, session.worker, "its turn could not be saved")
+            # (Why, with the store's words: a turn begun on it before it is
+            # gone fails with them too.)
+            self.on_unsaved(session, session.worker, f"its turn could not be saved: {exc}")
 
     def _unsaved(self, session: Session, exc: Fenced) -> None:
         if session.worker is not None:
