@@ -191,13 +191,15 @@ class TurnLedger:
         if pending is None or pending.accepted.turn != session.current_turn:
             return  # covered by a later flush (the commit's), or the turn is over
         if exc is not None:
+            self._input_durable(session, store_failure("input not accepted: ", exc))
+            # Refused, so over: never resumed on the next worker as if accepted.
+            self.end(session, failed=f"its input could not be saved: {exc}")
             if isinstance(exc, Fenced):
                 self.on_fenced(session, exc)
             elif session.worker is not None:
                 # It has an input the log does not: it must restart from the log.
                 tagged(log, session.id).error("input not saved (%s)", exc)
                 self.on_unsaved(session, session.worker, f"its input could not be saved: {exc}")
-            self._input_durable(session, store_failure("input not accepted: ", exc))
             return
         self._input_durable(session)
 
