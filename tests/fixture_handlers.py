@@ -108,6 +108,22 @@ def big_reply(init: HandlerInit) -> BigReply:
     return BigReply(init)
 
 
+class BigEcho(_Base):
+    """Echo (`N: TEXT`) followed by 32 KiB: a turn whose commit is far
+    larger than its input, so that on a nearly full disk the input is
+    saved and the commit is not."""
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        n = self.turns + 1
+        await asyncio.sleep(0)
+        self.turns = n
+        return TurnResult(f"{n}: {text}" + "." * 32768, record=1)
+
+
+def big_echo(init: HandlerInit) -> BigEcho:
+    return BigEcho(init)
+
+
 class Leaky(_Base):
     """Input N: allocate N MiB in 8 MiB steps (touching every page), then hold it."""
 

@@ -9,6 +9,8 @@ import pytest
 
 import asyncio
 import dataclasses
+import errno
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +24,7 @@ from ipc import messages as m
 from ipc.settings import SessionSettings
 from supervisor.core.admission import Admission, Identities
 from supervisor.config import parse_config
-from supervisor.errors import Capacity
+from supervisor.errors import Capacity, NoSpace
 from supervisor.core.manager import SessionManager
 from supervisor.store.memory import InMemoryStateStore
 from supervisor.core.session import Session, valid_session_id
@@ -403,5 +405,44 @@ def test_a_worker_lost_with_its_node_is_node_lost_even_after_a_heartbeat_kill(tm
         assert session.last_exit is not None and session.last_exit.reason == "node_lost"
         assert session.last_exit.detail == "lost the node host on 10.0.0.7 (ActorDiedError)"
         assert watcher.of(m.TurnFailed)[0].reason.startswith("node_lost: lost the node host on 10.0.0.7")
+
+    _run(body)
+
+
+def test_an_input_the_store_could_not_save_is_never_resumed_on_the_next_worker(tmp_path: Path) -> None:
+    """Issue 32: the sender of an input whose flush failed (a full disk, a
+    database away) is told `no_space`; its worker, ahead of the log, is
+    restarted from it, uncharged.  A handler that marks steps had that
+    refused turn held open and resumed on the next worker, so a turn its
+    client was told was not accepted ran to the end and was reported done."""
+    mgr, spawner, store = _core(tmp_path)
+
+    def marks_steps(w: FakeWorker, msg: m.ToWorker) -> bool:
+        if isinstance(msg, m.Boot):
+            w.turns = msg.turns
+            w.send(m.Ready(pid=w.pid, uses_steps=True))
+            return True
+        # (It works on it; a resumed one it ends at once.)
+        return isinstance(msg, m.Input) and msg.text == "refused" and msg.resumed is None
+
+    async def body() -> None:
+        spawner.next_behaviour = marks_steps
+        session = await mgr.create(1000, "s", "echo", {})
+        watcher = Recorder()
+        mgr.attach(session, watcher, None)
+        first = _worker(spawner, session)
+        spawner.next_behaviour = marks_steps
+        store.flush_error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        with pytest.raises(NoSpace):
+            await mgr.send(session, "refused", None)
+        store.flush_error = None
+        await _until(lambda: session.worker is not None and session.worker.pid != first.pid
+                     and session.state.value == "idle", "the restart from the log")
+        assert not [x for x in _worker(spawner, session).got if isinstance(x, m.Input)], "the refused turn resumed"
+        assert not watcher.of(m.TurnDone)
+        assert session.policy is not None and session.policy.not_charged().attempts_in_window == 0
+        accepted = await mgr.send(session, "next", None)
+        await _until(lambda: watcher.of(m.TurnDone), "the next turn")
+        assert [e.turn for e in watcher.of(m.TurnDone)] == [accepted.turn]
 
     _run(body)

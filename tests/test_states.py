@@ -175,6 +175,18 @@ def test_restart_policy_forgets_failures_outside_the_window() -> None:
     assert p.on_failure(21.0).attempts_in_window == 1
 
 
+def test_a_restart_the_store_caused_is_not_counted_in_the_window() -> None:
+    """A worker restarted because the store could not save its turn (a full
+    disk, supervisor.core.resync) is not failing: any number of those leave
+    the intensity as it was (issue 32: 5 full-disk turns failed the session)."""
+    p = RestartPolicy(max_attempts=2, window_secs=60, initial_ms=100, max_ms=1000)
+    p.on_failure(0.0)
+    for _ in range(10):
+        d = p.not_charged()
+        assert d.restart and d.delay_secs == 0.1 and d.attempts_in_window == 1
+    assert p.on_failure(1.0).restart and not p.on_failure(2.0).restart
+
+
 def test_zero_attempts_means_never_restart() -> None:
     assert not RestartPolicy(0, 60, 100, 1000).on_failure(0.0).restart
 

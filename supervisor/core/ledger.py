@@ -192,13 +192,15 @@ class TurnLedger:
         if pending is None or pending.accepted.turn != session.current_turn:
             return  # covered by a later flush (the commit's), or the turn is over
         if exc is not None:
+            self._input_durable(session, store_failure("input not accepted: ", exc))
+            # Refused, so over: never resumed on the next worker as if accepted.
+            self.end(session, failed=f"its input could not be saved: {exc}")
             if isinstance(exc, Fenced):
                 self.on_fenced(session, exc)
             elif session.worker is not None:
                 # It has an input the log does not: it must restart from the log.
                 tagged(log, session.id).error("input not saved (%s)", exc)
-                self.on_unsaved(session, session.worker, "its input could not be saved")
-            self._input_durable(session, store_failure("input not accepted: ", exc))
+                self.on_unsaved(session, session.worker, f"its input could not be saved: {exc}")
             return
         self._input_durable(session)
 
@@ -248,7 +250,9 @@ class TurnLedger:
         if isinstance(exc, Fenced):
             self.on_fenced(session, exc)
         elif session.worker is not None:
-            self.on_unsaved(session, session.worker, "its turn could not be saved")
+            # (Why, with the store's words: a turn begun on it before it is
+            # gone fails with them too.)
+            self.on_unsaved(session, session.worker, f"its turn could not be saved: {exc}")
 
     def _unsaved(self, session: Session, exc: Fenced) -> None:
         if session.worker is not None:

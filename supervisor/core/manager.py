@@ -113,7 +113,7 @@ class SessionManager:
         self.budgets = Budgets(self.sessions, self.store.spend, metrics)
         self.ledger = TurnLedger(
             self.events,
-            on_unsaved=lambda session, worker, why: self.workers.kill(session, worker, ExitReason.CRASHED, why),
+            on_unsaved=lambda session, worker, why: self.workers.kill(session, worker, ExitReason.CRASHED, why, charged=False),
             on_turn_started=lambda session, turn: self.sweeper.arm_turn_timer(session, turn),
             on_turn_ended=lambda session: self.sweeper.disarm_turn(session),
             on_fenced=(lambda session, exc: holds.fenced(self.holding, session, exc)) if holds is not None else None,

@@ -95,6 +95,10 @@ class WorkerProc:
     # session (killed_disk) rather than a client.
     stop_reason: ExitReason | None = None
     kill_detail: str = ""
+    # Whether its exit counts against the session's restart intensity: not
+    # when it was killed because the store could not save what it sent (a
+    # full disk, a database away: not its fault).
+    charged: bool = True
     # Its Ready said the handler marks its work with ctx.step.
     uses_steps: bool = False
 

@@ -163,5 +163,10 @@ class RestartPolicy:
         delay_ms = min(self.initial_ms * (2 ** (n - 1)), self.max_ms)
         return RestartDecision(True, delay_ms / 1000.0, n)
 
+    def not_charged(self) -> RestartDecision:
+        """A restart that is not the worker's failure (the store could not
+        save what it sent): soon, and not counted within the window."""
+        return RestartDecision(True, self.initial_ms / 1000.0, len(self._failures))
+
     def reset(self) -> None:
         self._failures.clear()

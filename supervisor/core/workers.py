@@ -308,13 +308,19 @@ class WorkerOwner:
 
     # ---------------------------------------------------------------- kills and exits
 
-    def kill(self, session: Session, worker: WorkerProc, reason: ExitReason, detail: str) -> None:
+    def kill(self, session: Session, worker: WorkerProc, reason: ExitReason, detail: str,
+             charged: bool = True) -> None:
         """The one way a live session's worker is killed for a reason of its
         own: recorded (so its exit is classified once, as `reason`), logged,
-        and its whole tree killed.  The first reason stands."""
+        and its whole tree killed.  The first reason stands.  `charged=False`:
+        the store, not the worker, is at fault (it is ahead of the log, which
+        could not save its input or its turn): it restarts from the log, and
+        that restart is not counted against the restart intensity, so a full
+        disk sends no session to `failed`."""
         if worker.kill_reason is None:
             worker.kill_reason = reason
             worker.kill_detail = detail
+            worker.charged = charged
         tagged(log, session.id).warning("%s: %s; killing worker %d and its processes",
                                         reason, detail, worker.pid)
         self.spawner.kill_tree(worker.pid, session.memory.escapees())
@@ -381,7 +387,7 @@ class WorkerOwner:
             return  # start()'s caller decides (create fails, revive retries)
         if session.state in LIVE:
             self._events.set_state(session, Trigger.EXIT, reason=reason)
-            self.schedule_restart(session)
+            self.schedule_restart(session, charged=worker.charged)
 
     async def terminate(self, session: Session, expected: str, grace: float) -> None:
         """Stop a worker and everything it started, trio-style: ask, wait,
@@ -486,7 +492,9 @@ class WorkerOwner:
 
     # ---------------------------------------------------------------- restarts
 
-    def schedule_restart(self, session: Session) -> None:
+    def schedule_restart(self, session: Session, charged: bool = True) -> None:
+        """`charged`: the exit counts against the restart intensity (not one
+        the store caused: `kill`)."""
         if self._closing():
             return
         ws = session.settings.agent.worker
@@ -495,7 +503,7 @@ class WorkerOwner:
                 ws.max_restart_attempts, ws.restart_window_secs,
                 ws.restart_backoff_initial_ms, ws.restart_backoff_max_ms,
             )
-        decision = session.policy.on_failure(time.monotonic())
+        decision = session.policy.on_failure(time.monotonic()) if charged else session.policy.not_charged()
         if not decision.restart:
             tagged(log, session.id).error("giving up restarting it after %d failures within %gs (last: %s); "
                                           "`sessionctl restart %s` tries again",

@@ -87,14 +87,16 @@ def fdatasync(fd: int) -> None:
     os.fdatasync(fd)
 
 
-def write_error(what: str, exc: OSError) -> StoreError:
+def write_error(what: str, exc: OSError, where: Path | None = None) -> StoreError:
     """Our error for a failed write; `StoreFull` when space ran out, so that
-    the client hears `no_space` and what to do, not `internal`."""
+    the client hears `no_space` and what to do, not `internal`.  `where`:
+    the directory whose file system is full, named to whoever reads it."""
     if exc.errno == errno.EFBIG:
         return StoreFull(f"cannot write {what}: No space left on device "
                          "(the file size limit, RLIMIT_FSIZE, was reached)")
     if exc.errno in _FULL_ERRNOS:
-        return StoreFull(f"cannot write {what}: {exc.strerror}; free some space in the state directory")
+        place = f" ({where})" if where is not None else ""
+        return StoreFull(f"cannot write {what}: {exc.strerror}; free some space in the state directory{place}")
     return StoreError(f"cannot write {what}: {exc.strerror}")
 
 
@@ -102,7 +104,7 @@ def full_error(what: str, exc: OSError, journal: Journal | None) -> StoreError:
     """`write_error`, and when space ran out (not the file size limit) the
     journal checkpoints at once, since it holds a second copy of what the
     logs hold (`Journal.free_space`), and the error says so."""
-    err = write_error(what, exc)
+    err = write_error(what, exc, journal.root if journal is not None else None)
     if isinstance(err, StoreFull) and journal is not None and exc.errno != errno.EFBIG:
         return StoreFull(f"{err}; {journal.free_space()}")
     return err
@@ -181,7 +183,7 @@ class Journal:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, self._end - self._base)
             if exc.errno in _FULL_ERRNOS and exc.errno != errno.EFBIG:
-                raise StoreFull(f"{write_error('the journal', exc)}; {self.free_space()}") from exc
+                raise StoreFull(f"{write_error('the journal', exc, self.root)}; {self.free_space()}") from exc
             if exc.errno != errno.EFBIG or self._end == self._base:
                 raise write_error("the journal", exc) from exc
             # The file size limit: a fresh journal may still have room.
@@ -296,7 +298,7 @@ class Journal:
                 fut.set_result(None)
 
     def _fail(self, exc: OSError) -> StoreError:
-        err = write_error("the journal", exc)
+        err = write_error("the journal", exc, self.root)
         log.error("%s; every append not yet durable is discarded", err)
         with self._cond:
             self._epoch += 1
