@@ -57,6 +57,7 @@ from supervisor.cluster import drain, fencing, wiring as cluster
 from supervisor.ops import metrics, tracing_config
 from supervisor.ops.reload import Reloader
 from supervisor.core.manager import SessionManager
+from supervisor.core.recorder import NO_METRICS
 from supervisor.core.mcpcatalog import McpCatalog
 from supervisor.core.admission import Identities, listening_group, resolve_group
 from supervisor.cluster.ray_spawner import RaySpawner  # (imports Ray only when used)
@@ -545,7 +546,7 @@ def _build(
         state_dir, identities.run_as, identities.session_uids, sandbox_boot), lambda new: manager.reload(new))
     manager = SessionManager(
         catalog.attach(cfg), state_dir, spawner, identities=identities,
-        sandbox=sandbox_boot, cgroups=cgroups[0], cgroups_why=cgroups[1], store=store, metrics=recorder or metrics.NO_METRICS,
+        sandbox=sandbox_boot, cgroups=cgroups[0], cgroups_why=cgroups[1], store=store, metrics=recorder or NO_METRICS,
         # Another daemon may take a session over (the store fences): release, claim back.
         holds=fronts.holds if fronts is not None else fencing.Fencing(),
         open_stored=fronts.open_stored if fronts is not None else None,
@@ -560,7 +561,7 @@ def _build(
         spawner.keep_spares(new.daemon.spare_workers)
 
     reloader = Reloader(config_path, lambda: manager.config, apply, lambda: _status_line(manager))
-    server = ControlServer(manager, metrics=recorder or metrics.NO_METRICS, drain=drainer.handle,
+    server = ControlServer(manager, metrics=recorder or NO_METRICS, drain=drainer.handle,
                            reload=reloader.reload, tracer=tracer)
     return _Parts(manager, server, recorder, fronts, reloader)
 

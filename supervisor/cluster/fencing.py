@@ -32,7 +32,7 @@ import logging
 from collections.abc import Callable
 
 from supervisor.errors import Conflict, NotFound, NotHeld
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.core.holding import Holding
 from supervisor.core.session import Session
 from supervisor.store.state_store import (

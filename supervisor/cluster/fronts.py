@@ -56,7 +56,7 @@ import psycopg
 
 from supervisor.cluster import fencing
 from supervisor.cluster.fencing import UnheldLog
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.store.postgres.link import PgLink
 from supervisor.store.postgres.batch import CHANNEL
 from supervisor.store.postgres.store import PgSessionLog, PgStateStore

@@ -35,7 +35,7 @@ from supervisor.core.limits import MIB, REMOTE_PIDS
 from supervisor.core.session import Session, WorkerProc
 from supervisor.core.workspaces import Workspaces
 from supervisor.errors import Capacity
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.spawn.ceilings import Ceilings, read_ceilings, user_shares
 from supervisor.spawn.cgroups import Cgroups, OomMark, Shares
 from supervisor.spawn.pidfd import kill_uid

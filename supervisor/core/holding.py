@@ -31,7 +31,7 @@ from supervisor.core.session import Session
 from supervisor.core.states import LIVE, State, Trigger
 from supervisor.core.workers import WorkerOwner
 from supervisor.core.workspaces import Workspaces
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.store.state_store import Fenced, LoadedSession, Meta, SessionLog, StateStore
 
 __all__ = ["Holding", "Holds"]

@@ -41,10 +41,10 @@ from supervisor.errors import Conflict, Internal, NoSpace, SessiondError
 from supervisor.core.asks import Asks
 from supervisor.core.budgets import Budgets
 from supervisor.core.events import EventLog
-from supervisor.ops.logtag import tagged
-from supervisor.ops.metrics import NO_METRICS, Recorder
+from supervisor.logtag import tagged
+from supervisor.core.recorder import NO_METRICS, Recorder
 from supervisor.core.session import PendingInput, Session, Suspension, WorkerProc
-from supervisor.ops.tracing import NO_TRACER, Tracer, TurnTrace
+from supervisor.core.tracer import NO_TRACER, Tracer, TurnTrace
 from supervisor.core.states import State, Trigger
 from supervisor.core.steps import DAEMON_STOPPED, cause_of, plan_resume, resumes_after, step_problem
 from supervisor.store.state_store import (
@@ -104,7 +104,7 @@ class TurnLedger:
         """Start a turn on the session's worker; the future resolves (and
         `on_accepted` is called, synchronously, before any later event of
         the turn) once the input is durable.  `trace`: the input's, from its
-        arrival (supervisor.ops.tracing), when tracing is on."""
+        arrival (supervisor.core.tracer), when tracing is on."""
         turn = session.turns + 1
         worker = session.worker
         assert worker is not None

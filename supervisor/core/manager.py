@@ -42,9 +42,9 @@ from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger, store_failure
 from supervisor.core.holding import Holding, Holds
 from supervisor.core.limits import ProcTable, RemoteFigures
-from supervisor.ops.logtag import tagged
-from supervisor.ops.metrics import NO_METRICS, Recorder
-from supervisor.ops.tracing import NO_TRACER, Tracer, TurnTrace
+from supervisor.logtag import tagged
+from supervisor.core.recorder import NO_METRICS, Recorder
+from supervisor.core.tracer import NO_TRACER, Tracer, TurnTrace
 from supervisor.core.overrides import OverrideError, choose_handler, resolve_overrides
 from supervisor.spawn.seams import Spawner
 from supervisor.core.session import Session, Subscriber, damaged_hint, valid_session_id
@@ -422,7 +422,7 @@ class SessionManager:
     ) -> m.Accepted:
         """Start a turn; returns once its input is durable.  `on_accepted`
         is called at that moment, before any later event of the turn
-        (`trace`: the input's, supervisor.ops.tracing)."""
+        (`trace`: the input's, supervisor.core.tracer)."""
         if self._closing:
             raise Conflict("the daemon is shutting down; no new turns")
         async with session.lock:

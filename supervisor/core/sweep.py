@@ -61,7 +61,7 @@ from supervisor.core.limits import (
     turn_deadline_left,
 )
 from supervisor.core.measure import PROC_READS, Kind, Read, host_identity, name_thread, run_batch
-from supervisor.ops.metrics import NO_METRICS, Recorder
+from supervisor.core.recorder import NO_METRICS, Recorder
 from supervisor.core.session import Session, WorkerProc
 from supervisor.core.states import State, Trigger
 from supervisor.core.workers import WorkerOwner

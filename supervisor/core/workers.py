@@ -35,8 +35,8 @@ from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger
 from supervisor.core.containment import Containment
 from supervisor.core.limits import ProcTable, SessionMemory
-from supervisor.ops.logtag import tagged
-from supervisor.ops.metrics import NO_METRICS, Recorder
+from supervisor.logtag import tagged
+from supervisor.core.recorder import NO_METRICS, Recorder
 from supervisor.spawn.seams import Spawner, SpawnerDied
 from supervisor.core.session import Session, WorkerProc
 from supervisor.store.state_store import Fenced, StoreDamaged, StoreError

@@ -34,7 +34,7 @@ from supervisor.core.admission import Admission, SessionUids
 from supervisor.core import btrfs
 from supervisor.core.diskquota import IMAGES, QuotaPath, detect
 from supervisor.errors import Capacity, Internal, NoLoopDevice, SessiondError
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.core.overrides import check_handler
 from supervisor.core.session import Session, valid_session_id
 from supervisor.spawn import diskimage, sysvipc
