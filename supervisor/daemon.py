@@ -59,7 +59,8 @@ from supervisor.ops.reload import Reloader
 from supervisor.core.manager import SessionManager
 from supervisor.core.recorder import NO_METRICS
 from supervisor.core.mcpcatalog import McpCatalog
-from supervisor.core.admission import Identities, listening_group, resolve_group
+from supervisor.core.admission import Identities
+from supervisor.host.users import listening_group, resolve_group
 from supervisor.cluster.ray_spawner import RaySpawner  # (imports Ray only when used)
 from supervisor.api.server import ControlServer
 from supervisor.spawn.spawner import ZygoteSpawner

@@ -41,7 +41,7 @@ from supervisor.core.damage import Damage
 from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger, store_failure
 from supervisor.core.holding import Holding, Holds
-from supervisor.core.limits import ProcTable, RemoteFigures
+from supervisor.host.proctable import ProcTable, RemoteFigures
 from supervisor.logtag import tagged
 from supervisor.core.recorder import NO_METRICS, Recorder
 from supervisor.core.tracer import NO_TRACER, Tracer, TurnTrace
@@ -150,14 +150,9 @@ class SessionManager:
 
     def load_all(self) -> None:
         """Restore every session on disk; live ones come back hibernated."""
-        self.sessions_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if self.workspaces.separate_users:
-            # Workers running as another user must reach their workspace:
-            # traverse (not list) the state dir; sessions/ stays private.
-            workspaces = self.workspaces.root()
-            workspaces.mkdir(parents=True, exist_ok=True)
-            workspaces.chmod(0o711)
-            self.state_dir.chmod(0o711)
+        # Workers running as another user must reach their workspace:
+        # traverse (not list) the state dir; sessions/ stays private.
+        self.workspaces.open_dirs(self.sessions_dir)
         for session_id in self.store.ids():
             try:
                 store, loaded = self._open_stored(session_id)

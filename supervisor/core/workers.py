@@ -15,10 +15,9 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 import msgspec
 
@@ -34,7 +33,8 @@ from supervisor.errors import Capacity, Conflict, Internal, SessiondError
 from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger
 from supervisor.core.containment import Containment
-from supervisor.core.limits import ProcTable, SessionMemory
+from supervisor.core.limits import SessionMemory
+from supervisor.host.proctable import ProcTable
 from supervisor.logtag import tagged
 from supervisor.core.recorder import NO_METRICS, Recorder
 from supervisor.spawn.seams import Spawner, SpawnerDied
@@ -42,6 +42,9 @@ from supervisor.core.session import Session, WorkerProc
 from supervisor.store.state_store import Fenced, StoreDamaged, StoreError
 from supervisor.core.states import LIVE, RestartPolicy, State, Trigger
 from supervisor.core.workspaces import Workspaces
+
+if TYPE_CHECKING:
+    import socket  # a worker's socket is only handed on (the core does no I/O of its own)
 
 __all__ = ["WorkerOwner", "describe_exit"]
 
@@ -51,7 +54,7 @@ _worker_decoder = msgspec.msgpack.Decoder(m.FromWorker)
 _settings_encoder = msgspec.msgpack.Encoder()
 _WORKER_FRAME_LIMIT = 1 << 30
 
-Pending = asyncio.Future[tuple[int, socket.socket]]
+Pending: TypeAlias = "asyncio.Future[tuple[int, socket.socket]]"
 
 
 @runtime_checkable
