@@ -53,21 +53,22 @@ from supervisor.config import (
     uid_range,
     workspace_root,
 )
-from supervisor.cluster import drain, fencing, wiring as cluster
 from supervisor.ops import metrics, tracing_config
 from supervisor.ops.reload import Reloader
 from supervisor.core.manager import SessionManager
 from supervisor.core.recorder import NO_METRICS
 from supervisor.core.mcpcatalog import McpCatalog
+from supervisor.core import drainreq, fencing
 from supervisor.core.admission import Identities
 from supervisor.host.users import listening_group, resolve_group
-from supervisor.cluster.ray_spawner import RaySpawner  # (imports Ray only when used)
 from supervisor.api.server import ControlServer
 from supervisor.spawn.spawner import ZygoteSpawner
 from supervisor.store.state_store import StateStore, StoreError
 
+# supervisor/cluster/: imported only where configured (tests/test_daemon_imports.py).
 if TYPE_CHECKING:
     from supervisor.cluster.fronts import Fronts  # (psycopg: the optional `cluster` extra)
+    from supervisor.cluster.ray_spawner import RaySpawner
 
 __all__ = ["StartupError", "run_daemon"]
 
@@ -415,6 +416,7 @@ def run_daemon(
     _check_store_driver(cfg)
     spawner: Spawner
     if clustered:
+        from supervisor.cluster import wiring as cluster  # Ray's side: only when configured
         try:
             spawner = cluster.join(cfg)
         except cluster.ClusterUnavailable as exc:
@@ -543,7 +545,11 @@ def _build(
         recorder = metrics.PrometheusRecorder(lambda: manager.sessions.values(), lambda: len(server.clients),
                                               per_session, tracer.stats)
     # The lazy MCP servers' tool lists, in the config sessions run with (cluster mode: none).
-    catalog = McpCatalog(None if isinstance(spawner, RaySpawner) else mcplist.lister_for(
+    ray: RaySpawner | None = None  # cluster mode: the spawner is cluster.join's
+    if cfg.cluster.backend == "ray":
+        from supervisor.cluster.ray_spawner import RaySpawner  # only when configured
+        ray = spawner if isinstance(spawner, RaySpawner) else None
+    catalog = McpCatalog(None if ray is not None else mcplist.lister_for(
         state_dir, identities.run_as, identities.session_uids, sandbox_boot), lambda new: manager.reload(new))
     manager = SessionManager(
         catalog.attach(cfg), state_dir, spawner, identities=identities,
@@ -551,10 +557,12 @@ def _build(
         # Another daemon may take a session over (the store fences): release, claim back.
         holds=fronts.holds if fronts is not None else fencing.Fencing(),
         open_stored=fronts.open_stored if fronts is not None else None,
-        # Cluster mode: remote workers' memory as their nodes measure it.
-        remote=spawner if isinstance(spawner, RaySpawner) else None, tracer=tracer,
+        remote=ray, tracer=tracer,  # cluster mode: remote workers' memory as their nodes measure it
     )
-    drainer = drain.Drainer(manager, spawner, manager.events, manager.workers)
+    drain = drainreq.no_nodes(manager.is_admin)  # every session here: `sessionctl drain` is refused
+    if ray is not None:
+        from supervisor.cluster.drain import Drainer
+        drain = Drainer(manager, ray, manager.events, manager.workers).handle
 
     def apply(new: Config) -> None:
         preload.reloaded(manager.config, new)
@@ -562,7 +570,7 @@ def _build(
         spawner.keep_spares(new.daemon.spare_workers)
 
     reloader = Reloader(config_path, lambda: manager.config, apply, lambda: _status_line(manager))
-    server = ControlServer(manager, metrics=recorder or NO_METRICS, drain=drainer.handle,
+    server = ControlServer(manager, metrics=recorder or NO_METRICS, drain=drain,
                            reload=reloader.reload, tracer=tracer)
     return _Parts(manager, server, recorder, fronts, reloader)
 

@@ -32,7 +32,7 @@ session's state, at the point that knows what they mean):
     ├── StoreFull                       for want of space (ENOSPC, EDQUOT, EFBIG; PostgreSQL's disk)
     ├── IdTaken (also FileExistsError)  a create found its id taken by another daemon
     ├── Fenced                          a newer generation opened the session for writing
-    │   └── NotHeld                     this front does not hold the session (cluster/fencing.py)
+    │   └── NotHeld                     this front does not hold the session (core/fencing.py)
     ├── HeldElsewhere                   a claim refused: another daemon is running a turn of it
     ├── StoreDamaged                    the stored session is corrupt; loading must not paper over it
     ├── Unreachable                     PostgreSQL could not be reached within retry_secs

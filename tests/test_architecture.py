@@ -491,7 +491,7 @@ def test_a_session_s_fields_are_written_only_by_their_owner() -> None:
 def test_the_ownership_checker_sees_a_stray_write() -> None:
     owners, worker_fields = _owners()
     src = "def f(session, manager):\n    session.seq += 1\n    session.worker.stop_reason = 1\n    session.state = 2\n"
-    assert len(_field_writes("supervisor.cluster.fencing", src, owners, worker_fields)) == 3
+    assert len(_field_writes("supervisor.core.fencing", src, owners, worker_fields)) == 3
     assert _field_writes("supervisor.core.events", "def f(session):\n    session.seq += 1\n",
                          owners, worker_fields) == []
 

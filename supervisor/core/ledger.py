@@ -87,7 +87,7 @@ class TurnLedger:
         self.on_turn_started = on_turn_started
         self.on_turn_ended = on_turn_ended  # (disarm its timeout)
         # ... and with a session that another daemon took over
-        # (supervisor.cluster.fencing); without one, as a worker ahead of the disk.
+        # (supervisor.core.fencing); without one, as a worker ahead of the disk.
         self.on_fenced: Callable[[Session, Fenced], None] = on_fenced or self._unsaved
         self.metrics = metrics
         self._tracer = tracer

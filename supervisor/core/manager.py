@@ -131,7 +131,7 @@ class SessionManager:
         self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
                                self._hibernate_soon, stop=self.stop, workspaces=self.workspaces,
                                closing=closing, metrics=metrics)
-        # What a session held by another daemon may have done to it (supervisor.cluster.fencing).
+        # What a session held by another daemon may have done to it (supervisor.core.fencing).
         self.holding = Holding(current, self.sessions, self.store, self.events, self.ledger, self.workers,
                                self.workspaces, self.settings_for, self.spawn_task, self.forget)
         # How a stored session is opened at start: claimed (alone), or read (supervisor.cluster.fronts).
@@ -422,7 +422,7 @@ class SessionManager:
             raise Conflict("the daemon is shutting down; no new turns")
         async with session.lock:
             if session.state is State.HIBERNATED:
-                await self.workers.claim(session)  # held elsewhere since? (supervisor.cluster.fencing)
+                await self.workers.claim(session)  # held elsewhere since? (supervisor.core.fencing)
             if session.state is State.HIBERNATED:
                 # Room first, so that "no room" leaves it hibernated.
                 await self.slots.make_room(session)

@@ -179,7 +179,7 @@ class Session:
     turn_timer: asyncio.TimerHandle | None = None
     kill_timer: asyncio.TimerHandle | None = None
     # Why its stored state failed to load (state DAMAGED), or that another
-    # daemon holds it (supervisor.cluster.fencing); None otherwise.
+    # daemon holds it (supervisor.core.fencing); None otherwise.
     error: str | None = None
     # DAMAGED with no readable metadata: meta is a stand-in.
     meta_lost: bool = False

@@ -106,7 +106,7 @@ class WorkerOwner:
         self.metrics = metrics
         # LiveSlots.make_room: a live worker's room, hibernating others for it.
         self._make_room = make_room
-        # Takes a session held by another daemon back first (supervisor.cluster.fencing).
+        # Takes a session held by another daemon back first (supervisor.core.fencing).
         self._claim = claim or _no_room_needed
         # Damage.at_boot: a boot's read found the log damaged (supervisor.core.damage).
         self._damaged = damaged
@@ -559,7 +559,7 @@ class WorkerOwner:
         """Whether another daemon took the session over since it was loaded
         (daemons sharing a database): then it is not restarted here, where a
         second worker would run on the other daemon's records, but handed
-        to the ledger's `on_fenced` (supervisor.cluster.fencing stops it).  Checked
+        to the ledger's `on_fenced` (supervisor.core.fencing stops it).  Checked
         by making the restart's mark durable: the commit is fenced.  A
         store that cannot write for another reason does not stop the
         restart (the mark was never a promise to anyone)."""

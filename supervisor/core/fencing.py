@@ -1,7 +1,8 @@
 """Sessions held by another daemon: let go of them here, and claim them
 back when asked.
 
-Runs in the daemon's loop.  Every store fences its writers (see
+Runs in the daemon's loop.  In the core, not in supervisor/cluster/: every
+daemon needs it, a plain one on a file store too.  Every store fences its writers (see
 supervisor.store.state_store): once another daemon loaded a session (a second
 daemon on the same PostgreSQL database, a front that was frozen or cut off
 while another took its sessions over), this daemon's next commit for it is
