@@ -23,7 +23,7 @@ Answered to a client (the server maps each to an ipc Error{code, message}):
 The daemon's own (the core turns them into one of the above, or into a
 session's state, at the point that knows what they mean):
 
-    StartupError                        the daemon cannot start; the text says what to fix (daemon.py)
+    StartupError                        the daemon cannot start; the text says what to fix (startup.py)
     ClusterUnavailable                  cluster mode cannot start: Ray or its token (cluster/wiring.py)
     ConfigError                         config.toml or a --set value cannot be used (config.py)
     OverrideError                       a --set a client may not make; names the key (core/overrides.py)

@@ -98,10 +98,13 @@ FOLDER_MAY_IMPORT: dict[str, set[str]] = {
     # Several machines: wires the core to Ray and to other daemons.
     "supervisor.cluster": {"supervisor.config", "supervisor.errors", "supervisor.logtag",
                            "supervisor.spawn", "supervisor.store", "supervisor.host", "supervisor.core"},
+    # The start-up checks the composition root runs first (state directory, sockets, identities, host).
+    "supervisor.startup": {"supervisor.config", "supervisor.errors", "supervisor.logtag", "supervisor.ops",
+                           "supervisor.spawn", "supervisor.host", "supervisor.core"},
     # The composition root: the one place that builds and connects the parts.
     "supervisor.daemon": {"supervisor.config", "supervisor.errors", "supervisor.logtag", "supervisor.ops",
                           "supervisor.spawn", "supervisor.store", "supervisor.host", "supervisor.core",
-                          "supervisor.api", "supervisor.cluster"},
+                          "supervisor.api", "supervisor.cluster", "supervisor.startup"},
     "supervisor.cli": {"supervisor.config", "supervisor.daemon"},
     # Another process (sessionctl, an application): none of the daemon.
     "supervisor.ctl": set(),
