@@ -106,7 +106,7 @@ def run_daemon(
         try:
             spawner = cluster.join(cfg)
         except cluster.ClusterUnavailable as exc:
-            raise StartupError(str(exc)) from None
+            raise StartupError(str(exc)) from exc
     else:
         spawner = ZygoteSpawner(preload=preload.modules(cfg), expose=os.geteuid() == 0 and any(identities))
         spawner.start()  # before any loop or thread exists
@@ -251,6 +251,7 @@ def _load(loop: asyncio.AbstractEventLoop, parts: _Parts) -> None:
             parts.fronts.start(loop, parts.manager, parts.manager.holding)  # listening first: nothing said meanwhile is missed
         parts.manager.load_all()
     except StoreError as exc:  # the database went away since it was opened
+        # Not chained: the driver's error under it may quote the DSN, password and all.
         raise StartupError(f"cannot read the sessions: {exc}") from None
 
 
@@ -312,14 +313,15 @@ def _open_store(cfg: Config, state_dir: Path) -> tuple[StateStore | None, Fronts
     try:
         front = front_id(state_dir)
     except StoreError as exc:
-        raise StartupError(str(exc)) from None
+        raise StartupError(str(exc)) from exc  # (a file of ours: no secret in it)
     except OSError as exc:
         raise StartupError(f"{state_dir / 'front-id'}: cannot write this daemon's name there: "
-                           f"{exc.strerror or exc}") from None
+                           f"{exc.strerror or exc}") from exc
     try:
         store = PgStateStore(cfg.store.dsn, retry_secs=cfg.store.retry_secs, front=front,
                              check_claim=claim_check(front))
     except StoreError as exc:
+        # Not chained, here and below: the driver's error under it may quote the DSN, password and all.
         raise StartupError(f"[store] backend = \"postgres\": {exc}") from None
     log.info("state in PostgreSQL (%s)", store.where)
     try:

@@ -107,7 +107,7 @@ def check_ancestors(path: Path, what: str) -> None:
         except FileNotFoundError:
             return
         except OSError as exc:
-            raise StartupError(f"{what} {path}: cannot check {directory}: {exc.strerror}") from None
+            raise StartupError(f"{what} {path}: cannot check {directory}: {exc.strerror}") from exc
         if not stat.S_ISDIR(st.st_mode):
             return  # not a directory: the caller's own checks say so
         if st.st_uid not in (0, euid):
@@ -146,26 +146,26 @@ def lock_state_dir(path: Path) -> int:
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
-        raise StartupError(f"cannot open the lock file {lock_path}: {exc.strerror}") from None
+        raise StartupError(f"cannot open the lock file {lock_path}: {exc.strerror}") from exc
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except BlockingIOError as exc:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
         raise StartupError(
             f"state directory {path} is in use by another sessiond (pid {holder}, which holds "
             f"{lock_path}); stop that daemon first, or give this one its own --state-dir"
-        ) from None
+        ) from exc
     except OSError as exc:
         os.close(fd)
-        raise StartupError(f"cannot lock {lock_path}: {exc.strerror}") from None
+        raise StartupError(f"cannot lock {lock_path}: {exc.strerror}") from exc
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     except OSError as exc:
         os.close(fd)
         raise StartupError(f"state directory {path} is not usable: cannot write {lock_path}: "
-                           f"{exc.strerror}") from None
+                           f"{exc.strerror}") from exc
     return fd
 
 
@@ -179,7 +179,7 @@ def check_state_dir(path: Path) -> int:
         raise StartupError(
             f"state directory {path} is not usable: {exc.strerror or exc}"
             " (set [daemon] state_dir or --state-dir to a writable directory)"
-        ) from None
+        ) from exc
     lock_fd = lock_state_dir(path)
     try:
         _prepare_state_dir(path)
@@ -200,7 +200,7 @@ def _prepare_state_dir(path: Path) -> None:
         raise StartupError(
             f"state directory {path} is not usable: {exc.strerror or exc}"
             " (set [daemon] state_dir or --state-dir to a writable directory)"
-        ) from None
+        ) from exc
     check_ancestors(path, "state directory")  # now with what we created
 
 
@@ -227,7 +227,7 @@ def prepare_socket_path(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
     except OSError as exc:
-        raise StartupError(f"cannot create the socket directory {path.parent}: {exc.strerror}") from None
+        raise StartupError(f"cannot create the socket directory {path.parent}: {exc.strerror}") from exc
     check_ancestors(path.parent, "socket directory")
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
@@ -246,7 +246,7 @@ def bind_socket(path: Path, mode: int, group: str = "") -> socket.socket:
         sock.bind(str(path))
     except OSError as exc:
         sock.close()
-        raise StartupError(f"cannot bind {path}: {exc.strerror}") from None
+        raise StartupError(f"cannot bind {path}: {exc.strerror}") from exc
     finally:
         os.umask(old_umask)
     if group:
@@ -281,7 +281,7 @@ def bind_metrics(cfg: Config) -> socket.socket | None:
         raise StartupError(
             f"[daemon] metrics_listen = {cfg.daemon.metrics_listen!r}: cannot listen there: "
             f"{exc.strerror or exc}"
-        ) from None
+        ) from exc
 
 
 # ---------------------------------------------------------------- who runs what
@@ -316,8 +316,8 @@ def resolve_worker_user(cfg: Config) -> tuple[int, int] | None:
         return None
     try:
         entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
-    except (KeyError, ValueError):
-        raise StartupError(f"[daemon] worker_user: no such user {name!r}") from None
+    except (KeyError, ValueError) as exc:
+        raise StartupError(f"[daemon] worker_user: no such user {name!r}") from exc
     if os.geteuid() != 0 and entry.pw_uid != os.geteuid():
         raise StartupError(
             f"[daemon] worker_user = {name!r} needs the daemon to run as root "
@@ -394,7 +394,7 @@ def probe_sandbox(cfg: Config, identities: Identities, state_dir: Path, socket_p
         uid, gid = who if who is not None else (None, None)
         return sandbox.probe(cfg.sandbox, uid, gid, hide, counted)
     except sandbox.SandboxUnavailable as exc:
-        raise StartupError(str(exc)) from None
+        raise StartupError(str(exc)) from exc
 
 
 def check_store_driver(cfg: Config) -> None:

@@ -43,8 +43,8 @@ def resolve_group(name: str) -> int:
     """[daemon] socket_group as a gid (a name or a number)."""
     try:
         return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
-    except KeyError:
-        raise StartupError(f"[daemon] socket_group: no such group {name!r}") from None
+    except KeyError as exc:
+        raise StartupError(f"[daemon] socket_group: no such group {name!r}") from exc
 
 
 def _group_name(gid: int) -> str:
