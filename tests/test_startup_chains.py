@@ -1,4 +1,4 @@
-"""The start-up checks keep the cause of their refusals (`raise ... from
+"""The daemon's refusals keep their cause (`raise ... from
 exc`): the OSError or lookup under a StartupError stays on it for whoever
 debugs it, while sessiond prints the one line (supervisor/cli.py).  Where
 the cause could quote a secret (the PostgreSQL driver's errors, which may
@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 
 from supervisor import startup
-from supervisor.errors import StartupError
+from supervisor.core.drainreq import check_request
+from supervisor.errors import BadRequest, StartupError
 from supervisor.host.users import resolve_group
 
-pytestmark = pytest.mark.component
-
-
+@pytest.mark.component
 def test_a_state_directory_that_cannot_be_made_keeps_its_oserror(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -25,6 +24,7 @@ def test_a_state_directory_that_cannot_be_made_keeps_its_oserror(tmp_path: Path)
     assert isinstance(caught.value.__cause__, OSError), caught.value.__cause__
 
 
+@pytest.mark.component
 def test_a_socket_directory_that_cannot_be_made_keeps_its_oserror(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -33,7 +33,15 @@ def test_a_socket_directory_that_cannot_be_made_keeps_its_oserror(tmp_path: Path
     assert isinstance(caught.value.__cause__, OSError), caught.value.__cause__
 
 
+@pytest.mark.component
 def test_an_unknown_socket_group_keeps_the_lookup_that_failed() -> None:
     with pytest.raises(StartupError, match="no such group") as caught:
         resolve_group("sessiond-no-such-group-31")
     assert isinstance(caught.value.__cause__, KeyError), caught.value.__cause__
+
+
+@pytest.mark.pure
+def test_a_drain_request_naming_no_node_keeps_the_parse_that_failed() -> None:
+    with pytest.raises(BadRequest, match="neither an IP address nor a Ray node id") as caught:
+        check_request("not-a-node", None)
+    assert isinstance(caught.value.__cause__, ValueError), caught.value.__cause__

@@ -32,8 +32,8 @@ def check_request(node: object, timeout_secs: object) -> tuple[str, float | None
     if not _NODE_ID.fullmatch(node):
         try:
             node = str(ipaddress.ip_address(node))
-        except ValueError:
-            raise BadRequest(f"{node[:80]!r} is neither an IP address nor a Ray node id") from None
+        except ValueError as exc:
+            raise BadRequest(f"{node[:80]!r} is neither an IP address nor a Ray node id") from exc
     if timeout_secs is None:
         return node, None
     if (not isinstance(timeout_secs, (int, float)) or isinstance(timeout_secs, bool)

@@ -183,9 +183,9 @@ async def claim(ops: Holding, session: Session) -> None:
     try:
         held, loaded = ops.store.load(session.id)
     except HeldElsewhere as exc:
-        raise Conflict(str(exc)) from None
-    except KeyError:
-        raise NotFound(f"session {session.id} was removed by another daemon") from None
+        raise Conflict(str(exc)) from None  # unchained: a database's error may quote its DSN
+    except KeyError as exc:
+        raise NotFound(f"session {session.id} was removed by another daemon") from exc
     if (bad := ops.stored_problem(loaded.meta)) is not None:
         held.close()  # checked again as on create (supervisor.core.workspaces): not acted on
         raise Conflict(f"session {session.id} cannot be taken over: {bad[0]}")

@@ -318,7 +318,7 @@ class SessionManager:
             try:
                 settings = resolve_overrides(self.config.session_settings(), overrides).settings
             except OverrideError as exc:
-                raise BadRequest(str(exc)) from None
+                raise BadRequest(str(exc)) from exc
         handler = choose_handler(handler, settings, checked=parent is not None)
         # Order the worker first: the zygote forks (or hands over a spare)
         # while this process fsyncs the new session to disk.
@@ -351,12 +351,12 @@ class SessionManager:
             # Durable while the worker boots (`_boot_new`): the create is
             # answered only once both are done.
             store = self.store.create(meta, durable=False)
-        except FileExistsError:
+        except FileExistsError as exc:
             self.workers.drop_pending(pending)
-            raise Conflict(f"session {session_id!r} already exists") from None
+            raise Conflict(f"session {session_id!r} already exists") from exc
         except StoreError as exc:
             self.workers.drop_pending(pending)
-            raise store_failure("", exc) from None
+            raise store_failure("", exc) from None  # unchained: a database's error may quote its DSN
         session = Session(id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING,
                           ring=self.events.new_ring())
         self.sessions[session_id] = session
@@ -567,8 +567,8 @@ class SessionManager:
         it as at start-up (hibernated, or stopped/failed as it was)."""
         try:
             how = RepairMode(mode)
-        except ValueError:
-            raise BadRequest(f"unknown repair mode {mode!r}: use skip_bad or truncate") from None
+        except ValueError as exc:
+            raise BadRequest(f"unknown repair mode {mode!r}: use skip_bad or truncate") from exc
         async with session.lock:
             if session.state is not State.DAMAGED:
                 raise Conflict(f"session {session.id} is {session.state}, not damaged; nothing to repair")
@@ -581,7 +581,7 @@ class SessionManager:
             except StoreError as exc:
                 raise store_failure(f"session {session.id} could not be repaired: ", exc) from None
             except OSError as exc:
-                raise Internal(f"session {session.id} could not be repaired: {exc}") from None
+                raise Internal(f"session {session.id} could not be repaired: {exc}") from exc
             tagged(log, session.id).warning("repaired (%s): %d record(s) kept, %d intact record(s) and "
                                             "%d damaged byte(s) dropped", how.value, result.kept_records,
                                             result.dropped_records, result.dropped_bytes)
