@@ -34,7 +34,7 @@ SECCOMP_MACHINES = ("x86_64", "amd64")
 # btrfs's ioctls that make or destroy a subvolume or a snapshot
 # (linux/btrfs.h: SNAP_CREATE, SUBVOL_CREATE, SNAP_DESTROY and their _V2).
 # A subvolume made inside a workspace is outside the workspace's qgroup
-# limit (supervisor.core.btrfs makes each workspace one): tools' seccomp
+# limit (supervisor.host.btrfs makes each workspace one): tools' seccomp
 # filter refuses these.
 BTRFS_SUBVOLUME_IOCTLS = (0x50009401, 0x5000940E, 0x5000940F, 0x50009417, 0x50009418, 0x5000943F)
 

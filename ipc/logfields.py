@@ -57,7 +57,7 @@ SOCKET_ENV = "SESSIOND_JOURNAL_SOCKET"
 FORMAT_ENV = "SESSIOND_LOG_FORMAT"
 IDENTIFIER = "sessiond"
 
-# Record attributes (set by supervisor.ops.logtag and the worker's filter)
+# Record attributes (set by supervisor.logtag and the worker's filter)
 # and the journal fields they become.
 _SESSION_FIELDS = (
     ("session_id", "SESSION_ID"),
@@ -66,7 +66,7 @@ _SESSION_FIELDS = (
     ("sessiond_limit", "SESSIOND_LIMIT"),
     ("session_uid", "SESSION_UID"),
     ("session_owner_uid", "SESSION_OWNER_UID"),
-    # A line about a traced turn: its trace and span (supervisor.ops.logtag).
+    # A line about a traced turn: its trace and span (supervisor.logtag).
     ("trace_id", "TRACE_ID"),
     ("span_id", "SPAN_ID"),
 )

@@ -23,7 +23,7 @@ Answered to a client (the server maps each to an ipc Error{code, message}):
 The daemon's own (the core turns them into one of the above, or into a
 session's state, at the point that knows what they mean):
 
-    StartupError                        the daemon cannot start; the text says what to fix (daemon.py)
+    StartupError                        the daemon cannot start; the text says what to fix (startup.py)
     ClusterUnavailable                  cluster mode cannot start: Ray or its token (cluster/wiring.py)
     ConfigError                         config.toml or a --set value cannot be used (config.py)
     OverrideError                       a --set a client may not make; names the key (core/overrides.py)
@@ -32,7 +32,7 @@ session's state, at the point that knows what they mean):
     ├── StoreFull                       for want of space (ENOSPC, EDQUOT, EFBIG; PostgreSQL's disk)
     ├── IdTaken (also FileExistsError)  a create found its id taken by another daemon
     ├── Fenced                          a newer generation opened the session for writing
-    │   └── NotHeld                     this front does not hold the session (cluster/fencing.py)
+    │   └── NotHeld                     this front does not hold the session (core/fencing.py)
     ├── HeldElsewhere                   a claim refused: another daemon is running a turn of it
     ├── StoreDamaged                    the stored session is corrupt; loading must not paper over it
     ├── Unreachable                     PostgreSQL could not be reached within retry_secs

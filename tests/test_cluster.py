@@ -32,7 +32,7 @@ from supervisor.ctl import cli as ctl
 from supervisor.config import parse_config
 from supervisor.errors import ConfigError
 from supervisor.ctl.drain import drain_exit_code, drain_json, drain_text
-from supervisor.cluster.drain import check_request
+from supervisor.core.drainreq import check_request
 from supervisor.errors import BadRequest
 from supervisor.cluster.nodehost import read_more
 from test_spawner_contract import CHECKS, Check

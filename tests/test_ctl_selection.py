@@ -12,7 +12,8 @@ import pytest
 from ipc.contract import SESSION_STATES, LimitKind, figure_past, limit_text
 from ipc.messages import SessionInfo
 from supervisor.config import Config, plain_error
-from supervisor.core.limits import ProcTable, SessionMemory
+from supervisor.core.limits import SessionMemory
+from supervisor.host.proctable import ProcTable
 from supervisor.core.states import State
 from supervisor.ctl.bulk import Selector, applies, select, sort_sessions, usage_problem
 from supervisor.ops.reload import changes

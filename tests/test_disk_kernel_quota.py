@@ -142,7 +142,7 @@ def test_without_quotas_the_walk_measures_and_counts_a_subvolume_inside(
 def test_a_workspace_cap_is_set_again_and_lifted(quota_fs: Path) -> None:
     """Workspaces sets the cap at every start (a changed max_disk_mb takes
     effect at the next one); None lifts it."""
-    from supervisor.core import btrfs
+    from supervisor.host import btrfs
 
     btrfs.make_workspace(str(quota_fs), "ws@0")
     ws = quota_fs / "ws@0"

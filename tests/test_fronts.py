@@ -1,5 +1,5 @@
 """Several daemons on one PostgreSQL database (supervisor.cluster.fronts,
-supervisor.cluster.fencing): a daemon that starts takes nothing from the others;
+supervisor.core.fencing): a daemon that starts takes nothing from the others;
 any daemon serves any session by claiming it when used; the daemon that
 held it lets go (its worker stopped, the session hibernated there) and
 can claim it back; a turn running on a live daemon is never taken; a

@@ -10,7 +10,8 @@ import psutil
 import pytest
 
 from harness import wait_for
-from supervisor.core.limits import MIB, ProcTable, SessionMemory, memory_verdict
+from supervisor.core.limits import MIB, SessionMemory, memory_verdict
+from supervisor.host.proctable import ProcTable
 
 
 @pytest.mark.process
@@ -39,7 +40,7 @@ def test_rss_of_a_tree_counts_children() -> None:
 
 @pytest.mark.process
 def test_childless_process_keeps_its_files_open_between_sweeps(monkeypatch) -> None:
-    import supervisor.core.limits as limits
+    import supervisor.host.proctable as limits
 
     opened: list[str] = []
     real_open = os.open

@@ -187,7 +187,7 @@ def test_with_metrics_off_the_library_is_not_even_imported() -> None:
     from harness import env_for_children
 
     code = ("import sys, supervisor.daemon, supervisor.core.manager, supervisor.api.server\n"
-            "from supervisor.ops.metrics import NO_METRICS, Recorder\n"
+            "from supervisor.core.recorder import NO_METRICS, NoMetrics as Recorder\n"
             "assert type(NO_METRICS) is Recorder\n"
             "assert 'prometheus_client' not in sys.modules, 'imported'\n")
     done = subprocess.run([sys.executable, "-c", code], env=env_for_children(),

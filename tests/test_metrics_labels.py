@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.ops.metrics import FAILURE_KINDS, NO_METRICS, Recorder, failure_kind, provider_status
+from supervisor.core.recorder import NO_METRICS
+from supervisor.core.recorder import NoMetrics as Recorder  # (the off recorder)
+from supervisor.ops.metrics import FAILURE_KINDS, failure_kind, provider_status
 
 
 @pytest.mark.pure

@@ -89,7 +89,7 @@ def test_socket_families_are_an_allow_list(network: str, unix: bool) -> None:
 
 def test_btrfs_subvolume_ioctls_are_refused_and_others_allowed() -> None:
     """A subvolume a tool made inside its workspace would be a qgroup of
-    its own, outside the workspace's kernel cap (supervisor.core.btrfs)."""
+    its own, outside the workspace's kernel cap (supervisor.host.btrfs)."""
     program = _seccomp.build("none", machine="x86_64")
     eperm = 0x00050000 | errno.EPERM
     for request in BTRFS_SUBVOLUME_IOCTLS:

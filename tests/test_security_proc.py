@@ -420,7 +420,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.process
 @root_only
 def test_proc_table_pidfd_refuses_a_reused_number() -> None:
-    from supervisor.core.limits import ProcTable
+    from supervisor.host.proctable import ProcTable
 
     table = ProcTable()
     first = subprocess.Popen(["sleep", "60"])

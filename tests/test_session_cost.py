@@ -24,7 +24,7 @@ import pytest
 from fakellm import FakeLLM, text_stream, tool_call_stream
 from harness import wait_for
 from ipc import messages as m
-from supervisor.core.measure import THREAD_NAME
+from supervisor.host.measure import THREAD_NAME
 from test_access import NOBODY, open_root, root_only  # noqa: F401 (fixture)
 from test_agent_e2e import agent_config
 

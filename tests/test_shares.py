@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import Config, DaemonSettings
-from supervisor.core.admission import Admission, Identities, listening_group
+from supervisor.core.admission import Admission, Identities
+from supervisor.host.users import listening_group
 from supervisor.errors import StartupError
 from supervisor.spawn import sandbox
 from supervisor.spawn.ceilings import Ceiling, Ceilings, fork_refusal, user_shares

@@ -70,7 +70,7 @@ EXPECTED: dict[tuple[State, Trigger], State] = {
     (S.DAMAGED, T.REPAIR): S.HIBERNATED,
     (S.DAMAGED, T.DELETE): S.DELETED,
     # DELETED: nothing leaves it.
-    # Another daemon took it over (supervisor.cluster.fencing): no worker here.
+    # Another daemon took it over (supervisor.core.fencing): no worker here.
     (S.STOPPING, T.RELEASE): S.HIBERNATED,
     (S.STOPPED, T.RELEASE): S.HIBERNATED,
     (S.FAILED, T.RELEASE): S.HIBERNATED,

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from supervisor.core.diskquota import DiskWalk, detect
+from supervisor.host.diskquota import DiskWalk, detect
 from supervisor.core.limits import (
     MIB,
     PssEstimate,
@@ -20,7 +20,7 @@ from supervisor.core.limits import (
     settled_figure,
     unmapped_total,
 )
-from supervisor.core.measure import FDS_PER_UNIT, Kind, Read, host_identity, run_batch
+from supervisor.host.measure import FDS_PER_UNIT, Kind, Read, host_identity, run_batch
 
 CAP = 100 * MIB
 

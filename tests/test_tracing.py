@@ -277,7 +277,7 @@ def test_a_tool_its_worker_died_in_is_named_from_its_step_and_the_death() -> Non
 
 @pytest.mark.component
 def test_tools_in_flight_when_a_turn_fails_get_spans_and_its_log_ids_come_and_go() -> None:
-    from supervisor.ops import logtag
+    from supervisor import logtag
     from supervisor.ops.otel import OtelTracer
 
     tracer = OtelTracer(TracingSettings(exporter="otlp"), environ={}, start=False)
@@ -309,7 +309,7 @@ def test_a_traced_session_s_log_records_carry_the_journal_fields_of_its_trace() 
     import logging
 
     from ipc.logfields import encode_entry, record_fields
-    from supervisor.ops import logtag
+    from supervisor import logtag
 
     records: list[logging.LogRecord] = []
 

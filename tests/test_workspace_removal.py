@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.core.workspaces import _rmtree
+from supervisor.host.workspaces import rmtree as _rmtree
 
 pytestmark = pytest.mark.process
 

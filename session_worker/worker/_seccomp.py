@@ -11,7 +11,7 @@ kexec, keyrings, bpf, perf, userfaultfd, io_uring (its requests bypass
 seccomp), file handles (`open_by_handle_at`, the classic container
 escape), swap, reboot, clocks, accounting, quotas, and the ioctls that
 make a btrfs subvolume or snapshot (one made in a workspace would be
-outside its qgroup limit: supervisor.core.btrfs).  socket(2) is an
+outside its qgroup limit: supervisor.host.btrfs).  socket(2) is an
 allow-list of families: AF_UNIX, plus AF_INET and AF_INET6 unless
 `network = "none"`; everything else (AF_NETLINK, AF_PACKET, AF_VSOCK,
 AF_ALG, ...) is refused.  AF_NETLINK is left out on purpose: glibc's

@@ -56,8 +56,8 @@ from supervisor.api.accept import Acceptor
 from supervisor.errors import BadRequest, Conflict, PermissionDenied, SessiondError
 from supervisor.core.manager import SessionManager
 from supervisor.core.fdbudget import out_of_fds
-from supervisor.ops.metrics import NO_METRICS, Recorder
-from supervisor.ops.tracing import NO_TRACER, Tracer, TurnTrace
+from supervisor.core.recorder import NO_METRICS, Recorder
+from supervisor.core.tracer import NO_TRACER, Tracer, TurnTrace
 from ipc.traceparent import parse_traceparent
 from supervisor.api.ratelog import RateLimitedLog
 
@@ -504,7 +504,7 @@ class ControlServer:
         tracer: Tracer = NO_TRACER,
     ) -> None:
         self.manager = manager
-        # An input's trace begins where it arrives (supervisor.ops.tracing).
+        # An input's trace begins where it arrives (supervisor.core.tracer).
         self.tracer = tracer
         # `sessionctl drain` (supervisor.cluster.drain.Drainer.handle, given by the daemon).
         self.drain = drain or _no_drain

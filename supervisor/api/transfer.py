@@ -48,7 +48,7 @@ from ipc.framing import FrameEncoder
 from ipc.budget import SPEND_KEYS, total
 from supervisor.errors import BadRequest, Conflict, LimitError
 from supervisor.core.ledger import store_failure
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.core.overrides import OverrideError, resolve_overrides
 from supervisor.core.session import Session, valid_session_id
 from supervisor.store.state_store import (

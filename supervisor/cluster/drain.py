@@ -30,16 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
-import math
-import re
 from typing import TYPE_CHECKING, Any
 
 from ipc import operator as op
-from supervisor.errors import BadRequest, Conflict, NotFound, PermissionDenied, SessiondError
+from supervisor.errors import Conflict, NotFound, SessiondError
 from supervisor.cluster.ray_spawner import RaySpawner
-from supervisor.spawn.seams import Spawner, SpawnerDied
+from supervisor.spawn.seams import SpawnerDied
+from supervisor.core.drainreq import check
 from supervisor.core.events import EventLog
 from supervisor.core.session import Session
 from supervisor.core.workers import WorkerOwner
@@ -48,39 +46,16 @@ from supervisor.core.states import State, Trigger
 if TYPE_CHECKING:
     from supervisor.core.manager import SessionManager
 
-__all__ = ["DEFAULT_MARGIN_SECS", "MAX_TIMEOUT_SECS", "Drainer", "check_request"]
+__all__ = ["DEFAULT_MARGIN_SECS", "Drainer"]
 
 log = logging.getLogger("sessiond.drain")
 
 # Added to the longest a turn may run ([agent] turn_timeout_secs) for the
 # default --timeout: time for the moves themselves.
 DEFAULT_MARGIN_SECS = 60.0
-MAX_TIMEOUT_SECS = op.DRAIN_MAX_TIMEOUT_SECS
 # How often a drain looks for sessions that came to the node meanwhile
 # (a worker placed there just before the mark).
 _LOOK_SECS = 0.25
-_NODE_ID = re.compile(r"[0-9a-f]{16,128}")
-
-
-def check_request(node: object, timeout_secs: object) -> tuple[str, float | None]:
-    """The request's node and timeout, or BadRequest saying what is wrong:
-    a node is an IP address or a Ray node id (hex); a timeout is a finite
-    number of seconds, above 0, at most a week."""
-    if not isinstance(node, str) or not node:
-        raise BadRequest("name the node by its IP address (the `node` of `sessionctl --json ls`) "
-                         "or its Ray node id")
-    if not _NODE_ID.fullmatch(node):
-        try:
-            node = str(ipaddress.ip_address(node))
-        except ValueError:
-            raise BadRequest(f"{node[:80]!r} is neither an IP address nor a Ray node id") from None
-    if timeout_secs is None:
-        return node, None
-    if (not isinstance(timeout_secs, (int, float)) or isinstance(timeout_secs, bool)
-            or not math.isfinite(timeout_secs) or not 0 < timeout_secs <= MAX_TIMEOUT_SECS):
-        raise BadRequest(f"timeout_secs must be a number of seconds above 0 and at most "
-                         f"{MAX_TIMEOUT_SECS:g}, not {timeout_secs!r}")
-    return node, float(timeout_secs)
 
 
 class Drainer:
@@ -88,30 +63,20 @@ class Drainer:
     daemon (supervisor.daemon._build) with the parts a move uses; the control
     server is handed `handle`."""
 
-    def __init__(self, manager: SessionManager, spawner: Spawner, events: EventLog, workers: WorkerOwner) -> None:
+    def __init__(self, manager: SessionManager, spawner: RaySpawner, events: EventLog, workers: WorkerOwner) -> None:
         self._manager = manager
-        self._spawner = spawner if isinstance(spawner, RaySpawner) else None
+        self._ray = spawner
         self._events = events
         self._workers = workers
         self._running: dict[str, asyncio.Task[op.DrainReply]] = {}  # node id -> its drain
         self._stops: dict[str, asyncio.Event] = {}  # node id -> set by an undo
 
     async def handle(self, msg: op.Drain, uid: int) -> op.DrainReply:
-        """The `Drain` request (server dispatch): checked, then done."""
-        if not self._manager.is_admin(uid):
-            raise PermissionDenied("draining a node is for admins (root or [daemon] admin_uids)")
-        node, timeout = check_request(msg.node, msg.timeout_secs)
-        if self._spawner is None:
-            raise Conflict("this daemon runs every session on this machine ([cluster] backend = \"off\"): "
-                           "there is no node to drain")
+        """The `Drain` request (server dispatch): checked (supervisor.core.drainreq), then done."""
+        node, timeout = check(self._manager.is_admin, msg, uid)
         reply = await (self.undo(node) if msg.undo else self.drain(node, timeout))
         reply.id = msg.id
         return reply
-
-    @property
-    def _ray(self) -> RaySpawner:
-        assert self._spawner is not None  # (handle checked)
-        return self._spawner
 
     async def _find(self, node: str, alive: bool) -> tuple[str, str]:
         try:

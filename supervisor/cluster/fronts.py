@@ -4,7 +4,7 @@ run by one of them at a time, and any of them can serve any session.
 The session's *holder* is the daemon that claimed it last
 (`PgStateStore.load`: its fencing generation goes up, `holder` names the
 daemon, in one transaction).  A daemon claims a session when it needs to
-act on it: an input, a restart, a stop, a repair (supervisor.cluster.fencing.claim),
+act on it: an input, a restart, a stop, a repair (supervisor.core.fencing.claim),
 not at start.  At start it reads every session without claiming it, so a
 daemon that starts takes nothing from the ones already running; only the
 sessions this daemon itself held before it stopped are claimed back at
@@ -24,7 +24,7 @@ message to the loop:
 * a claim by another daemon of a session held here, of a newer
   generation than this daemon's (an older one crossed this daemon's own
   claim): release it
-  (supervisor.cluster.fencing.release: its worker stopped, `hibernated` here, its
+  (supervisor.core.fencing.release: its worker stopped, `hibernated` here, its
   clients told by the state events);
 * a create elsewhere: the session appears here (read, not claimed);
 * a remove elsewhere: it is gone here too.
@@ -54,9 +54,9 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from supervisor.cluster import fencing
-from supervisor.cluster.fencing import UnheldLog
-from supervisor.ops.logtag import tagged
+from supervisor.core import fencing
+from supervisor.core.fencing import UnheldLog
+from supervisor.logtag import tagged
 from supervisor.store.postgres.link import PgLink
 from supervisor.store.postgres.batch import CHANNEL
 from supervisor.store.postgres.store import PgSessionLog, PgStateStore

@@ -45,7 +45,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import TypeGuard
 
-from supervisor.core.limits import ProcTable, SessionMemory
+from supervisor.core.limits import SessionMemory
+from supervisor.host.proctable import ProcTable
 from supervisor.spawn.spawner import ZygoteSpawner
 
 __all__ = ["ExitItem", "Frame", "NodeHost", "checked_exit", "checked_usage", "read_more", "recv_batch"]

@@ -81,7 +81,7 @@ from typing import Any
 
 from ipc.contract import NODE_LOST_PREFIX
 from supervisor.config import ClusterSettings
-from supervisor.core.limits import REMOTE_PIDS
+from supervisor.host.proctable import REMOTE_PIDS
 from supervisor.cluster.nodehost import checked_exit, checked_usage, recv_batch
 from supervisor.spawn.pidfd import PidFd
 from supervisor.cluster.ray_spares import SpareWorkers

@@ -11,7 +11,7 @@ unit, `SocketGroup=` of sessiond.socket (the config's `socket_group` may
 then be empty, and install.sh's default config leaves it so); when the
 daemon binds the socket, the group it gave it.  A config whose
 `socket_group` names another group than the socket systemd handed over is
-refused at start (`listening_group`), naming both: never a silent
+refused at start (supervisor.host.users.listening_group), naming both: never a silent
 `damaged` for the sessions of every ordinary user after a restart.
 
     admitted: root, the daemon's own uid, [daemon] admin_uids and
@@ -21,17 +21,14 @@ refused at start (`listening_group`), naming both: never a silent
 
 from __future__ import annotations
 
-import grp
 import os
-import pwd
-import socket
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from supervisor.config import Config
-from supervisor.errors import StartupError
+from supervisor.host.users import login_groups
 
-__all__ = ["Admission", "Identities", "SessionUids", "listening_group", "resolve_group"]
+__all__ = ["Admission", "Identities", "SessionUids"]
 
 
 class Identities(NamedTuple):
@@ -109,49 +106,7 @@ class Admission:
         cfg = self._config().daemon
         if uid == self.own_uid or self.is_admin(uid) or uid in cfg.allowed_uids:
             return True
-        try:
-            entry = pwd.getpwuid(uid)
-            groups = os.getgrouplist(entry.pw_name, entry.pw_gid)
-        except (KeyError, OSError):
+        found = login_groups(uid)
+        if found is None:
             return False
-        return self.admits(uid, entry.pw_gid, groups)
-
-
-def resolve_group(name: str) -> int:
-    """[daemon] socket_group as a gid (a name or a number)."""
-    try:
-        return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
-    except KeyError:
-        raise StartupError(f"[daemon] socket_group: no such group {name!r}") from None
-
-
-def _group_name(gid: int) -> str:
-    try:
-        return f"{grp.getgrgid(gid).gr_name!r} (gid {gid})"
-    except KeyError:
-        return f"gid {gid}"
-
-
-def listening_group(sock: socket.socket, configured: str) -> int | None:
-    """The group of the listening socket, the group its clients were let in
-    by: systemd's (SocketGroup=, handed over in LISTEN_FDS), or the one
-    `bind_socket` gave it.  A config that names another group than a
-    handed-over socket has is an error naming both: admission would
-    otherwise differ between the socket's mode and the daemon's checks."""
-    try:
-        where = sock.getsockname()
-        gid = os.stat(where).st_gid if isinstance(where, str) and where.startswith("/") else None
-    except OSError:
-        gid = None
-    if not configured:
-        return gid
-    wanted = resolve_group(configured)
-    if gid is None:
-        return wanted
-    if gid != wanted:
-        raise StartupError(
-            f"[daemon] socket_group = {configured!r} is {_group_name(wanted)}, but the socket systemd "
-            f"handed over ({where}) belongs to group {_group_name(gid)} (sessiond.socket's "
-            "SocketGroup=): set both alike, or leave socket_group empty to admit the socket's group"
-        )
-    return gid
+        return self.admits(uid, found[0], found[1])

@@ -33,7 +33,7 @@ from ipc.contract import PERMISSION_ANSWERED
 from supervisor.core.events import EventLog
 from supervisor.core.session import PendingAsk, Session
 from supervisor.errors import NotFound
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.store.state_store import Answered, Asked, Record, StoreError
 
 __all__ = ["Asks", "MAX_PENDING"]

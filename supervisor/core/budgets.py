@@ -40,7 +40,7 @@ from ipc import messages as m
 from ipc.budget import SPEND_KEYS, first_reached_at, spend_of, standings_at, total
 from ipc.settings import BudgetSettings
 from supervisor.core.session import Session
-from supervisor.ops.metrics import NO_METRICS, Recorder
+from supervisor.core.recorder import NO_METRICS, Recorder
 from supervisor.store.spend import Book, Charge, Entry, SpendBook, fold
 
 __all__ = ["Budgets", "tokens_of", "uid_ceilings"]

@@ -22,22 +22,21 @@ the ceiling, and `LimitExceeded{kind="memory", ceiling}`):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import signal
 from collections.abc import Callable, Iterable
 
 from ipc.contract import ExitReason, LimitKind, figure_past
 from supervisor.config import Config
 from supervisor.core.events import EventLog
-from supervisor.core.limits import MIB, REMOTE_PIDS
+from supervisor.core.limits import MIB
+from supervisor.host.proctable import REMOTE_PIDS
 from supervisor.core.session import Session, WorkerProc
 from supervisor.core.workspaces import Workspaces
 from supervisor.errors import Capacity
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.spawn.ceilings import Ceilings, read_ceilings, user_shares
-from supervisor.spawn.cgroups import Cgroups, OomMark, Shares
+from supervisor.spawn.cgroups import Cgroups, OomMark, OomWatch, Shares
 from supervisor.spawn.pidfd import kill_uid
 
 __all__ = ["Containment"]
@@ -70,7 +69,7 @@ class Containment:
         # Per session: the kernel's OOM counters when its worker was
         # attached (what is more is this worker's), and the OOM fd watched.
         self._oom_seen: dict[str, OomMark] = {}
-        self._oom_watched: dict[str, int] = {}
+        self._oom = OomWatch()
         # The daemon's ceilings (the unit's TasksMax and MemoryMax), read once.
         self.ceilings: Ceilings | None = None
         if cgroups is not None:
@@ -109,9 +108,8 @@ class Containment:
             return
         self._oom_seen[session.id] = self.cgroups.oom_mark(session.id)
         fd = self.cgroups.oom_fd(session.id)
-        if fd is not None and self._oom_watched.get(session.id) != fd:
-            asyncio.get_running_loop().add_reader(fd, self._on_oom, session, fd)
-            self._oom_watched[session.id] = fd
+        if fd is not None:
+            self._oom.watch(session.id, fd, lambda: self._on_oom(session))
 
     def limit(self, session: Session) -> None:
         """New limits for a live session (a reload), its owner's share too."""
@@ -119,20 +117,17 @@ class Containment:
             limits = session.settings.agent.limits
             self.cgroups.limit(session.id, limits.max_memory_mb, limits.max_processes, self.share())
 
-    def _on_oom(self, session: Session, fd: int, tries: int = 0) -> None:
+    def _on_oom(self, session: Session, tries: int = 0) -> None:
         """A memory ceiling was met in or above the session (an eventfd on
         v1's memory.oom_control, signalled as the OOM begins, for every
         cgroup below the one at its limit, and also when the cgroup goes):
         once the kernel says which, the session (or its owner's largest)
         goes."""
-        if not tries:
-            with contextlib.suppress(OSError):
-                os.read(fd, 8)
         worker = session.worker
         if worker is None or worker.kill_reason is not None or worker.exited.done():
             return
         if not self.oom_check(session, worker) and tries < _OOM_CHECKS:
-            asyncio.get_running_loop().call_later(_OOM_CHECK_SECS, self._on_oom, session, fd, tries + 1)
+            asyncio.get_running_loop().call_later(_OOM_CHECK_SECS, self._on_oom, session, tries + 1)
 
     def oom_check(self, session: Session, worker: WorkerProc, dead: bool = False) -> bool:
         """Act on an OOM since the worker came, told by its ceiling: kill the
@@ -206,9 +201,7 @@ class Containment:
                     and pid < REMOTE_PIDS):
                 kill_uid(uid)
         else:
-            fd = self._oom_watched.pop(session.id, None)
-            if fd is not None:
-                asyncio.get_running_loop().remove_reader(fd)
+            self._oom.unwatch(session.id)
             self._oom_seen.pop(session.id, None)
             self.cgroups.release(session.id)
         self._workspaces.ended(session, here=pid < REMOTE_PIDS)

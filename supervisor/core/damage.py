@@ -27,7 +27,7 @@ from supervisor.core.session import Session, damaged_hint
 from supervisor.core.states import State, Trigger
 from supervisor.core.workers import WorkerOwner
 from supervisor.errors import Conflict, StoreDamaged
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.store.state_store import DamagedLog, StateStore
 
 __all__ = ["Damage"]

@@ -27,9 +27,9 @@ from ipc.contract import LimitKind
 from ipc.framing import FrameEncoder
 from supervisor.config import DaemonSettings
 from supervisor.errors import Conflict
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.core.session import LIFECYCLE_KEEP, Session, Subscriber
-from supervisor.ops.tracing import NO_TRACER, Tracer
+from supervisor.core.tracer import NO_TRACER, Tracer
 from supervisor.core.states import AT_REST, State, Trigger, transition
 from supervisor.store.state_store import LIFE_EVENTS_KEPT, LifeEvent, Mark, StoreError
 

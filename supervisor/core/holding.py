@@ -1,5 +1,5 @@
 """A session another daemon holds: what the core does to let go of it and
-to take it back, for supervisor.cluster.fencing.
+to take it back, for supervisor.core.fencing.
 
 Runs in the daemon's loop.  Several daemons may share one store; the store
 fences writers (supervisor.store.state_store: `Fenced`).  The cluster side
@@ -31,7 +31,7 @@ from supervisor.core.session import Session
 from supervisor.core.states import LIVE, State, Trigger
 from supervisor.core.workers import WorkerOwner
 from supervisor.core.workspaces import Workspaces
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.store.state_store import Fenced, LoadedSession, Meta, SessionLog, StateStore
 
 __all__ = ["Holding", "Holds"]
@@ -40,7 +40,7 @@ log = logging.getLogger("sessiond.manager")
 
 
 class Holds(Protocol):
-    """Who holds a session when daemons share a store (supervisor.cluster.fencing.Fencing)."""
+    """Who holds a session when daemons share a store (supervisor.core.fencing.Fencing)."""
 
     def fenced(self, ops: Holding, session: Session, exc: Fenced) -> None:
         """The store refused a write for `session`: another daemon took it."""

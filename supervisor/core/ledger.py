@@ -42,10 +42,10 @@ from supervisor.core.asks import Asks
 from supervisor.core.budgets import Budgets
 from supervisor.core.events import EventLog
 from supervisor.core.fdbudget import out_of_fds
-from supervisor.ops.logtag import tagged
-from supervisor.ops.metrics import NO_METRICS, Recorder
+from supervisor.logtag import tagged
+from supervisor.core.recorder import NO_METRICS, Recorder
 from supervisor.core.session import PendingInput, Session, Suspension, WorkerProc
-from supervisor.ops.tracing import NO_TRACER, Tracer, TurnTrace
+from supervisor.core.tracer import NO_TRACER, Tracer, TurnTrace
 from supervisor.core.states import State, Trigger
 from supervisor.core.steps import DAEMON_STOPPED, cause_of, plan_resume, resumes_after, step_problem
 from supervisor.store.state_store import (
@@ -88,7 +88,7 @@ class TurnLedger:
         self.on_turn_started = on_turn_started
         self.on_turn_ended = on_turn_ended  # (disarm its timeout)
         # ... and with a session that another daemon took over
-        # (supervisor.cluster.fencing); without one, as a worker ahead of the disk.
+        # (supervisor.core.fencing); without one, as a worker ahead of the disk.
         self.on_fenced: Callable[[Session, Fenced], None] = on_fenced or self._unsaved
         self.metrics = metrics
         self._tracer = tracer
@@ -105,7 +105,7 @@ class TurnLedger:
         """Start a turn on the session's worker; the future resolves (and
         `on_accepted` is called, synchronously, before any later event of
         the turn) once the input is durable.  `trace`: the input's, from its
-        arrival (supervisor.ops.tracing), when tracing is on."""
+        arrival (supervisor.core.tracer), when tracing is on."""
         turn = session.turns + 1
         worker = session.worker
         assert worker is not None

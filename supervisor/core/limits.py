@@ -1,54 +1,40 @@
 """Measuring sessions' memory, and the pure decisions about limits.
 
 A session's memory is the RSS of its worker plus every descendant (a tool
-that allocates 2 GiB is the session's).  One sweep reads each process once:
-`/proc/PID/statm` for the resident pages and `/proc/PID/task/PID/children`
-for the next generation, both kept open between sweeps and re-read with
-`pread` (about a microsecond each, against 7-10 for psutil's
-`memory_info()`), so the cost per sweep is proportional to processes, not to
-sessions x processes.
+that allocates 2 GiB is the session's).  One sweep reads each process once,
+through the `ProcTable` (supervisor.host.proctable: /proc files kept open
+and re-read with `pread`), so the cost per sweep is proportional to
+processes, not to sessions x processes.
 
 A descendant stays counted after it re-parents (a tool that double-forks
 lands on the zygote, our subreaper): once seen as a session's, a pid is
-tracked until it exits, and it is killed with the session.
+tracked until it exits, and it is killed with the session, through the
+pidfd the table took when it was first seen (never by a number that may
+be reused).
 
 The PSS of a session's processes, the memory they hold outside any
-mapping and the workspace's size are read off the loop (`supervisor.core.measure`,
+mapping and the workspace's size are read off the loop (`supervisor.host.measure`,
 a thread of the daemon); this module holds what was read and the pure
 decisions on it (`pss_estimate`, `settled_figure`, `read_order`,
 `unmapped_total`, `disk_over`, `disk_verdict`).
 
-A worker on another machine (cluster mode) has a pid of REMOTE_PIDS or
-above, a handle of its spawner's that names no process here: the table
-reads nothing of this machine for it, and gives what its node measured of
-the worker's whole tree (`remote`), with no children of its own.
-
-Kept-open /proc files are safe against pid reuse: they stay bound to the
-process they were opened for and fail with ESRCH once it is gone.  Kills
-must be too: a descendant gets a pidfd when first seen (`ProcTable.pidfd`),
-checked against its statm fd, and the session is killed through those.
+Runs in the daemon's loop; it reads nothing of the host itself.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from supervisor.host.proctable import CLOCK_TICKS, ProcTable
 from supervisor.spawn.pidfd import PidFd
 
 __all__ = [
-    "CLOCK_TICKS",
     "CPU_SAMPLE_SECS",
     "HEARTBEATS_MISSED",
-    "REMOTE_PIDS",
     "MemoryVerdict",
-    "ProcTable",
     "PssEstimate",
     "PssRead",
-    "RemoteFigures",
     "SessionMemory",
     "DiskVerdict",
     "disk_over",
@@ -64,130 +50,10 @@ __all__ = [
     "unmapped_total",
 ]
 
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # A session's CPU % is measured over at least this long (`ls`, `top`):
 # a /proc/PID/stat read per process of its tree, not at every sweep.
 CPU_SAMPLE_SECS = 1.0
 MIB = 1024 * 1024
-# Above the largest pid_max Linux allows (2**22): never a pid of this machine.
-REMOTE_PIDS = 1 << 30
-
-
-class RemoteFigures(Protocol):
-    """Where remote workers' figures come from (cluster mode: the RaySpawner,
-    as their node hosts report them)."""
-
-    def reported_rss(self, pid: int) -> int | None: ...
-
-    def reported_procs(self, pid: int) -> int | None: ...
-
-
-def _unknown(pid: int) -> int | None:
-    return None
-
-
-class ProcTable:
-    """Open /proc files by pid.  Runs in the daemon."""
-
-    __slots__ = ("_children", "_stat", "_statm", "remote", "remote_procs")
-
-    def __init__(self, remote: RemoteFigures | None = None) -> None:
-        self._statm: dict[int, int] = {}
-        self._children: dict[int, int] = {}
-        self._stat: dict[int, int] = {}
-        # A remote worker's tree's memory as its node last reported it.
-        self.remote: Callable[[int], int | None] = remote.reported_rss if remote else _unknown
-        # ... and the number of processes in that tree, the worker included.
-        self.remote_procs: Callable[[int], int | None] = remote.reported_procs if remote else _unknown
-
-    def _read(self, table: dict[int, int], pid: int, path: str) -> bytes | None:
-        """The file's content; None once the process is gone (ESRCH)."""
-        fd = table.get(pid)
-        if fd is None:
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                return None
-            table[pid] = fd
-        try:
-            return os.pread(fd, 4096, 0)
-        except OSError:
-            self.forget(pid)
-            return None
-
-    def rss(self, pid: int) -> int | None:
-        if pid >= REMOTE_PIDS:
-            return self.remote(pid)
-        data = self._read(self._statm, pid, f"/proc/{pid}/statm")
-        if not data:  # gone, or a zombie's empty statm
-            return None
-        try:
-            return int(data.split(None, 2)[1]) * PAGE_SIZE
-        except (IndexError, ValueError):
-            return None
-
-    def cpu_ticks(self, pid: int) -> int | None:
-        """Clock ticks the process ran (user + system) plus those of its
-        reaped children; None once it is gone, or for a remote worker."""
-        if pid >= REMOTE_PIDS:
-            return None
-        data = self._read(self._stat, pid, f"/proc/{pid}/stat")
-        if not data:
-            return None
-        # The command name (field 2) may hold spaces and parentheses: split after its last ")".
-        fields = data[data.rfind(b")") + 2:].split()
-        try:
-            return int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
-        except (IndexError, ValueError):
-            return None
-
-    def children(self, pid: int) -> list[int]:
-        # Empty is the common case (no children), not a sign of exit: the
-        # file stays open for the next sweep.
-        if pid >= REMOTE_PIDS:
-            return []
-        data = self._read(self._children, pid, f"/proc/{pid}/task/{pid}/children")
-        return [int(x) for x in data.split()] if data else []
-
-    def pidfd(self, pid: int) -> PidFd | None:
-        """A pidfd for the process whose statm this table holds open, or
-        None.  pidfd_open(pid) names whichever process has the number now;
-        the statm fd, opened earlier, still reads afterwards only if the
-        process it was opened for was not reaped meanwhile, and then that
-        process held the number all along: the pidfd is its."""
-        statm = self._statm.get(pid)
-        if statm is None or pid >= REMOTE_PIDS:
-            return None
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            return None
-        try:
-            os.pread(statm, 1, 0)
-        except OSError:
-            os.close(fd)
-            self.forget(pid)
-            return None
-        return PidFd(fd, pid)
-
-    def forget(self, pid: int) -> None:
-        for table in (self._statm, self._children, self._stat):
-            fd = table.pop(pid, None)
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-
-    def keep_only(self, pids: set[int]) -> None:
-        for pid in [p for p in self._statm if p not in pids]:
-            self.forget(pid)
-        for pid in [p for p in self._children if p not in pids]:
-            self.forget(pid)
-        for pid in [p for p in self._stat if p not in pids]:
-            self.forget(pid)
-
-    def close(self) -> None:
-        self.keep_only(set())
 
 
 @dataclass(slots=True, frozen=True)
@@ -210,7 +76,7 @@ class SessionMemory:
     pidfds: dict[int, PidFd] = field(default_factory=dict)
     # Each process's RSS at the last sweep, the worker included.
     rss_by_pid: dict[int, int] = field(default_factory=dict)
-    # What the measuring thread has read (supervisor.core.measure), applied on
+    # What the measuring thread has read (supervisor.host.measure), applied on
     # the loop; an entry goes with its process.
     pss_reads: dict[int, PssRead] = field(default_factory=dict)
     waited: int = 0  # sweeps over the cap by RSS with PSS reads missing

@@ -41,10 +41,10 @@ from supervisor.core.damage import Damage
 from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger, store_failure
 from supervisor.core.holding import Holding, Holds
-from supervisor.core.limits import ProcTable, RemoteFigures
-from supervisor.ops.logtag import tagged
-from supervisor.ops.metrics import NO_METRICS, Recorder
-from supervisor.ops.tracing import NO_TRACER, Tracer, TurnTrace
+from supervisor.host.proctable import ProcTable, RemoteFigures
+from supervisor.logtag import tagged
+from supervisor.core.recorder import NO_METRICS, Recorder
+from supervisor.core.tracer import NO_TRACER, Tracer, TurnTrace
 from supervisor.core.overrides import OverrideError, choose_handler, resolve_overrides
 from supervisor.spawn.seams import Spawner
 from supervisor.core.session import Session, Subscriber, damaged_hint, valid_session_id
@@ -132,7 +132,7 @@ class SessionManager:
         self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
                                self._hibernate_soon, stop=self.stop, workspaces=self.workspaces,
                                closing=closing, metrics=metrics)
-        # What a session held by another daemon may have done to it (supervisor.cluster.fencing).
+        # What a session held by another daemon may have done to it (supervisor.core.fencing).
         self.holding = Holding(current, self.sessions, self.store, self.events, self.ledger, self.workers,
                                self.workspaces, self.settings_for, self.spawn_task, self.forget)
         # How a stored session is opened at start: claimed (alone), or read (supervisor.cluster.fronts).
@@ -151,14 +151,9 @@ class SessionManager:
 
     def load_all(self) -> None:
         """Restore every session on disk; live ones come back hibernated."""
-        self.sessions_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if self.workspaces.separate_users:
-            # Workers running as another user must reach their workspace:
-            # traverse (not list) the state dir; sessions/ stays private.
-            workspaces = self.workspaces.root()
-            workspaces.mkdir(parents=True, exist_ok=True)
-            workspaces.chmod(0o711)
-            self.state_dir.chmod(0o711)
+        # Workers running as another user must reach their workspace:
+        # traverse (not list) the state dir; sessions/ stays private.
+        self.workspaces.open_dirs(self.sessions_dir)
         for session_id in self.store.ids():
             try:
                 store, loaded = self._open_stored(session_id)
@@ -325,7 +320,7 @@ class SessionManager:
             try:
                 settings = resolve_overrides(self.config.session_settings(), overrides).settings
             except OverrideError as exc:
-                raise BadRequest(str(exc)) from None
+                raise BadRequest(str(exc)) from exc
         handler = choose_handler(handler, settings, checked=parent is not None)
         # Order the worker first: the zygote forks (or hands over a spare)
         # while this process fsyncs the new session to disk.
@@ -358,12 +353,12 @@ class SessionManager:
             # Durable while the worker boots (`_boot_new`): the create is
             # answered only once both are done.
             store = self.store.create(meta, durable=False)
-        except FileExistsError:
+        except FileExistsError as exc:
             self.workers.drop_pending(pending)
-            raise Conflict(f"session {session_id!r} already exists") from None
+            raise Conflict(f"session {session_id!r} already exists") from exc
         except StoreError as exc:
             self.workers.drop_pending(pending)
-            raise store_failure("", exc) from None
+            raise store_failure("", exc) from None  # unchained: a database's error may quote its DSN
         session = Session(id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING,
                           ring=self.events.new_ring())
         self.sessions[session_id] = session
@@ -424,12 +419,12 @@ class SessionManager:
     ) -> m.Accepted:
         """Start a turn; returns once its input is durable.  `on_accepted`
         is called at that moment, before any later event of the turn
-        (`trace`: the input's, supervisor.ops.tracing)."""
+        (`trace`: the input's, supervisor.core.tracer)."""
         if self._closing:
             raise Conflict("the daemon is shutting down; no new turns")
         async with session.lock:
             if session.state is State.HIBERNATED:
-                await self.workers.claim(session)  # held elsewhere since? (supervisor.cluster.fencing)
+                await self.workers.claim(session)  # held elsewhere since? (supervisor.core.fencing)
             if session.state is State.HIBERNATED:
                 # Room first, so that "no room" leaves it hibernated.
                 await self.slots.make_room(session)
@@ -574,8 +569,8 @@ class SessionManager:
         it as at start-up (hibernated, or stopped/failed as it was)."""
         try:
             how = RepairMode(mode)
-        except ValueError:
-            raise BadRequest(f"unknown repair mode {mode!r}: use skip_bad or truncate") from None
+        except ValueError as exc:
+            raise BadRequest(f"unknown repair mode {mode!r}: use skip_bad or truncate") from exc
         async with session.lock:
             if session.state is not State.DAMAGED:
                 raise Conflict(f"session {session.id} is {session.state}, not damaged; nothing to repair")
@@ -588,7 +583,7 @@ class SessionManager:
             except StoreError as exc:
                 raise store_failure(f"session {session.id} could not be repaired: ", exc) from None
             except OSError as exc:
-                raise Internal(f"session {session.id} could not be repaired: {exc}") from None
+                raise Internal(f"session {session.id} could not be repaired: {exc}") from exc
             tagged(log, session.id).warning("repaired (%s): %d record(s) kept, %d intact record(s) and "
                                             "%d damaged byte(s) dropped", how.value, result.kept_records,
                                             result.dropped_records, result.dropped_bytes)

@@ -46,7 +46,7 @@ from ipc.inputs import valid_session_id
 from ipc.settings import SessionSettings
 from supervisor.errors import SessiondError
 from supervisor.core.limits import SessionMemory
-from supervisor.ops.tracing import TurnTrace
+from supervisor.core.tracer import TurnTrace
 from supervisor.core.states import RestartPolicy, State
 from supervisor.store.state_store import Meta, SessionLog
 
@@ -183,7 +183,7 @@ class Session:
     turn_timer: asyncio.TimerHandle | None = None
     kill_timer: asyncio.TimerHandle | None = None
     # Why its stored state failed to load (state DAMAGED), or that another
-    # daemon holds it (supervisor.cluster.fencing); None otherwise.
+    # daemon holds it (supervisor.core.fencing); None otherwise.
     error: str | None = None
     # DAMAGED with no readable metadata: meta is a stand-in.
     meta_lost: bool = False
@@ -193,7 +193,7 @@ class Session:
     usage: dict[str, int] = field(default_factory=dict)
     # The running turn's spend so far, as its worker last reported it (m.Spent).
     turn_spend: dict[str, int] = field(default_factory=dict)
-    # The running turn's trace, when tracing is on (supervisor.ops.tracing).
+    # The running turn's trace, when tracing is on (supervisor.core.tracer).
     trace: TurnTrace | None = None
     # Lifecycle events with their unix time, for `sessionctl logs`: those
     # of earlier daemons as the log kept them (a turn's own running and

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from supervisor.config import Config
 from supervisor.core.fdbudget import FdBudget
 from supervisor.errors import Capacity
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.core.session import Session
 from supervisor.core.states import State
 

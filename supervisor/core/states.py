@@ -69,7 +69,7 @@ class Trigger(enum.StrEnum):
     DELETE = "delete"
     REPAIR = "repair"  # the operator repaired its stored state
     DAMAGE = "damage"  # a read of its stored state (a boot, history, export) found damage
-    RELEASE = "release"  # another daemon took it over: no worker here (supervisor.cluster.fencing)
+    RELEASE = "release"  # another daemon took it over: no worker here (supervisor.core.fencing)
 
 
 S, T = State, Trigger

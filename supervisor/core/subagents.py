@@ -20,8 +20,8 @@ from typing import Any, Protocol
 
 from ipc import messages as m
 from supervisor.errors import BadRequest, Conflict, Internal, LimitError, SessiondError
-from supervisor.ops.logtag import tagged
-from supervisor.ops.tracing import NO_TRACER, SubagentTrace, Tracer, TurnTrace
+from supervisor.logtag import tagged
+from supervisor.core.tracer import NO_TRACER, SubagentTrace, Tracer, TurnTrace
 from supervisor.core.session import Session, Subscriber, WorkerProc
 
 __all__ = ["SessionHost", "Subagents"]

@@ -10,7 +10,7 @@ gathers the figures and acts on the verdicts: kills go through
 What a session costs is read in two halves.  On the loop, each sweep: the
 RSS of the worker and every descendant (a pread of a kept-open statm each,
 about a microsecond) and the count of its processes.  Off the loop, in the
-measuring thread (`supervisor.core.measure`), within a budget a sweep: the PSS
+measuring thread (`supervisor.host.measure`), within a budget a sweep: the PSS
 of processes of a session over a limit by RSS, the memfds and shm its
 processes hold, its private tmpfs, and its workspace's size.  The loop
 plans the reads, the thread makes them, the loop applies what came back
@@ -32,22 +32,19 @@ import heapq
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ipc import messages as m
 from ipc.contract import IDLE_HEARTBEAT_FACTOR, ExitReason, LimitKind, figure_past
 from supervisor.config import Config
-from supervisor.core.diskquota import DISK_EVERY_SECS, DiskWalk
+from supervisor.host.diskquota import DISK_EVERY_SECS, DiskWalk
 from supervisor.errors import SessiondError
 from supervisor.core.events import EventLog
 from supervisor.core.limits import (
     CPU_SAMPLE_SECS,
     HEARTBEATS_MISSED,
     MIB,
-    REMOTE_PIDS,
     DiskVerdict,
-    ProcTable,
     PssRead,
     SessionMemory,
     disk_verdict,
@@ -60,8 +57,9 @@ from supervisor.core.limits import (
     settled_figure,
     turn_deadline_left,
 )
-from supervisor.core.measure import PROC_READS, Kind, Read, host_identity, name_thread, run_batch
-from supervisor.ops.metrics import NO_METRICS, Recorder
+from supervisor.host.proctable import REMOTE_PIDS, ProcTable
+from supervisor.host.measure import PROC_READS, Kind, Measurer, Read
+from supervisor.core.recorder import NO_METRICS, Recorder
 from supervisor.core.session import Session, WorkerProc
 from supervisor.core.states import State, Trigger
 from supervisor.core.workers import WorkerOwner
@@ -115,9 +113,8 @@ class Sweeper:
         # The loop's stalls seen by the sweep (see run): how many, how long in all.
         self.loop_stalls = 0
         self.loop_stalled_secs = 0.0
-        # The measuring thread, one batch at a time (supervisor.core.measure).
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sessiond-measure", initializer=name_thread)
-        self._host = host_identity()
+        # The measuring thread, one batch at a time (supervisor.host.measure).
+        self._measurer = Measurer()
         self._batch: asyncio.Future[list[Read]] | None = None
         self._plan: list[tuple[Read, SessionMemory]] = []
         self._walks: dict[str, tuple[DiskWalk, SessionMemory]] = {}
@@ -152,7 +149,7 @@ class Sweeper:
                 self.metrics.sweep(time.monotonic() - began)
             except Exception:
                 log.exception("supervision sweep failed; carrying on")
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._measurer.close()
 
     def excuse_stall(self, lag: float) -> None:
         """The daemon's loop did not run for `lag` seconds: every live
@@ -378,8 +375,7 @@ class Sweeper:
         plan = sorted(self._plan, key=lambda item: (order[item[0].kind], item[0].rank))
         self._plan = plan
         reads = [read for read, _ in plan]
-        loop = asyncio.get_running_loop()
-        self._batch = batch = loop.run_in_executor(self._pool, run_batch, reads, self._host)
+        self._batch = batch = self._measurer.submit(reads)
         batch.add_done_callback(lambda fut: self._apply(plan, fut))
 
     def _apply(self, plan: list[tuple[Read, SessionMemory]], fut: asyncio.Future[list[Read]]) -> None:

@@ -15,10 +15,9 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 import msgspec
 
@@ -34,15 +33,19 @@ from supervisor.errors import Capacity, Conflict, Internal, SessiondError
 from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger
 from supervisor.core.containment import Containment
-from supervisor.core.limits import ProcTable, SessionMemory
-from supervisor.ops.logtag import tagged
-from supervisor.ops.metrics import NO_METRICS, Recorder
+from supervisor.core.limits import SessionMemory
+from supervisor.host.proctable import ProcTable
+from supervisor.logtag import tagged
+from supervisor.core.recorder import NO_METRICS, Recorder
 from supervisor.spawn.seams import Spawner, SpawnerDied
 from supervisor.core.session import Session, WorkerProc
 from supervisor.store.state_store import Fenced, StoreDamaged, StoreError
 from supervisor.core.fdbudget import out_of_fds
 from supervisor.core.states import LIVE, RestartPolicy, State, Trigger
 from supervisor.core.workspaces import Workspaces
+
+if TYPE_CHECKING:
+    import socket  # a worker's socket is only handed on (the core does no I/O of its own)
 
 __all__ = ["WorkerOwner", "describe_exit"]
 
@@ -52,7 +55,7 @@ _worker_decoder = msgspec.msgpack.Decoder(m.FromWorker)
 _settings_encoder = msgspec.msgpack.Encoder()
 _WORKER_FRAME_LIMIT = 1 << 30
 
-Pending = asyncio.Future[tuple[int, socket.socket]]
+Pending: TypeAlias = "asyncio.Future[tuple[int, socket.socket]]"
 
 
 @runtime_checkable
@@ -104,7 +107,7 @@ class WorkerOwner:
         self.metrics = metrics
         # LiveSlots.make_room: a live worker's room, hibernating others for it.
         self._make_room = make_room
-        # Takes a session held by another daemon back first (supervisor.cluster.fencing).
+        # Takes a session held by another daemon back first (supervisor.core.fencing).
         self._claim = claim or _no_room_needed
         # Damage.at_boot: a boot's read found the log damaged (supervisor.core.damage).
         self._damaged = damaged
@@ -567,7 +570,7 @@ class WorkerOwner:
         """Whether another daemon took the session over since it was loaded
         (daemons sharing a database): then it is not restarted here, where a
         second worker would run on the other daemon's records, but handed
-        to the ledger's `on_fenced` (supervisor.cluster.fencing stops it).  Checked
+        to the ledger's `on_fenced` (supervisor.core.fencing stops it).  Checked
         by making the restart's mark durable: the commit is fenced.  A
         store that cannot write for another reason does not stop the
         restart (the mark was never a promise to anyone)."""

@@ -6,7 +6,8 @@ root daemon's default; kept in the session's meta for its life), or as the
 daemon.  Its workspace is `<root>/ID@TOKEN`: a new TOKEN for every session,
 so a later session that reuses an id never sees an old workspace; created
 and chowned only by the daemon, never through a link; removed with the
-session.
+session.  This module decides (whose, where, which are orphans);
+supervisor.host.workspaces does the disk's part.
 
 What a store gives back is data (`stored_problem`): a session's owner,
 workspace name, uid and handler are checked again whenever one is
@@ -17,28 +18,22 @@ the root.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
 import os
-import pwd
 import secrets
-import shutil
-import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 from supervisor.config import Config, workspace_root
 from supervisor.core.admission import Admission, SessionUids
-from supervisor.core import btrfs
-from supervisor.core.diskquota import IMAGES, QuotaPath, detect
-from supervisor.errors import Capacity, Internal, NoLoopDevice, SessiondError
-from supervisor.ops.logtag import tagged
+from supervisor.errors import Capacity, SessiondError
+from supervisor.host.diskquota import QuotaPath, detect
+from supervisor.host.users import user_exists
+from supervisor.host.workspaces import WorkspaceDisk, dir_owner, open_dirs, owns_an_entry
+from supervisor.logtag import tagged
 from supervisor.core.overrides import check_handler
 from supervisor.core.session import Session, valid_session_id
 from supervisor.spawn import diskimage, sysvipc
-from supervisor.spawn.ceilings import fork_refusal
 from supervisor.store.state_store import Meta
 from supervisor.core.states import State
 
@@ -58,6 +53,8 @@ class Workspaces:
         self.session_uids = session_uids if run_as is None else None
         # How max_disk_mb is enforced under the workspace root, found once.
         self.quota: QuotaPath = detect(self.root(), config().tools.disk_quota)
+        # What makes, caps, mounts and removes them (supervisor.host.workspaces).
+        self.disk = WorkspaceDisk(self.quota, self.root)
         # Where sessions' SysV IPC lives, and what becomes of it.
         self.ipc, shared = self._ipc_scope()
         log.log(logging.WARNING if shared else logging.INFO, "IPC of sessions: %s", self.ipc)
@@ -142,16 +139,16 @@ class Workspaces:
             return f"its stored uid {uid} is another session's", False
         where = self.root() / (meta.workspace or meta.id)
         try:
-            st = os.lstat(where)
+            owner = dir_owner(where)
         except FileNotFoundError:
             # Not made yet (an import; a create cut short): then no other
             # workspace may be that uid's either.
-            if _owns_a_workspace(self.root(), uid):
+            if owns_an_entry(self.root(), uid):
                 return f"its stored uid {uid} owns another session's workspace", False
             return None
         except OSError as exc:
             return f"its workspace {where} cannot be checked ({exc.strerror}); `rm` it", True
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+        if owner != uid:
             return f"its workspace {where} is not a directory of its stored uid {uid}", False
         return None
 
@@ -189,160 +186,38 @@ class Workspaces:
         taken = {s.meta.run_uid for s in sessions}
         for _ in range(64):
             uid = span[secrets.randbelow(len(span))]
-            if uid not in taken and _no_such_user(uid):
+            if uid not in taken and not user_exists(uid):
                 return uid
-        free = [u for u in span if u not in taken and _no_such_user(u)]
+        free = [u for u in span if u not in taken and not user_exists(u)]
         if not free:
             raise Capacity(f"every uid of [daemon] session_uid_range ({span.start}-{span.stop - 1}) is in use")
         return free[secrets.randbelow(len(free))]
 
     def prepare(self, session: Session) -> Path:
-        """Create the session's workspace (0700, owned by whoever its worker
-        runs as), or mount its image again.  Only a directory the daemon
-        itself named and created is chowned: never one that was already
-        there, never through a link.  Blocking (an image is made by a
-        process): the workers call it in a thread.  Raises Capacity (no
-        loop device) or Internal where its image cannot be made or mounted:
+        """The session's workspace made, or its image mounted again
+        (supervisor.host.workspaces).  Blocking: the workers call it in a
+        thread.  Raises Capacity or Internal where its image cannot be had:
         a session never runs in an uncapped workspace the operator was told
         is capped."""
-        workspace = self.path(session)
-        run_as = self.run_as(session)
-        made = False
-        try:
-            workspace.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                self._make(workspace)
-                made = True
-            except FileExistsError:
-                st = os.lstat(workspace)
-                if not stat.S_ISDIR(st.st_mode):
-                    raise OSError(f"{workspace} exists and is not a directory") from None
-                if run_as is not None and st.st_uid != run_as[0]:
-                    raise OSError(
-                        f"{workspace} belongs to uid {st.st_uid}, not to the session's uid {run_as[0]}"
-                    ) from None
-            else:
-                if run_as is not None:
-                    os.lchown(workspace, *run_as)
-            if self.quota.kernel and not self.quota.images:
-                self._cap(session, workspace)
-        except OSError as exc:
-            tagged(log, session.id).warning("cannot prepare workspace %s: %s", workspace, exc)
-            return workspace
-        if self.quota.images:
-            self._mount(session, workspace, run_as, made)
-        return workspace
-
-    def _make(self, workspace: Path) -> None:
-        if not self.quota.kernel or self.quota.images:
-            os.mkdir(workspace, 0o700)
-            return
-        btrfs.make_workspace(str(workspace.parent), workspace.name)
-        os.chmod(workspace, 0o700)  # made as the umask says; nobody has used it yet
-
-    def _cap(self, session: Session, workspace: Path) -> None:
-        """The kernel's cap at the session's max_disk_mb, set again at every
-        start (a restart after a config change takes the new figure)."""
-        cap = session.settings.agent.limits.max_disk_mb
-        try:
-            btrfs.set_limit(str(workspace), None if cap is None else cap << 20)
-        except OSError as exc:
-            # A workspace made before quotas were on is a plain directory:
-            # the walk alone holds it (supervisor.core.diskquota).
-            tagged(log, session.id).warning(
-                "workspace %s: the kernel's disk cap could not be set (%s); max_disk_mb is measured "
-                "for this session instead (a workspace made before btrfs quotas were on is not a "
-                "subvolume)", workspace, exc.strerror or exc)
-
-    def _image(self, name: str) -> str:
-        return str(self.root() / IMAGES / f"{name}.img")
-
-    def _mount(self, session: Session, workspace: Path, run_as: tuple[int, int] | None, made: bool) -> None:
-        """The workspace as an image of its own: made at its first start
-        (sized from the session's max_disk_mb and max_disk_inodes then),
-        mounted again at a start after the daemon's (a restart of the
-        shipped unit took its mount namespace, and the mount, with it)."""
-        limits = session.settings.agent.limits
-        image = self._image(workspace.name)
-        where = str(workspace)
-        try:
-            if os.path.exists(image):
-                diskimage.mount(image, where)
-                return
-            new = image + ".new"
-            diskimage.unmount(where, (new,))  # a daemon killed before the rename below
-            diskimage.remove(new)
-            if limits.max_disk_mb is None:
-                return  # no quota: a plain directory (the walk counts max_disk_inodes)
-            if not made and _holds_files(workspace):
-                tagged(log, session.id).warning(
-                    "workspace %s was made before workspace images were on: it stays a plain "
-                    "directory, measured (a new session gets an image)", workspace)
-                return
-            os.makedirs(os.path.dirname(image), mode=0o700, exist_ok=True)
-            cap = limits.max_disk_mb << 20
-            inodes = limits.max_disk_inodes if limits.max_disk_inodes is not None else cap // 16384
-            diskimage.make(new, cap, inodes)
-            try:
-                diskimage.mount(new, where)
-                # Its root is still root's and nobody has used it: 0700, no
-                # lost+found in the user's way (e2fsck makes one when it
-                # needs it), then the session's.
-                os.chmod(workspace, 0o700)
-                with contextlib.suppress(FileNotFoundError):
-                    os.rmdir(workspace / "lost+found")
-                if run_as is not None:
-                    os.lchown(workspace, *run_as)
-                os.rename(new, image)  # made and mounted: from now on it is the workspace
-            except BaseException:
-                diskimage.unmount(where, (new,))
-                diskimage.remove(new)
-                raise
-        except NoLoopDevice as exc:
-            raise Capacity(f"no loop device for the session's workspace image: {exc} (the host's loop "
-                           "devices, or [tools] disk_quota = \"measured\")") from exc
-        except OSError as exc:
-            if isinstance(exc.__cause__, OSError) and exc.__cause__.errno in (errno.EAGAIN, errno.ENOMEM):
-                # mkfs could not be started at the task or memory ceiling: a
-                # refusal to try again, as a worker's fork is (ceilings.fork_refusal).
-                raise Capacity(fork_refusal(exc.__cause__.errno, "mkfs.ext4 for its workspace image "
-                                            "could not be started")) from exc
-            tagged(log, session.id).error("workspace %s: its disk image could not be made or mounted: %s",
-                                          workspace, exc)
-            raise Internal(f"its workspace's disk image could not be made or mounted: {exc.strerror or exc}") \
-                from exc
+        return self.disk.prepare(session.id, self.path(session), self.run_as(session),
+                                 session.settings.agent.limits)
 
     def remove(self, session: Session) -> None:
         """Blocking: call from a thread, a workspace can be large.  What its
         uid left in IPC goes too (a daemon killed since its worker ended)."""
         self.ended(session, here=True)
-        self._remove(self.path(session))
-
-    def _remove(self, path: Path) -> None:
-        # An image is unmounted (lazily if a file of it is still held open:
-        # it goes when that lets go) and deleted first: what is left is
-        # the empty directory it was mounted on.  A subvolume goes whole
-        # (its blocks freed by the kernel after); one that cannot (a
-        # subvolume nested in it) file by file.
-        image = self._image(path.name)
-        diskimage.unmount(str(path), (image, image + ".new"))
-        diskimage.remove(image)
-        diskimage.remove(image + ".new")
-        if not (self.quota.subvolumes and btrfs.destroy(str(path.parent), path.name)):
-            _rmtree(path)
+        self.disk.remove(self.path(session))
 
     def close(self) -> None:
-        """At the daemon's stop, once its workers are gone: unmount every
-        workspace image, so that a daemon outside systemd leaves no mount
+        """At the daemon's stop, once its workers are gone: every workspace
+        image unmounted, so that a daemon outside systemd leaves no mount
         behind (the next start mounts each again at its session's start)."""
-        if not self.quota.images:
-            return
-        images = self.root() / IMAGES
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(images):
-                if entry.name.endswith(".img"):
-                    with contextlib.suppress(OSError):
-                        diskimage.unmount(str(self.root() / entry.name[:-4]), (entry.path,))
+        self.disk.close()
+
+    def open_dirs(self, sessions_dir: Path) -> None:
+        """At start: the sessions' directory; where workers run as another
+        user, their way to their workspace."""
+        open_dirs(sessions_dir, self._state_dir, self.root() if self.separate_users else None)
 
     def remove_orphans(self, sessions: Iterable[Session]) -> None:
         """Workspaces ("ID@TOKEN") and their images whose session is gone:
@@ -353,25 +228,14 @@ class Workspaces:
         wanted = {s.meta.workspace for s in sessions}
         # A damaged session whose metadata is unreadable keeps whatever may be its own.
         lost = tuple(f"{s.id}@" for s in sessions if s.meta_lost)
-        names: set[str] = set()
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(root / IMAGES):
-                name = entry.name.removesuffix(".new").removesuffix(".img")
-                if "@" in name and not entry.name.startswith(".probe-"):
-                    names.add(name)
-        try:
-            entries = list(os.scandir(root))
-        except OSError:
+        names = self.disk.names()
+        if names is None:
             return
-        names |= {e.name for e in entries if "@" in e.name and e.is_dir(follow_symlinks=False)}
         for name in sorted(names):
             if name not in wanted and not name.startswith(lost):
                 log.info("removing the workspace of a deleted session: %s", root / name)
-                self._remove(root / name)
-        if self.quota.images:
-            for loop in diskimage.release_stale(str(root / IMAGES)):
-                log.warning("detached loop device %s: it held a workspace image that nothing mounted "
-                            "(a daemon killed while mounting it)", loop)
+                self.disk.remove(root / name)
+        self.disk.release_stale()
 
 
 def _own_workspace(session_id: str, name: str) -> bool:
@@ -382,61 +246,3 @@ def _own_workspace(session_id: str, name: str) -> bool:
             and all(c in "0123456789abcdef" for c in token))
 
 
-def _owns_a_workspace(root: Path, uid: int) -> bool:
-    try:
-        with os.scandir(root) as entries:
-            return any(e.stat(follow_symlinks=False).st_uid == uid for e in entries)
-    except FileNotFoundError:
-        return False  # no workspace at all yet
-    except OSError:
-        return True  # cannot tell: not believed
-
-
-def _holds_files(directory: Path) -> bool:
-    with os.scandir(directory) as inside:
-        return any(inside)
-
-
-def _no_such_user(uid: int) -> bool:
-    try:
-        pwd.getpwuid(uid)
-    except KeyError:
-        return True
-    return False
-
-
-def _rmtree(path: Path) -> None:
-    """Remove a tree that a session's tools may have made hard to remove
-    (directories without write or search permission); never follows links."""
-
-    opened: set[str] = set()  # each made listable once: no second try, no endless recursion
-
-    def onerror(func: Any, target: str, exc_info: Any) -> None:
-        exc = exc_info[1]
-        if isinstance(exc, FileNotFoundError):
-            return
-        if not isinstance(exc, PermissionError):
-            raise exc
-        changed = False
-        for directory in (os.path.dirname(target), target):
-            if os.path.isdir(directory) and not os.path.islink(directory):
-                try:
-                    os.chmod(directory, 0o700)
-                    changed = True
-                except OSError:
-                    pass
-        if not changed:
-            raise exc  # not ours to open up (no CAP_FOWNER): say so, once
-        if func in (os.rmdir, os.unlink, os.remove):
-            func(target)
-        elif target not in opened:  # it could not be opened or listed: now it can
-            opened.add(target)
-            shutil.rmtree(target, onerror=onerror)
-        else:
-            raise exc
-
-    if path.is_symlink() or not path.is_dir():
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        return
-    shutil.rmtree(path, onerror=onerror)

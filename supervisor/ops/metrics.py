@@ -1,13 +1,14 @@
 """Prometheus metrics: what the daemon's parts count, and `/metrics`.
 
 Runs in the daemon's loop.  The parts (WorkerOwner, TurnLedger, Sweeper,
-the control server) call a `Recorder`; with `[daemon] metrics_listen = ""`
+the control server) call a `Recorder` (supervisor.core.recorder: the
+protocol, with the core that calls it); with `[daemon] metrics_listen = ""`
 (the default) that is `NO_METRICS`, whose methods do nothing, and
 `prometheus_client` is never imported (importing it costs ~70 ms), so a
 turn pays one call of an empty method per event counted.
 
-With metrics on, `PrometheusRecorder` keeps counters and histograms in a
-registry of its own (not the library's global one, which would add its GC
+With metrics on, `PrometheusRecorder` (which implements it) keeps counters
+and histograms in a registry of its own (not the library's global one, which would add its GC
 collector and anything an import registered), with the library's process
 collector (the daemon's `process_*`) and a build info.  Every series of a
 known label value exists from the start, at 0.  Gauges that describe the daemon's state (sessions by state, clients, the
@@ -17,7 +18,7 @@ pays nothing for them.
 
 The endpoint is served from the daemon's own loop, not from the library's
 threaded HTTP server: the collectors read dicts only the loop may touch,
-the daemon stays free of threads (STYLE rule 7), and a thread would hold
+the daemon's loop needs no thread beside it for this, and a thread would hold
 the GIL for as long as the formatting takes anyway (~1 ms for ~210
 samples; bench/metrics.py measures turns with and without scrapes).
 Failure reasons, provider statuses, tool kinds and outcomes become labels
@@ -70,9 +71,7 @@ if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
 __all__ = [
-    "NO_METRICS",
     "PrometheusRecorder",
-    "Recorder",
     "FAILURE_KINDS",
     "TOP_RSS_SESSIONS",
     "failure_kind",
@@ -101,52 +100,7 @@ _TURN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.
 _FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
-class Recorder:
-    """The calls the parts make.  This base is the no-op used when metrics
-    are off: each method is an empty call."""
-
-    def worker_exit(self, reason: str) -> None:
-        pass
-
-    def restart(self) -> None:
-        pass
-
-    def turn_started(self, session: Session) -> None:
-        pass
-
-    def delta(self, session: Session) -> None:
-        """A piece of reply text of the running turn (time to first token)."""
-
-    def turn_ended(self, session: Session, done: bool, reason: str, secs: float) -> None:
-        pass
-
-    def commit(self, secs: float, records: int = 1) -> None:
-        """One durable append (write + fsync) of `records` records.  A group
-        commit passes the size of its batch."""
-
-    def sweep(self, secs: float) -> None:
-        pass
-
-    def loop_stall(self, secs: float) -> None:
-        pass
-
-    def request(self, kind: str, code: str) -> None:
-        pass
-
-    def notice(self, kind: str, data: dict[str, Any]) -> None:
-        """A worker's notice (provider retries are counted by HTTP status)."""
-
-    def llm_spent(self, spend: dict[str, int]) -> None:
-        """More LLM calls and tokens spent by a running turn (ipc.budget's keys)."""
-
-    def budget_reached(self, ceiling: str) -> None:
-        """A turn ended at an [agent.budget] ceiling (its config key)."""
-
-
-NO_METRICS = Recorder()
-
-
-class PrometheusRecorder(Recorder):
+class PrometheusRecorder:
     """Metrics on: counters and histograms, plus the scrape-time gauges
     read from `sessions()` and `clients()`."""
 

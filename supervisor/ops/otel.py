@@ -44,9 +44,10 @@ import msgspec
 from ipc import messages as m
 from ipc.traceparent import TraceParent
 from supervisor.config import TracingSettings
-from supervisor.ops import genai, logtag
+from supervisor import logtag
+from supervisor.ops import genai
 from supervisor.ops.labels import failure_kind
-from supervisor.ops.tracing import SubagentTrace, Tracer, TurnTrace
+from supervisor.core.tracer import SubagentTrace, TurnTrace, UntracedSubagent
 
 __all__ = ["ExportSpan", "OtelTracer", "clean_attributes"]
 
@@ -156,7 +157,7 @@ class _Spans:
         self.tools: dict[int, tuple[str, int]] = {}
 
 
-class _Subagent(SubagentTrace):
+class _Subagent:
     def __init__(self, span: _Span) -> None:
         self._span = span
 
@@ -178,7 +179,7 @@ class _Subagent(SubagentTrace):
 _LOCAL = object()
 
 
-class _Unsampled(SubagentTrace):
+class _Unsampled(UntracedSubagent):
     """A sub-agent of a turn that is not sampled: its turn is not either."""
 
     def turn(self, received_ns: int) -> TurnTrace | None:
@@ -216,7 +217,7 @@ class _Sampler:
         return (trace_id & _MAX_ID) < self._bound
 
 
-class OtelTracer(Tracer):
+class OtelTracer:
     enabled = True
 
     def __init__(self, settings: TracingSettings, environ: Mapping[str, str] = os.environ,

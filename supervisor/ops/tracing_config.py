@@ -22,7 +22,7 @@ import msgspec
 from supervisor.config import TracingSettings
 from supervisor.errors import StartupError
 from ipc.install import install_command
-from supervisor.ops.tracing import NO_TRACER, Tracer
+from supervisor.core.tracer import NO_TRACER, Tracer
 
 __all__ = ["build", "protocol", "wanted"]
 

@@ -7,6 +7,6 @@ of what contains a session's disk and IPC (workspace images, what its uid
 left in the host's IPC namespace).
 
 Owns the worker processes until they are handed to the core.  May import:
-ipc/, supervisor.config and supervisor.errors, supervisor.ops.  Never the
-core: the core is handed a Spawner.
+ipc/, supervisor.config, supervisor.errors and supervisor.logtag.  Never
+the core: the core is handed a Spawner.
 """

@@ -36,6 +36,7 @@ namespace of its own):
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 import errno
 import logging
@@ -46,7 +47,7 @@ from typing import Literal, NamedTuple
 
 log = logging.getLogger("sessiond")
 
-__all__ = ["Cgroups", "OomCause", "OomMark", "Shares", "cgroup_mounts", "flat_key", "nice_weight", "own_cgroups",
+__all__ = ["Cgroups", "OomCause", "OomMark", "OomWatch", "Shares", "cgroup_mounts", "flat_key", "nice_weight", "own_cgroups",
            "remove_empty", "room_left", "within_share"]
 
 # Which ceiling an OOM kill in a session's cgroup was for: its own cap
@@ -198,6 +199,32 @@ class Cgroups(abc.ABC):
     def release(self, session_id: str) -> None:
         """Kill what is left of the session and remove its cgroup (a cgroup
         with processes cannot go: the next release or start retries)."""
+
+
+class OomWatch:
+    """Each session's OOM notification (`Cgroups.oom_fd`: an eventfd on v1's
+    memory.oom_control), watched on the daemon's loop: `told` is called
+    when the kernel signals it, the eventfd's count read first."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}  # session id -> the fd watched
+
+    def watch(self, session_id: str, fd: int, told: Callable[[], None]) -> None:
+        if self._fds.get(session_id) == fd:
+            return
+
+        def ready() -> None:
+            with contextlib.suppress(OSError):
+                os.read(fd, 8)
+            told()
+
+        asyncio.get_running_loop().add_reader(fd, ready)
+        self._fds[session_id] = fd
+
+    def unwatch(self, session_id: str) -> None:
+        fd = self._fds.pop(session_id, None)
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
 
 
 def own_cgroups() -> dict[str, str]:

@@ -1,6 +1,6 @@
 """A workspace as a filesystem of its own: a sparse ext4 image on a loop
 device, mounted at the workspace's path.  The kernel's cap on a workspace
-where btrfs quotas cannot be had (`supervisor.core.diskquota` decides which
+where btrfs quotas cannot be had (`supervisor.host.diskquota` decides which
 cap holds; `supervisor.core.workspaces` says when to make, mount and remove
 one; this module does the host's part).
 
@@ -36,7 +36,7 @@ Setting up a loop device and mounting take CAP_SYS_ADMIN (and access to
 /dev/loop-control and /dev/loopN); `probe` says whether this daemon has
 them, by doing it once.  Nothing here runs losetup or mount(8): the loop
 ioctls and mount(2) are the kernel's stable ABI (linux/loop.h), as
-supervisor.core.btrfs uses btrfs's.
+supervisor.host.btrfs uses btrfs's.
 """
 
 from __future__ import annotations

@@ -240,11 +240,11 @@ class ZygoteSpawner:
         self._sock.settimeout(_PRELOAD_TIMEOUT_SECS)
         try:
             data = self._sock.recv(_MAX_PACKET)
-        except TimeoutError:
+        except TimeoutError as exc:
             raise StartupError(f"the zygote did not finish preloading {', '.join(self._preload)} within "
-                               f"{_PRELOAD_TIMEOUT_SECS:.0f}s ([daemon] preload_modules, the handlers' modules)") from None
+                               f"{_PRELOAD_TIMEOUT_SECS:.0f}s ([daemon] preload_modules, the handlers' modules)") from exc
         except OSError as exc:
-            raise StartupError(f"the zygote died while preloading: {exc}") from None
+            raise StartupError(f"the zygote died while preloading: {exc}") from exc
         finally:
             self._sock.settimeout(None)
         if not data:

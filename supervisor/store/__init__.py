@@ -3,6 +3,6 @@ store (files, journal, replay, logscan, sessiondir), the in-memory store and the
 PostgreSQL store (postgres/).
 
 Owns what is on disk or in the database.  May import: ipc/,
-supervisor.config and supervisor.errors, supervisor.ops.  Never the core:
-the core is handed a StateStore.
+supervisor.config, supervisor.errors and supervisor.logtag.  Never the
+core: the core is handed a StateStore.
 """

@@ -73,7 +73,7 @@ from supervisor.store.logscan import (
     read_snapshot as _read_snapshot,
     scan_log,
 )
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.errors import Fenced, StoreDamaged, StoreError, StoreFull
 from supervisor.store.state_store import (
     Abort,

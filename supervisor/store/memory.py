@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass, field
 
 from supervisor.store.journal import write_error
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.errors import Fenced, StoreDamaged, StoreError
 from supervisor.store.state_store import (
     LoadedSession,

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from supervisor.errors import StoreDamaged
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.store.dirplan import plan
 from supervisor.store.logscan import read_snapshot, scan_log
 from supervisor.store.replay import clear_damage_note

@@ -65,7 +65,7 @@ import msgspec
 # re-exported here, with the protocols that raise them, for the core and the
 # cluster code that import them from this seam.
 from supervisor.errors import Fenced, HeldElsewhere, IdTaken, StoreDamaged, StoreError, StoreFull
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.store.spend import SpendBook
 
 _T = TypeVar("_T")

@@ -71,7 +71,7 @@ from typing import Any, TypeVar
 import psycopg
 
 from supervisor.errors import Diverged, Fenced, StoreError, StoreFull
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.store.postgres.batch import (
     CHANNEL,
     CREATE,

@@ -17,7 +17,12 @@ trace and back: from the turn's start until the session is at rest again
 (the lines of its end, and of a restart after it, belong to its trace).
 The tracer (supervisor.ops.otel) says which sessions' turns are traced
 (`traced`, `untraced`); with tracing off the table stays empty and a line
-pays one dict lookup."""
+pays one dict lookup.
+
+Runs in the daemon, in whichever part logs about a session.  It sits at the
+bottom of supervisor/, beside errors.py, and imports nothing of ours: the
+store and the spawner below the core tag their lines with it too.  The
+tracer that fills the table (supervisor.ops.otel) calls down into it."""
 
 from __future__ import annotations
 

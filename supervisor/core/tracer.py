@@ -1,5 +1,6 @@
-"""Turn traces: what the daemon's parts tell the tracer, and the tracer that
-does nothing (the default: tracing is off unless configured).
+"""Turn traces: what the daemon's parts tell the tracer (the `Tracer`
+protocol), and the tracer that does nothing (`NO_TRACER`, the default:
+tracing is off unless configured).
 
 Runs in the daemon's loop.  One trace per turn (docs/tracing.md):
 
@@ -24,17 +25,21 @@ resumed turn (`resumed`).
 `supervisor.ops.tracing_config.build` makes the OpenTelemetry one
 (`supervisor.ops.otel`, the `otel` extra) when the config or the standard
 OTEL_* variables ask for it.
+
+The protocol lives here, with the core that calls it; `supervisor.ops`
+implements it, above the core (ARCHITECTURE.md, "What each folder may
+import").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ipc import messages as m
 from ipc.traceparent import TraceParent
 
-__all__ = ["NO_TRACER", "SubagentTrace", "Tracer", "TurnTrace"]
+__all__ = ["NO_TRACER", "NoTracer", "SubagentTrace", "Tracer", "TurnTrace", "UntracedSubagent"]
 
 
 @dataclass(slots=True, eq=False)
@@ -53,8 +58,18 @@ class TurnTrace:
     spans: Any = None
 
 
-class SubagentTrace:
+class SubagentTrace(Protocol):
     """A sub-agent's span: its child session's turn is traced beneath it."""
+
+    def turn(self, received_ns: int) -> TurnTrace | None: ...
+
+    def child(self, session_id: str) -> None: ...
+
+    def end(self, error: str = "") -> None: ...
+
+
+class UntracedSubagent:
+    """A sub-agent's span that records nothing."""
 
     def turn(self, received_ns: int) -> TurnTrace | None:
         return None
@@ -66,21 +81,19 @@ class SubagentTrace:
         pass
 
 
-class Tracer:
-    """Does nothing: tracing is off.  `supervisor.ops.otel.OtelTracer` is the
-    one that records."""
+class Tracer(Protocol):
+    """What the parts tell the tracer (`supervisor.ops.otel.OtelTracer`
+    records; `NoTracer` does nothing)."""
 
-    enabled = False
+    enabled: bool
 
     def request(self, parent: TraceParent | None, received_ns: int) -> TurnTrace | None:
         """An input arrived (None: not traced)."""
-        return None
 
     def begin(self, session_id: str, turn: int, handler: str, trace: TurnTrace | None, *, text: str = "",
               owner_uid: int | None = None) -> TurnTrace | None:
         """The turn begins: its input (`text`, from the session's owner) is
         appended and sent to the worker."""
-        return None
 
     def step(self, trace: TurnTrace, msg: m.StepBegun | m.StepDone) -> None:
         """A step of the traced turn began or ended (the ledger took it)."""
@@ -89,23 +102,18 @@ class Tracer:
         """The turn's worker died (`failure`: how), and the turn is held to
         resume on the next one: what it ran died with it."""
 
-    def input_durable(self, trace: TurnTrace, error: str = "") -> None:
-        pass
+    def input_durable(self, trace: TurnTrace, error: str = "") -> None: ...
 
-    def commit_started(self, trace: TurnTrace) -> None:
-        pass
+    def commit_started(self, trace: TurnTrace) -> None: ...
 
     def ended(self, session_id: str, trace: TurnTrace, failed: str = "", done: m.Done | None = None) -> None:
         """TurnDone (`done`) or TurnFailed (`failed`, the reason)."""
 
-    def worker_spans(self, trace: TurnTrace, msg: m.WorkerSpans) -> None:
-        pass
+    def worker_spans(self, trace: TurnTrace, msg: m.WorkerSpans) -> None: ...
 
-    def state_changed(self, session_id: str, old: str, new: str, reason: str, trace: TurnTrace | None) -> None:
-        pass
+    def state_changed(self, session_id: str, old: str, new: str, reason: str, trace: TurnTrace | None) -> None: ...
 
-    def subagent(self, trace: TurnTrace | None, span_id: int, handler: str) -> SubagentTrace | None:
-        return None
+    def subagent(self, trace: TurnTrace | None, span_id: int, handler: str) -> SubagentTrace | None: ...
 
     def resumed(self, trace: TurnTrace | None, detail: str = "") -> None:
         """A turn goes on on a new worker from its last durable step (the
@@ -114,8 +122,34 @@ class Tracer:
     def forget(self, session_id: str) -> None:
         """The session is gone (removed, or its create failed)."""
 
+    def stats(self) -> dict[str, Any]: ...
+
+
+class NoTracer:
+    """Does nothing: tracing is off (each call returns at once, None where
+    a trace would be)."""
+
+    enabled = False
+
+    def request(self, parent: TraceParent | None, received_ns: int) -> TurnTrace | None:
+        return None
+
+    def begin(self, session_id: str, turn: int, handler: str, trace: TurnTrace | None, *, text: str = "",
+              owner_uid: int | None = None) -> TurnTrace | None:
+        return None
+
+    def subagent(self, trace: TurnTrace | None, span_id: int, handler: str) -> SubagentTrace | None:
+        return None
+
     def stats(self) -> dict[str, Any]:
         return {}
 
+    def _nothing(self, *args: object, **kwargs: object) -> None:
+        pass
 
-NO_TRACER = Tracer()
+    # The calls that only tell: nothing to do with what they say.
+    step = worker_lost = input_durable = commit_started = ended = worker_spans = state_changed = _nothing
+    resumed = forget = _nothing
+
+
+NO_TRACER: Tracer = NoTracer()

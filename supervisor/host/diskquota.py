@@ -2,7 +2,7 @@
 count (`max_disk_inodes`) are capped.
 
 Runs in the daemon: `detect` once at start, on the loop; `DiskWalk.step` in
-the measuring thread (`supervisor.core.measure`), never on the loop.
+the measuring thread (`supervisor.host.measure`), never on the loop.
 
 Three paths, chosen once at start (`[tools] disk_quota`: "auto" takes the
 first that works here; "kernel" refuses to start without one of the first
@@ -12,7 +12,7 @@ two; "measured" is the walk alone) and said in the start-up log and `stats`
 - "kernel", btrfs qgroups (the workspace root on btrfs with quotas enabled,
   and a daemon that may set a qgroup limit: CAP_SYS_ADMIN): every new
   workspace is a subvolume whose qgroup is limited to `max_disk_mb`
-  (`supervisor.core.btrfs`).  A write past it fails with EDQUOT at once,
+  (`supervisor.host.btrfs`).  A write past it fails with EDQUOT at once,
   `fallocate` included, and the session goes on: a full workspace, as on a
   full disk.  btrfs has no inode table to run out of: a file's inode is
   metadata, counted in the qgroup with the rest.  The walk stays on as a
@@ -56,7 +56,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor.core import btrfs
+from supervisor.host import btrfs
 from supervisor.errors import StartupError
 from supervisor.spawn import diskimage
 

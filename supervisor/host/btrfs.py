@@ -8,7 +8,7 @@ made and removed (`supervisor.core.workspaces`).
 With quotas enabled on the filesystem (`btrfs quota enable`), every write
 past a subvolume's "max referenced" fails with EDQUOT, at once: a tool's
 `fallocate` of 3 GiB in a 2 GiB workspace is refused before a block of it is
-taken, where the measured path (`supervisor.core.diskquota`) could only
+taken, where the measured path (`supervisor.host.diskquota`) could only
 stop the session after the fact.  Setting a limit takes CAP_SYS_ADMIN;
 creating and removing a subvolume does not.  Nothing here runs btrfs-progs:
 the five ioctls are the kernel's stable ABI (linux/btrfs.h), as the

@@ -1,7 +1,8 @@
 """Sessions held by another daemon: let go of them here, and claim them
 back when asked.
 
-Runs in the daemon's loop.  Every store fences its writers (see
+Runs in the daemon's loop.  In the core, not in supervisor/cluster/: every
+daemon needs it, a plain one on a file store too.  Every store fences its writers (see
 supervisor.store.state_store): once another daemon loaded a session (a second
 daemon on the same PostgreSQL database, a front that was frozen or cut off
 while another took its sessions over), this daemon's next commit for it is
@@ -32,7 +33,7 @@ import logging
 from collections.abc import Callable
 
 from supervisor.errors import Conflict, NotFound, NotHeld
-from supervisor.ops.logtag import tagged
+from supervisor.logtag import tagged
 from supervisor.core.holding import Holding
 from supervisor.core.session import Session
 from supervisor.store.state_store import (
@@ -182,9 +183,9 @@ async def claim(ops: Holding, session: Session) -> None:
     try:
         held, loaded = ops.store.load(session.id)
     except HeldElsewhere as exc:
-        raise Conflict(str(exc)) from None
-    except KeyError:
-        raise NotFound(f"session {session.id} was removed by another daemon") from None
+        raise Conflict(str(exc)) from None  # unchained: a database's error may quote its DSN
+    except KeyError as exc:
+        raise NotFound(f"session {session.id} was removed by another daemon") from exc
     if (bad := ops.stored_problem(loaded.meta)) is not None:
         held.close()  # checked again as on create (supervisor.core.workspaces): not acted on
         raise Conflict(f"session {session.id} cannot be taken over: {bad[0]}")

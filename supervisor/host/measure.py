@@ -18,7 +18,7 @@ What is read here and why it is not read on the loop:
 - statvfs of the private /tmp (and /dev, where /dev/shm lives) of a
   process in the sandbox's own mount namespace: a tmpfs's pages are in
   nobody's RSS either.
-- the workspace's walk (`supervisor.core.diskquota.DiskWalk`), a slice a batch.
+- the workspace's walk (`supervisor.host.diskquota.DiskWalk`), a slice a batch.
 
 Budget: `PROC_READS` units a batch, a smaps_rollup or a statvfs costing one
 and an fd listing one plus one per `FDS_PER_UNIT` descriptors; the walk has
@@ -31,18 +31,20 @@ no imports after start): the daemon forks the zygote again if it dies.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 import os
 import stat
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from supervisor.core.diskquota import DiskWalk
+from supervisor.host.diskquota import DiskWalk
 
 __all__ = [
-    "FDS_PER_UNIT", "PROC_READS", "THREAD_NAME", "WALK_ENTRIES", "Kind", "Read", "host_identity", "name_thread",
-    "run_batch",
+    "FDS_PER_UNIT", "PROC_READS", "THREAD_NAME", "WALK_ENTRIES", "Kind", "Measurer", "Read", "host_identity",
+    "name_thread", "run_batch",
 ]
 
 # Reads of /proc a batch (one batch a sweep at most): at ~0.4 ms for the
@@ -122,6 +124,23 @@ def host_identity() -> HostIdentity:
             return -1
 
     return HostIdentity(ino("/proc/self/ns/mnt"), dev("/tmp"), dev("/dev"))
+
+
+class Measurer:
+    """The measuring thread, as the sweep sees it: a batch handed over
+    (`submit`, on the loop), its reads back in a future of the loop."""
+
+    def __init__(self) -> None:
+        # One thread, one batch at a time; started at the first batch.
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sessiond-measure", initializer=name_thread)
+        self._host = host_identity()
+
+    def submit(self, reads: list[Read]) -> asyncio.Future[list[Read]]:
+        return asyncio.get_running_loop().run_in_executor(self._pool, run_batch, reads, self._host)
+
+    def close(self) -> None:
+        """A batch under way is let go (the daemon is stopping)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def run_batch(reads: list[Read], host: HostIdentity, budget: int = PROC_READS,
