@@ -43,6 +43,7 @@ from supervisor.config import Config, daemon_socket_path, default_state_dir
 from supervisor.ops import metrics, tracing_config
 from supervisor.ops.reload import Reloader
 from supervisor.core import fdbudget
+from supervisor.host import fds as host_fds
 from supervisor.core.manager import SessionManager
 from supervisor.core.recorder import NO_METRICS
 from supervisor.core.mcpcatalog import McpCatalog
@@ -74,7 +75,7 @@ def fd_clamp_here(cfg: Config) -> str:
     """For `config check`: whether max_concurrent_sessions fits the fds a
     daemon started from this shell could have (the unit's LimitNOFILE=
     decides where it runs); '' when it does."""
-    return fdbudget.FdBudget.of(resource.getrlimit(resource.RLIMIT_NOFILE)[1], cfg).clamped(cfg)
+    return fdbudget.FdBudget.of(host_fds.nofile_limit(hard=True), cfg).clamped(cfg)
 
 
 def run_daemon(
@@ -92,7 +93,7 @@ def run_daemon(
     setproctitle.setproctitle("sessiond: daemon")
     faulthandler.enable()  # a watchdog SIGABRT leaves the stuck stack in the journal
     large_allocations_mapped()  # clients' large buffers go back to the system when freed
-    fdbudget.raise_nofile_limit()
+    host_fds.raise_nofile_limit()
     state_dir = state_dir or default_state_dir(cfg)
     socket_path = socket_path or daemon_socket_path(cfg)
     # The lock's fd is held until this process exits; the zygote (close_fds) does not inherit it.

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
-import resource
 from dataclasses import dataclass
 
 from supervisor.config import Config
 from supervisor.errors import Capacity
+from supervisor.host import fds
 
 __all__ = ["DAEMON_FDS", "FDS_PER_LIVE_SESSION", "FDS_PER_START", "FdBudget", "at_start", "out_of_fds", "raise_nofile_limit"]
 
@@ -44,20 +43,6 @@ _STORE_RESERVE = 16  # a snapshot's next log, history and export reads, the spen
 _HEADROOM = 16  # kept free after a start: `ls`, `status`, `stop`, `rm` and their connections
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
 _SETTING = "the daemon's RLIMIT_NOFILE: LimitNOFILE= in the unit, or ulimit -n"
-
-
-def raise_nofile_limit() -> None:
-    """Soft to hard, first thing at start (systemd's default soft limit of
-    1024 is far below its hard one), and say what it got."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft >= hard:
-        return
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError) as exc:
-        log.warning("cannot raise RLIMIT_NOFILE from %d to its hard limit %d: %s", soft, hard, exc)
-        return
-    log.info("RLIMIT_NOFILE raised from %d to its hard limit %d", soft, hard)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,13 +93,9 @@ class FdBudget:
         fds open now, what a live session holds, what its boot needs for a
         moment and what `ls`, `status`, `stop` and `rm` need must fit."""
         need = FDS_PER_LIVE_SESSION + FDS_PER_START + _HEADROOM
-        try:
-            held = len(os.listdir("/proc/self/fd"))  # (its own fd included: the count errs high)
-        except OSError as exc:
-            if exc.errno in _OUT_OF_FDS:
-                held = self.limit
-            else:
-                return  # no /proc: the EMFILE mapping below still answers
+        held = fds.open_count(self.limit)
+        if held is None:
+            return  # no /proc: the EMFILE mapping (out_of_fds) still answers
         if held + need > self.limit:
             raise Capacity(
                 f"no file descriptors left for another live session: {held} of the daemon's "
@@ -126,7 +107,7 @@ def at_start(config: Config) -> FdBudget:
     """The daemon's fds (its limit raised by `raise_nofile_limit` first):
     what they hold said, and a warning where max_concurrent_sessions does
     not fit."""
-    budget = FdBudget.of(resource.getrlimit(resource.RLIMIT_NOFILE)[0], config)
+    budget = FdBudget.of(fds.nofile_limit(), config)
     log.info("file descriptors: %s", budget.describe())
     if why := budget.clamped(config):
         log.warning("%s", why)

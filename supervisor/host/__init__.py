@@ -3,7 +3,8 @@ files of sessions' processes kept open (proctable.py), the measuring
 thread's reads (measure.py: PSS, memfds, tmpfs, workspace walks), which
 disk cap holds and the workspaces' walk (diskquota.py), btrfs subvolumes
 and qgroups (btrfs.py), a workspace made, capped, mounted and removed
-(workspaces.py), and passwd/group lookups (users.py).
+(workspaces.py), passwd/group lookups (users.py), and the daemon's own
+file descriptors: its limit and how many are open (fds.py).
 
 The core decides (whose workspace, which reads, which verdict); this
 folder does, and holds no session state of its own.  May import: ipc/,
