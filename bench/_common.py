@@ -1,11 +1,11 @@
 """Shared helpers for the benchmarks in bench/: a throw-away daemon, statistics,
 tables and goal lines.
 
-Every bench script starts with the same few lines (see `setup_path` below) so
-that it runs as `.venv/bin/python bench/X.py` from the repo root: Python puts
-the script's directory, bench/, first on sys.path, where `bench/ipc.py` would
-shadow the project's `ipc` package.  The scripts swap that entry for the repo
-root and import this module as `bench._common`.
+Every bench script imports `_path` first (bench/_path.py) so that it runs
+as `.venv/bin/python bench/X.py` from the repo root: Python puts the
+script's directory, bench/, first on sys.path, where `bench/ipc.py` would
+shadow the project's `ipc` package; `_path` swaps that entry for the repo
+root, and the scripts import this module as `bench._common`.
 
 The daemon runs in its own session (process group) with its state and socket
 in one short temporary directory under /tmp.  It is stopped on normal exit,
@@ -19,6 +19,7 @@ Nothing here is imported by the daemon or its workers.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import atexit
 import contextlib
 import json
@@ -40,13 +41,6 @@ import tomli_w
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
-
-
-def setup_path() -> None:
-    """Make the repo root importable and bench/ not (see the module docstring)."""
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -387,6 +381,21 @@ async def build_history(client: Any, sid: str, turns: int, size: int) -> None:
     """Give session `sid` a past of `turns` real turns (client: an AsyncClient)."""
     for i in range(turns):
         await client.send_text(sid, message(i, size))
+
+
+async def create_echo_sessions(client: Any, n: int, in_flight: int = 16) -> tuple[float, list[str]]:
+    """`n` echo sessions made by `client` (an AsyncClient), `in_flight` at a
+    time: the creates per second, and their ids."""
+    sem = asyncio.Semaphore(in_flight)
+    sids: list[str] = []
+
+    async def make() -> None:
+        async with sem:
+            sids.append((await client.create(handler="echo")).id)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(make() for _ in range(n)))
+    return n / (time.perf_counter() - t0), sids
 
 
 def quiet_gc() -> None:

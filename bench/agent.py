@@ -60,33 +60,29 @@ daemon throughput >= 90% of the direct client's.
 
 from __future__ import annotations
 
+import _path  # (first: the checkout on sys.path, not bench/)
+
 import sys
 from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any
 
-import asyncio  # noqa: E402
-import contextlib  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections import defaultdict  # noqa: E402
-from typing import Any  # noqa: E402
+from bench import _common as c
 
-from bench import _common as c  # noqa: E402
+import httpx
+import psutil
 
-c.setup_path()
-
-import httpx  # noqa: E402
-import psutil  # noqa: E402
-
-from ipc import messages as m  # noqa: E402
-from supervisor.ctl.client import AsyncClient  # noqa: E402
+from ipc import messages as m
+from supervisor.ctl.client import AsyncClient
 
 TESTS = c.REPO / "tests"
 MODEL = "fake-model"
@@ -506,9 +502,9 @@ def main() -> int:
     if args.probe:
         handler = "bench._agent_probe:ProbedAgent"
         probe_file, daemon_probe = probe_path(), probe_path()
-        env["SESSIOND_BENCH_AGENT_PROBE_DAEMON"] = str(daemon_probe)
+        env["SESSIOND_path.BENCH_AGENT_PROBE_DAEMON"] = str(daemon_probe)
         if args.profile:
-            env["SESSIOND_BENCH_AGENT_PROFILE"] = args.profile
+            env["SESSIOND_path.BENCH_AGENT_PROFILE"] = args.profile
     kinds = ["daemon", *(["base"] if args.baseline else []), "direct", "raw"]
     builds_n = 2 if args.baseline else 1
     server = LLMServer(args.tokens, rounds, builds_n, len(kinds), args.gap_ms, probe_file)

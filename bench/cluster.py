@@ -33,29 +33,25 @@ Goals (issue 15): create -> ready <= 3x, ping <= 3x, durable echo turn
 
 from __future__ import annotations
 
+import _path  # (first: the checkout on sys.path, not bench/)
+
 import sys
-from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
-sys.path.insert(1, str(_BENCH.parent / "tests"))
+sys.path.insert(1, str(_path.REPO / "tests"))
 
-import statistics  # noqa: E402
-import time  # noqa: E402
+import statistics
+import time
 
-import psutil  # noqa: E402
+import psutil
 
-import tomli_w  # noqa: E402
+import tomli_w
 
-from bench import _common as c  # noqa: E402
+from bench import _common as c
 
-c.setup_path()
+from pg_server import PgServer
+from ray_cluster import HEALTH_ENV, NODE_IPS, RayCluster
 
-from pg_server import PgServer  # noqa: E402
-from ray_cluster import HEALTH_ENV, NODE_IPS, RayCluster  # noqa: E402
-
-from supervisor.ctl.client import Client  # noqa: E402
+from supervisor.ctl.client import Client
 
 IDLE_SESSIONS = 20
 IDLE_ROUNDS = 3

@@ -23,27 +23,23 @@ magnitude (the table says how loaded it was).
 
 from __future__ import annotations
 
+import _path  # noqa: F401  (first: the checkout on sys.path, not bench/)
+
 import sys
 from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import os
+import secrets
+import shutil
+import tempfile
+import time
+import types
+from typing import Any
 
-import os  # noqa: E402
-import secrets  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import types  # noqa: E402
-from typing import Any  # noqa: E402
+from bench import _common as c
 
-from bench import _common as c  # noqa: E402
-
-c.setup_path()
-
-from supervisor.config import parse_config  # noqa: E402
-from supervisor.core.workspaces import Workspaces  # noqa: E402
+from supervisor.config import parse_config
+from supervisor.core.workspaces import Workspaces
 
 
 def _meminfo() -> dict[str, int]:

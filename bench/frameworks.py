@@ -17,28 +17,21 @@ Goals (issue 30), preloaded: create <= 3x echo's median, USS <= echo's + 3 MiB.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import _path  # noqa: F401  (first: the checkout on sys.path, not bench/)
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import asyncio
+import json
+import os
+import statistics
+import time
+from typing import Any
 
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+from bench import _common as c
 
-from bench import _common as c  # noqa: E402
+import psutil
 
-c.setup_path()
-
-import psutil  # noqa: E402
-
-from ipc.loop import run as loop_run  # noqa: E402
-from supervisor.ctl.client import AsyncClient  # noqa: E402
+from ipc.loop import run as loop_run
+from supervisor.ctl.client import AsyncClient
 
 MiB = 1024 * 1024
 

@@ -17,21 +17,19 @@ bench/README.md has the figures.
 
 from __future__ import annotations
 
+import _path  # noqa: F401  (first: the checkout on sys.path, not bench/)
+
 import sys
 from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import ctypes
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 
-import ctypes  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-
-from bench import _common as c  # noqa: E402
+from bench import _common as c
 
 REC = b"r" * 250
 _libc = ctypes.CDLL(None, use_errno=True)

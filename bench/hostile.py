@@ -16,6 +16,8 @@ daemon in its own process group; everything is killed at exit.
 
 from __future__ import annotations
 
+import _path  # noqa: F401  (first: the checkout on sys.path, not bench/)
+
 import argparse
 import contextlib
 import json
@@ -29,20 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-BENCH = REPO / "bench"
-# Run as bench/hostile.py, Python puts bench/ first on sys.path, where
-# bench/ipc.py would shadow the project's ipc package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import msgspec
+import psutil
 
-import msgspec  # noqa: E402
-import psutil  # noqa: E402
-
-from bench import _common as c  # noqa: E402
-from ipc import messages as m  # noqa: E402
-from ipc.framing import encode_frame  # noqa: E402
+from bench import _common as c
+from ipc import messages as m
+from ipc.framing import encode_frame
 
 _reply = msgspec.msgpack.Decoder(m.Reply)
 HELLO = encode_frame(m.Hello(protocol=m.PROTOCOL_VERSION, client="bench-hostile"))

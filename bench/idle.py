@@ -34,26 +34,22 @@ create >= 500 sessions/s.  With --profile the daemon runs under cProfile
 
 from __future__ import annotations
 
+import _path  # noqa: F401  (first: the checkout on sys.path, not bench/)
+
 import sys
 from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import asyncio
+import statistics
+import os
+import subprocess
+import time
+from typing import Any
 
-import asyncio  # noqa: E402
-import statistics  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+from bench import _common as c
 
-from bench import _common as c  # noqa: E402
-
-c.setup_path()
-
-from ipc.loop import run as loop_run  # noqa: E402
-from supervisor.ctl.client import AsyncClient  # noqa: E402
+from ipc.loop import run as loop_run
+from supervisor.ctl.client import AsyncClient
 
 CTL_ROUNDS = 9
 
@@ -65,16 +61,7 @@ max_concurrent_sessions = 5000
 
 async def _create(d: c.BenchDaemon, n: int) -> tuple[float, list[str]]:
     client = await AsyncClient.connect(str(d.socket), client_name="bench-idle")
-    sem = asyncio.Semaphore(16)
-    sids: list[str] = []
-
-    async def make() -> None:
-        async with sem:
-            sids.append((await client.create(handler="echo")).id)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(make() for _ in range(n)))
-    rate = n / (time.perf_counter() - t0)
+    rate, sids = await c.create_echo_sessions(client, n)
     await client.close()
     return rate, sids
 

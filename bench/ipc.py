@@ -28,36 +28,32 @@ launcher's log lines, and a handler that reports its running loop).
 
 from __future__ import annotations
 
+import _path  # (first: the checkout on sys.path, not bench/)
+
 import sys
 from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
 
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
+from bench import _common as c
 
-from bench import _common as c  # noqa: E402
+import msgspec
 
-c.setup_path()
+from ipc import messages as m
+from ipc.connection import FramedProtocol
+from ipc.framing import FrameEncoder
+from supervisor.ctl.client import AsyncClient
 
-import msgspec  # noqa: E402
-
-from ipc import messages as m  # noqa: E402
-from ipc.connection import FramedProtocol  # noqa: E402
-from ipc.framing import FrameEncoder  # noqa: E402
-from supervisor.ctl.client import AsyncClient  # noqa: E402
-
-LAUNCHER = _BENCH / "_loop_launcher.py"
+LAUNCHER = _path.BENCH / "_loop_launcher.py"
 TEXT = ("0123456789" * 10)[:100]
 CONFIG = ""
 ROUNDS = 10

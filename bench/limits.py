@@ -40,27 +40,23 @@ detection p99 <= one poll interval, at 100 ms and at 10 ms.
 
 from __future__ import annotations
 
+import _path  # noqa: F401  (first: the checkout on sys.path, not bench/)
+
 import sys
 from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import asyncio
+import glob
+import os
+import time
+from typing import Any
 
-import asyncio  # noqa: E402
-import glob  # noqa: E402
-import os  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+from bench import _common as c
 
-from bench import _common as c  # noqa: E402
+import psutil
 
-c.setup_path()
-
-import psutil  # noqa: E402
-
-from ipc import messages as m  # noqa: E402
-from supervisor.ctl.client import AsyncClient  # noqa: E402
+from ipc import messages as m
+from supervisor.ctl.client import AsyncClient
 
 BASELINE_MS = 60000
 CAP_MB = 64

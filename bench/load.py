@@ -38,7 +38,7 @@ ping p99 of each while 3 sessions' tools burn a CPU each (the floor's 3
 hogs, now the sessions' own: what weighting is for).
 
 Slow disk: with --slow-ms X (default 3; 0 skips it) the whole table is
-measured again with the daemon started with SESSIOND_BENCH_FSYNC_DELAY_MS=X,
+measured again with the daemon started with SESSIOND_path.BENCH_FSYNC_DELAY_MS=X,
 which makes the file store sleep X ms before every fdatasync/fsync of a log,
 a stand-in for network block storage (bench-only: see supervisor/store/files.py).
 A daemon that fsyncs once per turn caps at ~1000/X turns/s whatever N; one
@@ -47,30 +47,26 @@ that groups commits scales with the batch.
 
 from __future__ import annotations
 
+import _path  # (first: the checkout on sys.path, not bench/)
+
 import sys
 from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from typing import Any
 
-import asyncio  # noqa: E402
-import contextlib  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+import psutil
 
-import psutil  # noqa: E402
+from bench import _common as c
 
-from bench import _common as c  # noqa: E402
-
-c.setup_path()
-
-from ipc.loop import run as loop_run  # noqa: E402
-from supervisor.ctl.client import AsyncClient  # noqa: E402
+from ipc.loop import run as loop_run
+from supervisor.ctl.client import AsyncClient
 
 TEXT = ("0123456789" * 10)[:100]
 WARMUP_SECS = 0.5
@@ -372,7 +368,7 @@ async def _run_mode(ns: list[int], secs: float, fsync_delay_ms: float, baselines
     """Every N on every build, interleaved (base N=1, this N=1, base N=10...);
     `rotate`: which build goes first.  Returned in the order: baselines
     (the unweighted one last of them), this."""
-    env = {"SESSIOND_BENCH_FSYNC_DELAY_MS": str(fsync_delay_ms)} if fsync_delay_ms else {}
+    env = {"SESSIOND_path.BENCH_FSYNC_DELAY_MS": str(fsync_delay_ms)} if fsync_delay_ms else {}
     flags = ["-m", "cProfile", "-o", profile] if profile else []
     builds = [_Build(label, repo, env, []) for label, repo in baselines]
     if UNWEIGHTED:
@@ -399,7 +395,7 @@ async def _run_mode(ns: list[int], secs: float, fsync_delay_ms: float, baselines
 def _print(rep: c.Report, mode: dict[str, Any]) -> None:
     slow = mode["fsync_delay_ms"]
     rep.say()
-    rep.say(f"== {mode['build']}, {'fsync +' + str(slow) + ' ms (SESSIOND_BENCH_FSYNC_DELAY_MS)' if slow else 'real disk'}: "
+    rep.say(f"== {mode['build']}, {'fsync +' + str(slow) + ' ms (SESSIOND_path.BENCH_FSYNC_DELAY_MS)' if slow else 'real disk'}: "
             f"idle daemon ping p50 {c.fmt_us(mode['idle_ping']['median_us'])}, "
             f"p99 {c.fmt_us(mode['idle_ping']['p99_us'])}; with {HOGS} CPU hogs and no sessions busy "
             f"(the scheduler's floor) p50 {c.fmt_us(mode['hogged_ping']['median_us'])}, "

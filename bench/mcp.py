@@ -41,35 +41,31 @@ Goal (issue 34): six lazy servers' first turn within 50 ms of none's.
 
 from __future__ import annotations
 
+import _path  # noqa: F401  (first: the checkout on sys.path, not bench/)
+
 import sys
 from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from typing import Any
 
-import asyncio  # noqa: E402
-import contextlib  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+from bench import _common as c
 
-from bench import _common as c  # noqa: E402
+import msgspec
 
-c.setup_path()
-
-import msgspec  # noqa: E402
-
-from ipc import messages as m  # noqa: E402
-from ipc.settings import McpSettings, SandboxSettings, SessionSettings  # noqa: E402
-from session_worker.worker import sandbox  # noqa: E402
-from session_worker.agent._builtins import builtin_tools  # noqa: E402
-from session_worker.agent._mcp import McpTools  # noqa: E402
-from session_worker.agent._tools import Tool, ToolEnv  # noqa: E402
+from ipc import messages as m
+from ipc.settings import McpSettings, SandboxSettings, SessionSettings
+from session_worker.worker import sandbox
+from session_worker.agent._builtins import builtin_tools
+from session_worker.agent._mcp import McpTools
+from session_worker.agent._tools import Tool, ToolEnv
 
 SERVER = c.REPO / "tests" / "mcp_servers.py"
 

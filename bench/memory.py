@@ -23,26 +23,21 @@ bench/_loop_launcher.py, to see what the loop choice does to a worker.
 
 from __future__ import annotations
 
+import _path  # (first: the checkout on sys.path, not bench/)
+
 import sys
-from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import asyncio
+import statistics
+import subprocess
+import time
+from typing import Any
 
-import asyncio  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+from bench import _common as c
 
-from bench import _common as c  # noqa: E402
+import psutil
 
-c.setup_path()
-
-import psutil  # noqa: E402
-
-from supervisor.ctl.client import AsyncClient  # noqa: E402
+from supervisor.ctl.client import AsyncClient
 
 CONFIG = """
 [agent.limits]
@@ -129,7 +124,7 @@ def main() -> int:
     if args.loop == "stock":
         daemon = c.BenchDaemon(CONFIG, tag="sdb-mem").start()
     else:
-        daemon = c.BenchDaemon(CONFIG, launcher=_BENCH / "_loop_launcher.py", launcher_args=["--loop", args.loop],
+        daemon = c.BenchDaemon(CONFIG, launcher=_path.BENCH / "_loop_launcher.py", launcher_args=["--loop", args.loop],
                                python_flags=["-O"], tag="sdb-mem").start()
     popen: list[subprocess.Popen[str]] = []
     results: dict[str, Any] = {}

@@ -24,26 +24,22 @@ The scrape's own latency and size are printed beside.
 
 from __future__ import annotations
 
+import _path  # noqa: F401  (first: the checkout on sys.path, not bench/)
+
 import sys
 from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import asyncio
+import json
+import re
+import statistics
+import subprocess
+import time
+from typing import Any
 
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+from bench import _common as c
 
-from bench import _common as c  # noqa: E402
-
-c.setup_path()
-
-from supervisor.ctl.client import AsyncClient  # noqa: E402
+from supervisor.ctl.client import AsyncClient
 
 CONFIG = """
 [agent]

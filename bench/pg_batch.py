@@ -9,7 +9,7 @@ its own:
 
 - `batched`: the store as it ships, every session's pending commits landed
   by a writer thread as one statement, off the loop (supervisor.store.postgres.batch);
-- `synchronous`: the same daemon started with SESSIOND_BENCH_PG_BATCH=0
+- `synchronous`: the same daemon started with SESSIOND_path.BENCH_PG_BATCH=0
   (bench-only), where every commit is its own round trip made on the
   daemon's loop (the path before group commit).
 
@@ -29,29 +29,25 @@ path's, and the ping p99 under load better than the synchronous path's.
 
 from __future__ import annotations
 
+import _path  # (first: the checkout on sys.path, not bench/)
+
 import sys
-from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
-sys.path.insert(1, str(_BENCH.parent / "tests"))
+sys.path.insert(1, str(_path.REPO / "tests"))
 
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+import asyncio
+import json
+import subprocess
+import time
+from typing import Any
 
-import tomli_w  # noqa: E402
+import tomli_w
 
-from bench import _common as c  # noqa: E402
+from bench import _common as c
 
-c.setup_path()
-
-from ipc.loop import run as loop_run  # noqa: E402
-from pg_server import PgServer  # noqa: E402
-from supervisor.ctl.client import AsyncClient  # noqa: E402
+from ipc.loop import run as loop_run
+from pg_server import PgServer
+from supervisor.ctl.client import AsyncClient
 
 WARMUP_SECS = 0.5  # as load.py's generator
 PING_GAP_SECS = 0.002
@@ -59,7 +55,7 @@ CONFIG = """
 [agent.limits]
 max_concurrent_sessions = 1000
 """
-MODES = {"synchronous": {"SESSIOND_BENCH_PG_BATCH": "0"}, "batched": {}}
+MODES = {"synchronous": {"SESSIOND_path.BENCH_PG_BATCH": "0"}, "batched": {}}
 
 
 # ---------------------------------------------------------------- one daemon, one level
@@ -96,7 +92,7 @@ class _Daemon:
         x0 = _xacts(pg)
         proc = await asyncio.create_subprocess_exec(
             # load.py's load generator: echo turns back to back, in a child
-            sys.executable, str(_BENCH / "load.py"), "--_load", str(self.d.socket), str(secs), str(outfile),
+            sys.executable, str(_path.BENCH / "load.py"), "--_load", str(self.d.socket), str(secs), str(outfile),
             ",".join(self.sids[:n]), env=c.child_env(), stdin=subprocess.DEVNULL)
         c.on_exit(lambda: proc.returncode is None and proc.kill())
         await asyncio.sleep(WARMUP_SECS + 0.3)  # the load's connects and warm-up

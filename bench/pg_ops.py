@@ -29,31 +29,28 @@ Goal: the ping p99 during the storm better than the base build's.
 
 from __future__ import annotations
 
+import _path  # (first: the checkout on sys.path, not bench/)
+
 import sys
 from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
-sys.path.insert(1, str(_BENCH.parent / "tests"))
+sys.path.insert(1, str(_path.REPO / "tests"))
 
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+import asyncio
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from typing import Any
 
-import tomli_w  # noqa: E402
+import tomli_w
 
-from bench import _common as c  # noqa: E402
+from bench import _common as c
 
-c.setup_path()
-
-from ipc.loop import run as loop_run  # noqa: E402
-from pg_server import PgServer  # noqa: E402
-from supervisor.ctl.client import AsyncClient  # noqa: E402
+from ipc.loop import run as loop_run
+from pg_server import PgServer
+from supervisor.ctl.client import AsyncClient
 
 WARMUP_SECS = 0.3
 PING_GAP_SECS = 0.002
@@ -98,7 +95,7 @@ def _extract(ref: str) -> Path:
     """`ref`'s daemon, worker and protocol packages, in a temp dir."""
     root = Path(tempfile.mkdtemp(prefix="pg-ops-base-"))
     c.on_exit(lambda: shutil.rmtree(root, ignore_errors=True))
-    archive = subprocess.run(["git", "-C", str(_BENCH.parent), "archive", ref, "supervisor", "ipc",
+    archive = subprocess.run(["git", "-C", str(_path.REPO), "archive", ref, "supervisor", "ipc",
                               "session_worker"], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
     return root

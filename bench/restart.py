@@ -31,26 +31,22 @@ Goals: kill -> idle median <= 20 ms in every case; the long history within
 
 from __future__ import annotations
 
+import _path  # noqa: F401  (first: the checkout on sys.path, not bench/)
+
 import sys
 from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from typing import Any
 
-import asyncio  # noqa: E402
-import contextlib  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+from bench import _common as c
 
-from bench import _common as c  # noqa: E402
-
-c.setup_path()
-
-from ipc import messages as m  # noqa: E402
-from supervisor.ctl.client import AsyncClient  # noqa: E402
+from ipc import messages as m
+from supervisor.ctl.client import AsyncClient
 
 BACKOFF_MS = 1
 CONFIG = f"""

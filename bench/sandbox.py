@@ -19,29 +19,25 @@ What is timed, each variant interleaved with its baseline in the same run:
 
 from __future__ import annotations
 
+import _path  # noqa: F401  (first: the checkout on sys.path, not bench/)
+
 import sys
 from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import asyncio
+import shutil
+import tempfile
+import time
 
-import asyncio  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+from bench import _common as c
 
-from bench import _common as c  # noqa: E402
+import psutil
 
-c.setup_path()
-
-import psutil  # noqa: E402
-
-from ipc import messages as m  # noqa: E402
-from ipc.settings import SessionSettings  # noqa: E402
-from session_worker.worker import sandbox  # noqa: E402
-from session_worker.agent._bash import run_bash  # noqa: E402
-from supervisor.ctl.client import AsyncClient  # noqa: E402
+from ipc import messages as m
+from ipc.settings import SessionSettings
+from session_worker.worker import sandbox
+from session_worker.agent._bash import run_bash
+from supervisor.ctl.client import AsyncClient
 
 CONFIG = """
 [agent.limits]

@@ -37,28 +37,24 @@ directory; the baseline runs first.
 
 from __future__ import annotations
 
+import _path  # noqa: F401  (first: the checkout on sys.path, not bench/)
+
 import sys
 from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import asyncio
+import contextlib
+import os
+import signal
+import statistics
+import subprocess
+import time
+from typing import Any
 
-import asyncio  # noqa: E402
-import contextlib  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+from bench import _common as c
 
-from bench import _common as c  # noqa: E402
-
-c.setup_path()
-
-from ipc.loop import run as loop_run  # noqa: E402
-from supervisor.ctl.client import AsyncClient  # noqa: E402
+from ipc.loop import run as loop_run
+from supervisor.ctl.client import AsyncClient
 
 # The uid whose sessions `ls` of one user lists: a uid no user has, admitted
 # by allowed_uids.  Sessions run as the daemon's user (as root: no uid of
@@ -99,19 +95,6 @@ def _workers(zygote: int) -> int:
     return -1
 
 
-async def _create_batch(client: AsyncClient, n: int) -> tuple[float, list[str]]:
-    sem = asyncio.Semaphore(IN_FLIGHT)
-    sids: list[str] = []
-
-    async def make() -> None:
-        async with sem:
-            sids.append((await client.create(handler="echo")).id)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(make() for _ in range(n)))
-    return n / (time.perf_counter() - t0), sids
-
-
 def _as_user(d: c.BenchDaemon, n: int, rounds: int) -> list[float]:
     """In a child that becomes USER_UID: create n sessions, then time
     `rounds` listings of what that user sees (the Python client, warm)."""
@@ -127,7 +110,7 @@ def _as_user(d: c.BenchDaemon, n: int, rounds: int) -> list[float]:
 
             async def run() -> list[float]:
                 client = await AsyncClient.connect(str(d.socket), client_name="bench-scale-user")
-                await _create_batch(client, n)
+                await c.create_echo_sessions(client, n, IN_FLIGHT)
                 out = []
                 for _ in range(rounds):
                     t0 = time.perf_counter()
@@ -218,7 +201,7 @@ def _side(args: Any, repo: str | None, rep: c.Report) -> dict[str, Any]:
                 made = 0
                 while made < args.n:
                     size = min(args.batch, args.n - made, args.live - made if made < args.live else args.batch)
-                    rate, new = await _create_batch(client, size)
+                    rate, new = await c.create_echo_sessions(client, size, IN_FLIGHT)
                     sids.extend(new)
                     made += size
                     d.remember()

@@ -21,27 +21,23 @@ The baselines run between the create batches, so machine noise falls on both.
 
 from __future__ import annotations
 
+import _path  # noqa: F401  (first: the checkout on sys.path, not bench/)
+
 import sys
 from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import asyncio
+import json
+import socket
+import subprocess
+import time
 
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
+from bench import _common as c
 
-from bench import _common as c  # noqa: E402
+import msgspec
 
-c.setup_path()
-
-import msgspec  # noqa: E402
-
-from ipc import messages as m  # noqa: E402
-from supervisor.ctl.client import AsyncClient  # noqa: E402
+from ipc import messages as m
+from supervisor.ctl.client import AsyncClient
 
 CONFIG = """
 [agent.limits]

@@ -45,30 +45,27 @@ once take <= one of them + 50% (the turn's two LLM calls and steps included).
 
 from __future__ import annotations
 
+import _path  # (first: the checkout on sys.path, not bench/)
+
 import sys
 from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import asyncio
+import collections
+import os
+import signal
+import statistics
+import threading
+import time
+from typing import Any
 
-import asyncio  # noqa: E402
-import collections  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import statistics  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
+from bench import _common as c
 
-from bench import _common as c  # noqa: E402
-
-c.setup_path()
 sys.path.insert(0, str(c.REPO / "tests"))
 
-from fakellm import Delay, FakeLLM, Hang, Response, Stream, text_stream, tool_call_stream  # noqa: E402
-from ipc import messages as m  # noqa: E402
-from supervisor.ctl.client import AsyncClient  # noqa: E402
+from fakellm import Delay, FakeLLM, Hang, Response, Stream, text_stream, tool_call_stream
+from ipc import messages as m
+from supervisor.ctl.client import AsyncClient
 
 CONFIG = """
 [agent]
@@ -223,10 +220,10 @@ def main() -> int:
     llm = FakeLLM().start()
     c.on_exit(llm.stop)
     llm.respond = model
-    daemon = c.BenchDaemon(CONFIG.format(url=llm.base_url), launcher=_BENCH / "_fsync_counter.py",
+    daemon = c.BenchDaemon(CONFIG.format(url=llm.base_url), launcher=_path.BENCH / "_fsync_counter.py",
                            tag="sdb-steps")
     count = daemon.dir / "fsyncs"
-    daemon.env["SESSIOND_BENCH_FSYNC_COUNT"] = str(count)
+    daemon.env["SESSIOND_path.BENCH_FSYNC_COUNT"] = str(count)
     daemon.start()
     delays = [0.0, args.model_ms] if args.model_ms else [0.0]
 

@@ -19,6 +19,8 @@ then with N.  `[daemon] cgroups = "off"`: the sweep's own path.
 
 from __future__ import annotations
 
+import _path  # noqa: F401  (first: the checkout on sys.path, not bench/)
+
 import os
 import socket
 import struct
@@ -30,18 +32,14 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-BENCH = REPO / "bench"
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-import msgspec  # noqa: E402
-import psutil  # noqa: E402
+import msgspec
+import psutil
 
-from bench import _common as c  # noqa: E402
-from ipc import messages as m  # noqa: E402
-from ipc.framing import encode_frame  # noqa: E402
-from supervisor.ctl.client import Client  # noqa: E402
+from bench import _common as c
+from ipc import messages as m
+from ipc.framing import encode_frame
+from supervisor.ctl.client import Client
 
 _reply = msgspec.msgpack.Decoder(m.Reply)
 CONFIG = """

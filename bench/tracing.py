@@ -38,27 +38,22 @@ process's RSS is printed beside.
 
 from __future__ import annotations
 
+import _path  # noqa: F401  (first: the checkout on sys.path, not bench/)
+
 import sys
-from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import time
 
-import asyncio  # noqa: E402
-import contextlib  # noqa: E402
-import os  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
+import psutil
 
-import psutil  # noqa: E402
+from bench import _common as c
 
-from bench import _common as c  # noqa: E402
-
-c.setup_path()
-
-from supervisor.ctl.client import AsyncClient  # noqa: E402
+from supervisor.ctl.client import AsyncClient
 
 TESTS = c.REPO / "tests"
 TOKENS = 20

@@ -6,7 +6,7 @@ and in slices (supervisor/api/document.py), side by side.
     .venv/bin/python bench/transfer.py [--mb 10] [--state-mb 2] [--rounds 3] [--json]
 
 For each way, a daemon of its own (the baseline's started with
-SESSIOND_BENCH_WHOLE_DOCUMENTS=1): a pinger in a process of its own sends
+SESSIOND_path.BENCH_WHOLE_DOCUMENTS=1): a pinger in a process of its own sends
 `ping` (client -> daemon -> client, one hop) back to back for the whole
 run and notes when each was sent and how long it took.  Meanwhile the
 bench client, one phase after another: idles (the baseline), imports a
@@ -21,21 +21,18 @@ turns in 10 MB; 100: 40,000 turns), and a snapshot whose handler state is
 
 from __future__ import annotations
 
+import _path  # (first: the checkout on sys.path, not bench/)
+
 import sys
-from pathlib import Path
 
-_BENCH = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-sys.path.insert(0, str(_BENCH.parent))
+import asyncio
+import json
+import subprocess
+import time
 
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
+import msgspec
 
-import msgspec  # noqa: E402
-
-from bench._common import BenchDaemon, Report, arg_parser, child_env, fmt_us, percentile  # noqa: E402
+from bench._common import BenchDaemon, Report, arg_parser, child_env, fmt_us, percentile
 
 _TURN_BYTES = 5000
 
@@ -185,7 +182,7 @@ def main() -> int:
     report.say(f"document: {len(doc) / 1e6:.1f} MB ({args.state_mb:g} MB of handler state), {args.rounds} "
                "import(s), export(s), history(s); pings of another client during each; whole vs sliced")
     report.table(["in this process", "longest GIL wait, whole", "in slices", "ratio"], _gil(doc))
-    whole = _run(doc, args.rounds, {"SESSIOND_BENCH_WHOLE_DOCUMENTS": "1"})
+    whole = _run(doc, args.rounds, {"SESSIOND_path.BENCH_WHOLE_DOCUMENTS": "1"})
     sliced = _run(doc, args.rounds, {})
     rows = []
     for phase in whole:
