@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Any, Callable
 
-_BENCH = Path(__file__).resolve().parent
 if __name__ == "__main__":
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-    sys.path.insert(0, str(_BENCH.parent))
+    import _path  # noqa: F401  (the checkout on sys.path, not bench/)
 
 
 def _counting(fd: int, real: Callable[[Any], None]) -> Callable[[Any], None]:

@@ -22,15 +22,10 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
-_BENCH = Path(__file__).resolve().parent
 if __name__ == "__main__":
-    # Python put bench/ first on sys.path, where bench/ipc.py would shadow the
-    # project's ipc package.
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
-    sys.path.insert(0, str(_BENCH.parent))
+    import _path  # noqa: F401  (the checkout on sys.path, not bench/)
 
 
 def _install(kind: str) -> None:
