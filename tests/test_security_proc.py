@@ -458,7 +458,7 @@ def test_daemon_fds_stay_flat_across_create_and_remove(make_daemon) -> None:
             c.remove(sid)
         wait_for(lambda: len(daemon.descendants()) <= 1, 10, "workers to go")
         baseline = fds()
-        for i in range(20):  # a leak of one fd a cycle (or one in five) shows
+        for i in range(10):  # a leak of one fd a cycle (or one in five) shows
             sid = c.create(handler="fixture_handlers:tools" if i % 5 == 0 else "echo").id
             if i % 5 == 0:
                 stream = c.send(sid, "go")
