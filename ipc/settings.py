@@ -258,7 +258,7 @@ class ProviderSettings(ConfigSection):
                 f"in {where} (`sessiond config default` shows every key), then `sessionctl reload`")
 
 
-# The built-in tools' names (a contract: DESIGN.md): what `tools.enabled`
+# The built-in tools' names (a contract: docs/agent.md): what `tools.enabled`
 # may list besides the names of `tools.custom` functions.
 BUILTIN_TOOLS = ("bash", "read_file", "write_file", "list_dir", "spawn_agent")
 

@@ -52,7 +52,7 @@ def daemon(make_daemon) -> Daemon:
     return make_daemon()
 
 
-# The test tiers (STYLE.md, "Tests"), registered in pyproject.toml.  Every
+# The test tiers (ARCHITECTURE.md, "Tests and benches"), registered in pyproject.toml.  Every
 # test names exactly one, so `make test-fast` (-m "not process") is a
 # promise about what it runs, not a guess.
 TIERS = ("pure", "protocol", "component", "process")
@@ -69,7 +69,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(
             f"every test needs exactly one tier marker ({', '.join(TIERS)}): "
             "`pytestmark = pytest.mark.<tier>` for a file of one tier, "
-            "`@pytest.mark.<tier>` on each test otherwise (see STYLE.md)\n" + "\n".join(problems)
+            "`@pytest.mark.<tier>` on each test otherwise (see ARCHITECTURE.md, "Tests")\n" + "\n".join(problems)
         )
 
 

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.pure
 S, T = State, Trigger
 
 
-# The whole transition table, written out by hand from the design (DESIGN.md,
-# "Session state machine", and the diagram in supervisor/core/states.py), not
+# The whole transition table, written out by hand from the design (the
+# diagram in supervisor/core/states.py and docs/internals.md), not
 # derived from TRANSITIONS: adding, removing or redirecting any move in the
 # code must fail the test below until this table is changed to match.
 EXPECTED: dict[tuple[State, Trigger], State] = {
