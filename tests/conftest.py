@@ -69,7 +69,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(
             f"every test needs exactly one tier marker ({', '.join(TIERS)}): "
             "`pytestmark = pytest.mark.<tier>` for a file of one tier, "
-            "`@pytest.mark.<tier>` on each test otherwise (see ARCHITECTURE.md, "Tests")\n" + "\n".join(problems)
+            "`@pytest.mark.<tier>` on each test otherwise (see ARCHITECTURE.md, 'Tests and benches')\n" + "\n".join(problems)
         )
 
 
