@@ -7,7 +7,7 @@ request becomes work for the parts that own each concern:
     EventLog     (events.py)     states, seq numbers, retention, fan-out
     TurnLedger   (ledger.py)     inputs and commits: the durability promises
     WorkerOwner  (workers.py)    spawn, boot, messages, kills, exits, restarts
-    Sweeper      (sweep.py)      memory caps, disk quotas, heartbeats, idleness, turn timeouts
+    Sweeper      (sweep.py)      memory caps, disk quotas, heartbeats, idleness (turntimer.py: turn timeouts)
     Subagents    (subagents.py)  spawn_agent as child sessions
     Workspaces   (workspaces.py) who workers run as, and their workspaces
     Damage       (damage.py)     a log a read finds damaged while the daemon runs
@@ -56,6 +56,7 @@ from supervisor.store.state_store import (
 from supervisor.store.files import FileStateStore
 from supervisor.core.subagents import Subagents
 from supervisor.core.sweep import Sweeper
+from supervisor.core.turntimer import TurnTimer
 from supervisor.core.workers import Pending, WorkerOwner, describe_exit
 from supervisor.core.workspaces import Workspaces
 from supervisor.core.admission import Admission, Identities, SessionUids
@@ -103,10 +104,9 @@ class SessionManager:
         def closing() -> bool:
             return self._closing
 
-        # Built bottom-up, each part with its collaborators.  The calls that
-        # run against that order (the ledger arms and disarms the sweep's turn
-        # timer and has the workers kill a worker ahead of the disk) go
-        # through this manager, to parts it builds after the ledger.
+        # Built bottom-up, each part with its collaborators.  The calls that run against that order
+        # (the ledger arms and disarms the turn timer and has the workers kill a worker ahead of the
+        # disk) go through this manager, to parts it builds after the ledger.
         self.admission = Admission(current, identities)  # the socket's and every re-check's
         self.workspaces = Workspaces(current, state_dir, self.admission)
         self.events = EventLog(lambda: self.config.daemon, self.sessions, tracer)
@@ -114,8 +114,8 @@ class SessionManager:
         self.ledger = TurnLedger(
             self.events,
             on_unsaved=lambda session, worker, why: self.workers.kill(session, worker, ExitReason.CRASHED, why, charged=False),
-            on_turn_started=lambda session, turn: self.sweeper.arm_turn_timer(session, turn),
-            on_turn_ended=lambda session: self.sweeper.disarm_turn(session),
+            on_turn_started=lambda session, turn: self.turn_timer.arm_turn_timer(session, turn),
+            on_turn_ended=lambda session: self.turn_timer.disarm_turn(session),
             on_fenced=(lambda session, exc: holds.fenced(self.holding, session, exc)) if holds is not None else None,
             metrics=metrics, tracer=tracer, budgets=self.budgets,
         )
@@ -132,6 +132,7 @@ class SessionManager:
         self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
                                self._hibernate_soon, stop=self.stop, workspaces=self.workspaces,
                                closing=closing, metrics=metrics)
+        self.turn_timer = TurnTimer(current, self.events, self.workers)
         # What a session held by another daemon may have done to it (supervisor.cluster.fencing).
         self.holding = Holding(current, self.sessions, self.store, self.events, self.ledger, self.workers,
                                self.workspaces, self.settings_for, self.spawn_task, self.forget)
@@ -305,8 +306,7 @@ class SessionManager:
     async def create(
         self,
         owner_uid: int,
-        session_id: str | None,
-        handler: str | None,
+        session_id: str | None, handler: str | None,
         overrides: dict[str, Any],
         *,
         parent: Session | None = None,
@@ -673,7 +673,7 @@ class SessionManager:
             self.events.resize(session)
             self.workers.reconfigure(session, old)
             if session.worker is not None and not session.worker.exited.done():
-                self.sweeper.retime_turn(session)
+                self.turn_timer.retime_turn(session)
 
     async def shutdown(self, grace: float) -> None:
         """Let running turns finish for up to `grace`, then stop every worker.

@@ -18,7 +18,8 @@ each own some of its fields, and only they write them:
                                   suspended, trace
     WorkerOwner    (workers.py)   worker, last_exit, restarts, policy,
                                   restart_handle, pings
-    Sweeper        (sweep.py)     memory, turn_timer, kill_timer
+    Sweeper        (sweep.py)     memory
+    TurnTimer      (turntimer.py) turn_timer, kill_timer
     Subagents      (subagents.py) spawned
     Damage         (damage.py)    store, error (on the manager's behalf)
     Budgets        (budgets.py)   turn_spend
