@@ -24,7 +24,9 @@ each own some of its fields, and only they write them:
     Damage         (damage.py)    store, error (on the manager's behalf)
     Budgets        (budgets.py)   turn_spend
 
-A `WorkerProc` is WorkerOwner's alone.  Others ask the owner through its
+The registry and a parent's `children` list are the manager's, kept by
+`Intake` (intake.py: sessions in and out) on its behalf.  A `WorkerProc`
+is WorkerOwner's alone.  Others ask the owner through its
 public operations (`EventLog.raise_seq`, `TurnLedger.take_input`,
 `WorkerOwner.reconfigure`, `SessionManager.reclaimed`...); the one shared
 write: WorkerOwner gives each new worker fresh `memory` figures, which the
