@@ -31,6 +31,7 @@ from supervisor.core.admission import Admission
 from supervisor.core.budgets import Budgets
 from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger, store_failure
+from supervisor.core.resumable import ResumableTurns
 from supervisor.ops.logtag import tagged
 from supervisor.core.overrides import OverrideError, choose_handler, resolve_overrides
 from supervisor.spawn.seams import Spawner
@@ -54,6 +55,7 @@ class Intake:
         store: StateStore,
         events: EventLog,
         ledger: TurnLedger,
+        resumable: ResumableTurns,
         workers: WorkerOwner,
         workspaces: Workspaces,
         slots: LiveSlots,
@@ -72,6 +74,7 @@ class Intake:
         self._store = store
         self._events = events
         self._ledger = ledger
+        self._resumable = resumable
         self._workers = workers
         self._workspaces = workspaces
         self._slots = slots
@@ -134,7 +137,7 @@ class Intake:
             last_exit=msgspec.convert(mark.last_exit, m.ExitInfo) if mark.last_exit else None,
             usage=loaded.usage, lifecycle=self._events.restored_lifecycle(loaded.lifecycle),
         )
-        if loaded.open_input is not None and not self._ledger.suspend_stored(session, loaded):
+        if loaded.open_input is not None and not self._resumable.suspend_stored(session, loaded):
             self._ledger.abort_stored(session, store, loaded.open_input.turn, "the daemon stopped during this turn",
                                      durable=True)
         self._sessions[meta.id] = session

@@ -121,7 +121,8 @@ class SessionManager:
         self.slots = LiveSlots(current, self.sessions, self.is_admin, self._hibernating, self._hibernate, fds)
         self.subagents = Subagents(self, self.sessions, tracer)
         self.workers = WorkerOwner(
-            current, spawner, self.events, self.ledger, self.proc_table, self.workspaces, self.spawn_task,
+            current, spawner, self.events, self.ledger, self.ledger.resumable, self.proc_table, self.workspaces,
+            self.spawn_task,
             closing=closing, make_room=self.slots.make_room,
             on_spawn_agent=lambda session, worker, msg: self.spawn_task(self.subagents.run(session, worker, msg)),
             claim=(lambda session: holds.claim(self.holding, session)) if holds is not None else None,
@@ -133,8 +134,9 @@ class SessionManager:
                                closing=closing, metrics=metrics)
         self.turn_timer = TurnTimer(current, self.events, self.workers)
         # Sessions in and out: created, restored, damaged, forgotten.
-        self.intake = Intake(current, self.sessions, self.store, self.events, self.ledger, self.workers,
-                             self.workspaces, self.slots, spawner, self.budgets, self.admission, self.spawn_task,
+        self.intake = Intake(current, self.sessions, self.store, self.events, self.ledger, self.ledger.resumable,
+                             self.workers, self.workspaces, self.slots, spawner, self.budgets, self.admission,
+                             self.spawn_task,
                              state_dir=state_dir, open_stored=open_stored or self.store.load, closing=closing,
                              remove=self.remove)
         # What a session held by another daemon may have done to it (supervisor.cluster.fencing).

@@ -33,6 +33,7 @@ from supervisor.config import Config
 from supervisor.errors import Capacity, Conflict, Internal, SessiondError
 from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger
+from supervisor.core.resumable import ResumableTurns
 from supervisor.core.containment import Containment
 from supervisor.core.limits import ProcTable, SessionMemory
 from supervisor.ops.logtag import tagged
@@ -69,6 +70,7 @@ class WorkerOwner:
         spawner: Spawner,
         events: EventLog,
         ledger: TurnLedger,
+        resumable: ResumableTurns,
         proc_table: ProcTable,
         workspaces: Workspaces,
         spawn_task: Callable[[Coroutine[Any, Any, None]], None],
@@ -87,6 +89,7 @@ class WorkerOwner:
         self.spawner = spawner
         self._events = events
         self._ledger = ledger
+        self._resumable = resumable  # the turn its worker died in, held open and resumed
         self._proc_table = proc_table
         self._workspaces = workspaces
         self._spawn_task = spawn_task
@@ -304,7 +307,7 @@ class WorkerOwner:
             case m.SpawnAgent():
                 self._on_spawn_agent(session, worker, msg)
             case m.StepBegun() | m.StepDone():
-                self._ledger.step(session, worker, msg)
+                self._resumable.step(session, worker, msg)
 
     # ---------------------------------------------------------------- kills and exits
 
@@ -381,7 +384,7 @@ class WorkerOwner:
             self._ledger.abort(session, f"the session was {worker.expected}")
             return
         tagged(log, session.id).warning("worker %d %s", pid, describe_exit(info))
-        if not self._ledger.suspend(session, worker, info, describe_exit(info)):  # (resumed after the restart)
+        if not self._resumable.suspend(session, worker, info, describe_exit(info)):  # (resumed after the restart)
             self._ledger.abort(session, describe_exit(info))
         if session.state is State.STARTING and not worker.booted:
             return  # start()'s caller decides (create fails, revive retries)
@@ -516,7 +519,7 @@ class WorkerOwner:
             self._events.emit_limit(session, LimitKind.RESTARTS, decision.attempts_in_window,
                                     ws.max_restart_attempts)
             self._events.write_mark(session, durable=False)
-            self._ledger.drop_suspended(session, "the session failed: too many restarts")
+            self._resumable.drop_suspended(session, "the session failed: too many restarts")
             self._ledger.save_soon(session, "the failed state")  # off the loop: the store may be away
             return
         self._events.set_state(session, Trigger.BACKOFF, reason=f"restart in {decision.delay_secs:.3f}s")
@@ -531,7 +534,7 @@ class WorkerOwner:
         if session.restart_handle is not None:
             session.restart_handle.cancel()
             session.restart_handle = None
-        self._ledger.drop_suspended(session, "its session was stopped before the turn could resume")
+        self._resumable.drop_suspended(session, "its session was stopped before the turn could resume")
 
     async def _auto_restart(self, session: Session) -> None:
         session.restart_handle = None
@@ -545,7 +548,7 @@ class WorkerOwner:
                     session, Trigger.HIBERNATE,
                     reason="no room to restart (max_concurrent_sessions); the next input revives it",
                 )
-                self._ledger.drop_suspended(session, "no room to restart it (max_concurrent_sessions)")
+                self._resumable.drop_suspended(session, "no room to restart it (max_concurrent_sessions)")
                 return
             session.restarts += 1
             self.metrics.restart()
@@ -561,7 +564,7 @@ class WorkerOwner:
                     self._events.set_state(session, Trigger.EXIT, reason="boot_failed")
                     self.schedule_restart(session)
                 return
-            self._ledger.resume(session)  # the turn its worker died in, if it was held open
+            self._resumable.resume(session)  # the turn its worker died in, if it was held open
 
     async def _held_elsewhere(self, session: Session) -> bool:
         """Whether another daemon took the session over since it was loaded
