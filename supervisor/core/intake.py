@@ -34,12 +34,12 @@ from supervisor.core.ledger import TurnLedger, store_failure
 from supervisor.core.resumable import ResumableTurns
 from supervisor.ops.logtag import tagged
 from supervisor.core.overrides import OverrideError, choose_handler, resolve_overrides
-from supervisor.spawn.seams import Spawner
+from supervisor.spawn.seams import Pending, Spawner, drop_pending
 from supervisor.core.session import Session, valid_session_id
 from supervisor.core.slots import LiveSlots
 from supervisor.core.states import State
 from supervisor.store.state_store import DamagedLog, LoadedSession, Meta, SessionLog, StateStore, StoreDamaged, StoreError
-from supervisor.core.workers import Pending, WorkerOwner
+from supervisor.core.workers import WorkerOwner
 from supervisor.core.workspaces import Workspaces
 
 __all__ = ["Intake"]
@@ -240,10 +240,10 @@ class Intake:
             # answered only once both are done.
             store = self._store.create(meta, durable=False)
         except FileExistsError:
-            self._workers.drop_pending(pending)
+            drop_pending(self._spawner, pending)
             raise Conflict(f"session {session_id!r} already exists") from None
         except StoreError as exc:
-            self._workers.drop_pending(pending)
+            drop_pending(self._spawner, pending)
             raise store_failure("", exc) from None
         session = Session(id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING,
                           ring=self._events.new_ring())

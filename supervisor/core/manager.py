@@ -5,8 +5,8 @@ registry (ids, ownership, quotas, lookups) and the place where a client's
 request becomes work for the parts that own each concern:
 
     EventLog     (events.py)     states, seq numbers, retention, fan-out
-    TurnLedger   (ledger.py)     inputs and commits: the durability promises
-    WorkerOwner  (workers.py)    spawn, boot, messages, kills, exits, restarts
+    TurnLedger   (ledger.py)     inputs and commits: the durability promises (resumable.py: steps, resume)
+    WorkerOwner  (workers.py)    spawn, boot, kills, exits, restarts (turnmessages.py: what a turn says)
     Sweeper      (sweep.py)      memory caps, disk quotas, heartbeats, idleness (turntimer.py: turn timeouts)
     Intake       (intake.py)     sessions in and out: created, restored, damaged, forgotten
     session_info (info.py)       what a client is told about a session
@@ -39,7 +39,7 @@ from supervisor.core.damage import Damage
 from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger, store_failure
 from supervisor.core.holding import Holding, Holds
-from supervisor.core.info import session_info
+from supervisor.core.info import host_confinement, session_info
 from supervisor.core.intake import Intake
 from supervisor.core.limits import ProcTable, RemoteFigures
 from supervisor.ops.logtag import tagged
@@ -56,7 +56,9 @@ from supervisor.store.files import FileStateStore
 from supervisor.core.subagents import Subagents
 from supervisor.core.sweep import Sweeper
 from supervisor.core.turntimer import TurnTimer
-from supervisor.core.workers import WorkerOwner, describe_exit
+from supervisor.core.turnmessages import TurnMessages
+from supervisor.core.exits import describe_exit
+from supervisor.core.workers import WorkerOwner
 from supervisor.core.workspaces import Workspaces
 from supervisor.core.admission import Admission, Identities, SessionUids
 from supervisor.core.fdbudget import FdBudget
@@ -95,7 +97,7 @@ class SessionManager:
         self._closing = False
         self._hibernating: set[str] = set()
         self._ping_nonce = 0
-        self._holds = holds
+        self._cgroups_why = cgroups_why  # why there is no cgroup per session, for stats
 
         def current() -> Config:
             return self.config
@@ -120,13 +122,12 @@ class SessionManager:
         )
         self.slots = LiveSlots(current, self.sessions, self.is_admin, self._hibernating, self._hibernate, fds)
         self.subagents = Subagents(self, self.sessions, tracer)
+        messages = TurnMessages(self.events, self.ledger, self.ledger.resumable, self.subagents, self.spawn_task, metrics)
         self.workers = WorkerOwner(
-            current, spawner, self.events, self.ledger, self.ledger.resumable, self.proc_table, self.workspaces,
-            self.spawn_task,
-            closing=closing, make_room=self.slots.make_room,
-            on_spawn_agent=lambda session, worker, msg: self.spawn_task(self.subagents.run(session, worker, msg)),
+            current, spawner, self.events, self.ledger, self.ledger.resumable, messages, self.proc_table,
+            self.workspaces, self.spawn_task, closing=closing, make_room=self.slots.make_room,
             claim=(lambda session: holds.claim(self.holding, session)) if holds is not None else None,
-            damaged=lambda session, exc: self.damage.at_boot(session, exc), sandbox=sandbox, cgroups=cgroups, cgroups_why=cgroups_why, metrics=metrics,
+            damaged=lambda session, exc: self.damage.at_boot(session, exc), sandbox=sandbox, cgroups=cgroups, metrics=metrics,
         )
         self.damage = Damage(current, self.store, self.events, self.workers)
         self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
@@ -203,7 +204,8 @@ class SessionManager:
     def host_report(self) -> dict[str, Any]:
         """What this host gives every session, for `stats`: the tools'
         sandbox, the cgroups, the disk quota."""
-        return self.workers.host_report(self.config.sandbox) | self.workspaces.host_report()
+        return host_confinement(self.config.sandbox, self.workers.sandbox, self.workers.cgroups,
+                                self._cgroups_why) | self.workspaces.host_report()
 
     def session_origins(self) -> tuple[frozenset[int], SessionUids]:
         """What supervisor.api.peer checks a client against: the processes
