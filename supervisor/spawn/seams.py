@@ -3,7 +3,9 @@
 `Spawner`: start a worker for a session and hand back its pid and a framed
 connection's socket, signal it, kill its whole tree, say whether anything of
 the tree is left, report exits (code or signal, decoded once) through
-`on_exit`, and say where a worker runs (`placement`).  The zygote
+`on_exit`, and say where a worker runs (`placement`); a worker ordered
+ahead and not used is killed when it comes (`drop_pending`), and a spawner
+whose workers die with their machine says so (`LosesWorkers`).  The zygote
 (`supervisor.spawn.spawner.ZygoteSpawner`) is the first implementation, Ray node
 hosts (`supervisor.cluster.ray_spawner`) the second; `tests/test_spawner_contract.py`
 is the suite every implementation must pass.  The state store's seam is
