@@ -5,7 +5,8 @@ laid out by process, likewise (WORKER_SIDE_MAY_IMPORT), each folder using
 only the ipc/ modules of its links (IPC_MAY_USE), and the tool host nothing
 but the standard library; sessionctl and the client library (supervisor/ctl/)
 pull in nothing but ipc/ and the standard library; no module imports itself
-back through others; no module is past the size a reader can hold."""
+back through others; no module is past the size a reader can hold (the
+core's parts less still)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ pytestmark = pytest.mark.pure
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("supervisor", "session_worker", "ipc")
 MAX_LINES = 700
+# The core is split by job, not by length (issue 31): each of its parts stays
+# well under the daemon-wide cap, with room to grow before it needs a split.
+MAX_CORE_LINES = 500
 
 
 def _modules() -> dict[str, Path]:
@@ -197,7 +201,8 @@ def test_no_import_cycles() -> None:
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_modules_stay_readable(name: str) -> None:
     lines = MODULES[name].read_text().count("\n")
-    assert lines <= MAX_LINES, f"{MODULES[name]} has {lines} lines (max {MAX_LINES}): split it by job"
+    cap = MAX_CORE_LINES if name.startswith("supervisor.core.") else MAX_LINES
+    assert lines <= cap, f"{MODULES[name]} has {lines} lines (max {cap}): split it by job"
 
 
 def test_the_checker_sees_a_crossing() -> None:

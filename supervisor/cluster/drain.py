@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from ipc import operator as op
 from supervisor.errors import Conflict, NotFound, SessiondError
 from supervisor.cluster.ray_spawner import RaySpawner
-from supervisor.spawn.seams import SpawnerDied
+from supervisor.spawn.seams import Spawner, SpawnerDied, drop_pending
 from supervisor.core.drainreq import check
 from supervisor.core.events import EventLog
 from supervisor.core.session import Session
@@ -186,7 +186,7 @@ class Drainer:
                 return
             async with session.lock:
                 if not self._movable(session, node_id):
-                    self._workers.drop_pending(pending)  # a turn began meanwhile: wait again
+                    drop_pending(self._workers.spawner, pending)  # a turn began meanwhile: wait again
                     continue
                 self._events.set_state(session, Trigger.HIBERNATE, reason=f"drain: moving off {ip}")
                 await self._workers.terminate(session, "hibernated", grace)

@@ -7,12 +7,9 @@ promises true live here and only here:
 * a turn's output is appended, and fsync'd, before `TurnDone` is sent;
 * a turn that ends without a commit (its worker died, it failed) gets an
   `Abort` record and a `TurnFailed` event naming the cause;
-* a step of a turn (`ctx.step`) is appended, and fsync'd, before the worker
-  hears `StepSaved`; its start is appended when it begins (made durable
-  before the worker runs it when the worker asks: steps overlap); a turn
-  whose worker dies is held open (`suspend`) and resumed on the next worker
-  with its steps, read back from the store (`resume`), or aborted then
-  (`drop_suspended`: the restarts gave up, the session was stopped).
+* a step of a turn (`ctx.step`) is made durable through this ledger too;
+  the resumable turn (its steps, held open across a worker's death and
+  resumed) is `supervisor.core.resumable`'s, a part the ledger builds.
 
 Group commit: the worker starts on an input before it is durable, and the
 input and the turn's commit are made durable by the store's group commit
@@ -42,15 +39,14 @@ from supervisor.core.asks import Asks
 from supervisor.core.budgets import Budgets
 from supervisor.core.events import EventLog
 from supervisor.core.fdbudget import out_of_fds
+from supervisor.core.resumable import ResumableTurns
 from supervisor.logtag import tagged
 from supervisor.core.recorder import NO_METRICS, Recorder
-from supervisor.core.session import PendingInput, Session, Suspension, WorkerProc
+from supervisor.core.session import PendingInput, Session, WorkerProc
 from supervisor.core.tracer import NO_TRACER, Tracer, TurnTrace
 from supervisor.core.states import State, Trigger
-from supervisor.core.steps import DAEMON_STOPPED, cause_of, plan_resume, resumes_after, step_problem
 from supervisor.store.state_store import (
-    Abort, Commit, Fenced, IdTaken, InputRecord, LoadedSession, Mark, Resume, SessionLog, Snapshot, Step,
-    StepRecord, StepStart, StoreError, StoreFull, add_usage,
+    Abort, Commit, Fenced, IdTaken, InputRecord, Mark, SessionLog, Snapshot, StoreError, StoreFull, add_usage,
 )
 
 __all__ = ["TurnLedger", "store_failure"]
@@ -61,8 +57,6 @@ log = logging.getLogger("sessiond.manager")
 # ends this one as quickly: its input waits that long for the commit's flush
 # instead of taking a flush of its own (one fdatasync per turn, not two).
 _QUICK_TURN_SECS = 0.002
-# The keys of the steps in flight a `turn_resumed` notice names, at most.
-_NOTICE_KEYS = 32
 
 
 class TurnLedger:
@@ -97,6 +91,8 @@ class TurnLedger:
         self.pacer = Pacer()
         # The running turns' permission requests (`asked`, `answer`, `waiting`).
         self._asks = Asks(events)
+        # The resumable turn: its steps journaled, held open across a worker's death, resumed.
+        self.resumable = ResumableTurns(self, events, self._asks, tracer)
 
     def begin(
         self, session: Session, text: str, on_accepted: Callable[[m.Accepted], None] | None = None,
@@ -127,13 +123,13 @@ class TurnLedger:
         if session.last_turn_secs < _QUICK_TURN_SECS:
             # Its commit will likely come within the window and carry the
             # input in the same flush; if not, the timer asks for it.
-            pending.timer = loop.call_later(_QUICK_TURN_SECS, self._flush_input, session, pending)
+            pending.timer = loop.call_later(_QUICK_TURN_SECS, self.flush_input, session, pending)
         else:
-            self._flush_input(session, pending)
+            self.flush_input(session, pending)
         session.turns = turn
         session.current_turn = turn
         session.current_input = text
-        session.step_records, session.step_bytes, session.steps_flying = 0, 0, {}
+        self.resumable.reset(session)
         session.last_active = time.monotonic()
         session.turn_started = time.monotonic()
         self.on_turn_started(session, turn)
@@ -150,17 +146,17 @@ class TurnLedger:
         if pending is not None and pending.timer is not None:
             pending.timer.cancel()
             pending.timer = None
-            self.pacer.defer(self._flush_input, session, pending)
+            self.pacer.defer(self.flush_input, session, pending)
 
-    def _flush_input(self, session: Session, pending: PendingInput) -> None:
+    def flush_input(self, session: Session, pending: PendingInput) -> None:
         if pending.timer is not None:
             pending.timer.cancel()
             pending.timer = None
         if session.pending_input is pending and not pending.flushing and session.committing is None:
             pending.flushing = True
-            self._when_durable(session, lambda err: self._input_saved(session, err))
+            self.when_durable(session, lambda err: self._input_saved(session, err))
 
-    def _when_durable(self, session: Session, then: Callable[[StoreError | None], None]) -> None:
+    def when_durable(self, session: Session, then: Callable[[StoreError | None], None]) -> None:
         """`then(None)` once every append of `session` so far is durable,
         `then(error)` if that failed (the store cut them back)."""
         try:
@@ -192,7 +188,7 @@ class TurnLedger:
         if pending is None or pending.accepted.turn != session.current_turn:
             return  # covered by a later flush (the commit's), or the turn is over
         if exc is not None:
-            self._input_durable(session, store_failure("input not accepted: ", exc))
+            self.input_durable(session, store_failure("input not accepted: ", exc))
             # Refused, so over: never resumed on the next worker as if accepted.
             self.end(session, failed=f"its input could not be saved: {exc}")
             if isinstance(exc, Fenced):
@@ -202,9 +198,9 @@ class TurnLedger:
                 tagged(log, session.id).error("input not saved (%s)", exc)
                 self.on_unsaved(session, session.worker, f"its input could not be saved: {exc}")
             return
-        self._input_durable(session)
+        self.input_durable(session)
 
-    def _input_durable(self, session: Session, error: SessiondError | None = None) -> None:
+    def input_durable(self, session: Session, error: SessiondError | None = None) -> None:
         """After the fsync that covers the pending input: acknowledge it
         (synchronously, so `Accepted` precedes the turn's last events)."""
         pending, session.pending_input = session.pending_input, None
@@ -239,7 +235,7 @@ class TurnLedger:
         session.committing = msg.turn
         if session.trace is not None:
             self._tracer.commit_started(session.trace)
-        self._when_durable(session, lambda err: self._committed(session, worker, msg, err))
+        self.when_durable(session, lambda err: self._committed(session, worker, msg, err))
 
     def _commit_failed(self, session: Session, worker: WorkerProc, msg: m.Done, exc: StoreError) -> None:
         # The worker is now ahead of the disk: make it restart from the disk.
@@ -266,7 +262,7 @@ class TurnLedger:
         if exc is not None:
             self._commit_failed(session, worker, msg, exc)
             return
-        self._input_durable(session)  # the commit's flush covered the input
+        self.input_durable(session)  # the commit's flush covered the input
         if session.trace is not None:
             self._tracer.ended(session.id, session.trace, done=msg)
             session.trace = None
@@ -392,7 +388,7 @@ class TurnLedger:
             self._events.emit(session, m.TurnFailed(session=session.id, seq=self._events.next_seq(session),
                                                     turn=turn, reason=reason))
 
-        self._when_durable(session, saved)
+        self.when_durable(session, saved)
 
     def _settle_input(self, session: Session, pending: PendingInput, error: SessiondError | None) -> None:
         """Acknowledge an input (or fail it): `Accepted` to its client, then
@@ -421,173 +417,12 @@ class TurnLedger:
             if err is not None:
                 tagged(log, session.id).error("%s was not saved: %s", what, err)
 
-        self._when_durable(session, saved)
+        self.when_durable(session, saved)
 
     def abort_stored(self, session: Session, store: SessionLog, turn: int, reason: str, durable: bool) -> None:
         """A turn the log holds open, found at load or at a claim: the daemon
         that ran it died during it, and what it streamed is gone."""
         store.append(Abort(turn=turn, reason=reason, seq=self._events.advance_seq(session)), durable=durable)
-
-    # ---------------------------------------------------------------- steps
-
-    def step(self, session: Session, worker: WorkerProc, msg: m.StepBegun | m.StepDone) -> None:
-        """A step of the running turn begins or ends: its record appended
-        (supervisor.core.steps: `StepStart`, `Step`), and `StepSaved` once
-        durable, for an end and for a start the worker waits on."""
-        begun = isinstance(msg, m.StepBegun)
-        # Whether the worker waits on it: an end with a result, a start it asked to be durable.
-        answered = msg.durable if isinstance(msg, m.StepBegun) else not msg.failed
-        if msg.turn != session.current_turn or session.committing is not None:
-            if answered:
-                worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n, begun=begun, error="the turn is not running"))
-            return
-        problem = step_problem(session.settings, session.current_turn, session.step_bytes, session.steps_flying, msg)
-        rec: StepRecord
-        if isinstance(msg, m.StepBegun):
-            rec = StepStart(turn=msg.turn, n=msg.n, key=msg.key, kind=msg.kind)
-        else:
-            rec = Step(turn=msg.turn, n=msg.n, key=msg.key, kind=msg.kind, result=msg.result, failed=msg.failed)
-        if not problem:
-            try:
-                session.store.append(rec, durable=False)
-            except StoreError as exc:
-                problem = f"step {msg.n} not saved: {exc}"
-        if problem:
-            tagged(log, session.id).warning("%s", problem)
-            worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n, begun=begun, error=problem))
-            return
-        session.step_records += 1
-        session.step_bytes += rec.size
-        if session.trace is not None:
-            self._tracer.step(session.trace, msg)
-        if begun:
-            session.steps_flying[msg.n] = msg.key
-        else:
-            session.steps_flying.pop(msg.n, None)
-        if not answered:
-            return  # (a start the worker does not wait on: carried by the next flush)
-        self._when_durable(session, lambda err: self._step_saved(session, worker, msg, err))
-
-    def _step_saved(self, session: Session, worker: WorkerProc, msg: m.StepBegun | m.StepDone,
-                    exc: StoreError | None) -> None:
-        begun = isinstance(msg, m.StepBegun)
-        if exc is None:
-            self._input_durable(session)  # the step's flush covered the input
-            if session.worker is worker:
-                worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n, begun=begun))
-                worker.conn.flush()  # now: the worker may wait on it to run a tool
-            return
-        # The store cut back what was not durable (its byte count stays: the turn fails).
-        if isinstance(exc, Fenced):
-            self.on_fenced(session, exc)
-        elif session.worker is worker:
-            worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n, begun=begun, error=f"step {msg.n} not saved: {exc}"))
-
-    def suspend(self, session: Session, worker: WorkerProc, info: m.ExitInfo, failure: str) -> bool:
-        """The running turn's worker died: hold the turn open to resume on
-        the next worker (True), or not (False: the caller aborts it)."""
-        turn = session.current_turn
-        if turn is None or session.committing == turn:
-            return False
-        if session.suspended is not None:
-            return True  # the restarted worker died before it was resumed
-        if (not resumes_after(session.settings, info) or not (worker.uses_steps or session.step_records)
-                or session.state is State.INTERRUPTING):  # (the client wanted it over)
-            return False
-        session.suspended = Suspension(
-            turn=turn, text=session.current_input, reason=info.reason, cause=cause_of(info, session.settings),
-            failure=failure,
-        )
-        if session.trace is not None:
-            self._tracer.worker_lost(session.trace, failure)
-        session.steps_flying = {}  # (its steps in flight are in the store: read back at the resume)
-        self._asks.drop(session)
-        pending = session.pending_input
-        if pending is not None:
-            self._flush_input(session, pending)  # it must be durable before the turn goes on
-        self.on_turn_ended(session)  # (its timeout: the resumed run gets its own)
-        return True
-
-    def suspend_stored(self, session: Session, loaded: LoadedSession) -> bool:
-        """At load: the daemon died during this turn.  True: it is held open
-        to resume once a worker is ready (the caller starts one)."""
-        open_input = loaded.open_input
-        if (open_input is None or not session.settings.agent.worker.retry_aborted_turn
-                or session.state is not State.HIBERNATED):  # (not a stopped or failed one)
-            return False
-        session.current_turn, session.current_input = open_input.turn, open_input.text
-        session.step_records, session.step_bytes = loaded.open_step_records, loaded.open_step_bytes
-        session.turn_started = time.monotonic()
-        session.suspended = Suspension(
-            turn=open_input.turn, text=open_input.text, reason=DAEMON_STOPPED,
-            cause="the daemon stopped", failure="the daemon stopped during this turn",
-            uncertain=True,
-        )
-        return True
-
-    def resume(self, session: Session) -> None:
-        """The restarted worker is ready: the suspended turn goes on there,
-        as the same turn (clients see one turn), with its steps read back
-        from the store (off the loop); until they are, it is running."""
-        held = session.suspended
-        worker = session.worker
-        if held is None or worker is None:
-            return
-        if not (worker.uses_steps or session.step_records):
-            self.drop_suspended(session, "")  # (a daemon restart: now we know its handler uses none)
-            return
-        try:
-            read = session.store.read_steps_soon(held.turn)
-        except StoreError as exc:
-            self.drop_suspended(session, f"its steps could not be read back: {exc}")
-            return
-        session.turn_started = session.last_active = time.monotonic()
-        self._events.set_state(session, Trigger.INPUT,
-                               reason=f"turn {held.turn} resumed after {held.reason}: {held.cause}")
-        read.add_done_callback(lambda f: self.pacer.now_or_later(self._resume_read, session, worker, held, f))
-
-    def _resume_read(self, session: Session, worker: WorkerProc, held: Suspension,
-                     read: asyncio.Future[list[StepRecord]]) -> None:
-        if session.suspended is not held or session.worker is not worker:
-            return  # it died again, or the turn ended, meanwhile: a later resume reads again
-        exc = read.exception() if not read.cancelled() else StoreError("the read was cancelled")
-        if exc is not None:
-            self.drop_suspended(session, f"its steps could not be read back: {exc}")
-            if session.state in (State.RUNNING, State.INTERRUPTING):
-                self._events.set_state(session, Trigger.TURN_END, reason="turn failed")
-            return
-        session.suspended = None
-        self.on_turn_started(session, held.turn)  # (its timeout: from now, the input sent)
-        plan = plan_resume(read.result())
-        resumed = plan.resumed(held.reason, held.cause, held.uncertain)
-        # (A traced turn's new worker records its spans too.)
-        worker.conn.send(self.input_message(session, held.turn, held.text, resumed))
-        if session.state is State.INTERRUPTING:  # asked for while the steps were read
-            worker.conn.send(m.InterruptTurn(turn=held.turn))
-        worker.conn.flush()
-        step = plan.step
-        self.resumed(session, f"at step {step} after {held.reason}: {held.cause}")
-        try:  # for `history`; carried by the next flush (the next step's, the commit's)
-            session.store.append(Resume(turn=held.turn, step=step, reason=held.reason, cause=held.cause,
-                                        at=time.time(), running=resumed.running), durable=False)
-        except StoreError as exc:
-            tagged(log, session.id).warning("the resume of turn %d is not in the log: %s", held.turn, exc)
-        flying = [f.key for f in plan.in_flight]
-        tagged(log, session.id).warning("turn %d resumed at step %d (%s: %s; %d step(s) in flight)", held.turn,
-                                        step, held.reason, held.cause, len(flying))
-        self._events.emit(session, m.Notice(
-            session=session.id, seq=self._events.next_seq(session), turn=held.turn, kind="turn_resumed",
-            data={"reason": held.reason, "cause": held.cause, "step": step, "running": resumed.running,
-                  "in_flight": flying[:_NOTICE_KEYS]}))
-
-    def drop_suspended(self, session: Session, why: str) -> None:
-        """A suspended turn that will not resume: it fails as it would have
-        when its worker died, saying why."""
-        held = session.suspended
-        if held is None:
-            return
-        session.suspended = None
-        self.abort(session, f"{held.failure}; {why}" if why else held.failure)
 
     def take_input(self, session: Session) -> str:
         """The aborted turn's input, once, dropped (a turn whose worker died
@@ -598,6 +433,15 @@ class TurnLedger:
     def active(self, session: Session) -> None:
         """The idle clock starts again (a worker started)."""
         session.last_active = time.monotonic()
+
+    def reopen(self, session: Session, turn: int, text: str) -> None:
+        """At load: the turn the daemon died in is the running one again (held open, to resume)."""
+        session.current_turn, session.current_input = turn, text
+        session.turn_started = time.monotonic()
+
+    def clock_again(self, session: Session) -> None:
+        """A held turn goes on on a new worker: its time and the idle clock count from now."""
+        session.turn_started = session.last_active = time.monotonic()
 
     def restore_totals(self, session: Session, turns: int, usage: dict[str, int]) -> None:
         """The turns and usage as the store has them (claimed from another daemon)."""
@@ -613,8 +457,7 @@ class TurnLedger:
         if fut is not None and not fut.done():
             fut.set_result(outcome)
         session.current_turn = None
-        session.suspended = None
-        session.step_records, session.step_bytes, session.steps_flying = 0, 0, {}
+        self.resumable.over(session)
         self._budgets.turn_over(session)
         session.last_turn_secs = time.monotonic() - session.turn_started
         self.metrics.turn_ended(session, outcome[0], outcome[1], session.last_turn_secs)

@@ -5,9 +5,11 @@ registry (ids, ownership, quotas, lookups) and the place where a client's
 request becomes work for the parts that own each concern:
 
     EventLog     (events.py)     states, seq numbers, retention, fan-out
-    TurnLedger   (ledger.py)     inputs and commits: the durability promises
-    WorkerOwner  (workers.py)    spawn, boot, messages, kills, exits, restarts
-    Sweeper      (sweep.py)      memory caps, disk quotas, heartbeats, idleness, turn timeouts
+    TurnLedger   (ledger.py)     inputs and commits: the durability promises (resumable.py: steps, resume)
+    WorkerOwner  (workers.py)    spawn, boot, kills, exits, restarts (turnmessages.py: what a turn says)
+    Sweeper      (sweep.py)      memory caps, disk quotas, heartbeats, idleness (turntimer.py: turn timeouts)
+    Intake       (intake.py)     sessions in and out: created, restored, damaged, forgotten
+    session_info (info.py)       what a client is told about a session
     Subagents    (subagents.py)  spawn_agent as child sessions
     Workspaces   (workspaces.py) who workers run as, and their workspaces
     Damage       (damage.py)     a log a read finds damaged while the daemon runs
@@ -21,42 +23,42 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from ipc import messages as m
 from ipc.contract import ExitReason
 from ipc.pacing import Pacer
-from ipc.settings import SessionSettings
 from supervisor.spawn.cgroups import Cgroups
 from supervisor.config import Config
-from supervisor.errors import BadRequest, Capacity, Conflict, Internal, NotFound, SessiondError
-from supervisor.core.budgets import Budgets, tokens_of
+from supervisor.errors import BadRequest, Conflict, Internal, NotFound, SessiondError
+from supervisor.core.budgets import Budgets
 from supervisor.core.damage import Damage
 from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger, store_failure
 from supervisor.core.holding import Holding, Holds
+from supervisor.core.info import host_confinement, session_info
+from supervisor.core.intake import Intake
 from supervisor.host.proctable import ProcTable, RemoteFigures
 from supervisor.logtag import tagged
 from supervisor.core.recorder import NO_METRICS, Recorder
 from supervisor.core.tracer import NO_TRACER, Tracer, TurnTrace
-from supervisor.core.overrides import OverrideError, choose_handler, resolve_overrides
 from supervisor.spawn.seams import Spawner
-from supervisor.core.session import Session, Subscriber, damaged_hint, valid_session_id
+from supervisor.core.session import Session, Subscriber, damaged_hint
 from supervisor.core.slots import LiveSlots
 from supervisor.core.states import LIVE, State, Trigger
 from supervisor.store.state_store import (
-    DamagedLog, LoadedSession, Meta, RepairMode, RepairResult, SessionLog, StateStore, StoreDamaged, StoreError,
+    LoadedSession, Meta, RepairMode, RepairResult, SessionLog, StateStore, StoreDamaged, StoreError,
 )
 from supervisor.store.files import FileStateStore
 from supervisor.core.subagents import Subagents
 from supervisor.core.sweep import Sweeper
-from supervisor.core.workers import Pending, WorkerOwner, describe_exit
+from supervisor.core.turntimer import TurnTimer
+from supervisor.core.turnmessages import TurnMessages
+from supervisor.core.exits import describe_exit
+from supervisor.core.workers import WorkerOwner
 from supervisor.core.workspaces import Workspaces
 from supervisor.core.admission import Admission, Identities, SessionUids
 from supervisor.core.fdbudget import FdBudget
@@ -95,7 +97,7 @@ class SessionManager:
         self._closing = False
         self._hibernating: set[str] = set()
         self._ping_nonce = 0
-        self._holds = holds
+        self._cgroups_why = cgroups_why  # why there is no cgroup per session, for stats
 
         def current() -> Config:
             return self.config
@@ -103,10 +105,9 @@ class SessionManager:
         def closing() -> bool:
             return self._closing
 
-        # Built bottom-up, each part with its collaborators.  The calls that
-        # run against that order (the ledger arms and disarms the sweep's turn
-        # timer and has the workers kill a worker ahead of the disk) go
-        # through this manager, to parts it builds after the ledger.
+        # Built bottom-up, each part with its collaborators.  The calls that run against that order
+        # (the ledger arms and disarms the turn timer and has the workers kill a worker ahead of the
+        # disk) go through this manager, to parts it builds after the ledger.
         self.admission = Admission(current, identities)  # the socket's and every re-check's
         self.workspaces = Workspaces(current, state_dir, self.admission)
         self.events = EventLog(lambda: self.config.daemon, self.sessions, tracer)
@@ -114,29 +115,34 @@ class SessionManager:
         self.ledger = TurnLedger(
             self.events,
             on_unsaved=lambda session, worker, why: self.workers.kill(session, worker, ExitReason.CRASHED, why, charged=False),
-            on_turn_started=lambda session, turn: self.sweeper.arm_turn_timer(session, turn),
-            on_turn_ended=lambda session: self.sweeper.disarm_turn(session),
+            on_turn_started=lambda session, turn: self.turn_timer.arm_turn_timer(session, turn),
+            on_turn_ended=lambda session: self.turn_timer.disarm_turn(session),
             on_fenced=(lambda session, exc: holds.fenced(self.holding, session, exc)) if holds is not None else None,
             metrics=metrics, tracer=tracer, budgets=self.budgets,
         )
         self.slots = LiveSlots(current, self.sessions, self.is_admin, self._hibernating, self._hibernate, fds)
         self.subagents = Subagents(self, self.sessions, tracer)
+        messages = TurnMessages(self.events, self.ledger, self.ledger.resumable, self.subagents, self.spawn_task, metrics)
         self.workers = WorkerOwner(
-            current, spawner, self.events, self.ledger, self.proc_table, self.workspaces, self.spawn_task,
-            closing=closing, make_room=self.slots.make_room,
-            on_spawn_agent=lambda session, worker, msg: self.spawn_task(self.subagents.run(session, worker, msg)),
+            current, spawner, self.events, self.ledger, self.ledger.resumable, messages, self.proc_table,
+            self.workspaces, self.spawn_task, closing=closing, make_room=self.slots.make_room,
             claim=(lambda session: holds.claim(self.holding, session)) if holds is not None else None,
-            damaged=lambda session, exc: self.damage.at_boot(session, exc), sandbox=sandbox, cgroups=cgroups, cgroups_why=cgroups_why, metrics=metrics,
+            damaged=lambda session, exc: self.damage.at_boot(session, exc), sandbox=sandbox, cgroups=cgroups, metrics=metrics,
         )
         self.damage = Damage(current, self.store, self.events, self.workers)
         self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
                                self._hibernate_soon, stop=self.stop, workspaces=self.workspaces,
                                closing=closing, metrics=metrics)
+        self.turn_timer = TurnTimer(current, self.events, self.workers)
+        # Sessions in and out: created, restored, damaged, forgotten.
+        self.intake = Intake(current, self.sessions, self.store, self.events, self.ledger, self.ledger.resumable,
+                             self.workers, self.workspaces, self.slots, spawner, self.budgets, self.admission,
+                             self.spawn_task,
+                             state_dir=state_dir, open_stored=open_stored or self.store.load, closing=closing,
+                             remove=self.remove)
         # What a session held by another daemon may have done to it (supervisor.core.fencing).
         self.holding = Holding(current, self.sessions, self.store, self.events, self.ledger, self.workers,
-                               self.workspaces, self.settings_for, self.spawn_task, self.forget)
-        # How a stored session is opened at start: claimed (alone), or read (supervisor.cluster.fronts).
-        self._open_stored = open_stored or self.store.load
+                               self.workspaces, self.intake.settings_for, self.spawn_task, self.intake.forget)
 
     @property
     def closing(self) -> bool:
@@ -147,81 +153,29 @@ class SessionManager:
         """The data plane's pacer (ipc.pacing), shared with the control socket's clients."""
         return self.ledger.pacer
 
-    # ================================================================ load
+    # ================================================================ in and out (supervisor.core.intake)
 
     def load_all(self) -> None:
         """Restore every session on disk; live ones come back hibernated."""
-        # Workers running as another user must reach their workspace:
-        # traverse (not list) the state dir; sessions/ stays private.
-        self.workspaces.open_dirs(self.sessions_dir)
-        for session_id in self.store.ids():
-            try:
-                store, loaded = self._open_stored(session_id)
-            except StoreDamaged as exc:
-                self._add_damaged(session_id, exc.reason, exc.meta)
-                continue
-            except Exception as exc:
-                self._add_damaged(session_id, f"cannot be loaded: {exc}", None)
-                continue
-            try:
-                self.restore(store, loaded)
-            except Exception as exc:
-                store.close()
-                self._add_damaged(session_id, f"cannot be restored: {exc}", loaded.meta)
-        if self.sessions:
-            log.info("restored %d session(s) from %s", len(self.sessions), self.sessions_dir)
-        self.workspaces.remove_orphans(self.sessions.values())
+        self.intake.load_all()
 
     def restore(self, store: SessionLog, loaded: LoadedSession) -> None:
         """A stored session into the registry (at start, on import, adopted from another daemon)."""
-        meta = loaded.meta
-        if (bad := self.workspaces.stored_problem(meta, self.sessions.values())) is not None:
-            store.close()  # checked again as on create: a store's values are data
-            self._add_damaged(meta.id, bad[0], meta if bad[1] else None)
-            return
-        mark = loaded.mark
-        state = {"stopped": State.STOPPED, "failed": State.FAILED}.get(mark.state, State.HIBERNATED)
-        session = Session(
-            id=meta.id, meta=meta, store=store, settings=self.settings_for(meta.id, meta.overrides),
-            state=state, turns=loaded.turns, seq=loaded.seq, reserved_seq=loaded.seq,
-            restarts=mark.restarts, ring=self.events.new_ring(),
-            last_exit=msgspec.convert(mark.last_exit, m.ExitInfo) if mark.last_exit else None,
-            usage=loaded.usage, lifecycle=self.events.restored_lifecycle(loaded.lifecycle),
-        )
-        if loaded.open_input is not None and not self.ledger.suspend_stored(session, loaded):
-            self.ledger.abort_stored(session, store, loaded.open_input.turn, "the daemon stopped during this turn",
-                                     durable=True)
-        self.sessions[meta.id] = session
-        if mark.state == "removing":  # a `rm` the daemon died in: finished now
-            self.spawn_task(self.remove(session))
-        elif session.suspended is not None:  # the turn the daemon died in resumes on a new worker
-            self.workers.schedule_restart(session)
-        if meta.parent and meta.parent in self.sessions:
-            self.sessions[meta.parent].children.append(meta.id)
+        self.intake.restore(store, loaded)
 
-    def _add_damaged(self, session_id: str, reason: str, meta: Meta | None) -> None:
-        """A session whose stored state does not load stays visible (ls,
-        status: state "damaged" with the reason) and removable, and keeps
-        its id taken, its files untouched, until repaired or removed.
-        Without readable metadata only admins see it (owner uid 0)."""
-        tagged(log, session_id).error("is damaged and was not restored: %s", reason)
-        session = Session(
-            id=session_id, meta=meta or Meta(id=session_id, handler="?"),
-            store=DamagedLog(self.store, session_id, reason),
-            settings=self.config.session_settings(), state=State.DAMAGED,
-            error=reason, meta_lost=meta is None, ring=self.events.new_ring(),
-        )
-        self.sessions[session_id] = session
-        if session.meta.parent and session.meta.parent in self.sessions:
-            self.sessions[session.meta.parent].children.append(session_id)
+    def check_quota(self, uid: int) -> None:
+        self.intake.check_quota(uid)
 
-    def settings_for(self, session_id: str, overrides: dict[str, Any]) -> SessionSettings:
-        """A stored session's settings under the current config: overrides
-        that no longer fit are pulled back inside the operator's bounds."""
-        resolved = resolve_overrides(self.config.session_settings(), overrides, strict=False)
-        for line in resolved.adjusted:
-            tagged(log, session_id).warning("%s", line)
-        return resolved.settings
+    async def create(self, owner_uid: int, session_id: str | None, handler: str | None, overrides: dict[str, Any],
+                     *, parent: Session | None = None) -> Session:
+        """A new session, booted: checked, its worker ordered, registered
+        and stored, then started; a failure leaves nothing behind."""
+        return await self.intake.create(owner_uid, session_id, handler, overrides, parent=parent)
+
+    def new_meta(self, session_id: str, handler: str, overrides: dict[str, Any], owner_uid: int,
+                 created_at: float, parent: Session | None = None) -> Meta:
+        """A new session's metadata (created, or imported by supervisor.api.transfer)."""
+        return self.intake.new_meta(session_id, handler, overrides, owner_uid, created_at, parent)
 
     # ================================================================ the registry
 
@@ -245,30 +199,13 @@ class SessionManager:
         return [s for s in self.sessions.values() if admin or s.meta.owner_uid == uid]
 
     def info(self, session: Session, with_rss: bool = True) -> m.SessionInfo:
-        worker = session.worker
-        pid = worker.pid if worker is not None and not worker.exited.done() else None
-        rss: int | None = None
-        if pid is not None and with_rss and self.workers.measured:  # (blind: unknown, never 0)
-            # The last sweep's figure (at most one poll interval old); a worker
-            # not swept yet is measured now.
-            rss = session.memory.rss_bytes or session.memory.measure(self.proc_table, pid)
-        node_pid, node = self.spawner.placement(pid) if pid is not None else (None, None)
-        return m.SessionInfo(
-            id=session.id, state=session.state.value, handler=session.meta.handler, pid=node_pid, node=node,
-            rss_bytes=rss, restarts=session.restarts, turns=session.turns,
-            created_at=session.meta.created_at, last_exit=session.last_exit, seq=session.seq,
-            parent=session.meta.parent, children=list(session.children),
-            owner_uid=session.meta.owner_uid, error=session.error, usage=tokens_of(session.usage),
-            sandbox=self.workers.sandbox_report(worker) if pid is not None and worker is not None else {},
-            disk_bytes=session.memory.disk_bytes, cpu_percent=session.memory.cpu_percent if pid is not None else None,
-            budget=self.budgets.figures(session), disk_inodes=session.memory.disk_inodes,
-            waiting=self.ledger.waiting(session),
-        )
+        return session_info(session, self.workers, self.spawner, self.proc_table, self.budgets, self.ledger, with_rss)
 
     def host_report(self) -> dict[str, Any]:
         """What this host gives every session, for `stats`: the tools'
         sandbox, the cgroups, the disk quota."""
-        return self.workers.host_report(self.config.sandbox) | self.workspaces.host_report()
+        return host_confinement(self.config.sandbox, self.workers.sandbox, self.workers.cgroups,
+                                self._cgroups_why) | self.workspaces.host_report()
 
     def session_origins(self) -> tuple[frozenset[int], SessionUids]:
         """What supervisor.api.peer checks a client against: the processes
@@ -284,128 +221,6 @@ class SessionManager:
 
     def running_turns(self) -> int:
         return sum(1 for s in self.sessions.values() if s.current_turn is not None)
-
-    def check_quota(self, uid: int) -> None:
-        self.slots.check_fds()  # before a new session's files are opened
-        limit = self.config.daemon.max_sessions_per_uid
-        held = sum(1 for s in self.sessions.values() if s.meta.owner_uid == uid)
-        if held >= limit and not self.is_admin(uid):
-            raise Capacity(
-                f"uid {uid} already has {held} sessions (max_sessions_per_uid = {limit}); "
-                "remove some with `sessionctl rm`"
-            )
-
-    # ================================================================ create
-
-    async def create(
-        self,
-        owner_uid: int,
-        session_id: str | None,
-        handler: str | None,
-        overrides: dict[str, Any],
-        *,
-        parent: Session | None = None,
-    ) -> Session:
-        """A new session, booted: checked, its worker ordered, registered
-        and stored, then started; a failure leaves nothing behind."""
-        if self._closing:
-            raise Conflict("the daemon is shutting down")
-        session_id = self._free_id(session_id)
-        self.check_quota(owner_uid)
-        if parent is not None:
-            # The parent's own overrides, accepted when it was created, held
-            # to today's ceilings.
-            settings = self.settings_for(session_id, overrides)
-        else:
-            try:
-                settings = resolve_overrides(self.config.session_settings(), overrides).settings
-            except OverrideError as exc:
-                raise BadRequest(str(exc)) from exc
-        handler = choose_handler(handler, settings, checked=parent is not None)
-        # Order the worker first: the zygote forks (or hands over a spare)
-        # while this process fsyncs the new session to disk.
-        pending = self.spawner.request() if self.slots.has_room(owner_uid) else None
-        session = self._register(owner_uid, session_id, handler, overrides, settings, parent, pending)
-        await self._boot_new(session, pending)
-        tagged(log, session_id).info("created (handler %s, pid %s)", handler,
-                                     session.worker.pid if session.worker else "-")
-        return session
-
-    def _free_id(self, session_id: str | None) -> str:
-        """The id asked for, checked and free, or a new one."""
-        if session_id is None:
-            return secrets.token_hex(6)
-        if not valid_session_id(session_id):
-            raise BadRequest(f"invalid session id {session_id!r}: 1-64 characters of A-Z a-z 0-9 . _ -, "
-                             "starting with a letter or digit")
-        if (existing := self.sessions.get(session_id)) is not None:
-            if existing.state is State.DAMAGED:
-                raise Conflict(f"session {session_id!r} already exists and is damaged "
-                               f"({existing.error}); `sessionctl rm {session_id}` frees the id")
-            raise Conflict(f"session {session_id!r} already exists")
-        return session_id
-
-    def _register(self, owner_uid: int, session_id: str, handler: str, overrides: dict[str, Any],
-                  settings: SessionSettings, parent: Session | None, pending: Pending | None) -> Session:
-        """Its metadata stored (not yet durable) and the session in the registry, STARTING."""
-        meta = self.new_meta(session_id, handler, overrides, owner_uid, time.time(), parent)
-        try:
-            # Durable while the worker boots (`_boot_new`): the create is
-            # answered only once both are done.
-            store = self.store.create(meta, durable=False)
-        except FileExistsError as exc:
-            self.workers.drop_pending(pending)
-            raise Conflict(f"session {session_id!r} already exists") from exc
-        except StoreError as exc:
-            self.workers.drop_pending(pending)
-            raise store_failure("", exc) from None  # unchained: a database's error may quote its DSN
-        session = Session(id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING,
-                          ring=self.events.new_ring())
-        self.sessions[session_id] = session
-        if parent is not None:
-            parent.children.append(session_id)
-        return session
-
-    def new_meta(self, session_id: str, handler: str, overrides: dict[str, Any], owner_uid: int,
-                 created_at: float, parent: Session | None = None) -> Meta:
-        """A new session's metadata (created, or imported by supervisor.api.transfer)."""
-        return Meta(
-            id=session_id, handler=handler, overrides=overrides, created_at=created_at, owner_uid=owner_uid,
-            parent=parent.id if parent else None, depth=parent.meta.depth + 1 if parent else 0,
-            # Never the same directory twice: a later session that reuses
-            # this id, whoever creates it, starts with an empty workspace.
-            workspace=f"{session_id}@{secrets.token_hex(8)}",
-            run_uid=self.workspaces.allocate_uid(self.sessions.values()),
-        )
-
-    async def _boot_new(self, session: Session, pending: Pending | None) -> None:
-        try:
-            async with session.lock:
-                await self.workers.start(session, pending, during_boot=session.store.make_durable_soon)
-        except StoreError as exc:
-            self._discard(session)
-            raise store_failure(f"session {session.id!r} could not be saved: ", exc) from None
-        except SessiondError as exc:
-            # A create that cannot boot leaves nothing behind.
-            self._discard(session)
-            raise type(exc)(f"session {session.id!r} could not start: {exc.message}") from None
-        except BaseException:
-            self._discard(session)
-            raise
-
-    def _discard(self, session: Session) -> None:
-        """A create that failed: nothing of it stays, not even in its parent's list."""
-        self.workers.kill_discarded(session)
-        self._unlink(session)
-        try:
-            self.workspaces.remove(session)
-        except OSError as exc:
-            tagged(log, session.id).warning("its workspace could not be removed: %s", exc)
-
-    def _unlink(self, session: Session) -> asyncio.Future[None]:
-        self.forget(session)
-        self.budgets.forget(session.id)  # (its uid's total keeps what it spent)
-        return session.store.remove_soon()  # behind its writes; `rm` is answered once it is done
 
     # ================================================================ requests
 
@@ -552,7 +367,7 @@ class SessionManager:
                 await self._stop_locked(session, "deleted")
             self.workers.cancel_restart(session)
             self.events.set_state(session, Trigger.DELETE, reason="deleted")
-            await self._unlink(session)
+            await self.intake.drop(session)
             if session.meta_lost:
                 # Which workspace is its own is unknown; the next start's
                 # sweep of orphaned workspaces removes it.
@@ -589,27 +404,17 @@ class SessionManager:
                                             result.dropped_records, result.dropped_bytes)
             self.events.set_state(session, Trigger.REPAIR, reason=f"repaired ({how.value})")
             subscribers, children = set(session.subscribers), list(session.children)
-            self.forget(session)
+            self.intake.forget(session)
             try:
-                self.restore(store, loaded)
+                self.intake.restore(store, loaded)
             except BaseException:
                 store.close()
-                self._add_damaged(session.id, "cannot be restored after repair", loaded.meta)
+                self.intake.add_damaged(session.id, "cannot be restored after repair", loaded.meta)
                 raise
             restored = self.sessions[session.id]
             self.events.add_subscribers(restored, subscribers)
             restored.children = [c for c in children if c in self.sessions]
             return restored, result
-
-    def forget(self, session: Session) -> None:
-        """Out of the registry (repaired into a new one, or removed by
-        another daemon), and out of its parent's list."""
-        if self.sessions.get(session.id) is session:
-            self.sessions.pop(session.id)
-        parent = self.sessions.get(session.meta.parent or "")
-        if parent is not None and session.id in parent.children:
-            parent.children.remove(session.id)
-        self.events.forget(session)
 
     def ping(self, session: Session, answer: Callable[[SessiondError | None], None]) -> int:
         """Round trip through the worker; `answer` is called with None when
@@ -664,11 +469,11 @@ class SessionManager:
         self.config = config
         for session in self.sessions.values():
             old = session.settings
-            session.settings = self.settings_for(session.id, session.meta.overrides)
+            session.settings = self.intake.settings_for(session.id, session.meta.overrides)
             self.events.resize(session)
             self.workers.reconfigure(session, old)
             if session.worker is not None and not session.worker.exited.done():
-                self.sweeper.retime_turn(session)
+                self.turn_timer.retime_turn(session)
 
     async def shutdown(self, grace: float) -> None:
         """Let running turns finish for up to `grace`, then stop every worker.

@@ -7,23 +7,27 @@ each own some of its fields, and only they write them:
                     holding.py)   store, error, meta_lost, removing
     EventLog       (events.py)    state, seq, reserved_seq, ring, ring_bytes,
                                   subscribers, held, state_waiters, lifecycle
-    TurnLedger     (ledger.py,    turns, current_turn, current_input,
-                    asks.py)      pending_input, pending_asks, turn_results,
+    TurnLedger     (ledger.py)    turns, current_turn, current_input,
+                                  pending_input, turn_results,
                                   turn_started, last_turn_secs, last_active,
                                   usage (token totals of its turns:
                                   prompt_tokens, completion_tokens,
                                   reasoning_tokens, and llm_calls; restored
-                                  from the log), committing,
-                                  step_records, step_bytes, steps_flying,
-                                  suspended, trace
+                                  from the log), committing, trace
+    ResumableTurns (resumable.py) step_records, step_bytes, steps_flying,
+                                  suspended
+    Asks           (asks.py)      pending_asks
     WorkerOwner    (workers.py)   worker, last_exit, restarts, policy,
                                   restart_handle, pings
-    Sweeper        (sweep.py)     memory, turn_timer, kill_timer
+    Sweeper        (sweep.py)     memory
+    TurnTimer      (turntimer.py) turn_timer, kill_timer
     Subagents      (subagents.py) spawned
     Damage         (damage.py)    store, error (on the manager's behalf)
     Budgets        (budgets.py)   turn_spend
 
-A `WorkerProc` is WorkerOwner's alone.  Others ask the owner through its
+The registry and a parent's `children` list are the manager's, kept by
+`Intake` (intake.py: sessions in and out) on its behalf.  A `WorkerProc`
+is WorkerOwner's alone.  Others ask the owner through its
 public operations (`EventLog.raise_seq`, `TurnLedger.take_input`,
 `WorkerOwner.reconfigure`, `SessionManager.reclaimed`...); the one shared
 write: WorkerOwner gives each new worker fresh `memory` figures, which the
@@ -106,7 +110,7 @@ class WorkerProc:
 @dataclass(slots=True, frozen=True)
 class Suspension:
     """A turn whose worker died, kept open to resume on the next worker
-    (TurnLedger.suspend, .resume; supervisor.core.steps)."""
+    (ResumableTurns.suspend, .resume; supervisor.core.steps)."""
 
     turn: int
     text: str

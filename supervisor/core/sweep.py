@@ -1,9 +1,10 @@
 """The limits the daemon enforces on live sessions: the periodic sweep
-(memory caps, disk quotas, heartbeats, idleness) and each turn's timeout.
+(memory caps, disk quotas, heartbeats, idleness).  Each turn's timeout is
+`supervisor.core.turntimer`'s.
 
 Runs in the daemon's loop.  The decisions are the pure functions of
 `supervisor.core.limits` (`memory_verdict`, `settled_figure`, `disk_verdict`,
-`heartbeat_overdue`, `idle_expired`, `turn_deadline_left`); this module
+`heartbeat_overdue`, `idle_expired`); this module
 gathers the figures and acts on the verdicts: kills go through
 `WorkerOwner.kill`, hibernation and stops through the core's callbacks.
 
@@ -55,13 +56,12 @@ from supervisor.core.limits import (
     pss_estimate,
     read_order,
     settled_figure,
-    turn_deadline_left,
 )
 from supervisor.host.proctable import REMOTE_PIDS, ProcTable
 from supervisor.host.measure import PROC_READS, Kind, Measurer, Read
 from supervisor.core.recorder import NO_METRICS, Recorder
 from supervisor.core.session import Session, WorkerProc
-from supervisor.core.states import State, Trigger
+from supervisor.core.states import State
 from supervisor.core.workers import WorkerOwner
 from supervisor.core.workspaces import Workspaces
 
@@ -463,56 +463,3 @@ class Sweeper:
         self._workers.kill(session, worker, ExitReason.KILLED_PROCESSES,
                            f"{count} processes, over max_processes = {limit}")
         return True
-
-    # ---------------------------------------------------------------- turn timeouts
-
-    def arm_turn_timer(self, session: Session, turn: int) -> None:
-        if session.worker is not None:
-            # The worker goes to the full pace on its input (its next beat
-            # one interval after it); the shorter allowance counts from now.
-            self._workers.heard_from(session.worker, time.monotonic())
-        session.turn_timer = asyncio.get_running_loop().call_later(
-            session.settings.agent.turn_timeout_secs, self._on_turn_timeout, session, turn
-        )
-
-    def disarm_turn(self, session: Session) -> None:
-        """The turn ended: its timeout and its kill are off."""
-        for timer in (session.turn_timer, session.kill_timer):
-            if timer is not None:
-                timer.cancel()
-        session.turn_timer = session.kill_timer = None
-
-    def retime_turn(self, session: Session) -> None:
-        """A running turn under a changed turn_timeout_secs: its deadline is
-        counted from its start, and one already past fires now."""
-        if session.turn_timer is None or session.current_turn is None:
-            return
-        session.turn_timer.cancel()
-        left = turn_deadline_left(time.monotonic(), session.turn_started,
-                                  session.settings.agent.turn_timeout_secs)
-        session.turn_timer = asyncio.get_running_loop().call_later(
-            left, self._on_turn_timeout, session, session.current_turn
-        )
-
-    def _on_turn_timeout(self, session: Session, turn: int) -> None:
-        """Interrupt first; kill if the handler ignores it for stop_grace_secs."""
-        session.turn_timer = None
-        worker = session.worker
-        if session.current_turn != turn or worker is None:
-            return
-        timeout = session.settings.agent.turn_timeout_secs
-        grace = self._config().daemon.stop_grace_secs
-        self._events.emit_limit(session, LimitKind.TURN_TIMEOUT, time.monotonic() - session.turn_started, timeout)
-        if session.state is State.RUNNING:
-            self._events.set_state(session, Trigger.INTERRUPT, reason=f"turn_timeout_secs={timeout:g} reached")
-        worker.conn.send(m.InterruptTurn(turn=turn))
-        session.kill_timer = asyncio.get_running_loop().call_later(
-            grace, self._on_turn_kill, session, worker, turn, timeout, grace
-        )
-
-    def _on_turn_kill(self, session: Session, worker: WorkerProc, turn: int, timeout: float, grace: float) -> None:
-        session.kill_timer = None
-        if session.current_turn != turn or session.worker is not worker:
-            return
-        self._workers.kill(session, worker, ExitReason.KILLED_TURN_TIMEOUT,
-                           f"turn {turn} still running {grace:g}s after its timeout of {timeout:g}s")

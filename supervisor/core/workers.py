@@ -1,5 +1,5 @@
-"""Each session's worker, from spawn to exit: boot, messages, kills, exits
-and restarts.
+"""Each session's worker, from spawn to exit: boot, its own messages,
+kills, exits and restarts (what it says in a turn: supervisor.core.turnmessages).
 
 Runs in the daemon's loop.  Gunicorn's arbiter is the model: one owner for
 a worker's life.  Workers are started through the `Spawner` seam (today the
@@ -17,7 +17,7 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
+from typing import Any
 
 import msgspec
 
@@ -25,45 +25,34 @@ from ipc import messages as m
 from ipc.connection import FramedProtocol
 from ipc.contract import NODE_LOST_PREFIX, ExitReason, LimitKind
 from ipc.errors import ProtocolError
-from ipc.settings import BudgetSettings, SandboxSettings, SessionSettings
-from supervisor.spawn import sandbox
+from ipc.settings import SessionSettings
 from supervisor.spawn.cgroups import Cgroups
 from supervisor.config import Config
 from supervisor.errors import Capacity, Conflict, Internal, SessiondError
 from supervisor.core.events import EventLog
+from supervisor.core.exits import classify, describe_exit
 from supervisor.core.ledger import TurnLedger
+from supervisor.core.resumable import ResumableTurns
+from supervisor.core.turnmessages import TurnMessages
 from supervisor.core.containment import Containment
 from supervisor.core.limits import SessionMemory
 from supervisor.host.proctable import ProcTable
 from supervisor.logtag import tagged
 from supervisor.core.recorder import NO_METRICS, Recorder
-from supervisor.spawn.seams import Spawner, SpawnerDied
+from supervisor.spawn.seams import LosesWorkers, Pending, Spawner, SpawnerDied, drop_pending
 from supervisor.core.session import Session, WorkerProc
 from supervisor.store.state_store import Fenced, StoreDamaged, StoreError
 from supervisor.core.fdbudget import out_of_fds
 from supervisor.core.states import LIVE, RestartPolicy, State, Trigger
 from supervisor.core.workspaces import Workspaces
 
-if TYPE_CHECKING:
-    import socket  # a worker's socket is only handed on (the core does no I/O of its own)
-
-__all__ = ["WorkerOwner", "describe_exit"]
+__all__ = ["WorkerOwner"]
 
 log = logging.getLogger("sessiond.manager")
 
 _worker_decoder = msgspec.msgpack.Decoder(m.FromWorker)
 _settings_encoder = msgspec.msgpack.Encoder()
 _WORKER_FRAME_LIMIT = 1 << 30
-
-Pending: TypeAlias = "asyncio.Future[tuple[int, socket.socket]]"
-
-
-@runtime_checkable
-class LosesWorkers(Protocol):
-    """A spawner whose workers can be lost with their machine (RaySpawner)."""
-
-    on_worker_lost: Callable[[int, str], None]
-
 
 class WorkerOwner:
     def __init__(
@@ -72,24 +61,26 @@ class WorkerOwner:
         spawner: Spawner,
         events: EventLog,
         ledger: TurnLedger,
+        resumable: ResumableTurns,
+        messages: TurnMessages,
         proc_table: ProcTable,
         workspaces: Workspaces,
         spawn_task: Callable[[Coroutine[Any, Any, None]], None],
         *,
         closing: Callable[[], bool],
         make_room: Callable[[Session], Awaitable[None]],
-        on_spawn_agent: Callable[[Session, WorkerProc, m.SpawnAgent], None],
         claim: Callable[[Session], Awaitable[None]] | None = None,
         damaged: Callable[[Session, StoreDamaged], SessiondError] | None = None,
         sandbox: m.SandboxBoot | None = None,
         cgroups: Cgroups | None = None,
-        cgroups_why: str = "not probed",
         metrics: Recorder = NO_METRICS,
     ) -> None:
         self._config = config
         self.spawner = spawner
         self._events = events
         self._ledger = ledger
+        self._resumable = resumable  # the turn its worker died in, held open and resumed
+        self._messages = messages  # what a worker says in a turn
         self._proc_table = proc_table
         self._workspaces = workspaces
         self._spawn_task = spawn_task
@@ -100,7 +91,6 @@ class WorkerOwner:
         self.sandbox = sandbox
         # A cgroup per session (supervisor.spawn.cgroups), where the kernel offers one.
         self.cgroups = cgroups
-        self.cgroups_why = cgroups_why  # why there is none, for stats
         # The cgroups' and shares' side of a worker's life, OOMs told by their ceiling.
         self.containment = Containment(config, cgroups, workspaces, events, self.kill,
                                        lambda: self.by_pid.values())
@@ -108,11 +98,9 @@ class WorkerOwner:
         # LiveSlots.make_room: a live worker's room, hibernating others for it.
         self._make_room = make_room
         # Takes a session held by another daemon back first (supervisor.core.fencing).
-        self._claim = claim or _no_room_needed
+        self._claim = claim
         # Damage.at_boot: a boot's read found the log damaged (supervisor.core.damage).
         self._damaged = damaged
-        # Subagents.run, as a task of the manager's.
-        self._on_spawn_agent = on_spawn_agent
         # The spawner was built before any of the core (the zygote is forked
         # before the loop exists), so its exit reports are routed here, by
         # their owner, once: the one late connection left (ARCHITECTURE.md).
@@ -126,7 +114,8 @@ class WorkerOwner:
 
     async def claim(self, session: Session) -> None:
         """Take the session back if another daemon holds it (no-op alone)."""
-        await self._claim(session)
+        if self._claim is not None:
+            await self._claim(session)
 
     # ---------------------------------------------------------------- start
 
@@ -142,13 +131,13 @@ class WorkerOwner:
         assert session.state is State.STARTING, session.state
         loop = asyncio.get_running_loop()
         try:
-            await self._claim(session)
+            await self.claim(session)
             await self._make_room(session)
             self.containment.check_room(session)  # its owner's share of tasks
             snapshot, records, _ = await session.store.read_for_boot_soon()
             workspace = await asyncio.to_thread(self._workspaces.prepare, session)  # an image: mkfs, mount
         except BaseException as exc:
-            self.drop_pending(pending)
+            drop_pending(self.spawner, pending)
             if isinstance(exc, StoreDamaged) and self._damaged is not None:
                 raise self._damaged(session, exc) from None
             if (refusal := out_of_fds(exc, "cannot open its files: ")) is not None:
@@ -211,19 +200,6 @@ class WorkerOwner:
         self._events.set_state(session, Trigger.READY)
         self._ledger.active(session)
 
-    def drop_pending(self, pending: Pending | None) -> None:
-        """A worker was ordered but will not be used: kill it when it comes."""
-        if pending is None:
-            return
-
-        def discard(fut: Pending) -> None:
-            if not fut.cancelled() and fut.exception() is None:
-                pid, sock = fut.result()
-                sock.close()
-                self.spawner.signal(pid, signal.SIGKILL)
-
-        pending.add_done_callback(discard)
-
     # ---------------------------------------------------------------- messages
 
     def _on_bad_frame(self, session: Session, worker: WorkerProc, exc: ProtocolError) -> None:
@@ -245,31 +221,11 @@ class WorkerOwner:
                 self._ledger.end(session, failed=f"internal error: {type(exc).__name__}: {exc}")
 
     def _dispatch(self, session: Session, worker: WorkerProc, msg: m.FromWorker) -> None:
-        events = self._events
+        """What a worker says of its own life is handled here; what it says
+        in a turn goes to the turn's parts (supervisor.core.turnmessages)."""
         match msg:
             case m.Heartbeat():
                 worker.last_heartbeat = time.monotonic()
-            case m.Delta(turn=turn, text=text):
-                if session.pending_input is not None:
-                    self._ledger.streaming(session)
-                if turn == session.current_turn:
-                    self.metrics.delta(session)
-                    events.emit(
-                        session,
-                        m.TextDelta(session=session.id, seq=events.next_seq(session), turn=turn, text=text),
-                    )
-            case m.WorkerReasoning(turn=turn, text=text):
-                if turn == session.current_turn:
-                    events.emit_live(
-                        session,
-                        m.ReasoningDelta(session=session.id, seq=events.next_seq(session), turn=turn, text=text),
-                    )
-            case m.Done():
-                self._ledger.commit(session, worker, msg)
-            case m.Failed():
-                self._ledger.fail(session, msg)
-            case m.WorkerSpans():
-                self._ledger.worker_spans(session, msg)
             case m.Ready(sandbox=report):
                 worker.sandbox = report
                 worker.uses_steps = msg.uses_steps
@@ -286,28 +242,8 @@ class WorkerOwner:
                 answer = session.pings.pop(nonce, None)
                 if answer is not None:
                     answer(None)
-            case m.WorkerNotice(turn=turn, kind=kind, data=data):
-                self.metrics.notice(kind, data)
-                events.emit(
-                    session,
-                    m.Notice(session=session.id, seq=events.next_seq(session), turn=turn, kind=kind, data=data),
-                )
-            case m.WorkerLimit(kind=kind, value=value, limit=limit, ceiling=ceiling, unit=unit):
-                if kind == LimitKind.BUDGET and ceiling.rpartition(".")[2] in BudgetSettings.__struct_fields__:
-                    self.metrics.budget_reached(ceiling)
-                events.emit(
-                    session,
-                    m.LimitExceeded(session=session.id, seq=events.next_seq(session), kind=kind,
-                                    value=value, limit=limit, ceiling=ceiling, unit=unit),
-                )
-            case m.Spent():
-                self._ledger.spent(session, msg)
-            case m.AskPermission():
-                self._ledger.asked(session, msg)
-            case m.SpawnAgent():
-                self._on_spawn_agent(session, worker, msg)
-            case m.StepBegun() | m.StepDone():
-                self._ledger.step(session, worker, msg)
+            case _:
+                self._messages.dispatch(session, worker, msg)
 
     # ---------------------------------------------------------------- kills and exits
 
@@ -359,7 +295,7 @@ class WorkerOwner:
             self.spawner.kill_tree(pid, session.memory.escapees())
             self.containment.release(session, pid)
         self._proc_table.forget(pid)
-        reason = _classify(worker, code)
+        reason = classify(worker, code)
         if detail.startswith(NODE_LOST_PREFIX) and not worker.expected:
             # Lost with its node, whatever was tried first (a heartbeat kill
             # that could not land): the node is why, for the client and the model.
@@ -384,7 +320,7 @@ class WorkerOwner:
             self._ledger.abort(session, f"the session was {worker.expected}")
             return
         tagged(log, session.id).warning("worker %d %s", pid, describe_exit(info))
-        if not self._ledger.suspend(session, worker, info, describe_exit(info)):  # (resumed after the restart)
+        if not self._resumable.suspend(session, worker, info, describe_exit(info)):  # (resumed after the restart)
             self._ledger.abort(session, describe_exit(info))
         if session.state is State.STARTING and not worker.booted:
             return  # start()'s caller decides (create fails, revive retries)
@@ -444,25 +380,6 @@ class WorkerOwner:
         if session.last_exit is not None:
             session.last_exit = msgspec.structs.replace(session.last_exit, reason=exit_reason.value, detail=detail)
 
-    @property
-    def measured(self) -> bool:
-        """Whether the daemon can read its workers' figures: not where their
-        /proc entries are hidden from it and no cgroup counts them."""
-        return self.sandbox is None or not self.sandbox.unmeasured
-
-    def sandbox_report(self, worker: WorkerProc) -> dict[str, Any]:
-        """The worker's own report, plus the cgroup the daemon put it in."""
-        if self.cgroups is None:
-            return worker.sandbox
-        active = [*worker.sandbox.get("active", []),
-                  *(f"cgroup-{c}" for c in sorted(self.cgroups.controllers)), "cgroup-kill"]
-        return {**worker.sandbox, "active": active}
-
-    def host_report(self, settings: SandboxSettings) -> dict[str, Any]:
-        """The daemon-wide part of `stats` that is the workers' confinement."""
-        cgroups = self.cgroups.describe() if self.cgroups is not None else ""
-        return sandbox.summary(settings, self.sandbox, cgroups, self.cgroups_why)
-
     def heard_from(self, worker: WorkerProc, at: float) -> None:
         """Its heartbeat allowance counts from `at`."""
         worker.last_heartbeat = max(worker.last_heartbeat, at)
@@ -519,7 +436,7 @@ class WorkerOwner:
             self._events.emit_limit(session, LimitKind.RESTARTS, decision.attempts_in_window,
                                     ws.max_restart_attempts)
             self._events.write_mark(session, durable=False)
-            self._ledger.drop_suspended(session, "the session failed: too many restarts")
+            self._resumable.drop_suspended(session, "the session failed: too many restarts")
             self._ledger.save_soon(session, "the failed state")  # off the loop: the store may be away
             return
         self._events.set_state(session, Trigger.BACKOFF, reason=f"restart in {decision.delay_secs:.3f}s")
@@ -534,7 +451,7 @@ class WorkerOwner:
         if session.restart_handle is not None:
             session.restart_handle.cancel()
             session.restart_handle = None
-        self._ledger.drop_suspended(session, "its session was stopped before the turn could resume")
+        self._resumable.drop_suspended(session, "its session was stopped before the turn could resume")
 
     async def _auto_restart(self, session: Session) -> None:
         session.restart_handle = None
@@ -548,7 +465,7 @@ class WorkerOwner:
                     session, Trigger.HIBERNATE,
                     reason="no room to restart (max_concurrent_sessions); the next input revives it",
                 )
-                self._ledger.drop_suspended(session, "no room to restart it (max_concurrent_sessions)")
+                self._resumable.drop_suspended(session, "no room to restart it (max_concurrent_sessions)")
                 return
             session.restarts += 1
             self.metrics.restart()
@@ -564,16 +481,15 @@ class WorkerOwner:
                     self._events.set_state(session, Trigger.EXIT, reason="boot_failed")
                     self.schedule_restart(session)
                 return
-            self._ledger.resume(session)  # the turn its worker died in, if it was held open
+            self._resumable.resume(session)  # the turn its worker died in, if it was held open
 
     async def _held_elsewhere(self, session: Session) -> bool:
         """Whether another daemon took the session over since it was loaded
         (daemons sharing a database): then it is not restarted here, where a
         second worker would run on the other daemon's records, but handed
         to the ledger's `on_fenced` (supervisor.core.fencing stops it).  Checked
-        by making the restart's mark durable: the commit is fenced.  A
-        store that cannot write for another reason does not stop the
-        restart (the mark was never a promise to anyone)."""
+        by making the restart's mark durable: the commit is fenced.  A store
+        that cannot write for another reason does not stop the restart."""
         try:
             await session.store.sync_soon()
         except Fenced as exc:
@@ -582,34 +498,3 @@ class WorkerOwner:
         except StoreError as exc:
             tagged(log, session.id).warning("restart mark not saved: %s", exc)
         return False
-
-
-async def _no_room_needed(session: Session) -> None:
-    return None  # (nor a claim: alone on its store)
-
-
-def _classify(worker: WorkerProc, code: int | None) -> ExitReason:
-    if worker.expected:
-        return worker.stop_reason or ExitReason.STOPPED
-    if worker.kill_reason is not None:
-        return worker.kill_reason
-    if not worker.booted:  # (a worker that said Ready and then exits, 3 or not, crashed)
-        return ExitReason.BOOT_FAILED
-    if code == 0:
-        return ExitReason.EXITED
-    return ExitReason.CRASHED
-
-
-def describe_exit(info: m.ExitInfo | None) -> str:
-    """e.g. "killed_memory: memory cap 64 MiB exceeded at 131 MiB (signal SIGKILL)"."""
-    if info is None:
-        return "no exit recorded"
-    how = f"signal {_signame(info.signal)}" if info.signal else f"exit code {info.code}"
-    return f"{info.reason}: {info.detail} ({how})" if info.detail else f"{info.reason} ({how})"
-
-
-def _signame(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return str(sig)

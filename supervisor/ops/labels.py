@@ -18,7 +18,7 @@ __all__ = ["FAILURE_KINDS", "PROVIDER_STATUSES", "TOOL_KINDS", "TOOL_OUTCOMES", 
            "provider_status", "tool_kind", "tool_outcome"]
 
 # Why a turn failed.  A worker's death reads
-# "killed_memory: ... (signal SIGKILL)" (supervisor.core.workers.describe_exit):
+# "killed_memory: ... (signal SIGKILL)" (supervisor.core.exits.describe_exit):
 # its ExitReason.  Otherwise the first rule whose words are in the reason
 # wins; the texts come from supervisor.core.ledger, .workers and the agent loop.
 _FAILURE_WORDS = (

@@ -3,7 +3,9 @@
 `Spawner`: start a worker for a session and hand back its pid and a framed
 connection's socket, signal it, kill its whole tree, say whether anything of
 the tree is left, report exits (code or signal, decoded once) through
-`on_exit`, and say where a worker runs (`placement`).  The zygote
+`on_exit`, and say where a worker runs (`placement`); a worker ordered
+ahead and not used is killed when it comes (`drop_pending`), and a spawner
+whose workers die with their machine says so (`LosesWorkers`).  The zygote
 (`supervisor.spawn.spawner.ZygoteSpawner`) is the first implementation, Ray node
 hosts (`supervisor.cluster.ray_spawner`) the second; `tests/test_spawner_contract.py`
 is the suite every implementation must pass.  The state store's seam is
@@ -16,15 +18,18 @@ import asyncio
 import signal
 import socket
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 # Re-exported with the protocol whose callers catch it (core/, cluster/).
 from supervisor.errors import SpawnerDied
 from supervisor.spawn.pidfd import PidFd
 
-__all__ = ["Spawner", "SpawnerDied"]
+__all__ = ["LosesWorkers", "Pending", "Spawner", "SpawnerDied", "drop_pending"]
 
 _SIGKILL = signal.SIGKILL  # (the protocol has a method named `signal`)
+
+# A worker ordered ahead (`Spawner.request`): its pid and its socket's end, once forked.
+Pending = asyncio.Future[tuple[int, socket.socket]]
 
 
 class Spawner(Protocol):
@@ -63,3 +68,25 @@ class Spawner(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class LosesWorkers(Protocol):
+    """A spawner whose workers can be lost with their machine (RaySpawner)."""
+
+    on_worker_lost: Callable[[int, str], None]
+
+
+def drop_pending(spawner: Spawner, pending: Pending | None) -> None:
+    """A worker was ordered but will not be used: kill it when it comes
+    (runs in the daemon's loop)."""
+    if pending is None:
+        return
+
+    def discard(fut: Pending) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            pid, sock = fut.result()
+            sock.close()
+            spawner.signal(pid, signal.SIGKILL)
+
+    pending.add_done_callback(discard)
