@@ -11,6 +11,7 @@ core's parts less still)."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -427,6 +428,11 @@ _WORKER_NAMES = {"worker", "w", "proc"}
 # Writes shared on purpose, and why.
 FIELDS_SHARED: dict[tuple[str, str], str] = {
     ("memory", "supervisor.core.workers"): "each new worker starts with fresh figures, which the Sweeper fills",
+    ("children", "supervisor.core.intake"): "Intake keeps the registry and parents' lists on the manager's behalf",
+    # A waiter registers its own future; only the owner resolves and drops them.
+    ("state_waiters", "supervisor.cluster.drain"): "a drain waits for a state change; EventLog wakes it",
+    ("pings", "supervisor.core.manager"): "a session ping's answer, sent by the manager; WorkerOwner answers it",
+    ("turn_results", "supervisor.core.subagents"): "a parent waits on its child's turn; the ledger ends it",
 }
 
 
@@ -462,15 +468,56 @@ def _owners() -> tuple[dict[str, set[str]], set[str]]:
     return owners, _dataclass_fields(tree, "WorkerProc")
 
 
+# Methods that change the container they are called on: `session.x.append(...)`
+# writes `x` as surely as `session.x = ...` does.
+_MUTATORS = {"append", "appendleft", "extend", "insert", "pop", "popleft", "popitem", "remove", "clear",
+             "add", "discard", "update", "setdefault", "sort", "reverse", "difference_update",
+             "intersection_update", "symmetric_difference_update"}
+
+
+_CONTAINERS = ("list[", "dict[", "set[", "deque[", "collections.deque[", "OrderedDict[")
+
+
+@functools.cache
+def _container_fields() -> frozenset[str]:
+    """Fields of Session and WorkerProc that hold a container (a method
+    call on another field, `session.store.append(...)`, uses it: no write)."""
+    tree = ast.parse((REPO / "supervisor" / "core" / "session.py").read_text())
+    out = set()
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in ("Session", "WorkerProc")):
+        for n in cls.body:
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) \
+                    and ast.unparse(n.annotation).startswith(_CONTAINERS):
+                out.add(n.target.id)
+    return frozenset(out)
+
+
+def _written(node: ast.AST) -> list[ast.Attribute]:
+    """The attributes `node` writes: assigned (`a.x = `, `a.x += `), through a
+    subscript (`a.x[k] = `, `del a.x[k]`), or by a mutating method (`a.x.pop()`)."""
+    if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+        flat = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
+        out = []
+        for t in flat:
+            while isinstance(t, ast.Subscript):
+                t = t.value
+            if isinstance(t, ast.Attribute):
+                out.append(t)
+        return out
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS:
+        target = node.func.value
+        while isinstance(target, ast.Subscript):
+            target = target.value
+        if isinstance(target, ast.Attribute) and target.attr in _container_fields():
+            return [target]
+    return []
+
+
 def _field_writes(name: str, source: str, owners: dict[str, set[str]], worker_fields: set[str]) -> list[str]:
     wrong: list[str] = []
     for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-            continue
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        for t in (e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])):
-            if not isinstance(t, ast.Attribute):
-                continue
+        for t in _written(node):
             base = t.value
             of = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
             if of in _SESSION_NAMES and t.attr in owners and name not in owners[t.attr] \
@@ -502,6 +549,11 @@ def test_the_ownership_checker_sees_a_stray_write() -> None:
     assert len(_field_writes("supervisor.core.fencing", src, owners, worker_fields)) == 3
     assert _field_writes("supervisor.core.events", "def f(session):\n    session.seq += 1\n",
                          owners, worker_fields) == []
+    # Through a subscript or a mutating method, not only an assignment;
+    # a method of a field that holds no container (the store) writes nothing.
+    src = ("def f(session):\n    session.pings[1] = 2\n    del session.pings[1]\n"
+           "    session.pending_asks.pop('r')\n    session.store.append(b'')\n")
+    assert len(_field_writes("supervisor.core.fencing", src, owners, worker_fields)) == 3
 
 
 # ---------------------------------------------------------------- the core's I/O
