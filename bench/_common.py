@@ -28,12 +28,13 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -365,11 +366,34 @@ def arg_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def add_history_args(p: argparse.ArgumentParser) -> None:
-    """--history / --short / --msg-bytes: sessions with a long and a short past."""
+def history_bench(name: str, doc: str, n: tuple[int, str], warmup: int) -> tuple[argparse.Namespace, Report]:
+    """The arguments of a bench over sessions with a long and a short past
+    (--n, --warmup, --history, --short, --msg-bytes) and its report."""
+    p = arg_parser(doc.split("\n")[0])
+    p.add_argument("--n", type=int, default=n[0], help=f"{n[1]} (default {n[0]})")
+    p.add_argument("--warmup", type=int, default=warmup, help=f"untimed rounds first (default {warmup})")
     p.add_argument("--history", type=int, default=10_000, help="long history, turns (default 10000)")
     p.add_argument("--short", type=int, default=10, help="short history, turns (default 10)")
     p.add_argument("--msg-bytes", type=int, default=100, help="size of each input (default 100)")
+    args = p.parse_args()
+    return args, Report(name, args.json)
+
+
+def history_goals(rep: Report, args: argparse.Namespace, handlers: Sequence[str],
+                  median_us: Callable[[str], float], within: float, title: str) -> None:
+    """Per handler, a goal: the median with a long past within `within`x of
+    the median with a short one.  `median_us(case)` (case: HANDLER_TURNS);
+    `title` is formatted with history and short."""
+    for h in handlers:
+        short, long = median_us(f"{h}_{args.short}"), median_us(f"{h}_{args.history}")
+        ratio = long / short
+        rep.goal(f"{h}: " + title.format(history=args.history, short=args.short), ratio, within,
+                 f"{ratio:.2f}x ({fmt_us(long)} vs {fmt_us(short)})")
+
+
+def history_cases(handlers: Sequence[str], args: argparse.Namespace) -> list[tuple[str, int]]:
+    """Each handler with a short and a long past."""
+    return [(h, turns) for h in handlers for turns in (args.short, args.history)]
 
 
 def message(i: int, size: int) -> str:
@@ -381,6 +405,46 @@ async def build_history(client: Any, sid: str, turns: int, size: int) -> None:
     """Give session `sid` a past of `turns` real turns (client: an AsyncClient)."""
     for i in range(turns):
         await client.send_text(sid, message(i, size))
+
+
+@contextlib.asynccontextmanager
+async def clients_of(daemons: Sequence[Any]) -> AsyncIterator[list[Any]]:
+    """Each of `daemons` started (its `start()` gives its client); after the
+    block, the clients closed and every daemon cleaned up (`d.d.cleanup()`)."""
+    try:
+        clients = [await d.start() for d in daemons]
+        yield clients
+        for client in clients:
+            await client.close()
+    finally:
+        for d in daemons:
+            d.d.cleanup()
+
+
+async def time_lists(client: Any, rounds: int) -> list[float]:
+    """Seconds each of `rounds` listings took (client: an AsyncClient)."""
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        await client.list()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def recv_frame(s: socket.socket) -> bytes:
+    """One length-prefixed frame's body from a blocking socket."""
+    (length,) = struct.unpack(">I", _recv_exact(s, 4))
+    return _recv_exact(s, length)
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("closed by the daemon")
+        buf += chunk
+    return bytes(buf)
 
 
 async def create_echo_sessions(client: Any, n: int, in_flight: int = 16) -> tuple[float, list[str]]:

@@ -45,19 +45,8 @@ HELLO = encode_frame(m.Hello(protocol=m.PROTOCOL_VERSION, client="bench-hostile"
 # ---------------------------------------------------------------- a raw client
 
 
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed by the daemon")
-        buf += chunk
-    return bytes(buf)
-
-
 def read_frame(s: socket.socket) -> Any:
-    (length,) = struct.unpack(">I", _recv_exact(s, 4))
-    return _reply.decode(_recv_exact(s, length))
+    return _reply.decode(c.recv_frame(s))
 
 
 _refused = {"count": 0}

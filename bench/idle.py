@@ -93,11 +93,7 @@ async def _listed(d: c.BenchDaemon, n: int) -> list[float]:
     """The same `ls` through the Python client in this (warm) process:
     the daemon's part plus decoding the reply, no process start."""
     client = await AsyncClient.connect(str(d.socket), client_name="bench-idle")
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        await client.list()
-        out.append(time.perf_counter() - t0)
+    out = await c.time_lists(client, n)
     await client.close()
     return out
 

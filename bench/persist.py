@@ -56,14 +56,8 @@ def fsync_sample(fd: int, record: bytes) -> int:
 
 
 def main() -> int:
-    p = c.arg_parser(__doc__.split("\n")[0])
-    p.add_argument("--n", type=int, default=500, help="timed turns per session (default 500)")
-    p.add_argument("--warmup", type=int, default=20, help="untimed rounds first (default 20)")
-    c.add_history_args(p)
-    args = p.parse_args()
-    rep = c.Report("persist", args.json)
-
-    cases = [(h, n) for h in HANDLERS for n in (args.short, args.history)]
+    args, rep = c.history_bench("persist", __doc__, n=(500, "timed turns per session"), warmup=20)
+    cases = c.history_cases(HANDLERS, args)
     daemon = c.BenchDaemon(CONFIG, tag="sdb-per").start()
     samples: dict[tuple[str, int], list[int]] = {k: [] for k in cases}
     floor: list[int] = []
@@ -124,12 +118,8 @@ def main() -> int:
         long = figs[f"{h}_{args.history}"]
         rep.say(f"  {h}: mean {long['mean_us'] / short['mean_us']:.2f}x, p99 "
                 f"{long['p99_us'] / short['p99_us']:.2f}x (long vs short; the snapshot turns)")
-    for h in HANDLERS:
-        short = figs[f"{h}_{args.short}"]["median_us"]
-        long = figs[f"{h}_{args.history}"]["median_us"]
-        ratio = long / short
-        rep.goal(f"{h}: turn with {args.history:,} prior turns within 2x of {args.short}", ratio, 2.0,
-                 f"{ratio:.2f}x ({c.fmt_us(long)} vs {c.fmt_us(short)})")
+    c.history_goals(rep, args, HANDLERS, lambda case: figs[case]["median_us"], 2.0,
+                    "turn with {history:,} prior turns within 2x of {short}")
     return rep.finish()
 
 

@@ -117,17 +117,11 @@ class _Daemon:
 
 async def _run(pg: PgServer, ns: list[int], secs: float) -> list[_Daemon]:
     daemons = [_Daemon(name, pg) for name in MODES]
-    try:
-        clients = [await d.start() for d in daemons]
+    async with c.clients_of(daemons) as clients:
         for n in ns:
             for d, client in zip(daemons, clients):
                 await d.grow(client, n)
                 await d.level(client, pg, n, secs)
-        for client in clients:
-            await client.close()
-    finally:
-        for d in daemons:
-            d.d.cleanup()
     return daemons
 
 

@@ -143,17 +143,11 @@ async def _run(pg: PgServer, base: Path, rounds: int, secs: float, clients: int,
     daemons = [_Daemon("base", pg, {"PYTHONPATH": str(base)}), _Daemon("new", pg, {})]
     if file:
         daemons.append(_Daemon("new, file store", pg, {}, postgres=False))
-    try:
-        pingers = [await d.start() for d in daemons]
+    async with c.clients_of(daemons) as pingers:
         for r in range(rounds):
             order = list(zip(daemons, pingers))
             for d, client in order if r % 2 == 0 else reversed(order):
                 await d.round(client, secs, clients)
-        for client in pingers:
-            await client.close()
-    finally:
-        for d in daemons:
-            d.d.cleanup()
     return daemons
 
 

@@ -94,14 +94,8 @@ def disk_size(state_dir: Path, sid: str) -> tuple[int, int]:
 
 
 def main() -> int:
-    p = c.arg_parser(__doc__.split("\n")[0])
-    p.add_argument("--n", type=int, default=50, help="timed restarts per case (default 50)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
-    c.add_history_args(p)
-    args = p.parse_args()
-    rep = c.Report("restart", args.json)
-
-    cases = [(h, n) for h in HANDLERS for n in (args.short, args.history)]
+    args, rep = c.history_bench("restart", __doc__, n=(50, "timed restarts per case"), warmup=3)
+    cases = c.history_cases(HANDLERS, args)
     daemon = c.BenchDaemon(CONFIG, tag="sdb-rst").start()
     samples: dict[tuple[str, int], list[dict[str, int]]] = {k: [] for k in cases}
     sids: dict[tuple[str, int], str] = {}
@@ -182,12 +176,8 @@ def main() -> int:
 
     worst = max(figs[f"{k[0]}_{k[1]}"]["idle"]["median_us"] for k in cases)
     rep.goal("SIGKILL -> idle median <= 20 ms (worst case)", worst, 20_000, c.fmt_us(worst))
-    for h in HANDLERS:
-        short = figs[f"{h}_{args.short}"]["idle"]["median_us"]
-        long = figs[f"{h}_{args.history}"]["idle"]["median_us"]
-        ratio = long / short
-        rep.goal(f"{h}: {args.history:,} turns within 3x of {args.short}", ratio, 3.0,
-                 f"{ratio:.2f}x ({c.fmt_us(long)} vs {c.fmt_us(short)})")
+    c.history_goals(rep, args, HANDLERS, lambda case: figs[case]["idle"]["median_us"], 3.0,
+                    "{history:,} turns within 3x of {short}")
     return rep.finish()
 
 

@@ -111,11 +111,7 @@ def _as_user(d: c.BenchDaemon, n: int, rounds: int) -> list[float]:
             async def run() -> list[float]:
                 client = await AsyncClient.connect(str(d.socket), client_name="bench-scale-user")
                 await c.create_echo_sessions(client, n, IN_FLIGHT)
-                out = []
-                for _ in range(rounds):
-                    t0 = time.perf_counter()
-                    await client.list()
-                    out.append(time.perf_counter() - t0)
+                out = await c.time_lists(client, rounds)
                 await client.close()
                 return out
 

@@ -23,7 +23,6 @@ import _path  # noqa: F401  (first: the checkout on sys.path, not bench/)
 
 import os
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -53,21 +52,10 @@ cgroups = "off"
 """
 
 
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed by the daemon")
-        buf += chunk
-    return bytes(buf)
-
-
 def _request(s: socket.socket, msg: Any) -> Any:
     s.sendall(encode_frame(msg))
     while True:
-        (length,) = struct.unpack(">I", _recv_exact(s, 4))
-        reply = _reply.decode(_recv_exact(s, length))
+        reply = _reply.decode(c.recv_frame(s))
         if getattr(reply, "id", None) == getattr(msg, "id", None):
             return reply
 
