@@ -7,10 +7,8 @@ checking, encoding and the replay of what an import wrote run in a thread
 (`asyncio.to_thread`), and the store's reads too where the store is files
 (`SessionStore.read_history` opens and reads files by path, touching no
 state the loop changes); other stores are read on the loop, as before.
-An import's writes stay on the loop, in the order `create` writes them
-(the metadata, durable, then the snapshot and the records, then one
-`sync_soon` for them all), yielding to other work every `_SLICE` records
-or `_SLICE_BYTES` of them, whichever comes first.
+An import is admitted by the core (supervisor.core.imports), as `create`
+is: its writes stay on the loop, yielding to other work between slices.
 Documents are bounded: `[daemon] max_document_bytes` for an import's
 input and an export's output, and one frame must carry either.
 
@@ -41,21 +39,17 @@ from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
-from ipc import messages as m
 from ipc import operator as op
 from supervisor.api import story
 from ipc.framing import FrameEncoder
 from ipc.budget import SPEND_KEYS, total
 from supervisor.errors import BadRequest, Conflict, LimitError
-from supervisor.core.ledger import store_failure
-from supervisor.logtag import tagged
-from supervisor.core.overrides import OverrideError, resolve_overrides
-from supervisor.core.session import Session, valid_session_id
+from supervisor.core.imports import Imported
+from supervisor.core.session import Session
 from supervisor.store.state_store import (
     Abort,
     Commit,
     InputRecord,
-    LoadedSession,
     Record,
     Resume,
     Snapshot,
@@ -64,7 +58,6 @@ from supervisor.store.state_store import (
 )
 from supervisor.store.files import SessionStore
 
-from supervisor.core.overrides import check_handler
 from supervisor.api.document import (
     FORMAT, ExportDocument, ExportedAbort, ExportedCommit, ExportedInput, ExportedRecord, ExportedSnapshot,
     Pause, check_msgpack, decode_document, encode_document, free,
@@ -80,8 +73,6 @@ __all__ = ["Encoded", "ExportDocument", "ExportedAbort", "ExportedCommit", "Expo
            "ExportedSnapshot", "decode_document", "encoded", "export_document", "history", "import_session",
            "spent_figures", "turn_records"]
 
-_SLICE = 128  # records an import appends between two yields to the loop
-_SLICE_BYTES = 256 * 1024  # ... or this much of their text, written on the loop
 
 _msgpack = msgspec.msgpack.Decoder()
 _encoder = msgspec.msgpack.Encoder()
@@ -357,10 +348,9 @@ def _decode_and_check(data: bytes) -> tuple[ExportDocument, list[Record], int, d
 
 
 async def import_session(mgr: SessionManager, owner_uid: int, data: bytes, session_id: str | None) -> Session:
-    """A new session from an export, owned by `owner_uid`: checked as
-    `create` checks a client's request, then written to the store and
-    restored as any stored session is (hibernated: the next input starts
-    its worker from the imported state)."""
+    """A new session from an export, owned by `owner_uid`: the document
+    decoded and checked here (off the loop), then admitted by the core as
+    `create` admits a client's request (supervisor.core.imports)."""
     limit = mgr.config.daemon.max_document_bytes
     if len(data) > limit:
         raise LimitError(f"the document is {len(data)} bytes, more than {limit} "
@@ -368,73 +358,9 @@ async def import_session(mgr: SessionManager, owner_uid: int, data: bytes, sessi
     if mgr.closing:
         raise Conflict("the daemon is shutting down")
     doc, records, turns, figures = await asyncio.to_thread(_decode_and_check, data)
-    session_id = doc.id if session_id is None else session_id
-    if not valid_session_id(session_id):
-        raise BadRequest(f"invalid session id {session_id!r}: 1-64 characters of A-Z a-z 0-9 . _ -, "
-                         "starting with a letter or digit (`sessionctl import --id` renames it)")
-    _check_free(mgr, session_id, owner_uid)
-    try:
-        settings = resolve_overrides(mgr.config.session_settings(), doc.overrides).settings
-    except OverrideError as exc:
-        raise BadRequest(f"the export's overrides: {exc}") from None
-    check_handler(doc.handler, settings)
-    if doc.handler == "agent" and (missing := settings.provider.missing_text()) is not None:
-        raise BadRequest(f"the agent handler needs an LLM provider: {missing}")
-    meta = mgr.new_meta(session_id, doc.handler, dict(doc.overrides), owner_uid, min(doc.created_at, time.time()))
-    try:
-        # The id is taken from here on: a create or import of it meets the
-        # store's FileExistsError (or IdTaken) until this one is done.
-        store = mgr.store.create(meta, durable=True)
-    except FileExistsError:
-        raise Conflict(f"session {session_id!r} already exists") from None
-    except StoreError as exc:
-        raise store_failure("", exc) from None
-    try:
-        await mgr.budgets.imported(session_id, owner_uid, figures)
-        snap = None
-        if doc.snapshot is not None:
-            snap = Snapshot(gen=0, meta=meta, turns=doc.snapshot.turns, seq=0,
-                            handler_state=doc.snapshot.handler_state, usage=dict(doc.snapshot.usage))
-            store.write_snapshot(snap)
-        count = size = 0
-        for rec in records:
-            store.append(rec, durable=False)
-            count, size = count + 1, size + _size(rec)
-            if count >= _SLICE or size >= _SLICE_BYTES:
-                count = size = 0
-                await asyncio.sleep(0)  # other clients' requests, between slices
-        await store.sync_soon()
-        loaded = await asyncio.to_thread(
-            LoadedSession.replay, session_id, snap, records if snap is not None else [meta, *records])
-        await asyncio.to_thread(free, records)
-        _check_free(mgr, session_id, owner_uid)  # (what changed while we wrote)
-    except BaseException as exc:
-        store.close()
-        mgr.store.remove(session_id)
-        mgr.budgets.forget(session_id)
-        if isinstance(exc, StoreError):
-            raise store_failure(f"session {session_id!r} could not be saved: ", exc) from None
-        raise
-    mgr.restore(store, loaded)
-    session = mgr.sessions[session_id]
-    tagged(log, session_id).info("imported (%d turns, handler %s)", turns, doc.handler)
-    return session
-
-
-def _size(rec: Record) -> int:
-    match rec:
-        case InputRecord(text=text):
-            return len(text)
-        case Commit(reply=reply, record=record):
-            return len(reply) + len(record)
-        case Abort(reason=reason, record=record):
-            return len(reason) + len(record)
-    return 0
-
-
-def _check_free(mgr: SessionManager, session_id: str, owner_uid: int) -> None:
-    if mgr.closing:
-        raise Conflict("the daemon is shutting down")
-    if session_id in mgr.sessions:
-        raise Conflict(f"session {session_id!r} already exists (`sessionctl import --id NEW` renames it)")
-    mgr.check_quota(owner_uid)
+    snapshot = None
+    if doc.snapshot is not None:
+        snapshot = (doc.snapshot.turns, doc.snapshot.handler_state, dict(doc.snapshot.usage))
+    imported = Imported(id=doc.id, handler=doc.handler, overrides=dict(doc.overrides), created_at=doc.created_at,
+                        snapshot=snapshot, records=records, turns=turns, spent=figures)
+    return await mgr.import_session(owner_uid, session_id, imported, free)

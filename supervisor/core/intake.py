@@ -7,8 +7,8 @@ and its parent's list left.
 Runs in the daemon's loop.  The registry (`sessions`) and a parent's
 `children` are the manager's (supervisor.core.session's table); `Intake`
 keeps them on its behalf, as `SessionManager` builds it.  A client's
-request reaches it through the manager's `create`, `restore`, `load_all`,
-`check_quota` and `new_meta`.
+request reaches it through the manager's `create`, `import_session`
+(supervisor.core.imports) and `load_all`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from supervisor.errors import BadRequest, Capacity, Conflict, SessiondError
 from supervisor.core.admission import Admission
 from supervisor.core.budgets import Budgets
 from supervisor.core.events import EventLog
+from supervisor.core import imports
 from supervisor.core.ledger import TurnLedger, store_failure
 from supervisor.core.resumable import ResumableTurns
 from supervisor.logtag import tagged
@@ -114,6 +115,16 @@ class Intake:
         if self._sessions:
             log.info("restored %d session(s) from %s", len(self._sessions), self._sessions_dir)
         self._workspaces.remove_orphans(self._sessions.values())
+
+    @property
+    def sessions(self) -> dict[str, Session]:
+        return self._sessions
+
+    async def import_session(self, owner_uid: int, session_id: str | None, doc: imports.Imported,
+                             free: Callable[[list[Any]], None]) -> Session:
+        """A session from an export, admitted as `create` admits one."""
+        return await imports.admit(self, self._store, self._budgets, self._config(), self._closing,
+                                   owner_uid, session_id, doc, free)
 
     def restore(self, store: SessionLog, loaded: LoadedSession) -> None:
         """A stored session into the registry (at start, on import, adopted from another daemon)."""

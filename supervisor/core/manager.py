@@ -40,6 +40,7 @@ from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger, store_failure
 from supervisor.core.holding import Holding, Holds
 from supervisor.core.info import host_confinement, session_info
+from supervisor.core.imports import Imported
 from supervisor.core.intake import Intake
 from supervisor.host.proctable import ProcTable, RemoteFigures
 from supervisor.logtag import tagged
@@ -50,7 +51,7 @@ from supervisor.core.session import Session, Subscriber, damaged_hint
 from supervisor.core.slots import LiveSlots
 from supervisor.core.states import LIVE, State, Trigger
 from supervisor.store.state_store import (
-    LoadedSession, Meta, RepairMode, RepairResult, SessionLog, StateStore, StoreDamaged, StoreError,
+    LoadedSession, RepairMode, RepairResult, SessionLog, StateStore, StoreDamaged, StoreError,
 )
 from supervisor.store.files import FileStateStore
 from supervisor.core.subagents import Subagents
@@ -159,23 +160,20 @@ class SessionManager:
         """Restore every session on disk; live ones come back hibernated."""
         self.intake.load_all()
 
-    def restore(self, store: SessionLog, loaded: LoadedSession) -> None:
-        """A stored session into the registry (at start, on import, adopted from another daemon)."""
-        self.intake.restore(store, loaded)
-
-    def check_quota(self, uid: int) -> None:
-        self.intake.check_quota(uid)
-
     async def create(self, owner_uid: int, session_id: str | None, handler: str | None, overrides: dict[str, Any],
                      *, parent: Session | None = None) -> Session:
         """A new session, booted: checked, its worker ordered, registered
         and stored, then started; a failure leaves nothing behind."""
         return await self.intake.create(owner_uid, session_id, handler, overrides, parent=parent)
 
-    def new_meta(self, session_id: str, handler: str, overrides: dict[str, Any], owner_uid: int,
-                 created_at: float, parent: Session | None = None) -> Meta:
-        """A new session's metadata (created, or imported by supervisor.api.transfer)."""
-        return self.intake.new_meta(session_id, handler, overrides, owner_uid, created_at, parent)
+    def restore(self, store: SessionLog, loaded: LoadedSession) -> None:
+        """A stored session into the registry (at start, adopted from another daemon)."""
+        self.intake.restore(store, loaded)
+
+    async def import_session(self, owner_uid: int, session_id: str | None, doc: Imported,
+                             free: Callable[[list[Any]], None]) -> Session:
+        """A session from an export (supervisor.core.imports); `free` empties its records off the loop."""
+        return await self.intake.import_session(owner_uid, session_id, doc, free)
 
     # ================================================================ the registry
 
