@@ -154,6 +154,7 @@ def test_the_readme_has_the_commands_this_test_expects() -> None:
         assert exempt in lines, f"NOT_RUN names {exempt!r}, which no page prints any more"
 
 
+@pytest.mark.timeout(300)  # every documented command in turn: 12 s at rest, past a minute beside 8 busy loops
 def test_readme_commands_run_as_printed(tmp_path: Path, workdir: Path) -> None:
     for name in ("sessiond", "sessionctl"):
         assert (VENV / "bin" / name).exists(), f"{VENV}/bin/{name} is missing: run `make .venv/.installed`"
