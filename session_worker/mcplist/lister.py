@@ -37,6 +37,11 @@ from ipc.linux import set_dumpable, set_pdeathsig
 from ipc.mcp import MAX_SCHEMA_BYTES, MAX_TOOLS_PER_SERVER, ListedTool, McpListing, RefusedTool, bounded, listing_key
 from ipc.mcplist import McpListOrder, order_decoder
 from ipc.settings import McpServer, SessionSettings
+# Imported before the lister becomes the session uid (`_become`): the
+# checkout itself may be a directory only root can read, which no cover opens.
+from session_worker.agent._errors import McpServerError
+from session_worker.agent._mcp import Listed, adapt_all
+from session_worker.agent._mcpclient import McpConnection
 from session_worker.worker import _reach, sandbox
 
 __all__ = ["list_servers", "main"]
@@ -50,10 +55,6 @@ async def list_servers(settings: SessionSettings, workspace: Path) -> list[McpLi
 
 
 async def _list_one(server: McpServer, settings: SessionSettings, workspace: Path) -> McpListing:
-    from session_worker.agent._errors import McpServerError
-    from session_worker.agent._mcp import Listed, adapt_all
-    from session_worker.agent._mcpclient import McpConnection
-
     key = listing_key(server)
     timeout = settings.mcp.start_timeout_secs
     connection = McpConnection(server, workspace)
@@ -98,7 +99,9 @@ def _become(argv: list[str]) -> None:
             raise SystemExit("usage: python -m session_worker.mcplist [--as UID:GID]")
         return
     uid, _, gid = argv[1].partition(":")
-    _reach.open_to_sessions(_reach.closed_dirs(sys.path, os.getcwd()))
+    # Run with -P: no entry of sys.path is the working directory's by
+    # accident (a checkout run from its own directory is on it by its .pth).
+    _reach.open_to_sessions(_reach.closed_dirs(sys.path))
     os.setgroups([])
     os.setresgid(int(gid), int(gid), int(gid))
     os.setresuid(int(uid), int(uid), int(uid))

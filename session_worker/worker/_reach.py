@@ -72,6 +72,12 @@ def closed_dirs(paths: list[str], cwd: str = "") -> dict[str, set[str]]:
     return needs
 
 
+def closed_itself(path: str) -> bool:
+    """Whether others may not search `path` or a directory on the way to it."""
+    target = Path(path).resolve()
+    return any(not os.stat(here).st_mode & stat.S_IXOTH for here in [*target.parents, target])
+
+
 def hold(needs: dict[str, set[str]]) -> None:
     """In the zygote: what each worker covers at its boot (`cover_held`)."""
     _held.clear()

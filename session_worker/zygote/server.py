@@ -95,6 +95,8 @@ _ORDER_GIVE_UP_SECS = 1.5
 _SPARE_RETRY_MAX_SECS = 5.0
 # How much nicer than the zygote each worker runs (see the module's docstring).
 _session_nice = 0
+# What a worker imports only when first used (the MCP SDK's client).
+_LATE_IMPORTS = ("session_worker.agent._mcpclient",)
 # session_worker.worker.main.run_worker, bound by _preload: an import statement
 # run in every forked worker is Python work that copies pages.
 _run_worker: Callable[..., int]
@@ -111,6 +113,12 @@ def _prepare(sock: socket.socket, modules: list[str], expose: bool) -> None:
             needs = _reach.closed_dirs(sys.path, os.getcwd())
             _reach.check(needs)
             _reach.hold(needs)
+            if _reach.closed_itself(os.path.dirname(os.path.dirname(os.path.abspath(_reach.__file__)))):
+                # sessiond's own code in a directory closed to others (a
+                # checkout in a 0700 directory), which no cover opens: what
+                # a worker imports late from it is imported here, for all.
+                for name in _LATE_IMPORTS:
+                    importlib.import_module(name)
         for name in modules:
             try:
                 importlib.import_module(name)
