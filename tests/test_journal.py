@@ -5,6 +5,7 @@ and a daemon SIGKILLed in the middle of many sessions' batches."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import msgspec
@@ -190,10 +191,10 @@ def test_records_of_a_superseded_writer_survive_a_crash_after_the_reload(
     durable: dict[Path, int] = {}
     real = journal_mod._fsync_path
 
-    def recording(path: Path, directory: bool = False) -> None:
+    def recording(path: str | Path, directory: bool = False) -> None:
         real(path, directory)
         if not directory:
-            durable[path] = path.stat().st_size
+            durable[Path(path)] = os.stat(path).st_size
 
     monkeypatch.setattr(journal_mod, "_fsync_path", recording)
     store = FileStateStore(tmp_path)

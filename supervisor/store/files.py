@@ -144,12 +144,19 @@ def _take_fence(path: Path, sync: bool = True) -> tuple[int, int]:
 
 
 class SessionStore:
-    """One session's files, held by its one writer.  Runs in the daemon only."""
+    """One session's files, held by its one writer.  Runs in the daemon only.
+    Lean (slots; its directory a string, a Path made when used): the
+    daemon keeps one per session, hibernated ones included."""
+
+    __slots__ = ("_dir", "name", "_journal", "gen", "_snap_gen", "_base_gen", "_fd", "_size", "_synced",
+                 "_opened", "_log_path", "_snapshotting", "_rest", "_released", "_closed", "_fence_fd",
+                 "_generation")
 
     def __init__(self, path: Path, gen: int, snap_gen: int = 0, base_gen: int = 0,
                  fence: tuple[int, int] | None = None, journal: Journal | None = None,
                  new: bool = False) -> None:
-        self.path = path
+        self._dir = str(path)
+        self.name = path.name  # the session's id
         # With a journal (the daemon's), appends are made durable by the
         # journal's group commit; without one (tools, tests of one session),
         # by this log's own fdatasync.
@@ -159,7 +166,7 @@ class SessionStore:
         self._base_gen = base_gen  # oldest log kept (the fallback's)
         self._fd = -1
         self._size = self._synced = self._opened = 0
-        self._log_path = path / f"log.{gen}"
+        self._log_path = f"{self._dir}/log.{gen}"
         self._snapshotting = False
         # At rest (at_rest()): its files are closed (released) once all is
         # durable, and opened again by the next write; closed: for good.
@@ -177,6 +184,10 @@ class SessionStore:
     def generation(self) -> int:
         return self._generation
 
+    @property
+    def path(self) -> Path:
+        return Path(self._dir)
+
     # ---------------------------------------------------------------- fencing
 
     def _check_fence(self, writing: bool = True) -> None:
@@ -184,22 +195,22 @@ class SessionStore:
         default) a session at rest has its files opened again; otherwise
         its fence is read without keeping it."""
         if self._closed:
-            raise StoreError(f"session {self.path.name}: this writer was closed")
+            raise StoreError(f"session {self.name}: this writer was closed")
         if self._released and writing:
             self._reopen()
         # One pread of 8 bytes from a kept-open file: about a microsecond
         # (bench in tests/test_store_contract.py), against an fsync's ms.
         if self._released:
             try:
-                with open(self.path / "fence", "rb") as f:
+                with open(f"{self._dir}/fence", "rb") as f:
                     raw = f.read(_FENCE.size)
             except OSError as exc:
-                raise _write_error(f"{self.path.name}/fence", exc) from exc
+                raise _write_error(f"{self.name}/fence", exc) from exc
         else:
             raw = os.pread(self._fence_fd, _FENCE.size, 0)
         current = _FENCE.unpack(raw)[0] if len(raw) == _FENCE.size else 0
         if current != self._generation:
-            raise Fenced(self.path.name, self._generation, current)
+            raise Fenced(self.name, self._generation, current)
 
     # ---------------------------------------------------------------- create / load
 
@@ -342,13 +353,14 @@ class SessionStore:
     # ---------------------------------------------------------------- writing
 
     def _open_log(self) -> None:
-        # Kept: the journal notes it on every append (a Path built per
-        # append cost ~15 µs in the profile).
-        log_path = self._log_path = self.path / f"log.{self.gen}"
+        # Kept (made when the gen changes): the journal notes it on every
+        # append (a Path built per append cost ~15 µs in the profile; a
+        # string costs less to keep, and one string serves every reopening).
+        log_path = self._log_path
         try:
             self._fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            raise _write_error(f"{self.path.name}/log.{self.gen}", exc) from exc
+            raise _write_error(f"{self.name}/log.{self.gen}", exc) from exc
         self._size = self._synced = self._opened = os.fstat(self._fd).st_size
 
     def append(self, record: Record, durable: bool) -> None:
@@ -358,7 +370,7 @@ class SessionStore:
         try:
             _write_all(self._fd, frame)
             if self._journal is not None:
-                self._journal.write(self, self.path.name, self.gen, offset, self._generation, frame,
+                self._journal.write(self, self.name, self.gen, offset, self._generation, frame,
                                     self._log_path)
             elif durable:
                 _fdatasync(self._fd)
@@ -369,7 +381,7 @@ class SessionStore:
             self._maybe_release()
             if isinstance(exc, StoreError):
                 raise
-            raise _full_error(f"{self.path.name}/log.{self.gen}", exc, self._journal) from exc
+            raise _full_error(f"{self.name}/log.{self.gen}", exc, self._journal) from exc
         self._size = offset + len(frame)
         if durable:
             if self._journal is not None:
@@ -391,7 +403,7 @@ class SessionStore:
             self.discard_unsynced()
             if isinstance(exc, Fenced):
                 raise
-            raise _write_error(f"{self.path.name}/log.{self.gen}", exc) from exc
+            raise _write_error(f"{self.name}/log.{self.gen}", exc) from exc
         self._synced = self._size
         self._maybe_release()
 
@@ -456,7 +468,7 @@ class SessionStore:
         # The next log's directory entry is not durable yet: the journal
         # notes its creation, so replay can make it again.
         os.close(os.open(path / f"log.{snap.gen}", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
-        self._journal.log_created(path.name, snap.gen, self._generation, path / f"log.{snap.gen}")
+        self._journal.log_created(self.name, snap.gen, self._generation, f"{self._dir}/log.{snap.gen}")
         self._next_log()
         self._snapshotting = True
         self._journal.in_background(lambda: _snapshot_files(path, data, snap.gen),
@@ -470,6 +482,7 @@ class SessionStore:
     def _next_log(self) -> None:
         old_fd = self._fd
         self.gen += 1
+        self._log_path = f"{self._dir}/log.{self.gen}"
         self._open_log()
         os.close(old_fd)
 
@@ -477,8 +490,8 @@ class SessionStore:
         self._snapshotting = False
         self._maybe_release()
         if err is not None:
-            tagged(log, self.path.name).warning("%s (the log still holds every turn)",
-                                                _full_error(f"the snapshot of {self.path.name}", err, self._journal))
+            tagged(log, self.name).warning("%s (the log still holds every turn)",
+                                                _full_error(f"the snapshot of {self.name}", err, self._journal))
             return
         self._snap_gen = snap_gen
         for g in _log_gens(self.path):
@@ -494,7 +507,7 @@ class SessionStore:
         it (non-empty ones, in order) and the committed turn count."""
         snap, why = _read_snapshot(self.path / "snapshot")
         if why:
-            raise StoreError(f"session {self.path.name}: {why}; restart the daemon to fall back")
+            raise StoreError(f"session {self.name}: {why}; restart the daemon to fall back")
         # The snapshot's own gen: one being written may have landed already.
         return boot_state(snap, self._records(snap, snap.gen if snap is not None else 0))
 
@@ -515,7 +528,7 @@ class SessionStore:
         """The snapshot and every record after it, as stored (history, export)."""
         snap, why = _read_snapshot(self.path / "snapshot")
         if why:
-            raise StoreError(f"session {self.path.name}: {why}")
+            raise StoreError(f"session {self.name}: {why}")
         return snap, self._records(snap, self._snap_gen)
 
     def read_history_soon(self) -> asyncio.Future[tuple[Snapshot | None, list[Record]]]:
@@ -551,9 +564,9 @@ class SessionStore:
 
     def _reopen(self) -> None:
         try:
-            fd = os.open(self.path / "fence", os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(f"{self._dir}/fence", os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
-            raise _write_error(f"{self.path.name}/fence", exc) from exc
+            raise _write_error(f"{self.name}/fence", exc) from exc
         self._fence_fd, self._released = fd, False
         opened = self._opened  # (what this writer found in the log: tests' crashes cut back to it)
         try:
@@ -577,7 +590,7 @@ class SessionStore:
 
     def remove(self) -> None:
         if self._journal is not None:
-            self._journal.forget(self.path.name)
+            self._journal.forget(self.name)
         self.close()
         _erase(self.path, self._journal)
 

@@ -150,7 +150,8 @@ class Journal:
         self._base = self._end = self._synced = 0
         self._pending: deque[tuple[int, Tail, int, int]] = deque()  # (lsn end, log, log gen, size after)
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-        self._dirty: set[Path] = set()  # logs written since this journal began
+        # Logs written since this journal began (strings: one per session written, kept until a checkpoint).
+        self._dirty: set[str] = set()
         self._sids: set[str] = set()  # sessions written since this journal began (erase)
         self._erasing = False  # a checkpoint for removed sessions is scheduled
         # Shared with the writer thread, under _cond; the thread sleeps in a
@@ -172,7 +173,7 @@ class Journal:
     # ---------------------------------------------------------------- the loop's side
 
     def write(self, tail: Tail, sid: str, log_gen: int, offset: int, fence: int, frame: bytes,
-              log_path: Path | None) -> None:
+              log_path: str | None) -> None:
         """Journal one log frame (not yet durable).  Raises StoreError with
         the journal cut back to where it was."""
         body = _encoder.encode(_JRec(sid, log_gen, offset, fence, frame))
@@ -204,7 +205,8 @@ class Journal:
         """Before a session takes a new fence generation: fsync its logs that
         this journal still covers, since replay skips records written under
         an older generation (they would be lost to a crash otherwise)."""
-        logs = [p for p in self._dirty if p.parent == session_dir]
+        where = str(session_dir)
+        logs = [p for p in self._dirty if os.path.dirname(p) == where]
         for log_path in logs:
             with contextlib.suppress(FileNotFoundError):
                 _fsync_path(log_path)
@@ -368,7 +370,7 @@ class Journal:
             self._run()
         os.close(self._efd)
 
-    def log_created(self, sid: str, log_gen: int, fence: int, log_path: Path) -> None:
+    def log_created(self, sid: str, log_gen: int, fence: int, log_path: str) -> None:
         """Journal that `log.<log_gen>` of `sid` now exists: replay creates
         it if a crash lost its directory entry (else replay never creates
         a log).  Not durable by itself: the next flush carries it, before
@@ -470,7 +472,7 @@ class Journal:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon is gone
                     loop.call_soon_threadsafe(self._done, epoch, target, err)
 
-    def _retire_journal(self, fd: int, path: Path, dirty: set[Path], freeing: bool = False) -> None:
+    def _retire_journal(self, fd: int, path: Path, dirty: set[str], freeing: bool = False) -> None:
         """Writer thread: every log the journal covered is made durable on
         its own; then the journal can go."""
         try:
@@ -479,7 +481,7 @@ class Journal:
             for log_path in dirty:
                 with contextlib.suppress(FileNotFoundError):
                     _fsync_path(log_path)
-            for d in {p.parent for p in dirty}:
+            for d in {os.path.dirname(p) for p in dirty}:
                 with contextlib.suppress(FileNotFoundError):
                     _fsync_path(d, directory=True)
             os.unlink(path)

@@ -64,7 +64,7 @@ encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(JRec)
 
 
-def fsync_path(path: Path, directory: bool = False) -> None:
+def fsync_path(path: str | Path, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0) | os.O_CLOEXEC)
     try:
         os.fsync(fd)
