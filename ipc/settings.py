@@ -51,6 +51,18 @@ class LimitsSettings(ConfigSection):
     # hibernates.  Held at start to what the daemon's file descriptors allow
     # (each live session holds 9 of them; a warning names LimitNOFILE=).
     max_concurrent_sessions: PositiveInt = 64
+    # Live slots kept free ahead of demand, in percent of that ceiling (as
+    # the fds hold it; rounded down, so a ceiling under 20 keeps none free
+    # by default): once there are more sessions than live
+    # slots, when fewer than free_slots_low_water_pct are free the least
+    # recently used idle sessions no client is attached to are hibernated in
+    # the background until free_slots_high_water_pct are, so that a create
+    # or a revive takes a free slot instead of waiting for another session's
+    # worker to stop.  Never more than leaves one uid its whole
+    # [daemon] max_live_sessions_per_uid; 0 = none kept free (a session is
+    # hibernated only when one needs its slot).
+    free_slots_low_water_pct: Annotated[int, Meta(ge=0, le=50)] = 5
+    free_slots_high_water_pct: Annotated[int, Meta(ge=0, le=50)] = 10
     # RSS cap of a worker plus all of its descendants.
     max_memory_mb: Annotated[int, Meta(ge=16)] = 1024
     # Optional soft threshold: an event and a hint to the worker.

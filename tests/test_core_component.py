@@ -220,11 +220,11 @@ def test_a_full_session_uid_range_refuses_with_capacity(tmp_path: Path) -> None:
     span = range(1879113725, 1879113728)  # three uids no user has here
     config = parse_config(FAST, "test")
     spaces = Workspaces(lambda: config, tmp_path, Admission(lambda: config, Identities(session_uids=span)))
-    held: list[Any] = []
+    held: set[int | None] = set()  # (the registry's run uids)
     for _ in span[:-1]:  # the last is kept for listing MCP servers' tools (supervisor.spawn.mcplist)
         uid = spaces.allocate_uid(held)
-        assert uid in span[:-1] and uid not in {s.meta.run_uid for s in held}
-        held.append(SimpleNamespace(meta=SimpleNamespace(run_uid=uid)))
+        assert uid in span[:-1] and uid not in held
+        held.add(uid)
     with pytest.raises(Capacity, match="session_uid_range"):
         spaces.allocate_uid(held)
 
@@ -253,7 +253,7 @@ def test_the_senders_events_follow_its_accepted_and_a_long_hold_lets_go(tmp_path
             assert len(held.events) == (0 if i < 15 else i + 1)
         mgr.events.release(session)
         assert [e.text for e in held.events] == [str(i) for i in range(20)]
-        assert session.held == {}
+        assert not session.held
 
     _run(body)
 
@@ -318,7 +318,7 @@ def test_a_running_turn_s_steps_are_held_in_the_store_and_read_back_to_resume_it
         await _until(lambda: watcher.of(m.TurnDone), "the turn's end")
         notice = next(e for e in watcher.of(m.Notice) if e.kind == "turn_resumed")
         assert notice.data["in_flight"] == ["a", "b"] and notice.data["step"] == 0
-        assert session.step_records == 0 and session.steps_flying == {}
+        assert session.step_records == 0 and not session.steps_flying
 
     _run(body)
 

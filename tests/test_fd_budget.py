@@ -254,7 +254,7 @@ def test_emfile_met_anyway_on_create_or_revive_is_capacity_and_the_session_goes_
         store.create = real_create  # type: ignore[method-assign]
 
         session = await mgr.create(1000, "s", "echo", {})
-        await mgr._hibernate(session, "test")
+        await mgr.slots.hibernate(session, "test")
         assert session.state.value == "hibernated"
         real_read = session.store.read_for_boot_soon
 

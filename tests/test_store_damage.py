@@ -403,7 +403,7 @@ def test_a_revival_that_finds_its_log_damaged_makes_the_session_damaged_at_once(
         for n in range(1, 4):
             await mgr.send(session, f"t{n}", None)
             await _until(lambda: session.state.value == "idle" and session.turns == n, "the turn")
-        await mgr._hibernate(session, "test")
+        await mgr.slots.hibernate(session, "test")
         assert session.state.value == "hibernated"
         _flip_commit(mem.sessions["s"].log, 2)
         damaged = bytes(mem.sessions["s"].log)

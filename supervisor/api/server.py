@@ -396,7 +396,7 @@ class ClientConn:
                 return self.server.top(rid, self.uid)
             case op.Logs(id=rid, session=sid, limit=limit):
                 session = mgr.get(sid, self.uid)
-                entries = [op.LogEntry(at=at, event=ev) for at, ev in session.lifecycle]
+                entries = [op.LogEntry(at=at, event=ev) for at, ev in mgr.events.lifecycle(session)]
                 if limit is not None:
                     entries = entries[len(entries) - max(limit, 0):] if limit > 0 else []
                 return op.LogsReply(id=rid, session=sid, entries=entries, last_exit=session.last_exit,

@@ -214,7 +214,7 @@ async def _state_change(session: Session, stop: asyncio.Event) -> None:
     """Until the session's state changes or `stop` is set (or a short while
     passes: the session's lock is not an event)."""
     fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    session.state_waiters.append(fut)
+    session.state_waiters = [*(session.state_waiters or ()), fut]
     stopped: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait([fut, stopped], timeout=_LOOK_SECS, return_when=asyncio.FIRST_COMPLETED)

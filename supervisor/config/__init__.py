@@ -530,6 +530,13 @@ def parse_config(data: dict[str, Any], source: str) -> Config:
             f"{source}: 'daemon.event_retention_bytes' ({cfg.daemon.event_retention_bytes}) must not "
             f"exceed 'daemon.client_buffer_bytes' ({cfg.daemon.client_buffer_bytes})"
         )
+    limits = cfg.agent.limits
+    if limits.free_slots_low_water_pct > limits.free_slots_high_water_pct:
+        raise ConfigError(
+            f"{source}: invalid value for 'agent.limits.free_slots_low_water_pct': "
+            f"{limits.free_slots_low_water_pct} is above 'agent.limits.free_slots_high_water_pct' "
+            f"({limits.free_slots_high_water_pct}): hibernation ahead of demand starts below the low "
+            "mark and stops at the high one")
     if cfg.daemon.client_buffer_bytes_per_uid < cfg.daemon.max_frame_bytes:
         raise ConfigError(
             f"{source}: 'daemon.client_buffer_bytes_per_uid' ({cfg.daemon.client_buffer_bytes_per_uid}) "

@@ -55,8 +55,9 @@ class Asks:
         """The running turn asks: a person must answer (`answer`)."""
         worker = session.worker
         rid = msg.request_id
-        if (not 0 < len(rid) <= _MAX_ID_CHARS or len(msg.tool) > _MAX_TOOL_CHARS or rid in session.pending_asks
-                or len(session.pending_asks) >= MAX_PENDING):
+        pending = session.pending_asks or {}
+        if (not 0 < len(rid) <= _MAX_ID_CHARS or len(msg.tool) > _MAX_TOOL_CHARS or rid in pending
+                or len(pending) >= MAX_PENDING):
             tagged(log, session.id).warning("permission request %.60r for %.60r denied unasked: out of bounds, "
                                             "a repeat, or over %d pending", rid, msg.tool, MAX_PENDING)
             if worker is not None:
@@ -65,7 +66,7 @@ class Asks:
         request = m.PermissionRequest(session=session.id, seq=self._events.next_seq(session), turn=msg.turn,
                                       request_id=rid, tool=msg.tool, arguments=msg.arguments)
         at = time.time()
-        session.pending_asks[rid] = PendingAsk(request, at)
+        session.pending_asks = {**pending, rid: PendingAsk(request, at)}  # (a few at most: copied)
         _keep(session, Asked(turn=msg.turn, request_id=rid, tool=msg.tool, arguments=msg.arguments, at=at))
         self._events.emit(session, request)
 
@@ -73,12 +74,13 @@ class Asks:
         """A person's answer, from the connection of `uid` (its `Hello`
         named it `client`)."""
         worker = session.worker
-        pending = session.pending_asks.get(request_id)
+        asks = session.pending_asks or {}
+        pending = asks.get(request_id)
         if worker is None or pending is None:
-            waiting = ", ".join(session.pending_asks) or "none"
+            waiting = ", ".join(asks) or "none"
             raise NotFound(f"session {session.id} has no pending permission request {request_id!r} "
                            f"(pending: {waiting})")
-        del session.pending_asks[request_id]
+        session.pending_asks = {rid: p for rid, p in asks.items() if rid != request_id} or None
         worker.conn.send(m.PermissionAnswer(request_id=request_id, allow=allow))
         at = time.time()
         turn = pending.request.turn
@@ -92,19 +94,19 @@ class Asks:
     def drop(session: Session) -> None:
         """Its turn ended, or its worker died: nothing is asked any more
         (a resumed turn asks again)."""
-        session.pending_asks.clear()
+        session.pending_asks = None
 
     @staticmethod
     def waiting(session: Session) -> list[m.Waiting]:
         return [m.Waiting(request_id=rid, tool=p.request.tool, since=p.since, turn=p.request.turn,
-                          seq=p.request.seq) for rid, p in session.pending_asks.items()]
+                          seq=p.request.seq) for rid, p in (session.pending_asks or {}).items()]
 
     @staticmethod
     def unseen(session: Session, from_seq: int | None, oldest: int) -> Iterable[m.PermissionRequest]:
         """The pending requests a client attaching now would not get from
         the replay (`from_seq`; None: live only) of what is retained (from
         `oldest` on): sent to it first."""
-        for pending in session.pending_asks.values():
+        for pending in (session.pending_asks or {}).values():
             seq = pending.request.seq
             if from_seq is None or from_seq <= seq < oldest:
                 yield pending.request

@@ -39,8 +39,9 @@ from typing import Any
 from ipc import messages as m
 from ipc.budget import SPEND_KEYS, first_reached_at, spend_of, standings_at, total
 from ipc.settings import BudgetSettings
-from supervisor.core.session import Session
+from supervisor.core.session import NO_SPEND, Session
 from supervisor.core.recorder import NO_METRICS, Recorder
+from supervisor.core.registry import Registry
 from supervisor.store.spend import Book, Charge, Entry, SpendBook, fold
 
 __all__ = ["Budgets", "tokens_of", "uid_ceilings"]
@@ -81,7 +82,7 @@ class _Volatile:
 
 
 class Budgets:
-    def __init__(self, sessions: Mapping[str, Session], book: SpendBook | None = None,
+    def __init__(self, sessions: Registry, book: SpendBook | None = None,
                  metrics: Recorder = NO_METRICS) -> None:
         self._sessions = sessions
         self._metrics = metrics
@@ -96,11 +97,15 @@ class Budgets:
     def _entry(self, session: Session) -> Entry:
         """The session's entry; one the book never saw (a session from
         before the ledger, or a new one) opens with its logs' figures,
-        which its uid is charged too."""
+        which its uid is charged too.  A session that has spent nothing
+        has none until it spends (its first charge makes it): a daemon
+        holding many such sessions, or listing them, keeps nothing of them."""
         entry = self._book.sessions.get(session.id)
         if entry is None:
-            seed = Charge(session=session.id, uid=session.meta.owner_uid, opens=True, uid_too=True,
-                          add={k: v for k in SPEND_KEYS if (v := session.usage.get(k, 0))})
+            add = {k: v for k in SPEND_KEYS if (v := session.usage.get(k, 0))}
+            if not add:
+                return Entry()  # (not kept: opening it with nothing would change no figure)
+            seed = Charge(session=session.id, uid=session.meta.owner_uid, opens=True, uid_too=True, add=add)
             fold(self._book, seed)
             # Written ahead of the next charge, not on its own: one from a
             # restart that came first is made again, the same, from the logs.
@@ -206,7 +211,7 @@ class Budgets:
                 session.turn_spend = dict(entry.turn_spent)
 
     def turn_over(self, session: Session) -> None:
-        session.turn_spend = {}
+        session.turn_spend = NO_SPEND
 
     def _moved(self, session: Session, before: Mapping[str, int]) -> asyncio.Future[Book | None]:
         """The running turn's spend grew from `before`: charge the ledger,
@@ -222,7 +227,7 @@ class Budgets:
         if not uid_ceilings(session.settings.agent.budget):
             return written  # (the uid ceilings are the operator's alone: its peers have none either)
         uid = session.meta.owner_uid
-        for peer in self._sessions.values():
+        for peer in list(self._sessions.live):  # (a running turn's session is live)
             if peer.meta.owner_uid == uid and peer is not session and peer.current_turn is not None \
                     and peer.worker is not None:
                 peer.worker.conn.send(m.BudgetUpdate(

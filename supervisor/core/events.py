@@ -8,6 +8,15 @@ number of the block is handed out, so a daemon killed mid-turn never hands
 out a seq a client has already seen.  Retention is bounded per session
 (`event_retention`, `event_retention_bytes`) and for all sessions together
 (`event_retention_total_bytes`).
+
+A session at rest costs little here: its ring is made at its first
+retained event and let go of when it hibernates (a client that attaches
+from a seq after that is told the `gap` and reads `history`, as after a
+daemon restart: docs/protocol.md), its lifecycle is packed into bytes
+(compressed past a hundred), and its subscribers, held events and state
+waiters exist only while there are any.  Which sessions a client follows
+is kept both ways, so that a client's going costs its own sessions, not a
+walk of them all.
 """
 
 from __future__ import annotations
@@ -18,7 +27,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+import zlib
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -28,6 +38,7 @@ from ipc.framing import FrameEncoder
 from supervisor.config import DaemonSettings
 from supervisor.errors import Conflict
 from supervisor.logtag import tagged
+from supervisor.core.registry import Registry
 from supervisor.core.session import LIFECYCLE_KEEP, Session, Subscriber
 from supervisor.core.tracer import NO_TRACER, Tracer
 from supervisor.core.states import AT_REST, State, Trigger, transition
@@ -40,13 +51,35 @@ log = logging.getLogger("sessiond.manager")
 _SEQ_BLOCK = 4096
 
 _Lifecycle = m.StateChanged | m.LimitExceeded | m.TurnFailed
+_Kept = collections.deque[tuple[float, _Lifecycle]]
 _lifecycle_decoder: msgspec.msgpack.Decoder[_Lifecycle] = msgspec.msgpack.Decoder(_Lifecycle)
+_packed_decoder: msgspec.msgpack.Decoder[list[tuple[float, _Lifecycle]]] = msgspec.msgpack.Decoder(
+    list[tuple[float, _Lifecycle]])
+_packer = msgspec.msgpack.Encoder()
+# A packed lifecycle longer than this is compressed (about 15 µs at each
+# hibernation): its events repeat the same words (ids, states), 2x for a
+# few, 10x and more for hundreds.  A msgpack array never begins with a
+# zlib header (0x78: a positive fixint), which tells the two apart.
+_COMPRESS_PAST = 128
+_ZLIB_HEADER = 0x78
 _TURN_STATES = frozenset({State.RUNNING, State.INTERRUPTING})
 
 
 def _per_turn(event: m.StateChanged) -> bool:
     """A turn's own state changes: idle -> running (-> interrupting) -> idle."""
     return event.new in _TURN_STATES or (event.old in _TURN_STATES and event.new == State.IDLE)
+
+
+def _pack(events: Iterable[tuple[float, _Lifecycle | msgspec.Raw]]) -> bytes:
+    packed = _packer.encode(list(events))
+    return zlib.compress(packed) if len(packed) > _COMPRESS_PAST else packed
+
+
+def _unpack(packed: bytes) -> _Kept:
+    kept: _Kept = collections.deque(maxlen=LIFECYCLE_KEEP)
+    if packed:
+        kept.extend(_packed_decoder.decode(zlib.decompress(packed) if packed[0] == _ZLIB_HEADER else packed))
+    return kept
 
 
 def _retrieve(fut: asyncio.Future[None]) -> None:
@@ -56,11 +89,14 @@ def _retrieve(fut: asyncio.Future[None]) -> None:
 
 class EventLog:
     def __init__(
-        self, settings: Callable[[], DaemonSettings], sessions: Mapping[str, Session],
+        self, settings: Callable[[], DaemonSettings], sessions: Registry,
         tracer: Tracer = NO_TRACER,
     ) -> None:
         self._settings = settings
-        self._sessions = sessions
+        self._sessions = sessions  # told every state change (Registry.relive)
+        # The sessions each client follows (the other way round: Session.subscribers).
+        self._following: dict[Subscriber, set[Session]] = {}
+        self._ringed: set[Session] = set()  # the sessions whose ring exists (trim, the fair share)
         # Told every transition: a restart's span, a worker boot's.
         self._tracer = tracer
         self._encoder = FrameEncoder()
@@ -73,7 +109,10 @@ class EventLog:
         if isinstance(event, (m.StateChanged, m.LimitExceeded, m.TurnFailed)):
             self._lifecycle(session, event, frame, why)
         ring = session.ring
-        if len(ring) == ring.maxlen:
+        if ring is None:
+            ring = session.ring = collections.deque(maxlen=self._settings().event_retention)
+            self._ringed.add(session)
+        elif len(ring) == ring.maxlen:
             self._drop_oldest(session)
         ring.append((event.seq, frame))
         session.ring_bytes += len(frame)
@@ -84,6 +123,8 @@ class EventLog:
             limit = min(limit, self._fair_share())
         while session.ring_bytes > limit and len(ring) > 1:
             self._drop_oldest(session)
+        if not session.subscribers:
+            return
         held = session.held
         for sub in list(session.subscribers):
             if held and sub in held:
@@ -97,6 +138,8 @@ class EventLog:
         it is a turn's own running and back (the turns are in the log
         already) or the session's end; logged with its fields for journald."""
         at = time.time()
+        if isinstance(session.lifecycle, bytes):
+            session.lifecycle = _unpack(session.lifecycle)
         session.lifecycle.append((at, event))
         per_turn = isinstance(event, m.StateChanged) and _per_turn(event)
         if not per_turn and not (isinstance(event, m.StateChanged) and event.new == State.DELETED):
@@ -126,20 +169,28 @@ class EventLog:
         else:
             line.event(level, "turn_failed", {}, "aborted turn %d: %s", event.turn, event.reason)
 
+    @staticmethod
+    def lifecycle(session: Session) -> list[tuple[float, _Lifecycle]]:
+        """`sessionctl logs`: the lifecycle events kept, oldest first."""
+        kept = session.lifecycle
+        return list(_unpack(kept) if isinstance(kept, bytes) else kept)
+
     def lifecycle_kept(self, session: Session) -> list[LifeEvent]:
         """What a snapshot keeps of `logs` (its log's records go)."""
         kept = [LifeEvent(at=at, seq=ev.seq, event=bytes(self._encoder.encode(ev)[4:]))
-                for at, ev in session.lifecycle if not (isinstance(ev, m.StateChanged) and _per_turn(ev))]
+                for at, ev in self.lifecycle(session) if not (isinstance(ev, m.StateChanged) and _per_turn(ev))]
         return kept[-LIFE_EVENTS_KEPT:]
 
     @staticmethod
-    def restored_lifecycle(kept: Iterable[LifeEvent]) -> collections.deque[tuple[float, _Lifecycle]]:
-        """`Session.lifecycle` from what the store kept (at load)."""
-        out: collections.deque[tuple[float, _Lifecycle]] = collections.deque(maxlen=LIFECYCLE_KEEP)
+    def restored_lifecycle(kept: Iterable[LifeEvent]) -> bytes:
+        """`Session.lifecycle` from what the store kept (at load), packed:
+        each event checked as it decodes, kept as the store has it."""
+        out: list[tuple[float, msgspec.Raw]] = []
         for rec in kept:
             with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                out.append((rec.at, _lifecycle_decoder.decode(rec.event)))
-        return out
+                _lifecycle_decoder.decode(rec.event)
+                out.append((rec.at, msgspec.Raw(rec.event)))
+        return _pack(out[-LIFECYCLE_KEEP:])
 
     def adopt_lifecycle(self, session: Session, kept: Iterable[LifeEvent]) -> None:
         """Claimed back from another daemon: what the shared store kept,
@@ -151,7 +202,7 @@ class EventLog:
         tag, not retained (see `ReasoningDelta`)."""
         tag = type(event).__struct_config__.tag
         frame: bytes | bytearray | None = None
-        for sub in list(session.subscribers):
+        for sub in list(session.subscribers or ()):
             if tag in sub.event_tags:
                 frame = frame or self._encoder.encode(event)
                 if session.held and sub in session.held:
@@ -191,18 +242,48 @@ class EventLog:
         for it until `release`: its `Accepted` goes first, and the turn's
         events (its `state` running included) follow, as docs/protocol.md
         promises.  Other subscribers get them at once."""
-        session.subscribers.add(subscriber)
+        self._subscribe(session, subscriber)
+        if session.held is None:
+            session.held = {}
         session.held[subscriber] = []
 
     def release(self, session: Session, only: Iterable[Subscriber] | None = None) -> None:
         """The held events, delivered: called once the sender's `Accepted`
         (or its `Error`) is written."""
-        for sub in list(session.held) if only is None else only:
-            frames = session.held.pop(sub, None)
-            for frame in frames or ():
+        for sub in list(session.held or ()) if only is None else only:
+            for frame in self._unhold(session, sub) or ():
                 sub.deliver(frame)
 
+    @staticmethod
+    def _unhold(session: Session, sub: Subscriber) -> list[bytes | bytearray] | None:
+        held = session.held
+        if held is None:
+            return None
+        frames = held.pop(sub, None)
+        if not held:
+            session.held = None
+        return frames
+
+    def _subscribe(self, session: Session, subscriber: Subscriber) -> None:
+        if session.subscribers is None:
+            session.subscribers = set()
+        session.subscribers.add(subscriber)
+        self._following.setdefault(subscriber, set()).add(session)
+
+    def _unsubscribe(self, session: Session, subscriber: Subscriber) -> None:
+        subs = session.subscribers
+        if subs is not None:
+            subs.discard(subscriber)
+            if not subs:
+                session.subscribers = None
+        following = self._following.get(subscriber)
+        if following is not None:
+            following.discard(session)
+            if not following:
+                del self._following[subscriber]
+
     def _hold(self, session: Session, sub: Subscriber, frame: bytes | bytearray) -> None:
+        assert session.held is not None  # (`sub in session.held`: the callers asked)
         frames = session.held[sub]
         frames.append(frame)
         # A hold lasts one group commit; a disk that stalls it while the turn
@@ -213,7 +294,8 @@ class EventLog:
 
     def add_subscribers(self, session: Session, subscribers: set[Subscriber]) -> None:
         """Clients that followed a session's stand-in (a repaired session)."""
-        session.subscribers |= subscribers
+        for sub in subscribers:
+            self._subscribe(session, sub)
 
     def write_mark(self, session: Session, durable: bool) -> None:
         """What must survive a daemon restart besides the turns: the seq
@@ -234,6 +316,7 @@ class EventLog:
         old = session.state
         new = transition(old, trigger)
         session.state = new
+        self._sessions.relive(session)  # (a live slot: starting, or a worker)
         if (new in AT_REST) != (old in AT_REST):
             # A session without a worker holds no files open (a loaded
             # one starts so); its next write takes them again.
@@ -244,10 +327,26 @@ class EventLog:
             m.StateChanged(session=session.id, seq=self.next_seq(session), old=old, new=new, reason=reason),
             why=trigger,
         )
-        waiters, session.state_waiters = session.state_waiters, []
-        for fut in waiters:
+        if new in AT_REST:
+            self._rest(session)
+        waiters, session.state_waiters = session.state_waiters, None
+        for fut in waiters or ():
             if not fut.done():
                 fut.set_result(None)
+
+    def _rest(self, session: Session) -> None:
+        """At rest, what serves only a live session goes: the lifecycle is
+        packed, and a hibernated session's ring is let go of (a stopped or
+        failed one keeps its last events for whoever comes to see why)."""
+        if not isinstance(session.lifecycle, bytes):
+            session.lifecycle = _pack(session.lifecycle)
+        if session.state is State.HIBERNATED and session.ring is not None:
+            self._drop_ring(session)
+
+    def _drop_ring(self, session: Session) -> None:
+        self.retained_bytes -= session.ring_bytes
+        session.ring, session.ring_bytes = None, 0
+        self._ringed.discard(session)
 
     async def wait_state(self, session: Session, states: Iterable[State], timeout: float) -> None:
         wanted = set(states)
@@ -257,7 +356,7 @@ class EventLog:
             if remaining <= 0:
                 raise Conflict(f"session {session.id} is still {session.state}; try again shortly")
             fut = asyncio.get_running_loop().create_future()
-            session.state_waiters.append(fut)
+            session.state_waiters = [*(session.state_waiters or ()), fut]
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(fut, remaining)
 
@@ -272,8 +371,8 @@ class EventLog:
         """Subscribe; replay retained events from `from_seq`, after `first`
         (older events the client must see all the same: the permission
         requests still waiting, supervisor.core.asks).  Returns next seq."""
-        session.subscribers.add(subscriber)
-        held = session.held.pop(subscriber, None)
+        self._subscribe(session, subscriber)
+        held = self._unhold(session, subscriber)
         if held and from_seq is None:
             for frame in held:  # (a replay would send them again)
                 subscriber.deliver(frame)
@@ -284,23 +383,23 @@ class EventLog:
         for event in first:
             subscriber.deliver(self._encoder.encode(event))
         if from_seq is not None:
-            for seq, frame in session.ring:
+            for seq, frame in session.ring or ():
                 if seq >= from_seq:
                     subscriber.deliver(frame)
         return session.seq + 1
 
-    def detach(self, subscriber: Subscriber, sessions: Iterable[Session]) -> None:
-        for session in sessions:
-            session.subscribers.discard(subscriber)
-            session.held.pop(subscriber, None)
+    def detach(self, subscriber: Subscriber, sessions: Iterable[Session] | None = None) -> None:
+        """From `sessions`, or (None) from every session it follows."""
+        for session in list(self._following.get(subscriber, ())) if sessions is None else sessions:
+            self._unsubscribe(session, subscriber)
+            self._unhold(session, subscriber)
 
     # ---------------------------------------------------------------- retention
 
-    def new_ring(self) -> collections.deque[tuple[int, bytes | bytearray]]:
-        return collections.deque(maxlen=self._settings().event_retention)
-
     def resize(self, session: Session) -> None:
         """After a reload: the ring under the new `event_retention`."""
+        if session.ring is None:
+            return
         self.retained_bytes -= session.ring_bytes
         session.ring = collections.deque(session.ring, maxlen=self._settings().event_retention)
         session.ring_bytes = sum(len(frame) for _, frame in session.ring)
@@ -308,11 +407,10 @@ class EventLog:
 
     def forget(self, session: Session) -> None:
         self._tracer.forget(session.id)
-        self.retained_bytes -= session.ring_bytes
-        session.ring.clear()
-        session.ring_bytes = 0
-        session.subscribers.clear()
-        session.held.clear()
+        self._drop_ring(session)
+        for sub in list(session.subscribers or ()):
+            self._unsubscribe(session, sub)
+        session.held = None
 
     def trim(self) -> None:
         """Over event_retention_total_bytes (sessions that emitted before
@@ -320,14 +418,16 @@ class EventLog:
         if self.retained_bytes <= self._settings().event_retention_total_bytes:
             return
         share = self._fair_share()
-        for session in self._sessions.values():
-            while session.ring_bytes > share and len(session.ring) > 1:
+        for session in list(self._ringed):
+            while session.ring_bytes > share and session.ring is not None and len(session.ring) > 1:
                 self._drop_oldest(session)
 
     def _drop_oldest(self, session: Session) -> None:
+        assert session.ring is not None
         size = len(session.ring.popleft()[1])
         session.ring_bytes -= size
         self.retained_bytes -= size
 
     def _fair_share(self) -> int:
-        return self._settings().event_retention_total_bytes // max(len(self._sessions), 1)
+        # (shared by the sessions that retain events: not the hibernated ones)
+        return self._settings().event_retention_total_bytes // max(len(self._ringed), 1)

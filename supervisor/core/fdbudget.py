@@ -19,14 +19,19 @@ left after that reserve hold (said as a warning at start).  The count is
 an estimate: every create and revive also checks the fds open now, so that
 connections or anything else holding fds make it `capacity`, never EMFILE
 half-way through opening a session's files; and an EMFILE met anyway is
-mapped to the same refusal (`out_of_fds`).
+mapped to the same refusal (`out_of_fds`).  Listing them is O(the fds)
+(thousands with hundreds of live sessions), so a check far from the limit
+goes by the last listing, moved on by the live sessions started since, for
+at most `RECOUNT_SECS`; near the limit (within `_NEAR` of it) it lists them
+every time.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from supervisor.config import Config
 from supervisor.errors import Capacity
@@ -41,14 +46,20 @@ FDS_PER_START = 4
 DAEMON_FDS = 32
 _STORE_RESERVE = 16  # a snapshot's next log, history and export reads, the spend ledger rewritten
 _HEADROOM = 16  # kept free after a start: `ls`, `status`, `stop`, `rm` and their connections
+# A check goes by the last listing while it says at least this share of the
+# limit is free beyond what a start needs, for RECOUNT_SECS at most.
+_NEAR = 8  # (an eighth)
+RECOUNT_SECS = 1.0
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
 _SETTING = "the daemon's RLIMIT_NOFILE: LimitNOFILE= in the unit, or ulimit -n"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class FdBudget:
     limit: int  # the daemon's RLIMIT_NOFILE (soft, once raised)
     reserve: int  # held apart from live sessions: the daemon's own, connections, the store
+    # The last listing: fds open, live sessions then, when (monotonic); None: none yet.
+    _counted: tuple[int, int, float] | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, limit: int, config: Config) -> FdBudget:
@@ -88,14 +99,22 @@ class FdBudget:
         return (f"max_concurrent_sessions = {config.agent.limits.max_concurrent_sessions}, held to "
                 f"{self.live_fit} by the daemon's file descriptors ({_SETTING}, {self.limit})")
 
-    def check(self) -> None:
+    def check(self, live: int) -> None:
         """`capacity` unless a session can start with room to spare: the
         fds open now, what a live session holds, what its boot needs for a
-        moment and what `ls`, `status`, `stop` and `rm` need must fit."""
+        moment and what `ls`, `status`, `stop` and `rm` need must fit
+        (`live`: the live sessions now, which move the last listing on)."""
         need = FDS_PER_LIVE_SESSION + FDS_PER_START + _HEADROOM
+        now = time.monotonic()
+        if self._counted is not None:
+            last, then, at = self._counted
+            estimate = last + max(0, live - then) * FDS_PER_LIVE_SESSION
+            if now - at < RECOUNT_SECS and estimate + need + self.limit // _NEAR <= self.limit:
+                return  # far from the limit, listed a moment ago
         held = fds.open_count(self.limit)
         if held is None:
             return  # no /proc: the EMFILE mapping (out_of_fds) still answers
+        self._counted = (held, live, now)
         if held + need > self.limit:
             raise Capacity(
                 f"no file descriptors left for another live session: {held} of the daemon's "

@@ -17,7 +17,7 @@ operations it may use rather than holding the manager.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 import msgspec
@@ -27,6 +27,7 @@ from ipc.settings import SessionSettings
 from supervisor.config import Config
 from supervisor.core.events import EventLog
 from supervisor.core.ledger import TurnLedger
+from supervisor.core.registry import Registry
 from supervisor.core.session import Session
 from supervisor.core.states import LIVE, State, Trigger
 from supervisor.core.workers import WorkerOwner
@@ -53,7 +54,7 @@ class Holding:
     def __init__(
         self,
         config: Callable[[], Config],
-        sessions: Mapping[str, Session],
+        sessions: Registry,
         store: StateStore,
         events: EventLog,
         ledger: TurnLedger,
@@ -109,7 +110,8 @@ class Holding:
         """Claimed back: what the store says of it, over what this daemon
         knew (it may have run elsewhere since).  Caller holds session.lock."""
         session.store = held
-        session.meta = loaded.meta
+        old, session.meta = session.meta, loaded.meta
+        self._sessions.meta_changed(session, old)  # (its owner and run uid, as the registry counts them)
         session.settings = self._settings_for(session.id, loaded.meta.overrides)
         session.error = None
         self._ledger.restore_totals(session, loaded.turns, loaded.usage)

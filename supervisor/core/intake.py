@@ -35,6 +35,7 @@ from supervisor.core.ledger import TurnLedger, store_failure
 from supervisor.core.resumable import ResumableTurns
 from supervisor.logtag import tagged
 from supervisor.core.overrides import OverrideError, choose_handler, resolve_overrides
+from supervisor.core.registry import Registry
 from supervisor.spawn.seams import Pending, Spawner, drop_pending
 from supervisor.core.session import Session, valid_session_id
 from supervisor.core.slots import LiveSlots
@@ -52,7 +53,7 @@ class Intake:
     def __init__(
         self,
         config: Callable[[], Config],
-        sessions: dict[str, Session],
+        sessions: Registry,
         store: StateStore,
         events: EventLog,
         ledger: TurnLedger,
@@ -117,7 +118,7 @@ class Intake:
         self._workspaces.remove_orphans(self._sessions.values())
 
     @property
-    def sessions(self) -> dict[str, Session]:
+    def sessions(self) -> Registry:
         return self._sessions
 
     async def import_session(self, owner_uid: int, session_id: str | None, doc: imports.Imported,
@@ -138,7 +139,7 @@ class Intake:
         session = Session(
             id=meta.id, meta=meta, store=store, settings=self.settings_for(meta.id, meta.overrides),
             state=state, turns=loaded.turns, seq=loaded.seq, reserved_seq=loaded.seq,
-            restarts=mark.restarts, ring=self._events.new_ring(),
+            restarts=mark.restarts,
             last_exit=msgspec.convert(mark.last_exit, m.ExitInfo) if mark.last_exit else None,
             usage=loaded.usage, lifecycle=self._events.restored_lifecycle(loaded.lifecycle),
         )
@@ -163,7 +164,7 @@ class Intake:
             id=session_id, meta=meta or Meta(id=session_id, handler="?"),
             store=DamagedLog(self._store, session_id, reason),
             settings=self._config().session_settings(), state=State.DAMAGED,
-            error=reason, meta_lost=meta is None, ring=self._events.new_ring(),
+            error=reason, meta_lost=meta is None,
         )
         self._sessions[session_id] = session
         if session.meta.parent and session.meta.parent in self._sessions:
@@ -182,7 +183,7 @@ class Intake:
     def check_quota(self, uid: int) -> None:
         self._slots.check_fds()  # before a new session's files are opened
         limit = self._config().daemon.max_sessions_per_uid
-        held = sum(1 for s in self._sessions.values() if s.meta.owner_uid == uid)
+        held = self._sessions.owned(uid)  # (counted by the registry: no walk of every session)
         if held >= limit and not self._admission.is_admin(uid):
             raise Capacity(
                 f"uid {uid} already has {held} sessions (max_sessions_per_uid = {limit}); "
@@ -250,8 +251,7 @@ class Intake:
         except StoreError as exc:
             drop_pending(self._spawner, pending)
             raise store_failure("", exc) from None  # unchained: a database's error may quote its DSN
-        session = Session(id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING,
-                          ring=self._events.new_ring())
+        session = Session(id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING)
         self._sessions[session_id] = session
         if parent is not None:
             parent.children.append(session_id)
@@ -266,7 +266,7 @@ class Intake:
             # Never the same directory twice: a later session that reuses
             # this id, whoever creates it, starts with an empty workspace.
             workspace=f"{session_id}@{secrets.token_hex(8)}",
-            run_uid=self._workspaces.allocate_uid(self._sessions.values()),
+            run_uid=self._workspaces.allocate_uid(self._sessions.run_uids),
         )
 
     async def _boot_new(self, session: Session, pending: Pending | None) -> None:

@@ -42,6 +42,7 @@ from supervisor.core.fdbudget import out_of_fds
 from supervisor.core.resumable import ResumableTurns
 from supervisor.logtag import tagged
 from supervisor.core.recorder import NO_METRICS, Recorder
+from supervisor.core.registry import Registry
 from supervisor.core.session import PendingInput, Session, WorkerProc
 from supervisor.core.tracer import NO_TRACER, Tracer, TurnTrace
 from supervisor.core.states import State, Trigger
@@ -74,7 +75,7 @@ class TurnLedger:
     ) -> None:
         self._events = events
         # What a turn may spend ([agent.budget]): told to its worker with the input.
-        self._budgets = budgets if budgets is not None else Budgets({}, metrics=metrics)
+        self._budgets = budgets if budgets is not None else Budgets(Registry(), metrics=metrics)
         # What to do with a worker that is ahead of the disk (kill it; it
         # restarts from the log), and with a turn that has begun (arm its
         # timeout): the manager's, passed in when it builds the ledger.
@@ -403,7 +404,7 @@ class TurnLedger:
             pending.durable.exception()  # retrieved by whoever awaits, if anyone
             # The sender's held events after its Error, which the future's
             # callbacks (scheduled just now) write.
-            asyncio.get_running_loop().call_soon(self._events.release, session, list(session.held))
+            asyncio.get_running_loop().call_soon(self._events.release, session, list(session.held or ()))
             return
         if pending.on_accepted is not None:
             pending.on_accepted(pending.accepted)
@@ -453,7 +454,7 @@ class TurnLedger:
             self._events.set_state(session, Trigger.TURN_END, reason="turn failed")
 
     def _turn_over(self, session: Session, outcome: tuple[bool, str]) -> None:
-        fut = session.turn_results.pop(session.current_turn or 0, None)
+        fut = session.turn_results.pop(session.current_turn or 0, None) if session.turn_results else None
         if fut is not None and not fut.done():
             fut.set_result(outcome)
         session.current_turn = None

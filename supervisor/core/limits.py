@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, cast
 
 from supervisor.host.proctable import CLOCK_TICKS, ProcTable
 from supervisor.spawn.pidfd import PidFd
@@ -105,12 +107,25 @@ class SessionMemory:
     cpu_at: float = 0.0
     cpu_percent: float | None = None
 
+    def at_rest(self) -> SessionMemory:
+        """What a session keeps of its figures once its worker and every
+        process of its tree are gone: the last walk of its workspace (`ls`
+        shows it), in an instance whose tables are shared read-only empties
+        (a session at rest is never measured: WorkerOwner gives each new
+        worker fresh figures).  Its handles are closed."""
+        self.close()
+        if self.disk_bytes is None and self.disk_inodes is None:
+            return _RESTING
+        return _resting(disk_bytes=self.disk_bytes, disk_inodes=self.disk_inodes, disk_at=self.disk_at)
+
     def escapees(self) -> list[PidFd]:
         """Handles of every tracked descendant: the ones that left the
         worker's process group are reached only through these."""
         return list(self.pidfds.values())
 
     def close(self) -> None:
+        if not self.pidfds:
+            return  # (a resting instance's table is read-only)
         for fd in self.pidfds.values():
             fd.close()
         self.pidfds.clear()
@@ -365,3 +380,22 @@ def idle_expired(now: float, last_active: float, idle_secs: float, idle: bool, b
 def turn_deadline_left(now: float, turn_started: float, timeout_secs: float) -> float:
     """Seconds left of a turn's timeout, counted from its start (0 when past)."""
     return max(timeout_secs - (now - turn_started), 0.0)
+
+
+# Read-only stand-ins for the tables of a session at rest: a write raises
+# (never one session's figures written into another's).
+_NO_PIDS = cast(set[int], frozenset())
+_NO_TABLE = cast(dict[Any, Any], MappingProxyType({}))
+
+
+def _resting(**figures: Any) -> SessionMemory:
+    return SessionMemory(pids=_NO_PIDS, pidfds=_NO_TABLE, rss_by_pid=_NO_TABLE, pss_reads=_NO_TABLE,
+                         held=_NO_TABLE, held_at=_NO_TABLE, **figures)
+
+
+_RESTING = _resting()
+
+
+def resting_memory() -> SessionMemory:
+    """A session's figures before it has a worker: one shared instance."""
+    return _RESTING

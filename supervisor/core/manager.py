@@ -45,6 +45,7 @@ from supervisor.core.intake import Intake
 from supervisor.host.proctable import ProcTable, RemoteFigures
 from supervisor.logtag import tagged
 from supervisor.core.recorder import NO_METRICS, Recorder
+from supervisor.core.registry import Registry
 from supervisor.core.tracer import NO_TRACER, Tracer, TurnTrace
 from supervisor.spawn.seams import Spawner
 from supervisor.core.session import Session, Subscriber, damaged_hint
@@ -92,11 +93,10 @@ class SessionManager:
         self.sessions_dir = state_dir / "sessions"
         self.store: StateStore = store if store is not None else FileStateStore(self.sessions_dir)
         self.spawner = spawner
-        self.sessions: dict[str, Session] = {}
+        self.sessions = Registry()  # by id, with its counts (supervisor.core.registry)
         self.proc_table = ProcTable(remote)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
-        self._hibernating: set[str] = set()
         self._ping_nonce = 0
         self._cgroups_why = cgroups_why  # why there is no cgroup per session, for stats
 
@@ -121,19 +121,20 @@ class SessionManager:
             on_fenced=(lambda session, exc: holds.fenced(self.holding, session, exc)) if holds is not None else None,
             metrics=metrics, tracer=tracer, budgets=self.budgets,
         )
-        self.slots = LiveSlots(current, self.sessions, self.is_admin, self._hibernating, self._hibernate, fds)
+        self.slots = LiveSlots(current, self.sessions, self.is_admin, self.events, self.spawn_task, fds,
+                               terminate=lambda session, why, grace: self.workers.terminate(session, why, grace))
         self.subagents = Subagents(self, self.sessions, tracer)
         messages = TurnMessages(self.events, self.ledger, self.ledger.resumable, self.subagents, self.spawn_task, metrics)
         self.workers = WorkerOwner(
             current, spawner, self.events, self.ledger, self.ledger.resumable, messages, self.proc_table,
-            self.workspaces, self.spawn_task, closing=closing, make_room=self.slots.make_room,
+            self.workspaces, self.spawn_task, closing=closing, make_room=self.slots.make_room, sessions=self.sessions,
             claim=(lambda session: holds.claim(self.holding, session)) if holds is not None else None,
             damaged=lambda session, exc: self.damage.at_boot(session, exc), sandbox=sandbox, cgroups=cgroups, metrics=metrics,
         )
         self.damage = Damage(current, self.store, self.events, self.workers)
         self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
-                               self._hibernate_soon, stop=self.stop, workspaces=self.workspaces,
-                               closing=closing, metrics=metrics)
+                               self.slots.hibernate_soon, stop=self.stop, workspaces=self.workspaces,
+                               closing=closing, metrics=metrics, ahead=self.slots.hibernate_ahead)
         self.turn_timer = TurnTimer(current, self.events, self.workers)
         # Sessions in and out: created, restored, damaged, forgotten.
         self.intake = Intake(current, self.sessions, self.store, self.events, self.ledger, self.ledger.resumable,
@@ -215,10 +216,10 @@ class SessionManager:
         return roots, self.workspaces.session_uids_here()
 
     def live_workers(self) -> int:
-        return sum(1 for s in self.sessions.values() if s.worker is not None)
+        return sum(1 for s in self.sessions.live if s.worker is not None)
 
     def running_turns(self) -> int:
-        return sum(1 for s in self.sessions.values() if s.current_turn is not None)
+        return sum(1 for s in self.sessions.live if s.current_turn is not None)
 
     # ================================================================ requests
 
@@ -294,7 +295,7 @@ class SessionManager:
         return self.events.attach(session, subscriber, from_seq, first)
 
     def detach(self, subscriber: Subscriber, session: Session | None = None) -> None:
-        self.events.detach(subscriber, [session] if session is not None else self.sessions.values())
+        self.events.detach(subscriber, [session] if session is not None else None)
 
     def interrupt(self, session: Session) -> None:
         if session.state is State.INTERRUPTING:
@@ -401,7 +402,7 @@ class SessionManager:
                                             "%d damaged byte(s) dropped", how.value, result.kept_records,
                                             result.dropped_records, result.dropped_bytes)
             self.events.set_state(session, Trigger.REPAIR, reason=f"repaired ({how.value})")
-            subscribers, children = set(session.subscribers), list(session.children)
+            subscribers, children = set(session.subscribers or ()), list(session.children)
             self.intake.forget(session)
             try:
                 self.intake.restore(store, loaded)
@@ -423,7 +424,7 @@ class SessionManager:
         if worker is None or not worker.booted or worker.exited.done():
             raise Conflict(f"session {session.id} has no live worker ({session.state})")
         self._ping_nonce += 1
-        session.pings[self._ping_nonce] = answer
+        session.pings = {**(session.pings or {}), self._ping_nonce: answer}
         worker.conn.send(m.WorkerPing(nonce=self._ping_nonce))
         return worker.pid
 
@@ -440,21 +441,6 @@ class SessionManager:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _hibernate_soon(self, session: Session, reason: str) -> None:
-        if session.id not in self._hibernating:
-            self._hibernating.add(session.id)
-            self.spawn_task(self._hibernate(session, reason))
-
-    async def _hibernate(self, session: Session, reason: str) -> None:
-        try:
-            async with session.lock:
-                if session.state is not State.IDLE or session.worker is None:
-                    return
-                self.events.set_state(session, Trigger.HIBERNATE, reason=reason)
-                await self.workers.terminate(session, "hibernated", self.config.daemon.stop_grace_secs)
-        finally:
-            self._hibernating.discard(session.id)
 
     # ================================================================ reload and shutdown
 

@@ -74,7 +74,7 @@ class ResumableTurns:
 
     def reset(self, session: Session) -> None:
         """A turn begins: no step counted yet, none in flight."""
-        session.step_records, session.step_bytes, session.steps_flying = 0, 0, {}
+        session.step_records, session.step_bytes, session.steps_flying = 0, 0, None
 
     def over(self, session: Session) -> None:
         """The turn ended: nothing held open, no step counted."""
@@ -92,7 +92,8 @@ class ResumableTurns:
             if answered:
                 worker.conn.send(m.StepSaved(turn=msg.turn, n=msg.n, begun=begun, error="the turn is not running"))
             return
-        problem = step_problem(session.settings, session.current_turn, session.step_bytes, session.steps_flying, msg)
+        problem = step_problem(session.settings, session.current_turn, session.step_bytes, session.steps_flying or {},
+                               msg)
         rec: StepRecord
         if isinstance(msg, m.StepBegun):
             rec = StepStart(turn=msg.turn, n=msg.n, key=msg.key, kind=msg.kind)
@@ -112,8 +113,9 @@ class ResumableTurns:
         if session.trace is not None:
             self._tracer.step(session.trace, msg)
         if begun:
+            session.steps_flying = session.steps_flying or {}
             session.steps_flying[msg.n] = msg.key
-        else:
+        elif session.steps_flying:
             session.steps_flying.pop(msg.n, None)
         if not answered:
             return  # (a start the worker does not wait on: carried by the next flush)
@@ -151,7 +153,7 @@ class ResumableTurns:
         )
         if session.trace is not None:
             self._tracer.worker_lost(session.trace, failure)
-        session.steps_flying = {}  # (its steps in flight are in the store: read back at the resume)
+        session.steps_flying = None  # (its steps in flight are in the store: read back at the resume)
         self._asks.drop(session)
         pending = session.pending_input
         if pending is not None:

@@ -39,8 +39,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from ipc import messages as m
@@ -49,7 +50,7 @@ from ipc.contract import ExitReason
 from ipc.inputs import valid_session_id
 from ipc.settings import SessionSettings
 from supervisor.errors import SessiondError
-from supervisor.core.limits import SessionMemory
+from supervisor.core.limits import SessionMemory, resting_memory
 from supervisor.core.tracer import TurnTrace
 from supervisor.core.states import RestartPolicy, State
 from supervisor.store.state_store import Meta, SessionLog
@@ -130,6 +131,8 @@ class PendingAsk:
 
 
 LIFECYCLE_KEEP = 500
+# A turn's spend before it has any (one shared read-only empty).
+NO_SPEND: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(slots=True, eq=False)
@@ -147,23 +150,25 @@ class Session:
     worker: WorkerProc | None = None
     current_turn: int | None = None
     current_input: str = ""
-    subscribers: set[Subscriber] = field(default_factory=set)
+    # What a session at rest does not need is not allocated: the
+    # containers below are None until first used, and let go of when empty
+    # (a hibernated session costs the daemon what docs/internals.md says).
+    subscribers: set[Subscriber] | None = None
     # Subscribers whose input is not acknowledged yet, with the events held
     # for them meanwhile: `Accepted` comes first (EventLog.hold).
-    held: dict[Subscriber, list[bytes | bytearray]] = field(default_factory=dict)
-    ring: collections.deque[tuple[int, bytes | bytearray]] = field(
-        default_factory=collections.deque
-    )
+    held: dict[Subscriber, list[bytes | bytearray]] | None = None
+    # Retained events for `attach --from` (made at the first; dropped when it hibernates).
+    ring: collections.deque[tuple[int, bytes | bytearray]] | None = None
     ring_bytes: int = 0
     policy: RestartPolicy | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    state_waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    state_waiters: list[asyncio.Future[None]] | None = None
     # Session pings in flight: nonce -> callback(error or None).
-    pings: dict[int, Callable[[SessiondError | None], None]] = field(default_factory=dict)
+    pings: dict[int, Callable[[SessiondError | None], None]] | None = None
     restart_handle: asyncio.TimerHandle | None = None
     last_active: float = field(default_factory=time.monotonic)
     children: list[str] = field(default_factory=list)
-    memory: SessionMemory = field(default_factory=SessionMemory)
+    memory: SessionMemory = field(default_factory=resting_memory)  # (WorkerOwner: fresh for each worker)
     pending_input: PendingInput | None = None
     # The turn whose Commit is written and waiting for its flush (ledger).
     committing: int | None = None
@@ -173,14 +178,14 @@ class Session:
     # held open while its worker restarts.
     step_records: int = 0
     step_bytes: int = 0
-    steps_flying: dict[int, str] = field(default_factory=dict)
+    steps_flying: dict[int, str] | None = None
     suspended: Suspension | None = None
     # Permission requests of the running turn awaiting a person's answer,
     # by request id, oldest first.
-    pending_asks: dict[str, PendingAsk] = field(default_factory=dict)
+    pending_asks: dict[str, PendingAsk] | None = None
     # Resolved with (ok, reply or reason) when that turn ends; used to run
     # a sub-agent's task and hand its reply to the parent.
-    turn_results: dict[int, asyncio.Future[tuple[bool, str]]] = field(default_factory=dict)
+    turn_results: dict[int, asyncio.Future[tuple[bool, str]]] | None = None
     spawned: int = 0  # sub-agents started under this session (its whole tree, for a root)
     turn_started: float = 0.0
     last_turn_secs: float = float("inf")  # how long the last turn took
@@ -196,14 +201,14 @@ class Session:
     removing: bool = False
     usage: dict[str, int] = field(default_factory=dict)
     # The running turn's spend so far, as its worker last reported it (m.Spent).
-    turn_spend: dict[str, int] = field(default_factory=dict)
+    turn_spend: Mapping[str, int] = field(default_factory=lambda: NO_SPEND)  # (replaced whole, never written into)
     # The running turn's trace, when tracing is on (supervisor.core.tracer).
     trace: TurnTrace | None = None
     # Lifecycle events with their unix time, for `sessionctl logs`: those
     # of earlier daemons as the log kept them (a turn's own running and
-    # back are kept only since this daemon started), then this one's.
-    lifecycle: collections.deque[tuple[float, m.StateChanged | m.LimitExceeded | m.TurnFailed]] = field(
-        default_factory=lambda: collections.deque(maxlen=LIFECYCLE_KEEP))
+    # back are kept only since this daemon started), then this one's.  At
+    # rest (and as loaded) packed into bytes (EventLog: unpacked at the next).
+    lifecycle: collections.deque[tuple[float, m.StateChanged | m.LimitExceeded | m.TurnFailed]] | bytes = b""
 
     @property
     def persisted_state(self) -> str:

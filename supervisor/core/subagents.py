@@ -113,7 +113,7 @@ class Subagents:
         def register(accepted: m.Accepted) -> None:
             # Called as the input becomes durable, which always precedes the
             # turn's end (a quick child may be done before send() returns).
-            child.turn_results[accepted.turn] = fut
+            child.turn_results = {**(child.turn_results or {}), accepted.turn: fut}
 
         trace = None
         if traced is not None:

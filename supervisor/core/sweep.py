@@ -32,7 +32,7 @@ import asyncio
 import heapq
 import logging
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from ipc import messages as m
@@ -60,6 +60,7 @@ from supervisor.core.limits import (
 from supervisor.host.proctable import REMOTE_PIDS, ProcTable
 from supervisor.host.measure import PROC_READS, Kind, Measurer, Read
 from supervisor.core.recorder import NO_METRICS, Recorder
+from supervisor.core.registry import Registry
 from supervisor.core.session import Session, WorkerProc
 from supervisor.core.states import State
 from supervisor.core.workers import WorkerOwner
@@ -84,7 +85,7 @@ class Sweeper:
     def __init__(
         self,
         config: Callable[[], Config],
-        sessions: Mapping[str, Session],
+        sessions: Registry,
         events: EventLog,
         workers: WorkerOwner,
         proc_table: ProcTable,
@@ -94,6 +95,7 @@ class Sweeper:
         *,
         closing: Callable[[], bool],
         metrics: Recorder = NO_METRICS,
+        ahead: Callable[[], None] = lambda: None,
     ) -> None:
         self._config = config
         self._sessions = sessions
@@ -109,6 +111,8 @@ class Sweeper:
         # The daemon is shutting down: the sweep ends (SessionManager's).
         self._closing = closing
         self.metrics = metrics
+        # LiveSlots.hibernate_ahead: free live slots kept ahead of demand (sessions gone idle since).
+        self._ahead = ahead
         self._tick = 0
         # The loop's stalls seen by the sweep (see run): how many, how long in all.
         self.loop_stalls = 0
@@ -162,7 +166,7 @@ class Sweeper:
         log.log(level, "the daemon's loop was stalled for %.2fs; workers' heartbeat allowances are "
                 "extended by as much", lag)
         now = time.monotonic()
-        for session in self._sessions.values():
+        for session in self._sessions.live:
             worker = session.worker
             if worker is not None:
                 self._workers.heard_from(worker, min(now, worker.last_heartbeat + lag))
@@ -179,7 +183,7 @@ class Sweeper:
         # processes no session holds any more, so it must see them all.
         tidy = self._tick % QUIET_EVERY == 0
         seen: set[int] = set()
-        for session in list(self._sessions.values()):
+        for session in list(self._sessions.live):  # (the sessions at rest have nothing to sweep)
             worker = session.worker
             if worker is None or worker.kill_reason is not None or worker.exited.done():
                 continue
@@ -201,6 +205,7 @@ class Sweeper:
                     walk.close()
                     del self._walks[sid]
         self._events.trim()
+        self._ahead()
 
     def _quiet(self, session: Session) -> bool:
         """No turn running and no process of its own seen: nothing in the

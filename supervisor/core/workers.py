@@ -39,6 +39,7 @@ from supervisor.core.limits import SessionMemory
 from supervisor.host.proctable import ProcTable
 from supervisor.logtag import tagged
 from supervisor.core.recorder import NO_METRICS, Recorder
+from supervisor.core.registry import Registry
 from supervisor.spawn.seams import LosesWorkers, Pending, Spawner, SpawnerDied, drop_pending
 from supervisor.core.session import Session, WorkerProc
 from supervisor.store.state_store import Fenced, StoreDamaged, StoreError
@@ -68,7 +69,7 @@ class WorkerOwner:
         spawn_task: Callable[[Coroutine[Any, Any, None]], None],
         *,
         closing: Callable[[], bool],
-        make_room: Callable[[Session], Awaitable[None]],
+        make_room: Callable[[Session], Awaitable[None]], sessions: Registry,
         claim: Callable[[Session], Awaitable[None]] | None = None,
         damaged: Callable[[Session, StoreDamaged], SessiondError] | None = None,
         sandbox: m.SandboxBoot | None = None,
@@ -97,6 +98,7 @@ class WorkerOwner:
         self.metrics = metrics
         # LiveSlots.make_room: a live worker's room, hibernating others for it.
         self._make_room = make_room
+        self._sessions = sessions  # told when a worker comes or goes (Registry.relive: the live slots)
         # Takes a session held by another daemon back first (supervisor.core.fencing).
         self._claim = claim
         # Damage.at_boot: a boot's read found the log damaged (supervisor.core.damage).
@@ -158,12 +160,10 @@ class WorkerOwner:
             on_bad_message=lambda exc: self._on_bad_frame(session, worker, exc),
             pacer=self._ledger.pacer,
         )
-        worker = WorkerProc(
-            pid=pid, conn=proto, ready=loop.create_future(), exited=loop.create_future(),
-            started_at=now, last_heartbeat=now,
-        )
-        session.worker = worker
-        session.memory = SessionMemory()
+        worker = WorkerProc(pid=pid, conn=proto, ready=loop.create_future(), exited=loop.create_future(),
+                            started_at=now, last_heartbeat=now)
+        session.worker, session.memory = worker, SessionMemory()
+        self._sessions.relive(session)
         self.by_pid[pid] = session
         await loop.create_unix_connection(lambda: proto, sock=sock)
         run_as = self._workspaces.run_as(session)
@@ -239,7 +239,7 @@ class WorkerOwner:
                     worker.ready.set_exception(Internal(f"boot failed: {reason}"))
                     worker.ready.exception()  # mark retrieved
             case m.WorkerPong(nonce=nonce):
-                answer = session.pings.pop(nonce, None)
+                answer = session.pings.pop(nonce, None) if session.pings else None
                 if answer is not None:
                     answer(None)
             case _:
@@ -309,11 +309,11 @@ class WorkerOwner:
         if not worker.ready.done():
             worker.ready.set_exception(Internal(describe_exit(info)))
             worker.ready.exception()
-        pings, session.pings = session.pings, {}
+        pings, session.pings = session.pings or {}, None
         for answer in pings.values():
             answer(Conflict(f"session {session.id}: the worker exited before answering"))
-        session.worker = None
-        session.last_exit = info
+        session.worker, session.last_exit = None, info
+        self._sessions.relive(session)
         if worker.expected:
             tagged(log, session.id).info("worker %d exited (%s)", pid, worker.expected)
             self._ledger.take_input(session)  # not retried: it was asked to go
@@ -368,6 +368,8 @@ class WorkerOwner:
                     break
                 await asyncio.sleep(0.02)
         self.containment.release(session, worker.pid)
+        if session.worker is None:  # (its tree is gone: what a session at rest keeps of its figures)
+            session.memory = session.memory.at_rest()
 
     def stopping_for(self, session: Session, exit_reason: ExitReason) -> None:
         """The worker's exit is recorded as the limit it is stopped for, from
@@ -419,20 +421,16 @@ class WorkerOwner:
             return
         ws = session.settings.agent.worker
         if session.policy is None:
-            session.policy = RestartPolicy(
-                ws.max_restart_attempts, ws.restart_window_secs,
-                ws.restart_backoff_initial_ms, ws.restart_backoff_max_ms,
-            )
+            session.policy = RestartPolicy(ws.max_restart_attempts, ws.restart_window_secs,
+                                           ws.restart_backoff_initial_ms, ws.restart_backoff_max_ms)
         decision = session.policy.on_failure(time.monotonic()) if charged else session.policy.not_charged()
         if not decision.restart:
             tagged(log, session.id).error("giving up restarting it after %d failures within %gs (last: %s); "
                                           "`sessionctl restart %s` tries again",
                                           decision.attempts_in_window, ws.restart_window_secs,
                                           describe_exit(session.last_exit), session.id)
-            self._events.set_state(
-                session, Trigger.GIVE_UP,
-                reason=f"{decision.attempts_in_window} failures within {ws.restart_window_secs:g}s",
-            )
+            self._events.set_state(session, Trigger.GIVE_UP,
+                                   reason=f"{decision.attempts_in_window} failures within {ws.restart_window_secs:g}s")
             self._events.emit_limit(session, LimitKind.RESTARTS, decision.attempts_in_window,
                                     ws.max_restart_attempts)
             self._events.write_mark(session, durable=False)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from pathlib import Path
 
 from supervisor.config import Config, workspace_root
@@ -174,16 +174,16 @@ class Workspaces:
         uid = session.meta.run_uid
         return (uid, uid) if uid is not None else None
 
-    def allocate_uid(self, sessions: Iterable[Session]) -> int | None:
-        """A uid of session_uid_range that no session holds and no user owns.
-        Picked at random, so that a uid just freed is unlikely to be handed
-        out again soon (what its last session left in /tmp stays its own)."""
+    def allocate_uid(self, taken: Container[int | None]) -> int | None:
+        """A uid of session_uid_range that no session holds (`taken`: the
+        registry's run uids) and no user owns.  Picked at random, so that a
+        uid just freed is unlikely to be handed out again soon (what its
+        last session left in /tmp stays its own)."""
         span = self.session_uids
         if span is None:
             return None
         # The last uid is kept for listing MCP servers' tools (supervisor.spawn.mcplist).
         span = span[:-1] if len(span) > 1 else span
-        taken = {s.meta.run_uid for s in sessions}
         for _ in range(64):
             uid = span[secrets.randbelow(len(span))]
             if uid not in taken and not user_exists(uid):

@@ -56,7 +56,7 @@ import asyncio
 import enum
 import logging
 from dataclasses import dataclass, field
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar
 
 import msgspec
@@ -358,7 +358,7 @@ def check_stored_id(session_id: str, meta: Meta) -> None:
         raise StoreDamaged(session_id, f"its metadata names another session ({meta.id!r})", repairable=False)
 
 
-def add_usage(total: dict[str, int], more: dict[str, int]) -> None:
+def add_usage(total: dict[str, int], more: Mapping[str, int]) -> None:
     for key, value in more.items():
         total[key] = total.get(key, 0) + value
 
