@@ -62,6 +62,9 @@ from supervisor.ctl.client import AsyncClient
 USER_UID = 4_000_017
 IN_FLIGHT = 16
 
+# The workspaces walked, not an ext4 image each: as root "auto" makes one
+# per session (mkfs, a loop device, a mount: ~0.3 s, and a mount per
+# session), which would measure the kernel's disk caps, not the daemon.
 CONFIG = """
 [agent.limits]
 max_concurrent_sessions = {live}
@@ -70,6 +73,9 @@ max_concurrent_sessions = {live}
 socket_mode = "0666"
 allowed_uids = [{uid}]
 session_uid_range = ""
+
+[tools]
+disk_quota = "measured"
 """
 
 ONE_SHOT = [sys.executable, "-c", "from supervisor.ctl.fast import run; run()"]
