@@ -55,6 +55,7 @@ from bench import _common as c
 
 from ipc.loop import run as loop_run
 from supervisor.ctl.client import AsyncClient
+from supervisor.ctl.errors import DaemonUnavailable
 
 # The uid whose sessions `ls` of one user lists: a uid no user has, admitted
 # by allowed_uids.  Sessions run as the daemon's user (as root: no uid of
@@ -176,7 +177,18 @@ def _restart(d: c.BenchDaemon, old: str) -> tuple[float, float]:
     pinged = time.perf_counter() - t0
 
     async def turn() -> None:
-        async with await AsyncClient.connect(str(d.socket), client_name="bench-scale-restart") as client:
+        # A daemon still loading may not answer a hello in time (a busy
+        # machine): tried again, and the time counts.
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                client = await AsyncClient.connect(str(d.socket), client_name="bench-scale-restart")
+                break
+            except DaemonUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+        async with client:
             await client.send_text(old, "after the restart")
 
     loop_run(turn())
