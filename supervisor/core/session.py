@@ -26,7 +26,11 @@ each own some of its fields, and only they write them:
     Budgets        (budgets.py)   turn_spend
 
 The registry and a parent's `children` list are the manager's, kept by
-`Intake` (intake.py: sessions in and out) on its behalf.  A `WorkerProc`
+`Intake` (intake.py: sessions in and out) on its behalf.  The registry
+(registry.py: `Registry`) keeps its counts as it is written (owners, run
+uids, the live sessions); whether a session is live follows from `state`
+and `worker`, so EventLog and WorkerOwner tell it after writing them
+(`Registry.relive`), and Holding after replacing `meta` (`meta_changed`).  A `WorkerProc`
 is WorkerOwner's alone.  Others ask the owner through its
 public operations (`EventLog.raise_seq`, `TurnLedger.take_input`,
 `WorkerOwner.reconfigure`, `SessionManager.reclaimed`...); the one shared
