@@ -268,10 +268,20 @@ class Config(SessionSettings):
     tracing: TracingSettings = msgspec.field(default_factory=TracingSettings)
 
     def session_settings(self) -> SessionSettings:
-        return SessionSettings(
+        """What sessions run with: one object per config, shared by every
+        session without overrides (never written into: a reload replaces it)."""
+        if _SHARED and _SHARED[0][0] is self:
+            return _SHARED[0][1]
+        settings = SessionSettings(
             agent=self.agent, provider=self.provider, tools=self.tools,
             permissions=self.permissions, sandbox=self.sandbox, mcp=self.mcp,
         )
+        _SHARED[:] = [(self, settings)]
+        return settings
+
+
+# The last config's session settings (Config.session_settings).
+_SHARED: list[tuple[Config, SessionSettings]] = []
 
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")

@@ -57,6 +57,7 @@ from supervisor.core.limits import (
     read_order,
     settled_figure,
 )
+from supervisor.host.heap import TRIM_EVERY_SECS, give_back_freed
 from supervisor.host.proctable import REMOTE_PIDS, ProcTable
 from supervisor.host.measure import PROC_READS, Kind, Measurer, Read
 from supervisor.core.recorder import NO_METRICS, Recorder
@@ -113,6 +114,7 @@ class Sweeper:
         self.metrics = metrics
         # LiveSlots.hibernate_ahead: free live slots kept ahead of demand (sessions gone idle since).
         self._ahead = ahead
+        self._trimmed_at = 0.0
         self._tick = 0
         # The loop's stalls seen by the sweep (see run): how many, how long in all.
         self.loop_stalls = 0
@@ -206,6 +208,9 @@ class Sweeper:
                     del self._walks[sid]
         self._events.trim()
         self._ahead()
+        if now - self._trimmed_at >= TRIM_EVERY_SECS:
+            self._trimmed_at = now
+            give_back_freed()  # (what sessions made and hibernated since left in the C heap)
 
     def _quiet(self, session: Session) -> bool:
         """No turn running and no process of its own seen: nothing in the

@@ -4,7 +4,8 @@ thread's reads (measure.py: PSS, memfds, tmpfs, workspace walks), which
 disk cap holds and the workspaces' walk (diskquota.py), btrfs subvolumes
 and qgroups (btrfs.py), a workspace made, capped, mounted and removed
 (workspaces.py), passwd/group lookups (users.py), and the daemon's own
-file descriptors: its limit and how many are open (fds.py).
+file descriptors: its limit and how many are open (fds.py), and its
+freed heap given back to the kernel (heap.py).
 
 The core decides (whose workspace, which reads, which verdict); this
 folder does, and holds no session state of its own.  May import: ipc/,

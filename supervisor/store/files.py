@@ -46,6 +46,7 @@ import logging
 import os
 import shutil
 import struct
+import sys
 from pathlib import Path
 
 from supervisor.store.dirplan import Plan
@@ -148,14 +149,14 @@ class SessionStore:
     Lean (slots; its directory a string, a Path made when used): the
     daemon keeps one per session, hibernated ones included."""
 
-    __slots__ = ("_dir", "name", "_journal", "gen", "_snap_gen", "_base_gen", "_fd", "_size", "_synced",
+    __slots__ = ("_root", "name", "_journal", "gen", "_snap_gen", "_base_gen", "_fd", "_size", "_synced",
                  "_opened", "_log_path", "_snapshotting", "_rest", "_released", "_closed", "_fence_fd",
                  "_generation")
 
     def __init__(self, path: Path, gen: int, snap_gen: int = 0, base_gen: int = 0,
                  fence: tuple[int, int] | None = None, journal: Journal | None = None,
                  new: bool = False) -> None:
-        self._dir = str(path)
+        self._root = sys.intern(str(path.parent))  # (one string for every session)
         self.name = path.name  # the session's id
         # With a journal (the daemon's), appends are made durable by the
         # journal's group commit; without one (tools, tests of one session),
@@ -187,6 +188,10 @@ class SessionStore:
     @property
     def path(self) -> Path:
         return Path(self._dir)
+
+    @property
+    def _dir(self) -> str:
+        return f"{self._root}/{self.name}"
 
     # ---------------------------------------------------------------- fencing
 
