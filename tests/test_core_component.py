@@ -179,7 +179,7 @@ def test_a_sub_agent_whose_create_fails_leaves_no_trace_in_its_parent(tmp_path: 
         await _until(lambda: [msg for msg in pw.got if isinstance(msg, m.SpawnResult)], "the answer")
         result = [msg for msg in pw.got if isinstance(msg, m.SpawnResult)]
         assert not result[0].ok and "could not start" in result[0].reason
-        assert parent.children == [] and set(mgr.sessions) == {"p"} and store.ids() == ["p"]
+        assert not parent.children and set(mgr.sessions) == {"p"} and store.ids() == ["p"]
 
     _run(body)
 

@@ -152,7 +152,7 @@ class Intake:
         elif session.suspended is not None:  # the turn the daemon died in resumes on a new worker
             self._workers.schedule_restart(session)
         if meta.parent and meta.parent in self._sessions:
-            self._sessions[meta.parent].children.append(meta.id)
+            self._adopt(self._sessions[meta.parent], meta.id)
 
     def add_damaged(self, session_id: str, reason: str, meta: Meta | None) -> None:
         """A session whose stored state does not load stays visible (ls,
@@ -168,7 +168,11 @@ class Intake:
         )
         self._sessions[session_id] = session
         if session.meta.parent and session.meta.parent in self._sessions:
-            self._sessions[session.meta.parent].children.append(session_id)
+            self._adopt(self._sessions[session.meta.parent], session_id)
+
+    @staticmethod
+    def _adopt(parent: Session, child_id: str) -> None:
+        parent.children = (*parent.children, child_id)
 
     def settings_for(self, session_id: str, overrides: dict[str, Any]) -> SessionSettings:
         """A stored session's settings under the current config: overrides
@@ -254,7 +258,7 @@ class Intake:
         session = Session(id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING)
         self._sessions[session_id] = session
         if parent is not None:
-            parent.children.append(session_id)
+            self._adopt(parent, session_id)
         return session
 
     def new_meta(self, session_id: str, handler: str, overrides: dict[str, Any], owner_uid: int,
@@ -308,5 +312,5 @@ class Intake:
             self._sessions.pop(session.id)
         parent = self._sessions.get(session.meta.parent or "")
         if parent is not None and session.id in parent.children:
-            parent.children.remove(session.id)
+            parent.children = tuple(c for c in parent.children if c != session.id)
         self._events.forget(session)

@@ -412,7 +412,7 @@ class SessionManager:
                 raise
             restored = self.sessions[session.id]
             self.events.add_subscribers(restored, subscribers)
-            restored.children = [c for c in children if c in self.sessions]
+            restored.children = tuple(c for c in children if c in self.sessions)
             return restored, result
 
     def ping(self, session: Session, answer: Callable[[SessiondError | None], None]) -> int:

@@ -3,7 +3,7 @@
 Runs in the daemon.  `Session` is plain data; the parts of the daemon's core
 each own some of its fields, and only they write them:
 
-    SessionManager (manager.py,   the registry, meta, settings, children, lock,
+    SessionManager (manager.py,   the registry, meta, settings, children, _lock,
                     holding.py)   store, error, meta_lost, removing
     EventLog       (events.py)    state, seq, reserved_seq, ring, ring_bytes,
                                   subscribers, held, state_waiters, lifecycle
@@ -165,13 +165,13 @@ class Session:
     ring: collections.deque[tuple[int, bytes | bytearray]] | None = None
     ring_bytes: int = 0
     policy: RestartPolicy | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _lock: asyncio.Lock | None = None  # (`lock`: made at its first use)
     state_waiters: list[asyncio.Future[None]] | None = None
     # Session pings in flight: nonce -> callback(error or None).
     pings: dict[int, Callable[[SessiondError | None], None]] | None = None
     restart_handle: asyncio.TimerHandle | None = None
     last_active: float = field(default_factory=time.monotonic)
-    children: list[str] = field(default_factory=list)
+    children: tuple[str, ...] = ()  # (replaced whole: most sessions have none, and share the empty one)
     memory: SessionMemory = field(default_factory=resting_memory)  # (WorkerOwner: fresh for each worker)
     pending_input: PendingInput | None = None
     # The turn whose Commit is written and waiting for its flush (ledger).
@@ -213,6 +213,21 @@ class Session:
     # back are kept only since this daemon started), then this one's.  At
     # rest (and as loaded) packed into bytes (EventLog: unpacked at the next).
     lifecycle: collections.deque[tuple[float, m.StateChanged | m.LimitExceeded | m.TurnFailed]] | bytes = b""
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Held while a request changes what runs (start, stop, hibernate...);
+        made at its first use, let go of at rest (`rest_lock`)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    def rest_lock(self) -> None:
+        """The lock goes while nobody holds it or waits for it (asyncio's
+        waiters: one woken but not yet running takes the old one)."""
+        lock = self._lock
+        if lock is not None and not lock.locked() and not getattr(lock, "_waiters", True):
+            self._lock = None
 
     @property
     def persisted_state(self) -> str:

@@ -171,5 +171,6 @@ class LiveSlots:
                     return
                 self._events.set_state(session, Trigger.HIBERNATE, reason=reason)
                 await self._terminate(session, "hibernated", self._config().daemon.stop_grace_secs)
+            session.rest_lock()
         finally:
             self._hibernating.discard(session.id)
