@@ -15,10 +15,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +36,10 @@ SECRET = "sk-audit-canary-0123456789"
 
 
 @pytest.fixture
-def shared_root() -> Iterator[Path]:
+def shared_root(reachable_dir: Callable[..., Path]) -> Path:
     """A daemon root another user can reach (pytest's temp dirs are root's
     alone), as /var/lib would be."""
-    base = Path(tempfile.mkdtemp(prefix="sd-proc-"))
-    os.chmod(base, 0o711)
-    yield base / "d"
-    shutil.rmtree(base, ignore_errors=True)
+    return reachable_dir("sd-proc-") / "d"
 
 
 FAST_STOP = """
@@ -310,19 +306,15 @@ def test_a_group_writable_ancestor_is_refused(tmp_path: Path, which: str) -> Non
 
 
 @pytest.mark.process
-def test_a_sticky_world_writable_parent_is_fine(make_daemon, tmp_path: Path) -> None:
+def test_a_sticky_world_writable_parent_is_fine(make_daemon, reachable_dir: Callable[..., Path]) -> None:
     """Like /tmp: others may write, but not rename what is ours."""
-    sticky = Path(tempfile.mkdtemp(prefix="sd-sticky-"))
-    try:
-        os.chmod(sticky, 0o1777)
-        d = make_daemon(start=False)
-        d.state_dir = sticky / "state"
-        d.start()
-        with d.client() as c:
-            assert c.send_text(c.create().id, "hi") == "1: hi"
-        assert (sticky / "state" / "sessions").is_dir()
-    finally:
-        shutil.rmtree(sticky, ignore_errors=True)
+    sticky = reachable_dir("sd-sticky-", 0o1777)
+    d = make_daemon(start=False)
+    d.state_dir = sticky / "state"
+    d.start()
+    with d.client() as c:
+        assert c.send_text(c.create().id, "hi") == "1: hi"
+    assert (sticky / "state" / "sessions").is_dir()
 
 
 # --- kills by pidfd ----------------------------------------------------------
