@@ -176,6 +176,7 @@ async def _serve(
     gc.freeze()
     sdnotify.ready(_status_line(manager))
     background = _background(loop, manager)
+    background.append(loop.create_task(_freeze_when_loaded(manager)))
     await stop.wait()
     await _stop(cfg, parts, metrics_server, background)
     return 0
@@ -213,7 +214,7 @@ def _build(
         per_session = cfg.daemon.metrics_top_sessions if cfg.daemon.metrics_per_session else 0
         # Reads what it counts when scraped, from the parts built below.
         recorder = metrics.PrometheusRecorder(lambda: manager.sessions.values(), lambda: len(server.clients),
-                                              per_session, tracer.stats)
+                                              per_session, tracer.stats, lambda: manager.loading)
     # The lazy MCP servers' tool lists, in the config sessions run with (cluster mode: none).
     ray: RaySpawner | None = None  # cluster mode: the spawner is cluster.join's
     if cfg.cluster.backend == "ray":
@@ -247,10 +248,15 @@ def _build(
 
 
 def _load(loop: asyncio.AbstractEventLoop, parts: _Parts) -> None:
+    """The sessions on disk: listed now and loaded in the background
+    while the daemon serves (supervisor.core.loading); in cluster mode
+    all loaded now (other daemons' messages name them)."""
     try:
         if parts.fronts is not None:
             parts.fronts.start(loop, parts.manager, parts.manager.holding)  # listening first: nothing said meanwhile is missed
-        parts.manager.load_all()
+            parts.manager.load_all()
+        elif listed := parts.manager.start_loading():
+            log.info("loading %d session(s) from disk in the background; serving meanwhile", listed)
     except StoreError as exc:  # the database went away since it was opened
         # Not chained: the driver's error under it may quote the DSN, password and all.
         raise StartupError(f"cannot read the sessions: {exc}") from None
@@ -340,14 +346,24 @@ def _sessionctl_command() -> str:
     return str(beside) if beside.exists() else "sessionctl"
 
 
+async def _freeze_when_loaded(manager: SessionManager) -> None:
+    """The sessions loaded after start-up's freeze, out of the collector's
+    full passes too (one collection, once)."""
+    if manager.loading is not None:
+        await manager.loaded()
+        gc.collect()
+        gc.freeze()
+
+
 def _status_line(manager: SessionManager) -> str:
     live = manager.live_workers()
     counts: dict[str, int] = {}
     for s in manager.sessions.values():
         counts[s.state.value] = counts.get(s.state.value, 0) + 1
+    loading = manager.loading
     return (
         f"{len(manager.sessions)} sessions: {live} live, {counts.get('hibernated', 0)} hibernated, "
-        f"{counts.get('failed', 0)} failed"
+        f"{counts.get('failed', 0)} failed" + (f"; loading {loading[0]} of {loading[1]}" if loading else "")
     )
 
 
