@@ -8,16 +8,18 @@ per session, and with 100,000 on disk that is tens of seconds; a daemon
 that loaded them all before it listened would answer nothing, not even
 `ping`, meanwhile.  So `_serve` lists them (`list_stored`), listens, and this
 loads them (`run`): a file store's reads and decoding (`read_stored`) in a
-thread, a chunk at a time with the next chunk read while this one is
-registered, and each session registered on the loop (`Intake.load_one`),
-a slice at a time between the loop's other work.  The order is the store's
-(the file store: the sessions the last daemon's journal wrote first, which
-holds the turns it died in: their restart is scheduled as each is loaded).
+thread, a chunk at a time, then each session of the chunk registered on the
+loop (`Intake.load_one`), a slice at a time between the loop's other work.
+Not the next chunk read while this one is registered: both are Python, and
+the thread, which lets go of the GIL at every read, would wait for it each
+time (the load took 1.8x as long).  The order is the store's (the file
+store: the sessions the last daemon's journal wrote first, which holds the
+turns it died in: their restart is scheduled as each is loaded).
 
 What a request needs of a session not loaded yet is had at once:
 `SessionManager.get` loads it (`load_now`) before answering, and a parent's
 `stop` and `rm` load its children first (`load_prefixed`: a child's id
-starts with its parent's, supervisor.core.session.child_prefix).  The ids
+starts with its parent's, supervisor.core.subagents.child_prefix).  The ids
 are known from the listing, so `create` of one of them is refused as ever.
 What needs every session waits for the load to end (`wait`, bounded:
 `create` and import, for the per-uid quota and the session uids) or says
@@ -134,12 +136,8 @@ class Loader:
             self._end()
 
     async def _pass(self, order: list[str]) -> None:
-        chunks = [order[i:i + CHUNK] for i in range(0, len(order), CHUNK)]
-        ahead = self._read_ahead(chunks[0])
-        for n in range(len(chunks)):
-            openers = await ahead
-            if n + 1 < len(chunks):
-                ahead = self._read_ahead(chunks[n + 1])  # read while this chunk is registered
+        for start in range(0, len(order), CHUNK):
+            openers = await self._openers(order[start:start + CHUNK])
             for i, (session_id, opener) in enumerate(openers):
                 if self._closing():
                     return
@@ -152,13 +150,11 @@ class Loader:
                 if i % SLICE == SLICE - 1:
                     await asyncio.sleep(0)
 
-    def _read_ahead(self, chunk: list[str]) -> asyncio.Future[list[tuple[str, Opener]]]:
+    async def _openers(self, chunk: list[str]) -> list[tuple[str, Opener]]:
         wanted = [sid for sid in chunk if sid in self._pending]
         if self._read is None:
-            done: asyncio.Future[list[tuple[str, Opener]]] = asyncio.get_running_loop().create_future()
-            done.set_result([(sid, self._opener(sid)) for sid in wanted])
-            return done
-        return asyncio.ensure_future(asyncio.to_thread(self._read_chunk, wanted))
+            return [(sid, self._opener(sid)) for sid in wanted]
+        return await asyncio.to_thread(self._read_chunk, wanted)
 
     def _opener(self, session_id: str) -> Opener:
         return lambda: self._open(session_id)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["FENCE", "Listing", "fsync_dir", "listing", "log_gens", "never_created", "read_fence", "remove_dir",
+__all__ = ["FENCE", "Listing", "fsync_dir", "listing", "log_gens", "read_fence", "remove_dir",
            "write_snapshot_files"]
 
 FENCE = struct.Struct(">Q")  # the `fence` file: the last writer's generation
@@ -111,11 +111,6 @@ def write_snapshot_files(path: Path, data: bytes, gen: int) -> None:
         raise
     finally:
         fsync_dir(path)
-
-
-def never_created(path: Path) -> bool:
-    """No snapshot and no byte of log: not even the metadata record landed."""
-    return listing(path).never_created(path)
 
 
 def remove_dir(path: Path) -> None:
