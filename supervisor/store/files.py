@@ -3,6 +3,7 @@
 Layout under `<state_dir>/sessions/<id>/`:
 
     fence          u64 fencing generation, bumped by every writer that opens the session
+                   (at the daemon's start: by its first write, `SessionStore.opened`)
     log.<gen>      records, each `u32 length | u32 crc32 | msgpack`, appended
     snapshot       the session at the end of log.<gen-1>, replaced atomically;
                    `SNP1 | u32 length | u32 crc32 | msgpack` (older ones: bare msgpack)
@@ -45,19 +46,20 @@ import contextlib
 import logging
 import os
 import shutil
-import struct
+from collections.abc import Callable
 from pathlib import Path
 
-from supervisor.store.dirplan import Plan
+from supervisor.store import dirplan
 from supervisor.store.dirplan import check_damage as _check_damage
-from supervisor.store.dirplan import plan as _plan_of
 from supervisor.store.journal import Journal
 from supervisor.store.spendfile import FileSpendBook
 from supervisor.store.repair import repair_dir
 from supervisor.store.replay import clear_damage_note
 from supervisor.store.sessiondir import fsync_dir as _fsync_dir
+from supervisor.store.sessiondir import FENCE as _FENCE
+from supervisor.store.sessiondir import Listing
+from supervisor.store.sessiondir import listing as _listing
 from supervisor.store.sessiondir import log_gens as _log_gens
-from supervisor.store.sessiondir import never_created as _never_created
 from supervisor.store.sessiondir import remove_dir as _remove_dir
 from supervisor.store.sessiondir import write_snapshot_files as _snapshot_files
 from supervisor.store.journal import fdatasync as _fdatasync
@@ -79,7 +81,6 @@ from supervisor.store.state_store import (
     Abort,
     Commit,
     InputRecord,
-    LIFE_EVENTS_KEPT,
     LoadedSession,
     Mark,
     Meta,
@@ -89,34 +90,15 @@ from supervisor.store.state_store import (
     Snapshot,
     StepRecord,
     boot_state,
-    check_stored_id,
     settled,
     turn_steps,
 )
 
-__all__ = [
-    "Abort",
-    "Commit",
-    "FileStateStore",
-    "Fenced",
-    "LogScan",
-    "InputRecord",
-    "LoadedSession",
-    "Meta",
-    "Mark",
-    "SessionStore",
-    "Snapshot",
-    "StoreDamaged",
-    "StoreError",
-    "StoreFull",
-    "describe_damage",
-    "frame_record",
-    "scan_log",
-]
+__all__ = ["Abort", "Commit", "FileStateStore", "Fenced", "LogScan", "InputRecord", "LoadedSession", "Meta", "Mark",
+           "SessionStore", "Snapshot", "StoreDamaged", "StoreError", "StoreFull", "describe_damage", "frame_record",
+           "scan_log"]
 
 log = logging.getLogger("sessiond.store")
-
-_FENCE = struct.Struct(">Q")
 
 
 def _take_fence(path: Path, sync: bool = True) -> tuple[int, int]:
@@ -146,9 +128,9 @@ def _take_fence(path: Path, sync: bool = True) -> tuple[int, int]:
 class SessionStore:
     """One session's files, held by its one writer.  Runs in the daemon only."""
 
-    def __init__(self, path: Path, gen: int, snap_gen: int = 0, base_gen: int = 0,
+    def __init__(self, path: Path, gen: int, snap_gen: int = 0,
                  fence: tuple[int, int] | None = None, journal: Journal | None = None,
-                 new: bool = False) -> None:
+                 new: bool = False, *, seen_fence: int | None = None, size: int = 0) -> None:
         self.path = path
         # With a journal (the daemon's), appends are made durable by the
         # journal's group commit; without one (tools, tests of one session),
@@ -156,15 +138,22 @@ class SessionStore:
         self._journal = journal
         self.gen = gen  # the log appended to
         self._snap_gen = snap_gen  # the current snapshot continues at this log
-        self._base_gen = base_gen  # oldest log kept (the fallback's)
         self._fd = -1
-        self._size = self._synced = self._opened = 0
+        self._size = self._synced = self._opened = size
         self._log_path = path / f"log.{gen}"
         self._snapshotting = False
         # At rest (at_rest()): its files are closed (released) once all is
         # durable, and opened again by the next write; closed: for good.
         # A loaded session starts at rest: it has no worker yet.
         self._rest = self._released = self._closed = False
+        # Opened without a write (`opened`: the daemon's start): the generation
+        # after `seen_fence` is taken, durably, before its first write, if
+        # the fence still holds `seen_fence` then (else a newer writer has it).
+        self._untaken = seen_fence
+        if seen_fence is not None:
+            self._fence_fd, self._generation = -1, seen_fence + 1
+            self._rest = self._released = True
+            return
         self._fence_fd, self._generation = fence if fence is not None else _take_fence(path, sync=not new)
         try:
             self._open_log()
@@ -198,8 +187,25 @@ class SessionStore:
         else:
             raw = os.pread(self._fence_fd, _FENCE.size, 0)
         current = _FENCE.unpack(raw)[0] if len(raw) == _FENCE.size else 0
-        if current != self._generation:
+        if current != (self._generation if self._untaken is None else self._untaken):
             raise Fenced(self.path.name, self._generation, current)
+
+    def _take(self, fd: int) -> None:
+        """The generation an `opened` store was given, taken now, before its
+        first write: durable, as `_take_fence` makes one."""
+        assert self._untaken is not None
+        raw = os.pread(fd, _FENCE.size, 0)
+        current = _FENCE.unpack(raw)[0] if len(raw) == _FENCE.size else 0
+        if current != self._untaken:
+            raise Fenced(self.path.name, self._generation, current)
+        if self._journal is not None:
+            self._journal.settle(self.path)
+        try:
+            os.pwrite(fd, _FENCE.pack(self._generation), 0)
+            os.fsync(fd)
+        except OSError as exc:
+            raise _write_error(f"{self.path.name}/fence", exc) from exc
+        self._untaken = None
 
     # ---------------------------------------------------------------- create / load
 
@@ -279,65 +285,36 @@ class SessionStore:
             await files  # both done before the create is answered, either way
 
     @classmethod
-    def load(cls, path: Path, journal: Journal | None = None) -> tuple[SessionStore, LoadedSession]:
-        """Open for writing and read back.  `StoreDamaged` leaves every file
-        as it was; a torn tail is cut, a bad snapshot falls back."""
-        plan = _plan_of(path)
+    def load(cls, path: Path, journal: Journal | None = None,
+             listed: Listing | None = None) -> tuple[SessionStore, LoadedSession]:
+        """Open for writing and read back, fenced at once.  `StoreDamaged`
+        leaves every file as it was; a torn tail is cut, a bad snapshot
+        falls back; KeyError where a create was cut short."""
+        found = dirplan.read(path, listed)
+        if found is None:
+            raise KeyError(path.name)
         if journal is not None:  # then fenced: an older writer is refused from here on
             journal.settle(path)
         fence = _take_fence(path)
         try:
-            return cls._load(path, plan, fence, journal)
+            dirplan.settle(path, found.plan)
+            store = cls(path, found.plan.gens[-1], found.plan.snap.gen if found.plan.snap else 0, fence, journal)
         except BaseException:
             os.close(fence[0])
             raise
+        store.at_rest(True)  # no worker yet: its files close until it is written to
+        return store, found.loaded
 
     @classmethod
-    def _load(cls, path: Path, plan: Plan, fence: tuple[int, int],
-              journal: Journal | None) -> tuple[SessionStore, LoadedSession]:
-        if plan.fallback:
-            tagged(log, path.name).warning("%s; restored from the previous generation (%s and log(s) %s)",
-                                           plan.fallback, "snapshot.prev" if plan.snap else "no snapshot",
-                                           ", ".join(map(str, plan.gens)))
-            # The previous generation becomes the current one on disk too,
-            # so the next rotation keeps a good snapshot as its fallback.
-            if plan.snap is not None:
-                os.replace(path / "snapshot.prev", path / "snapshot")
-            else:
-                (path / "snapshot").unlink()
-            _fsync_dir(path)
-        snap = plan.snap
-        loaded: LoadedSession | None = None
-        if snap is not None:
-            loaded = LoadedSession(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark,
-                                   usage=dict(snap.usage), lifecycle=list(snap.lifecycle))
-        for g in plan.gens:
-            scan = plan.scans[g]
-            torn = scan.torn_at
-            if torn is not None:
-                tagged(log, path.name).warning("log.%d: dropping %d bytes of a torn last record at offset %d",
-                                               g, scan.size - torn, torn)
-                with open(path / f"log.{g}", "r+b") as f:
-                    f.truncate(torn)
-                    os.fsync(f.fileno())
-            for _, _, rec in scan.records:
-                if loaded is None and isinstance(rec, Meta):
-                    loaded = LoadedSession(meta=rec)
-                elif loaded is not None:
-                    loaded.apply(rec)
-        assert loaded is not None  # the plan checked there is a Meta
-        check_stored_id(path.name, loaded.meta)
-        del loaded.lifecycle[:-LIFE_EVENTS_KEPT]
-        prev, _ = _read_snapshot(path / "snapshot.prev")
-        base = prev.gen if prev is not None else 0
-        # Logs older than the fallback's are folded into both snapshots.
-        for g in _log_gens(path):
-            if g < base:
-                (path / f"log.{g}").unlink(missing_ok=True)
-        snap_gen = snap.gen if snap is not None else 0
-        store = cls(path, plan.gens[-1], snap_gen, base, fence, journal)
-        store.at_rest(True)  # no worker yet: its files close until it is written to
-        return store, loaded
+    def opened(cls, found: dirplan.Read, path: Path, journal: Journal | None) -> tuple[SessionStore, LoadedSession]:
+        """`load` for the daemon's start, from what `dirplan.read` found:
+        nothing is written unless the directory needs it (a torn tail, a
+        fallback); its generation is taken at its first write."""
+        p = found.plan
+        size = dirplan.settle(path, p)
+        store = cls(path, p.gens[-1], p.snap.gen if p.snap else 0, journal=journal, seen_fence=found.fence,
+                    size=size)
+        return store, found.loaded
 
     # ---------------------------------------------------------------- writing
 
@@ -485,7 +462,6 @@ class SessionStore:
             if g < new_base:
                 with contextlib.suppress(OSError):
                     (self.path / f"log.{g}").unlink()
-        self._base_gen = new_base
 
     # ---------------------------------------------------------------- reading
 
@@ -551,9 +527,15 @@ class SessionStore:
 
     def _reopen(self) -> None:
         try:
-            fd = os.open(self.path / "fence", os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(self.path / "fence", os.O_RDWR | os.O_CLOEXEC | os.O_CREAT, 0o600)
         except OSError as exc:
             raise _write_error(f"{self.path.name}/fence", exc) from exc
+        if self._untaken is not None:
+            try:
+                self._take(fd)
+            except BaseException:
+                os.close(fd)
+                raise
         self._fence_fd, self._released = fd, False
         opened = self._opened  # (what this writer found in the log: tests' crashes cut back to it)
         try:
@@ -637,28 +619,67 @@ class FileStateStore:
             self._spend = None
 
     def load(self, session_id: str) -> tuple[SessionStore, LoadedSession]:
+        path, journal = self.root / session_id, self.journal
+        try:
+            found = _listing(path)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise KeyError(session_id) from exc
+        return SessionStore.load(path, journal, found)
+
+    def read_stored(self, session_id: str) -> Callable[[], tuple[SessionStore, LoadedSession]]:
+        """A stored session read for the daemon's start without changing
+        anything: any thread may call this (files only, no state of the
+        store's).  The call it returns, on the loop, opens it (`opened`:
+        nothing written unless the directory needs it).  KeyError (from
+        either) where there is no such session; a create cut short (never
+        acknowledged, so it never existed) is removed then."""
         path = self.root / session_id
-        journal = self.journal
-        if not path.is_dir() or _never_created(path):
-            raise KeyError(session_id)
-        return SessionStore.load(path, journal)
+        try:
+            read = dirplan.read(path, _listing(path))
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise KeyError(session_id) from exc
+        if read is None:
+            return lambda: self._never_created(path)
+        return lambda: SessionStore.opened(read, path, self.journal)
+
+    def open_stored(self, session_id: str) -> tuple[SessionStore, LoadedSession]:
+        """`read_stored` and its open at once (on the loop)."""
+        return self.read_stored(session_id)()
+
+    def _never_created(self, path: Path) -> tuple[SessionStore, LoadedSession]:
+        log.info("removing %s: a session whose creation never completed", path)
+        _remove_dir(path)
+        raise KeyError(path.name)
 
     def ids(self) -> list[str]:
-        self.journal  # noqa: B018 (replays before anything is listed)
         out = []
-        for path in sorted(self.root.iterdir()):
-            if path.name.startswith(".deleted-"):
-                # The daemon died while removing it.
-                shutil.rmtree(path, ignore_errors=True)
-            elif path.is_dir() and not path.name.startswith("."):
-                if _never_created(path):
-                    # A create cut short by a crash before its fsync: it was
-                    # never acknowledged, so it never existed.
-                    log.info("removing %s: a session whose creation never completed", path)
-                    _remove_dir(path)
-                    continue
-                out.append(path.name)
+        for sid in sorted(self.listed()):
+            path = self.root / sid
+            if _listing(path).never_created(path):
+                with contextlib.suppress(KeyError):
+                    self._never_created(path)
+                continue
+            out.append(sid)
         return out
+
+    def listed(self) -> list[str]:
+        """Every session directory's name from one read of the store's
+        directory (no session's own is opened), in the order the daemon's
+        start loads them: those the journal of the daemon before wrote
+        first (the last used; any turn it died in among them, unless a
+        checkpoint came after the turn's last record), then by name.
+        Those a crash cut short before their creation completed are among
+        them (their load says KeyError, `read_stored` removes them)."""
+        recent = self.journal.recent  # (replays before anything is listed)
+        out = []
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if entry.name.startswith(".deleted-"):
+                    # The daemon died while removing it.
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                elif not entry.name.startswith(".") and entry.is_dir():
+                    out.append(entry.name)
+        return sorted(out, key=lambda sid: (sid not in recent, sid))
 
     def remove(self, session_id: str) -> None:
         self.journal.forget(session_id)
