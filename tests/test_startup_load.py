@@ -19,15 +19,15 @@ import asyncio
 import json
 import os
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 
 from fakespawner import FakeSpawner
 from harness import Daemon, wait_for
+from test_core_component import Recorder, _run, _until
 from ipc import messages as m
 from stored import echo_sessions
 from supervisor.config import parse_config
@@ -37,8 +37,6 @@ from supervisor.core.subagents import child_prefix
 from supervisor.errors import Capacity, Conflict, Fenced
 from supervisor.store.files import FileStateStore, LoadedSession, Mark, SessionStore
 from supervisor.store.sessiondir import read_fence
-
-_event = msgspec.msgpack.Decoder(m.Event)
 
 CONFIG: dict[str, Any] = {
     "agent": {"worker": {"restart_backoff_initial_ms": 1, "restart_backoff_max_ms": 2}},
@@ -63,32 +61,6 @@ class HeldStore(FileStateStore):
 
     def open_stored(self, session_id: str) -> tuple[SessionStore, LoadedSession]:
         return FileStateStore.read_stored(self, session_id)()
-
-
-class Recorder:
-    uid = 0
-    event_tags: frozenset[str] = frozenset()
-
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-
-    def deliver(self, frame: bytes | bytearray) -> None:
-        self.events.append(_event.decode(bytes(frame)[4:]))
-
-    def of(self, kind: type[Any]) -> list[Any]:
-        return [e for e in self.events if isinstance(e, kind)]
-
-
-def _run(body: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(asyncio.wait_for(body(), 30))
-
-
-async def _until(predicate: Callable[[], Any], what: str) -> None:
-    for _ in range(4000):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _held(tmp_path: Path, config: dict[str, Any] = CONFIG) -> tuple[SessionManager, HeldStore, FakeSpawner]:
