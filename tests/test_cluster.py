@@ -630,6 +630,27 @@ def _node_host_of(worker: psutil.Process) -> psutil.Process:
     raise AssertionError(f"no node host above worker {worker.pid}")
 
 
+def _long_turn_on_a_node(d: Any, c: Any) -> tuple[str, psutil.Process, psutil.Process, list[Any], threading.Thread]:
+    """A `slow` session that ran a turn, and a long one now running from a
+    thread: (the session, its worker, the node host that runs it, the long
+    turn's events as they come, the thread)."""
+    sid = c.create(handler="fixture_handlers:slow").id
+    assert c.send_text(sid, "1") == "tick 0\n"
+    worker_pid = c.status(sid).pid
+    assert worker_pid is not None
+    worker = psutil.Process(worker_pid)  # every node is this machine here
+    events: list[Any] = []
+
+    def long_turn() -> None:  # until interrupted, or its worker is lost
+        with d.client() as c2:
+            events.extend(c2.send(sid, "100000"))
+
+    turn = threading.Thread(target=long_turn)
+    turn.start()
+    wait_for(lambda: c.status(sid).state == "running", 10, "the long turn to run")
+    return sid, worker, _node_host_of(worker), events, turn
+
+
 @pytest.mark.process
 def test_a_frozen_node_host_s_session_moves_and_its_stale_worker_delivers_nothing(
     make_daemon, ray_cluster: RayCluster, pg_server: PgServer
@@ -641,24 +662,10 @@ def test_a_frozen_node_host_s_session_moves_and_its_stale_worker_delivers_nothin
     the question; nothing the stale worker did reaches the session."""
     d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
     with d.client() as c:
-        sid = c.create(handler="fixture_handlers:slow").id
-        assert c.send_text(sid, "1") == "tick 0\n"
+        sid, stale, host, running, turn = _long_turn_on_a_node(d, c)
         frozen = c.status(sid).node
         other = next(ip for ip in NODE_IPS if ip != frozen)
-        worker_pid = c.status(sid).pid
-        assert worker_pid is not None
-        stale = psutil.Process(worker_pid)  # every node is this machine here
-        host = _node_host_of(stale)
-        running: list[Any] = []
-
-        def long_turn() -> None:
-            with d.client() as c2:
-                running.extend(c2.send(sid, "100000"))
-
-        turn = threading.Thread(target=long_turn)
-        turn.start()
         try:
-            wait_for(lambda: c.status(sid).state == "running", 10, "the long turn to run")
             host.suspend()
             try:
                 turn.join(60)
@@ -693,21 +700,8 @@ def test_a_node_host_held_up_past_the_heartbeat_allowance_costs_its_healthy_work
     ends as if nothing had happened."""
     d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
     with d.client() as c:
-        sid = c.create(handler="fixture_handlers:slow").id
-        assert c.send_text(sid, "1") == "tick 0\n"
-        worker_pid = c.status(sid).pid
-        assert worker_pid is not None
-        host = _node_host_of(psutil.Process(worker_pid))  # every node is this machine here
-        events: list[Any] = []
-
-        def long_turn() -> None:  # until interrupted
-            with d.client() as c2:
-                events.extend(c2.send(sid, "100000"))
-
-        turn = threading.Thread(target=long_turn)
-        turn.start()
+        sid, worker, host, events, turn = _long_turn_on_a_node(d, c)
         try:
-            wait_for(lambda: c.status(sid).state == "running", 10, "the turn to run")
             host.suspend()
             try:
                 wait_for(lambda: "asking its node host" in d.log, 20,
@@ -722,7 +716,7 @@ def test_a_node_host_held_up_past_the_heartbeat_allowance_costs_its_healthy_work
         done = events[-1]
         assert isinstance(done, m.TurnDone) and done.interrupted and done.reply.startswith("tick 0\n"), done
         st = c.status(sid)
-        assert st.restarts == 0 and st.last_exit is None and st.pid == worker_pid, st.last_exit
+        assert st.restarts == 0 and st.last_exit is None and st.pid == worker.pid, st.last_exit
     assert "killed_heartbeat" not in d.log
 
 
