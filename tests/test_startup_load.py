@@ -292,6 +292,18 @@ def test_loading_a_session_whose_files_need_nothing_writes_nothing(tmp_path: Pat
         store.close()
 
 
+@pytest.mark.component
+def test_the_metrics_count_the_sessions_not_loaded_yet() -> None:
+    from supervisor.ops.metrics import PrometheusRecorder
+
+    def gauge(loading: tuple[int, int] | None) -> str:
+        text = PrometheusRecorder(lambda: [], lambda: 0, loading=lambda: loading).exposition()[0].decode()
+        return next(line for line in text.splitlines() if line.startswith("sessiond_sessions_loading "))
+
+    assert gauge((40, 100)) == "sessiond_sessions_loading 60.0"
+    assert gauge(None) == "sessiond_sessions_loading 0.0"
+
+
 # ---------------------------------------------------------------- a real daemon
 
 
@@ -323,6 +335,8 @@ def test_a_daemon_answers_before_its_load_is_done(tmp_path: Path) -> None:
         assert partial["loading"] is not None and len(partial["sessions"]) < 301
         assert "s150" in {s["id"] for s in partial["sessions"]}
         assert "still loading" in d.ctl("ls").stderr
+        full = d.ctl("--json", "ls", "--sort", "id")  # (the full path: --sort is not the one-shot path's)
+        assert json.loads(full.stdout)["loading"] == partial["loading"], full
         fd = os.open(held, os.O_WRONLY)  # the loader's read goes through
         os.write(fd, data)
         os.close(fd)

@@ -381,8 +381,8 @@ class Intake:
             self._sessions.pop(session.id)
             if session.children:
                 self._orphans[session.id] = list(session.children)
-            if self._run_uids.get(session.meta.run_uid or -1) == session.id:
-                del self._run_uids[session.meta.run_uid or -1]
+            if (uid := session.meta.run_uid) is not None and self._run_uids.get(uid) == session.id:
+                del self._run_uids[uid]
         parent = self._sessions.get(session.meta.parent or "")
         if parent is not None and session.id in parent.children:
             parent.children.remove(session.id)

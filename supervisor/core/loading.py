@@ -4,7 +4,7 @@ while the daemon already serves, and at once when a request names one not
 loaded yet.
 
 Runs in the daemon's loop.  Why: loading costs a few reads and a decode
-per session, and with 100,000 on disk that is tens of seconds; a daemon
+per session, and with 100,000 on disk that is 10-15 s on 2 cores; a daemon
 that loaded them all before it listened would answer nothing, not even
 `ping`, meanwhile.  So `_serve` lists them (`list_stored`), listens, and this
 loads them (`run`): a file store's reads and decoding (`read_stored`) in a
