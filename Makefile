@@ -18,19 +18,27 @@ EDITABLE := --config-settings editable_mode=compat
 # imports Ray: 21 s and 240 MB of the venv); `make test` adds the `test`
 # extra (which holds the `otel` one: OpenTelemetry's SDK and OTLP exporter)
 # and the `cluster` extra (PostgreSQL driver, Ray), whose tests it runs.
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+# The test stamp installs the package and its extras in one pip run (one
+# resolve, one editable build), not on top of `make run`'s install: in a
+# fresh clone the two runs took twice as long.  It then stands for both.
+define new_venv
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+endef
+
+$(VENV)/.installed: pyproject.toml
+	$(new_venv)
 	$(PY) -m pip install -q -e . $(EDITABLE) || $(PY) -m pip install -q -e .
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+$(VENV)/.installed-test: pyproject.toml
+	$(new_venv)
 	$(PY) -m pip install -q -e '.[test,cluster]' $(EDITABLE) || \
 	  $(PY) -m pip install -q -e '.[test,cluster]' || { \
 	  echo "make: could not install the 'test' and 'cluster' extras (pytest; psycopg[binary], the PostgreSQL driver; ray):" \
 	       "check that a package index is reachable (pip config list), then run make again" >&2; \
 	  exit 1; }
-	touch $@
+	touch $(VENV)/.installed $@
 
 run: $(VENV)/.installed
 	$(VENV)/bin/sessiond run$(if $(CONFIG), --config "$(CONFIG)")
@@ -88,8 +96,16 @@ system-deps:
 # its grouping, pytest-dev/pytest-xdist#1386.)  PYTEST_WORKERS=0: in order.
 PYTEST_WORKERS ?= 3
 
+# The suite starts hundreds of Python processes (daemons, zygotes, workers,
+# sessionctl, Ray's) and rewrites the asserts of 130 test modules in each
+# pytest worker: with PYTHONDONTWRITEBYTECODE set (some shells and
+# containers set it) each of them compiled sessiond's modules anew, a third
+# of the suite's CPU.  The tests write their caches (__pycache__/, ignored
+# by git) whatever the caller's setting.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest
+
 test: $(VENV)/.installed-test system-deps
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+	$(PYTEST) -q -n $(PYTEST_WORKERS) --dist loadfile
 
 # The pure, protocol and component tiers: no daemon, no child processes;
 # in-process and independent, so two workers split them test by test (on 2
@@ -97,7 +113,7 @@ test: $(VENV)/.installed-test system-deps
 FAST_WORKERS ?= 2
 
 test-fast: $(VENV)/.installed-test system-deps
-	$(PY) -m pytest -q -m "not process" -n $(FAST_WORKERS)
+	$(PYTEST) -q -m "not process" -n $(FAST_WORKERS)
 
 typecheck: $(VENV)/.installed-test
 	$(PY) -m mypy

@@ -33,6 +33,7 @@ STRUCTS: dict[str, tuple[tuple[str, str, object], ...]] = {
         ('id', 'int', REQUIRED),
         ('sessions', 'list[session]', REQUIRED),
         ('next', 'str', ''),
+        ('loading', 'loading?', None),
     ),
     'session': (
         ('id', 'str', REQUIRED),
@@ -72,6 +73,10 @@ STRUCTS: dict[str, tuple[tuple[str, str, object], ...]] = {
         ('turn', 'int', 0),
         ('seq', 'int', 0),
     ),
+    'loading': (
+        ('loaded', 'int', 0),
+        ('total', 'int', 0),
+    ),
     'status': (
         ('id', 'int', REQUIRED),
         ('session', 'session', REQUIRED),
@@ -94,6 +99,7 @@ STRUCTS: dict[str, tuple[tuple[str, str, object], ...]] = {
         ('sandbox', 'dict[str,any]', dict),
         ('tracing', 'dict[str,any]', dict),
         ('mcp', 'dict[str,any]', dict),
+        ('loading', 'loading?', None),
     ),
 }
 

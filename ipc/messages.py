@@ -45,7 +45,7 @@ __all__ = [
     "NEW_ERROR_CODES",
     # daemon -> client
     "Welcome", "Error", "ErrorCode", "Ok", "Created", "Accepted", "Attached",
-    "StatusReply", "SessionList", "StatsReply", "Pong", "Repaired", "ExitInfo", "Waiting", "SessionInfo",
+    "StatusReply", "SessionList", "StatsReply", "Pong", "Repaired", "ExitInfo", "Waiting", "SessionInfo", "Loading",
     "TextDelta", "ReasoningDelta", "TurnDone", "TurnFailed", "StateChanged", "LimitExceeded", "Notice",
     "PermissionRequest", "Gap", "Lagged", "Event", "Reply", "EVENT_TYPES",
     # daemon <-> worker (defined in ipc.worker_wire)
@@ -319,12 +319,25 @@ class StatusReply(Msg, tag="status"):
     session: SessionInfo
 
 
+class Loading(Msg, tag="loading"):
+    """A daemon just started loads the sessions on disk while it serves:
+    how far it got (0 and 0 to an asker who is not an admin: how many
+    sessions others hold is theirs to know).  A request naming a session
+    loads it at once; what lists every session lists those loaded so far."""
+
+    loaded: int = 0
+    total: int = 0
+
+
 class SessionList(Msg, tag="sessions"):
     id: int
     sessions: list[SessionInfo]
     # A page (List.limit) with more after it: the `after` of the next
     # request.  "" = nothing more.
     next: str = ""
+    # Set while the daemon still loads the sessions on disk: the list holds
+    # those loaded so far, and may lack some of the asker's.  None: complete.
+    loading: Loading | None = None
 
 
 class StatsReply(Msg, tag="stats"):
@@ -348,6 +361,9 @@ class StatsReply(Msg, tag="stats"):
     # server: {"state": "pending"|"listed"|"unavailable", "tools", "version"}
     # and, for an admin, "error" (why it could not be listed).
     mcp: dict[str, Any] = {}
+    # Set while the daemon still loads the sessions on disk (`sessions` and
+    # `by_state` count those loaded so far).  None: every one is loaded.
+    loading: Loading | None = None
 
 
 class Pong(Msg, tag="pong"):

@@ -64,6 +64,10 @@ __all__ = ["StartupError", "run_daemon"]
 
 log = logging.getLogger("sessiond")
 
+# The longest the collector's own passes stay off for the start-up load (a
+# load that cannot end, for want of fds, must not leave them off for good).
+_GC_OFF_SECS = 600.0
+
 
 class Spawner(seams.Spawner, Protocol):
     """What the daemon itself needs of its spawner, beyond the seam."""
@@ -176,6 +180,7 @@ async def _serve(
     gc.freeze()
     sdnotify.ready(_status_line(manager))
     background = _background(loop, manager)
+    background.append(loop.create_task(_collect_while_loading(manager)))
     await stop.wait()
     await _stop(cfg, parts, metrics_server, background)
     return 0
@@ -213,7 +218,7 @@ def _build(
         per_session = cfg.daemon.metrics_top_sessions if cfg.daemon.metrics_per_session else 0
         # Reads what it counts when scraped, from the parts built below.
         recorder = metrics.PrometheusRecorder(lambda: manager.sessions.values(), lambda: len(server.clients),
-                                              per_session, tracer.stats)
+                                              per_session, tracer.stats, lambda: manager.loading)
     # The lazy MCP servers' tool lists, in the config sessions run with (cluster mode: none).
     ray: RaySpawner | None = None  # cluster mode: the spawner is cluster.join's
     if cfg.cluster.backend == "ray":
@@ -247,10 +252,15 @@ def _build(
 
 
 def _load(loop: asyncio.AbstractEventLoop, parts: _Parts) -> None:
+    """The sessions on disk: listed now and loaded in the background
+    while the daemon serves (supervisor.core.loading); in cluster mode
+    all loaded now (other daemons' messages name them)."""
     try:
         if parts.fronts is not None:
             parts.fronts.start(loop, parts.manager, parts.manager.holding)  # listening first: nothing said meanwhile is missed
-        parts.manager.load_all()
+            parts.manager.load_all()
+        elif listed := parts.manager.start_loading():
+            log.info("loading %d session(s) from disk in the background; serving meanwhile", listed)
     except StoreError as exc:  # the database went away since it was opened
         # Not chained: the driver's error under it may quote the DSN, password and all.
         raise StartupError(f"cannot read the sessions: {exc}") from None
@@ -340,14 +350,38 @@ def _sessionctl_command() -> str:
     return str(beside) if beside.exists() else "sessionctl"
 
 
+async def _collect_while_loading(manager: SessionManager) -> None:
+    """While the start-up load runs, the cyclic collector's own passes are
+    off and its young generations are collected every 0.1 s: a full pass
+    walks every session loaded so far (seconds at 100,000), and the growing
+    heap would set one off again and again, each a stall of the loop (665 ms
+    measured) and together half the load's time.  Garbage that outlives two
+    young passes waits for the one full pass at the end, which then freezes
+    what was loaded (as start-up's `gc.freeze` did what came before)."""
+    if manager.loading is None:
+        return
+    gc.disable()
+    try:
+        deadline = asyncio.get_running_loop().time() + _GC_OFF_SECS
+        while manager.loading is not None and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+            gc.collect(1)
+    finally:
+        gc.enable()
+    await manager.loaded()
+    gc.collect()
+    gc.freeze()
+
+
 def _status_line(manager: SessionManager) -> str:
     live = manager.live_workers()
     counts: dict[str, int] = {}
     for s in manager.sessions.values():
         counts[s.state.value] = counts.get(s.state.value, 0) + 1
+    loading = manager.loading
     return (
         f"{len(manager.sessions)} sessions: {live} live, {counts.get('hibernated', 0)} hibernated, "
-        f"{counts.get('failed', 0)} failed"
+        f"{counts.get('failed', 0)} failed" + (f"; loading {loading[0]} of {loading[1]}" if loading else "")
     )
 
 

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,29 @@ shutdown_grace_secs = 5.0
 
 
 @pytest.fixture
-def make_daemon(tmp_path: Path) -> Iterator[callable]:
+def reachable_dir() -> Iterator[Callable[..., Path]]:
+    """`reachable_dir(prefix, mode=0o711)`: a new directory in the temp dir
+    (short paths: a Unix socket's is at most 108 bytes) that other uids may
+    pass through (pytest's tmp_path is private to root), as a daemon's
+    root under /var/lib is.  Removed after the test's daemons are gone:
+    `make_daemon` asks for this fixture, so it is torn down first; a
+    directory removed while its daemon still ran was written again and
+    left behind."""
+    made: list[Path] = []
+
+    def make(prefix: str, mode: int = 0o711) -> Path:
+        path = Path(tempfile.mkdtemp(prefix=prefix))
+        made.append(path)
+        os.chmod(path, mode)
+        return path
+
+    yield make
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path, reachable_dir: Callable[..., Path]) -> Iterator[callable]:
     made: list[Daemon] = []
 
     def make(
@@ -50,6 +75,15 @@ def llm() -> Iterator[FakeLLM]:
 @pytest.fixture
 def daemon(make_daemon) -> Daemon:
     return make_daemon()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Every Daemon's directories in the temp dir, also of those a test made
+    without `make_daemon` and never cleaned up (never started, or only
+    stopped): a run leaves the temp dir as it found it.  Each fixture is
+    torn down by now; only directories go, never a process."""
+    for d in harness.MADE:
+        d.remove_temp_dirs()
 
 
 # The test tiers (ARCHITECTURE.md, "Tests and benches"), registered in pyproject.toml.  Every

@@ -146,3 +146,21 @@ class FakeSpawner:
             if worker.alive:
                 worker.alive = False
                 worker.proto.abort()
+
+
+class FakeRemoteSpawner(FakeSpawner):
+    """Its workers are "on other machines" (`LosesWorkers`, as the Ray
+    spawner's): a test says what a silent worker's node host answers
+    (`answer(pid)`: seconds since it last heard from the worker, or None
+    once it is gone or lost) and reads which workers were asked about."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_worker_lost: Callable[[int, str], None] = lambda pid, why: None
+        self.asked: list[int] = []
+        self.answer: Callable[[int], float | None] = lambda pid: 0.0
+
+    async def node_silence(self, pid: int) -> float | None:
+        self.asked.append(pid)
+        await asyncio.sleep(0)  # an answer comes from another machine, never at once
+        return self.answer(pid)

@@ -461,8 +461,10 @@ def three_steps(init: HandlerInit) -> ThreeSteps:
 
 
 class PauseOnceSteps(_Base):
-    """Steps "a", "wait", "b": a first run waits in "wait" (to be killed, or
-    its node lost); a resumed run finds "a" journaled and goes on."""
+    """Steps "a", "wait", "b": a first run says "waiting" from inside
+    "wait" (its start is sent before its function runs, so the daemon has
+    it in flight by then) and waits there (to be killed, or its node lost);
+    a resumed run finds "a" journaled and goes on."""
 
     uses_steps = True
 
@@ -470,7 +472,13 @@ class PauseOnceSteps(_Base):
         a = await ctx.step("a", lambda: "A")
         ctx.emit("after a\n")
         first_run = ctx.resumed is None
-        await ctx.step("wait", lambda: asyncio.sleep(3600 if first_run else 0))
+
+        async def wait() -> None:
+            if first_run:
+                ctx.emit("waiting\n")
+                await asyncio.sleep(3600)
+
+        await ctx.step("wait", wait)
         b = await ctx.step("b", lambda: "B")
         self.turns += 1
         return TurnResult(f"{self.turns}: {a}{b} {text}", record=1)

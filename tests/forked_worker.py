@@ -26,6 +26,12 @@ _from_worker = msgspec.msgpack.Decoder(m.FromWorker)
 class ForkedWorker:
     def __init__(self, timeout: float = 10.0) -> None:
         assert threading.active_count() == 1, "never fork a process with threads"
+        # What the zygote preloads before it forks a worker
+        # (session_worker.zygote.server._preload): imported once here, not
+        # again in each child (~0.1 s a fork; the fuzz test forks 80).
+        import session_worker.echo  # noqa: F401
+        from session_worker.worker.main import run_worker
+
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         pid = os.fork()
         if pid == 0:  # the worker
@@ -41,8 +47,6 @@ class ForkedWorker:
                 from ipc.linux import set_pdeathsig
 
                 set_pdeathsig(signal.SIGKILL)
-                from session_worker.worker.main import run_worker
-
                 code = run_worker(theirs)
             except BaseException:
                 with contextlib.suppress(Exception):

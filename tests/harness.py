@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -321,16 +322,17 @@ class Daemon:
         for pid in self.known_pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            for p in self.sockdir.iterdir():
-                p.unlink()
-            self.sockdir.rmdir()
-        for cover in self._exposed:
-            with contextlib.suppress(OSError):
-                for p in cover.iterdir():
-                    p.rmdir()
-                cover.rmdir()
+        self.remove_temp_dirs()
         self.unmount_workspaces()
+
+    def remove_temp_dirs(self) -> None:
+        """The socket's directory and the covers `run_as_user` made, in the
+        temp dir (the rest is under the test's own root); also for a Daemon
+        a test never started or cleaned up (tests/conftest.py, at the end
+        of the run).  The covers' bind mounts were made in the daemon's
+        mount namespace: here they are plain directories."""
+        for path in (self.sockdir, *self._exposed):
+            shutil.rmtree(path, ignore_errors=True)
 
     def unmount_workspaces(self) -> None:
         """The workspace images a SIGKILLed daemon left mounted (one outside

@@ -18,6 +18,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,20 +79,55 @@ class PgServer:
         if done.returncode != 0:
             raise RuntimeError(f"{tool} failed ({done.returncode}): {done.stdout}{done.stderr}")
 
+    # pg_ctl's own wait (-w) looks every 100 ms; a crash test stops and
+    # starts the server, so the waits are ours (-W), at 10 ms: the same
+    # checks pg_ctl makes, on the server's pid file.
+    _POLL_SECS = 0.01
+    _WAIT_SECS = 60.0
+
     def start(self) -> None:
-        # -w: returns once the server accepts connections.
+        """Returns once the server accepts connections, as `pg_ctl -w`:
+        its pid file says `ready`.  Fails with the log's new lines if the
+        server says FATAL before it has a pid file (a client refused while
+        it starts says FATAL too, later) or its postmaster is gone."""
         opts = f"-c listen_addresses='' -k {self.root} -c max_connections=50"
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "log"), "-o", opts, "-w",
-                  "-t", "60", "start")
+        log = self.root / "log"
+        seen = log.stat().st_size if log.exists() else 0
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(log), "-o", opts, "-W", "start")
+        deadline = time.monotonic() + self._WAIT_SECS
+        while (found := self._pid_file()) is None or found[1] != "ready":
+            said = log.read_bytes()[seen:].decode(errors="replace") if log.exists() else ""
+            failed = "FATAL:" in said if found is None else not _alive(found[0])
+            if failed or time.monotonic() > deadline:
+                raise RuntimeError(f"the PostgreSQL server did not start:\n{said[-3000:]}")
+            time.sleep(self._POLL_SECS)
 
     def stop(self, mode: str = "fast") -> None:
-        self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")
+        """Returns once the server is gone (its pid file removed), as `pg_ctl -w`."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-W", "stop")
+        deadline = time.monotonic() + self._WAIT_SECS
+        while (self.data / "postmaster.pid").exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the PostgreSQL server did not stop ({mode}) in {self._WAIT_SECS:.0f} s")
+            time.sleep(self._POLL_SECS)
 
     def crash(self) -> None:
         """What a power loss does to the server: it stops without a
         checkpoint (immediate), and recovers from its WAL on start."""
         self.stop("immediate")
         self.start()
+
+    def _pid_file(self) -> tuple[int, str] | None:
+        """The postmaster's pid and status line (the pid file's 8th:
+        `starting`, `ready`, `stopping`), None while it has not written them."""
+        try:
+            lines = (self.data / "postmaster.pid").read_text().splitlines()
+        except FileNotFoundError:
+            return None
+        try:
+            return (int(lines[0]), lines[7].strip()) if len(lines) > 7 else None
+        except ValueError:  # read while being written
+            return None
 
     @property
     def dsn(self) -> str:
@@ -111,6 +147,16 @@ class PgServer:
             self.stop("immediate")
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # not ours (the postgres user's, seen by a non-root run): alive
+        pass
+    return True
 
 
 @pytest.fixture(scope="session")

@@ -2,13 +2,17 @@
 
 Each node is its own `ray start --block` process (its own raylet, object
 store and workers) with its own loopback address (127.0.0.10 for the head,
-127.0.0.11 and .12 for the nodes), in a process group of its own, so a test
-can kill one node's raylet and teardown can kill each node whole (never
-`ray stop`, which stops every Ray on the machine).  Only the two worker
-nodes have session slots (`sessiond_slots`), two each, so a handful of
-sessions lands on both.  The head checks nodes' health every 0.5 s, so a
-killed node is noticed in seconds.  The cluster requires Ray's token
-authentication (`token_file`, `auth_env()`).
+127.0.0.11 and .12 for the nodes) and its own temp dir (as on machines of
+their own: nodes sharing one pick the same socket names when they start
+at once), in a process group of its own, so a test can kill one node's
+raylet and teardown can kill each node whole (never `ray stop`, which
+stops every Ray on the machine).  The worker nodes start side by side.
+No node runs Ray's log monitor: it forwards workers' output to drivers,
+and the fronts join with log_to_driver off (the logs stay in the files).
+Only the two worker nodes have session slots (`sessiond_slots`), two
+each, so a handful of sessions lands on both.  The head checks nodes'
+health every 0.5 s, so a killed node is noticed in seconds.  The cluster
+requires Ray's token authentication (`token_file`, `auth_env()`).
 
 Ray binds some of its ports on every interface (the GCS and the raylet
 on `::`, an agent on 0.0.0.0) whatever --node-ip-address says, so as root
@@ -131,10 +135,12 @@ class RayCluster:
             raise
 
     def start_node(self, *ips: str) -> None:
-        """Worker nodes with session slots (again, after `kill_node`), one
-        after the other: two starting at once on one host time out."""
-        for ip in ips:
-            self._start(ip, f"--address={self.address}", f"--resources={{\"sessiond_slots\": {self.slots}}}")
+        """Worker nodes with session slots (again, after `kill_node`), all
+        started, then each waited for."""
+        logs = {ip: self._launch(ip, f"--address={self.address}", f"--resources={{\"sessiond_slots\": {self.slots}}}")
+                for ip in ips}
+        for ip, log in logs.items():
+            self._wait_started(ip, log)
 
     def _start(self, ip: str, *args: str) -> None:
         self._wait_started(ip, self._launch(ip, *args))
@@ -142,14 +148,18 @@ class RayCluster:
     def _launch(self, ip: str, *args: str) -> Path:
         log = self.root / f"{ip}.log"
         log.unlink(missing_ok=True)
+        # The head's is the root; a worker node's is named by its last
+        # octet (short: Ray's Unix sockets are below it).
+        temp = self.root if "--head" in args else self.root / ip.rsplit(".", 1)[1]
+        temp.mkdir(exist_ok=True)
         # The tests' handlers (tests/fixture_handlers.py) are importable on
         # every node, as an operator's own handlers must be installed there.
         env = {**env_for_children(), **HEALTH_ENV, **self.auth_env(), "RAY_USAGE_STATS_ENABLED": "0"}
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [*self.enter, str(self.ray), "start", "--block", f"--node-ip-address={ip}", "--num-cpus=1",
-                 "--object-store-memory=80000000", "--disable-usage-stats",
-                 f"--temp-dir={self.root}", *args],
+                 "--object-store-memory=80000000", "--disable-usage-stats", "--include-log-monitor=false",
+                 f"--temp-dir={temp}", *args],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )
         self.nodes[ip] = proc

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from test_spawner_contract import CHECKS, Exits  # noqa: E402
+from test_spawner_contract import CHECKS, Exits, remove_workspaces  # noqa: E402
 
 from supervisor.config import ClusterSettings  # noqa: E402
 from supervisor.cluster.ray_spawner import RaySpawner  # noqa: E402
@@ -39,6 +39,7 @@ async def _run(address: str) -> None:
             error = traceback.format_exc()
         finally:
             spawner.close()
+            remove_workspaces()
         print(json.dumps({"check": check.__name__.strip("_"), "ok": not error, "error": error,
                           "secs": round(time.monotonic() - began, 3)}), flush=True)
 

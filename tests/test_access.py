@@ -56,25 +56,22 @@ def open_up(d: Daemon) -> None:
 
 
 @pytest.fixture
-def open_root(monkeypatch: pytest.MonkeyPatch):
+def open_root(monkeypatch: pytest.MonkeyPatch, reachable_dir):
     """A daemon root that `nobody` can pass through, as it can through
     /var/lib (pytest's own temp dirs are private to root, and a concurrent
     pytest may reset their mode), with a readable copy of the fixture
     handlers: the checkout itself may be private (a fresh clone in a 0700
     temp dir), and workers running as nobody import their handler."""
     import shutil
-    import tempfile
     from pathlib import Path
 
-    root = Path(tempfile.mkdtemp(prefix="sd-access-"))
-    os.chmod(root, 0o711)
+    root = reachable_dir("sd-access-")
     lib = root / "lib"
     lib.mkdir(mode=0o755)
     shutil.copy(Path(__file__).with_name("fixture_handlers.py"), lib / "fixture_handlers.py")
     os.chmod(lib / "fixture_handlers.py", 0o644)
     monkeypatch.setenv("PYTHONPATH", str(lib))
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    return root
 
 
 @root_only

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -315,5 +316,31 @@ def test_a_client_cut_off_for_lagging_attaches_again_from_where_it_was() -> None
             events = [ev async for ev in client.attach("s")]
             assert [getattr(e, "text", getattr(e, "new", "")) for e in events] == ["a", "b", "deleted"]
             await client.close()
+
+    run(body)
+
+
+def test_a_daemon_that_does_not_answer_hello_in_time_leaves_no_unread_error() -> None:
+    """A daemon still starting (one that loads before it listens) takes the
+    connection and answers late: the client gives up with DaemonUnavailable,
+    and nothing more (its hello's answer, failed by the close, was once left
+    unread: "Future exception was never retrieved" on every try)."""
+    from supervisor.ctl.dial import open_connection
+
+    async def silent(c: Conn) -> None:
+        await c.recv()  # the hello
+        await asyncio.sleep(30)
+
+    async def body() -> None:
+        unread: list[dict[str, Any]] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unread.append(context))
+        async with fake([silent]) as d:
+            with pytest.raises(DaemonUnavailable, match="did not answer hello"):
+                await open_connection(str(d.path), client_name="t", reasoning=False, timeout=0.2,
+                                      on_message=lambda msg: None, on_close=lambda proto, exc: None)
+        for _ in range(3):
+            gc.collect()
+            await asyncio.sleep(0)
+        assert [c.get("message") for c in unread] == []
 
     run(body)

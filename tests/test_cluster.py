@@ -305,7 +305,10 @@ def test_a_turn_with_steps_resumes_on_the_other_node_when_its_node_is_lost(
     make_daemon, ray_cluster: RayCluster, pg_server: PgServer
 ) -> None:
     """Durable steps in cluster mode: the steps are in PostgreSQL, the turn
-    resumes on the other node, and its client sees one turn."""
+    resumes on the other node, and its client sees one turn.  The node is
+    killed once the daemon has the step "wait" in flight (the handler says
+    so from inside it); the worker's silence may be noticed before Ray
+    declares the node dead, and the resume is told as the node's loss."""
     d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
     with d.client() as c:
         sid = c.create(handler="fixture_handlers:pause_once_steps").id
@@ -316,7 +319,7 @@ def test_a_turn_with_steps_resumes_on_the_other_node_when_its_node_is_lost(
             with d.client() as c2:
                 for ev in c2.send(sid, "go"):
                     events.append(ev)
-                    if isinstance(ev, m.TextDelta) and "after a" in ev.text:
+                    if isinstance(ev, m.TextDelta) and "waiting" in ev.text:
                         waiting.set()
 
         sender = threading.Thread(target=turn)
@@ -324,7 +327,9 @@ def test_a_turn_with_steps_resumes_on_the_other_node_when_its_node_is_lost(
         lost = ""
         try:
             assert waiting.wait(20), events
-            lost = c.status(sid).node
+            st = c.status(sid)
+            assert st.restarts == 0 and st.last_exit is None, st  # the first worker, in "wait"
+            lost = st.node
             ray_cluster.kill_node(lost)
             sender.join(60)
             done = events[-1]
@@ -345,13 +350,20 @@ def test_a_memory_cap_is_enforced_on_a_remote_worker(
     make_daemon, ray_cluster: RayCluster, pg_server: PgServer
 ) -> None:
     """The node host measures the worker's tree; the front's sweep decides
-    and kills through the node host; the exit is killed_memory."""
+    and kills through the node host; the exit is killed_memory.  A child of
+    the worker holds 400 MiB until it is killed: a cap measured every 0.1 s
+    on the node and judged on the front (docs/cluster.md, no cgroup there)
+    kills what a session holds, not a peak freed before the figure crosses
+    (the `leaky` handler freed its 400 MiB as its turn returned, and on a
+    busy machine its turn sometimes ended before the kill landed)."""
     d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
     with d.client() as c:
-        sid = c.create(handler="fixture_handlers:leaky", settings={"agent.limits.max_memory_mb": 96}).id
+        sid = c.create(handler="fixture_handlers:child_hog", settings={"agent.limits.max_memory_mb": 96}).id
         wait_for(lambda: (c.status(sid).rss_bytes or 0) > 0, 10, "the node host's first figure")
         events = list(c.send(sid, "400"))
-        assert isinstance(events[-1], m.TurnFailed) and "killed_memory" in events[-1].reason
+        assert isinstance(events[-1], m.TurnFailed) and "killed_memory" in events[-1].reason, events[-1]
+        limit = [e for e in events if isinstance(e, m.LimitExceeded)]
+        assert limit and limit[0].kind == "memory" and limit[0].value > 96 and limit[0].limit == 96
         wait_for(lambda: c.status(sid).state == "idle" and c.status(sid).restarts == 1, 20,
                  "the restart after the memory kill")
         assert c.status(sid).last_exit.reason == "killed_memory"
@@ -618,40 +630,47 @@ def _node_host_of(worker: psutil.Process) -> psutil.Process:
     raise AssertionError(f"no node host above worker {worker.pid}")
 
 
+def _long_turn_on_a_node(d: Any, c: Any) -> tuple[str, psutil.Process, psutil.Process, list[Any], threading.Thread]:
+    """A `slow` session that ran a turn, and a long one now running from a
+    thread: (the session, its worker, the node host that runs it, the long
+    turn's events as they come, the thread)."""
+    sid = c.create(handler="fixture_handlers:slow").id
+    assert c.send_text(sid, "1") == "tick 0\n"
+    worker_pid = c.status(sid).pid
+    assert worker_pid is not None
+    worker = psutil.Process(worker_pid)  # every node is this machine here
+    events: list[Any] = []
+
+    def long_turn() -> None:  # until interrupted, or its worker is lost
+        with d.client() as c2:
+            events.extend(c2.send(sid, "100000"))
+
+    turn = threading.Thread(target=long_turn)
+    turn.start()
+    wait_for(lambda: c.status(sid).state == "running", 10, "the long turn to run")
+    return sid, worker, _node_host_of(worker), events, turn
+
+
 @pytest.mark.process
 def test_a_frozen_node_host_s_session_moves_and_its_stale_worker_delivers_nothing(
     make_daemon, ray_cluster: RayCluster, pg_server: PgServer
 ) -> None:
     """SIGSTOP a node host while its worker runs a turn: the front hears
-    nothing (Ray sees a live node), kills the silent worker, gives up on the
-    host when the kill is not carried out, and revives the session on the
-    other node.  SIGCONT: the host carries out the kill; nothing the stale
-    worker did reaches the session."""
+    nothing (Ray sees a live node), asks the host about the silent worker,
+    gives up on it when it does not answer, and revives the session on the
+    other node.  SIGCONT: the host carries out the kill it was sent with
+    the question; nothing the stale worker did reaches the session."""
     d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
     with d.client() as c:
-        sid = c.create(handler="fixture_handlers:slow").id
-        assert c.send_text(sid, "1") == "tick 0\n"
+        sid, stale, host, running, turn = _long_turn_on_a_node(d, c)
         frozen = c.status(sid).node
         other = next(ip for ip in NODE_IPS if ip != frozen)
-        worker_pid = c.status(sid).pid
-        assert worker_pid is not None
-        stale = psutil.Process(worker_pid)  # every node is this machine here
-        host = _node_host_of(stale)
-        running: list[Any] = []
-
-        def long_turn() -> None:
-            with d.client() as c2:
-                running.extend(c2.send(sid, "100000"))
-
-        turn = threading.Thread(target=long_turn)
-        turn.start()
         try:
-            wait_for(lambda: c.status(sid).state == "running", 10, "the long turn to run")
             host.suspend()
             try:
                 turn.join(60)
                 assert isinstance(running[-1], m.TurnFailed) and "node_lost" in running[-1].reason
-                assert f"the node host on {frozen} did not carry out a kill" in running[-1].reason
+                assert f"the node host on {frozen} did not answer within" in running[-1].reason
                 wait_for(lambda: c.status(sid).state == "idle" and c.status(sid).node == other, 60,
                          f"the session to come back on {other}")
                 assert c.send_text(sid, "2") == "tick 0\ntick 1\n"
@@ -666,6 +685,39 @@ def test_a_frozen_node_host_s_session_moves_and_its_stale_worker_delivers_nothin
         history = [(t.input, t.outcome) for t in c.history(sid).turns]
         assert history == [("1", "done"), ("100000", "aborted"), ("2", "done")]
         assert c.send_text(sid, "1") == "tick 0\n" and c.status(sid).node == other
+
+
+@pytest.mark.process
+def test_a_node_host_held_up_past_the_heartbeat_allowance_costs_its_healthy_worker_nothing(
+    make_daemon, ray_cluster: RayCluster, pg_server: PgServer
+) -> None:
+    """The finding (`make test` on 2 busy cores): a node host's loop was
+    held up for about a second while its worker beat on time, and the front,
+    hearing nothing, killed the healthy worker as stuck (`killed_heartbeat`;
+    its turn resumed on that story).  Here the node host is held with
+    SIGSTOP until the front has asked it about the silent worker, then let
+    go: it answers that the worker's beats wait in its socket, and the turn
+    ends as if nothing had happened."""
+    d = make_daemon(cluster_config(ray_cluster, pg_server.fresh_dsn()))
+    with d.client() as c:
+        sid, worker, host, events, turn = _long_turn_on_a_node(d, c)
+        try:
+            host.suspend()
+            try:
+                wait_for(lambda: "asking its node host" in d.log, 20,
+                         "the front to ask the held-up node host about its silent worker")
+            finally:
+                host.resume()
+            wait_for(lambda: "held up on the way here, not stuck" in d.log or "killed_heartbeat" in d.log, 20,
+                     "the node host's answer")
+            c.interrupt(sid)
+        finally:
+            turn.join(60)
+        done = events[-1]
+        assert isinstance(done, m.TurnDone) and done.interrupted and done.reply.startswith("tick 0\n"), done
+        st = c.status(sid)
+        assert st.restarts == 0 and st.last_exit is None and st.pid == worker.pid, st.last_exit
+    assert "killed_heartbeat" not in d.log
 
 
 @pytest.mark.process

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from fakespawner import FakeSpawner, FakeWorker
+from fakespawner import FakeRemoteSpawner, FakeSpawner, FakeWorker
 from ipc import messages as m
 from ipc.settings import SessionSettings
 from supervisor.core.admission import Admission, Identities
@@ -385,8 +385,7 @@ def test_a_worker_lost_with_its_node_is_node_lost_even_after_a_heartbeat_kill(tm
     recorded as the reason.  The loss of the node is why."""
     from ipc.contract import ExitReason
 
-    spawner, store = FakeSpawner(), InMemoryStateStore()
-    spawner.on_worker_lost = None  # type: ignore[attr-defined]  # workers on other machines (cluster mode)
+    spawner, store = FakeRemoteSpawner(), InMemoryStateStore()  # workers on other machines (cluster mode)
     mgr = SessionManager(parse_config(FAST, "test"), tmp_path, spawner, store=store)
     mgr.load_all()
 
@@ -400,7 +399,7 @@ def test_a_worker_lost_with_its_node_is_node_lost_even_after_a_heartbeat_kill(tm
         await mgr.send(session, "x", None)
         spawner.kill_tree = lambda *args, **kwargs: None  # type: ignore[method-assign]  # its node is gone
         mgr.workers.kill(session, worker, ExitReason.KILLED_HEARTBEAT, "no heartbeat for 0.6s")
-        spawner.on_worker_lost(worker.pid, "node_lost: lost the node host on 10.0.0.7 (ActorDiedError)")  # type: ignore[attr-defined]
+        spawner.on_worker_lost(worker.pid, "node_lost: lost the node host on 10.0.0.7 (ActorDiedError)")
         await _until(lambda: watcher.of(m.TurnFailed), "the failed turn")
         assert session.last_exit is not None and session.last_exit.reason == "node_lost"
         assert session.last_exit.detail == "lost the node host on 10.0.0.7 (ActorDiedError)"

@@ -36,7 +36,7 @@ _KINDS: dict[str, Any] = {
     "str": str, "int": int, "float": float, "str?": str | None, "int?": int | None, "float?": float | None,
     "list[str]": list[str], "dict[str,int]": dict[str, int], "dict[str,any]": dict[str, Any],
     "exit?": m.ExitInfo | None, "error_code": m.ErrorCode, "session": m.SessionInfo,
-    "list[session]": list[m.SessionInfo], "list[waiting]": list[m.Waiting],
+    "list[session]": list[m.SessionInfo], "list[waiting]": list[m.Waiting], "loading?": m.Loading | None,
 }
 
 
@@ -64,7 +64,7 @@ def _struct_fields(cls: type) -> list[tuple[str, Any, object]]:
 @pytest.mark.parametrize("tag, cls", [
     ("welcome", m.Welcome), ("error", m.Error), ("sessions", m.SessionList),
     ("status", m.StatusReply), ("pong", m.Pong), ("stats", m.StatsReply),
-    ("session", m.SessionInfo), ("exit", m.ExitInfo), ("waiting", m.Waiting),
+    ("session", m.SessionInfo), ("exit", m.ExitInfo), ("waiting", m.Waiting), ("loading", m.Loading),
 ])
 def test_the_schema_copy_matches_ipc_messages(tag: str, cls: type) -> None:
     table = ctl_fast.NESTED[tag] if tag in ctl_fast.NESTED else ctl_fast.REPLIES[tag]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Daemon, env_for_children
+from harness import Daemon, env_for_children
 
 pytestmark = pytest.mark.process
 

@@ -16,7 +16,8 @@ from supervisor.store import replay as replay_mod
 from supervisor.errors import StoreDamaged
 from supervisor.ctl.client import AsyncClient
 from supervisor.store.state_store import Commit, Meta, RepairMode, Snapshot
-from supervisor.store.files import FileStateStore, SessionStore, scan_log
+from supervisor.store.files import SessionStore, scan_log
+from supervisor.store.filestore import FileStateStore
 from harness import Daemon, wait_for
 
 

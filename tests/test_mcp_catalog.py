@@ -21,7 +21,6 @@ import pytest
 from fakellm import FakeLLM, fake_llm, text_stream, tool_call_stream
 from ipc.mcp import McpListing, listing_key
 from ipc.settings import McpSettings, SessionSettings
-from session_worker.mcplist import list_servers
 from supervisor.config import Config, parse_config
 from supervisor.core.mcpcatalog import McpCatalog
 from test_agent_support import FakeCtx, make_handler, make_settings, run
@@ -101,7 +100,11 @@ async def _until(check: Any, what: str) -> None:
 
 def _listed(tmp_path: Path, settings: SessionSettings) -> SessionSettings:
     """The settings with the daemon's list of their servers, made by the
-    lister's own code (in this process, unconfined: sandbox.mode off)."""
+    lister's own code (in this process, unconfined: sandbox.mode off).
+    Imported here: it brings the MCP SDK (~1 s), which collecting this
+    module for the fast tier does not need."""
+    from session_worker.mcplist import list_servers
+
     empty = tmp_path / "listing"
     empty.mkdir()
     listed = asyncio.run(list_servers(settings, empty))

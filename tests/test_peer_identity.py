@@ -296,7 +296,7 @@ def test_session_cgroup_paths() -> None:
 
 
 @pytest.fixture
-def unit_daemon(make_daemon: Any, llm: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def unit_daemon(make_daemon: Any, reachable_dir: Any, llm: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """The shipped unit emulated: an ordinary-user daemon (nobody), tools of
     its uid with no sandbox, and a /proc mounted hidepid=invisible
     (`ProtectProc=invisible`) in the daemon's mount namespace."""
@@ -304,8 +304,7 @@ def unit_daemon(make_daemon: Any, llm: Any, monkeypatch: pytest.MonkeyPatch) -> 
 
     if os.geteuid() != 0:
         pytest.skip("running a daemon as another user needs root")
-    base = Path(tempfile.mkdtemp(prefix="sd-unit-"))
-    os.chmod(base, 0o711)
+    base = reachable_dir("sd-unit-")
     monkeypatch.setenv("SESSIOND_API_KEY", "sk-unit")
     d = make_daemon(agent_config(llm, "off"), start=False, root=base / "d")
     d.run_as_user(NOBODY, NOBODY)
@@ -313,8 +312,7 @@ def unit_daemon(make_daemon: Any, llm: Any, monkeypatch: pytest.MonkeyPatch) -> 
     script = d.cmd_prefix[at]
     d.cmd_prefix[at] = script.replace("exec setpriv", "mount -t proc -o hidepid=invisible proc /proc && exec setpriv", 1)
     d.start()
-    yield d
-    shutil.rmtree(base, ignore_errors=True)
+    return d
 
 
 @pytest.mark.process

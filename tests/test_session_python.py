@@ -11,10 +11,8 @@ server's SDK is imported at its first turn, all work (session_worker/worker/_rea
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,14 +41,10 @@ def test_the_closed_directories_on_the_way_to_a_path_are_found(tmp_path: Path) -
 
 
 @pytest.fixture
-def open_root() -> Iterator[Path]:
+def open_root(reachable_dir: Callable[..., Path]) -> Path:
     """The daemon's root where the sessions' uids can pass (pytest's temp
-    dirs are private to root).  Asked for before `make_daemon`: removed
-    after its daemons are gone."""
-    root = Path(tempfile.mkdtemp(prefix="sd-python-"))
-    os.chmod(root, 0o711)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    dirs are private to root)."""
+    return reachable_dir("sd-python-")
 
 
 @root_only

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import signal
 import socket
 import tempfile
@@ -52,6 +53,7 @@ async def _spawner(kind: str) -> AsyncIterator[tuple[Spawner, Exits]]:
         yield spawner, exits
     finally:
         spawner.close()
+        remove_workspaces()
 
 
 async def _link(sock: socket.socket) -> tuple[FramedProtocol[m.FromWorker], asyncio.Queue[m.FromWorker]]:
@@ -63,10 +65,22 @@ async def _link(sock: socket.socket) -> tuple[FramedProtocol[m.FromWorker], asyn
     return proto, inbox
 
 
+# The workspaces the checks' workers were booted with, removed by whoever
+# ran the checks (`_spawner` here, tests/ray_contract_child.py) once its
+# spawner is closed.
+_WORKSPACES: list[str] = []
+
+
+def remove_workspaces() -> None:
+    while _WORKSPACES:
+        shutil.rmtree(_WORKSPACES.pop(), ignore_errors=True)
+
+
 async def _booted(spawner: Spawner) -> tuple[int, FramedProtocol[m.FromWorker], asyncio.Queue[m.FromWorker]]:
     pid, sock = await asyncio.wait_for(spawner.request(), 10)
     proto, inbox = await _link(sock)
     workspace = tempfile.mkdtemp(prefix="sd-contract-")
+    _WORKSPACES.append(workspace)
     proto.send(m.Boot(session="contract", handler="echo", settings=_settings, workspace=workspace))
     ready = await _next(inbox, m.Ready)
     assert ready.pid == spawner.placement(pid)[0]  # the worker it was given

@@ -34,7 +34,8 @@ from supervisor.store.state_store import (
     StepStart,
 )
 from supervisor.errors import Fenced, StoreDamaged, StoreFull
-from supervisor.store.files import FileStateStore, SessionStore
+from supervisor.store.files import SessionStore
+from supervisor.store.filestore import FileStateStore
 from supervisor.store.spend import Charge
 
 pytestmark = pytest.mark.component

@@ -18,9 +18,9 @@ import pytest
 from harness import Daemon, env_for_children, wait_for
 from supervisor.store.state_store import RepairMode
 from supervisor.errors import StoreDamaged, StoreFull
+from supervisor.store.filestore import FileStateStore
 from supervisor.store.files import (
     Commit,
-    FileStateStore,
     InputRecord,
     Meta,
     SessionStore,

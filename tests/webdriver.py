@@ -63,10 +63,15 @@ class Browser:
     @contextlib.contextmanager
     def start(cls, width: int = 1280, height: int = 800) -> Iterator[Browser]:
         chromium, chromedriver = find_browser()
+        profile = tempfile.mkdtemp(prefix="sd-chromium-")
+        # Chromium's own temp dirs (org.chromium.Chromium.*, which a killed
+        # browser leaves) go into the profile, removed below.
+        scratch = os.path.join(profile, "tmp")
+        os.mkdir(scratch)
         # --port=0: the driver picks a free port and says which.
         driver = subprocess.Popen([chromedriver, "--port=0"], stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        profile = tempfile.mkdtemp(prefix="sd-chromium-")
+                                  stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                  env={**os.environ, "TMPDIR": scratch})
         browser: Browser | None = None
         try:
             assert driver.stdout is not None

@@ -7,6 +7,9 @@ what it shows: among 100,000 sessions, one user's 100 are described and
 sent, not every one.  A page (`limit`) is ordered by id, so that a client
 walks a changing registry with `after` and sees every session that existed
 throughout once (one made or removed meanwhile may or may not appear).
+While a daemon just started still loads the sessions on disk
+(supervisor.core.loading) the list holds those loaded so far, and says so
+(`loading`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from supervisor.core.session import Session
 from supervisor.core.states import State
 from supervisor.errors import BadRequest
 
-__all__ = ["MAX_VALUES", "select"]
+__all__ = ["MAX_VALUES", "loading", "select"]
 
 # The most values one selector list may carry.  (A page holds at most
 # LIST_PAGE_MAX sessions: a frame of SessionInfos stays a few MiB.)
@@ -58,3 +61,12 @@ def select(sessions: Iterable[Session], req: m.List) -> tuple[list[Session], str
         return ordered, ""
     page = ordered[:req.limit]
     return page, page[-1].id
+
+
+def loading(progress: tuple[int, int] | None, admin: bool) -> m.Loading | None:
+    """What `ls` and `stats` say while the start-up load runs: how far it
+    got, to an admin; to anyone else only that it runs (how many sessions
+    others hold is theirs to know)."""
+    if progress is None:
+        return None
+    return m.Loading(loaded=progress[0], total=progress[1]) if admin else m.Loading()

@@ -389,7 +389,8 @@ class ClientConn:
                 return m.StatusReply(id=rid, session=mgr.info(mgr.get(sid, self.uid)))
             case m.List(id=rid):
                 chosen, after = listing.select(mgr.visible(self.uid), msg)
-                return m.SessionList(id=rid, sessions=[mgr.info(s) for s in chosen], next=after)
+                return m.SessionList(id=rid, sessions=[mgr.info(s) for s in chosen], next=after,
+                                     loading=listing.loading(mgr.loading, mgr.is_admin(self.uid)))
             case m.Stats(id=rid):
                 return self.server.stats(rid, self.uid)
             case op.Top(id=rid):
@@ -666,6 +667,7 @@ class ControlServer:
             tracing=self.tracer.stats() if admin else {},
             mcp={x.name: {"state": x.state, "tools": len(x.tools), "version": x.version,
                           **({"error": x.error} if admin and x.error else {})} for x in self.manager.config.mcp.listed},
+            loading=listing.loading(self.manager.loading, admin),
         )
 
 

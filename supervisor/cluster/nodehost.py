@@ -22,6 +22,7 @@ What crosses machines is Ray's only, never a socket protocol of ours:
                                              ("exit", code, signal, detail) and
                                              ("gone",) once nothing of it is left
       signal / kill_tree ─ actor call ──►    pidfd_send_signal on the node
+      silent_for(pid)   ── actor call ──►    how long since the worker last wrote
       set_draining(flag) ─ actor call ──►    spawn answers "draining" meanwhile
 
 The bytes are the worker protocol's frames, uninterpreted here: the front
@@ -39,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import socket
 import time
@@ -49,7 +51,8 @@ from supervisor.core.limits import SessionMemory
 from supervisor.host.proctable import ProcTable
 from supervisor.spawn.spawner import ZygoteSpawner
 
-__all__ = ["ExitItem", "Frame", "NodeHost", "checked_exit", "checked_usage", "read_more", "recv_batch"]
+__all__ = ["ExitItem", "Frame", "NodeHost", "checked_exit", "checked_silence", "checked_usage", "read_more",
+           "recv_batch"]
 
 log = logging.getLogger("sessiond.nodehost")
 
@@ -76,7 +79,7 @@ Frame = bytes | ExitItem | tuple[str, int, int] | tuple[str]
 
 
 class _Worker:
-    __slots__ = ("claimed", "doomed", "exit", "front", "memory", "sock")
+    __slots__ = ("claimed", "doomed", "exit", "front", "heard", "memory", "sock")
 
     def __init__(self, sock: socket.socket, exit: asyncio.Future[tuple[int | None, int | None, str]],
                  front: str, claimed: bool) -> None:
@@ -87,6 +90,7 @@ class _Worker:
         # doomed: a spare killed here (its exit may not have come yet).
         self.claimed = claimed
         self.doomed = False
+        self.heard = time.monotonic()  # when its last bytes were read here
         # Its descendants as measured here, and pidfds for those that left
         # its process group: a kill reaches them through these.
         self.memory = SessionMemory()
@@ -268,6 +272,7 @@ class NodeHost:
 
     async def _read(self, pid: int, worker: _Worker, out: asyncio.Queue[Frame]) -> None:
         while data := await recv_batch(worker.sock):
+            worker.heard = time.monotonic()
             out.put_nowait(data)
         code, sig, detail = await worker.exit
         out.put_nowait(("exit", code, sig, detail))
@@ -296,6 +301,21 @@ class NodeHost:
         if self._spawner is not None and pid in self._workers and isinstance(sig, int):
             with contextlib.suppress(ValueError, OSError):
                 self._spawner.kill_tree(pid, self._workers[pid].memory.escapees(), sig)
+
+    async def silent_for(self, pid: int) -> float | None:
+        """How long this host has had nothing from the worker, in seconds
+        (a front asks before it blames the worker for missed heartbeats:
+        supervisor.core.silence); 0 when bytes wait in its socket (our
+        loop was held up, not the worker); None once it is gone."""
+        worker = self._workers.get(pid)
+        if worker is None or worker.exit.done():
+            return None
+        try:
+            if worker.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                return 0.0
+        except OSError:  # nothing waiting (or the socket broke: its exit is coming)
+            pass
+        return time.monotonic() - worker.heard
 
     async def set_draining(self, flag: bool) -> None:
         """Mark the node (or no longer).  Spares of any front here are
@@ -360,6 +380,16 @@ def checked_usage(item: object) -> tuple[int, int] | None:
         if (_plain_int(rss) and 0 <= rss < 1 << 50 and _plain_int(procs) and 1 <= procs < 1 << 22):
             return rss, procs
     return None
+
+
+def checked_silence(answer: object) -> float | None:
+    """A node host's `silent_for` answer: seconds, or None (the worker is
+    gone there); inf when it is neither (the front's own figure stands)."""
+    if answer is None:
+        return None
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool) and 0 <= answer < math.inf:
+        return float(answer)
+    return math.inf
 
 
 def _plain_int(value: object) -> TypeGuard[int]:

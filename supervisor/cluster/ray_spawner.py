@@ -46,19 +46,22 @@ its zygote decoded it), classified by WorkerOwner as any other.  A stream
 that breaks (the node host's actor or its whole node died) is a lost
 worker: `on_worker_lost(pid, why)`, with a detail that starts
 NODE_LOST_PREFIX ("node_lost: ") and names the node, which the daemon
-reports as `node_lost` (whatever it tried first: a kill for missed
-heartbeats), so a turn it was running resumes or fails saying so.  Kills and signals are actor calls that the node host
-carries out through its pidfds; `tree_alive` is what the stream last said
-(the node host says "gone" once the worker's group is empty).
+reports as `node_lost` (whatever it tried first), so a turn it was running
+resumes or fails saying so.  Kills and signals are actor calls that the
+node host carries out through its pidfds; `tree_alive` is what the stream
+last said (the node host says "gone" once the worker's group is empty).
+What the front hears of a worker comes through its node host and Ray:
+before missed heartbeats are blamed on the worker, its node host is asked
+how long it has had nothing from it (`node_silence`).
 
 A node host that does not answer (its process frozen, or its machine cut
 off while Ray has not yet declared it dead): a kill it does not carry out
-in time, or a spawn it does not answer, makes the front give up on it as
-on a lost node (its workers are lost, "node_lost: ... did not answer"; the
-sessions restart elsewhere from the store) and place nothing there for a
-while.  If it wakes up, it carries out the kills it was sent, and its
-workers' lease from this front runs out: nothing a stale worker sends
-reaches a session, as its bridge is gone.
+in time, or a spawn or a question it does not answer, makes the front
+give up on it as on a lost node (its workers are lost, "node_lost: ...
+did not answer"; the sessions restart elsewhere from the store) and place
+nothing there for a while.  If it wakes up, it carries out the kills it
+was sent, and its workers' lease from this front runs out: nothing a
+stale worker sends reaches a session, as its bridge is gone.
 
 Every value from a node host is checked before use: a stream item that is
 not bytes or a well-formed exit ends that worker as lost.
@@ -82,7 +85,7 @@ from typing import Any
 from ipc.contract import NODE_LOST_PREFIX
 from supervisor.config import ClusterSettings
 from supervisor.host.proctable import REMOTE_PIDS
-from supervisor.cluster.nodehost import checked_exit, checked_usage, recv_batch
+from supervisor.cluster.nodehost import checked_exit, checked_silence, checked_usage, recv_batch
 from supervisor.spawn.pidfd import PidFd
 from supervisor.cluster.ray_spares import SpareWorkers
 from ipc.install import install_command
@@ -105,9 +108,9 @@ _NODE_ID_LABEL = "ray.io/node-id"
 DRAINING = "draining"
 # How long telling a node host about its mark (or asking it) may take.
 _MARK_ASK_SECS = 5.0
-# The least time a node host is given to start a worker, or to carry out a
-# kill (its exit on the stream) before the front stops waiting for it
-# (else: the front's lease, the time a host gives a silent front).
+# The least time a node host is given to start a worker, carry out a kill
+# (its exit on the stream) or answer a question before the front stops
+# waiting for it (else: the front's lease, the time a host gives a silent front).
 _MIN_ANSWER_SECS = 5.0
 # How long a node host that did not answer gets no new worker from this front.
 _SHUN_SECS = 30.0
@@ -140,8 +143,7 @@ class RaySpawner:
     def __init__(self, settings: ClusterSettings) -> None:
         self.on_exit: Callable[[int, int | None, int | None], None] = lambda pid, code, sig: None
         self.on_zygote_lost: Callable[[], None] = lambda: None
-        # A worker lost with its node or node host: (pid, why).  The daemon
-        # reports it as a crash naming the node.
+        # A worker lost with its node or node host: (pid, why), a crash naming the node.
         self.on_worker_lost: Callable[[int, str], None] = lambda pid, why: self.on_exit(pid, None, _SIGKILL)
         self._settings = settings
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -537,8 +539,7 @@ class RaySpawner:
 
     async def _to_worker(self, pid: int, remote: _Remote) -> None:
         """What WorkerOwner writes, to the worker, in order: one call in
-        flight at a time, carrying whatever piled up meanwhile."""
-        # All that piled up goes in one call; b"": WorkerOwner closed it.
+        flight at a time, carrying all that piled up meanwhile (b"": closed)."""
         while data := await recv_batch(remote.sock):
             try:
                 if not await remote.host.send.remote(remote.node_pid, data):
@@ -586,10 +587,8 @@ class RaySpawner:
             # workers with it): Ray says which only by the error's type.
             why = f"{NODE_LOST_PREFIX}lost the node host on {remote.ip} ({type(exc).__name__})"
         finally:
-            if why and not remote.exited:
-                remote.exited = True
-                log.warning("worker %d on %s: %s", remote.node_pid, remote.ip, why)
-                self.on_worker_lost(pid, why)
+            if why:
+                self._lost(pid, remote, why)
             remote.gone = True
             self._forget(pid, remote)
 
@@ -629,20 +628,44 @@ class RaySpawner:
                 self._loop.call_later(self._answer_secs, self._kill_unanswered, pid, remote)
 
     def _kill_unanswered(self, pid: int, remote: _Remote) -> None:
-        """The node host did not carry out a SIGKILL in time: give up on it
-        as on a lost node (see the module's docstring)."""
+        self._give_up(pid, remote, f"did not carry out a kill within {self._answer_secs:g}s")
+
+    async def node_silence(self, pid: int) -> float | None:
+        """How long the worker's node host has had nothing from it
+        (supervisor.core.silence); None once it is gone or lost (a host
+        that does not answer in time, or cannot be reached: as above)."""
+        remote = self._workers.get(pid)
+        if remote is None or remote.gone or remote.exited:
+            return None
+        try:
+            answer = await asyncio.wait_for(remote.host.silent_for.remote(remote.node_pid), self._answer_secs)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(Exception):
+                remote.host.kill_tree.remote(remote.node_pid, _SIGKILL)  # carried out if it wakes
+            self._give_up(pid, remote, f"did not answer within {self._answer_secs:g}s")
+            return None
+        except Exception as exc:  # its node died, or its node host did (the stream says so too)
+            self._lost(pid, remote, f"{NODE_LOST_PREFIX}lost the node host on {remote.ip} ({type(exc).__name__})")
+            return None
+        return None if remote.exited else checked_silence(answer)
+
+    def _give_up(self, pid: int, remote: _Remote, what: str) -> None:
+        """The node host did not answer in time: give up on it as on a lost
+        node, unless an exit came since (its "gone" may take longer)."""
         if self._workers.get(pid) is not remote or remote.gone or remote.exited:
-            return  # (an exit came: the host answers; its "gone" may take longer)
-        why = (f"{NODE_LOST_PREFIX}the node host on {remote.ip} did not carry out a kill within "
-               f"{self._answer_secs:g}s")
-        log.warning("worker %d on %s: %s", remote.node_pid, remote.ip, why)
+            return
         if self._loop is not None:
             self._shunned[remote.node_id] = self._loop.time() + _SHUN_SECS
         self._hosts.pop(remote.node_id, None)
-        remote.exited = True
-        self.on_worker_lost(pid, why)
+        self._lost(pid, remote, f"{NODE_LOST_PREFIX}the node host on {remote.ip} {what}")
         remote.gone = True
         self._forget(pid, remote)
+
+    def _lost(self, pid: int, remote: _Remote, why: str) -> None:
+        if not remote.exited:
+            remote.exited = True
+            log.warning("worker %d on %s: %s", remote.node_pid, remote.ip, why)
+            self.on_worker_lost(pid, why)
 
     def tree_alive(self, pid: int, others: Iterable[PidFd] = ()) -> bool:
         remote = self._workers.get(pid)
@@ -666,10 +689,9 @@ _NOT_YET = object()
 
 
 def _value_now(ref: Any) -> Any:
-    """A stream item's value without a trip through asyncio: an item that
-    `async for` hands over is most often already here (small ones come
-    inline with the report), and a sync get of it costs a fraction of
-    awaiting it (0.2 vs 0.3 ms here).  _NOT_YET if it is not here."""
+    """A stream item's value without a trip through asyncio (most often
+    already here: small ones come inline with the report; 0.2 ms, not the
+    0.3 of an await), or _NOT_YET."""
     import ray
 
     try:

@@ -252,6 +252,13 @@ class Budgets:
         written.add_done_callback(self._written)
         return written
 
+    def restored(self, session: Session) -> None:
+        """A stored session came in after the uids' totals were seeded (the
+        start-up load runs while turns do): one the book never saw is
+        seeded now, as it would have been then."""
+        if self._seeded:
+            self._entry(session)
+
     def forget(self, session_id: str) -> None:
         """The session is removed: its entry goes; its uid's total keeps it."""
         self._write(Charge(session=session_id, drop=True))

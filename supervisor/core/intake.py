@@ -31,13 +31,16 @@ from supervisor.core.admission import Admission
 from supervisor.core.budgets import Budgets
 from supervisor.core.events import EventLog
 from supervisor.core import imports
+from supervisor.core.fdbudget import out_of_fds
 from supervisor.core.ledger import TurnLedger, store_failure
+from supervisor.core.loading import Loader, Opener
 from supervisor.core.resumable import ResumableTurns
 from supervisor.logtag import tagged
 from supervisor.core.overrides import OverrideError, choose_handler, resolve_overrides
 from supervisor.core.registry import Registry
 from supervisor.spawn.seams import Pending, Spawner, drop_pending
 from supervisor.core.session import Session, valid_session_id
+from supervisor.core.subagents import child_prefix
 from supervisor.core.slots import LiveSlots
 from supervisor.core.states import State
 from supervisor.store.state_store import DamagedLog, LoadedSession, Meta, SessionLog, StateStore, StoreDamaged, StoreError
@@ -70,6 +73,8 @@ class Intake:
         open_stored: Callable[[str], tuple[SessionLog, LoadedSession]],
         closing: Callable[[], bool],
         remove: Callable[[Session], Coroutine[Any, Any, None]],
+        list_ids: Callable[[], list[str]] | None = None,
+        read_stored: Callable[[str], Opener] | None = None,
     ) -> None:
         self._config = config
         self._sessions = sessions
@@ -91,30 +96,62 @@ class Intake:
         self._closing = closing
         # SessionManager.remove: an `rm` the daemon died in, finished at load.
         self._remove = remove
+        # Children loaded before their parent, by the parent's id (linked when it is loaded).
+        self._orphans: dict[str, list[str]] = {}
+        # Who runs as which uid, of the sessions not damaged at their load (stored_problem's check).
+        self._run_uids: dict[int, str] = {}
+        # The sessions on disk, listed at start and loaded in the background or when asked for.
+        self.loading = Loader(list_ids or store.ids, open_stored, read_stored, self.load_one, self._loaded,
+                              closing)
 
     # ---------------------------------------------------------------- from the store
 
     def load_all(self) -> None:
-        """Restore every session on disk; live ones come back hibernated."""
+        """Restore every session on disk now; live ones come back hibernated."""
+        self._open_dirs()
+        self.loading.list_stored()
+        self.loading.load_everything_now()
+
+    def start_loading(self) -> int:
+        """List the sessions on disk and load them in the background
+        (supervisor.core.loading); returns how many are listed."""
+        self._open_dirs()
+        listed = self.loading.list_stored()
+        self._spawn_task(self.loading.run())
+        return listed
+
+    def _open_dirs(self) -> None:
         # Workers running as another user must reach their workspace:
         # traverse (not list) the state dir; sessions/ stays private.
         self._workspaces.open_dirs(self._sessions_dir)
-        for session_id in self._store.ids():
-            try:
-                store, loaded = self._open_stored(session_id)
-            except StoreDamaged as exc:
-                self.add_damaged(session_id, exc.reason, exc.meta)
-                continue
-            except Exception as exc:
-                self.add_damaged(session_id, f"cannot be loaded: {exc}", None)
-                continue
-            try:
-                self.restore(store, loaded)
-            except Exception as exc:
-                store.close()
-                self.add_damaged(session_id, f"cannot be restored: {exc}", loaded.meta)
+
+    def load_one(self, session_id: str, open_: Opener) -> None:
+        """One stored session into the registry: restored, or damaged.
+        `capacity` (and still on disk, unloaded) where the daemon is out of
+        fds: that says nothing of the session."""
+        try:
+            store, loaded = open_()
+        except KeyError:
+            return  # gone, or a create cut short before it was acknowledged
+        except StoreDamaged as exc:
+            self.add_damaged(session_id, exc.reason, exc.meta)
+            return
+        except Exception as exc:
+            if (refusal := out_of_fds(exc, f"session {session_id} could not be loaded: ")) is not None:
+                raise refusal from None
+            self.add_damaged(session_id, f"cannot be loaded: {exc}", None)
+            return
+        try:
+            self.restore(store, loaded)
+        except Exception as exc:
+            store.close()
+            self.add_damaged(session_id, f"cannot be restored: {exc}", loaded.meta)
+
+    def _loaded(self) -> None:
+        """Every session on disk is in the registry."""
         if self._sessions:
             log.info("restored %d session(s) from %s", len(self._sessions), self._sessions_dir)
+        self._orphans.clear()  # (children whose parent is on disk no more)
         self._workspaces.remove_orphans(self._sessions.values())
 
     @property
@@ -130,7 +167,7 @@ class Intake:
     def restore(self, store: SessionLog, loaded: LoadedSession) -> None:
         """A stored session into the registry (at start, on import, adopted from another daemon)."""
         meta = loaded.meta
-        if (bad := self._workspaces.stored_problem(meta, self._sessions.values())) is not None:
+        if (bad := self._workspaces.stored_problem(meta, self._same_uid(meta))) is not None:
             store.close()  # checked again as on create: a store's values are data
             self.add_damaged(meta.id, bad[0], meta if bad[1] else None)
             return
@@ -146,13 +183,12 @@ class Intake:
         if loaded.open_input is not None and not self._resumable.suspend_stored(session, loaded):
             self._ledger.abort_stored(session, store, loaded.open_input.turn, "the daemon stopped during this turn",
                                      durable=True)
-        self._sessions[meta.id] = session
+        self._enter(session)
+        self._budgets.restored(session)
         if mark.state == "removing":  # a `rm` the daemon died in: finished now
             self._spawn_task(self._remove(session))
         elif session.suspended is not None:  # the turn the daemon died in resumes on a new worker
             self._workers.schedule_restart(session)
-        if meta.parent and meta.parent in self._sessions:
-            self._adopt(self._sessions[meta.parent], meta.id)
 
     def add_damaged(self, session_id: str, reason: str, meta: Meta | None) -> None:
         """A session whose stored state does not load stays visible (ls,
@@ -166,13 +202,39 @@ class Intake:
             settings=self._config().session_settings(), state=State.DAMAGED,
             error=reason, meta_lost=meta is None,
         )
-        self._sessions[session_id] = session
-        if session.meta.parent and session.meta.parent in self._sessions:
-            self._adopt(self._sessions[session.meta.parent], session_id)
+        self._enter(session)
 
-    @staticmethod
-    def _adopt(parent: Session, child_id: str) -> None:
-        parent.children = (*parent.children, child_id)
+    def _enter(self, session: Session) -> None:
+        """Into the registry, and its parent's list and its children into
+        its own whatever the order they are loaded in (a child may be
+        loaded first: a request named it, or its id sorts first)."""
+        self._sessions[session.id] = session
+        if (uid := session.meta.run_uid) is not None and not session.is_(State.DAMAGED):
+            self._run_uids[uid] = session.id
+        parent_id = session.meta.parent
+        if parent_id:
+            parent = self._sessions.get(parent_id)
+            if parent is not None:
+                parent.children = (*parent.children, session.id)
+            else:
+                self._orphans.setdefault(parent_id, []).append(session.id)
+        for child_id in self._orphans.pop(session.id, []):
+            child = self._sessions.get(child_id)
+            if child is not None and child.meta.parent == session.id and child_id not in session.children:
+                session.children = (*session.children, child_id)
+
+    def _same_uid(self, meta: Meta) -> list[Session]:
+        """The session (not damaged when it came in) that runs as `meta`'s
+        uid, if another does: what stored_problem checks, without a walk of
+        every session for each one loaded."""
+        holder = self._sessions.get(self._run_uids.get(meta.run_uid, "")) if meta.run_uid is not None else None
+        return [holder] if holder is not None and holder.meta.run_uid == meta.run_uid else []
+
+    def children(self, session: Session) -> list[str]:
+        """Its children's ids, those not loaded yet loaded first (a `stop`
+        or `rm` of it reaches them all)."""
+        self.loading.load_prefixed(child_prefix(session.id))
+        return list(session.children)
 
     def settings_for(self, session_id: str, overrides: dict[str, Any]) -> SessionSettings:
         """A stored session's settings under the current config: overrides
@@ -207,6 +269,10 @@ class Intake:
         if self._closing():
             raise Conflict("the daemon is shutting down")
         session_id = self._free_id(session_id)
+        if self.loading.progress is not None:
+            # The per-uid quota and the session uids count every session.
+            await self.loading.wait("a create")
+            session_id = self._free_id(session_id)
         self.check_quota(owner_uid)
         if parent is not None:
             # The parent's own overrides, accepted when it was created, held
@@ -230,10 +296,13 @@ class Intake:
     def _free_id(self, session_id: str | None) -> str:
         """The id asked for, checked and free, or a new one."""
         if session_id is None:
-            return secrets.token_hex(6)
+            while (new := secrets.token_hex(6)) in self._sessions or self.loading.listed(new):
+                pass
+            return new
         if not valid_session_id(session_id):
             raise BadRequest(f"invalid session id {session_id!r}: 1-64 characters of A-Z a-z 0-9 . _ -, "
                              "starting with a letter or digit")
+        self.loading.load_now(session_id)  # (one on disk not loaded yet is)
         if (existing := self._sessions.get(session_id)) is not None:
             if existing.state is State.DAMAGED:
                 raise Conflict(f"session {session_id!r} already exists and is damaged "
@@ -256,9 +325,7 @@ class Intake:
             drop_pending(self._spawner, pending)
             raise store_failure("", exc) from None  # unchained: a database's error may quote its DSN
         session = Session(id=session_id, meta=meta, store=store, settings=settings, state=State.STARTING)
-        self._sessions[session_id] = session
-        if parent is not None:
-            self._adopt(parent, session_id)
+        self._enter(session)
         return session
 
     def new_meta(self, session_id: str, handler: str, overrides: dict[str, Any], owner_uid: int,
@@ -307,9 +374,15 @@ class Intake:
 
     def forget(self, session: Session) -> None:
         """Out of the registry (repaired into a new one, or removed by
-        another daemon), and out of its parent's list."""
+        another daemon), and out of its parent's list.  Children it still
+        has go to the next session of its id (a repair's) as they would
+        at the next start."""
         if self._sessions.get(session.id) is session:
             self._sessions.pop(session.id)
+            if session.children:
+                self._orphans[session.id] = list(session.children)
+            if (uid := session.meta.run_uid) is not None and self._run_uids.get(uid) == session.id:
+                del self._run_uids[uid]
         parent = self._sessions.get(session.meta.parent or "")
         if parent is not None and session.id in parent.children:
             parent.children = tuple(c for c in parent.children if c != session.id)

@@ -12,7 +12,7 @@ request becomes work for the parts that own each concern:
     session_info (info.py)       what a client is told about a session
     Subagents    (subagents.py)  spawn_agent as child sessions
     Workspaces   (workspaces.py) who workers run as, and their workspaces
-    Damage       (damage.py)     a log a read finds damaged while the daemon runs
+    Damage       (damage.py)     a log a read finds damaged while the daemon runs; repair
 
 `supervisor.core.session` says which part may change which field of a session. Transitions
 come from `supervisor.core.states`, limits from `supervisor.core.limits` (pure); state goes through the store.
@@ -33,11 +33,11 @@ from ipc.contract import ExitReason
 from ipc.pacing import Pacer
 from supervisor.spawn.cgroups import Cgroups
 from supervisor.config import Config
-from supervisor.errors import BadRequest, Conflict, Internal, NotFound, SessiondError
+from supervisor.errors import Conflict, NotFound, SessiondError
 from supervisor.core.budgets import Budgets
 from supervisor.core.damage import Damage
 from supervisor.core.events import EventLog
-from supervisor.core.ledger import TurnLedger, store_failure
+from supervisor.core.ledger import TurnLedger
 from supervisor.core.holding import Holding, Holds
 from supervisor.core.info import host_confinement, session_info
 from supervisor.core.imports import Imported
@@ -52,9 +52,9 @@ from supervisor.core.session import Session, Subscriber, damaged_hint
 from supervisor.core.slots import LiveSlots
 from supervisor.core.states import LIVE, State, Trigger
 from supervisor.store.state_store import (
-    LoadedSession, RepairMode, RepairResult, SessionLog, StateStore, StoreDamaged, StoreError,
+    LoadedSession, RepairResult, SessionLog, StateStore,
 )
-from supervisor.store.files import FileStateStore
+from supervisor.store.filestore import FileStateStore
 from supervisor.core.subagents import Subagents
 from supervisor.core.sweep import Sweeper
 from supervisor.core.turntimer import TurnTimer
@@ -131,17 +131,20 @@ class SessionManager:
             claim=(lambda session: holds.claim(self.holding, session)) if holds is not None else None,
             damaged=lambda session, exc: self.damage.at_boot(session, exc), sandbox=sandbox, cgroups=cgroups, metrics=metrics,
         )
-        self.damage = Damage(current, self.store, self.events, self.workers)
         self.sweeper = Sweeper(current, self.sessions, self.events, self.workers, self.proc_table,
                                self.slots.hibernate_soon, stop=self.stop, workspaces=self.workspaces,
                                closing=closing, metrics=metrics, ahead=self.slots.hibernate_ahead)
         self.turn_timer = TurnTimer(current, self.events, self.workers)
-        # Sessions in and out: created, restored, damaged, forgotten.
+        # Sessions in and out: created, restored, damaged, forgotten; the file store's are read at
+        # start without a write, in a thread (supervisor.core.loading).
+        files = self.store if isinstance(self.store, FileStateStore) and open_stored is None else None
         self.intake = Intake(current, self.sessions, self.store, self.events, self.ledger, self.ledger.resumable,
                              self.workers, self.workspaces, self.slots, spawner, self.budgets, self.admission,
-                             self.spawn_task,
-                             state_dir=state_dir, open_stored=open_stored or self.store.load, closing=closing,
-                             remove=self.remove)
+                             self.spawn_task, state_dir=state_dir,
+                             open_stored=open_stored or (files.open_stored if files else self.store.load),
+                             closing=closing, remove=self.remove, list_ids=files.listed if files else None,
+                             read_stored=files.read_stored if files else None)
+        self.damage = Damage(current, self.store, self.events, self.workers, self.intake)
         # What a session held by another daemon may have done to it (supervisor.core.fencing).
         self.holding = Holding(current, self.sessions, self.store, self.events, self.ledger, self.workers,
                                self.workspaces, self.intake.settings_for, self.spawn_task, self.intake.forget)
@@ -158,8 +161,23 @@ class SessionManager:
     # ================================================================ in and out (supervisor.core.intake)
 
     def load_all(self) -> None:
-        """Restore every session on disk; live ones come back hibernated."""
+        """Restore every session on disk now; live ones come back hibernated."""
         self.intake.load_all()
+
+    def start_loading(self) -> int:
+        """List the sessions on disk and load them in the background
+        (supervisor.core.loading): served meanwhile, each loaded at once
+        when a request names it.  Returns how many are listed."""
+        return self.intake.start_loading()
+
+    @property
+    def loading(self) -> tuple[int, int] | None:
+        """(loaded, listed) while the start-up load runs; None once done."""
+        return self.intake.loading.progress
+
+    async def loaded(self) -> None:
+        """Once every session on disk is loaded."""
+        await self.intake.loading.done()
 
     async def create(self, owner_uid: int, session_id: str | None, handler: str | None, overrides: dict[str, Any],
                      *, parent: Session | None = None) -> Session:
@@ -174,6 +192,7 @@ class SessionManager:
     async def import_session(self, owner_uid: int, session_id: str | None, doc: Imported,
                              free: Callable[[list[Any]], None]) -> Session:
         """A session from an export (supervisor.core.imports); `free` empties its records off the loop."""
+        await self.intake.loading.wait("an import")  # (its id, the per-uid quota: every session counts)
         return await self.intake.import_session(owner_uid, session_id, doc, free)
 
     # ================================================================ the registry
@@ -185,7 +204,8 @@ class SessionManager:
     def get(self, session_id: str, uid: int | None = None) -> Session:
         """The session, if `uid` (None = the daemon itself) may touch it.
         Another user's session is answered exactly as a missing one, so
-        that ids cannot be probed."""
+        that ids cannot be probed.  One on disk not loaded yet is loaded now."""
+        self.intake.loading.load_now(session_id)
         session = self.sessions.get(session_id)
         if session is None or (
             uid is not None and session.meta.owner_uid != uid and not self.is_admin(uid)
@@ -308,7 +328,7 @@ class SessionManager:
     async def stop(self, session: Session, reason: str = "stopped", exit_reason: ExitReason | None = None) -> None:
         if session.state is State.DAMAGED:
             raise Conflict(damaged_hint(session))
-        for child_id in list(session.children):
+        for child_id in self.intake.children(session):
             child = self.sessions.get(child_id)
             if child is not None:
                 await self.stop(child, f"parent {session.id} {reason}")
@@ -353,7 +373,7 @@ class SessionManager:
                 raise
 
     async def remove(self, session: Session) -> None:
-        for child_id in list(session.children):
+        for child_id in self.intake.children(session):
             child = self.sessions.get(child_id)
             if child is not None:
                 await self.remove(child)
@@ -381,39 +401,7 @@ class SessionManager:
     async def repair(self, session: Session, mode: str) -> tuple[Session, RepairResult]:
         """Rewrite a damaged session's stored state per `mode`, then restore
         it as at start-up (hibernated, or stopped/failed as it was)."""
-        try:
-            how = RepairMode(mode)
-        except ValueError as exc:
-            raise BadRequest(f"unknown repair mode {mode!r}: use skip_bad or truncate") from exc
-        async with session.lock:
-            if session.state is not State.DAMAGED:
-                raise Conflict(f"session {session.id} is {session.state}, not damaged; nothing to repair")
-            try:
-                result = self.store.repair(session.id, how)
-                store, loaded = self.store.load(session.id)
-            except StoreDamaged as exc:
-                session.error = exc.reason
-                raise Conflict(f"session {session.id} cannot be repaired: {exc.reason}") from None
-            except StoreError as exc:
-                raise store_failure(f"session {session.id} could not be repaired: ", exc) from None
-            except OSError as exc:
-                raise Internal(f"session {session.id} could not be repaired: {exc}") from exc
-            tagged(log, session.id).warning("repaired (%s): %d record(s) kept, %d intact record(s) and "
-                                            "%d damaged byte(s) dropped", how.value, result.kept_records,
-                                            result.dropped_records, result.dropped_bytes)
-            self.events.set_state(session, Trigger.REPAIR, reason=f"repaired ({how.value})")
-            subscribers, children = set(session.subscribers or ()), list(session.children)
-            self.intake.forget(session)
-            try:
-                self.intake.restore(store, loaded)
-            except BaseException:
-                store.close()
-                self.intake.add_damaged(session.id, "cannot be restored after repair", loaded.meta)
-                raise
-            restored = self.sessions[session.id]
-            self.events.add_subscribers(restored, subscribers)
-            restored.children = tuple(c for c in children if c in self.sessions)
-            return restored, result
+        return await self.damage.repair(session, mode)
 
     def ping(self, session: Session, answer: Callable[[SessiondError | None], None]) -> int:
         """Round trip through the worker; `answer` is called with None when

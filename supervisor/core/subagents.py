@@ -24,7 +24,7 @@ from supervisor.logtag import tagged
 from supervisor.core.tracer import NO_TRACER, SubagentTrace, Tracer, TurnTrace
 from supervisor.core.session import Session, Subscriber, WorkerProc
 
-__all__ = ["SessionHost", "Subagents"]
+__all__ = ["SessionHost", "Subagents", "child_prefix"]
 
 
 class SessionHost(Protocol):
@@ -43,6 +43,14 @@ class SessionHost(Protocol):
     def interrupt(self, session: Session) -> None: ...
 
 log = logging.getLogger("sessiond.manager")
+
+
+def child_prefix(parent_id: str) -> str:
+    """How every child's id starts: the parent's id cut from the right so
+    that the child's (this, then 6 hex digits) stays a valid one (<= 64).
+    The start-up load finds a parent's children by it before they are
+    loaded (supervisor.core.loading)."""
+    return f"{parent_id[:57]}."
 
 
 class Subagents:
@@ -74,10 +82,9 @@ class Subagents:
         return session
 
     def _child_id(self, parent: Session) -> str:
-        """PARENT.XXXXXX, the parent's id cut from the right so that the
-        child's id stays a valid one (starts like its parent's, <= 64)."""
+        """PARENT.XXXXXX (child_prefix)."""
         for _ in range(16):
-            child_id = f"{parent.id[:57]}.{secrets.token_hex(3)}"
+            child_id = f"{child_prefix(parent.id)}{secrets.token_hex(3)}"
             if child_id not in self._sessions:
                 return child_id
         raise Conflict(f"no free id for a sub-agent of {parent.id}")

@@ -6,7 +6,9 @@ Runs in the daemon's loop.  The decisions are the pure functions of
 `supervisor.core.limits` (`memory_verdict`, `settled_figure`, `disk_verdict`,
 `heartbeat_overdue`, `idle_expired`); this module
 gathers the figures and acts on the verdicts: kills go through
-`WorkerOwner.kill`, hibernation and stops through the core's callbacks.
+`WorkerOwner.kill`, missed heartbeats through `supervisor.core.silence`
+(a remote worker's node host is asked first), hibernation and stops
+through the core's callbacks.
 
 What a session costs is read in two halves.  On the loop, each sweep: the
 RSS of the worker and every descendant (a pread of a kept-open statm each,
@@ -43,7 +45,6 @@ from supervisor.errors import SessiondError
 from supervisor.core.events import EventLog
 from supervisor.core.limits import (
     CPU_SAMPLE_SECS,
-    HEARTBEATS_MISSED,
     MIB,
     DiskVerdict,
     PssRead,
@@ -63,6 +64,7 @@ from supervisor.host.measure import PROC_READS, Kind, Measurer, Read
 from supervisor.core.recorder import NO_METRICS, Recorder
 from supervisor.core.registry import Registry
 from supervisor.core.session import Session, WorkerProc
+from supervisor.core.silence import Silence
 from supervisor.core.states import State
 from supervisor.core.workers import WorkerOwner
 from supervisor.core.workspaces import Workspaces
@@ -121,6 +123,7 @@ class Sweeper:
         self.loop_stalled_secs = 0.0
         # The measuring thread, one batch at a time (supervisor.host.measure).
         self._measurer = Measurer()
+        self._silence = Silence(events, workers)
         self._batch: asyncio.Future[list[Read]] | None = None
         self._plan: list[tuple[Read, SessionMemory]] = []
         self._walks: dict[str, tuple[DiskWalk, SessionMemory]] = {}
@@ -156,6 +159,7 @@ class Sweeper:
             except Exception:
                 log.exception("supervision sweep failed; carrying on")
         self._measurer.close()
+        self._silence.close()
 
     def excuse_stall(self, lag: float) -> None:
         """The daemon's loop did not run for `lag` seconds: every live
@@ -444,10 +448,7 @@ class Sweeper:
             # worker's pace, not by the store's latency.
             hb *= IDLE_HEARTBEAT_FACTOR
         if heartbeat_overdue(now, worker.last_heartbeat, hb, worker.booted):
-            silent = now - worker.last_heartbeat
-            self._events.emit_limit(session, LimitKind.HEARTBEAT, silent, HEARTBEATS_MISSED * hb)
-            self._workers.kill(session, worker, ExitReason.KILLED_HEARTBEAT,
-                               f"no heartbeat for {silent:.1f}s (interval {hb:g}s): its event loop is stuck")
+            self._silence.overdue(session, worker, now, hb)  # killed, or its node host asked first
             return
         idle_limit = session.settings.agent.session_timeout_secs
         if idle_expired(now, session.last_active, idle_limit, session.state is State.IDLE,

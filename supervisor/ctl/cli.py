@@ -36,6 +36,7 @@ from supervisor.ctl.render import (
     exit_code_for,
     exit_codes_text,
     failed,
+    loading_text,
     pong_text,
     print_stats,
     print_status,
@@ -324,23 +325,26 @@ async def _ls(client: AsyncClient, args: argparse.Namespace, as_json: bool) -> i
     selector = Selector(args.states, args.owners, args.handlers)
     # The daemon selects; selecting again here keeps the answer right from
     # a daemon older than server-side selection.
-    listed, after = await client.list_page(states=selector.states, owners=selector.owners,
-                                           handlers=selector.handlers, limit=args.limit or 0,
-                                           after=args.after or "")
-    sessions = select(listed, selector)
+    reply = await client.list_reply(states=selector.states, owners=selector.owners, handlers=selector.handlers,
+                                    limit=args.limit or 0, after=args.after or "")
+    sessions, after = select(reply.sessions, selector), reply.next
+    loading = to_plain(reply.loading) if reply.loading is not None else None
     if args.sort:
         sessions = sort_sessions(sessions, args.sort, time.time())
     if args.quiet:
         for s in sessions:
             print(s.id)
     elif as_json:
-        print(json.dumps({"sessions": to_plain(sessions), **({"next": after} if after else {})}))
+        print(json.dumps({"sessions": to_plain(sessions), **({"next": after} if after else {}),
+                          **({"loading": loading} if loading is not None else {})}))
     elif sessions:
         print_table(to_plain(sessions))
     else:
-        print("no sessions")
+        print("no sessions loaded yet" if loading is not None else "no sessions")
     if after and not as_json:
         print(f"(more: sessionctl ls --limit {args.limit} --after {after})", file=sys.stderr)
+    if loading is not None and not as_json:
+        print(loading_text(loading), file=sys.stderr)
     return EXIT_OK
 
 

@@ -429,10 +429,16 @@ class AsyncClient:
         """One page of `list`: at most `limit` sessions (0: all), ordered
         by id, those after `after`; and the `after` of the next page ("":
         none).  A daemon older than pages answers every session at once."""
-        reply = await self._request(m.List(id=self._next_id(), states=list(states), owners=list(owners),
-                                           handlers=list(handlers), limit=limit, after=after),
-                                    m.SessionList)
+        reply = await self.list_reply(states=states, owners=owners, handlers=handlers, limit=limit, after=after)
         return reply.sessions, reply.next
+
+    async def list_reply(self, *, states: Sequence[str] = (), owners: Sequence[int] = (),
+                         handlers: Sequence[str] = (), limit: int = 0, after: str = "") -> m.SessionList:
+        """`list_page` as the daemon answered it: also `loading`, set while
+        a daemon just started still loads the sessions on disk (the list
+        then holds those loaded so far)."""
+        return await self._request(m.List(id=self._next_id(), states=list(states), owners=list(owners),
+                                          handlers=list(handlers), limit=limit, after=after), m.SessionList)
 
     async def stats(self) -> StatsReply:
         return await self._request(m.Stats(id=self._next_id()), m.StatsReply)
@@ -568,6 +574,12 @@ class Client:
                   handlers: Sequence[str] = (), limit: int = 0,
                   after: str = "") -> Page:
         result: Page = self._run(self._client.list_page(
+            states=states, owners=owners, handlers=handlers, limit=limit, after=after))
+        return result
+
+    def list_reply(self, *, states: Sequence[str] = (), owners: Sequence[int] = (),
+                   handlers: Sequence[str] = (), limit: int = 0, after: str = "") -> m.SessionList:
+        result: m.SessionList = self._run(self._client.list_reply(
             states=states, owners=owners, handlers=handlers, limit=limit, after=after))
         return result
 

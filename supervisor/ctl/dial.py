@@ -83,9 +83,11 @@ async def open_connection(
     try:
         welcome = await asyncio.wait_for(asyncio.shield(answer), timeout)
     except asyncio.TimeoutError:
+        answer.cancel()  # (else the close fails it, and nobody reads that)
         proto.close()
         raise DaemonUnavailable(f"sessiond at {path} did not answer hello") from None
     except BaseException:
+        answer.cancel()
         proto.close()
         raise
     return proto, welcome

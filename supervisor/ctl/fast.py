@@ -50,6 +50,7 @@ from supervisor.ctl.render import (
     EXIT_UNREACHABLE,
     exit_code_for,
     failed,
+    loading_text,
     pong_text,
     print_stats,
     print_status,
@@ -521,17 +522,22 @@ def _run(args: _Args) -> int:
             if any(not _selected(s, args.select) for s in sessions):
                 raise _Unsure("a daemon that does not select: the full path selects again")
             more = f"(more: sessionctl ls --limit {args.select['limit']} --after {after})\n" if after else ""
+            loading = reply["loading"]
+            if loading is not None:
+                loading.pop("type", None)
+                more += loading_text(loading) + "\n"
             if args.quiet:
                 text = "".join(f"{s['id']}\n" for s in sessions)
             elif as_json:
-                text = json_text({"sessions": sessions, **({"next": after} if after else {})}) + "\n"
+                text = json_text({"sessions": sessions, **({"next": after} if after else {}),
+                                  **({"loading": loading} if loading is not None else {})}) + "\n"
                 more = ""
             elif sessions:
                 print_table(sessions)
                 sys.stderr.write(more)
                 return EXIT_OK
             else:
-                text = "no sessions\n"
+                text = "no sessions loaded yet\n" if loading is not None else "no sessions\n"
             sys.stdout.write(text)
             sys.stderr.write(more)
             return EXIT_OK

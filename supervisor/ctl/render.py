@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["EXIT_CODES", "EXIT_FAILED", "EXIT_NO_SESSION", "EXIT_OK", "EXIT_SIGINT", "EXIT_SIGPIPE", "EXIT_UNREACHABLE",
            "EXIT_USAGE", "stdout_gone",
-           "SORT_KEYS", "exit_code_for", "exit_codes_text", "failed", "fmt_age", "fmt_bytes", "plural", "pong_text", "print_stats", "print_status", "print_table",
+           "SORT_KEYS", "exit_code_for", "exit_codes_text", "failed", "fmt_age", "fmt_bytes", "loading_text", "plural", "pong_text", "print_stats", "print_status", "print_table",
            "sandbox_line", "shown_state", "waiting_text"]
 
 # sessionctl's exit codes (a contract: scripts test them), for both paths
@@ -211,11 +211,19 @@ def print_stats(stats: dict[str, Any]) -> None:
           f"{plural(stats['live_workers'], 'live worker')}, {plural(stats['clients'], 'client')}")
     if stats["sandbox"]:
         print(sandbox_line(stats["sandbox"]))
+    if stats.get("loading"):
+        print(loading_text(stats["loading"]))
     tracing = stats.get("tracing")
     if tracing:  # (an admin's view, with tracing on: docs/tracing.md)
         print(f"tracing: {tracing.get('exporter')} to {tracing.get('endpoint')}: {tracing.get('spans')} spans, "
               f"{tracing.get('exported')} exported, {tracing.get('queued')} queued, "
               f"{tracing.get('dropped')} dropped, {tracing.get('failed')} failed")
+
+
+def loading_text(loading: dict[str, Any]) -> str:
+    """A daemon just started still loads the sessions on disk (ls, stats)."""
+    far = f" ({loading['loaded']} of {loading['total']} so far)" if loading.get("total") else ""
+    return f"sessiond is still loading the sessions on disk{far}: counts and lists hold those loaded so far"
 
 
 def pong_text(session: str | None, pid: int, rtt_ms: float) -> str:

@@ -105,7 +105,8 @@ class PrometheusRecorder:
     read from `sessions()` and `clients()`."""
 
     def __init__(self, sessions: Callable[[], Iterable[Session]], clients: Callable[[], int],
-                 top_sessions: int = TOP_RSS_SESSIONS, tracing: Callable[[], dict[str, Any]] = dict) -> None:
+                 top_sessions: int = TOP_RSS_SESSIONS, tracing: Callable[[], dict[str, Any]] = dict,
+                 loading: Callable[[], tuple[int, int] | None] = lambda: None) -> None:
         # Here, not at the top: a daemon without metrics never pays the import.
         from prometheus_client import (
             CollectorRegistry, Counter, Histogram, Info, ProcessCollector, disable_created_metrics,
@@ -191,7 +192,7 @@ class PrometheusRecorder:
             self._budget.labels(ceiling)
         self._restarts.inc(0)
         self._awaiting_first: set[str] = set()  # sessions whose turn has streamed nothing yet
-        r.register(_StateCollector(sessions, clients, top_sessions))
+        r.register(_StateCollector(sessions, clients, top_sessions, loading))
         r.register(_TracingCollector(tracing))
 
     def worker_exit(self, reason: str) -> None:
@@ -307,10 +308,11 @@ class _StateCollector:
     """Gauges computed when scraped, from the manager's own dicts."""
 
     def __init__(self, sessions: Callable[[], Iterable[Session]], clients: Callable[[], int],
-                 top_sessions: int) -> None:
+                 top_sessions: int, loading: Callable[[], tuple[int, int] | None]) -> None:
         self._sessions = sessions
         self._clients = clients
         self._top = top_sessions
+        self._loading = loading
 
     def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import GaugeMetricFamily
@@ -326,10 +328,15 @@ class _StateCollector:
                 waiting += 1
                 since = min(p.since for p in session.pending_asks.values())
                 oldest = since if oldest is None else min(oldest, since)
-        states = GaugeMetricFamily("sessiond_sessions", "Sessions, by state.", labels=["state"])
+        states = GaugeMetricFamily("sessiond_sessions", "Sessions, by state (those loaded so far, while "
+                                   "sessiond_sessions_loading is not 0).", labels=["state"])
         for state, n in counts.items():
             states.add_metric([state], n)
         yield states
+        loading = self._loading()
+        yield GaugeMetricFamily("sessiond_sessions_loading", "Sessions on disk a daemon just started has not "
+                                "loaded yet (it serves meanwhile; 0 once all are).",
+                                value=loading[1] - loading[0] if loading else 0)
         rss = GaugeMetricFamily(
             "sessiond_session_rss_bytes",
             f"RSS of a session's processes at the last sweep; the {self._top} largest only.",

@@ -44,9 +44,28 @@ def landlock_abi() -> int:
     return max(0, int(abi))
 
 
+# What the probe's /bin/true needs, bound as a tool's sandbox binds the
+# system's directories (session_worker.worker.sandbox): not the whole root,
+# whose every mount bubblewrap remounts read-only one by one, so that a mount
+# of the host's going away meanwhile (another daemon's workspace image, a
+# container's) failed the probe and left this daemon's tools off for its life.
+_PROBE_ROOTS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")
+
+
+def probe_roots() -> list[str]:
+    """bwrap arguments binding the probe's system directories, read-only."""
+    argv: list[str] = []
+    for root in _PROBE_ROOTS:
+        if os.path.islink(root):
+            argv += ["--symlink", os.readlink(root), root]
+        elif os.path.isdir(root):
+            argv += ["--ro-bind", root, root]
+    return argv
+
+
 def _try_bwrap(bwrap: str, uid: int | None, gid: int | None) -> str:
     """'' when bubblewrap makes every namespace we use for `uid`, else why not."""
-    argv = [bwrap, "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--unshare-pid",
+    argv = [bwrap, *probe_roots(), "--proc", "/proc", "--dev", "/dev", "--unshare-pid",
             "--unshare-ipc", "--unshare-net", "--unshare-uts", "--die-with-parent"]
     if (uid if uid is not None else os.geteuid()) != 0:
         argv.append("--unshare-user")

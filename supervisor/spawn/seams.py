@@ -5,7 +5,8 @@ connection's socket, signal it, kill its whole tree, say whether anything of
 the tree is left, report exits (code or signal, decoded once) through
 `on_exit`, and say where a worker runs (`placement`); a worker ordered
 ahead and not used is killed when it comes (`drop_pending`), and a spawner
-whose workers die with their machine says so (`LosesWorkers`).  The zygote
+whose workers die with their machine says so, and asks that machine before
+a worker's silence is blamed on the worker (`LosesWorkers`).  The zygote
 (`supervisor.spawn.spawner.ZygoteSpawner`) is the first implementation, Ray node
 hosts (`supervisor.cluster.ray_spawner`) the second; `tests/test_spawner_contract.py`
 is the suite every implementation must pass.  The state store's seam is
@@ -72,9 +73,17 @@ class Spawner(Protocol):
 
 @runtime_checkable
 class LosesWorkers(Protocol):
-    """A spawner whose workers can be lost with their machine (RaySpawner)."""
+    """A spawner whose workers run on other machines and can be lost with
+    them (RaySpawner)."""
 
     on_worker_lost: Callable[[int, str], None]
+
+    async def node_silence(self, pid: int) -> float | None:
+        """How long the worker's own machine has had nothing from it, in
+        seconds (what this machine hears adds the way here); None once the
+        worker is gone or was lost (its exit is told: `on_exit`,
+        `on_worker_lost`)."""
+        ...
 
 
 def drop_pending(spawner: Spawner, pending: Pending | None) -> None:

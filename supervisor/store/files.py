@@ -3,6 +3,7 @@
 Layout under `<state_dir>/sessions/<id>/`:
 
     fence          u64 fencing generation, bumped by every writer that opens the session
+                   (at the daemon's start: by its first write, `SessionStore.opened`)
     log.<gen>      records, each `u32 length | u32 crc32 | msgpack`, appended
     snapshot       the session at the end of log.<gen-1>, replaced atomically;
                    `SNP1 | u32 length | u32 crc32 | msgpack` (older ones: bare msgpack)
@@ -45,20 +46,17 @@ import contextlib
 import logging
 import os
 import shutil
-import struct
 import sys
 from pathlib import Path
 
-from supervisor.store.dirplan import Plan
+from supervisor.store import dirplan
 from supervisor.store.dirplan import check_damage as _check_damage
-from supervisor.store.dirplan import plan as _plan_of
 from supervisor.store.journal import Journal
-from supervisor.store.spendfile import FileSpendBook
-from supervisor.store.repair import repair_dir
 from supervisor.store.replay import clear_damage_note
 from supervisor.store.sessiondir import fsync_dir as _fsync_dir
+from supervisor.store.sessiondir import FENCE as _FENCE
+from supervisor.store.sessiondir import Listing
 from supervisor.store.sessiondir import log_gens as _log_gens
-from supervisor.store.sessiondir import never_created as _never_created
 from supervisor.store.sessiondir import remove_dir as _remove_dir
 from supervisor.store.sessiondir import write_snapshot_files as _snapshot_files
 from supervisor.store.journal import fdatasync as _fdatasync
@@ -80,44 +78,22 @@ from supervisor.store.state_store import (
     Abort,
     Commit,
     InputRecord,
-    LIFE_EVENTS_KEPT,
     LoadedSession,
     Mark,
     Meta,
     Record,
-    RepairMode,
-    RepairResult,
     Snapshot,
     StepRecord,
     boot_state,
-    check_stored_id,
     settled,
     turn_steps,
 )
 
-__all__ = [
-    "Abort",
-    "Commit",
-    "FileStateStore",
-    "Fenced",
-    "LogScan",
-    "InputRecord",
-    "LoadedSession",
-    "Meta",
-    "Mark",
-    "SessionStore",
-    "Snapshot",
-    "StoreDamaged",
-    "StoreError",
-    "StoreFull",
-    "describe_damage",
-    "frame_record",
-    "scan_log",
-]
+__all__ = ["Abort", "Commit", "Fenced", "LogScan", "InputRecord", "LoadedSession", "Meta", "Mark",
+           "SessionStore", "Snapshot", "StoreDamaged", "StoreError", "StoreFull", "describe_damage", "frame_record",
+           "erase_dir", "scan_log"]
 
 log = logging.getLogger("sessiond.store")
-
-_FENCE = struct.Struct(">Q")
 
 
 def _take_fence(path: Path, sync: bool = True) -> tuple[int, int]:
@@ -149,13 +125,13 @@ class SessionStore:
     Lean (slots; its directory a string, a Path made when used): the
     daemon keeps one per session, hibernated ones included."""
 
-    __slots__ = ("_root", "name", "_journal", "gen", "_snap_gen", "_base_gen", "_fd", "_size", "_synced",
+    __slots__ = ("_root", "name", "_journal", "gen", "_snap_gen", "_fd", "_size", "_synced",
                  "_opened", "_log_path", "_snapshotting", "_rest", "_released", "_closed", "_fence_fd",
-                 "_generation")
+                 "_generation", "_untaken")
 
-    def __init__(self, path: Path, gen: int, snap_gen: int = 0, base_gen: int = 0,
+    def __init__(self, path: Path, gen: int, snap_gen: int = 0,
                  fence: tuple[int, int] | None = None, journal: Journal | None = None,
-                 new: bool = False) -> None:
+                 new: bool = False, *, seen_fence: int | None = None, size: int = 0) -> None:
         self._root = sys.intern(str(path.parent))  # (one string for every session)
         self.name = path.name  # the session's id
         # With a journal (the daemon's), appends are made durable by the
@@ -164,15 +140,22 @@ class SessionStore:
         self._journal = journal
         self.gen = gen  # the log appended to
         self._snap_gen = snap_gen  # the current snapshot continues at this log
-        self._base_gen = base_gen  # oldest log kept (the fallback's)
         self._fd = -1
-        self._size = self._synced = self._opened = 0
+        self._size = self._synced = self._opened = size
         self._log_path = f"{self._dir}/log.{gen}"
         self._snapshotting = False
         # At rest (at_rest()): its files are closed (released) once all is
         # durable, and opened again by the next write; closed: for good.
         # A loaded session starts at rest: it has no worker yet.
         self._rest = self._released = self._closed = False
+        # Opened without a write (`opened`: the daemon's start): the generation
+        # after `seen_fence` is taken, durably, before its first write, if
+        # the fence still holds `seen_fence` then (else a newer writer has it).
+        self._untaken = seen_fence
+        if seen_fence is not None:
+            self._fence_fd, self._generation = -1, seen_fence + 1
+            self._rest = self._released = True
+            return
         self._fence_fd, self._generation = fence if fence is not None else _take_fence(path, sync=not new)
         try:
             self._open_log()
@@ -214,8 +197,25 @@ class SessionStore:
         else:
             raw = os.pread(self._fence_fd, _FENCE.size, 0)
         current = _FENCE.unpack(raw)[0] if len(raw) == _FENCE.size else 0
-        if current != self._generation:
+        if current != (self._generation if self._untaken is None else self._untaken):
             raise Fenced(self.name, self._generation, current)
+
+    def _take(self, fd: int) -> None:
+        """The generation an `opened` store was given, taken now, before its
+        first write: durable, as `_take_fence` makes one."""
+        assert self._untaken is not None
+        raw = os.pread(fd, _FENCE.size, 0)
+        current = _FENCE.unpack(raw)[0] if len(raw) == _FENCE.size else 0
+        if current != self._untaken:
+            raise Fenced(self.name, self._generation, current)
+        if self._journal is not None:
+            self._journal.settle(self.path)
+        try:
+            os.pwrite(fd, _FENCE.pack(self._generation), 0)
+            os.fsync(fd)
+        except OSError as exc:
+            raise _write_error(f"{self.name}/fence", exc) from exc
+        self._untaken = None
 
     # ---------------------------------------------------------------- create / load
 
@@ -295,65 +295,36 @@ class SessionStore:
             await files  # both done before the create is answered, either way
 
     @classmethod
-    def load(cls, path: Path, journal: Journal | None = None) -> tuple[SessionStore, LoadedSession]:
-        """Open for writing and read back.  `StoreDamaged` leaves every file
-        as it was; a torn tail is cut, a bad snapshot falls back."""
-        plan = _plan_of(path)
+    def load(cls, path: Path, journal: Journal | None = None,
+             listed: Listing | None = None) -> tuple[SessionStore, LoadedSession]:
+        """Open for writing and read back, fenced at once.  `StoreDamaged`
+        leaves every file as it was; a torn tail is cut, a bad snapshot
+        falls back; KeyError where a create was cut short."""
+        found = dirplan.read(path, listed)
+        if found is None:
+            raise KeyError(path.name)
         if journal is not None:  # then fenced: an older writer is refused from here on
             journal.settle(path)
         fence = _take_fence(path)
         try:
-            return cls._load(path, plan, fence, journal)
+            dirplan.settle(path, found.plan)
+            store = cls(path, found.plan.gens[-1], found.plan.snap.gen if found.plan.snap else 0, fence, journal)
         except BaseException:
             os.close(fence[0])
             raise
+        store.at_rest(True)  # no worker yet: its files close until it is written to
+        return store, found.loaded
 
     @classmethod
-    def _load(cls, path: Path, plan: Plan, fence: tuple[int, int],
-              journal: Journal | None) -> tuple[SessionStore, LoadedSession]:
-        if plan.fallback:
-            tagged(log, path.name).warning("%s; restored from the previous generation (%s and log(s) %s)",
-                                           plan.fallback, "snapshot.prev" if plan.snap else "no snapshot",
-                                           ", ".join(map(str, plan.gens)))
-            # The previous generation becomes the current one on disk too,
-            # so the next rotation keeps a good snapshot as its fallback.
-            if plan.snap is not None:
-                os.replace(path / "snapshot.prev", path / "snapshot")
-            else:
-                (path / "snapshot").unlink()
-            _fsync_dir(path)
-        snap = plan.snap
-        loaded: LoadedSession | None = None
-        if snap is not None:
-            loaded = LoadedSession(meta=snap.meta, turns=snap.turns, seq=snap.seq, mark=snap.mark,
-                                   usage=dict(snap.usage), lifecycle=list(snap.lifecycle))
-        for g in plan.gens:
-            scan = plan.scans[g]
-            torn = scan.torn_at
-            if torn is not None:
-                tagged(log, path.name).warning("log.%d: dropping %d bytes of a torn last record at offset %d",
-                                               g, scan.size - torn, torn)
-                with open(path / f"log.{g}", "r+b") as f:
-                    f.truncate(torn)
-                    os.fsync(f.fileno())
-            for _, _, rec in scan.records:
-                if loaded is None and isinstance(rec, Meta):
-                    loaded = LoadedSession(meta=rec)
-                elif loaded is not None:
-                    loaded.apply(rec)
-        assert loaded is not None  # the plan checked there is a Meta
-        check_stored_id(path.name, loaded.meta)
-        del loaded.lifecycle[:-LIFE_EVENTS_KEPT]
-        prev, _ = _read_snapshot(path / "snapshot.prev")
-        base = prev.gen if prev is not None else 0
-        # Logs older than the fallback's are folded into both snapshots.
-        for g in _log_gens(path):
-            if g < base:
-                (path / f"log.{g}").unlink(missing_ok=True)
-        snap_gen = snap.gen if snap is not None else 0
-        store = cls(path, plan.gens[-1], snap_gen, base, fence, journal)
-        store.at_rest(True)  # no worker yet: its files close until it is written to
-        return store, loaded
+    def opened(cls, found: dirplan.Read, path: Path, journal: Journal | None) -> tuple[SessionStore, LoadedSession]:
+        """`load` for the daemon's start, from what `dirplan.read` found:
+        nothing is written unless the directory needs it (a torn tail, a
+        fallback); its generation is taken at its first write."""
+        p = found.plan
+        size = dirplan.settle(path, p)
+        store = cls(path, p.gens[-1], p.snap.gen if p.snap else 0, journal=journal, seen_fence=found.fence,
+                    size=size)
+        return store, found.loaded
 
     # ---------------------------------------------------------------- writing
 
@@ -503,7 +474,6 @@ class SessionStore:
             if g < new_base:
                 with contextlib.suppress(OSError):
                     (self.path / f"log.{g}").unlink()
-        self._base_gen = new_base
 
     # ---------------------------------------------------------------- reading
 
@@ -569,9 +539,15 @@ class SessionStore:
 
     def _reopen(self) -> None:
         try:
-            fd = os.open(f"{self._dir}/fence", os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(f"{self._dir}/fence", os.O_RDWR | os.O_CLOEXEC | os.O_CREAT, 0o600)
         except OSError as exc:
             raise _write_error(f"{self.name}/fence", exc) from exc
+        if self._untaken is not None:
+            try:
+                self._take(fd)
+            except BaseException:
+                os.close(fd)
+                raise
         self._fence_fd, self._released = fd, False
         opened = self._opened  # (what this writer found in the log: tests' crashes cut back to it)
         try:
@@ -597,13 +573,13 @@ class SessionStore:
         if self._journal is not None:
             self._journal.forget(self.name)
         self.close()
-        _erase(self.path, self._journal)
+        erase_dir(self.path, self._journal)
 
     def remove_soon(self) -> asyncio.Future[None]:
         return settled(self.remove)
 
 
-def _erase(path: Path, journal: Journal | None) -> None:
+def erase_dir(path: Path, journal: Journal | None) -> None:
     """A removed session's content, wherever this store can reach it at
     once: its directory (logs, snapshots), a damaged journal kept for it
     alone, and its records in the live journal (a checkpoint)."""
@@ -613,76 +589,3 @@ def _erase(path: Path, journal: Journal | None) -> None:
     _remove_dir(path)
     if journal is not None:
         journal.erase(path.name)
-
-
-# ---------------------------------------------------------------- the store
-
-
-class FileStateStore:
-    """`StateStore` over a directory of session directories."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._journal: Journal | None = None
-        self._spend: FileSpendBook | None = None
-
-    @property
-    def spend(self) -> FileSpendBook:
-        """The spend ledger (supervisor.store.spendfile), opened at first use."""
-        if self._spend is None:
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self._spend = FileSpendBook(self.root)
-        return self._spend
-
-    @property
-    def journal(self) -> Journal:
-        """Opened (and every unlocked journal replayed) at first use, before
-        any session is listed or loaded."""
-        if self._journal is None:
-            self._journal = Journal(self.root)
-        return self._journal
-
-    def create(self, meta: Meta, durable: bool = True) -> SessionStore:
-        return SessionStore.create(self.root, meta, durable, self.journal)
-
-    def close(self) -> None:
-        """Make every log durable on its own and delete the journal."""
-        if self._journal is not None:
-            self._journal.close()
-            self._journal = None
-        if self._spend is not None:
-            self._spend.close()
-            self._spend = None
-
-    def load(self, session_id: str) -> tuple[SessionStore, LoadedSession]:
-        path = self.root / session_id
-        journal = self.journal
-        if not path.is_dir() or _never_created(path):
-            raise KeyError(session_id)
-        return SessionStore.load(path, journal)
-
-    def ids(self) -> list[str]:
-        self.journal  # noqa: B018 (replays before anything is listed)
-        out = []
-        for path in sorted(self.root.iterdir()):
-            if path.name.startswith(".deleted-"):
-                # The daemon died while removing it.
-                shutil.rmtree(path, ignore_errors=True)
-            elif path.is_dir() and not path.name.startswith("."):
-                if _never_created(path):
-                    # A create cut short by a crash before its fsync: it was
-                    # never acknowledged, so it never existed.
-                    log.info("removing %s: a session whose creation never completed", path)
-                    _remove_dir(path)
-                    continue
-                out.append(path.name)
-        return out
-
-    def remove(self, session_id: str) -> None:
-        self.journal.forget(session_id)
-        _erase(self.root / session_id, self.journal)
-
-    def repair(self, session_id: str, mode: RepairMode) -> RepairResult:
-        """Rewrite each damaged log of a session atomically, per `mode`
-        (supervisor.store.repair)."""
-        return repair_dir(self.root / session_id, self.root, mode)

@@ -142,7 +142,8 @@ class Journal:
         self.root = root
         self.dir = root / ".journal"
         self.dir.mkdir(mode=0o700, exist_ok=True)
-        replay(self.dir, root)
+        # The sessions the journals of a daemon gone wrote (supervisor.store.filestore.FileStateStore.listed).
+        self.recent = frozenset(replay(self.dir, root))
         self._fd, self._path = _open_journal(self.dir)
         _fsync_path(self.dir, directory=True)
         # Log sequence numbers: byte positions in the journals of this

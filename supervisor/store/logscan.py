@@ -9,6 +9,7 @@ by the file store (supervisor.store.files) and the in-memory one.
 from __future__ import annotations
 
 import errno
+import os
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -107,9 +108,16 @@ frame_record = _frame
 scan_log = _scan
 
 
-def _read_scan(path: Path) -> _Scan:
+def _slurp(path: str | Path) -> bytes:
+    # Unbuffered: one FileIO, its size read once (the start-up load reads
+    # every session's files: a Path and a buffered reader cost as much).
+    with open(path, "rb", buffering=0) as f:
+        return f.readall()
+
+
+def _read_scan(path: str | Path) -> _Scan:
     try:
-        return _scan(path.read_bytes())
+        return _scan(_slurp(path))
     except FileNotFoundError:
         return _Scan(size=0)
 
@@ -134,24 +142,25 @@ def _encode_snapshot(snap: Snapshot) -> bytes:
     return _SNAP_HEAD.pack(_SNAP_MAGIC, len(body), zlib.crc32(body)) + body
 
 
-def _read_snapshot(path: Path) -> tuple[Snapshot | None, str]:
+def _read_snapshot(path: str | Path) -> tuple[Snapshot | None, str]:
     """(snapshot, "") or (None, "") when there is none, or (None, why) when
     it is there but unreadable."""
+    name = os.path.basename(path)
     try:
-        data = path.read_bytes()
+        data = _slurp(path)
     except FileNotFoundError:
         return None, ""
     except OSError as exc:
         if exc.errno in (errno.EMFILE, errno.ENFILE):
             raise  # the daemon is out of fds, the file is fine: the caller refuses (`capacity`)
-        return None, f"{path.name} cannot be read: {exc.strerror}"
+        return None, f"{name} cannot be read: {exc.strerror}"
     if data[:4] == _SNAP_MAGIC:
         if len(data) < _SNAP_HEAD.size:
-            return None, f"{path.name} is truncated"
+            return None, f"{name} is truncated"
         _, length, crc = _SNAP_HEAD.unpack_from(data)
-        body = data[_SNAP_HEAD.size :]
+        body: bytes | memoryview = memoryview(data)[_SNAP_HEAD.size :]
         if len(body) != length or zlib.crc32(body) != crc:
-            return None, f"{path.name} fails its checksum"
+            return None, f"{name} fails its checksum"
     else:
         # Written before snapshots had a checksum: msgpack can still
         # reject it, but a flipped byte inside may go unnoticed.
@@ -159,7 +168,7 @@ def _read_snapshot(path: Path) -> tuple[Snapshot | None, str]:
     try:
         return _snap_decoder.decode(body), ""
     except msgspec.DecodeError as exc:
-        return None, f"{path.name} cannot be decoded: {exc}"
+        return None, f"{name} cannot be decoded: {exc}"
 
 
 

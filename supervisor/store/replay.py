@@ -168,9 +168,10 @@ def _fence_of(session_dir: Path) -> int:
     return _FENCE.unpack(raw[: _FENCE.size])[0] if len(raw) >= _FENCE.size else 0
 
 
-def replay(jdir: Path, root: Path) -> int:
+def replay(jdir: Path, root: Path) -> set[str]:
     """Restore into the session logs what unlocked journals hold and the
-    logs lack; delete those journals.  Returns the records written.
+    logs lack; delete those journals.  Returns the sessions they wrote
+    (those last used: the daemon's start loads them first).
 
     A damaged journal (bad bytes followed by intact records, or a complete
     record failing its checksum) is replayed all the same, record by
@@ -187,7 +188,7 @@ def replay(jdir: Path, root: Path) -> int:
         _say_damaged(jdir, read, sorted(notes))
     if restored:
         log.warning("restored %d record(s) from the journal into session logs", restored)
-    return restored
+    return {sid for sid, _ in found.by_log}
 
 
 @dataclass(slots=True)

@@ -14,10 +14,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import struct
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["fsync_dir", "log_gens", "never_created", "remove_dir", "write_snapshot_files"]
+__all__ = ["FENCE", "Listing", "fsync_dir", "listing", "log_gens", "read_fence", "remove_dir",
+           "write_snapshot_files"]
+
+FENCE = struct.Struct(">Q")  # the `fence` file: the last writer's generation
 
 
 def fsync_dir(path: Path) -> None:
@@ -28,13 +33,54 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@dataclass(slots=True, frozen=True)
+class Listing:
+    """What one read of a session directory found (os.scandir: no file
+    opened, no stat but of a log whose size decides never-created)."""
+
+    names: frozenset[str]
+    gens: list[int]  # the log.<gen> files, in order
+
+    def never_created(self, path: Path) -> bool:
+        """No snapshot and no byte of log: not even the metadata record landed."""
+        if "snapshot" in self.names or "snapshot.prev" in self.names:
+            return False
+        for g in self.gens:
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(f"{path}/log.{g}").st_size:
+                    return False
+        return True
+
+
+def listing(path: Path) -> Listing:
+    """The session directory's entries; FileNotFoundError if it is gone."""
+    with os.scandir(path) as entries:
+        names = frozenset(e.name for e in entries)
+    return Listing(names, _gens(names))
+
+
+def _gens(names: frozenset[str] | list[str]) -> list[int]:
+    return sorted(int(n[4:]) for n in names if n.startswith("log.") and n[4:].isdigit())
+
+
 def log_gens(path: Path) -> list[int]:
-    gens = []
-    for p in path.glob("log.*"):
-        suffix = p.name[4:]
-        if suffix.isdigit():
-            gens.append(int(suffix))
-    return sorted(gens)
+    try:
+        return _gens(os.listdir(path))
+    except FileNotFoundError:
+        return []
+
+
+def read_fence(path: Path) -> int:
+    """The generation the session's last writer took (0: none yet)."""
+    try:
+        fd = os.open(f"{path}/fence", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return 0
+    try:
+        raw = os.pread(fd, FENCE.size, 0)
+    finally:
+        os.close(fd)
+    return FENCE.unpack(raw)[0] if len(raw) == FENCE.size else 0
 
 
 def write_snapshot_files(path: Path, data: bytes, gen: int) -> None:
@@ -65,16 +111,6 @@ def write_snapshot_files(path: Path, data: bytes, gen: int) -> None:
         raise
     finally:
         fsync_dir(path)
-
-
-def never_created(path: Path) -> bool:
-    """No snapshot and no byte of log: not even the metadata record landed."""
-    if (path / "snapshot").exists() or (path / "snapshot.prev").exists():
-        return False
-    for g in log_gens(path):
-        if (path / f"log.{g}").stat().st_size:
-            return False
-    return True
 
 
 def remove_dir(path: Path) -> None:
