@@ -10,7 +10,9 @@ A turn's text names what to start, each tagged `sessiond-esc-<tag>-<kind>`
     userns TAG     a sleep in a user and PID namespace of its own (unshare)
     hog TAG MIB    a setsid'd process that fills MIB MiB and holds it
     memfd TAG MIB  a setsid'd process that write()s MIB MiB into a memfd
-                   (never mapped: no RSS) and holds it
+                   (never mapped: no RSS) and holds it; a write refused
+                   is named as its process name (/proc/PID/comm),
+                   "ENOMEM HELD_MIB", its memfd let go of
 """
 
 from __future__ import annotations
@@ -22,9 +24,17 @@ from session_worker.echo import EchoHandler
 from session_worker.handler import HandlerInit, TurnContext, TurnResult
 
 _SLEEP = "exec -a sessiond-esc-{tag}-{kind} sleep infinity"  # held until the session's kill
-_MEMFD = ("import os, signal\n"
+# A write(2) past the cap may fail (ENOMEM): the memfd is let go of (what
+# comes next needs no memory then) and the refusal named as the process's
+# name ("ENOMEM 63": the error, the MiB it held), read in /proc/PID/comm.
+_MEMFD = ("import errno, os, signal\n"
           "fd = os.memfd_create(\"hold\")\n"
-          "for _ in range({mib}): os.write(fd, bytes(1 << 20))\n"
+          "try:\n"
+          "    for _ in range({mib}): os.write(fd, bytes(1 << 20))\n"
+          "except OSError as exc:\n"
+          "    held = os.fstat(fd).st_size >> 20\n"
+          "    os.close(fd)\n"
+          "    with open(\"/proc/self/comm\", \"w\") as f: f.write(f\"{{errno.errorcode[exc.errno]}} {{held}}\")\n"
           "signal.pause()\n")  # held until the session's kill
 _HOG = ("import signal\n"
         "x = bytearray({mib} << 20)\n"
