@@ -54,6 +54,16 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def cached_env(cache_dir: str | Path) -> dict[str, str]:
+    """`child_env` for a one-shot CLI timed as an installed one runs: with
+    a bytecode cache (pip compiles one at install) in `cache_dir`, written
+    by its first run even where the shell sets PYTHONDONTWRITEBYTECODE
+    (every later run compiled the CLI again: ~50 ms of a 100 ms `ls`)."""
+    env = child_env({"PYTHONPYCACHEPREFIX": str(cache_dir)})
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
 # ---------------------------------------------------------------- cleanup on any exit
 
 _cleanups: list[Any] = []

@@ -84,9 +84,7 @@ def _timed(cmd: list[str], env: dict[str, str], cwd: str | None = None) -> float
 
 def _cli_envs(cache_dir: str) -> tuple[dict[str, str], dict[str, str]]:
     """(with a bytecode cache, without one)."""
-    cached = c.child_env({"PYTHONPYCACHEPREFIX": cache_dir})
-    cached.pop("PYTHONDONTWRITEBYTECODE", None)
-    return cached, c.child_env({"PYTHONDONTWRITEBYTECODE": "1"})
+    return c.cached_env(cache_dir), c.child_env({"PYTHONDONTWRITEBYTECODE": "1"})
 
 
 async def _listed(d: c.BenchDaemon, n: int) -> list[float]:

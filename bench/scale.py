@@ -153,7 +153,7 @@ def _as_user(d: c.BenchDaemon, n: int, rounds: int) -> list[float]:
 
 
 def _ctl_ls(d: c.BenchDaemon, *args: str, rounds: int) -> float:
-    env = c.child_env({"PYTHONPYCACHEPREFIX": str(d.dir / "pycache")})
+    env = c.cached_env(d.dir / "pycache")
     cmd = [*ONE_SHOT, "--socket", str(d.socket), "--json", "ls", *args]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)  # warms the bytecode cache
     times = []
