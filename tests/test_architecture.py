@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from source_trees import parse
+
 pytestmark = pytest.mark.pure
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,7 +45,7 @@ MODULES = _modules()
 def _imports(name: str, path: Path) -> set[str]:
     """Every module of ours that `name` imports, at any depth of its code
     (a function-level import is a dependency too)."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
     for node in ast.walk(tree):
@@ -62,17 +64,21 @@ def _imports(name: str, path: Path) -> set[str]:
     return out
 
 
-GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+@functools.cache
+def _graph() -> dict[str, set[str]]:
+    """module -> the modules of ours it imports; built at the first check
+    that needs it, not at collection (tests/source_trees.py)."""
+    return {name: _imports(name, path) for name, path in MODULES.items()}
 
 
 def test_the_daemon_and_the_worker_side_meet_only_in_ipc() -> None:
     crossing = [
-        f"{a} imports {b}" for a, deps in GRAPH.items() for b in deps
+        f"{a} imports {b}" for a, deps in _graph().items() for b in deps
         if {a.split(".")[0], b.split(".")[0]} == {"supervisor", "session_worker"}
     ]
     assert crossing == []
     assert all(not dep.startswith(("supervisor", "session_worker"))
-               for name, deps in GRAPH.items() if name.startswith("ipc") for dep in deps)
+               for name, deps in _graph().items() if name.startswith("ipc") for dep in deps)
 
 
 # Which of our folders each part of the daemon's package may import, read as
@@ -134,19 +140,19 @@ def test_every_daemon_folder_has_rules() -> None:
 
 def test_each_folder_imports_only_what_its_rules_allow() -> None:
     wrong = [
-        f"{a} imports {b}" for a, deps in GRAPH.items() if a.startswith("supervisor.") for b in deps
+        f"{a} imports {b}" for a, deps in _graph().items() if a.startswith("supervisor.") for b in deps
         if b.startswith("supervisor.") and _folder(b) != _folder(a)
         and _folder(b) not in FOLDER_MAY_IMPORT[_folder(a)] and (a, b) not in EXCEPTIONS
     ]
     assert wrong == []
-    assert all(b in GRAPH.get(a, ()) for a, b in EXCEPTIONS), "an exception no longer needed: drop it"
+    assert all(b in _graph().get(a, ()) for a, b in EXCEPTIONS), "an exception no longer needed: drop it"
 
 
 def test_each_subpackage_says_who_runs_it_and_what_it_may_import() -> None:
     for path in (REPO / "supervisor").rglob("__init__.py"):
         if path.parent.name == "supervisor":
             continue
-        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        doc = ast.get_docstring(parse(path.read_text())) or ""
         assert "run" in doc and "May import" in doc, path
 
 
@@ -157,7 +163,7 @@ def test_a_client_program_needs_only_ipc() -> None:
         name = todo.pop()
         if name not in seen:
             seen.add(name)
-            todo.extend(GRAPH.get(name, ()))
+            todo.extend(_graph().get(name, ()))
     assert {n for n in seen if not n.startswith("ipc") and _folder(n) != "supervisor.ctl"} \
         <= {"supervisor", "supervisor.client"}, seen
 
@@ -174,8 +180,8 @@ def test_no_import_cycles() -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
-        for w in GRAPH.get(v, ()):
-            if w not in GRAPH:
+        for w in _graph().get(v, ()):
+            if w not in _graph():
                 continue
             if w not in index:
                 visit(w)
@@ -193,7 +199,7 @@ def test_no_import_cycles() -> None:
             if len(component) > 1:
                 cycles.append(sorted(component))
 
-    for v in GRAPH:
+    for v in _graph():
         if v not in index:
             visit(v)
     assert cycles == []
@@ -208,8 +214,8 @@ def test_modules_stay_readable(name: str) -> None:
 
 def test_the_checker_sees_a_crossing() -> None:
     # The graph is real: the worker's entry point imports the handler interface.
-    assert "session_worker.handler" in GRAPH["session_worker.worker.main"]
-    assert "ipc.messages" in GRAPH["supervisor.api.server"]
+    assert "session_worker.handler" in _graph()["session_worker.worker.main"]
+    assert "ipc.messages" in _graph()["supervisor.api.server"]
 
 
 # ---------------------------------------------------------------- the worker side, by process
@@ -295,7 +301,7 @@ def _worker_side_strays(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_each_worker_side_folder_imports_only_what_its_rules_allow() -> None:
-    assert _worker_side_strays(GRAPH) == []
+    assert _worker_side_strays(_graph()) == []
 
 
 def test_the_worker_side_checker_sees_a_stray() -> None:
@@ -310,7 +316,7 @@ def test_each_worker_side_package_says_who_runs_it_and_what_it_may_import() -> N
     faces = sorted((REPO / "session_worker").rglob("__init__.py"))
     assert len(faces) >= 7, faces  # the side's face, zygote, worker, mcplist, toolhost, agent, adapters
     for path in faces:
-        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        doc = ast.get_docstring(parse(path.read_text())) or ""
         assert "run" in doc and "May import" in doc, path
 
 
@@ -321,7 +327,7 @@ def _not_standard_library(source: str) -> list[str]:
     import sys
 
     names: list[str] = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parse(source)):
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -339,7 +345,7 @@ def test_the_tool_host_needs_only_the_standard_library() -> None:
     assert [p.name for p in paths] == ["__init__.py", "host.py"], paths
     assert {p.name: _not_standard_library(p.read_text()) for p in paths} == {"__init__.py": [], "host.py": []}
     # ... and nothing imports it: the worker sends its source.
-    assert [a for a, deps in GRAPH.items() for b in deps if b.startswith("session_worker.toolhost")] == []
+    assert [a for a, deps in _graph().items() for b in deps if b.startswith("session_worker.toolhost")] == []
 
 
 def test_the_standard_library_checker_sees_another_import() -> None:
@@ -398,7 +404,7 @@ def _late_hooks(name: str, source: str) -> list[tuple[str, str]]:
                         found.append((name, ast.unparse(t)))
             visit(child, inner)
 
-    visit(ast.parse(source), None)
+    visit(parse(source), None)
     return found
 
 
@@ -445,7 +451,7 @@ def _owners() -> tuple[dict[str, set[str]], set[str]]:
     import re
 
     path = REPO / "supervisor" / "core" / "session.py"
-    tree = ast.parse(path.read_text())
+    tree = parse(path.read_text())
     fields = _dataclass_fields(tree, "Session")
     # One block per owner: "    Owner (module.py[,  fields...]" then lines indented
     # past the owner column; a line may name a second module ("module.py)").
@@ -482,7 +488,7 @@ _CONTAINERS = ("list[", "dict[", "set[", "deque[", "collections.deque[", "Ordere
 def _container_fields() -> frozenset[str]:
     """Fields of Session and WorkerProc that hold a container (a method
     call on another field, `session.store.append(...)`, uses it: no write)."""
-    tree = ast.parse((REPO / "supervisor" / "core" / "session.py").read_text())
+    tree = parse((REPO / "supervisor" / "core" / "session.py").read_text())
     out = set()
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in ("Session", "WorkerProc")):
         for n in cls.body:
@@ -516,7 +522,7 @@ def _written(node: ast.AST) -> list[ast.Attribute]:
 
 def _field_writes(name: str, source: str, owners: dict[str, set[str]], worker_fields: set[str]) -> list[str]:
     wrong: list[str] = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parse(source)):
         for t in _written(node):
             base = t.value
             of = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
@@ -532,7 +538,7 @@ def test_the_ownership_table_covers_every_field() -> None:
     owners, _ = _owners()
     assert owners["error"] == {"supervisor.core.manager", "supervisor.core.holding", "supervisor.core.damage"}
     assert owners["seq"] == {"supervisor.core.events"}
-    tree = ast.parse((REPO / "supervisor" / "core" / "session.py").read_text())
+    tree = parse((REPO / "supervisor" / "core" / "session.py").read_text())
     assert _dataclass_fields(tree, "Session") - set(owners) == {"id"}  # (set once, at construction)
 
 
@@ -588,7 +594,7 @@ _HOST_FILES = ("/proc", "/sys")
 def _core_io(source: str) -> list[str]:
     """What of the host's I/O a core module's source does itself, in line
     order; nothing under `if TYPE_CHECKING:` counts (names for mypy only)."""
-    tree = ast.parse(source)
+    tree = parse(source)
     typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                    and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
                    for n in ast.walk(node)}
