@@ -99,6 +99,11 @@ system-deps:
 # machine's (test_sandbox, test_session_cost, test_cgroups) never see a
 # sibling's.  (Not loadgroup: pytest 9.2 drops its node id suffix and so
 # its grouping, pytest-dev/pytest-xdist#1386.)  PYTEST_WORKERS=0: in order.
+# The files are handed out longest first (tests/conftest.py: the most
+# process-tier tests first), not xdist's default of the most tests first
+# (--no-loadscope-reorder): that sent test_architecture's 233 checks of a
+# few milliseconds first and left files of a few slow daemon tests (the
+# suite's own report, 8 s) for the end, where the other workers waited.
 PYTEST_WORKERS ?= 3
 
 # The suite starts hundreds of Python processes (daemons, zygotes, workers,
@@ -110,7 +115,7 @@ PYTEST_WORKERS ?= 3
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest
 
 test: $(VENV)/.installed-test system-deps
-	$(PYTEST) -q -n $(PYTEST_WORKERS) --dist loadfile
+	$(PYTEST) -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The pure, protocol and component tiers: no daemon, no child processes;
 # in-process and independent, so two workers split them test by test (on 2
