@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from source_trees import parse
 
 pytestmark = pytest.mark.pure
 
@@ -45,7 +44,7 @@ MODULES = _modules()
 def _imports(name: str, path: Path) -> set[str]:
     """Every module of ours that `name` imports, at any depth of its code
     (a function-level import is a dependency too)."""
-    tree = parse(path.read_text())
+    tree = ast.parse(path.read_text(), str(path))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
     for node in ast.walk(tree):
@@ -67,7 +66,8 @@ def _imports(name: str, path: Path) -> set[str]:
 @functools.cache
 def _graph() -> dict[str, set[str]]:
     """module -> the modules of ours it imports; built at the first check
-    that needs it, not at collection (tests/source_trees.py)."""
+    that needs it, not at collection: parsing every module takes ~0.5 s, which
+    each xdist worker paid before running a test, also one that ran none of these."""
     return {name: _imports(name, path) for name, path in MODULES.items()}
 
 
@@ -152,7 +152,7 @@ def test_each_subpackage_says_who_runs_it_and_what_it_may_import() -> None:
     for path in (REPO / "supervisor").rglob("__init__.py"):
         if path.parent.name == "supervisor":
             continue
-        doc = ast.get_docstring(parse(path.read_text())) or ""
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         assert "run" in doc and "May import" in doc, path
 
 
@@ -316,7 +316,7 @@ def test_each_worker_side_package_says_who_runs_it_and_what_it_may_import() -> N
     faces = sorted((REPO / "session_worker").rglob("__init__.py"))
     assert len(faces) >= 7, faces  # the side's face, zygote, worker, mcplist, toolhost, agent, adapters
     for path in faces:
-        doc = ast.get_docstring(parse(path.read_text())) or ""
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         assert "run" in doc and "May import" in doc, path
 
 
@@ -327,7 +327,7 @@ def _not_standard_library(source: str) -> list[str]:
     import sys
 
     names: list[str] = []
-    for node in ast.walk(parse(source)):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -404,7 +404,7 @@ def _late_hooks(name: str, source: str) -> list[tuple[str, str]]:
                         found.append((name, ast.unparse(t)))
             visit(child, inner)
 
-    visit(parse(source), None)
+    visit(ast.parse(source), None)
     return found
 
 
@@ -451,7 +451,7 @@ def _owners() -> tuple[dict[str, set[str]], set[str]]:
     import re
 
     path = REPO / "supervisor" / "core" / "session.py"
-    tree = parse(path.read_text())
+    tree = ast.parse(path.read_text(), str(path))
     fields = _dataclass_fields(tree, "Session")
     # One block per owner: "    Owner (module.py[,  fields...]" then lines indented
     # past the owner column; a line may name a second module ("module.py)").
@@ -488,7 +488,7 @@ _CONTAINERS = ("list[", "dict[", "set[", "deque[", "collections.deque[", "Ordere
 def _container_fields() -> frozenset[str]:
     """Fields of Session and WorkerProc that hold a container (a method
     call on another field, `session.store.append(...)`, uses it: no write)."""
-    tree = parse((REPO / "supervisor" / "core" / "session.py").read_text())
+    tree = ast.parse((REPO / "supervisor" / "core" / "session.py").read_text())
     out = set()
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in ("Session", "WorkerProc")):
         for n in cls.body:
@@ -522,7 +522,7 @@ def _written(node: ast.AST) -> list[ast.Attribute]:
 
 def _field_writes(name: str, source: str, owners: dict[str, set[str]], worker_fields: set[str]) -> list[str]:
     wrong: list[str] = []
-    for node in ast.walk(parse(source)):
+    for node in ast.walk(ast.parse(source)):
         for t in _written(node):
             base = t.value
             of = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
@@ -538,7 +538,7 @@ def test_the_ownership_table_covers_every_field() -> None:
     owners, _ = _owners()
     assert owners["error"] == {"supervisor.core.manager", "supervisor.core.holding", "supervisor.core.damage"}
     assert owners["seq"] == {"supervisor.core.events"}
-    tree = parse((REPO / "supervisor" / "core" / "session.py").read_text())
+    tree = ast.parse((REPO / "supervisor" / "core" / "session.py").read_text())
     assert _dataclass_fields(tree, "Session") - set(owners) == {"id"}  # (set once, at construction)
 
 
@@ -594,7 +594,7 @@ _HOST_FILES = ("/proc", "/sys")
 def _core_io(source: str) -> list[str]:
     """What of the host's I/O a core module's source does itself, in line
     order; nothing under `if TYPE_CHECKING:` counts (names for mypy only)."""
-    tree = parse(source)
+    tree = ast.parse(source)
     typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                    and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
                    for n in ast.walk(node)}

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from source_trees import parse
 
 pytestmark = pytest.mark.pure
 
@@ -38,12 +37,12 @@ def _paths() -> list[Path]:
 @functools.cache
 def _classes() -> dict[Path, dict[str, list[str]]]:
     """Every top-level class of ours: file -> name -> the names of its bases
-    (parsed at the first check that needs it, not at collection: tests/source_trees.py)."""
+    (parsed at the first check that needs it, not at collection: see test_architecture._graph)."""
     out: dict[Path, dict[str, list[str]]] = {}
     for path in _paths():
         out[path] = {
             node.name: [ast.unparse(b).rpartition(".")[2] for b in node.bases]
-            for node in parse(path.read_text()).body if isinstance(node, ast.ClassDef)
+            for node in ast.parse(path.read_text(), str(path)).body if isinstance(node, ast.ClassDef)
         }
     return out
 
@@ -75,7 +74,7 @@ def test_every_exception_class_lives_in_an_errors_module() -> None:
 @pytest.mark.parametrize("path", sorted(p for p in _paths() if _is_errors_module(p)),
                          ids=lambda p: str(p.relative_to(REPO)))
 def test_each_errors_module_draws_its_whole_tree(path: Path) -> None:
-    doc = ast.get_docstring(parse(path.read_text())) or ""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     missing = [name for name in _classes()[path] if name in _exception_names() and name not in doc]
     assert missing == [], f"{path.name}'s docstring does not draw {missing}"
 
