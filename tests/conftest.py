@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -129,6 +130,17 @@ def pytest_configure_node(node: Any) -> None:
     """(xdist, in the controller) tells each worker the run's --dist, for
     `_longest_files_first`: the schedule is made from the workers' order."""
     node.workerinput["dist"] = node.config.getoption("dist")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection left alive (sessiond's modules and the tests', the
+    libraries they import: ~120,000 objects the collector tracks) lives
+    for the whole run: moved out of the garbage collector's sight, as
+    CPython's gc.freeze is meant for, so that each full collection a
+    test's garbage sets off stops walking it.  Objects made from here on
+    are collected as ever.  make test-fast, same machine, back to back:
+    2.3 s of the two workers' CPU went to collections, 1.0 s with this."""
+    gc.freeze()
 
 
 # A failed test that ran a daemon shows that daemon's log: what it said
