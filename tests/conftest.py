@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,6 +108,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "`pytestmark = pytest.mark.<tier>` for a file of one tier, "
             "`@pytest.mark.<tier>` on each test otherwise (see ARCHITECTURE.md, 'Tests and benches')\n" + "\n".join(problems)
         )
+    _longest_files_first(config, items)
+
+
+def _longest_files_first(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under --dist loadfile (make test) each file goes whole to the next
+    worker that is free, in the order collected: a long file collected late
+    (alphabetically) ran on while the other workers had nothing left.  The
+    files with the most process-tier tests (each one seconds long, the
+    others milliseconds) go first, the short ones fill in at the end, as a
+    longest-first schedule does.  Stable: a file's tests keep their order."""
+    workerinput = getattr(config, "workerinput", {})  # an xdist worker's: its own `dist` is "no"
+    if workerinput.get("dist", config.getoption("dist", "no")) != "loadfile":
+        return
+    process = Counter(item.path for item in items if item.get_closest_marker("process") is not None)
+    items.sort(key=lambda item: -process[item.path])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """(xdist, in the controller) tells each worker the run's --dist, for
+    `_longest_files_first`: the schedule is made from the workers' order."""
+    node.workerinput["dist"] = node.config.getoption("dist")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection left alive (sessiond's modules and the tests', the
+    libraries they import: ~120,000 objects the collector tracks) lives
+    for the whole run: moved out of the garbage collector's sight, as
+    CPython's gc.freeze is meant for, so that each full collection a
+    test's garbage sets off stops walking it.  Objects made from here on
+    are collected as ever.  make test-fast, same machine, back to back:
+    2.3 s of the two workers' CPU went to collections, 1.0 s with this."""
+    gc.freeze()
 
 
 # A failed test that ran a daemon shows that daemon's log: what it said

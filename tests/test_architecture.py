@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+
 pytestmark = pytest.mark.pure
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,17 +63,22 @@ def _imports(name: str, path: Path) -> set[str]:
     return out
 
 
-GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+@functools.cache
+def _graph() -> dict[str, set[str]]:
+    """module -> the modules of ours it imports; built at the first check
+    that needs it, not at collection: parsing every module takes ~0.5 s, which
+    each xdist worker paid before running a test, also one that ran none of these."""
+    return {name: _imports(name, path) for name, path in MODULES.items()}
 
 
 def test_the_daemon_and_the_worker_side_meet_only_in_ipc() -> None:
     crossing = [
-        f"{a} imports {b}" for a, deps in GRAPH.items() for b in deps
+        f"{a} imports {b}" for a, deps in _graph().items() for b in deps
         if {a.split(".")[0], b.split(".")[0]} == {"supervisor", "session_worker"}
     ]
     assert crossing == []
     assert all(not dep.startswith(("supervisor", "session_worker"))
-               for name, deps in GRAPH.items() if name.startswith("ipc") for dep in deps)
+               for name, deps in _graph().items() if name.startswith("ipc") for dep in deps)
 
 
 # Which of our folders each part of the daemon's package may import, read as
@@ -134,12 +140,12 @@ def test_every_daemon_folder_has_rules() -> None:
 
 def test_each_folder_imports_only_what_its_rules_allow() -> None:
     wrong = [
-        f"{a} imports {b}" for a, deps in GRAPH.items() if a.startswith("supervisor.") for b in deps
+        f"{a} imports {b}" for a, deps in _graph().items() if a.startswith("supervisor.") for b in deps
         if b.startswith("supervisor.") and _folder(b) != _folder(a)
         and _folder(b) not in FOLDER_MAY_IMPORT[_folder(a)] and (a, b) not in EXCEPTIONS
     ]
     assert wrong == []
-    assert all(b in GRAPH.get(a, ()) for a, b in EXCEPTIONS), "an exception no longer needed: drop it"
+    assert all(b in _graph().get(a, ()) for a, b in EXCEPTIONS), "an exception no longer needed: drop it"
 
 
 def test_each_subpackage_says_who_runs_it_and_what_it_may_import() -> None:
@@ -157,7 +163,7 @@ def test_a_client_program_needs_only_ipc() -> None:
         name = todo.pop()
         if name not in seen:
             seen.add(name)
-            todo.extend(GRAPH.get(name, ()))
+            todo.extend(_graph().get(name, ()))
     assert {n for n in seen if not n.startswith("ipc") and _folder(n) != "supervisor.ctl"} \
         <= {"supervisor", "supervisor.client"}, seen
 
@@ -174,8 +180,8 @@ def test_no_import_cycles() -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
-        for w in GRAPH.get(v, ()):
-            if w not in GRAPH:
+        for w in _graph().get(v, ()):
+            if w not in _graph():
                 continue
             if w not in index:
                 visit(w)
@@ -193,7 +199,7 @@ def test_no_import_cycles() -> None:
             if len(component) > 1:
                 cycles.append(sorted(component))
 
-    for v in GRAPH:
+    for v in _graph():
         if v not in index:
             visit(v)
     assert cycles == []
@@ -208,8 +214,8 @@ def test_modules_stay_readable(name: str) -> None:
 
 def test_the_checker_sees_a_crossing() -> None:
     # The graph is real: the worker's entry point imports the handler interface.
-    assert "session_worker.handler" in GRAPH["session_worker.worker.main"]
-    assert "ipc.messages" in GRAPH["supervisor.api.server"]
+    assert "session_worker.handler" in _graph()["session_worker.worker.main"]
+    assert "ipc.messages" in _graph()["supervisor.api.server"]
 
 
 # ---------------------------------------------------------------- the worker side, by process
@@ -295,7 +301,7 @@ def _worker_side_strays(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_each_worker_side_folder_imports_only_what_its_rules_allow() -> None:
-    assert _worker_side_strays(GRAPH) == []
+    assert _worker_side_strays(_graph()) == []
 
 
 def test_the_worker_side_checker_sees_a_stray() -> None:
@@ -339,7 +345,7 @@ def test_the_tool_host_needs_only_the_standard_library() -> None:
     assert [p.name for p in paths] == ["__init__.py", "host.py"], paths
     assert {p.name: _not_standard_library(p.read_text()) for p in paths} == {"__init__.py": [], "host.py": []}
     # ... and nothing imports it: the worker sends its source.
-    assert [a for a, deps in GRAPH.items() for b in deps if b.startswith("session_worker.toolhost")] == []
+    assert [a for a, deps in _graph().items() for b in deps if b.startswith("session_worker.toolhost")] == []
 
 
 def test_the_standard_library_checker_sees_another_import() -> None:
@@ -445,7 +451,7 @@ def _owners() -> tuple[dict[str, set[str]], set[str]]:
     import re
 
     path = REPO / "supervisor" / "core" / "session.py"
-    tree = ast.parse(path.read_text())
+    tree = ast.parse(path.read_text(), str(path))
     fields = _dataclass_fields(tree, "Session")
     # One block per owner: "    Owner (module.py[,  fields...]" then lines indented
     # past the owner column; a line may name a second module ("module.py)").

@@ -64,7 +64,7 @@ class PeerPg:
     (root) has a role `root` owning database `sessiond`."""
 
     def __init__(self) -> None:
-        self.server = PgServer()
+        self.server = PgServer(flush=False)  # (tests/pg_server.py: what a crash keeps, unflushed)
         self.socket_dir = self.server.root
         # `nobody` stands in for the old unit's User=sessiond (the control test).
         for sql in ("CREATE ROLE root LOGIN", "CREATE DATABASE sessiond OWNER root", "CREATE ROLE nobody LOGIN",

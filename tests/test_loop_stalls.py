@@ -190,8 +190,8 @@ def test_turns_that_end_during_a_database_outage_kill_no_worker(
 def test_the_sweep_discounts_a_stall_of_its_own_loop(tmp_path) -> None:
     """In-process (the core over the in-process spawner): a healthy worker
     beats every 20 ms from a task of the same loop; the loop is then blocked
-    for a second inside a callback, as a store call on the loop blocks it.
-    When it runs again, the sweep's wake-up and the worker's next beat are
+    (past twice the worker's allowance) inside a callback, as a store call
+    on the loop blocks it.  When it runs again, the sweep's wake-up and the worker's next beat are
     due together: the sweep used to run first and kill the worker."""
     import asyncio
 
@@ -225,7 +225,9 @@ def test_the_sweep_discounts_a_stall_of_its_own_loop(tmp_path) -> None:
         for _ in range(20):  # the sweep runs and finds it healthy
             await asyncio.sleep(0.01)
         assert session.last_exit is None
-        asyncio.get_running_loop().call_soon(time.sleep, 1.0)  # the loop blocked
+        # The loop blocked for 0.4 s: well past the worker's allowance mid-turn
+        # (HEARTBEATS_MISSED x 0.05 s = 0.15 s), which is all the old sweep needed.
+        asyncio.get_running_loop().call_soon(time.sleep, 0.4)
         for _ in range(20):
             await asyncio.sleep(0.01)
         assert session.last_exit is None and session.restarts == 0, session.last_exit
