@@ -153,10 +153,10 @@ class SessionMemory:
         if pid >= REMOTE_PIDS:
             return table.rss(pid), []
         kids = table.children(pid)
-        figures = table.rss_started(pid)
+        figures = table.stat(pid)
         if figures is None:
             return None, []
-        rss, start = figures
+        rss, _, start = figures
         if not self.worker_start:
             self.worker_start = start  # first seen: as trusted as the spawn that named it
         elif start != self.worker_start:
@@ -226,12 +226,12 @@ class SessionMemory:
                     table.vouch(pid, handle)
                 elif not worker:
                     continue  # no handle: never read by number
-                t = table.cpu_ticks(pid)
-                if t is None:
+                figures = table.stat(pid)
+                if figures is None:
                     continue
-                if worker and table.started(pid) != self.worker_start:
-                    continue  # the worker's number, another process's now (one stat read: both figures)
-                ticks += t
+                if worker and figures[2] != self.worker_start:
+                    continue  # the worker's number, another process's now
+                ticks += figures[1]
         finally:
             table.release()
         if self.cpu_ticks is not None and now > self.cpu_at:

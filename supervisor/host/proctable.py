@@ -18,7 +18,7 @@ process (its caller reads the pid first, in the same batch).  Across
 batches a number is only a number: a pid tracked from an earlier pass is
 read only with a handle that vouches for it (`vouch`: the pidfd taken when
 it was first seen, checked after each file is opened), and a worker by
-its start time (`started`, read after its other files).  Kills never go
+its start time (`stat`, read after its other files).  Kills never go
 through this table: they use the pidfds SessionMemory keeps.
 
 A worker on another machine (cluster mode) has a pid of REMOTE_PIDS or
@@ -142,41 +142,24 @@ class ProcTable:
         except (IndexError, ValueError):
             return None
 
-    def _stat_fields(self, pid: int) -> list[bytes]:
+    def stat(self, pid: int) -> tuple[int, int, int] | None:
+        """From one read of `stat`: the resident bytes (statm's figure),
+        the clock ticks the process ran (user + system, plus those of its
+        reaped children) and when it started (clock ticks after boot:
+        with its pid, the process itself; read after a pid's other files
+        in a batch, a match proves them its, as it held the number from
+        its start until now).  None once it is gone, or for a remote
+        worker."""
         if pid >= REMOTE_PIDS:
-            return []
+            return None
         data = self._read(_STAT, pid)
         if not data:
-            return []
+            return None
         # The command name (field 2) may hold spaces and parentheses: split after its last ")".
-        return data[data.rfind(b")") + 2:].split()
-
-    def cpu_ticks(self, pid: int) -> int | None:
-        """Clock ticks the process ran (user + system) plus those of its
-        reaped children; None once it is gone, or for a remote worker."""
-        fields = self._stat_fields(pid)
+        fields = data[data.rfind(b")") + 2:].split(None, 22)
         try:
-            return int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
-        except (IndexError, ValueError):
-            return None
-
-    def rss_started(self, pid: int) -> tuple[int, int] | None:
-        """The resident bytes (the same figure as statm's) and the start
-        time, from one read of `stat`; None once it is gone."""
-        fields = self._stat_fields(pid)
-        try:
-            return int(fields[21]) * PAGE_SIZE, int(fields[19])
-        except (IndexError, ValueError):
-            return None
-
-    def started(self, pid: int) -> int | None:
-        """When the process started (clock ticks after boot): with its pid,
-        the process itself.  Read after a pid's other files in a batch, a
-        match proves them its: it held the number from its start until now.
-        None once it is gone, or for a remote worker."""
-        fields = self._stat_fields(pid)
-        try:
-            return int(fields[19])
+            ticks = int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
+            return int(fields[21]) * PAGE_SIZE, ticks, int(fields[19])
         except (IndexError, ValueError):
             return None
 
@@ -222,11 +205,15 @@ class ProcTable:
     def release(self) -> None:
         """End the batch: close every file it opened, forget its vouchers.
         Every reader calls it before it returns (in a `finally`)."""
-        for fd in self._open.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._open.clear()
-        self._vouch.clear()
+        if self._open:
+            for fd in self._open.values():
+                try:  # (not contextlib.suppress: this runs for every session every sweep)
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._open.clear()
+        if self._vouch:
+            self._vouch.clear()
 
     def close(self) -> None:
         self.release()
