@@ -21,6 +21,7 @@ from __future__ import annotations
 import _path  # noqa: F401  (first: the checkout on sys.path, not bench/)
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -58,7 +59,7 @@ def _old_modules(ref: str) -> tuple[Any, Any]:
 def _workers(n: int, children: int) -> list[subprocess.Popen[bytes]]:
     script = "".join("sleep 600 & " for _ in range(children)) + "wait" if children else ""
     argv = ["bash", "-c", script] if children else ["sleep", "600"]
-    return [subprocess.Popen(argv, stdin=subprocess.DEVNULL) for _ in range(n)]
+    return [subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(n)]
 
 
 def _wait_children(procs: list[subprocess.Popen[bytes]], children: int) -> None:
@@ -111,11 +112,14 @@ def _scenario(label: str, n: int, children: int, rounds: int, mods: dict[str, tu
             table.close()
         return out
     finally:
-        for p in procs:
+        for p in procs:  # their children first, by the pids read from the parent still alive
+            with contextlib.suppress(OSError):
+                for kid in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split():
+                    with contextlib.suppress(OSError):
+                        os.kill(int(kid), 9)
             p.kill()
         for p in procs:
             p.wait()
-        subprocess.run(["pkill", "-P", str(os.getpid()), "-x", "sleep"], check=False)
 
 
 def main() -> None:

@@ -59,6 +59,7 @@ def _unknown(pid: int) -> int | None:
 
 
 _STATM, _CHILDREN, _STAT = 0, 1, 2
+_FLAGS = os.O_RDONLY | os.O_CLOEXEC
 
 
 def _path(kind: int, pid: int) -> str:
@@ -89,8 +90,8 @@ class ProcTable:
     __slots__ = ("_open", "_vouch", "remote", "remote_procs")
 
     def __init__(self, remote: RemoteFigures | None = None) -> None:
-        # This batch's files: (kind, pid) -> fd; empty between batches.
-        self._open: dict[tuple[int, int], int] = {}
+        # This batch's files: pid << 2 | kind -> fd; empty between batches.
+        self._open: dict[int, int] = {}
         # This batch's pids read from an earlier pass: the handle that vouches for each.
         self._vouch: dict[int, PidFd] = {}
         # A remote worker's tree's memory as its node last reported it.
@@ -112,15 +113,15 @@ class ProcTable:
 
     def _read(self, kind: int, pid: int) -> bytes | None:
         """The file's content; None once the process is gone (ESRCH)."""
-        key = (kind, pid)
+        key = pid << 2 | kind
         fd = self._open.get(key)
         if fd is None:
             try:
-                fd = os.open(_path(kind, pid), os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(_path(kind, pid), _FLAGS)
             except OSError:
                 return None
             self._open[key] = fd
-            anchor = self._vouch.get(pid)
+            anchor = self._vouch.get(pid) if self._vouch else None
             if anchor is not None and not _unreaped(anchor):
                 del self._vouch[pid]
                 self._drop(pid)
@@ -176,7 +177,7 @@ class ProcTable:
         statm fd, opened earlier in this batch, still reads afterwards only
         if the process it was opened for was not reaped meanwhile, and then
         that process held the number all along: the pidfd is its."""
-        statm = self._open.get((_STATM, pid))
+        statm = self._open.get(pid << 2 | _STATM)
         if statm is None or pid >= REMOTE_PIDS:
             return None
         try:
@@ -193,7 +194,7 @@ class ProcTable:
 
     def _drop(self, pid: int) -> None:
         for kind in (_STATM, _CHILDREN, _STAT):
-            fd = self._open.pop((kind, pid), None)
+            fd = self._open.pop(pid << 2 | kind, None)
             if fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(fd)
