@@ -13,6 +13,7 @@ A turn's text names what to start, each tagged `sessiond-esc-<tag>-<kind>`
                    (never mapped: no RSS) and holds it; a write refused
                    is named as its process name (/proc/PID/comm),
                    "ENOMEM HELD_MIB", its memfd let go of
+    children N     N sleeps that stay the worker's children (not detached)
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ class Escaper(EchoHandler):
     async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
         words = text.split()
         kind, tag = words[0], words[1]
+        if kind == "children":
+            # Held by the handler, so they stay in the worker's tree until its kill.
+            self.kids = [subprocess.Popen(["sleep", "infinity"], stdin=subprocess.DEVNULL)
+                         for _ in range(int(tag))]
+            return TurnResult(f"started {tag}", record=1)
         sleep = _SLEEP.format(tag=tag, kind=kind)
         if kind == "setsid":
             _detached(["setsid", "bash", "-c", sleep])

@@ -20,7 +20,7 @@ from supervisor.core.slots import per_uid_ceiling
 from supervisor.errors import Capacity
 from supervisor.store.journal import write_error
 
-LIMIT = 133  # with the config below: room for 8 live sessions
+LIMIT = 107  # with the config below: room for 8 live sessions (56 kept apart, 6 each)
 CONFIG = """
 [daemon]
 spare_workers = 0
@@ -45,7 +45,7 @@ def test_the_live_ceiling_is_clamped_to_the_fds_and_each_users_share_follows() -
     assert budget.live_fit == 8 and budget.live_ceiling(cfg) == 8
     assert per_uid_ceiling(cfg, budget.live_ceiling(cfg)) == 4  # half of the clamped ceiling, not of 64
     why = budget.clamped(cfg)
-    assert "max_concurrent_sessions = 64" in why and "LimitNOFILE=" in why and "RLIMIT_NOFILE 133" in why
+    assert "max_concurrent_sessions = 64" in why and "LimitNOFILE=" in why and f"RLIMIT_NOFILE {LIMIT}" in why
     # Enough fds: no clamp, no warning.
     roomy = FdBudget.of(budget.reserve + 64 * FDS_PER_LIVE_SESSION, cfg)
     assert roomy.live_ceiling(cfg) == 64 and roomy.clamped(cfg) == ""
@@ -93,7 +93,7 @@ def test_a_session_cannot_open_more_fds_than_max_open_files_nor_raise_it(tmp_pat
 
 @pytest.mark.process
 def test_a_daemon_at_its_fd_limit_refuses_capacity_and_every_session_goes_on(tmp_path) -> None:
-    """RLIMIT_NOFILE 133 (soft and hard) holds 8 live sessions, below
+    """RLIMIT_NOFILE 107 (soft and hard) holds 8 live sessions, below
     max_concurrent_sessions = 64: the start-up log says so; sessions are
     created (the idle ones hibernated to make room) until all live ones
     are busy, and the next create is `capacity` naming file descriptors

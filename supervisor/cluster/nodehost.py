@@ -264,9 +264,7 @@ class NodeHost:
             if not finished and self._spawner is not None:
                 self._spawner.kill_tree(pid, worker.memory.escapees())  # abandoned by its front
             worker.sock.close()
-            worker.memory.close()
-            for gone in (pid, *worker.memory.pids):
-                self._procs.forget(gone)
+            worker.memory.close()  # (the table holds nothing between measures)
             self._workers.pop(pid, None)
             self._exits.pop(pid, None)
 

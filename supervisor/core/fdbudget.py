@@ -3,11 +3,12 @@ refusal (`capacity`, naming them) before the last one is gone.
 
 Runs in the daemon.  A session at rest holds no fd of the daemon's
 (SessionLog.at_rest); a live one holds `FDS_PER_LIVE_SESSION`, measured
-with a real daemon (tests/test_fd_budget.py counts them): its worker's
-socket and pidfd, its log's `fence` and `log.N`, the three `/proc` files
-the sweep keeps open for its worker (`stat`, `statm`, `children`) and,
-under cgroup v1, the eventfd and `memory.oom_control` that report its
-OOM.  A boot needs a few more for a moment (its snapshot and logs read, a
+with a real daemon (tests/test_resting_fds.py counts them): its worker's
+socket and pidfd, its log's `fence` and `log.N` and, under cgroup v1, the
+eventfd and `memory.oom_control` that report its OOM.  The sweep's `/proc`
+files are open only while it measures one session (supervisor.host.proctable),
+so none of them is a live session's; a tool process it has seen costs one
+pidfd (its kill handle) while it runs.  A boot needs a few more for a moment (its snapshot and logs read, a
 spare's socket): `FDS_PER_START`.  Besides sessions the daemon holds its
 own (`DAEMON_FDS`: the listening socket, journal, spend ledger, lock, log,
 the zygote's pipes, the acceptor's reserve; 24 measured with no spare
@@ -41,7 +42,7 @@ __all__ = ["DAEMON_FDS", "FDS_PER_LIVE_SESSION", "FDS_PER_START", "FdBudget", "a
 
 log = logging.getLogger("sessiond.daemon")
 
-FDS_PER_LIVE_SESSION = 9
+FDS_PER_LIVE_SESSION = 6
 FDS_PER_START = 4
 DAEMON_FDS = 32
 _STORE_RESERVE = 16  # a snapshot's next log, history and export reads, the spend ledger rewritten

@@ -2,9 +2,10 @@
 
 A session's memory is the RSS of its worker plus every descendant (a tool
 that allocates 2 GiB is the session's).  One sweep reads each process once,
-through the `ProcTable` (supervisor.host.proctable: /proc files kept open
-and re-read with `pread`), so the cost per sweep is proportional to
-processes, not to sessions x processes.
+through the `ProcTable` (supervisor.host.proctable: /proc files opened for
+one session's batch and closed before `measure` returns), so the cost per
+sweep is proportional to processes, not to sessions x processes, and the
+daemon holds no /proc file of a session's between sweeps.
 
 A descendant stays counted after it re-parents (a tool that double-forks
 lands on the zygote, our subreaper): once seen as a session's, a pid is
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, cast
 
-from supervisor.host.proctable import CLOCK_TICKS, ProcTable
+from supervisor.host.proctable import CLOCK_TICKS, REMOTE_PIDS, ProcTable
 from supervisor.spawn.pidfd import PidFd
 
 __all__ = [
@@ -106,6 +107,9 @@ class SessionMemory:
     cpu_ticks: int | None = None
     cpu_at: float = 0.0
     cpu_percent: float | None = None
+    # The worker's start time (clock ticks after boot) when first measured:
+    # with its pid, the process itself (0: not measured yet).
+    worker_start: int = 0
 
     def at_rest(self) -> SessionMemory:
         """What a session keeps of its figures once its worker and every
@@ -131,38 +135,73 @@ class SessionMemory:
         self.pidfds.clear()
 
     def measure(self, table: ProcTable, worker_pid: int) -> int:
-        """Sum the RSS of the worker, its descendants and known escapees."""
+        """Sum the RSS of the worker, its descendants and known escapees:
+        one batch of the table's, ended before this returns, so the daemon
+        holds no /proc file of the session's between sweeps."""
+        try:
+            return self._measure(table, worker_pid)
+        finally:
+            table.release()
+
+    def _worker(self, table: ProcTable, pid: int) -> tuple[int | None, list[int]]:
+        """The worker's RSS and children, read this batch: its `children`
+        first, then its `stat` (resident pages and start time in one read),
+        whose start time, once it matches the one first seen, proves both
+        files the worker's (it held the number from its start until the
+        second open).  (None, []) when it is gone or another process has
+        its number."""
+        if pid >= REMOTE_PIDS:
+            return table.rss(pid), []
+        kids = table.children(pid)
+        figures = table.stat(pid)
+        if figures is None:
+            return None, []
+        rss, _, start = figures
+        if not self.worker_start:
+            self.worker_start = start  # first seen: as trusted as the spawn that named it
+        elif start != self.worker_start:
+            return None, []
+        return rss, kids
+
+    def _measure(self, table: ProcTable, worker_pid: int) -> int:
         by_pid = self.rss_by_pid
         by_pid.clear()
-        if not self.pids:
-            # The common case, an idle worker with no tools: two preads.
-            rss = table.rss(worker_pid)
-            kids = table.children(worker_pid) if rss is not None else []
-            if not kids:
-                if rss is not None:
-                    by_pid[worker_pid] = rss
-                self.rss_bytes = rss or 0
-                self._forget_gone()
-                return self.rss_bytes
-        total = 0
-        stack = [worker_pid, *self.pids]
+        rss, kids = self._worker(table, worker_pid)
+        if rss is not None:
+            by_pid[worker_pid] = rss
+        if not self.pids and not kids:
+            # The common case, an idle worker with no tools: two files read.
+            self.rss_bytes = rss or 0
+            self._forget_gone()
+            return self.rss_bytes
+        # A pid tracked from an earlier pass is read only as the process
+        # its pidfd names (checked after each of its files is opened).
+        for pid in self.pids:
+            handle = self.pidfds.get(pid)
+            if handle is not None:
+                table.vouch(pid, handle)
+        total = rss or 0
+        stack = [*kids, *(p for p in self.pids if table.vouched(p))]
         while stack:
             pid = stack.pop()
             if pid in by_pid:
                 continue
-            rss = table.rss(pid)
-            if rss is None:
+            size = table.rss(pid)
+            if size is None:
                 continue
-            by_pid[pid] = rss
-            total += rss
+            by_pid[pid] = size
+            total += size
             stack.extend(table.children(pid))
         seen = set(by_pid)
         seen.discard(worker_pid)
         self.pids = seen
-        for pid in [p for p in self.pidfds if p not in seen]:
-            self.pidfds.pop(pid).close()  # gone (or a zombie): nothing to kill
+        for pid in [p for p in self.pidfds if p not in seen or not table.vouched(p)]:
+            # Gone (or a zombie): nothing to kill; or reaped, its number now
+            # another descendant's, which gets a handle of its own below.
+            self.pidfds.pop(pid).close()
         for pid in seen:
             if pid not in self.pidfds:
+                # In this batch, after its statm was read: see ProcTable.pidfd.
                 handle = table.pidfd(pid)
                 if handle is not None:
                     self.pidfds[pid] = handle
@@ -174,12 +213,27 @@ class SessionMemory:
         """Sum the CPU ticks of the processes the last `measure` saw (the
         worker and its descendants; their reaped children's included) and
         set `cpu_percent` against the previous sample.  A process that
-        exits unreaped takes its ticks with it: a drop reads as 0 %."""
-        ticks = 0
-        for pid in self.rss_by_pid:
-            t = table.cpu_ticks(pid)
-            if t is not None:
-                ticks += t
+        exits unreaped takes its ticks with it: a drop reads as 0 %.  One
+        batch of the table's, ended before this returns; each pid is read
+        as the process `measure` saw (the worker by its start time, the
+        others through their pidfds), never by number alone."""
+        try:
+            ticks = 0
+            for pid in self.rss_by_pid:
+                handle = self.pidfds.get(pid)
+                worker = pid not in self.pids
+                if handle is not None:
+                    table.vouch(pid, handle)
+                elif not worker:
+                    continue  # no handle: never read by number
+                figures = table.stat(pid)
+                if figures is None:
+                    continue
+                if worker and figures[2] != self.worker_start:
+                    continue  # the worker's number, another process's now
+                ticks += figures[1]
+        finally:
+            table.release()
         if self.cpu_ticks is not None and now > self.cpu_at:
             self.cpu_percent = max(0.0, (ticks - self.cpu_ticks) / CLOCK_TICKS / (now - self.cpu_at) * 100)
         self.cpu_ticks, self.cpu_at = ticks, now

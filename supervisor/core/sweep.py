@@ -185,10 +185,10 @@ class Sweeper:
         if self._planning:
             # How many sessions shared the last batch's PSS reads (at least this one's).
             self._over_before, self._over = max(self._over, 1), 0
-        # Every QUIET_EVERY-th sweep also closes the /proc files of
-        # processes no session holds any more, so it must see them all.
+        # Every QUIET_EVERY-th sweep also drops the workspace walks of
+        # sessions gone or on a new worker.  (No /proc file outlives a
+        # session's measure: nothing of the ProcTable's to tidy.)
         tidy = self._tick % QUIET_EVERY == 0
-        seen: set[int] = set()
         for session in list(self._sessions.live):  # (the sessions at rest have nothing to sweep)
             worker = session.worker
             if worker is None or worker.kill_reason is not None or worker.exited.done():
@@ -199,11 +199,6 @@ class Sweeper:
                 self._check(session, worker, now)
             elif session.memory.disk_bytes is None:
                 self._check_disk(session, worker, now)  # a worker just started: once
-            if tidy:
-                seen.add(worker.pid)
-                seen.update(session.memory.pids)
-        if tidy:
-            self._proc_table.keep_only(seen)
         if tidy and self._planning:  # (never a walk the thread may be stepping)
             for sid, (walk, mem) in list(self._walks.items()):
                 held = self._sessions.get(sid)

@@ -294,7 +294,6 @@ class WorkerOwner:
             self.containment.oom_check(session, worker, dead=True)  # the kernel's OOM killer took it
             self.spawner.kill_tree(pid, session.memory.escapees())
             self.containment.release(session, pid)
-        self._proc_table.forget(pid)
         reason = classify(worker, code)
         if detail.startswith(NODE_LOST_PREFIX) and not worker.expected:
             # Lost with its node, whatever was tried first (a heartbeat kill
