@@ -25,6 +25,7 @@ from ipc import messages as m
 from ipc import operator as op
 from ipc.framing import encode_frame
 from supervisor.ctl.client import AsyncClient, DaemonUnavailable, InputUnacknowledged, RequestError
+from polling import until
 
 pytestmark = pytest.mark.protocol
 
@@ -106,12 +107,6 @@ def run(body: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(body(), 20))
 
 
-async def _until(predicate: Callable[[], Any]) -> None:
-    for _ in range(2000):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("timed out")
 
 
 def _kinds(events: list[Any]) -> list[str]:
@@ -157,7 +152,7 @@ def test_a_turn_is_followed_across_a_restart_from_the_last_event_seen() -> None:
             task = asyncio.ensure_future(follow())
             await went_away.wait()
             await d.down()
-            await _until(lambda: notes)  # it noticed, and waits
+            await until(lambda: notes)  # it noticed, and waits
             await d.up()
             await task
             assert _kinds(events) == ["TextDelta", "Gap", "Notice", "TextDelta", "TurnDone"]

@@ -29,6 +29,7 @@ from supervisor.core.manager import SessionManager
 from supervisor.store.memory import InMemoryStateStore
 from supervisor.core.session import Session, valid_session_id
 from supervisor.core.workspaces import Workspaces
+from polling import until
 
 
 pytestmark = pytest.mark.component
@@ -71,12 +72,6 @@ def _run(body: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(body(), 20))
 
 
-async def _until(predicate: Callable[[], Any], what: str) -> None:
-    for _ in range(2000):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _worker(spawner: FakeSpawner, session: Session) -> FakeWorker:
@@ -93,7 +88,7 @@ def test_a_turn_is_committed_before_it_is_done(tmp_path: Path) -> None:
         mgr.attach(session, watcher, None)
         accepted = await mgr.send(session, "hello", None)
         assert accepted.turn == 1
-        await _until(lambda: watcher.of(m.TurnDone), "TurnDone")
+        await until(lambda: watcher.of(m.TurnDone), "TurnDone")
         assert watcher.of(m.TurnDone)[0].reply == "1: hello"
         # The commit is in the store, synced, before TurnDone was sent.
         handle, loaded = store.load("s")
@@ -114,10 +109,10 @@ def test_a_crash_mid_turn_fails_the_turn_restarts_and_gives_up_past_the_intensit
             worker = _worker(spawner, session)
             worker.behaviour = lambda w, msg: isinstance(msg, m.Input) and (w.exit(sig=9) or True)
             await mgr.send(session, f"crash {round_}", None)
-            await _until(lambda: len(watcher.of(m.TurnFailed)) == round_, "the failed turn")
+            await until(lambda: len(watcher.of(m.TurnFailed)) == round_, "the failed turn")
             if round_ < 3:
-                await _until(lambda: session.state.value == "idle", "the restart")
-        await _until(lambda: session.state.value == "failed", "the give-up")
+                await until(lambda: session.state.value == "idle", "the restart")
+        await until(lambda: session.state.value == "failed", "the give-up")
         assert "SIGKILL" in watcher.of(m.TurnFailed)[0].reason
         assert [e.kind for e in watcher.of(m.LimitExceeded)] == ["restarts"]
         assert session.restarts == 2 and session.last_exit is not None
@@ -141,13 +136,13 @@ def test_a_bug_handling_a_worker_message_fails_the_turn_and_keeps_the_session(tm
 
         mgr.ledger.commit = broken  # type: ignore[method-assign]
         await mgr.send(session, "one", None)
-        await _until(lambda: watcher.of(m.TurnFailed), "the failed turn")
+        await until(lambda: watcher.of(m.TurnFailed), "the failed turn")
         assert "internal error" in watcher.of(m.TurnFailed)[0].reason
         mgr.ledger.commit = real_commit  # type: ignore[method-assign]
-        await _until(lambda: session.state.value == "idle", "idle again")
+        await until(lambda: session.state.value == "idle", "idle again")
         assert session.worker is not None and session.worker.pid == pid  # no restart needed
         await mgr.send(session, "two", None)
-        await _until(lambda: watcher.of(m.TurnDone), "the next turn")
+        await until(lambda: watcher.of(m.TurnDone), "the next turn")
 
     _run(body)
 
@@ -176,7 +171,7 @@ def test_a_sub_agent_whose_create_fails_leaves_no_trace_in_its_parent(tmp_path: 
         pw = _worker(spawner, parent)
         assert parent.worker is not None
         await mgr.subagents.run(parent, parent.worker, m.SpawnAgent(turn=1, request_id="r1", task="t"))
-        await _until(lambda: [msg for msg in pw.got if isinstance(msg, m.SpawnResult)], "the answer")
+        await until(lambda: [msg for msg in pw.got if isinstance(msg, m.SpawnResult)], "the answer")
         result = [msg for msg in pw.got if isinstance(msg, m.SpawnResult)]
         assert not result[0].ok and "could not start" in result[0].reason
         assert not parent.children and set(mgr.sessions) == {"p"} and store.ids() == ["p"]
@@ -193,7 +188,7 @@ def test_a_reload_reaches_live_workers(tmp_path: Path) -> None:
         lowered["agent"] = {**FAST["agent"], "max_turns": 3}
         mgr.reload(parse_config(lowered, "test"))
         worker = _worker(spawner, session)
-        await _until(lambda: any(isinstance(x, m.Reconfigure) for x in worker.got), "Reconfigure")
+        await until(lambda: any(isinstance(x, m.Reconfigure) for x in worker.got), "Reconfigure")
         sent = next(x for x in worker.got if isinstance(x, m.Reconfigure))
         settings = msgspec.msgpack.decode(sent.settings, type=SessionSettings)
         assert settings.agent.max_turns == 3 == session.settings.agent.max_turns  # the override pulled back
@@ -208,7 +203,7 @@ def test_the_store_holds_what_the_ledger_acknowledged(tmp_path: Path) -> None:
         session = await mgr.create(1000, "s", "echo", {})
         for i in range(5):
             await mgr.send(session, f"t{i}", None)
-            await _until(lambda: session.state.value == "idle", "the turn's end")
+            await until(lambda: session.state.value == "idle", "the turn's end")
         store.crash()  # only what was synced survives
         _, loaded = store.load("s")
         assert loaded.turns == 5
@@ -240,7 +235,7 @@ def test_the_senders_events_follow_its_accepted_and_a_long_hold_lets_go(tmp_path
         order: list[str] = []
         sender.deliver = lambda frame: order.append(type(_event.decode(bytes(frame)[4:])).__name__)  # type: ignore[method-assign]
         accepted = await mgr.send(session, "hello", sender, lambda a: order.append("Accepted"))
-        await _until(lambda: "TurnDone" in order, "the turn")
+        await until(lambda: "TurnDone" in order, "the turn")
         assert order[0] == "Accepted" and order[1:3] == ["StateChanged", "TextDelta"], order
         assert watcher.of(m.StateChanged)[-1].seq > accepted.seq  # the watcher was not held
 
@@ -301,21 +296,21 @@ def test_a_running_turn_s_steps_are_held_in_the_store_and_read_back_to_resume_it
         first.behaviour = steps
         await mgr.send(session, "go", None)
         saved = lambda: [x for x in first.got if isinstance(x, m.StepSaved)]  # noqa: E731
-        await _until(lambda: len(saved()) == 3, "the starts it waits on, and the end, durable")
+        await until(lambda: len(saved()) == 3, "the starts it waits on, and the end, durable")
         assert sorted((x.n, x.begun, x.error) for x in saved()) == [(1, True, ""), (2, False, ""), (2, True, "")]
         assert session.step_records == 4 and session.steps_flying == {0: "a", 1: "b"}
         assert session.step_bytes > len(big)
         held = {f.name: _held_bytes(getattr(session, f.name)) for f in dataclasses.fields(session)}
         assert max(held.values()) < len(big), held  # (the old daemon kept `steps`: every result)
         first.exit(sig=9)
-        await _until(lambda: session.worker is not None and session.worker.pid != first.pid
+        await until(lambda: session.worker is not None and session.worker.pid != first.pid
                      and any(isinstance(x, m.Input) for x in _worker(spawner, session).got), "the resumed input")
         resumed = next(x for x in _worker(spawner, session).got if isinstance(x, m.Input)).resumed
         assert resumed is not None
         assert [(s.n, s.key, s.result == big) for s in resumed.steps] == [(2, "c", True)]
         assert resumed.in_flight == [m.StepInFlight(n=0, key="a"), m.StepInFlight(n=1, key="b")]
         assert (resumed.step, resumed.running, resumed.uncertain) == (0, "a", False)
-        await _until(lambda: watcher.of(m.TurnDone), "the turn's end")
+        await until(lambda: watcher.of(m.TurnDone), "the turn's end")
         notice = next(e for e in watcher.of(m.Notice) if e.kind == "turn_resumed")
         assert notice.data["in_flight"] == ["a", "b"] and notice.data["step"] == 0
         assert session.step_records == 0 and not session.steps_flying
@@ -349,12 +344,12 @@ def test_a_turn_whose_steps_cannot_be_read_back_fails_and_the_session_goes_on(tm
 
         session.store.read_steps_soon = unreadable  # type: ignore[method-assign]
         await mgr.send(session, "go", None)
-        await _until(lambda: watcher.of(m.TurnFailed), "the failed turn")
+        await until(lambda: watcher.of(m.TurnFailed), "the failed turn")
         assert "its steps could not be read back: [Errno 5] Input/output error" in watcher.of(m.TurnFailed)[0].reason
-        await _until(lambda: session.state.value == "idle", "idle again")
+        await until(lambda: session.state.value == "idle", "idle again")
         session.store.read_steps_soon = real  # type: ignore[method-assign]
         await mgr.send(session, "again", None)
-        await _until(lambda: watcher.of(m.TurnDone), "the next turn")
+        await until(lambda: watcher.of(m.TurnDone), "the next turn")
 
     _run(body)
 
@@ -371,7 +366,7 @@ def test_a_worker_that_said_ready_and_exits_with_code_3_crashed_it_did_not_fail_
         mgr.attach(session, watcher, None)
         _worker(spawner, session).behaviour = lambda w, msg: isinstance(msg, m.Input) and (w.exit(code=3) or True)
         await mgr.send(session, "exit", None)
-        await _until(lambda: watcher.of(m.TurnFailed), "the failed turn")
+        await until(lambda: watcher.of(m.TurnFailed), "the failed turn")
         assert session.last_exit is not None and session.last_exit.reason == "crashed"
         assert session.last_exit.code == 3 and "boot_failed" not in watcher.of(m.TurnFailed)[0].reason
 
@@ -400,7 +395,7 @@ def test_a_worker_lost_with_its_node_is_node_lost_even_after_a_heartbeat_kill(tm
         spawner.kill_tree = lambda *args, **kwargs: None  # type: ignore[method-assign]  # its node is gone
         mgr.workers.kill(session, worker, ExitReason.KILLED_HEARTBEAT, "no heartbeat for 0.6s")
         spawner.on_worker_lost(worker.pid, "node_lost: lost the node host on 10.0.0.7 (ActorDiedError)")
-        await _until(lambda: watcher.of(m.TurnFailed), "the failed turn")
+        await until(lambda: watcher.of(m.TurnFailed), "the failed turn")
         assert session.last_exit is not None and session.last_exit.reason == "node_lost"
         assert session.last_exit.detail == "lost the node host on 10.0.0.7 (ActorDiedError)"
         assert watcher.of(m.TurnFailed)[0].reason.startswith("node_lost: lost the node host on 10.0.0.7")
@@ -435,13 +430,13 @@ def test_an_input_the_store_could_not_save_is_never_resumed_on_the_next_worker(t
         with pytest.raises(NoSpace):
             await mgr.send(session, "refused", None)
         store.flush_error = None
-        await _until(lambda: session.worker is not None and session.worker.pid != first.pid
+        await until(lambda: session.worker is not None and session.worker.pid != first.pid
                      and session.state.value == "idle", "the restart from the log")
         assert not [x for x in _worker(spawner, session).got if isinstance(x, m.Input)], "the refused turn resumed"
         assert not watcher.of(m.TurnDone)
         assert session.policy is not None and session.policy.not_charged().attempts_in_window == 0
         accepted = await mgr.send(session, "next", None)
-        await _until(lambda: watcher.of(m.TurnDone), "the next turn")
+        await until(lambda: watcher.of(m.TurnDone), "the next turn")
         assert [e.turn for e in watcher.of(m.TurnDone)] == [accepted.turn]
 
     _run(body)

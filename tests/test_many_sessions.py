@@ -6,6 +6,7 @@ the in-process spawner (component tier), and the pure parts (pure)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import os
@@ -30,6 +31,9 @@ from supervisor.core.slots import LiveSlots
 from supervisor.core.states import State
 from supervisor.errors import Capacity
 from supervisor.store.memory import InMemoryStateStore
+from polling import until
+
+_until = functools.partial(until, timeout=20.0)
 
 _event = msgspec.msgpack.Decoder(m.Event)
 
@@ -60,12 +64,6 @@ def _run(body: Callable[[], Awaitable[None]], secs: float = 60) -> None:
     asyncio.run(asyncio.wait_for(body(), secs))
 
 
-async def _until(predicate: Callable[[], Any], what: str) -> None:
-    for _ in range(4000):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def _turn(mgr: SessionManager, session: Session, text: str = "hi") -> None:

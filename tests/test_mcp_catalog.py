@@ -24,6 +24,7 @@ from ipc.settings import McpSettings, SessionSettings
 from supervisor.config import Config, parse_config
 from supervisor.core.mcpcatalog import McpCatalog
 from test_agent_support import FakeCtx, make_handler, make_settings, run
+from polling import until
 
 __all__ = ["fake_llm"]
 
@@ -61,7 +62,7 @@ def test_the_catalog_lists_each_table_once_backs_off_and_keeps_what_worked() -> 
         catalog = McpCatalog(lister, published.append)
         first = catalog.attach(_config(servers=servers))
         assert [(x.name, x.state) for x in first.mcp.listed] == [("ok", "pending"), ("bad", "pending")]
-        await _until(lambda: published, "the first lists")
+        await until(lambda: published, "the first lists")
         listed = {x.name: x for x in published[-1].mcp.listed}
         assert listed["ok"].state == "listed" and listed["bad"].state == "unavailable"
         assert listed["ok"].key == listing_key(first.mcp.servers[0]), "the key is the daemon's, never the lister's"
@@ -77,13 +78,13 @@ def test_the_catalog_lists_each_table_once_backs_off_and_keeps_what_worked() -> 
         # config no longer has is dropped.
         changed = catalog.attach(_config(servers=[{"name": "ok", "command": ["ok", "--v2"]}]))
         assert [(x.name, x.state) for x in changed.mcp.listed] == [("ok", "pending")]
-        await _until(lambda: len(lister.asked) == 2, "the changed table's listing")
+        await until(lambda: len(lister.asked) == 2, "the changed table's listing")
         assert lister.asked[1] == ["ok"]
         # A relist that fails keeps the list that worked.
         lister.broken = {"ok"}
         catalog._due["ok"] = 0.0
         catalog._wake.set()
-        await _until(lambda: len(lister.asked) == 3, "the relist")
+        await until(lambda: len(lister.asked) == 3, "the relist")
         assert catalog.stats()["ok"]["state"] == "listed"
         assert catalog._task is not None
         catalog._task.cancel()
@@ -91,11 +92,6 @@ def test_the_catalog_lists_each_table_once_backs_off_and_keeps_what_worked() -> 
     asyncio.run(scenario())
 
 
-async def _until(check: Any, what: str) -> None:
-    deadline = time.monotonic() + 10
-    while not check():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.01)
 
 
 def _listed(tmp_path: Path, settings: SessionSettings) -> SessionSettings:

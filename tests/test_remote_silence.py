@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import math
 import socket
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from supervisor.core.manager import SessionManager
 from supervisor.core.session import Session
 from supervisor.store.memory import InMemoryStateStore
 from test_core_component import Recorder
+from polling import until
 
 pytestmark = pytest.mark.component
 
@@ -60,11 +60,6 @@ def _silent_turn(tmp_path: Path, body: Callable[[SessionManager, FakeRemoteSpawn
     asyncio.run(asyncio.wait_for(run(), 20))
 
 
-async def _until(predicate: Callable[[], Any], what: str) -> None:
-    deadline = time.monotonic() + 10
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
 
 
 def test_a_remote_worker_its_node_host_hears_is_not_killed_for_a_delay_on_the_way(tmp_path: Path) -> None:
@@ -72,13 +67,13 @@ def test_a_remote_worker_its_node_host_hears_is_not_killed_for_a_delay_on_the_wa
         worker = session.worker
         assert worker is not None
         # Its node host heard from it just now, each time it is asked.
-        await _until(lambda: len(spawner.asked) >= 3 or session.last_exit is not None,
+        await until(lambda: len(spawner.asked) >= 3 or session.last_exit is not None,
                      "three questions (allowances of 0.15 s), or a kill")
         assert session.last_exit is None and session.worker is worker, session.last_exit
         assert not [e for e in watcher.of(m.LimitExceeded) if e.kind == "heartbeat"]
         # Silent where it runs too: stuck, and told so.
         spawner.answer = lambda pid: 10.0
-        await _until(lambda: session.last_exit is not None, "the kill")
+        await until(lambda: session.last_exit is not None, "the kill")
         assert session.last_exit is not None and session.last_exit.reason == "killed_heartbeat"
         assert "nothing from it on its node for 10.0s: its event loop is stuck" in session.last_exit.detail
         assert [e.kind for e in watcher.of(m.LimitExceeded)] == ["heartbeat"]
@@ -93,7 +88,7 @@ def test_a_remote_worker_lost_with_its_node_is_told_as_the_node_s_loss_not_as_mi
             spawner.on_worker_lost(pid, "node_lost: lost the node host on 10.0.0.7 (ActorDiedError)")
 
         spawner.answer = lost  # type: ignore[assignment,return-value]
-        await _until(lambda: watcher.of(m.TurnFailed), "the turn to fail")
+        await until(lambda: watcher.of(m.TurnFailed), "the turn to fail")
         assert watcher.of(m.TurnFailed)[0].reason.startswith("node_lost: lost the node host on 10.0.0.7")
         assert session.last_exit is not None and session.last_exit.reason == "node_lost"
         # The client was never told of missed heartbeats: the node was lost.

@@ -19,6 +19,7 @@ from harness import Daemon, env_for_children, wait_for
 from supervisor.store.state_store import RepairMode
 from supervisor.errors import StoreDamaged, StoreFull
 from supervisor.store.filestore import FileStateStore
+from polling import until
 from supervisor.store.files import (
     Commit,
     InputRecord,
@@ -402,7 +403,7 @@ def test_a_revival_that_finds_its_log_damaged_makes_the_session_damaged_at_once(
         session = await mgr.create(0, "s", "echo", {})
         for n in range(1, 4):
             await mgr.send(session, f"t{n}", None)
-            await _until(lambda: session.state.value == "idle" and session.turns == n, "the turn")
+            await until(lambda: session.state.value == "idle" and session.turns == n, "the turn")
         await mgr.slots.hibernate(session, "test")
         assert session.state.value == "hibernated"
         _flip_commit(mem.sessions["s"].log, 2)
@@ -416,7 +417,7 @@ def test_a_revival_that_finds_its_log_damaged_makes_the_session_damaged_at_once(
         restored, result = await mgr.repair(session, "skip_bad")
         assert result.dropped_bytes > 0 and restored.state.value == "hibernated"
         await mgr.send(restored, "after", None)
-        await _until(lambda: restored.state.value == "idle" and restored.turns == 4, "the turn after repair")
+        await until(lambda: restored.state.value == "idle" and restored.turns == 4, "the turn after repair")
         await mgr.shutdown(0.2)
 
     asyncio.run(asyncio.wait_for(run(), 20))
@@ -459,7 +460,7 @@ def test_history_that_finds_damage_stops_the_worker_and_fails_its_turn(tmp_path:
         mgr.attach(session, Watcher(), None)
         for n in (1, 2):
             await mgr.send(session, f"t{n}", None)
-            await _until(lambda: session.state.value == "idle" and session.turns == n, "the turn")
+            await until(lambda: session.state.value == "idle" and session.turns == n, "the turn")
         assert session.worker is not None
         worker = spawner.workers[session.worker.pid]
         worker.behaviour = lambda w, msg: isinstance(msg, m.Input)  # the turn runs on and on
@@ -470,7 +471,7 @@ def test_history_that_finds_damage_stops_the_worker_and_fails_its_turn(tmp_path:
         with pytest.raises(Conflict, match="is damaged"):
             await transfer.history(session, None, mgr.damage)
         assert session.state.value == "damaged" and session.worker is None and not worker.alive
-        await _until(lambda: failed, "the turn's end")
+        await until(lambda: failed, "the turn's end")
         assert failed[0].turn == 3 and "damaged" in failed[0].reason
         assert bytes(mem.sessions["s"].log) == damaged
         with pytest.raises(Conflict, match="damaged"):
@@ -480,14 +481,6 @@ def test_history_that_finds_damage_stops_the_worker_and_fails_its_turn(tmp_path:
     asyncio.run(asyncio.wait_for(run(), 20))
 
 
-async def _until(predicate: object, what: str) -> None:
-    import asyncio
-
-    for _ in range(2000):
-        if predicate():  # type: ignore[operator]
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.mark.process
