@@ -27,7 +27,8 @@ import pytest
 
 from fakespawner import FakeSpawner
 from harness import Daemon, wait_for
-from test_core_component import Recorder, _run, _until
+from polling import until
+from test_core_component import Recorder, _run
 from ipc import messages as m
 from stored import echo_sessions
 from supervisor.config import parse_config
@@ -74,7 +75,7 @@ async def _turn(mgr: SessionManager, sid: str, text: str) -> str:
     watcher = Recorder()
     mgr.attach(session, watcher, None)
     await mgr.send(session, text, None)
-    await _until(lambda: watcher.of(m.TurnDone), f"{sid}'s turn")
+    await until(lambda: watcher.of(m.TurnDone), f"{sid}'s turn")
     reply: str = watcher.of(m.TurnDone)[0].reply
     return reply
 
@@ -236,7 +237,7 @@ def test_a_session_mid_turn_when_the_daemon_died_is_taken_up_when_loaded(tmp_pat
         store.gate.set()
         await again.loaded()
         busy = again.sessions["busy"]
-        await _until(lambda: busy.state is State.IDLE and busy.current_turn is None, "the held turn to end")
+        await until(lambda: busy.state is State.IDLE and busy.current_turn is None, "the held turn to end")
         assert [w.got[0].session for w in spawner.workers.values()] == ["busy"]  # (quiet stays hibernated)
         assert again.sessions["quiet"].state is State.HIBERNATED
         _, loaded = again.store.load("busy")

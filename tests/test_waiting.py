@@ -18,7 +18,8 @@ from fakespawner import FakeWorker
 from ipc import messages as m
 from supervisor.core.asks import MAX_PENDING
 from supervisor.store.state_store import Answered, Asked
-from test_core_component import FAST, Recorder, _core, _run, _until, _worker
+from polling import until
+from test_core_component import FAST, Recorder, _core, _run, _worker
 
 pytestmark = pytest.mark.component
 
@@ -43,7 +44,7 @@ def test_a_waiting_session_says_so_and_a_late_client_sees_the_request(tmp_path: 
         _worker(spawner, session).behaviour = _asker
         before = time.time()
         await mgr.send(session, "ls /", None)
-        await _until(lambda: mgr.info(session).waiting, "the request")
+        await until(lambda: mgr.info(session).waiting, "the request")
         info = mgr.info(session)
         assert info.state == "running"  # (scripts' states unchanged)
         [waiting] = info.waiting
@@ -66,7 +67,7 @@ def test_a_waiting_session_says_so_and_a_late_client_sees_the_request(tmp_path: 
         assert seen.of(m.PermissionRequest) == []
 
         mgr.answer(session, "r1", True, 1000, "sessionctl")
-        await _until(lambda: live.of(m.TurnDone), "the turn's end")
+        await until(lambda: live.of(m.TurnDone), "the turn's end")
         assert live.of(m.TurnDone)[0].reply == "ran"
         [answered] = [n for n in live.of(m.Notice) if n.kind == "permission_answered"]
         assert answered.turn == 1
@@ -108,7 +109,7 @@ def test_a_request_out_of_bounds_is_denied_unasked(tmp_path: Path) -> None:
 
         worker.behaviour = flood
         await mgr.send(session, "go", None)
-        await _until(lambda: len(answers) == 4, "the refusals")
+        await until(lambda: len(answers) == 4, "the refusals")
         assert all(not a.allow for a in answers)
         assert [a.request_id for a in answers] == [f"q{MAX_PENDING}", "q0", "x" * 201, ""]
         assert len(mgr.info(session).waiting) == MAX_PENDING
@@ -126,9 +127,9 @@ def test_a_turn_that_ends_leaves_nothing_waiting(tmp_path: Path) -> None:
         worker = _worker(spawner, session)
         worker.behaviour = _asker
         await mgr.send(session, "ls", None)
-        await _until(lambda: mgr.info(session).waiting, "the request")
+        await until(lambda: mgr.info(session).waiting, "the request")
         worker.exit(sig=9)  # its worker dies while it waits: the turn fails (echo keeps no steps)
-        await _until(lambda: session.current_turn is None, "the turn's end")
+        await until(lambda: session.current_turn is None, "the turn's end")
         assert mgr.info(session).waiting == []
 
     _run(body)
@@ -150,7 +151,7 @@ def test_the_metrics_count_the_sessions_waiting_on_a_person(tmp_path: Path) -> N
         _worker(spawner, asking).behaviour = _asker
         await mgr.send(asking, "ls", None)
         await mgr.send(quiet, "hi", None)
-        await _until(lambda: mgr.info(asking).waiting, "the request")
+        await until(lambda: mgr.info(asking).waiting, "the request")
         got = gauges()
         assert got["sessiond_sessions_waiting"] == 1 and got["sessiond_permission_wait_seconds"] >= 0
         mgr.answer(asking, "r1", False)
