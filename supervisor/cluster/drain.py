@@ -172,7 +172,7 @@ class Drainer:
         """Move one session off the node once it is idle (until `stop`)."""
         grace = self._manager.config.daemon.stop_grace_secs
         while not stop.is_set():
-            if session.lock.locked() or not self._movable(session, node_id):
+            if session.lock_held or not self._movable(session, node_id):
                 if session.worker is None or self._ray.node_of(session.worker.pid) != node_id:
                     return  # it left the node by itself (stopped, crashed and restarted elsewhere)
                 await _state_change(session, stop)

@@ -300,7 +300,7 @@ class SessionManager:
         down, no lock held, the session idle): the turn begins now, inside
         the caller's slice of the pacer; the future resolves once the input
         is durable.  None: call `send`."""
-        if self._closing or session.lock.locked() or session.state is not State.IDLE:
+        if self._closing or session.lock_held or session.state is not State.IDLE:
             return None
         return self._begin(session, text, subscriber, on_accepted, trace)
 

@@ -222,6 +222,11 @@ class Session:
             self._lock = asyncio.Lock()
         return self._lock
 
+    @property
+    def lock_held(self) -> bool:
+        """Whether a request holds the lock now (asked without making one)."""
+        return self._lock is not None and self._lock.locked()
+
     def rest_lock(self) -> None:
         """The lock goes while nobody holds it or waits for it (asyncio's
         waiters: one woken but not yet running takes the old one)."""

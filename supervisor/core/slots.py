@@ -136,7 +136,7 @@ class LiveSlots:
         if not low or free >= low or len(self._sessions) <= ceiling:
             return
         idle = (s for s in self._sessions.live if s.state is State.IDLE and s.worker is not None
-                and not s.subscribers and not s.lock.locked() and s.id not in self._hibernating)
+                and not s.subscribers and not s.lock_held and s.id not in self._hibernating)
         for victim in heapq.nsmallest(high - free, idle, key=lambda s: s.last_active):
             tagged(log, victim.id).info("hibernating ahead of demand: %d of %d live slots free "
                                         "(free_slots_low_water_pct)", free, ceiling)
@@ -146,7 +146,7 @@ class LiveSlots:
         idle = [
             s for s in self._live(session, uid)
             if s.state is State.IDLE and s.worker is not None
-            and not s.lock.locked() and s.id not in self._hibernating
+            and not s.lock_held and s.id not in self._hibernating
         ]
         return min(idle, key=lambda s: s.last_active) if idle else None
 

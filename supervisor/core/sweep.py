@@ -447,7 +447,7 @@ class Sweeper:
             return
         idle_limit = session.settings.agent.session_timeout_secs
         if idle_expired(now, session.last_active, idle_limit, session.state is State.IDLE,
-                        session.lock.locked()):
+                        session.lock_held):
             self._hibernate(session, f"idle for more than {idle_limit:g}s")
 
     def _too_many_processes(self, session: Session, worker: WorkerProc) -> bool:
