@@ -61,7 +61,9 @@ def test_hibernated_and_loaded_sessions_hold_no_fd(make_daemon) -> None:
     d.kill()
     d.start()
     with d.client() as c:
-        assert len(c.list()) == 4 * LIVE
+        # The daemon answers while it loads its sessions in the background
+        # (`ls` lists those loaded so far): the check comes once all are.
+        wait_for(lambda: len(c.list()) == 4 * LIVE, what="every session loaded")
         assert _fds_by_session(d) == {}  # every session loaded, none holding a file
         assert c.send_text(sids[1], "again") == "1: again"
 
