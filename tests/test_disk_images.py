@@ -219,6 +219,46 @@ def test_an_image_costs_the_host_what_it_holds(tmp_path: Path) -> None:
     assert not diskimage.holders(str(image)) and not os.path.ismount(target)
 
 
+@pytest.mark.component
+def test_a_mount_waits_for_the_image_s_last_holder_to_let_go(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A revive right after a daemon's stop found the image still backing a
+    loop device: its mount was unmounted lazily and a file of it was still
+    held (a process still exiting); the revive was refused (`still in use by
+    loop device(s)`) a moment before the device went.  It waits for the
+    holder, a while, and refuses only one that stays."""
+    import threading
+
+    from supervisor.spawn import diskimage
+
+    image, target = tmp_path / "ws.img", tmp_path / "ws"
+    target.mkdir()
+    diskimage.make(str(image), 16 << 20, 100)
+    assert diskimage.mount(str(image), str(target))
+    held = os.open(target / "held", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    assert diskimage.unmount(str(target), (str(image),))  # lazily: a file of it is open
+    assert diskimage.holders(str(image)) and not os.path.ismount(target)
+    # Let go after a second (the old code refused at once: the kernel may
+    # take that long to clear the device, so a shorter hold passed it too).
+    letgo = threading.Timer(1.0, os.close, (held,))
+    letgo.start()
+    try:
+        assert diskimage.mount(str(image), str(target))
+    finally:
+        letgo.join()
+    try:
+        assert os.path.ismount(target) and (target / "held").exists()
+        held = os.open(target / "held", os.O_RDONLY | os.O_CLOEXEC)
+        assert diskimage.unmount(str(target), (str(image),))
+        monkeypatch.setattr(diskimage, "RELEASE_GRACE_SECS", 0.2)
+        with pytest.raises(OSError, match=r"still in use by loop device\(s\) loop\d+ 0.2s after"):
+            diskimage.mount(str(image), str(target))  # a holder that stays
+        assert not os.path.ismount(target)
+    finally:
+        os.close(held)
+    wait_for(lambda: not diskimage.holders(str(image)), 10, "the loop device to detach")
+
+
 @pytest.mark.process
 def test_an_unprivileged_daemons_walk_counts_files_and_refuses_what_it_cannot_read(
         make_daemon, llm: FakeLLM, open_root: Path) -> None:

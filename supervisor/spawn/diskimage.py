@@ -50,6 +50,7 @@ import re
 import shutil
 import struct
 import subprocess
+import time
 
 from supervisor.errors import NoLoopDevice
 
@@ -66,6 +67,11 @@ _JOURNAL = 4 << 20  # below 64 MiB no journal: its 4 MiB would be most of the ca
 _GROUP = 32768 * BLOCK  # an ext4 block group with 4 KiB blocks
 _INODE_SIZE = 256
 _MKFS_TIMEOUT_SECS = 60.0
+# How long a mount waits for a loop device that still backs the image from
+# a mount that is going (a lazy unmount draining, a mount namespace whose
+# last process is still exiting: the stop of a daemon just before, a
+# worker killed a moment ago) before it refuses.
+RELEASE_GRACE_SECS = 5.0
 
 # linux/loop.h
 _LOOP_SET_FD, _LOOP_CLR_FD, _LOOP_SET_STATUS64 = 0x4C00, 0x4C01, 0x4C04
@@ -280,9 +286,20 @@ def mount(image: str, target: str) -> bool:
         if mounted_from(target) == f"/dev/{name}":
             return False
         _clear(name)  # a daemon killed before its mount: not autocleared yet
-    if holders(image):
-        raise OSError(errno.EBUSY, f"{image} is still in use by loop device(s) {', '.join(holders(image))} "
-                                   "(mounted in another mount namespace?)")
+    # A cleared device goes when its last user lets go: the mount of a
+    # stopped daemon still draining (unmounted lazily), a copy of it in a
+    # mount namespace whose last process is still exiting.  Mounting the
+    # image again meanwhile would have two filesystems write one image, so
+    # wait for them, a while; a holder that stays is a refusal naming it.
+    deadline = time.monotonic() + RELEASE_GRACE_SECS
+    pause = 0.005
+    while (held := holders(image)) and time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
+    if held:
+        raise OSError(errno.EBUSY, f"{image} is still in use by loop device(s) {', '.join(held)} "
+                                   f"{RELEASE_GRACE_SECS:g}s after it was released (mounted in another "
+                                   "mount namespace?)")
     if mounted_from(target) is not None:
         raise OSError(errno.EBUSY, f"{target} is already a mount point of something else")
     image_fd = os.open(image, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
