@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,3 +60,34 @@ def test_the_oom_killer_is_the_fallback_only_for_a_member_our_kill_could_not_rea
         assert handed_over and said
     else:
         assert sent and not handed_over and not said
+
+
+def test_a_dead_daemons_tree_cleaned_by_two_starting_daemons_at_once_stops_neither(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two daemons starting at the same moment both clean a dead daemon's
+    directory; the one whose walk met a directory the other had just
+    removed raised FileNotFoundError and started without cgroups (seen in
+    the suite, daemons starting side by side: `no cgroup per session:
+    cannot set up a cgroup v1 per session (...): No such file or directory`)."""
+    stale = tmp_path / "pids" / "sessiond" / "d-999999999-2"
+    for uid, sid in (("u-1000", "s-a"), ("u-1001", "s-b"), ("u-1002", "s-c")):
+        (stale / uid / sid).mkdir(parents=True)
+    real_scandir = os.scandir
+    taken: list[str] = []
+
+    def scandir(path: Any) -> Any:
+        name = os.path.basename(os.fspath(path))
+        if name.startswith("u-") and not taken:  # the other daemon, meanwhile, takes the other users'
+            for other in real_scandir(stale):
+                if other.name != name:
+                    for s in real_scandir(other.path):
+                        os.rmdir(s.path)
+                    os.rmdir(other.path)
+                    taken.append(other.name)
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    ours = CgroupsV1({"pids": tmp_path / "pids"})
+    ours.setup()
+    monkeypatch.undo()
+    assert len(taken) == 2 and not stale.exists() and ours.base["pids"].is_dir()

@@ -152,7 +152,12 @@ class CgroupsV1(Cgroups):
     def _remove_tree(self, ctrl: str, top: Path) -> None:
         """A dead daemon's directory: its sessions killed, then removed
         bottom up (what still holds processes stays until the next start)."""
-        for cg in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        # Bottom up, and a directory gone meanwhile is skipped (os.walk's
+        # default): another daemon starting at the same moment cleans the
+        # same tree (pathlib's rglob raised FileNotFoundError, and this
+        # daemon started without cgroups).
+        for where, _, _ in os.walk(top, topdown=False):
+            cg = Path(where)
             if ctrl == "freezer":  # it may have died in the middle of a kill
                 with contextlib.suppress(OSError):
                     (cg / "freezer.state").write_text("THAWED")
@@ -160,8 +165,6 @@ class CgroupsV1(Cgroups):
                 self.release(cg.name[2:], where={ctrl: cg})
             with contextlib.suppress(OSError):
                 cg.rmdir()
-        with contextlib.suppress(OSError):
-            top.rmdir()
 
     def describe(self) -> str:
         where = ", ".join(f"{c} {self.base[c]}" for c in sorted(self.base))
