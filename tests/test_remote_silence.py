@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,47 @@ def test_a_node_host_says_how_long_a_worker_has_been_silent_there() -> None:
             theirs.close()
 
     asyncio.run(body())
+
+
+def test_bytes_the_loop_took_but_has_not_yet_marked_count_as_heard() -> None:
+    """The finding (a clean-clone `make test` at load 3.6): a node host let
+    go after a stall answered "nothing from it on its node for 1.6s" for a
+    worker that had beaten on time.  The loop's read callback had taken the
+    beats from the socket in the same pass (nothing left to peek at) and
+    `_read`, which marks the worker heard, had not run yet."""
+    async def body() -> None:
+        host = NodeHost()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.setblocking(False)
+        exit_: asyncio.Future[tuple[int | None, int | None, str]] = asyncio.get_running_loop().create_future()
+        worker = host._workers[7] = _Worker(ours, exit_, "front", claimed=True)
+        out: asyncio.Queue[Any] = asyncio.Queue()
+        reading = asyncio.get_running_loop().create_task(host._read(7, worker, out))
+        try:
+            await asyncio.sleep(0)  # `_read` waits in sock_recv
+            worker.heard -= 10.0  # it last wrote ten seconds ago, then the host stalled
+            theirs.send(b"beat")
+            # Next pass: the read callback takes the bytes and wakes `_read`
+            # for the pass after, where this question comes first.
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            assert not _peekable(ours) and time.monotonic() - worker.heard > 9.0  # taken, not yet marked
+            silent = await host.silent_for(7)
+            assert silent is not None and silent < 1.0, silent
+            assert await out.get() == b"beat"
+        finally:
+            reading.cancel()
+            ours.close()
+            theirs.close()
+
+    asyncio.run(body())
+
+
+def _peekable(sock: socket.socket) -> bool:
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except BlockingIOError:
+        return False
 
 
 def test_what_a_front_takes_of_a_node_host_s_answer() -> None:

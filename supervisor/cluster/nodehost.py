@@ -308,12 +308,16 @@ class NodeHost:
         worker = self._workers.get(pid)
         if worker is None or worker.exit.done():
             return None
-        try:
-            if worker.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
-                return 0.0
-        except OSError:  # nothing waiting (or the socket broke: its exit is coming)
-            pass
-        return time.monotonic() - worker.heard
+        if _bytes_wait(worker.sock):
+            return 0.0
+        # None waiting: the loop may have taken them in this pass (sock_recv's
+        # callback) and not yet woken `_read`, which marks the worker heard;
+        # so a host let go after a stall saw `heard` from before it.  One
+        # turn of the loop lets `_read` mark it.
+        await asyncio.sleep(0)
+        if worker.exit.done():
+            return None
+        return 0.0 if _bytes_wait(worker.sock) else time.monotonic() - worker.heard
 
     async def set_draining(self, flag: bool) -> None:
         """Mark the node (or no longer).  Spares of any front here are
@@ -337,6 +341,14 @@ class NodeHost:
             self._spawner = None
         for pid in list(self._workers):
             self._exited(pid, None, _SIGKILL, "its node host was closed")
+
+
+def _bytes_wait(sock: socket.socket) -> bool:
+    """Whether bytes wait in the (non-blocking) socket."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # nothing waiting (or the socket broke: its exit is coming)
+        return False
 
 
 async def recv_batch(sock: socket.socket) -> bytes:
