@@ -186,6 +186,52 @@ def test_a_hibernated_session_keeps_its_logs_and_lets_go_of_its_ring(tmp_path: P
     _run(body)
 
 
+@pytest.mark.component
+def test_a_session_keeps_a_lock_only_while_a_request_holds_or_waits_for_it(tmp_path: Path) -> None:
+    """The lock was made at a session's first request and kept until it
+    hibernated (and let go of then by reading asyncio.Lock's private
+    `_waiters`): now it goes with its last user, holder or waiter, a
+    cancelled waiter too; two requests at once still share one."""
+    mgr = SessionManager(parse_config(_config(4), "test"), tmp_path, FakeSpawner(),
+                         store=InMemoryStateStore())
+    mgr.load_all()
+
+    async def body() -> None:
+        session = await mgr.create(1000, "s", "echo", {})
+        await _turn(mgr, session)
+        assert session._lock is None and not session.lock_held
+        order: list[str] = []
+        go = asyncio.Event()
+
+        async def holder() -> None:
+            async with session.locked():
+                order.append("held")
+                await go.wait()
+            order.append("let go")
+
+        async def waiter(name: str) -> None:
+            async with session.locked():
+                order.append(name)
+
+        first = asyncio.create_task(holder())
+        await _until(lambda: order == ["held"], "the holder")
+        lock = session._lock
+        second, third = asyncio.create_task(waiter("second")), asyncio.create_task(waiter("third"))
+        await asyncio.sleep(0)
+        third.cancel()
+        assert session.lock_held and session._lock is lock
+        go.set()
+        await asyncio.gather(first, second, return_exceptions=True)
+        assert order == ["held", "let go", "second"] and third.cancelled()
+        assert session._lock is None and session._lock_users == 0 and not session.lock_held
+        await mgr.slots.hibernate(session, "test")
+        await _turn(mgr, session, "again")
+        await mgr.stop(session)
+        assert session._lock is None and session._lock_users == 0
+
+    _run(body)
+
+
 # ---------------------------------------------------------------- counts instead of walks
 
 

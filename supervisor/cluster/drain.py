@@ -184,7 +184,7 @@ class Drainer:
             except SpawnerDied as exc:
                 failed[session.id] = f"no other node took it: {exc}"
                 return
-            async with session.lock:
+            async with session.locked():
                 if not self._movable(session, node_id):
                     drop_pending(self._workers.spawner, pending)  # a turn began meanwhile: wait again
                     continue

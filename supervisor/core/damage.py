@@ -68,7 +68,7 @@ class Damage:
         (its running turn fails); then the session is `damaged`.  Returns
         the error for the caller to raise."""
         self._refuse_writes(session, exc)
-        async with session.lock:
+        async with session.locked():
             if session.state in (State.DAMAGED, State.DELETED):
                 return Conflict(damaged_hint(session))
             self._workers.cancel_restart(session)
@@ -94,7 +94,7 @@ class Damage:
             how = RepairMode(mode)
         except ValueError as exc:
             raise BadRequest(f"unknown repair mode {mode!r}: use skip_bad or truncate") from exc
-        async with session.lock:
+        async with session.locked():
             if session.state is not State.DAMAGED:
                 raise Conflict(f"session {session.id} is {session.state}, not damaged; nothing to repair")
             try:

@@ -168,7 +168,7 @@ def release_soon(ops: Holding, session: Session, reason: str, reader: HistoryRea
 async def release(ops: Holding, session: Session, reason: str, reader: HistoryReader | None) -> None:
     """Let go of a session another daemon holds now: stop its worker as
     `stop` does, write nothing, leave it hibernated here."""
-    async with session.lock:
+    async with session.locked():
         if isinstance(session.store, UnheldLog) or session.state in (State.DELETED, State.DAMAGED):
             return
         await ops.release(session, reason, UnheldLog(ops.store, session.id, reader), EXPECTED)
@@ -177,7 +177,7 @@ async def release(ops: Holding, session: Session, reason: str, reader: HistoryRe
 async def claim(ops: Holding, session: Session) -> None:
     """Take a released (or never claimed) session back before it gets a
     worker here; a no-op for one this daemon holds.  Caller holds
-    session.lock."""
+    session.locked()."""
     if not isinstance(session.store, UnheldLog):
         return
     try:

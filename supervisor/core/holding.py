@@ -86,7 +86,7 @@ class Holding:
     async def release(self, session: Session, reason: str, unheld: SessionLog, expected: str) -> None:
         """Let go of it: its worker stopped as `stop` does (its exit recorded
         as `expected`), its log swapped for `unheld` (which writes nothing),
-        hibernated here.  Caller holds session.lock."""
+        hibernated here.  Caller holds session.locked()."""
         self._workers.cancel_restart(session)
         session.error = reason
         held, session.store = session.store, unheld
@@ -108,7 +108,7 @@ class Holding:
 
     async def refresh(self, session: Session, held: SessionLog, loaded: LoadedSession) -> None:
         """Claimed back: what the store says of it, over what this daemon
-        knew (it may have run elsewhere since).  Caller holds session.lock."""
+        knew (it may have run elsewhere since).  Caller holds session.locked()."""
         session.store = held
         old, session.meta = session.meta, loaded.meta
         self._sessions.meta_changed(session, old)  # (its owner and run uid, as the registry counts them)

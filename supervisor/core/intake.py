@@ -342,7 +342,7 @@ class Intake:
 
     async def _boot_new(self, session: Session, pending: Pending | None) -> None:
         try:
-            async with session.lock:
+            async with session.locked():
                 await self._workers.start(session, pending, during_boot=session.store.make_durable_soon)
         except StoreError as exc:
             self._discard(session)

@@ -256,7 +256,7 @@ class SessionManager:
         (`trace`: the input's, supervisor.core.tracer)."""
         if self._closing:
             raise Conflict("the daemon is shutting down; no new turns")
-        async with session.lock:
+        async with session.locked():
             if session.state is State.HIBERNATED:
                 await self.workers.claim(session)  # held elsewhere since? (supervisor.core.fencing)
             if session.state is State.HIBERNATED:
@@ -332,7 +332,7 @@ class SessionManager:
             child = self.sessions.get(child_id)
             if child is not None:
                 await self.stop(child, f"parent {session.id} {reason}")
-        async with session.lock:
+        async with session.locked():
             await self._stop_locked(session, reason, exit_reason)
 
     async def _stop_locked(self, session: Session, reason: str, exit_reason: ExitReason | None = None) -> None:
@@ -354,7 +354,7 @@ class SessionManager:
     async def restart(self, session: Session) -> None:
         if session.state is State.DAMAGED:
             raise Conflict(damaged_hint(session))
-        async with session.lock:
+        async with session.locked():
             await self.workers.claim(session)  # before anything changes here
             if session.state in LIVE:
                 await self._stop_locked(session, "restart")
@@ -377,7 +377,7 @@ class SessionManager:
             child = self.sessions.get(child_id)
             if child is not None:
                 await self.remove(child)
-        async with session.lock:
+        async with session.locked():
             if session.state is State.DELETED:
                 return
             session.removing = True  # durable first: a daemon killed during the rm finishes it at start

@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
@@ -165,7 +166,9 @@ class Session:
     ring: collections.deque[tuple[int, bytes | bytearray]] | None = None
     ring_bytes: int = 0
     policy: RestartPolicy | None = None
-    _lock: asyncio.Lock | None = None  # (`lock`: made at its first use)
+    # `locked`: the lock exists while a request holds it or waits for it.
+    _lock: asyncio.Lock | None = None
+    _lock_users: int = 0
     state_waiters: list[asyncio.Future[None]] | None = None
     # Session pings in flight: nonce -> callback(error or None).
     pings: dict[int, Callable[[SessiondError | None], None]] | None = None
@@ -214,25 +217,27 @@ class Session:
     # rest (and as loaded) packed into bytes (EventLog: unpacked at the next).
     lifecycle: collections.deque[tuple[float, m.StateChanged | m.LimitExceeded | m.TurnFailed]] | bytes = b""
 
-    @property
-    def lock(self) -> asyncio.Lock:
-        """Held while a request changes what runs (start, stop, hibernate...);
-        made at its first use, let go of at rest (`rest_lock`)."""
+    @contextlib.asynccontextmanager
+    async def locked(self) -> AsyncIterator[None]:
+        """Held while a request changes what runs (start, stop, hibernate...).
+        The lock is made for its first user and goes with its last, holder
+        or waiter: an idle session, of which a box holds thousands, keeps none."""
         if self._lock is None:
             self._lock = asyncio.Lock()
-        return self._lock
+        lock = self._lock
+        self._lock_users += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            self._lock_users -= 1
+            if not self._lock_users:
+                self._lock = None
 
     @property
     def lock_held(self) -> bool:
         """Whether a request holds the lock now (asked without making one)."""
         return self._lock is not None and self._lock.locked()
-
-    def rest_lock(self) -> None:
-        """The lock goes while nobody holds it or waits for it (asyncio's
-        waiters: one woken but not yet running takes the old one)."""
-        lock = self._lock
-        if lock is not None and not lock.locked() and not getattr(lock, "_waiters", True):
-            self._lock = None
 
     @property
     def persisted_state(self) -> str:

@@ -166,11 +166,10 @@ class LiveSlots:
     async def hibernate(self, session: Session, reason: str) -> None:
         """An idle session's worker stopped, its slot freed; it revives at its next input."""
         try:
-            async with session.lock:
+            async with session.locked():
                 if session.state is not State.IDLE or session.worker is None:
                     return
                 self._events.set_state(session, Trigger.HIBERNATE, reason=reason)
                 await self._terminate(session, "hibernated", self._config().daemon.stop_grace_secs)
-            session.rest_lock()
         finally:
             self._hibernating.discard(session.id)

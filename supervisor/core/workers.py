@@ -129,7 +129,7 @@ class WorkerOwner:
     ) -> None:
         """Spawn (or take the worker already ordered), boot and wait for
         Ready; `during_boot` runs while the worker boots.  Caller holds
-        session.lock and has put the session in STARTING."""
+        session.locked() and has put the session in STARTING."""
         assert session.state is State.STARTING, session.state
         loop = asyncio.get_running_loop()
         try:
@@ -452,7 +452,7 @@ class WorkerOwner:
 
     async def _auto_restart(self, session: Session) -> None:
         session.restart_handle = None
-        async with session.lock:
+        async with session.locked():
             if session.state is not State.RESTARTING or self._closing():
                 return
             try:
