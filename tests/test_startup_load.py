@@ -112,6 +112,37 @@ def test_a_session_is_served_before_the_background_load_reaches_it(tmp_path: Pat
 
 
 @pytest.mark.component
+def test_ls_waits_a_moment_for_the_load_then_answers_with_what_it_has(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finding (`make test`, 4 workers): `ls` a moment after a restart
+    listed none of the daemon's two sessions (the load had not reached
+    them), which reads as every session lost.  `ls` waits for the load a
+    moment (loading.SETTLE_SECS); a load that takes longer is listed in
+    part, with its `loading` note, as before."""
+    from supervisor.core import loading
+
+    monkeypatch.setattr(loading, "SETTLE_SECS", 0.3)
+    echo_sessions(tmp_path, ["a", "b"], UID)
+    mgr, store, _ = _held(tmp_path)
+
+    async def body() -> None:
+        mgr.start_loading()
+        waited = asyncio.get_running_loop().time()
+        await mgr.settled()  # held: the moment passes
+        assert asyncio.get_running_loop().time() - waited >= 0.3 and mgr.loading == (0, 2)
+        settling = asyncio.ensure_future(mgr.settled())
+        await asyncio.sleep(0.05)
+        assert not settling.done()
+        store.gate.set()  # the load goes through: the wait ends with it
+        await settling
+        assert mgr.loading is None and set(mgr.sessions) == {"a", "b"}
+        await mgr.settled()  # loaded: no wait
+        await mgr.shutdown(1.0)
+
+    _run(body)
+
+
+@pytest.mark.component
 def test_a_create_during_the_load_counts_the_sessions_not_loaded_yet(tmp_path: Path) -> None:
     """max_sessions_per_uid = 4: the uid has 4 on disk, of which the load
     has reached none when the create comes; it is refused once they are."""

@@ -232,7 +232,7 @@ class ClientConn:
             self._hello(msg)
         elif isinstance(msg, m.Send) and self._send_now(msg, trace):
             pass
-        elif isinstance(msg, _SLOW):
+        elif isinstance(msg, _SLOW) or (isinstance(msg, m.List) and self.server.manager.loading is not None):
             self.server.track(asyncio.get_running_loop().create_task(self._answer_later(msg, trace)))
         else:
             try:
@@ -387,10 +387,8 @@ class ClientConn:
                 return m.Ok(id=rid)
             case m.Status(id=rid, session=sid):
                 return m.StatusReply(id=rid, session=mgr.info(mgr.get(sid, self.uid)))
-            case m.List(id=rid):
-                chosen, after = listing.select(mgr.visible(self.uid), msg)
-                return m.SessionList(id=rid, sessions=[mgr.info(s) for s in chosen], next=after,
-                                     loading=listing.loading(mgr.loading, mgr.is_admin(self.uid)))
+            case m.List():
+                return self._list(msg)
             case m.Stats(id=rid):
                 return self.server.stats(rid, self.uid)
             case op.Top(id=rid):
@@ -409,9 +407,18 @@ class ClientConn:
                 raise BadRequest("hello was already said")
         raise BadRequest(f"unsupported request {type(msg).__name__}")
 
+    def _list(self, msg: m.List) -> m.SessionList:
+        mgr = self.server.manager
+        chosen, after = listing.select(mgr.visible(self.uid), msg)
+        return m.SessionList(id=msg.id, sessions=[mgr.info(s) for s in chosen], next=after,
+                             loading=listing.loading(mgr.loading, mgr.is_admin(self.uid)))
+
     async def _handle_later(self, msg: op.AnyRequest, trace: TurnTrace | None = None) -> Any:
         mgr = self.server.manager
         match msg:
+            case m.List():  # while the start-up load runs: a moment for it to end
+                await mgr.settled()
+                return self._list(msg)
             case m.Create(id=rid, session=sid, handler=handler, settings=settings):
                 session = await mgr.create(self.uid, sid, handler, dict(settings))
                 return m.Created(id=rid, session=mgr.info(session, with_rss=False))

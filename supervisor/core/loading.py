@@ -23,7 +23,8 @@ starts with its parent's, supervisor.core.subagents.child_prefix).  The ids
 are known from the listing, so `create` of one of them is refused as ever.
 What needs every session waits for the load to end (`wait`, bounded:
 `create` and import, for the per-uid quota and the session uids) or says
-that it is partial (`progress`: `ls`, `stats`, metrics, systemd's status).
+that it is partial (`progress`: `stats`, metrics, systemd's status); `ls`
+waits a little (`settle`), then says so too.
 
 A store whose reads cannot leave the loop (PostgreSQL: its connections are
 its own threads') is opened on the loop, a slice at a time (`read_stored`
@@ -40,7 +41,7 @@ from collections.abc import Callable
 from supervisor.errors import Capacity
 from supervisor.store.state_store import LoadedSession, SessionLog
 
-__all__ = ["CHUNK", "Loader", "Opener", "WAIT_SECS"]
+__all__ = ["CHUNK", "SETTLE_SECS", "Loader", "Opener", "WAIT_SECS"]
 
 log = logging.getLogger("sessiond.manager")
 
@@ -51,6 +52,10 @@ CHUNK = 256  # sessions read in one hop to the thread
 SLICE = 32  # sessions registered between two yields to the loop (~1-3 ms)
 # How long a request that needs every session (create, import) waits for the load.
 WAIT_SECS = 60.0
+# How long `ls` waits for it before it answers with the sessions loaded so
+# far (and says so): a few sessions are loaded in milliseconds, and a list
+# that showed none of them a moment after a restart read as all lost.
+SETTLE_SECS = 1.0
 _RETRY_SECS = 1.0  # a session that could not be read for want of fds is tried again after this
 
 
@@ -209,6 +214,14 @@ class Loader:
     async def done(self) -> None:
         """Until every listed session is loaded (no bound)."""
         await self._done.wait()
+
+    async def settle(self) -> None:
+        """Until every listed session is loaded, or SETTLE_SECS passed."""
+        if not self._finished:
+            try:
+                await asyncio.wait_for(self._done.wait(), SETTLE_SECS)
+            except TimeoutError:
+                pass
 
 
 def _raiser(exc: Exception) -> Opener:

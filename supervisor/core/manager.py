@@ -179,6 +179,10 @@ class SessionManager:
         """Once every session on disk is loaded."""
         await self.intake.loading.done()
 
+    async def settled(self) -> None:
+        """Once every session on disk is loaded, or a moment passed (ls)."""
+        await self.intake.loading.settle()
+
     async def create(self, owner_uid: int, session_id: str | None, handler: str | None, overrides: dict[str, Any],
                      *, parent: Session | None = None) -> Session:
         """A new session, booted: checked, its worker ordered, registered
