@@ -3,8 +3,9 @@
 Runs in the daemon.  `Session` is plain data; the parts of the daemon's core
 each own some of its fields, and only they write them:
 
-    SessionManager (manager.py,   the registry, meta, settings, children, _lock,
-                    holding.py)   store, error, meta_lost, removing
+    SessionManager (manager.py,   the registry, meta, settings, children,
+                    holding.py)   store, error, meta_lost, removing; _lock and
+                                  _lock_users through `Session.locked`
     EventLog       (events.py)    state, seq, reserved_seq, ring, ring_bytes,
                                   subscribers, held, state_waiters, lifecycle
     TurnLedger     (ledger.py)    turns, current_turn, current_input,
