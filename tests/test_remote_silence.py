@@ -98,13 +98,20 @@ def test_a_remote_worker_lost_with_its_node_is_told_as_the_node_s_loss_not_as_mi
     _silent_turn(tmp_path, body)
 
 
+def _host_with_worker_7() -> tuple[NodeHost, _Worker, asyncio.Future[Any], socket.socket, socket.socket]:
+    """A node host holding worker 7 over a socketpair: (host, worker, its
+    exit, the host's end, the worker's end)."""
+    host = NodeHost()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours.setblocking(False)
+    exit_: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    worker = host._workers[7] = _Worker(ours, exit_, "front", claimed=True)
+    return host, worker, exit_, ours, theirs
+
+
 def test_a_node_host_says_how_long_a_worker_has_been_silent_there() -> None:
     async def body() -> None:
-        host = NodeHost()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        ours.setblocking(False)
-        exit_: asyncio.Future[tuple[int | None, int | None, str]] = asyncio.get_running_loop().create_future()
-        worker = host._workers[7] = _Worker(ours, exit_, "front", claimed=True)
+        host, worker, exit_, ours, theirs = _host_with_worker_7()
         try:
             worker.heard -= 10.0  # it last wrote ten seconds ago
             assert 10.0 <= (await host.silent_for(7) or 0.0) < 60.0
@@ -128,11 +135,7 @@ def test_bytes_the_loop_took_but_has_not_yet_marked_count_as_heard() -> None:
     beats from the socket in the same pass (nothing left to peek at) and
     `_read`, which marks the worker heard, had not run yet."""
     async def body() -> None:
-        host = NodeHost()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        ours.setblocking(False)
-        exit_: asyncio.Future[tuple[int | None, int | None, str]] = asyncio.get_running_loop().create_future()
-        worker = host._workers[7] = _Worker(ours, exit_, "front", claimed=True)
+        host, worker, exit_, ours, theirs = _host_with_worker_7()
         out: asyncio.Queue[Any] = asyncio.Queue()
         reading = asyncio.get_running_loop().create_task(host._read(7, worker, out))
         try:
