@@ -232,6 +232,44 @@ def test_a_session_keeps_a_lock_only_while_a_request_holds_or_waits_for_it(tmp_p
     _run(body)
 
 
+@pytest.mark.component
+def test_a_create_waits_for_a_slot_a_hibernation_on_its_way_frees(tmp_path: Path) -> None:
+    """The finding (20 users, each creating 100 sessions at once, 200
+    slots, sessions at their own uids): creates were refused `all 200 live
+    sessions are busy` while idle sessions were on their way to
+    hibernation, each taken by another create or ahead of demand, so that
+    no idle one was left to take.  A slot about to come free is waited
+    for; a daemon whose slots are all busy still refuses at once."""
+    config = _config(2)
+    config["daemon"]["max_live_sessions_per_uid"] = 2
+    mgr = SessionManager(parse_config(config, "test"), tmp_path, FakeSpawner(), store=InMemoryStateStore())
+    mgr.load_all()
+
+    async def body() -> None:
+        idle = await mgr.create(1000, "idle", "echo", {})
+        held = await mgr.create(1000, "held", "echo", {})
+        go = asyncio.Event()
+
+        async def hold() -> None:  # a request holds it: it cannot be taken
+            async with held.locked():
+                await go.wait()
+
+        holding = asyncio.create_task(hold())
+        await _until(lambda: held.lock_held, "the hold")
+        mgr.slots.hibernate_soon(idle, "test: ahead of demand")  # on its way, not gone yet
+        assert idle.worker is not None and mgr.slots.count() == 2
+        made = await mgr.create(1000, "new", "echo", {})
+        assert made.worker is not None and idle.state is State.HIBERNATED
+        with pytest.raises(Capacity, match="all 2 live sessions are busy|already has 2 live sessions"):
+            async with made.locked():
+                await mgr.create(1000, "refused", "echo", {})
+        go.set()
+        await holding
+        await mgr.shutdown(1.0)
+
+    _run(body)
+
+
 # ---------------------------------------------------------------- counts instead of walks
 
 

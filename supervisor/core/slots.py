@@ -24,6 +24,8 @@ below one uid's whole per-uid ceiling.
 
 from __future__ import annotations
 
+import asyncio
+
 import heapq
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
@@ -66,6 +68,8 @@ class LiveSlots:
         # WorkerOwner.terminate (built after this: the manager's lambda reads it at call time).
         self._terminate = terminate
         self._hibernating: set[str] = set()  # ids of the sessions on their way to hibernation
+        # make_room's waits for a hibernation on its way to free a slot.
+        self._freed: list[asyncio.Future[None]] = []
 
     def count(self, excluding: Session | None = None, uid: int | None = None) -> int:
         """Sessions holding a live slot (a worker, or one starting): kept by the registry, never walked."""
@@ -98,18 +102,24 @@ class LiveSlots:
         if not self._is_admin(uid):
             while self.count(session, uid) >= (ceiling := per_uid_ceiling(self._config(), self.ceiling())):
                 victim = self._idle(session, uid)
-                if victim is None:
+                if victim is not None:
+                    await self._evict(victim, session, "max_live_sessions_per_uid")
+                elif self._on_their_way(uid):
+                    await self._one_freed()
+                else:
                     raise Capacity(
                         f"uid {uid} already has {ceiling} live sessions, all busy ([daemon] "
                         "max_live_sessions_per_uid); try again when one of its turns ends"
                     )
-                await self._evict(victim, session, "max_live_sessions_per_uid")
         while self.count(session) >= (limit := self.ceiling()):
             victim = self._idle(session, None)
-            if victim is None:
+            if victim is not None:
+                await self._evict(victim, session, "max_concurrent_sessions")
+            elif self._on_their_way(None):
+                await self._one_freed()
+            else:
                 setting = self.fds.busy_refusal(self._config()) if self.fds else "max_concurrent_sessions"
                 raise Capacity(f"all {limit} live sessions are busy ({setting}); try again when a turn ends")
-            await self._evict(victim, session, "max_concurrent_sessions")
         self.check_fds()  # after evictions: a hibernated session's fds are closed
         self.hibernate_ahead()
 
@@ -150,6 +160,22 @@ class LiveSlots:
         ]
         return min(idle, key=lambda s: s.last_active) if idle else None
 
+    def _on_their_way(self, uid: int | None) -> bool:
+        """Whether a session (of `uid`'s) is on its way to hibernation: its
+        slot is about to be free.  Creates side by side each take an idle
+        session to hibernate; one that found all of them taken so was told
+        `all live sessions are busy` a moment before slots came free (20
+        users creating at once, 200 slots: most creates were refused)."""
+        return any(uid is None or (s := self._sessions.get(sid)) is not None and s.meta.owner_uid == uid
+                   for sid in self._hibernating)
+
+    async def _one_freed(self) -> None:
+        """Until a hibernation on its way has ended (its slot free, or the
+        session busy again: the caller counts again)."""
+        freed = asyncio.get_running_loop().create_future()
+        self._freed.append(freed)
+        await freed
+
     async def _evict(self, victim: Session, session: Session, limit: str) -> None:
         tagged(log, victim.id).info("hibernating to make room for session=%s (%s)", session.id, limit)
         self._hibernating.add(victim.id)
@@ -173,3 +199,7 @@ class LiveSlots:
                 await self._terminate(session, "hibernated", self._config().daemon.stop_grace_secs)
         finally:
             self._hibernating.discard(session.id)
+            freed, self._freed = self._freed, []
+            for waiter in freed:
+                if not waiter.done():
+                    waiter.set_result(None)
