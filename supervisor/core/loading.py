@@ -200,29 +200,30 @@ class Loader:
 
     # ---------------------------------------------------------------- waiting
 
+    async def _done_within(self, secs: float) -> bool:
+        """Until every listed session is loaded (True), or `secs` passed."""
+        if self._finished:
+            return True
+        try:
+            await asyncio.wait_for(self._done.wait(), secs)
+        except TimeoutError:
+            return False
+        return True
+
     async def wait(self, what: str) -> None:
         """Until every listed session is loaded; `capacity` past WAIT_SECS."""
-        if self._finished:
-            return
-        try:
-            await asyncio.wait_for(self._done.wait(), WAIT_SECS)
-        except TimeoutError:
+        if not await self._done_within(WAIT_SECS):
             loaded, total = self.progress or (self._total, self._total)
             raise Capacity(f"{what} waits for the daemon to load the sessions on disk, and it has loaded "
-                           f"{loaded} of {total} in {WAIT_SECS:g}s; try again shortly") from None
+                           f"{loaded} of {total} in {WAIT_SECS:g}s; try again shortly")
 
     async def done(self) -> None:
         """Until every listed session is loaded (no bound)."""
         await self._done.wait()
 
     async def settle(self) -> None:
-        """Until every listed session is loaded, or SETTLE_SECS passed."""
-        if not self._finished:
-            try:
-                await asyncio.wait_for(self._done.wait(), SETTLE_SECS)
-            except TimeoutError:
-                pass
-
+        """Until every listed session is loaded, or SETTLE_SECS passed (ls)."""
+        await self._done_within(SETTLE_SECS)
 
 def _raiser(exc: Exception) -> Opener:
     def opener() -> tuple[SessionLog, LoadedSession]:

@@ -25,7 +25,6 @@ below one uid's whole per-uid ceiling.
 from __future__ import annotations
 
 import asyncio
-
 import heapq
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
