@@ -550,3 +550,25 @@ class FastStream(_Base):
 
 def fast_stream(init: HandlerInit) -> FastStream:
     return FastStream(init)
+
+
+class CpuChunks(_Base):
+    """Input N: N chunks of 5 ms of CPU work, the loop given a turn between
+    each (a healthy loop that needs the CPU: parsing, a framework's own
+    work); replies 'N chunks'."""
+
+    async def handle(self, text: str, ctx: TurnContext) -> TurnResult:
+        import time
+
+        count = int(text)
+        for _ in range(count):
+            began = time.thread_time()
+            while time.thread_time() - began < 0.005:
+                pass
+            await asyncio.sleep(0)
+        self.turns += 1
+        return TurnResult(f"{count} chunks", record=1)
+
+
+def cpu_chunks(init: HandlerInit) -> CpuChunks:
+    return CpuChunks(init)

@@ -98,29 +98,34 @@ def test_a_remote_worker_lost_with_its_node_is_told_as_the_node_s_loss_not_as_mi
     _silent_turn(tmp_path, body)
 
 
-def _host_with_worker_7() -> tuple[NodeHost, _Worker, asyncio.Future[Any], socket.socket, socket.socket]:
-    """A node host holding worker 7 over a socketpair: (host, worker, its
-    exit, the host's end, the worker's end)."""
+# A worker's pid no process has (pid_max is at most 2**22): the host reads
+# nothing of this machine's processes for it (its scheduler statistics).
+PID = 2**22 + 7
+
+
+def _host_with_a_worker() -> tuple[NodeHost, _Worker, asyncio.Future[Any], socket.socket, socket.socket]:
+    """A node host holding worker PID over a socketpair: (host, worker,
+    its exit, the host's end, the worker's end)."""
     host = NodeHost()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     ours.setblocking(False)
     exit_: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    worker = host._workers[7] = _Worker(ours, exit_, "front", claimed=True)
+    worker = host._workers[PID] = _Worker(ours, exit_, "front", claimed=True)
     return host, worker, exit_, ours, theirs
 
 
 def test_a_node_host_says_how_long_a_worker_has_been_silent_there() -> None:
     async def body() -> None:
-        host, worker, exit_, ours, theirs = _host_with_worker_7()
+        host, worker, exit_, ours, theirs = _host_with_a_worker()
         try:
             worker.heard -= 10.0  # it last wrote ten seconds ago
-            assert 10.0 <= (await host.silent_for(7) or 0.0) < 60.0
+            assert 10.0 <= (await host.silent_for(PID) or 0.0) < 60.0
             theirs.send(b"beat")  # it wrote; the host's loop has not read it yet (held up)
-            assert await host.silent_for(7) == 0.0
+            assert await host.silent_for(PID) == 0.0
             assert ours.recv(16) == b"beat"  # (peeked, not taken)
-            assert await host.silent_for(8) is None  # no such worker
+            assert await host.silent_for(PID + 1) is None  # no such worker
             exit_.set_result((None, 9, ""))
-            assert await host.silent_for(7) is None  # gone: its exit is on the stream
+            assert await host.silent_for(PID) is None  # gone: its exit is on the stream
         finally:
             ours.close()
             theirs.close()
@@ -135,9 +140,9 @@ def test_bytes_the_loop_took_but_has_not_yet_marked_count_as_heard() -> None:
     beats from the socket in the same pass (nothing left to peek at) and
     `_read`, which marks the worker heard, had not run yet."""
     async def body() -> None:
-        host, worker, exit_, ours, theirs = _host_with_worker_7()
+        host, worker, exit_, ours, theirs = _host_with_a_worker()
         out: asyncio.Queue[Any] = asyncio.Queue()
-        reading = asyncio.get_running_loop().create_task(host._read(7, worker, out))
+        reading = asyncio.get_running_loop().create_task(host._read(PID, worker, out))
         try:
             await asyncio.sleep(0)  # `_read` waits in sock_recv
             worker.heard -= 10.0  # it last wrote ten seconds ago, then the host stalled
@@ -147,7 +152,7 @@ def test_bytes_the_loop_took_but_has_not_yet_marked_count_as_heard() -> None:
             await asyncio.sleep(0)
             await asyncio.sleep(0)
             assert not _peekable(ours) and time.monotonic() - worker.heard > 9.0  # taken, not yet marked
-            silent = await host.silent_for(7)
+            silent = await host.silent_for(PID)
             assert silent is not None and silent < 1.0, silent
             assert await out.get() == b"beat"
         finally:

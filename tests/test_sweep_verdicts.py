@@ -1,4 +1,5 @@
-"""The sweep's verdicts (pure): when a heartbeat is overdue, when an idle
+"""The sweep's verdicts (pure): when a heartbeat is overdue, how much of a
+silence is a starved worker's own, when an idle
 session hibernates, how much of a turn's timeout is left.  The memory
 verdict and the /proc reader are in test_limits.py."""
 
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.core.limits import HEARTBEATS_MISSED, heartbeat_overdue, idle_expired, turn_deadline_left
+from supervisor.core.limits import HEARTBEATS_MISSED, heartbeat_overdue, idle_expired, own_silence, turn_deadline_left
 
 pytestmark = pytest.mark.pure
 
@@ -25,6 +26,21 @@ def test_heartbeat_overdue_after_three_missed_intervals(
 ) -> None:
     assert HEARTBEATS_MISSED == 3
     assert heartbeat_overdue(1000.0 + silent, 1000.0, interval, booted) is overdue
+
+
+@pytest.mark.parametrize("silent, waiting, own", [
+    (2.0, None, 2.0),   # the kernel does not say: all of it
+    (2.0, 0.0, 2.0),    # running or asleep: stuck
+    (2.0, 0.49, 2.0),   # mostly not waiting: stuck
+    (2.0, 0.5, 1.0),    # starved: the half it could run
+    (2.0, 0.75, 0.5),
+    (2.0, 0.95, 0.2),   # never less than a tenth...
+    (2.0, 1.0, 0.2),
+    (30.0, 1.0, 3.0),   # ...so ten allowances of silence are one, however starved
+])
+def test_a_starved_worker_s_silence_counts_the_share_it_could_run(
+        silent: float, waiting: float | None, own: float) -> None:
+    assert own_silence(silent, waiting) == pytest.approx(own)
 
 
 @pytest.mark.parametrize("idle_for, idle, busy, expired", [

@@ -22,7 +22,8 @@ What crosses machines is Ray's only, never a socket protocol of ours:
                                              ("exit", code, signal, detail) and
                                              ("gone",) once nothing of it is left
       signal / kill_tree ─ actor call ──►    pidfd_send_signal on the node
-      silent_for(pid)   ── actor call ──►    how long since the worker last wrote
+      silent_for(pid)   ── actor call ──►    how long since the worker last wrote (the
+                                             share it could run, if starved of CPU)
       set_draining(flag) ─ actor call ──►    spawn answers "draining" meanwhile
 
 The bytes are the worker protocol's frames, uninterpreted here: the front
@@ -47,8 +48,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import TypeGuard
 
-from supervisor.core.limits import SessionMemory
+from supervisor.core.limits import SessionMemory, own_silence
 from supervisor.host.proctable import ProcTable
+from supervisor.host.schedstat import waiting_share
 from supervisor.spawn.spawner import ZygoteSpawner
 
 __all__ = ["ExitItem", "Frame", "NodeHost", "checked_exit", "checked_silence", "checked_usage", "read_more",
@@ -301,10 +303,12 @@ class NodeHost:
                 self._spawner.kill_tree(pid, self._workers[pid].memory.escapees(), sig)
 
     async def silent_for(self, pid: int) -> float | None:
-        """How long this host has had nothing from the worker, in seconds
-        (a front asks before it blames the worker for missed heartbeats:
-        supervisor.core.silence); 0 when bytes wait in its socket (our
-        loop was held up, not the worker); None once it is gone."""
+        """How long this host has had nothing from the worker, in seconds,
+        as the worker's own (a front asks before it blames the worker for
+        missed heartbeats: supervisor.core.silence); 0 when bytes wait in
+        its socket (our loop was held up, not the worker); None once it is
+        gone.  A worker this machine starves of CPU is silent only for the
+        share it could run (`own_silence`, as on the front's machine)."""
         worker = self._workers.get(pid)
         if worker is None or worker.exit.done():
             return None
@@ -312,12 +316,13 @@ class NodeHost:
             return 0.0
         # None waiting: the loop may have taken them in this pass (sock_recv's
         # callback) and not yet woken `_read`, which marks the worker heard;
-        # so a host let go after a stall saw `heard` from before it.  One
-        # turn of the loop lets `_read` mark it.
+        # so a host let go after a stall saw `heard` from before it.  The
+        # loop turns (once, and through the probe) before `heard` is read.
         await asyncio.sleep(0)
+        waiting = await waiting_share(pid)
         if worker.exit.done():
             return None
-        return 0.0 if _bytes_wait(worker.sock) else time.monotonic() - worker.heard
+        return 0.0 if _bytes_wait(worker.sock) else own_silence(time.monotonic() - worker.heard, waiting)
 
     async def set_draining(self, flag: bool) -> None:
         """Mark the node (or no longer).  Spares of any front here are

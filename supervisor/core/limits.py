@@ -38,6 +38,8 @@ __all__ = [
     "MemoryVerdict",
     "PssEstimate",
     "PssRead",
+    "STARVED_SHARE",
+    "STARVED_STRETCH_MAX",
     "SessionMemory",
     "DiskVerdict",
     "disk_over",
@@ -45,6 +47,7 @@ __all__ = [
     "heartbeat_overdue",
     "idle_expired",
     "memory_verdict",
+    "own_silence",
     "patience",
     "pss_estimate",
     "read_order",
@@ -423,6 +426,26 @@ def heartbeat_overdue(now: float, last_heartbeat: float, interval_secs: float, b
     """A booted worker silent for more than HEARTBEATS_MISSED intervals: its
     event loop is stuck (a busy loop, a blocking call)."""
     return booted and now - last_heartbeat > HEARTBEATS_MISSED * interval_secs
+
+
+# A silent worker that spent at least this share of a probe runnable but
+# waiting for a CPU (supervisor.host.schedstat) is starved by the machine's
+# load, not stuck...
+STARVED_SHARE = 0.5
+# ...and its silence counts as the part it could run, but starvation
+# stretches an allowance at most this many times: a worker silent that many
+# allowances is judged stuck however starved (a busy loop on a loaded
+# machine also waits most of the time).
+STARVED_STRETCH_MAX = 10
+
+
+def own_silence(silent: float, waiting: float | None) -> float:
+    """A worker's `silent` seconds as its own, given the share of a probe
+    it spent waiting for a CPU (None: unknown): all of them unless it was
+    starved, then the share it could run, at least 1/STARVED_STRETCH_MAX."""
+    if waiting is None or waiting < STARVED_SHARE:
+        return silent
+    return silent * max(1.0 - waiting, 1.0 / STARVED_STRETCH_MAX)
 
 
 def idle_expired(now: float, last_active: float, idle_secs: float, idle: bool, busy: bool) -> bool:

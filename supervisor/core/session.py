@@ -93,7 +93,11 @@ class WorkerProc:
     ready: asyncio.Future[None]
     exited: asyncio.Future[m.ExitInfo]
     started_at: float
+    # Its heartbeat clock: the allowance runs from here.  Moved on past a
+    # silence that was not the worker's own (the daemon's loop stalled, the
+    # machine starving it of CPU, a delay on the way from its node).
     last_heartbeat: float
+    beat_at: float  # when its last heartbeat (or Ready) came
     booted: bool = False
     boot_error: str = ""
     sandbox: dict[str, Any] = field(default_factory=dict)  # from its Ready

@@ -161,7 +161,7 @@ class WorkerOwner:
             pacer=self._ledger.pacer,
         )
         worker = WorkerProc(pid=pid, conn=proto, ready=loop.create_future(), exited=loop.create_future(),
-                            started_at=now, last_heartbeat=now)
+                            started_at=now, last_heartbeat=now, beat_at=now)
         session.worker, session.memory = worker, SessionMemory()
         self._sessions.relive(session)
         self.by_pid[pid] = session
@@ -225,12 +225,12 @@ class WorkerOwner:
         in a turn goes to the turn's parts (supervisor.core.turnmessages)."""
         match msg:
             case m.Heartbeat():
-                worker.last_heartbeat = time.monotonic()
+                worker.last_heartbeat = worker.beat_at = time.monotonic()
             case m.Ready(sandbox=report):
                 worker.sandbox = report
                 worker.uses_steps = msg.uses_steps
                 worker.booted = True
-                worker.last_heartbeat = time.monotonic()
+                worker.last_heartbeat = worker.beat_at = time.monotonic()
                 if not worker.ready.done():
                     worker.ready.set_result(None)
             case m.BootFailed(reason=reason):
