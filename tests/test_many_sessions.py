@@ -270,6 +270,44 @@ def test_a_create_waits_for_a_slot_a_hibernation_on_its_way_frees(tmp_path: Path
     _run(body)
 
 
+@pytest.mark.component
+def test_a_waiting_create_takes_a_slot_freed_any_way_not_only_by_the_hibernation_it_waits_for(
+        tmp_path: Path) -> None:
+    """A create waiting for a hibernation on its way (above) was woken only
+    when one ended: a slot freed meanwhile by a crash, a stop or a removal
+    went unused until then.  Here the hibernation cannot end (its session's
+    lock is held); another session's worker crashes, with no restart left."""
+    config = _config(2)
+    config["daemon"]["max_live_sessions_per_uid"] = 2
+    spawner = FakeSpawner()
+    mgr = SessionManager(parse_config(config, "test"), tmp_path, spawner, store=InMemoryStateStore())
+    mgr.load_all()
+
+    async def body() -> None:
+        slow = await mgr.create(1000, "slow", "echo", {})
+        doomed = await mgr.create(1000, "doomed", "echo", {"agent.worker.max_restart_attempts": 0})
+        go = asyncio.Event()
+
+        async def hold(session: Session) -> None:  # a request holds it: it cannot be taken or hibernated
+            async with session.locked():
+                await go.wait()
+
+        holding = [asyncio.create_task(hold(s)) for s in (slow, doomed)]
+        await _until(lambda: slow.lock_held and doomed.lock_held, "the holds")
+        mgr.slots.hibernate_soon(slow, "test: ahead of demand")  # on its way, held up by the lock
+        creating = asyncio.create_task(mgr.create(1000, "new", "echo", {}))
+        await _until(lambda: mgr.slots._freed, "the create to wait for a slot")
+        assert doomed.worker is not None
+        spawner.workers[doomed.worker.pid].exit(sig=9)  # its slot is free, and stays so
+        made = await asyncio.wait_for(creating, 5)
+        assert made.worker is not None and slow.worker is not None and slow.state is State.IDLE
+        go.set()
+        await asyncio.gather(*holding)
+        await mgr.shutdown(1.0)
+
+    _run(body)
+
+
 # ---------------------------------------------------------------- counts instead of walks
 
 

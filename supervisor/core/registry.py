@@ -22,7 +22,7 @@ number may be in the hundreds of thousands.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Container
+from collections.abc import Callable, Collection, Container
 from typing import Any, NoReturn
 
 from supervisor.core.session import Session
@@ -43,7 +43,7 @@ class Registry(dict[str, Session]):
     """`dict[str, Session]` whose writes (`[id] = session`, `pop`, `del`)
     keep the counts; the other writes of a dict are refused."""
 
-    __slots__ = ("_owned", "_run_uids", "_live", "_live_by_uid")
+    __slots__ = ("_owned", "_run_uids", "_live", "_live_by_uid", "on_slot_freed")
 
     def __init__(self) -> None:
         super().__init__()
@@ -52,6 +52,9 @@ class Registry(dict[str, Session]):
         # Live sessions, each with the owner it is counted for (its meta may be replaced meanwhile).
         self._live: dict[Session, int] = {}
         self._live_by_uid: Counter[int] = Counter()
+        # Called when a session stops holding a live slot (LiveSlots wakes
+        # the creates waiting for one).
+        self.on_slot_freed: Callable[[], None] = lambda: None
 
     # ---------------------------------------------------------------- the registry's writes
 
@@ -115,6 +118,7 @@ class Registry(dict[str, Session]):
         uid = self._live.pop(session, None)
         if uid is not None:
             _less(self._live_by_uid, uid)
+            self.on_slot_freed()
 
     # ---------------------------------------------------------------- counts
 

@@ -67,8 +67,10 @@ class LiveSlots:
         # WorkerOwner.terminate (built after this: the manager's lambda reads it at call time).
         self._terminate = terminate
         self._hibernating: set[str] = set()  # ids of the sessions on their way to hibernation
-        # make_room's waits for a hibernation on its way to free a slot.
+        # make_room's waits for a hibernation on its way to free a slot:
+        # woken by any slot freed (a stop, a crash, a removal as well).
         self._freed: list[asyncio.Future[None]] = []
+        sessions.on_slot_freed = self._wake
 
     def count(self, excluding: Session | None = None, uid: int | None = None) -> int:
         """Sessions holding a live slot (a worker, or one starting): kept by the registry, never walked."""
@@ -169,8 +171,9 @@ class LiveSlots:
                    for sid in self._hibernating)
 
     async def _one_freed(self) -> None:
-        """Until a hibernation on its way has ended (its slot free, or the
-        session busy again: the caller counts again)."""
+        """Until a slot is freed (by the hibernation on its way, or any
+        other way), or that hibernation ended with its session busy again:
+        the caller counts again."""
         freed = asyncio.get_running_loop().create_future()
         self._freed.append(freed)
         await freed
@@ -198,7 +201,12 @@ class LiveSlots:
                 await self._terminate(session, "hibernated", self._config().daemon.stop_grace_secs)
         finally:
             self._hibernating.discard(session.id)
-            freed, self._freed = self._freed, []
-            for waiter in freed:
-                if not waiter.done():
-                    waiter.set_result(None)
+            self._wake()  # (also when it was busy again: the waiters count again)
+
+    def _wake(self) -> None:
+        if not self._freed:
+            return
+        freed, self._freed = self._freed, []
+        for waiter in freed:
+            if not waiter.done():
+                waiter.set_result(None)
