@@ -230,6 +230,45 @@ class BenchDaemon:
         self.cleanup()
 
 
+def as_uid(uid: int, work: Callable[[], Any]) -> Any:
+    """`work()` run in a child that becomes `uid` (its group too, and no
+    others), its JSON-able result handed back; RuntimeError with the
+    child's error if it failed.  Start several with `as_uid_start` and
+    collect them with `as_uid_result` to have them run at once."""
+    return as_uid_result(as_uid_start(uid, work))
+
+
+def as_uid_start(uid: int, work: Callable[[], Any]) -> tuple[int, int]:
+    """(the child's pid, the pipe its answer comes on): see `as_uid`."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            os.write(w, json.dumps({"ok": work()}).encode())
+            code = 0
+        except BaseException as exc:
+            os.write(w, json.dumps({"fatal": f"{type(exc).__name__}: {exc}"}).encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    return pid, r
+
+
+def as_uid_result(child: tuple[int, int]) -> Any:
+    pid, r = child
+    with os.fdopen(r) as f:
+        answer = json.loads(f.read() or '{"fatal": "the child gave no answer"}')
+    os.waitpid(pid, 0)
+    if "fatal" in answer:
+        raise RuntimeError(f"the child as another uid failed: {answer['fatal']}")
+    return answer["ok"]
+
+
 # ---------------------------------------------------------------- CPU accounting
 
 

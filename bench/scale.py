@@ -117,39 +117,18 @@ def _workers(zygote: int) -> int:
 def _as_user(d: c.BenchDaemon, n: int, rounds: int) -> list[float]:
     """In a child that becomes USER_UID: create n sessions, then time
     `rounds` listings of what that user sees (the Python client, warm)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(USER_UID)
-            os.setuid(USER_UID)
+    async def run() -> list[float]:
+        client = await AsyncClient.connect(str(d.socket), client_name="bench-scale-user")
+        await c.create_echo_sessions(client, n, IN_FLIGHT)
+        out = await c.time_lists(client, rounds)
+        await client.close()
+        return out
 
-            async def run() -> list[float]:
-                client = await AsyncClient.connect(str(d.socket), client_name="bench-scale-user")
-                await c.create_echo_sessions(client, n, IN_FLIGHT)
-                out = await c.time_lists(client, rounds)
-                await client.close()
-                return out
-
-            times = loop_run(run())
-            os.write(w, " ".join(f"{t:.6f}" for t in times).encode())
-            code = 0
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read().decode()
-    _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"the user's child failed:\n{d.log()[-3000:]}")
-    return [float(x) for x in data.split()]
+    try:
+        times: list[float] = c.as_uid(USER_UID, lambda: loop_run(run()))
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc}\n{d.log()[-3000:]}") from None
+    return times
 
 
 def _ctl_ls(d: c.BenchDaemon, *args: str, rounds: int) -> float:
