@@ -93,7 +93,9 @@ class SessionManager:
         self.sessions_dir = state_dir / "sessions"
         self.store: StateStore = store if store is not None else FileStateStore(self.sessions_dir)
         self.spawner = spawner
-        self.sessions = Registry()  # by id, with its counts (supervisor.core.registry)
+        # By id, with its counts (supervisor.core.registry); a slot freed
+        # wakes the creates waiting for one (LiveSlots, built below).
+        self.sessions = Registry(on_slot_freed=lambda: self.slots.slot_freed())
         self.proc_table = ProcTable(remote)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False

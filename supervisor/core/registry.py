@@ -43,9 +43,9 @@ class Registry(dict[str, Session]):
     """`dict[str, Session]` whose writes (`[id] = session`, `pop`, `del`)
     keep the counts; the other writes of a dict are refused."""
 
-    __slots__ = ("_owned", "_run_uids", "_live", "_live_by_uid", "on_slot_freed")
+    __slots__ = ("_owned", "_run_uids", "_live", "_live_by_uid", "_on_slot_freed")
 
-    def __init__(self) -> None:
+    def __init__(self, on_slot_freed: Callable[[], None] = lambda: None) -> None:
         super().__init__()
         self._owned: Counter[int] = Counter()
         self._run_uids: Counter[int | None] = Counter()
@@ -54,7 +54,7 @@ class Registry(dict[str, Session]):
         self._live_by_uid: Counter[int] = Counter()
         # Called when a session stops holding a live slot (LiveSlots wakes
         # the creates waiting for one).
-        self.on_slot_freed: Callable[[], None] = lambda: None
+        self._on_slot_freed = on_slot_freed
 
     # ---------------------------------------------------------------- the registry's writes
 
@@ -118,7 +118,7 @@ class Registry(dict[str, Session]):
         uid = self._live.pop(session, None)
         if uid is not None:
             _less(self._live_by_uid, uid)
-            self.on_slot_freed()
+            self._on_slot_freed()
 
     # ---------------------------------------------------------------- counts
 

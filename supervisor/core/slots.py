@@ -68,9 +68,9 @@ class LiveSlots:
         self._terminate = terminate
         self._hibernating: set[str] = set()  # ids of the sessions on their way to hibernation
         # make_room's waits for a hibernation on its way to free a slot:
-        # woken by any slot freed (a stop, a crash, a removal as well).
+        # woken by any slot freed (`slot_freed`: a stop, a crash, a removal
+        # as well).
         self._freed: list[asyncio.Future[None]] = []
-        sessions.on_slot_freed = self._wake
 
     def count(self, excluding: Session | None = None, uid: int | None = None) -> int:
         """Sessions holding a live slot (a worker, or one starting): kept by the registry, never walked."""
@@ -201,9 +201,11 @@ class LiveSlots:
                 await self._terminate(session, "hibernated", self._config().daemon.stop_grace_secs)
         finally:
             self._hibernating.discard(session.id)
-            self._wake()  # (also when it was busy again: the waiters count again)
+            self.slot_freed()  # (or it was busy again: the waiters count again all the same)
 
-    def _wake(self) -> None:
+    def slot_freed(self) -> None:
+        """A session stopped holding a live slot (the registry says): the
+        creates waiting for one count again."""
         if not self._freed:
             return
         freed, self._freed = self._freed, []
