@@ -26,12 +26,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from harness import FAST_SWEEP, wait_for
 from ipc import messages as m
 from supervisor.cluster.nodehost import NodeHost, _Worker
 from supervisor.core.limits import STARVED_STRETCH_MAX
+from test_metrics import parse, tcp_metrics_url, value
 
 pytestmark = pytest.mark.process
 
@@ -95,7 +97,7 @@ def _removed(group: Path) -> bool:
 def test_a_healthy_worker_starved_of_cpu_finishes_its_turn(make_daemon, starve) -> None:
     """Old: killed `killed_heartbeat` about 0.3 s into its first wait for a
     CPU, its turn failed."""
-    d = make_daemon(FAST_SWEEP)
+    d = make_daemon(FAST_SWEEP + 'metrics_listen = "127.0.0.1:0"\n')
     with d.client() as c:
         sid = c.create(handler="fixture_handlers:cpu_chunks",
                        settings={"agent.worker.heartbeat_interval_secs": INTERVAL}).id
@@ -109,6 +111,7 @@ def test_a_healthy_worker_starved_of_cpu_finishes_its_turn(make_daemon, starve) 
     assert after.pid == before.pid and after.restarts == 0 and after.last_exit is None
     assert "killed_heartbeat" not in d.log
     assert "of it waiting for a CPU: starved by the machine's load, not stuck" in d.log
+    assert value(parse(httpx.get(tcp_metrics_url(d)).text), "sessiond_workers_starved_total") >= 1
 
 
 def test_a_stuck_loop_starved_of_cpu_is_still_killed_within_the_stretched_allowance(make_daemon, starve) -> None:

@@ -41,6 +41,10 @@ class Recorder(Protocol):
 
     def loop_stall(self, secs: float) -> None: ...
 
+    def worker_starved(self) -> None:
+        """A silent worker was found waiting for a CPU and let live
+        (supervisor.core.silence)."""
+
     def request(self, kind: str, code: str) -> None: ...
 
     def notice(self, kind: str, data: dict[str, Any]) -> None:
@@ -60,6 +64,7 @@ class NoMetrics:
         pass
 
     worker_exit = restart = turn_started = delta = turn_ended = commit = sweep = loop_stall = _nothing
+    worker_starved = _nothing
     request = notice = llm_spent = budget_reached = _nothing
 
 

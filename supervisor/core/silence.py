@@ -44,10 +44,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 from ipc.contract import ExitReason, LimitKind
 from supervisor.core.events import EventLog
+from supervisor.core.recorder import Recorder
 from supervisor.core.limits import HEARTBEATS_MISSED, STARVED_SHARE, own_silence
 from supervisor.core.session import Session, WorkerProc
 from supervisor.core.workers import WorkerOwner
@@ -59,11 +61,17 @@ __all__ = ["Silence"]
 
 log = logging.getLogger("sessiond.manager")
 
+# A starved worker is logged as a warning at most this often (the first of
+# many when the machine is loaded), as info otherwise.
+STARVED_WARN_SECS = 60.0
+
 
 class Silence:
-    def __init__(self, events: EventLog, workers: WorkerOwner) -> None:
+    def __init__(self, events: EventLog, workers: WorkerOwner, metrics: Recorder) -> None:
         self._events = events
         self._workers = workers
+        self._metrics = metrics
+        self._warned_at = -math.inf  # a starved worker's line is a warning once a minute, else info
         self._asking: dict[int, asyncio.Task[None]] = {}  # worker pid -> the look at it
 
     def overdue(self, session: Session, worker: WorkerProc, now: float, interval: float) -> None:
@@ -103,10 +111,7 @@ class Silence:
             elif heard:
                 tagged(log, session.id).info("worker %d: heard from while it was watched: not stuck", worker.pid)
             else:
-                tagged(log, session.id).warning(
-                    "worker %d silent for %.1fs, %.0f%% of it waiting for a CPU: starved by the machine's "
-                    "load, not stuck; its allowance counts %.1fs", worker.pid, asked - worker.beat_at,
-                    100 * (waiting or 0.0), own)
+                self._starved(session, worker, asked - worker.beat_at, waiting or 0.0, own)
             return
         if remote is not None:
             there = f", nothing from it on its node for {own:.1f}s"
@@ -115,6 +120,16 @@ class Silence:
         else:
             there = ""
         self._kill(session, worker, time.monotonic() - worker.beat_at, interval, there)
+
+    def _starved(self, session: Session, worker: WorkerProc, silent: float, waiting: float, own: float) -> None:
+        self._metrics.worker_starved()
+        level, now = logging.INFO, time.monotonic()
+        if now - self._warned_at >= STARVED_WARN_SECS:
+            level, self._warned_at = logging.WARNING, now
+        tagged(log, session.id).log(
+            level, "worker %d silent for %.1fs, %.0f%% of it waiting for a CPU: starved by the machine's load, "
+            "not stuck; its allowance counts %.1fs (sessiond_workers_starved_total counts these)",
+            worker.pid, silent, 100 * waiting, own)
 
     def _kill(self, session: Session, worker: WorkerProc, silent: float, interval: float, there: str) -> None:
         self._events.emit_limit(session, LimitKind.HEARTBEAT, silent, HEARTBEATS_MISSED * interval)

@@ -123,7 +123,7 @@ class Sweeper:
         self.loop_stalled_secs = 0.0
         # The measuring thread, one batch at a time (supervisor.host.measure).
         self._measurer = Measurer()
-        self._silence = Silence(events, workers)
+        self._silence = Silence(events, workers, self.metrics)
         self._batch: asyncio.Future[list[Read]] | None = None
         self._plan: list[tuple[Read, SessionMemory]] = []
         self._walks: dict[str, tuple[DiskWalk, SessionMemory]] = {}

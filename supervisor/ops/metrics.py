@@ -150,6 +150,9 @@ class PrometheusRecorder:
         self._stalls = Counter("sessiond_loop_stalled_seconds",
                                "Time the daemon's own event loop was stalled (a sweep woke more than "
                                "one poll interval late); discounted from workers' heartbeats.", registry=r)
+        self._starved = Counter("sessiond_workers_starved",
+                                "Looks at a worker silent past its heartbeats that found it waiting for a CPU "
+                                "(starved by the machine's load) and let it live.", registry=r)
         self._requests = Counter("sessiond_control_requests",
                                  "Control socket requests, by type and outcome (ok or the error code).",
                                  ["type", "code"], registry=r)
@@ -231,6 +234,9 @@ class PrometheusRecorder:
 
     def loop_stall(self, secs: float) -> None:
         self._stalls.inc(secs)
+
+    def worker_starved(self) -> None:
+        self._starved.inc()
 
     def request(self, kind: str, code: str) -> None:
         child = self._request_children.get((kind, code))
