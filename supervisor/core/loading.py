@@ -225,6 +225,7 @@ class Loader:
         """Until every listed session is loaded, or SETTLE_SECS passed (ls)."""
         await self._done_within(SETTLE_SECS)
 
+
 def _raiser(exc: Exception) -> Opener:
     def opener() -> tuple[SessionLog, LoadedSession]:
         raise exc

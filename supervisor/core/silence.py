@@ -90,33 +90,34 @@ class Silence:
 
     async def _ask(self, remote: LosesWorkers | None, session: Session, worker: WorkerProc,
                    interval: float) -> None:
-        asked, clock = time.monotonic(), worker.last_heartbeat
+        asked, clock, beat = time.monotonic(), worker.last_heartbeat, worker.beat_at
         waiting = None
         if remote is not None:
             own = await remote.node_silence(worker.pid)
         else:
             waiting = await schedstat.waiting_share(worker.pid)
-            own = own_silence(asked - worker.beat_at, waiting)
+            own = own_silence(asked - beat, waiting)
         if own is None or session.worker is not worker or worker.kill_reason is not None or worker.exited.done():
             return  # gone, or lost with its node: its exit says which
-        # A beat that came meanwhile (or the daemon's stall excused) has
-        # moved its clock on already: the sweep judges it again from there.
-        heard = worker.last_heartbeat != clock
+        if worker.beat_at == beat and worker.last_heartbeat != clock:
+            return  # the daemon's stall was excused meanwhile (the sweep says so): judged again from there
+        heard = worker.beat_at != beat  # a beat came meanwhile
         if heard or own < HEARTBEATS_MISSED * interval:
             self._workers.heard_from(worker, asked - own)
             if remote is not None:
-                said = "heard from meanwhile" if heard else (f"its node host counts {own:.1f}s of silence as its "
-                                                            "own (a wait for a CPU there is not)")
+                said = "it beat meanwhile" if heard else (f"its node host counts {own:.1f}s of silence as its own "
+                                                         "(a wait for a CPU there is not)")
                 tagged(log, session.id).info("worker %d: %s: held up on the way here, not stuck", worker.pid, said)
             elif heard:
-                tagged(log, session.id).info("worker %d: heard from while it was watched: not stuck", worker.pid)
+                tagged(log, session.id).info("worker %d beat while it was watched: not stuck", worker.pid)
             else:
-                self._starved(session, worker, asked - worker.beat_at, waiting or 0.0, own)
+                self._starved(session, worker, asked - beat, waiting or 0.0, own)
             return
         if remote is not None:
             there = f", nothing from it on its node for {own:.1f}s"
         elif waiting is not None and waiting >= STARVED_SHARE:
-            there = f", {waiting:.0%} of it waiting for a CPU"
+            there = (f"; starved of CPU, waiting for one {waiting:.0%} of a {schedstat.PROBE_SECS:g}s look, but "
+                     "silent longer than starvation excuses")
         else:
             there = ""
         self._kill(session, worker, time.monotonic() - worker.beat_at, interval, there)
@@ -127,9 +128,10 @@ class Silence:
         if now - self._warned_at >= STARVED_WARN_SECS:
             level, self._warned_at = logging.WARNING, now
         tagged(log, session.id).log(
-            level, "worker %d silent for %.1fs, %.0f%% of it waiting for a CPU: starved by the machine's load, "
-            "not stuck; its allowance counts %.1fs (sessiond_workers_starved_total counts these)",
-            worker.pid, silent, 100 * waiting, own)
+            level, "worker %d silent for %.1fs, waiting for a CPU %.0f%% of a %gs look: starved by the machine's "
+            "load, not stuck; %.1fs of the silence counts against its heartbeat allowance "
+            "(sessiond_workers_starved_total counts these)", worker.pid, silent, 100 * waiting,
+            schedstat.PROBE_SECS, own)
 
     def _kill(self, session: Session, worker: WorkerProc, silent: float, interval: float, there: str) -> None:
         self._events.emit_limit(session, LimitKind.HEARTBEAT, silent, HEARTBEATS_MISSED * interval)
